@@ -1,0 +1,52 @@
+// Model and engine configuration.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvflow/status.h"
+
+namespace kvflow {
+
+// How RoPE frequencies are rescaled for long contexts (HF `rope_scaling`).
+struct RopeScaling {
+  enum class Type { kNone, kLinear, kDynamic, kLlama3, kYarn };
+  Type type = Type::kNone;
+  float factor = 1.0f;
+  // Llama-3.x ("rope_type": "llama3").
+  float low_freq_factor = 1.0f;
+  float high_freq_factor = 4.0f;
+  int original_max_position_embeddings = 0;
+  // YaRN.
+  float beta_fast = 32.0f;
+  float beta_slow = 1.0f;
+  float attention_factor = 0.0f;  // 0: derive from factor as HF does
+};
+
+// Shape and hyper-parameters of a Llama-architecture decoder.
+struct ModelConfig {
+  std::string architecture = "llama";
+  std::string name;
+  int vocab_size = 0;
+  int hidden_size = 0;
+  int intermediate_size = 0;
+  int num_layers = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;  // hidden_size / num_heads unless the config says otherwise
+  int max_position_embeddings = 2048;
+  float rms_norm_eps = 1e-5f;
+  float rope_theta = 10000.0f;
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = false;
+  int bos_token_id = -1;
+  std::vector<int> eos_token_ids;
+
+  // Checks internal consistency (positive sizes, heads divide, GQA groups).
+  Status Validate() const;
+  // Multi-line human-readable summary (used by `kvflow info`).
+  std::string Describe() const;
+};
+
+}  // namespace kvflow

@@ -1,0 +1,94 @@
+// kvflow::Engine — load a model, add requests, step, stream tokens.
+//
+//   auto engine = kvflow::Engine::Create({.model = "smollm2-135m"}).value();
+//   kvflow::SamplingParams p;  p.temperature = 0;  p.max_tokens = 32;
+//   auto out = engine->Generate("The capital of France is", p);
+//   std::cout << out->text;
+//
+// An Engine is driven by one thread at a time (the server runs it on its own thread). Several
+// requests decode together: every Step() runs one batch holding prefill chunks and decode tokens.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvflow/config.h"
+#include "kvflow/request.h"
+#include "kvflow/sampling.h"
+#include "kvflow/status.h"
+#include "kvflow/tokenizer.h"
+
+namespace kvflow {
+
+struct EngineConfig {
+  // A path (.gguf, .safetensors, model.safetensors.index.json, or an HF directory) or a short name:
+  // "tiny-random" (built in) or "smollm2-135m" (looked up under the model directories).
+  std::string model = "tiny-random";
+  std::string device = "cpu";
+  int block_size = 16;                // tokens per KV block
+  int64_t kv_cache_bytes = 0;         // KV pool size; 0: enough for max_num_seqs full contexts, at most 1 GiB
+  int num_kv_blocks = 0;              // overrides kv_cache_bytes when > 0
+  int max_num_seqs = 64;              // sequences in one batch
+  int max_num_batched_tokens = 2048;  // tokens in one batch (longer prompts are prefilled in chunks)
+  int max_model_len = 0;              // prompt + output limit; 0: the model's context length
+  int num_threads = 0;                // CPU threads; 0: all cores
+  uint64_t seed = 0;                  // seeds requests that bring no seed of their own
+};
+
+struct EngineStats {
+  int num_waiting = 0;
+  int num_running = 0;
+  int kv_blocks_total = 0;
+  int kv_blocks_free = 0;
+  int64_t prompt_tokens_processed = 0;
+  int64_t generated_tokens = 0;
+  int64_t num_preemptions = 0;
+  int64_t num_steps = 0;
+};
+
+// What one Step() did.
+struct StepResult {
+  int num_seqs = 0;
+  int num_prefill_tokens = 0;
+  int num_decode_tokens = 0;
+};
+
+class Engine {
+ public:
+  static Result<std::unique_ptr<Engine>> Create(const EngineConfig& config);
+  virtual ~Engine() = default;
+
+  // Queues a request. `on_event` is called from Step() for each new token and once at the end.
+  virtual Result<RequestId> AddRequest(const std::string& prompt, const SamplingParams& params,
+                                       StreamCallback on_event = {}) = 0;
+  virtual Result<RequestId> AddRequest(std::vector<int32_t> prompt_tokens, const SamplingParams& params,
+                                       StreamCallback on_event = {}) = 0;
+  // Stops a request and frees its KV blocks; its callback receives FinishReason::kCancelled.
+  virtual Status Cancel(RequestId id) = 0;
+
+  // Runs one iteration: schedules a batch, runs the model, samples, streams.
+  virtual Result<StepResult> Step() = 0;
+  virtual bool HasUnfinishedRequests() const = 0;
+
+  // Runs requests to completion (together, in one batch when they fit).
+  virtual Result<RequestOutput> Generate(const std::string& prompt, const SamplingParams& params,
+                                         StreamCallback on_event = {}) = 0;
+  virtual Result<std::vector<RequestOutput>> Generate(const std::vector<std::string>& prompts,
+                                                      const SamplingParams& params) = 0;
+
+  virtual const ModelConfig& model_config() const = 0;
+  virtual const EngineConfig& config() const = 0;
+  virtual const Tokenizer& tokenizer() const = 0;
+  virtual EngineStats stats() const = 0;
+  virtual std::string Describe() const = 0;
+};
+
+// Where short model names are looked up: $KVFLOW_MODEL_DIR, ./models, and the models/ folder of
+// the source tree kvflow was built from.
+std::vector<std::string> ModelSearchDirs();
+// Resolves a path or short name to a file or directory path ("tiny-random" resolves to itself).
+Result<std::string> ResolveModel(const std::string& path_or_name);
+
+}  // namespace kvflow

@@ -1,0 +1,38 @@
+// Per-request sampling parameters (vLLM / OpenAI semantics).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvflow/status.h"
+
+namespace kvflow {
+
+struct SamplingParams {
+  // 0 means greedy (argmax); otherwise logits are divided by it before top-k/top-p/min-p.
+  float temperature = 1.0f;
+  int top_k = 0;          // <= 0: disabled
+  float top_p = 1.0f;     // (0, 1]; 1: disabled
+  float min_p = 0.0f;     // [0, 1]; 0: disabled
+  // CTRL-style: logits of tokens seen in prompt or output are divided (if > 0) or multiplied by it.
+  float repetition_penalty = 1.0f;
+  // OpenAI-style, applied to tokens of the output only: logit -= freq * count + presence * (count > 0).
+  float frequency_penalty = 0.0f;
+  float presence_penalty = 0.0f;
+  // Same seed and same prompt => same output. Unset: the engine draws one.
+  std::optional<uint64_t> seed;
+  int max_tokens = 16;
+  int min_tokens = 0;  // EOS and stop tokens are suppressed until this many were generated
+  std::vector<int32_t> stop_token_ids;
+  std::vector<std::string> stop;  // stop strings; the matched text is not included in the output
+  bool ignore_eos = false;
+  int logprobs = 0;  // return this many top alternatives per token (0: only the chosen token's)
+
+  bool greedy() const { return temperature <= 0.0f; }
+  // Rejects impossible values (negative temperature, top_p outside (0,1], ...).
+  Status Validate() const;
+};
+
+}  // namespace kvflow

@@ -1,0 +1,55 @@
+// The interface every compute backend implements: one forward pass over a batch of sequences whose
+// KV cache lives in paged blocks (see kv/kv_cache_layout.h).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kv/block_allocator.h"
+#include "kv/kv_cache_layout.h"
+#include "kvflow/config.h"
+#include "kvflow/status.h"
+
+namespace kvflow {
+
+enum class LogitsMode { kNone, kLast, kAll };
+
+// One sequence's share of a step: `num_tokens` new tokens (a prefill chunk or one decode token)
+// at positions context_len - num_tokens .. context_len - 1.
+struct SequenceSlice {
+  int32_t token_offset = 0;  // index of the first of its tokens in ForwardBatch::tokens
+  int32_t num_tokens = 0;
+  int32_t context_len = 0;  // tokens in its KV cache once this step has written its own
+  std::vector<BlockId> block_table;  // must cover context_len tokens
+  LogitsMode logits = LogitsMode::kLast;
+};
+
+struct ForwardBatch {
+  std::vector<int32_t> tokens;     // all new tokens of the step, sequence after sequence
+  std::vector<int32_t> positions;  // position of each token in its sequence
+  std::vector<SequenceSlice> seqs;
+
+  // Rows of logits that Forward will produce, in sequence order.
+  int64_t num_logit_rows() const;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // Runs the model on `batch`, writing each new token's K/V into its block, and fills `logits`
+  // with num_logit_rows() x vocab_size floats.
+  virtual Status Forward(const ForwardBatch& batch, std::vector<float>& logits) = 0;
+
+  virtual const KvCacheLayout& kv_layout() const = 0;
+  virtual const ModelConfig& model_config() const = 0;
+  virtual std::string Describe() const = 0;
+};
+
+// Checks a batch against the layout and the config (token ids, positions, block tables).
+Status ValidateForwardBatch(const ForwardBatch& batch, const ModelConfig& config,
+                            const KvCacheLayout& layout);
+
+}  // namespace kvflow

@@ -1,0 +1,40 @@
+// The CPU reference backend: fp32 Llama forward over a paged KV cache in host memory.
+#pragma once
+
+#include <memory>
+
+#include "backend/backend.h"
+#include "model/llama_weights.h"
+#include "model/rope.h"
+
+namespace kvflow {
+
+class CpuBackend final : public Backend {
+ public:
+  // Allocates the KV pool described by `layout`; OutOfMemory if the host cannot hold it.
+  static Result<std::unique_ptr<CpuBackend>> Create(const ModelConfig& config, LlamaWeights weights,
+                                                    const KvCacheLayout& layout, int num_threads);
+
+  Status Forward(const ForwardBatch& batch, std::vector<float>& logits) override;
+  const KvCacheLayout& kv_layout() const override { return layout_; }
+  const ModelConfig& model_config() const override { return config_; }
+  std::string Describe() const override;
+
+  // Direct access to one layer's pools, for tests that compare against contiguous attention.
+  const float* key_cache(int layer) const { return key_cache_.data() + layer * layout_.layer_stride(); }
+  const float* value_cache(int layer) const { return value_cache_.data() + layer * layout_.layer_stride(); }
+
+ private:
+  CpuBackend(const ModelConfig& config, LlamaWeights weights, const KvCacheLayout& layout);
+
+  ModelConfig config_;
+  LlamaWeights weights_;
+  KvCacheLayout layout_;
+  RopeFrequencies rope_;
+  std::vector<float> key_cache_;
+  std::vector<float> value_cache_;
+  // Activations, reused across steps.
+  std::vector<float> x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, act_, final_h_;
+};
+
+}  // namespace kvflow

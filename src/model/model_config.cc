@@ -1,0 +1,364 @@
+#include "model/model_config.h"
+
+#include <spdlog/spdlog.h>
+
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "model/mapped_file.h"
+
+namespace kvflow {
+
+namespace {
+
+using nlohmann::json;
+
+bool IsSupportedArchitecture(const std::string& arch) { return arch == "llama" || arch == "mistral"; }
+
+const char* RopeScalingName(RopeScaling::Type t) {
+  switch (t) {
+    case RopeScaling::Type::kNone: return "none";
+    case RopeScaling::Type::kLinear: return "linear";
+    case RopeScaling::Type::kDynamic: return "dynamic";
+    case RopeScaling::Type::kLlama3: return "llama3";
+    case RopeScaling::Type::kYarn: return "yarn";
+  }
+  return "?";
+}
+
+// Typed reads of a config.json object; JSON null counts as absent, as it does for HF.
+class JsonFields {
+ public:
+  JsonFields(const json& object, std::string path) : object_(object), path_(std::move(path)) {}
+
+  const json* Get(const char* key) const {
+    auto it = object_.find(key);
+    return it == object_.end() || it->is_null() ? nullptr : &*it;
+  }
+
+  Status Int(const char* key, int* out, bool required = false) const {
+    const json* v = Get(key);
+    if (v == nullptr) return required ? Missing(key) : Status::Ok();
+    return ToInt(*v, key, out);
+  }
+
+  Status Float(const char* key, float* out) const {
+    const json* v = Get(key);
+    if (v == nullptr) return Status::Ok();
+    if (!v->is_number()) return Wrong(key, "a number");
+    *out = v->get<float>();
+    return Status::Ok();
+  }
+
+  Status Bool(const char* key, bool* out) const {
+    const json* v = Get(key);
+    if (v == nullptr) return Status::Ok();
+    if (!v->is_boolean()) return Wrong(key, "a boolean");
+    *out = v->get<bool>();
+    return Status::Ok();
+  }
+
+  // An int or a list of ints (HF allows both for eos_token_id).
+  Status IntList(const char* key, std::vector<int>* out) const {
+    const json* v = Get(key);
+    if (v == nullptr) return Status::Ok();
+    out->clear();
+    if (!v->is_array()) {
+      out->push_back(0);
+      return ToInt(*v, key, &out->back());
+    }
+    for (const json& item : *v) {
+      out->push_back(0);
+      KVFLOW_RETURN_IF_ERROR(ToInt(item, key, &out->back()));
+    }
+    return Status::Ok();
+  }
+
+  Status ToInt(const json& v, const char* key, int* out) const {
+    // Some exporters write integral values as floats (8192.0).
+    if (!v.is_number()) return Wrong(key, "an integer");
+    double d = v.get<double>();
+    if (d != std::floor(d) || d < std::numeric_limits<int>::min() || d > std::numeric_limits<int>::max()) {
+      return Wrong(key, "an integer in range");
+    }
+    *out = static_cast<int>(d);
+    return Status::Ok();
+  }
+
+  Status Missing(const char* key) const {
+    return Status::CorruptFile(path_ + ": required field '" + key + "' is missing");
+  }
+  Status Wrong(const char* key, const char* expected) const {
+    return Status::CorruptFile(path_ + ": field '" + key + "' is not " + expected);
+  }
+
+ private:
+  const json& object_;
+  std::string path_;
+};
+
+Status ReadHfRopeScaling(const JsonFields& config, const std::string& path, ModelConfig* out) {
+  const json* scaling = config.Get("rope_scaling");
+  if (scaling == nullptr) return Status::Ok();
+  if (!scaling->is_object()) return config.Wrong("rope_scaling", "an object");
+  JsonFields fields(*scaling, path);
+  const json* type = fields.Get("rope_type");
+  if (type == nullptr) type = fields.Get("type");
+  if (type == nullptr || !type->is_string()) return config.Wrong("rope_scaling", "an object with a type");
+
+  RopeScaling& rope = out->rope_scaling;
+  const std::string name = type->get<std::string>();
+  if (name == "default") return Status::Ok();
+  if (name == "linear") rope.type = RopeScaling::Type::kLinear;
+  else if (name == "dynamic") rope.type = RopeScaling::Type::kDynamic;
+  else if (name == "llama3") rope.type = RopeScaling::Type::kLlama3;
+  else if (name == "yarn") rope.type = RopeScaling::Type::kYarn;
+  else return Status::Unsupported(path + ": rope_scaling type '" + name + "' is not supported");
+
+  KVFLOW_RETURN_IF_ERROR(fields.Float("factor", &rope.factor));
+  KVFLOW_RETURN_IF_ERROR(fields.Float("low_freq_factor", &rope.low_freq_factor));
+  KVFLOW_RETURN_IF_ERROR(fields.Float("high_freq_factor", &rope.high_freq_factor));
+  KVFLOW_RETURN_IF_ERROR(fields.Float("beta_fast", &rope.beta_fast));
+  KVFLOW_RETURN_IF_ERROR(fields.Float("beta_slow", &rope.beta_slow));
+  KVFLOW_RETURN_IF_ERROR(fields.Float("attention_factor", &rope.attention_factor));
+  KVFLOW_RETURN_IF_ERROR(
+      fields.Int("original_max_position_embeddings", &rope.original_max_position_embeddings));
+  // HF's YaRN falls back to the model's own context length.
+  if (rope.type == RopeScaling::Type::kYarn && rope.original_max_position_embeddings == 0) {
+    rope.original_max_position_embeddings = out->max_position_embeddings;
+  }
+  return Status::Ok();
+}
+
+Status CheckHfArchitecture(const JsonFields& config, const std::string& path, ModelConfig* out) {
+  if (const json* archs = config.Get("architectures")) {
+    if (!archs->is_array()) return config.Wrong("architectures", "a list");
+    for (const json& arch : *archs) {
+      if (arch == "LlamaForCausalLM" || arch == "MistralForCausalLM") {
+        out->architecture = arch == "LlamaForCausalLM" ? "llama" : "mistral";
+        return Status::Ok();
+      }
+    }
+    return Status::Unsupported(path + ": architectures " + archs->dump() +
+                               " not supported (LlamaForCausalLM, MistralForCausalLM)");
+  }
+  if (const json* model_type = config.Get("model_type")) {
+    if (!model_type->is_string() || !IsSupportedArchitecture(model_type->get<std::string>())) {
+      return Status::Unsupported(path + ": model_type " + model_type->dump() + " not supported");
+    }
+    out->architecture = model_type->get<std::string>();
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<ModelConfig> ModelConfigFromHfJson(const std::string& path) {
+  KVFLOW_ASSIGN_OR_RETURN(auto file, MappedFile::Open(path));
+  const char* text = reinterpret_cast<const char*>(file->data());
+  json root = json::parse(text, text + file->size(), nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded() || !root.is_object()) {
+    return Status::CorruptFile(path + ": not a JSON object");
+  }
+
+  // nlohmann's get<>() throws on type confusion we did not foresee; keep it inside the module.
+  try {
+    JsonFields fields(root, path);
+    ModelConfig c;
+    KVFLOW_RETURN_IF_ERROR(CheckHfArchitecture(fields, path, &c));
+    const json* name = fields.Get("_name_or_path");
+    c.name = name != nullptr && name->is_string() && !name->get<std::string>().empty()
+                 ? name->get<std::string>()
+                 : std::filesystem::absolute(path).parent_path().filename().string();
+    KVFLOW_RETURN_IF_ERROR(fields.Int("vocab_size", &c.vocab_size, /*required=*/true));
+    KVFLOW_RETURN_IF_ERROR(fields.Int("hidden_size", &c.hidden_size, /*required=*/true));
+    KVFLOW_RETURN_IF_ERROR(fields.Int("intermediate_size", &c.intermediate_size, /*required=*/true));
+    KVFLOW_RETURN_IF_ERROR(fields.Int("num_hidden_layers", &c.num_layers, /*required=*/true));
+    KVFLOW_RETURN_IF_ERROR(fields.Int("num_attention_heads", &c.num_heads, /*required=*/true));
+    c.num_kv_heads = c.num_heads;
+    KVFLOW_RETURN_IF_ERROR(fields.Int("num_key_value_heads", &c.num_kv_heads));
+    if (c.num_heads > 0) c.head_dim = c.hidden_size / c.num_heads;
+    KVFLOW_RETURN_IF_ERROR(fields.Int("head_dim", &c.head_dim));
+    KVFLOW_RETURN_IF_ERROR(fields.Int("max_position_embeddings", &c.max_position_embeddings));
+    c.rms_norm_eps = 1e-6f;  // LlamaConfig's default
+    KVFLOW_RETURN_IF_ERROR(fields.Float("rms_norm_eps", &c.rms_norm_eps));
+    KVFLOW_RETURN_IF_ERROR(fields.Float("rope_theta", &c.rope_theta));
+    KVFLOW_RETURN_IF_ERROR(ReadHfRopeScaling(fields, path, &c));
+    KVFLOW_RETURN_IF_ERROR(fields.Bool("tie_word_embeddings", &c.tie_word_embeddings));
+    KVFLOW_RETURN_IF_ERROR(fields.Int("bos_token_id", &c.bos_token_id));
+    KVFLOW_RETURN_IF_ERROR(fields.IntList("eos_token_id", &c.eos_token_ids));
+
+    int sliding_window = 0;
+    KVFLOW_RETURN_IF_ERROR(fields.Int("sliding_window", &sliding_window));
+    if (sliding_window > 0 && sliding_window < c.max_position_embeddings) {
+      spdlog::warn("{}: sliding_window {} is ignored; attention spans the whole context", path,
+                   sliding_window);
+    }
+    return c;
+  } catch (const json::exception& e) {
+    return Status::CorruptFile(path + ": " + e.what());
+  }
+}
+
+Result<ModelConfig> ModelConfigFromGguf(const GgufFile& gguf) {
+  ModelConfig c;
+  KVFLOW_ASSIGN_OR_RETURN(c.architecture, gguf.GetString("general.architecture"));
+  if (!IsSupportedArchitecture(c.architecture)) {
+    return Status::Unsupported(gguf.path() + ": architecture '" + c.architecture +
+                               "' is not supported (llama, mistral)");
+  }
+  const std::string arch = c.architecture + ".";
+  auto read_int = [&](const std::string& key, int* out, bool required) -> Status {
+    if (!required && !gguf.Has(key)) return Status::Ok();
+    KVFLOW_ASSIGN_OR_RETURN(int32_t v, gguf.GetI32(key));
+    *out = v;
+    return Status::Ok();
+  };
+  auto read_float = [&](const std::string& key, float* out) -> Status {
+    if (!gguf.Has(key)) return Status::Ok();
+    KVFLOW_ASSIGN_OR_RETURN(*out, gguf.GetF32(key));
+    return Status::Ok();
+  };
+
+  if (gguf.Has("general.name")) {
+    KVFLOW_ASSIGN_OR_RETURN(c.name, gguf.GetString("general.name"));
+  }
+  KVFLOW_RETURN_IF_ERROR(read_int(arch + "block_count", &c.num_layers, true));
+  KVFLOW_RETURN_IF_ERROR(read_int(arch + "embedding_length", &c.hidden_size, true));
+  KVFLOW_RETURN_IF_ERROR(read_int(arch + "feed_forward_length", &c.intermediate_size, true));
+  KVFLOW_RETURN_IF_ERROR(read_int(arch + "attention.head_count", &c.num_heads, true));
+  c.num_kv_heads = c.num_heads;
+  KVFLOW_RETURN_IF_ERROR(read_int(arch + "attention.head_count_kv", &c.num_kv_heads, false));
+  if (c.num_heads > 0) c.head_dim = c.hidden_size / c.num_heads;
+  KVFLOW_RETURN_IF_ERROR(read_int(arch + "rope.dimension_count", &c.head_dim, false));
+  KVFLOW_RETURN_IF_ERROR(read_int(arch + "attention.key_length", &c.head_dim, false));
+  KVFLOW_RETURN_IF_ERROR(read_int(arch + "context_length", &c.max_position_embeddings, false));
+  KVFLOW_RETURN_IF_ERROR(read_float(arch + "attention.layer_norm_rms_epsilon", &c.rms_norm_eps));
+  KVFLOW_RETURN_IF_ERROR(read_float(arch + "rope.freq_base", &c.rope_theta));
+
+  RopeScaling& rope = c.rope_scaling;
+  if (gguf.Has(arch + "rope.scaling.type")) {
+    KVFLOW_ASSIGN_OR_RETURN(std::string type, gguf.GetString(arch + "rope.scaling.type"));
+    if (type == "linear") rope.type = RopeScaling::Type::kLinear;
+    else if (type == "yarn") rope.type = RopeScaling::Type::kYarn;
+    else if (type != "none") {
+      return Status::Unsupported(gguf.path() + ": rope scaling type '" + type + "' is not supported");
+    }
+    KVFLOW_RETURN_IF_ERROR(read_float(arch + "rope.scaling.factor", &rope.factor));
+  } else if (gguf.Has(arch + "rope.scale_linear")) {  // the key older converters wrote
+    rope.type = RopeScaling::Type::kLinear;
+    KVFLOW_RETURN_IF_ERROR(read_float(arch + "rope.scale_linear", &rope.factor));
+  }
+  KVFLOW_RETURN_IF_ERROR(read_int(arch + "rope.scaling.original_context_length",
+                                  &rope.original_max_position_embeddings, false));
+  KVFLOW_RETURN_IF_ERROR(read_float(arch + "rope.scaling.yarn_beta_fast", &rope.beta_fast));
+  KVFLOW_RETURN_IF_ERROR(read_float(arch + "rope.scaling.yarn_beta_slow", &rope.beta_slow));
+  if (gguf.Find("rope_freqs.weight") != nullptr) {
+    // llama.cpp bakes Llama-3.1 scaling into per-dimension factors that ModelConfig cannot carry.
+    spdlog::warn("{}: rope_freqs.weight (Llama-3.1 RoPE scaling) is ignored", gguf.path());
+  }
+
+  if (gguf.Has(arch + "vocab_size")) {
+    KVFLOW_RETURN_IF_ERROR(read_int(arch + "vocab_size", &c.vocab_size, true));
+  } else if (gguf.Has("tokenizer.ggml.tokens")) {
+    KVFLOW_ASSIGN_OR_RETURN(uint64_t n, gguf.GetArrayLength("tokenizer.ggml.tokens"));
+    c.vocab_size = static_cast<int>(std::min<uint64_t>(n, std::numeric_limits<int>::max()));
+  } else if (const TensorInfo* embedding = gguf.Find("token_embd.weight")) {
+    c.vocab_size = static_cast<int>(embedding->shape.front());
+  }
+  c.tie_word_embeddings = gguf.Find("output.weight") == nullptr;
+
+  KVFLOW_RETURN_IF_ERROR(read_int("tokenizer.ggml.bos_token_id", &c.bos_token_id, false));
+  for (const char* key : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"}) {
+    int id = -1;
+    KVFLOW_RETURN_IF_ERROR(read_int(key, &id, false));
+    if (id >= 0 && (c.eos_token_ids.empty() || c.eos_token_ids[0] != id)) c.eos_token_ids.push_back(id);
+  }
+  return c;
+}
+
+Status ModelConfig::Validate() const {
+  auto invalid = [](const std::string& what) { return Status::InvalidArgument("model config: " + what); };
+  if (!IsSupportedArchitecture(architecture)) {
+    return invalid("architecture '" + architecture + "' is not llama or mistral");
+  }
+  const std::pair<const char*, int> sizes[] = {
+      {"vocab_size", vocab_size}, {"hidden_size", hidden_size},
+      {"intermediate_size", intermediate_size}, {"num_layers", num_layers},
+      {"num_heads", num_heads}, {"num_kv_heads", num_kv_heads},
+      {"head_dim", head_dim}, {"max_position_embeddings", max_position_embeddings}};
+  for (const auto& [name, value] : sizes) {
+    if (value <= 0) return invalid(std::string(name) + " must be positive, got " + std::to_string(value));
+  }
+  if (num_heads % num_kv_heads != 0) {
+    return invalid("num_heads " + std::to_string(num_heads) + " is not a multiple of num_kv_heads " +
+                   std::to_string(num_kv_heads));
+  }
+  if (head_dim % 2 != 0) return invalid("head_dim " + std::to_string(head_dim) + " is odd; RoPE needs pairs");
+  if (!(rms_norm_eps > 0.0f) || !std::isfinite(rms_norm_eps)) return invalid("rms_norm_eps must be positive");
+  if (!(rope_theta > 0.0f) || !std::isfinite(rope_theta)) return invalid("rope_theta must be positive");
+  if (bos_token_id < -1 || bos_token_id >= vocab_size) {
+    return invalid("bos_token_id " + std::to_string(bos_token_id) + " is outside the vocabulary");
+  }
+  for (int eos : eos_token_ids) {
+    if (eos < 0 || eos >= vocab_size) {
+      return invalid("eos_token_id " + std::to_string(eos) + " is outside the vocabulary");
+    }
+  }
+  const RopeScaling& rope = rope_scaling;
+  if (rope.type != RopeScaling::Type::kNone && !(rope.factor > 0.0f)) {
+    return invalid("rope_scaling factor must be positive");
+  }
+  if (rope.type == RopeScaling::Type::kLlama3 || rope.type == RopeScaling::Type::kYarn) {
+    if (rope.original_max_position_embeddings <= 0) {
+      return invalid(std::string(RopeScalingName(rope.type)) +
+                     " rope_scaling needs original_max_position_embeddings");
+    }
+  }
+  if (rope.type == RopeScaling::Type::kLlama3 &&
+      !(rope.low_freq_factor > 0.0f && rope.high_freq_factor > rope.low_freq_factor)) {
+    return invalid("llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor");
+  }
+  return Status::Ok();
+}
+
+std::string ModelConfig::Describe() const {
+  std::ostringstream out;
+  out << "model:          " << (name.empty() ? "(unnamed)" : name) << " (" << architecture << ")\n"
+      << "layers:         " << num_layers << "\n"
+      << "hidden size:    " << hidden_size << " (ffn " << intermediate_size << ")\n"
+      << "heads:          " << num_heads << " query, " << num_kv_heads << " key/value, head_dim "
+      << head_dim << "\n"
+      << "vocab:          " << vocab_size << (tie_word_embeddings ? " (tied embeddings)" : "") << "\n"
+      << "context:        " << max_position_embeddings << "\n"
+      << "rms_norm_eps:   " << rms_norm_eps << "\n"
+      << "rope_theta:     " << rope_theta << "\n"
+      << "rope_scaling:   " << RopeScalingName(rope_scaling.type);
+  switch (rope_scaling.type) {
+    case RopeScaling::Type::kNone:
+      break;
+    case RopeScaling::Type::kLinear:
+    case RopeScaling::Type::kDynamic:
+      out << " factor " << rope_scaling.factor;
+      break;
+    case RopeScaling::Type::kLlama3:
+      out << " factor " << rope_scaling.factor << ", low/high freq factor "
+          << rope_scaling.low_freq_factor << "/" << rope_scaling.high_freq_factor << ", original context "
+          << rope_scaling.original_max_position_embeddings;
+      break;
+    case RopeScaling::Type::kYarn:
+      out << " factor " << rope_scaling.factor << ", beta fast/slow " << rope_scaling.beta_fast << "/"
+          << rope_scaling.beta_slow << ", original context "
+          << rope_scaling.original_max_position_embeddings;
+      break;
+  }
+  out << "\nbos/eos:        " << bos_token_id << " /";
+  for (int eos : eos_token_ids) out << " " << eos;
+  out << "\n";
+  return out.str();
+}
+
+}  // namespace kvflow

@@ -1,0 +1,35 @@
+// Splits text into pre-tokens the way HF `tokenizers` pre-tokenizers do before BPE. The regexes
+// are hand-written matchers over code points (std::regex has no \p{L}).
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvflow/status.h"
+
+namespace kvflow {
+
+class PreTokenizer {
+ public:
+  // `name` as llama.cpp spells it in `tokenizer.ggml.pre`: "gpt2", "smollm", "llama-bpe"/"llama3".
+  static Result<PreTokenizer> FromName(std::string_view name);
+
+  // Appends the pre-tokens of `text` to `out`: consecutive, non-empty byte ranges of `text`
+  // that together cover it. Invalid UTF-8 bytes count as punctuation.
+  void Split(std::string_view text, std::vector<std::string_view>* out) const;
+
+  const char* name() const;
+
+ private:
+  enum class Kind {
+    kGpt2,    // the GPT-2 regex
+    kSmolLm,  // every \p{N} code point alone, then the GPT-2 regex on each part
+    kLlama3,  // the Llama-3 regex
+  };
+  explicit PreTokenizer(Kind kind) : kind_(kind) {}
+
+  Kind kind_;
+};
+
+}  // namespace kvflow

@@ -1,0 +1,23 @@
+// Rotary position embedding tables (HF `rope_type` semantics), independent of any backend.
+#pragma once
+
+#include <vector>
+
+#include "kvflow/config.h"
+
+namespace kvflow {
+
+// Inverse frequencies (head_dim / 2 of them) and the cos/sin scale, after rope scaling.
+struct RopeFrequencies {
+  std::vector<float> inv_freq;
+  float attention_scale = 1.0f;  // YaRN multiplies cos and sin by this
+};
+
+// Dynamic NTK is applied statically at max_position_embeddings * factor, as vLLM does.
+RopeFrequencies ComputeRopeFrequencies(const ModelConfig& config);
+
+// Rotates one head vector in place, HF `rotate_half` convention: element i pairs with
+// i + head_dim/2.
+void ApplyRope(float* head, int head_dim, int position, const RopeFrequencies& freqs);
+
+}  // namespace kvflow

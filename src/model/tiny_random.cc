@@ -1,0 +1,149 @@
+#include "model/tiny_random.h"
+
+#include <cmath>
+#include <map>
+#include <memory>
+#include <random>
+
+namespace kvflow {
+namespace {
+
+// Owns fp32 tensors in memory and serves them through the TensorSource interface.
+class InMemoryTensorSource final : public TensorSource {
+ public:
+  void Add(const std::string& name, std::vector<int64_t> shape, std::vector<float> data) {
+    auto& entry = tensors_[name];
+    entry.data = std::move(data);
+    entry.info.name = name;
+    entry.info.dtype = DType::kF32;
+    entry.info.shape = std::move(shape);
+    entry.info.data = reinterpret_cast<const uint8_t*>(entry.data.data());
+    entry.info.nbytes = entry.data.size() * sizeof(float);
+    entry.info.file = kTinyRandomName;
+  }
+  const TensorInfo* Find(const std::string& name) const override {
+    auto it = tensors_.find(name);
+    return it == tensors_.end() ? nullptr : &it->second.info;
+  }
+  std::vector<std::string> Names() const override {
+    std::vector<std::string> names;
+    for (const auto& [name, _] : tensors_) names.push_back(name);
+    return names;
+  }
+  std::string Describe() const override {
+    return "built-in tiny-random model (" + std::to_string(tensors_.size()) + " tensors)";
+  }
+
+ private:
+  struct Entry {
+    std::vector<float> data;
+    TensorInfo info;
+  };
+  std::map<std::string, Entry> tensors_;
+};
+
+// Box-Muller over mt19937_64 so the weights are identical on every platform.
+class PortableNormal {
+ public:
+  explicit PortableNormal(uint64_t seed) : rng_(seed) {}
+  float operator()(float stddev) {
+    const double u1 = (static_cast<double>(rng_() >> 11) + 1.0) * 0x1.0p-53;
+    const double u2 = static_cast<double>(rng_() >> 11) * 0x1.0p-53;
+    return static_cast<float>(stddev * std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2));
+  }
+
+ private:
+  std::mt19937_64 rng_;
+};
+
+}  // namespace
+
+std::string ByteLevelSpelling(uint8_t byte) {
+  // Printable Latin-1 bytes spell themselves; the rest map to 256, 257, ... in byte order.
+  auto printable = [](int b) { return (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255); };
+  uint32_t cp = byte;
+  if (!printable(byte)) {
+    int n = 0;
+    for (int b = 0; b < byte; ++b) n += printable(b) ? 0 : 1;
+    cp = 256 + static_cast<uint32_t>(n);
+  }
+  std::string out;
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return out;
+}
+
+Result<ModelFiles> MakeTinyRandomModel(uint64_t seed) {
+  ModelConfig c;
+  c.name = kTinyRandomName;
+  c.vocab_size = 259;  // 256 bytes + <|endoftext|>, <|im_start|>, <|im_end|>
+  c.hidden_size = 128;
+  c.intermediate_size = 344;
+  c.num_layers = 4;
+  c.num_heads = 8;
+  c.num_kv_heads = 2;
+  c.head_dim = 16;
+  c.max_position_embeddings = 4096;
+  c.rms_norm_eps = 1e-5f;
+  c.rope_theta = 10000.0f;
+  c.tie_word_embeddings = false;
+  c.bos_token_id = 256;
+  c.eos_token_ids = {256};
+
+  auto source = std::make_unique<InMemoryTensorSource>();
+  PortableNormal normal(seed);
+  auto random = [&](std::vector<int64_t> shape, float stddev) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = normal(stddev);
+    return v;
+  };
+  auto norm_weight = [&](int64_t n) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = 1.0f + normal(0.1f);
+    return v;
+  };
+  const int64_t H = c.hidden_size, D = c.head_dim, F = c.intermediate_size, V = c.vocab_size;
+  source->Add("model.embed_tokens.weight", {V, H}, random({V, H}, 1.0f));
+  source->Add("lm_head.weight", {V, H}, random({V, H}, 0.1f));
+  source->Add("model.norm.weight", {H}, norm_weight(H));
+  for (int i = 0; i < c.num_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    const float s = 1.0f / std::sqrt(static_cast<float>(H));
+    source->Add(p + "input_layernorm.weight", {H}, norm_weight(H));
+    source->Add(p + "post_attention_layernorm.weight", {H}, norm_weight(H));
+    source->Add(p + "self_attn.q_proj.weight", {c.num_heads * D, H}, random({c.num_heads * D, H}, 2.0f * s));
+    source->Add(p + "self_attn.k_proj.weight", {c.num_kv_heads * D, H}, random({c.num_kv_heads * D, H}, 2.0f * s));
+    source->Add(p + "self_attn.v_proj.weight", {c.num_kv_heads * D, H}, random({c.num_kv_heads * D, H}, s));
+    source->Add(p + "self_attn.o_proj.weight", {H, c.num_heads * D}, random({H, c.num_heads * D}, s));
+    source->Add(p + "mlp.gate_proj.weight", {F, H}, random({F, H}, s));
+    source->Add(p + "mlp.up_proj.weight", {F, H}, random({F, H}, s));
+    source->Add(p + "mlp.down_proj.weight", {H, F}, random({H, F}, 1.0f / std::sqrt(static_cast<float>(F))));
+  }
+
+  TokenizerSpec spec;
+  spec.pre = "gpt2";
+  for (int b = 0; b < 256; ++b) spec.tokens.push_back(ByteLevelSpelling(static_cast<uint8_t>(b)));
+  spec.token_types.assign(256, 1);
+  for (const char* special : {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}) {
+    spec.tokens.push_back(special);
+    spec.token_types.push_back(3);
+  }
+  spec.bos_id = 256;
+  spec.eos_id = 256;
+  spec.add_bos = true;
+  spec.chat_template = "chatml";
+
+  ModelFiles files;
+  files.config = c;
+  files.tensors = std::move(source);
+  KVFLOW_ASSIGN_OR_RETURN(files.tokenizer, Tokenizer::FromSpec(std::move(spec)));
+  return files;
+}
+
+}  // namespace kvflow

@@ -1,0 +1,60 @@
+// Turns one row of logits into a token, following a request's SamplingParams.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "kvflow/request.h"
+#include "kvflow/sampling.h"
+
+namespace kvflow {
+
+// One sampler per sequence: it owns the sequence's RNG so that a fixed seed reproduces the output
+// regardless of what else is in the batch.
+class Sampler {
+ public:
+  Sampler(const SamplingParams& params, uint64_t seed);
+
+  // `logits` (vocab_size floats) is scratch: it is modified in place.
+  // `prompt` and `output` are the sequence's tokens so far (for the penalties).
+  // `suppress` lists tokens that must not be produced now (EOS before min_tokens).
+  SampledToken Sample(std::span<float> logits, std::span<const int32_t> prompt,
+                      std::span<const int32_t> output, std::span<const int32_t> suppress = {});
+
+ private:
+  struct ScoredToken {
+    float logit = 0.0f;
+    int32_t token = -1;
+  };
+
+  // The `count` largest logits, best first (equal logits: lower id first).
+  static void SelectLargest(std::span<const float> logits, size_t count,
+                            std::vector<ScoredToken>* largest);
+  // Log of the softmax normalizer of the raw logits; fills top_raw_ with the params_.logprobs
+  // largest of them, best first.
+  double ScanRawLogits(std::span<const float> logits);
+  // Repetition, frequency and presence penalties; keeps the raw logit of every token it touches
+  // in penalized_ so that the chosen token's logprob can still be reported on the raw logits.
+  void ApplyPenalties(std::span<float> logits, std::span<const int32_t> prompt,
+                      std::span<const int32_t> output);
+  // Temperature, top-k, top-p and min-p, then one draw from what is left.
+  int32_t Draw(std::span<const float> logits);
+  // Trims order_ to the smallest set of heaviest tokens that weighs at least nucleus_weight
+  // (always one token at least).
+  void KeepNucleus(double nucleus_weight);
+  float RawLogit(std::span<const float> logits, int32_t token) const;
+
+  SamplingParams params_;
+  std::mt19937_64 rng_;
+  // Scratch reused across calls so that a step allocates nothing once the vocab size is known.
+  std::vector<int32_t> order_;          // candidate ids
+  std::vector<float> weights_;          // by token id: exp of the logit minus the max
+  std::vector<int32_t> occurrences_;    // by token id: 1 + output count while penalizing, else 0
+  std::vector<ScoredToken> penalized_;  // raw logits of the tokens the penalties changed
+  std::vector<ScoredToken> top_raw_;    // the largest raw logits, for top_logprobs
+  std::vector<ScoredToken> top_k_;      // the largest sampling logits, for top-k
+};
+
+}  // namespace kvflow

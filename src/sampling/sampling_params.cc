@@ -1,0 +1,51 @@
+#include <cmath>
+#include <sstream>
+#include <string>
+
+#include "kvflow/sampling.h"
+
+namespace kvflow {
+
+namespace {
+
+// "top_p must be in (0, 1], got 1.5": the field, what it accepts, and what it was given.
+template <typename T>
+Status OutOfRange(const char* field, const char* allowed, T value) {
+  std::ostringstream message;
+  message << field << " must be " << allowed << ", got " << value;
+  return Status::InvalidArgument(message.str());
+}
+
+}  // namespace
+
+Status SamplingParams::Validate() const {
+  // Comparisons are written so that NaN fails them.
+  if (!(temperature >= 0.0f && std::isfinite(temperature))) {
+    return OutOfRange("temperature", "finite and >= 0", temperature);
+  }
+  if (top_k < -1) return OutOfRange("top_k", ">= -1 (<= 0 disables it)", top_k);
+  if (!(top_p > 0.0f && top_p <= 1.0f)) return OutOfRange("top_p", "in (0, 1]", top_p);
+  if (!(min_p >= 0.0f && min_p <= 1.0f)) return OutOfRange("min_p", "in [0, 1]", min_p);
+  if (!(repetition_penalty > 0.0f && std::isfinite(repetition_penalty))) {
+    return OutOfRange("repetition_penalty", "finite and > 0", repetition_penalty);
+  }
+  if (!(frequency_penalty >= -2.0f && frequency_penalty <= 2.0f)) {
+    return OutOfRange("frequency_penalty", "in [-2, 2]", frequency_penalty);
+  }
+  if (!(presence_penalty >= -2.0f && presence_penalty <= 2.0f)) {
+    return OutOfRange("presence_penalty", "in [-2, 2]", presence_penalty);
+  }
+  if (max_tokens < 1) return OutOfRange("max_tokens", ">= 1", max_tokens);
+  if (min_tokens < 0 || min_tokens > max_tokens) {
+    return OutOfRange("min_tokens", "in [0, max_tokens]", min_tokens);
+  }
+  if (logprobs < 0 || logprobs > 20) return OutOfRange("logprobs", "in [0, 20]", logprobs);
+  for (size_t i = 0; i < stop.size(); ++i) {
+    if (stop[i].empty()) {
+      return Status::InvalidArgument("stop[" + std::to_string(i) + "] must be a non-empty string");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace kvflow

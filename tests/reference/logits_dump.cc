@@ -1,0 +1,138 @@
+// Runs kvflow on token-id prompts and writes what the HF reference script compares:
+//   logits of every position (all prompts in one batch, prefilled in two chunks through a paged
+//   cache with shuffled block placement) and, optionally, greedy continuations from the Engine.
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <numeric>
+#include <random>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "backend/cpu/cpu_backend.h"
+#include "kvflow/engine.h"
+#include "model/llama_weights.h"
+#include "model/tensor_source.h"
+
+namespace {
+
+int Fail(const kvflow::Status& st) {
+  std::cerr << "error: " << st.ToString() << "\n";
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Dump kvflow logits and greedy tokens for the HF reference comparison"};
+  std::string model, prompts_path, logits_path, greedy_path;
+  int chunk = 0, greedy_tokens = 0, block_size = 16;
+  app.add_option("--model", model)->required();
+  app.add_option("--prompts", prompts_path, "JSON list of token-id lists")->required();
+  app.add_option("--out-logits", logits_path, "float32 logits, prompt after prompt, all positions")->required();
+  app.add_option("--chunk", chunk, "prefill the first `chunk` tokens in a separate step (0: half)");
+  app.add_option("--block-size", block_size);
+  app.add_option("--greedy-tokens", greedy_tokens);
+  app.add_option("--out-greedy", greedy_path);
+  CLI11_PARSE(app, argc, argv);
+
+  std::vector<std::vector<int32_t>> prompts;
+  try {
+    prompts = nlohmann::json::parse(std::ifstream(prompts_path)).get<std::vector<std::vector<int32_t>>>();
+  } catch (const std::exception& e) {
+    return Fail(kvflow::Status::InvalidArgument(prompts_path + ": " + e.what()));
+  }
+
+  auto files = kvflow::OpenModelFiles(model);
+  if (!files.ok()) return Fail(files.status());
+  const kvflow::ModelConfig config = files->config;
+  auto weights = kvflow::LoadLlamaWeights(*files->tensors, config, files->gguf_rope_permuted);
+  if (!weights.ok()) return Fail(weights.status());
+
+  kvflow::KvCacheLayout layout{config.num_layers, 0, config.num_kv_heads, block_size, config.head_dim};
+  for (const auto& p : prompts) layout.num_blocks += kvflow::BlocksForTokens(static_cast<int64_t>(p.size()), block_size);
+  layout.num_blocks += 7;  // spare blocks so placement is not a permutation of a dense range
+  auto backend = kvflow::CpuBackend::Create(config, std::move(weights.value()), layout, 0);
+  if (!backend.ok()) return Fail(backend.status());
+
+  // Shuffled physical blocks: the reference must not depend on blocks being contiguous.
+  std::vector<kvflow::BlockId> pool(static_cast<size_t>(layout.num_blocks));
+  std::iota(pool.begin(), pool.end(), 0);
+  std::shuffle(pool.begin(), pool.end(), std::mt19937(1234));
+  size_t next_block = 0;
+  std::vector<std::vector<kvflow::BlockId>> tables;
+  for (const auto& p : prompts) {
+    const int n = kvflow::BlocksForTokens(static_cast<int64_t>(p.size()), block_size);
+    tables.emplace_back(pool.begin() + static_cast<long>(next_block), pool.begin() + static_cast<long>(next_block + n));
+    next_block += static_cast<size_t>(n);
+  }
+
+  // Two steps per prompt: [0, split) then [split, n), both batched across prompts.
+  std::vector<std::vector<float>> per_prompt(prompts.size());
+  const int64_t V = config.vocab_size;
+  for (int step = 0; step < 2; ++step) {
+    kvflow::ForwardBatch batch;
+    std::vector<size_t> members;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const int n = static_cast<int>(prompts[i].size());
+      const int split = chunk > 0 ? std::min(chunk, n) : (n + 1) / 2;
+      const int begin = step == 0 ? 0 : split, end = step == 0 ? split : n;
+      if (end <= begin) continue;
+      kvflow::SequenceSlice s;
+      s.token_offset = static_cast<int32_t>(batch.tokens.size());
+      s.num_tokens = end - begin;
+      s.context_len = end;
+      s.block_table = tables[i];
+      s.logits = kvflow::LogitsMode::kAll;
+      for (int t = begin; t < end; ++t) {
+        batch.tokens.push_back(prompts[i][static_cast<size_t>(t)]);
+        batch.positions.push_back(t);
+      }
+      batch.seqs.push_back(s);
+      members.push_back(i);
+    }
+    if (batch.seqs.empty()) continue;
+    std::vector<float> logits;
+    if (auto st = backend.value()->Forward(batch, logits); !st.ok()) return Fail(st);
+    int64_t row = 0;
+    for (size_t k = 0; k < members.size(); ++k) {
+      const int64_t rows = batch.seqs[k].num_tokens;
+      auto& dst = per_prompt[members[k]];
+      dst.insert(dst.end(), logits.begin() + row * V, logits.begin() + (row + rows) * V);
+      row += rows;
+    }
+  }
+  std::ofstream out(logits_path, std::ios::binary);
+  for (const auto& l : per_prompt) out.write(reinterpret_cast<const char*>(l.data()), static_cast<std::streamsize>(l.size() * sizeof(float)));
+  if (!out) return Fail(kvflow::Status::IoError("cannot write " + logits_path));
+
+  if (greedy_tokens > 0) {
+    backend.value().reset();
+    kvflow::EngineConfig ec;
+    ec.model = model;
+    ec.block_size = block_size;
+    ec.max_model_len = 4096;
+    auto engine = kvflow::Engine::Create(ec);
+    if (!engine.ok()) return Fail(engine.status());
+    kvflow::SamplingParams sp;
+    sp.temperature = 0.0f;
+    sp.max_tokens = greedy_tokens;
+    sp.ignore_eos = true;
+    std::vector<std::vector<int32_t>> greedy(prompts.size());
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      auto id = engine.value()->AddRequest(prompts[i], sp, [&greedy, i](const kvflow::StreamEvent& e) {
+        for (const auto& t : e.tokens) greedy[i].push_back(t.token);
+      });
+      if (!id.ok()) return Fail(id.status());
+    }
+    while (engine.value()->HasUnfinishedRequests()) {
+      auto step = engine.value()->Step();
+      if (!step.ok()) return Fail(step.status());
+    }
+    std::ofstream(greedy_path) << nlohmann::json(greedy).dump();
+  }
+  return 0;
+}

@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""Checks kvflow's tokenizer against HF `tokenizers` on a text file.
+
+Builds HF tokenizers from a GGUF file's tokenizer metadata, once with the GGUF's own pre-tokenizer
+and once with the Llama-3 one, writes each as tokenizer.json, and requires `tokenizer_dump` to
+produce exactly HF's ids for the whole input (through --tokenizer-json, and through --gguf for the
+GGUF's own pre-tokenizer).
+
+  tokenizer_reference.py --gguf M.gguf --dump-bin build/tokenizer_dump --input valid.txt --workdir D
+Exit status: 0 all equal, 1 mismatch or error, 77 skipped (model or input missing).
+"""
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+SKIP = 77
+
+GPT2_REGEX = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def read_gguf_tokenizer(path):
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+
+    def field(name, default=None):
+        f = reader.fields.get(name)
+        if f is None:
+            return default
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            if f.types[-1] == gguf.GGUFValueType.STRING:
+                return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+            return [int(f.parts[i][0]) for i in f.data]
+        if f.types[0] == gguf.GGUFValueType.STRING:
+            return bytes(f.parts[f.data[0]]).decode("utf-8")
+        return f.parts[f.data[0]][0].item()
+
+    model = field("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise SystemExit(f"{path}: tokenizer.ggml.model is {model!r}, expected 'gpt2' (byte-level BPE)")
+    return {
+        "tokens": field("tokenizer.ggml.tokens"),
+        "merges": field("tokenizer.ggml.merges"),
+        "types": field("tokenizer.ggml.token_type"),
+        "pre": field("tokenizer.ggml.pre", "gpt2"),
+        "bos": field("tokenizer.ggml.bos_token_id", -1),
+        "eos": field("tokenizer.ggml.eos_token_id", -1),
+    }
+
+
+def build_hf_tokenizer(meta, pre):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {}
+    for i, t in enumerate(meta["tokens"]):
+        vocab.setdefault(t, i)
+    merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
+    # Llama-3's real tokenizer.json sets ignore_merges, which llama.cpp mirrors for llama-bpe.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=(pre == "llama-bpe")))
+    if pre == "gpt2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    elif pre == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    elif pre == "llama-bpe":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    else:
+        raise SystemExit(f"pre-tokenizer {pre!r} has no HF reference here")
+    tok.decoder = decoders.ByteLevel()
+    specials = [t for t, ty in zip(meta["tokens"], meta["types"]) if ty == 3]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    return tok
+
+
+# Fragments whose mixtures stress the pre-tokenizer regexes: contractions in both cases, CR/LF and
+# other whitespace (NBSP, U+3000, NEL; U+001C is not \s), non-ASCII digits, letters of several
+# categories, combining marks, emoji sequences, special tokens and their look-alikes.
+STRESS_FRAGMENTS = [
+    "a", "Word", "UPPER", "'s", "'S", "'re", "'VE", "'Ll", "'d", "'x", "'", "''", "don't", "I'M",
+    "0", "7", "42", "1234567", "3.14", "$1,000", "\u00bd", "\u00b2", "\u0663\u0664", "\u216b",
+    " ", " ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", "\r", " \n ", "\u00a0", "\u2009",
+    "\u3000", "\u0085", "\u001c", "\u200b", "\u00ad", "\u01c5", "\u02b0", "\U0001d400",
+    "\u6f22\u5b57", "\u3053\u3093\u306b\u3061\u306f", "\ud55c\uad6d\uc5b4", "\u0645\u0631\u062d\u0628\u0627",
+    "\u041f\u0440\u0438\u0432\u0435\u0442", "e\u0301", "\U0001f600", "\U0001f44d\U0001f3fd",
+    "\U0001f468\u200d\U0001f469\u200d\U0001f467", "...", "!?", "--", "@", '"', "(", ")", "<", ">",
+    "<|im_start|>", "<|im_end|>", "<|im_start", "|>", "<|endoftext|>", "http://x.y/z?q=1&r=2",
+]
+
+
+def write_stress_text(path, fragments=20000, seed=1234):
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        f.write("".join(rng.choice(STRESS_FRAGMENTS) for _ in range(fragments)))
+
+
+def run_dump(dump_bin, source_args, input_path):
+    start = time.perf_counter()
+    proc = subprocess.run([dump_bin, *source_args, "--input", input_path],
+                          capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        return None, f"{' '.join(source_args)} failed ({proc.returncode}): {proc.stderr.strip()}"
+    print(proc.stderr.strip())
+    return [int(x) for x in proc.stdout.split()], f"{elapsed:.2f} s"
+
+
+def compare(label, expected, got, hf_tok):
+    n = min(len(expected), len(got))
+    first = next((i for i in range(n) if expected[i] != got[i]), None)
+    if first is None and len(expected) == len(got):
+        print(f"OK   {label}: {len(expected)} tokens identical")
+        return True
+    first = n if first is None else first
+    lo, hi = max(0, first - 8), first + 8
+    print(f"FAIL {label}: first mismatch at token {first} "
+          f"(HF {len(expected)} tokens, kvflow {len(got)})")
+    print(f"  HF     ids {expected[lo:hi]}  {[hf_tok.id_to_token(i) for i in expected[lo:hi]]}")
+    print(f"  kvflow ids {got[lo:hi]}  {[hf_tok.id_to_token(i) for i in got[lo:hi]]}")
+    print(f"  text around it: {hf_tok.decode(expected[lo:hi], skip_special_tokens=False)!r}")
+    return False
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--dump-bin", required=True)
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--workdir", required=True)
+    args = ap.parse_args()
+
+    for what, path in (("input", args.input), ("model", args.gguf)):
+        if not os.path.exists(path):
+            print(f"SKIP: {what} file {path} is missing")
+            return SKIP
+    try:
+        import gguf  # noqa: F401
+        import tokenizers  # noqa: F401
+    except ImportError as e:
+        print(f"SKIP: Python package missing: {e}")
+        return SKIP
+
+    meta = read_gguf_tokenizer(args.gguf)
+    os.makedirs(args.workdir, exist_ok=True)
+    stress_path = os.path.join(args.workdir, "stress.txt")
+    write_stress_text(stress_path)
+
+    ok = True
+    for pre in dict.fromkeys([meta["pre"], "llama-bpe", "gpt2"]):
+        hf_tok = build_hf_tokenizer(meta, pre)
+        json_path = os.path.join(args.workdir, pre, "tokenizer.json")
+        os.makedirs(os.path.dirname(json_path), exist_ok=True)
+        hf_tok.save(json_path)
+        sources = [("tokenizer.json", ["--tokenizer-json", json_path])]
+        if pre == meta["pre"]:
+            sources.append(("gguf", ["--gguf", args.gguf]))
+        for input_path in (args.input, stress_path):
+            with open(input_path, "rb") as f:
+                text = f.read().decode("utf-8")
+            start = time.perf_counter()
+            expected = hf_tok.encode(text, add_special_tokens=False).ids
+            name = os.path.basename(input_path)
+            print(f"HF   pre={pre} {name}: {len(expected)} tokens in "
+                  f"{time.perf_counter() - start:.2f} s")
+            for label, source_args in sources:
+                got, info = run_dump(args.dump_bin, source_args, input_path)
+                if got is None:
+                    print(f"FAIL pre={pre} {name} via {label}: {info}")
+                    ok = False
+                    continue
+                ok &= compare(f"pre={pre} {name} via {label} ({info})", expected, got, hf_tok)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

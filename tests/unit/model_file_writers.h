@@ -1,0 +1,308 @@
+// Test helpers that write small GGUF and safetensors files, and ggml reference quantizers.
+#pragma once
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace kvflow::test {
+
+// ---- bytes and numbers ------------------------------------------------------------------------
+
+using Bytes = std::vector<uint8_t>;
+
+template <typename T>
+void Append(Bytes* out, const T& value) {
+  const auto* p = reinterpret_cast<const uint8_t*>(&value);
+  out->insert(out->end(), p, p + sizeof(T));
+}
+
+template <typename T>
+Bytes ToBytes(const std::vector<T>& values) {
+  Bytes out(values.size() * sizeof(T));
+  if (!values.empty()) std::memcpy(out.data(), values.data(), out.size());
+  return out;
+}
+
+// The compiler's own _Float16 conversions, independent of the code under test.
+inline uint16_t FloatToHalfBits(float f) {
+  _Float16 h = static_cast<_Float16>(f);
+  uint16_t bits;
+  std::memcpy(&bits, &h, sizeof(bits));
+  return bits;
+}
+inline float HalfBitsToFloat(uint16_t bits) {
+  _Float16 h;
+  std::memcpy(&h, &bits, sizeof(bits));
+  return static_cast<float>(h);
+}
+inline uint16_t FloatToBf16Bits(float f) {  // round to nearest even; inputs are finite
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+inline float Bf16BitsToFloat(uint16_t bits) {
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+// Uniform in ±[0.05, scale]: random and never zero, so a forgotten write cannot pass.
+inline std::vector<float> RandomFloats(size_t n, uint32_t seed, float scale = 2.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> magnitude(0.05f, scale);
+  std::bernoulli_distribution negative(0.5);
+  std::vector<float> v(n);
+  for (float& x : v) x = negative(rng) ? -magnitude(rng) : magnitude(rng);
+  return v;
+}
+
+// ---- ggml reference quantizers (ggml-quants.c, quantize_row_*_ref) -----------------------------
+
+inline Bytes QuantizeQ8_0(const std::vector<float>& x) {
+  Bytes out;
+  for (size_t b = 0; b < x.size() / 32; ++b) {
+    const float* v = &x[b * 32];
+    float amax = 0;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float d = amax / 127;
+    const float id = d != 0 ? 1.0f / d : 0.0f;
+    Append(&out, FloatToHalfBits(d));
+    for (int j = 0; j < 32; ++j) Append(&out, static_cast<int8_t>(std::lround(v[j] * id)));
+  }
+  return out;
+}
+
+inline Bytes QuantizeQ4_0(const std::vector<float>& x) {
+  Bytes out;
+  for (size_t b = 0; b < x.size() / 32; ++b) {
+    const float* v = &x[b * 32];
+    float amax = 0, max = 0;
+    for (int j = 0; j < 32; ++j) {
+      if (std::fabs(v[j]) > amax) {
+        amax = std::fabs(v[j]);
+        max = v[j];
+      }
+    }
+    const float d = max / -8;
+    const float id = d != 0 ? 1.0f / d : 0.0f;
+    Append(&out, FloatToHalfBits(d));
+    for (int j = 0; j < 16; ++j) {
+      uint8_t lo = std::min<uint8_t>(15, static_cast<int8_t>(v[j] * id + 8.5f));
+      uint8_t hi = std::min<uint8_t>(15, static_cast<int8_t>(v[j + 16] * id + 8.5f));
+      Append(&out, static_cast<uint8_t>(lo | (hi << 4)));
+    }
+  }
+  return out;
+}
+
+inline Bytes QuantizeQ4_1(const std::vector<float>& x) {
+  Bytes out;
+  for (size_t b = 0; b < x.size() / 32; ++b) {
+    const float* v = &x[b * 32];
+    float min = v[0], max = v[0];
+    for (int j = 1; j < 32; ++j) {
+      min = std::min(min, v[j]);
+      max = std::max(max, v[j]);
+    }
+    const float d = (max - min) / 15;
+    const float id = d != 0 ? 1.0f / d : 0.0f;
+    Append(&out, FloatToHalfBits(d));
+    Append(&out, FloatToHalfBits(min));
+    for (int j = 0; j < 16; ++j) {
+      uint8_t lo = std::min<uint8_t>(15, static_cast<int8_t>((v[j] - min) * id + 0.5f));
+      uint8_t hi = std::min<uint8_t>(15, static_cast<int8_t>((v[j + 16] - min) * id + 0.5f));
+      Append(&out, static_cast<uint8_t>(lo | (hi << 4)));
+    }
+  }
+  return out;
+}
+
+// ---- files ------------------------------------------------------------------------------------
+
+inline void WriteFile(const std::string& path, const Bytes& bytes) {
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+}
+inline void WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary) << text;
+}
+
+// A fresh directory under the system temp dir, removed with everything in it at scope exit.
+class ScratchDir {
+ public:
+  explicit ScratchDir(const std::string& tag) {
+    static int counter = 0;
+    path_ = std::filesystem::temp_directory_path() /
+            ("kvflow_" + tag + "_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  std::string File(const std::string& name) const { return (path_ / name).string(); }
+  std::string path() const { return path_.string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// ---- GGUF -------------------------------------------------------------------------------------
+
+// ggml type ids used by the tests.
+enum GgmlTypeId : uint32_t { kGgmlF32 = 0, kGgmlF16 = 1, kGgmlQ4_0 = 2, kGgmlQ4_1 = 3,
+                             kGgmlQ8_0 = 8, kGgmlQ6_K = 14, kGgmlBF16 = 30 };
+
+// Value type ids of the GGUF spec.
+enum GgufTypeId : uint32_t { kU8 = 0, kI8, kU16, kI16, kU32, kI32, kF32, kBool, kString, kArray,
+                             kU64, kI64, kF64 };
+
+class GgufWriter {
+ public:
+  // Payload encoders, also usable to build nested arrays by hand.
+  static Bytes Str(const std::string& s) {
+    Bytes out;
+    Append(&out, static_cast<uint64_t>(s.size()));
+    out.insert(out.end(), s.begin(), s.end());
+    return out;
+  }
+  template <typename T>
+  static Bytes ArrayOf(uint32_t element_type, const std::vector<T>& values) {
+    Bytes out;
+    Append(&out, element_type);
+    Append(&out, static_cast<uint64_t>(values.size()));
+    for (const T& v : values) Append(&out, v);
+    return out;
+  }
+  static Bytes StrArray(const std::vector<std::string>& values) {
+    Bytes out;
+    Append(&out, static_cast<uint32_t>(kString));
+    Append(&out, static_cast<uint64_t>(values.size()));
+    for (const std::string& s : values) {
+      Bytes one = Str(s);
+      out.insert(out.end(), one.begin(), one.end());
+    }
+    return out;
+  }
+
+  // `payload` is the encoded value without its type id.
+  void AddRaw(const std::string& key, uint32_t type, Bytes payload) {
+    kvs_.push_back({key, type, std::move(payload)});
+  }
+  template <typename T>
+  void Add(const std::string& key, uint32_t type, T value) {
+    Bytes payload;
+    Append(&payload, value);
+    AddRaw(key, type, std::move(payload));
+  }
+  void AddString(const std::string& key, const std::string& value) { AddRaw(key, kString, Str(value)); }
+  void AddStringArray(const std::string& key, const std::vector<std::string>& values) {
+    AddRaw(key, kArray, StrArray(values));
+  }
+  void SetAlignment(uint32_t alignment) {
+    alignment_ = alignment;
+    Add("general.alignment", kU32, alignment);
+  }
+
+  // `shape` is row-major, outermost first, as TensorInfo reports it. `offset` overrides the
+  // recorded data offset (the data is still laid out in order) to fake broken files.
+  void AddTensor(const std::string& name, uint32_t ggml_type, std::vector<int64_t> shape, Bytes data,
+                 std::optional<uint64_t> offset = std::nullopt) {
+    tensors_.push_back({name, ggml_type, std::move(shape), std::move(data), offset});
+  }
+
+  Bytes Build(uint32_t version = 3) const {
+    Bytes out;
+    Append(&out, static_cast<uint32_t>(0x46554747));
+    Append(&out, version);
+    Append(&out, static_cast<uint64_t>(tensors_.size()));
+    Append(&out, static_cast<uint64_t>(kvs_.size()));
+    for (const Kv& kv : kvs_) {
+      Bytes key = Str(kv.key);
+      out.insert(out.end(), key.begin(), key.end());
+      Append(&out, kv.type);
+      out.insert(out.end(), kv.payload.begin(), kv.payload.end());
+    }
+    uint64_t offset = 0;
+    std::vector<uint64_t> offsets;
+    for (const Tensor& t : tensors_) {
+      offsets.push_back(offset);
+      offset = AlignUp(offset + t.data.size());
+    }
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+      const Tensor& t = tensors_[i];
+      Bytes name = Str(t.name);
+      out.insert(out.end(), name.begin(), name.end());
+      Append(&out, static_cast<uint32_t>(t.shape.size()));
+      for (auto it = t.shape.rbegin(); it != t.shape.rend(); ++it) Append(&out, static_cast<uint64_t>(*it));
+      Append(&out, t.type);
+      Append(&out, t.offset.value_or(offsets[i]));
+    }
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+      out.resize(AlignUp(out.size()), 0);
+      out.insert(out.end(), tensors_[i].data.begin(), tensors_[i].data.end());
+    }
+    return out;
+  }
+
+ private:
+  struct Kv {
+    std::string key;
+    uint32_t type;
+    Bytes payload;
+  };
+  struct Tensor {
+    std::string name;
+    uint32_t type;
+    std::vector<int64_t> shape;
+    Bytes data;
+    std::optional<uint64_t> offset;
+  };
+  uint64_t AlignUp(uint64_t n) const { return (n + alignment_ - 1) / alignment_ * alignment_; }
+
+  uint32_t alignment_ = 32;
+  std::vector<Kv> kvs_;
+  std::vector<Tensor> tensors_;
+};
+
+// ---- safetensors ------------------------------------------------------------------------------
+
+class SafetensorsWriter {
+ public:
+  void AddTensor(const std::string& name, const std::string& dtype, std::vector<int64_t> shape,
+                 Bytes data) {
+    header_[name] = {{"dtype", dtype}, {"shape", shape},
+                     {"data_offsets", {data_.size(), data_.size() + data.size()}}};
+    data_.insert(data_.end(), data.begin(), data.end());
+  }
+  void SetMetadata(const std::string& key, const std::string& value) { header_["__metadata__"][key] = value; }
+
+  // The header to tamper with before BuildWith().
+  nlohmann::json& header() { return header_; }
+  Bytes Build() const { return BuildWith(header_.dump()); }
+  Bytes BuildWith(const std::string& header_text) const {
+    Bytes out;
+    Append(&out, static_cast<uint64_t>(header_text.size()));
+    out.insert(out.end(), header_text.begin(), header_text.end());
+    out.insert(out.end(), data_.begin(), data_.end());
+    return out;
+  }
+
+ private:
+  nlohmann::json header_ = nlohmann::json::object();
+  Bytes data_;
+};
+
+}  // namespace kvflow::test

@@ -1,0 +1,138 @@
+// The CPU paged attention (the reference for the CUDA kernels) against plain contiguous attention
+// computed in double, with shuffled block placement and a cache poisoned with NaN outside the
+// written slots.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "backend/cpu/paged_attention.h"
+
+namespace kvflow {
+namespace {
+
+struct Case {
+  int num_heads, num_kv_heads, head_dim, block_size;
+  std::vector<int> past;  // tokens already cached per sequence
+  std::vector<int> fresh; // new tokens per sequence this step
+};
+
+void RunCase(const Case& c, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int S = static_cast<int>(c.past.size());
+  KvCacheLayout layout{1, 0, c.num_kv_heads, c.block_size, c.head_dim};
+  std::vector<int> ctx(S);
+  for (int s = 0; s < S; ++s) {
+    ctx[s] = c.past[s] + c.fresh[s];
+    layout.num_blocks += (ctx[s] + c.block_size - 1) / c.block_size;
+  }
+  layout.num_blocks += 3;
+  std::vector<BlockId> pool(static_cast<size_t>(layout.num_blocks));
+  std::iota(pool.begin(), pool.end(), 0);
+  std::shuffle(pool.begin(), pool.end(), rng);
+
+  const size_t cache_elems = layout.layer_stride();
+  std::vector<float> kc(cache_elems, NAN), vc(cache_elems, NAN);
+  // Dense K/V of every sequence: [ctx][kv_heads][head_dim].
+  std::vector<std::vector<float>> dense_k(S), dense_v(S);
+  std::vector<std::vector<BlockId>> tables(S);
+  size_t next = 0;
+  for (int s = 0; s < S; ++s) {
+    const int nb = (ctx[s] + c.block_size - 1) / c.block_size;
+    tables[s].assign(pool.begin() + static_cast<long>(next), pool.begin() + static_cast<long>(next + nb));
+    next += static_cast<size_t>(nb);
+    dense_k[s].resize(static_cast<size_t>(ctx[s]) * c.num_kv_heads * c.head_dim);
+    dense_v[s].resize(dense_k[s].size());
+    for (float& x : dense_k[s]) x = normal(rng);
+    for (float& x : dense_v[s]) x = normal(rng);
+  }
+
+  // Two writes, as the engine does: the past in one batch, then the fresh tokens with attention.
+  ForwardBatch step[2];
+  std::vector<float> k_rows[2], v_rows[2];
+  for (int phase = 0; phase < 2; ++phase) {
+    for (int s = 0; s < S; ++s) {
+      const int begin = phase == 0 ? 0 : c.past[s];
+      const int end = phase == 0 ? c.past[s] : ctx[s];
+      if (end == begin) continue;
+      SequenceSlice slice;
+      slice.token_offset = static_cast<int32_t>(step[phase].tokens.size());
+      slice.num_tokens = end - begin;
+      slice.context_len = end;
+      slice.block_table = tables[s];
+      for (int t = begin; t < end; ++t) {
+        step[phase].tokens.push_back(0);
+        step[phase].positions.push_back(t);
+        const size_t row = static_cast<size_t>(t) * c.num_kv_heads * c.head_dim;
+        k_rows[phase].insert(k_rows[phase].end(), dense_k[s].begin() + static_cast<long>(row),
+                             dense_k[s].begin() + static_cast<long>(row + c.num_kv_heads * c.head_dim));
+        v_rows[phase].insert(v_rows[phase].end(), dense_v[s].begin() + static_cast<long>(row),
+                             dense_v[s].begin() + static_cast<long>(row + c.num_kv_heads * c.head_dim));
+      }
+      step[phase].seqs.push_back(slice);
+    }
+    cpu::WriteKvCache(step[phase], layout, k_rows[phase].data(), v_rows[phase].data(), kc.data(), vc.data());
+  }
+
+  const ForwardBatch& batch = step[1];
+  const size_t T = batch.tokens.size();
+  std::vector<float> q(T * c.num_heads * c.head_dim), out(q.size(), NAN);
+  for (float& x : q) x = normal(rng);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  cpu::PagedAttention(batch, layout, c.num_heads, q.data(), kc.data(), vc.data(), scale, out.data());
+
+  double max_err = 0.0;
+  const int group = c.num_heads / c.num_kv_heads;
+  size_t seq_index = 0;
+  for (int s = 0; s < S; ++s) {
+    if (c.fresh[s] == 0) continue;
+    const SequenceSlice& slice = batch.seqs[seq_index++];
+    for (int i = 0; i < slice.num_tokens; ++i) {
+      const int t = slice.token_offset + i;
+      const int pos = batch.positions[static_cast<size_t>(t)];
+      for (int h = 0; h < c.num_heads; ++h) {
+        const int kvh = h / group;
+        const float* qh = &q[(static_cast<size_t>(t) * c.num_heads + h) * c.head_dim];
+        std::vector<double> p(static_cast<size_t>(pos + 1));
+        double mx = -1e300, denom = 0.0;
+        for (int j = 0; j <= pos; ++j) {
+          const float* k = &dense_k[s][(static_cast<size_t>(j) * c.num_kv_heads + kvh) * c.head_dim];
+          double dot = 0.0;
+          for (int d = 0; d < c.head_dim; ++d) dot += static_cast<double>(qh[d]) * k[d];
+          p[j] = dot * scale;
+          mx = std::max(mx, p[j]);
+        }
+        for (double& x : p) denom += (x = std::exp(x - mx));
+        for (int d = 0; d < c.head_dim; ++d) {
+          double ref = 0.0;
+          for (int j = 0; j <= pos; ++j) ref += p[j] / denom * dense_v[s][(static_cast<size_t>(j) * c.num_kv_heads + kvh) * c.head_dim + d];
+          const float got = out[(static_cast<size_t>(t) * c.num_heads + h) * c.head_dim + d];
+          ASSERT_TRUE(std::isfinite(got)) << "read an unwritten (NaN-poisoned) cache slot";
+          max_err = std::max(max_err, std::abs(got - ref));
+        }
+      }
+    }
+  }
+  RecordProperty("max_abs_error", std::to_string(max_err));
+  EXPECT_LT(max_err, 2e-5) << "heads " << c.num_heads << "/" << c.num_kv_heads << " block " << c.block_size;
+}
+
+TEST(PagedAttention, PrefillMatchesContiguousAttention) {
+  RunCase({8, 2, 16, 16, {0, 0, 0}, {1, 17, 40}}, 1);
+  RunCase({4, 4, 64, 8, {0, 0}, {33, 5}}, 2);
+}
+
+TEST(PagedAttention, DecodeOverCachedContextMatches) {
+  RunCase({8, 2, 16, 16, {31, 1, 100}, {1, 1, 1}}, 3);
+  RunCase({6, 1, 32, 32, {64, 7}, {1, 1}}, 4);  // MQA, block size 32
+}
+
+TEST(PagedAttention, ChunkedPrefillAfterCachedPrefixMatches) {
+  RunCase({9, 3, 64, 16, {16, 23, 5}, {16, 9, 30}}, 5);  // SmolLM2's head layout
+  RunCase({4, 2, 128, 8, {13}, {19}}, 6);
+}
+
+}  // namespace
+}  // namespace kvflow

@@ -1,0 +1,345 @@
+#include "kvflow/tokenizer.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "model/pretokenizer.h"
+#include "model/tensor_source.h"
+
+namespace kvflow {
+namespace {
+
+// The GPT-2 byte-level form of a byte string (printable ASCII stays, ' ' -> U+0120 'Ġ', ...).
+std::string ByteLevel(std::string_view bytes) {
+  std::string out;
+  for (unsigned char b : bytes) {
+    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
+    uint32_t cp = b;
+    if (!printable) {
+      cp = 256;
+      for (unsigned c = 0; c < b; ++c) {
+        const bool p = (c >= '!' && c <= '~') || (c >= 0xA1 && c <= 0xAC) || c >= 0xAE;
+        if (!p) ++cp;
+      }
+    }
+    if (cp < 0x80) {
+      out.push_back(static_cast<char>(cp));
+    } else {
+      out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
+      out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    }
+  }
+  return out;
+}
+
+// A vocabulary of the 256 byte tokens (ids 0..255 in byte order) plus `extra` tokens after them.
+TokenizerSpec ByteSpec(const std::vector<std::string>& extra, const std::vector<std::string>& merges) {
+  TokenizerSpec spec;
+  for (int b = 0; b < 256; ++b) spec.tokens.push_back(ByteLevel(std::string(1, static_cast<char>(b))));
+  for (const std::string& t : extra) spec.tokens.push_back(t);
+  spec.token_types.assign(spec.tokens.size(), 1);
+  spec.merges = merges;
+  return spec;
+}
+
+std::unique_ptr<Tokenizer> Build(TokenizerSpec spec) {
+  auto tok = Tokenizer::FromSpec(std::move(spec));
+  EXPECT_TRUE(tok.ok()) << tok.status().ToString();
+  return tok.ok() ? std::move(tok).value() : nullptr;
+}
+
+std::vector<std::string> Texts(const Tokenizer& tok, const std::vector<int32_t>& ids) {
+  std::vector<std::string> out;
+  for (int32_t id : ids) out.push_back(tok.token_text(id));
+  return out;
+}
+
+std::vector<std::string> Split(const char* pre, std::string_view text) {
+  auto p = PreTokenizer::FromName(pre);
+  EXPECT_TRUE(p.ok());
+  std::vector<std::string_view> pieces;
+  p->Split(text, &pieces);
+  return {pieces.begin(), pieces.end()};
+}
+
+TEST(TokenizerPreTokenizer, Gpt2RegexMatchesHf) {
+  // Expected pieces come from HF tokenizers' ByteLevel(use_regex=true).pre_tokenize_str.
+  EXPECT_EQ(Split("gpt2", "Hello world's  x\n\n 12345 I'M\r\n\tok!!"),
+            (std::vector<std::string>{"Hello", " world", "'s", " ", " x", "\n\n", " 12345", " I",
+                                      "'", "M", "\r\n", "\t", "ok", "!!"}));
+}
+
+TEST(TokenizerPreTokenizer, SmolLmIsolatesEachDigit) {
+  // Digits(individual_digits=true) runs first, so "\n\n " keeps its space before the digits.
+  EXPECT_EQ(Split("smollm", "Hello world's  x\n\n 12345 I'M"),
+            (std::vector<std::string>{"Hello", " world", "'s", " ", " x", "\n\n ", "1", "2", "3",
+                                      "4", "5", " I", "'", "M"}));
+  EXPECT_EQ(Split("smollm", "x\u00bd\u0663"), (std::vector<std::string>{"x", "\u00bd", "\u0663"}));
+}
+
+TEST(TokenizerPreTokenizer, Llama3RegexMatchesHf) {
+  EXPECT_EQ(Split("llama-bpe", "Hello world's  x\n\n 12345 I'M\r\n\tok!!"),
+            (std::vector<std::string>{"Hello", " world", "'s", " ", " x", "\n\n", " ", "123", "45",
+                                      " I", "'M", "\r\n", "\tok", "!!"}));
+  EXPECT_EQ(Split("llama-bpe", "a  \n b.\n\n"),
+            (std::vector<std::string>{"a", "  \n", " b", ".\n\n"}));
+}
+
+TEST(TokenizerPreTokenizer, UnknownNameIsUnsupported) {
+  auto p = PreTokenizer::FromName("qwen2");
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(p.status().message().find("qwen2"), std::string::npos);
+}
+
+TEST(TokenizerBpe, LowerRankMergesFirst) {
+  // "abc": with "a b" ranked first the result is ab|c; with "b c" first it is a|bc.
+  auto ab_first = Build(ByteSpec({"ab", "bc"}, {"a b", "b c"}));
+  auto bc_first = Build(ByteSpec({"ab", "bc"}, {"b c", "a b"}));
+  ASSERT_TRUE(ab_first && bc_first);
+  EXPECT_EQ(Texts(*ab_first, ab_first->Encode("abc")), (std::vector<std::string>{"ab", "c"}));
+  EXPECT_EQ(Texts(*bc_first, bc_first->Encode("abc")), (std::vector<std::string>{"a", "bc"}));
+}
+
+TEST(TokenizerBpe, MergesChainAndStayInsidePreTokens) {
+  auto tok = Build(ByteSpec({"he", "ll", "hell", "hello", "Ġw", "Ġwo", "oĠ"},
+                            {"h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o", "o Ġ"}));
+  ASSERT_TRUE(tok);
+  // "o Ġ" never applies: "hello" and " wo" are separate pre-tokens.
+  EXPECT_EQ(Texts(*tok, tok->Encode("hello wo")), (std::vector<std::string>{"hello", "Ġwo"}));
+  EXPECT_EQ(tok->Encode("hello"), std::vector<int32_t>{tok->token_id("hello")});
+}
+
+TEST(TokenizerBpe, RepeatedPairMergesLeftmostFirst) {
+  auto tok = Build(ByteSpec({"aa"}, {"a a"}));
+  ASSERT_TRUE(tok);
+  EXPECT_EQ(Texts(*tok, tok->Encode("aaa")), (std::vector<std::string>{"aa", "a"}));
+  EXPECT_EQ(Texts(*tok, tok->Encode("aaaa")), (std::vector<std::string>{"aa", "aa"}));
+}
+
+TEST(TokenizerBpe, IgnoreMergesUsesWholeWordFromVocab) {
+  TokenizerSpec spec = ByteSpec({"xyz"}, {});
+  EXPECT_EQ(Build(spec)->Encode("xyz").size(), 3u);
+  spec.ignore_merges = true;
+  auto tok = Build(spec);
+  EXPECT_EQ(tok->Encode("xyz"), std::vector<int32_t>{tok->token_id("xyz")});
+}
+
+TEST(TokenizerBpe, BadMergeIsAnError) {
+  auto tok = Tokenizer::FromSpec(ByteSpec({}, {"a b"}));  // "ab" is not in the vocabulary
+  ASSERT_FALSE(tok.ok());
+  EXPECT_EQ(tok.status().code(), StatusCode::kCorruptFile);
+  EXPECT_NE(tok.status().message().find("'a b'"), std::string::npos);
+}
+
+TEST(TokenizerSpecial, LiteralSpecialTokensBypassBpe) {
+  TokenizerSpec spec = ByteSpec({"<|end|>", "<|end|>!", "<x>"}, {});
+  const int32_t end = 256, end_bang = 257, user = 258;
+  spec.token_types[end] = 3;
+  spec.token_types[end_bang] = 3;
+  spec.token_types[user] = 4;  // user-defined: matched literally, but not skipped when decoding
+  spec.eos_id = end;
+  auto tok = Build(spec);
+  ASSERT_TRUE(tok);
+
+  const std::vector<int32_t> ids = tok->Encode("hi<|end|><|end|>!<x>");
+  EXPECT_EQ(ids, (std::vector<int32_t>{'h', 'i', end, end_bang, user}));  // longest match wins
+  EXPECT_TRUE(tok->is_special(end));
+  EXPECT_FALSE(tok->is_special(user));
+  EXPECT_EQ(tok->Decode(ids), "hi<x>");
+  EXPECT_EQ(tok->Decode(ids, /*skip_special=*/false), "hi<|end|><|end|>!<x>");
+
+  const std::vector<int32_t> plain = tok->Encode("hi<|end|>", false, /*parse_special=*/false);
+  EXPECT_EQ(plain.size(), 9u);
+  EXPECT_EQ(tok->Decode(plain), "hi<|end|>");
+}
+
+TEST(TokenizerSpecial, AddBosPrependsBos) {
+  TokenizerSpec spec = ByteSpec({"<s>"}, {});
+  spec.token_types[256] = 3;
+  spec.bos_id = 256;
+  auto tok = Build(spec);
+  EXPECT_EQ(tok->Encode("a", /*add_bos=*/true), (std::vector<int32_t>{256, 'a'}));
+  EXPECT_EQ(tok->Encode("a", /*add_bos=*/false), (std::vector<int32_t>{'a'}));
+}
+
+TEST(TokenizerDecode, RoundTripsMixedText) {
+  auto tok = Build(ByteSpec({"he", "ll"}, {"h e", "l l"}));
+  ASSERT_TRUE(tok);
+  const std::string text =
+      "hello  wörld\t\n\n 1234 😀👍🏽 漢字かな 'tis I'LL\r\n   e\u0301 \u00a0end";
+  EXPECT_EQ(tok->Decode(tok->Encode(text)), text);
+}
+
+TEST(TokenizerDecode, InvalidUtf8BecomesReplacementChar) {
+  auto tok = Build(ByteSpec({}, {}));
+  ASSERT_TRUE(tok);
+  // 0xE2 0x82 is an incomplete euro sign, 0xFF is never valid.
+  const std::vector<int32_t> ids = {'a', 0xE2, 0x82, 'b', 0xFF, 0xE2};
+  EXPECT_EQ(tok->DecodeBytes(ids), "a\xE2\x82" "b\xFF\xE2");
+  EXPECT_EQ(tok->Decode(ids), "a\uFFFDb\uFFFD\uFFFD");
+}
+
+TEST(TokenizerDecode, IncrementalDecoderHoldsSplitCharacter) {
+  auto tok = Build(ByteSpec({}, {}));
+  ASSERT_TRUE(tok);
+  IncrementalDecoder dec(*tok);
+  EXPECT_EQ(dec.Push('x'), "x");
+  EXPECT_EQ(dec.Push(0xE2), "");  // "€" is E2 82 AC
+  EXPECT_EQ(dec.Push(0x82), "");
+  EXPECT_EQ(dec.Push(0xAC), "\u20AC");
+  EXPECT_EQ(dec.Push(0xFF), "\uFFFD");  // can never complete: emitted at once
+  EXPECT_EQ(dec.Push(0xF0), "");        // start of a 4-byte character, then the stream ends
+  EXPECT_EQ(dec.Flush(), "\uFFFD");
+  EXPECT_EQ(dec.Flush(), "");
+}
+
+// ---- HF tokenizer.json ----------------------------------------------------------------------
+
+class TokenizerHfJson : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::path(::testing::TempDir()) /
+           ("kvflow_tok_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  std::string Write(const std::string& name, const std::string& content) {
+    const std::string path = (dir_ / name).string();
+    std::ofstream(path) << content;
+    return path;
+  }
+
+  // A byte-level BPE tokenizer.json over "a", "b", "Ġ" with `pre_tokenizer` and `merges` spliced in.
+  static std::string TinyJson(const std::string& pre_tokenizer, const std::string& merges) {
+    return R"({"version": "1.0", "normalizer": null, "decoder": {"type": "ByteLevel"},
+      "added_tokens": [{"id": 5, "content": "<eos>", "special": true},
+                       {"id": 6, "content": "<bos>", "special": true}],
+      "pre_tokenizer": )" + pre_tokenizer + R"(,
+      "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "Ġ": 2, "ab": 3, "Ġab": 4},
+                "merges": )" + merges + "}}";
+  }
+
+  std::filesystem::path dir_;
+};
+
+constexpr const char* kByteLevelPre =
+    R"({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true})";
+
+TEST_F(TokenizerHfJson, ReadsBothMergeFormsAndConfig) {
+  for (const char* merges : {R"(["a b", "Ġ ab"])", R"([["a", "b"], ["Ġ", "ab"]])"}) {
+    const std::string path = Write("tokenizer.json", TinyJson(kByteLevelPre, merges));
+    Write("tokenizer_config.json", R"({"bos_token": "<bos>", "eos_token": {"content": "<eos>"},
+        "add_bos_token": true, "chat_template": "{{ messages }}"})");
+    auto tok = Tokenizer::FromHfJson(path);
+    ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+    EXPECT_EQ((*tok)->Encode("ab ab<eos>"), (std::vector<int32_t>{3, 4, 5}));
+    EXPECT_EQ((*tok)->vocab_size(), 7);
+    EXPECT_EQ((*tok)->bos_id(), 6);
+    EXPECT_EQ((*tok)->eos_id(), 5);
+    EXPECT_TRUE((*tok)->add_bos());
+    EXPECT_TRUE((*tok)->is_special(5));
+    EXPECT_EQ((*tok)->chat_template(), "{{ messages }}");
+  }
+}
+
+TEST_F(TokenizerHfJson, RecognisesKnownPreTokenizers) {
+  const std::string smollm = R"({"type": "Sequence", "pretokenizers": [
+      {"type": "Digits", "individual_digits": true}, )" + std::string(kByteLevelPre) + "]}";
+  const std::string llama3 = R"({"type": "Sequence", "pretokenizers": [
+      {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+       "behavior": "Isolated", "invert": false},
+      {"type": "ByteLevel", "add_prefix_space": false, "use_regex": false}]})";
+  for (const std::string& pre : {std::string(kByteLevelPre), smollm, llama3}) {
+    auto tok = Tokenizer::FromHfJson(Write("tokenizer.json", TinyJson(pre, R"(["a b"])")));
+    EXPECT_TRUE(tok.ok()) << pre << ": " << tok.status().ToString();
+  }
+}
+
+TEST_F(TokenizerHfJson, MissingFileIsNotFound) {
+  auto tok = Tokenizer::FromHfJson((dir_ / "nope.json").string());
+  ASSERT_FALSE(tok.ok());
+  EXPECT_EQ(tok.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(tok.status().message().find("nope.json"), std::string::npos);
+}
+
+TEST_F(TokenizerHfJson, GarbledJsonIsCorrupt) {
+  auto tok = Tokenizer::FromHfJson(Write("tokenizer.json", R"({"model": {"vocab": )"));
+  ASSERT_FALSE(tok.ok());
+  EXPECT_EQ(tok.status().code(), StatusCode::kCorruptFile);
+  EXPECT_NE(tok.status().message().find("tokenizer.json"), std::string::npos);
+  EXPECT_NE(tok.status().message().find("not valid JSON"), std::string::npos);
+}
+
+TEST_F(TokenizerHfJson, WrongLayoutIsCorrupt) {
+  auto tok = Tokenizer::FromHfJson(Write("tokenizer.json", R"({"model": {"vocab": [1, 2]}})"));
+  ASSERT_FALSE(tok.ok());
+  EXPECT_EQ(tok.status().code(), StatusCode::kCorruptFile);
+}
+
+TEST_F(TokenizerHfJson, UnknownPreTokenizerIsUnsupported) {
+  auto tok = Tokenizer::FromHfJson(
+      Write("tokenizer.json", TinyJson(R"({"type": "Whitespace"})", R"(["a b"])")));
+  ASSERT_FALSE(tok.ok());
+  EXPECT_EQ(tok.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(tok.status().message().find("Whitespace"), std::string::npos);
+}
+
+TEST_F(TokenizerHfJson, WordPieceIsUnsupported) {
+  auto tok = Tokenizer::FromHfJson(Write("tokenizer.json", R"({"model": {"type": "WordPiece"}})"));
+  ASSERT_FALSE(tok.ok());
+  EXPECT_EQ(tok.status().code(), StatusCode::kUnsupported);
+}
+
+// ---- SmolLM2 from its GGUF (ids checked against HF tokenizers) -------------------------------
+
+class TokenizerSmolLm : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const std::string path = std::string(KVFLOW_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    if (!std::filesystem::exists(path)) return;
+    auto files = OpenModelFiles(path);
+    ASSERT_TRUE(files.ok()) << files.status().ToString();
+    tok_ = std::move(files.value().tokenizer).release();
+  }
+  static void TearDownTestSuite() {
+    delete tok_;
+    tok_ = nullptr;
+  }
+  void SetUp() override {
+    if (tok_ == nullptr) GTEST_SKIP() << "models/SmolLM2-135M-Instruct.Q4_1.gguf is absent";
+  }
+  static Tokenizer* tok_;
+};
+Tokenizer* TokenizerSmolLm::tok_ = nullptr;
+
+TEST_F(TokenizerSmolLm, MatchesHfIds) {
+  EXPECT_EQ(tok_->vocab_size(), 49152);
+  EXPECT_EQ(tok_->Encode("Hello, world! It's 2024 🙂 漢字  \n"),
+            (std::vector<int32_t>{19556, 28, 905, 17, 657, 506, 216, 34, 32, 34, 36, 47526, 17097,
+                                  137, 112, 36518, 32057}));
+  EXPECT_EQ(tok_->Encode("<|im_start|>user\nHi there<|im_end|>\n"),
+            (std::vector<int32_t>{1, 4093, 198, 26843, 665, 2, 198}));
+}
+
+TEST_F(TokenizerSmolLm, RoundTripsAndSkipsSpecials) {
+  const std::string text = "<|im_start|>user\n数字 42, émoji 🎉🙂  tabs\t\tand\r\nnewlines<|im_end|>";
+  const std::vector<int32_t> ids = tok_->Encode(text);
+  EXPECT_EQ(ids.front(), tok_->bos_id());
+  EXPECT_EQ(tok_->Decode(ids, /*skip_special=*/false), text);
+  EXPECT_EQ(tok_->Decode(ids), "user\n数字 42, émoji 🎉🙂  tabs\t\tand\r\nnewlines");
+
+  IncrementalDecoder dec(*tok_, /*skip_special=*/false);
+  std::string streamed;
+  for (int32_t id : ids) streamed += dec.Push(id);
+  streamed += dec.Flush();
+  EXPECT_EQ(streamed, text);
+}
+
+}  // namespace
+}  // namespace kvflow
