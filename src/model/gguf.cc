@@ -15,6 +15,11 @@ namespace {
 constexpr uint32_t kGgufMagic = 0x46554747;  // "GGUF" read as a little-endian u32
 constexpr int kMaxArrayNesting = 8;          // deeper nesting only ever comes from garbage
 constexpr uint32_t kMaxTensorDims = 4;       // GGML_MAX_DIMS
+// Caps on string lengths, so a garbage length never becomes a huge allocation. Keys are limited
+// by the spec, tensor names by ggml (64); no real value (chat templates included) comes close.
+constexpr uint64_t kMaxKeyBytes = 65535;
+constexpr uint64_t kMaxTensorNameBytes = 4096;
+constexpr uint64_t kMaxStringValueBytes = 64 << 20;
 
 bool IsIntegerType(GgufType t) {
   switch (t) {
@@ -44,6 +49,10 @@ uint64_t MinEncodedSize(GgufType type) {
   if (type == GgufType::kArray) return 12;   // element type + count
   return static_cast<uint64_t>(ScalarSize(static_cast<uint32_t>(type)));
 }
+
+// Counts are only bounded by the file size until every entry has parsed, so a huge garbage count
+// must not turn into a huge up-front reservation.
+size_t ReservationFor(uint64_t count) { return static_cast<size_t>(std::min<uint64_t>(count, 4096)); }
 
 const char* GgmlTypeName(uint32_t type) {
   static const char* const kNames[] = {
@@ -90,9 +99,9 @@ class GgufCursor {
     return true;
   }
 
-  bool ReadString(std::string* out) {
+  bool ReadString(std::string* out, uint64_t max_length = kMaxStringValueBytes) {
     uint64_t length;
-    if (!Read(&length) || length > remaining()) return false;
+    if (!Read(&length) || length > max_length || length > remaining()) return false;
     out->assign(reinterpret_cast<const char*>(data_ + pos_), length);
     pos_ += length;
     return true;
@@ -104,7 +113,9 @@ class GgufCursor {
     if (size < 0) return false;
     if (size > 0) return Skip(size);
     uint64_t length;
-    if (static_cast<GgufType>(type) == GgufType::kString) return Read(&length) && Skip(length);
+    if (static_cast<GgufType>(type) == GgufType::kString) {
+      return Read(&length) && length <= kMaxStringValueBytes && Skip(length);
+    }
     uint32_t element_type;
     uint64_t count;
     if (depth >= kMaxArrayNesting || !Read(&element_type) || !Read(&count)) return false;
@@ -185,11 +196,11 @@ Status GgufFile::ParseMetadata(GgufCursor& cursor, uint64_t kv_count) {
   if (kv_count > cursor.remaining() / 13) {
     return Corrupt("metadata count " + std::to_string(kv_count) + " exceeds the file size");
   }
-  keys_.reserve(kv_count);
+  keys_.reserve(ReservationFor(kv_count));
   for (uint64_t i = 0; i < kv_count; ++i) {
     std::string key;
     uint32_t type;
-    if (!cursor.ReadString(&key) || !cursor.Read(&type)) {
+    if (!cursor.ReadString(&key, kMaxKeyBytes) || !cursor.Read(&type)) {
       return Corrupt("truncated metadata key " + std::to_string(i));
     }
     if (ScalarSize(type) < 0) {
@@ -229,12 +240,12 @@ Status GgufFile::ParseTensorInfos(GgufCursor& cursor, uint64_t tensor_count) {
     return Corrupt("tensor count " + std::to_string(tensor_count) + " exceeds the file size");
   }
   Status unsupported;
-  tensors_.reserve(tensor_count);
-  tensor_offsets_.reserve(tensor_count);
+  tensors_.reserve(ReservationFor(tensor_count));
+  tensor_offsets_.reserve(ReservationFor(tensor_count));
   for (uint64_t i = 0; i < tensor_count; ++i) {
     TensorInfo info;
     uint32_t n_dims;
-    if (!cursor.ReadString(&info.name) || !cursor.Read(&n_dims)) {
+    if (!cursor.ReadString(&info.name, kMaxTensorNameBytes) || !cursor.Read(&n_dims)) {
       return Corrupt("truncated tensor info " + std::to_string(i));
     }
     const std::string where = "tensor '" + info.name + "'";

@@ -1,6 +1,7 @@
 // OpenModelFiles: decides what a path holds and assembles config, tensors and tokenizer.
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <system_error>
 

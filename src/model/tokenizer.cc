@@ -195,7 +195,7 @@ class BpeTokenizer final : public Tokenizer {
     unk_id_ = spec.unk_id;
     add_bos_ = spec.add_bos;
     chat_template_ = std::move(spec.chat_template);
-    ignore_merges_ = spec.ignore_merges.value_or(pre_.name() == std::string("llama-bpe"));
+    ignore_merges_ = spec.ignore_merges.value_or(std::string_view(pre_.name()) == "llama-bpe");
 
     const ByteLevelAlphabet& alphabet = ByteLevelAlphabet::Get();
     vocab_.reserve(tokens_.size());
@@ -361,7 +361,8 @@ using nlohmann::json;
 constexpr std::string_view kGpt2Regex =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 constexpr std::string_view kLlama3Regex =
-    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|)"
+    R"( ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
 Result<json> ReadJsonFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -486,7 +487,10 @@ Status ParseHfTokenizer(const json& root, const std::string& path, TokenizerSpec
     spec->token_types[id] = type;
     return Status::Ok();
   };
-  for (const auto& [text, id] : model.at("vocab").items()) {
+  if (!model.at("vocab").is_object()) {
+    return Status::CorruptFile(path + ": model.vocab is not a token -> id object");
+  }
+  for (const auto& [text, id] : model["vocab"].items()) {
     KVFLOW_RETURN_IF_ERROR(set_token(id.get<int64_t>(), text, 1));
   }
   for (const json& merge : model.at("merges")) {
@@ -522,17 +526,12 @@ Status ParseHfTokenizer(const json& root, const std::string& path, TokenizerSpec
 
 // tokenizer_config.json: bos/eos token texts, add_bos_token and the chat template.
 void ApplyTokenizerConfig(const json& config, TokenizerSpec* spec) {
-  if (config.contains("bos_token")) {
-    if (int32_t id = FindToken(*spec, TokenContent(config["bos_token"])); id >= 0) {
-      spec->bos_id = id;
-    }
+  const std::pair<const char*, int32_t*> roles[] = {
+      {"bos_token", &spec->bos_id}, {"eos_token", &spec->eos_id}, {"pad_token", &spec->pad_id}};
+  for (const auto& [key, id] : roles) {
+    if (!config.contains(key)) continue;
+    if (int32_t found = FindToken(*spec, TokenContent(config[key])); found >= 0) *id = found;
   }
-  if (config.contains("eos_token")) {
-    if (int32_t id = FindToken(*spec, TokenContent(config["eos_token"])); id >= 0) {
-      spec->eos_id = id;
-    }
-  }
-  if (config.contains("pad_token")) spec->pad_id = FindToken(*spec, TokenContent(config["pad_token"]));
   if (config.contains("add_bos_token") && config["add_bos_token"].is_boolean()) {
     spec->add_bos = config["add_bos_token"].get<bool>();
   }

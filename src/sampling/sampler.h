@@ -50,7 +50,7 @@ class Sampler {
   std::mt19937_64 rng_;
   // Scratch reused across calls so that a step allocates nothing once the vocab size is known.
   std::vector<int32_t> order_;          // candidate ids
-  std::vector<float> weights_;          // by token id: exp of the logit minus the max
+  std::vector<float> weights_;          // by token id: exp(logit - max); sized by ScanRawLogits
   std::vector<int32_t> occurrences_;    // by token id: 1 + output count while penalizing, else 0
   std::vector<ScoredToken> penalized_;  // raw logits of the tokens the penalties changed
   std::vector<ScoredToken> top_raw_;    // the largest raw logits, for top_logprobs

@@ -13,6 +13,7 @@
 #include <spdlog/spdlog.h>
 
 #include "backend/cpu/cpu_backend.h"
+#include "kv/block_table.h"
 #include "kvflow/engine.h"
 #include "model/llama_weights.h"
 #include "model/tensor_source.h"

@@ -168,7 +168,7 @@ def main():
     ap.add_argument("--dump-bin", required=True)
     ap.add_argument("--gguf")
     ap.add_argument("--workdir", default=tempfile.gettempdir())
-    ap.add_argument("--smollm-tol", type=float, default=2e-2)
+    ap.add_argument("--smollm-tol", type=float, default=1e-3)
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     torch.set_num_threads(max(1, os.cpu_count() or 1))

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Checks kvflow's tokenizer against HF `tokenizers` on a text file.
 
-Builds HF tokenizers from a GGUF file's tokenizer metadata, once with the GGUF's own pre-tokenizer
-and once with the Llama-3 one, writes each as tokenizer.json, and requires `tokenizer_dump` to
-produce exactly HF's ids for the whole input (through --tokenizer-json, and through --gguf for the
-GGUF's own pre-tokenizer).
+Builds HF tokenizers from a GGUF file's tokenizer metadata with the GGUF's own pre-tokenizer and
+with the Llama-3 and GPT-2 ones, writes each as tokenizer.json (+ tokenizer_config.json), and
+requires `tokenizer_dump` to produce exactly HF's ids for the whole input and for a generated
+stress text (through --tokenizer-json, and through --gguf for the GGUF's own pre-tokenizer).
 
   tokenizer_reference.py --gguf M.gguf --dump-bin build/tokenizer_dump --input valid.txt --workdir D
 Exit status: 0 all equal, 1 mismatch or error, 77 skipped (model or input missing).
@@ -17,7 +17,6 @@ import time
 
 SKIP = 77
 
-GPT2_REGEX = (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
@@ -41,7 +40,8 @@ def read_gguf_tokenizer(path):
 
     model = field("tokenizer.ggml.model")
     if model != "gpt2":
-        raise SystemExit(f"{path}: tokenizer.ggml.model is {model!r}, expected 'gpt2' (byte-level BPE)")
+        raise SystemExit(f"{path}: tokenizer.ggml.model is {model!r}, "
+                         "expected 'gpt2' (byte-level BPE)")
     return {
         "tokens": field("tokenizer.ggml.tokens"),
         "merges": field("tokenizer.ggml.merges"),
@@ -49,7 +49,23 @@ def read_gguf_tokenizer(path):
         "pre": field("tokenizer.ggml.pre", "gpt2"),
         "bos": field("tokenizer.ggml.bos_token_id", -1),
         "eos": field("tokenizer.ggml.eos_token_id", -1),
+        "add_bos": bool(field("tokenizer.ggml.add_bos_token", False)),
+        "chat_template": field("tokenizer.chat_template", ""),
     }
+
+
+def write_tokenizer_config(meta, path):
+    """The tokenizer_config.json an HF model directory would have next to tokenizer.json."""
+    import json
+
+    tokens = meta["tokens"]
+    config = {"add_bos_token": meta["add_bos"], "chat_template": meta["chat_template"]}
+    if meta["bos"] >= 0:
+        config["bos_token"] = tokens[meta["bos"]]
+    if meta["eos"] >= 0:
+        config["eos_token"] = tokens[meta["eos"]]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, ensure_ascii=False, indent=2)
 
 
 def build_hf_tokenizer(meta, pre):
@@ -89,8 +105,8 @@ STRESS_FRAGMENTS = [
     "0", "7", "42", "1234567", "3.14", "$1,000", "\u00bd", "\u00b2", "\u0663\u0664", "\u216b",
     " ", " ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", "\r", " \n ", "\u00a0", "\u2009",
     "\u3000", "\u0085", "\u001c", "\u200b", "\u00ad", "\u01c5", "\u02b0", "\U0001d400",
-    "\u6f22\u5b57", "\u3053\u3093\u306b\u3061\u306f", "\ud55c\uad6d\uc5b4", "\u0645\u0631\u062d\u0628\u0627",
-    "\u041f\u0440\u0438\u0432\u0435\u0442", "e\u0301", "\U0001f600", "\U0001f44d\U0001f3fd",
+    "\u6f22\u5b57", "\u3053\u3093\u306b\u3061\u306f", "\ud55c\uad6d\uc5b4",
+    "\u0645\u0631\u062d\u0628\u0627", "\u041f\u0440\u0438\u0432\u0435\u0442", "e\u0301", "\U0001f600", "\U0001f44d\U0001f3fd",
     "\U0001f468\u200d\U0001f469\u200d\U0001f467", "...", "!?", "--", "@", '"', "(", ")", "<", ">",
     "<|im_start|>", "<|im_end|>", "<|im_start", "|>", "<|endoftext|>", "http://x.y/z?q=1&r=2",
 ]
@@ -112,7 +128,9 @@ def run_dump(dump_bin, source_args, input_path):
     if proc.returncode != 0:
         return None, f"{' '.join(source_args)} failed ({proc.returncode}): {proc.stderr.strip()}"
     print(proc.stderr.strip())
-    return [int(x) for x in proc.stdout.split()], f"{elapsed:.2f} s"
+    # The ids are the last line; model loading may log to stdout before it.
+    lines = proc.stdout.rstrip("\n").split("\n")
+    return [int(x) for x in lines[-1].split()], f"{elapsed:.2f} s"
 
 
 def compare(label, expected, got, hf_tok):
@@ -143,6 +161,9 @@ def main():
         if not os.path.exists(path):
             print(f"SKIP: {what} file {path} is missing")
             return SKIP
+    if not os.access(args.dump_bin, os.X_OK):
+        print(f"FAIL: {args.dump_bin} is not an executable tokenizer_dump")
+        return 1
     try:
         import gguf  # noqa: F401
         import tokenizers  # noqa: F401
@@ -161,6 +182,7 @@ def main():
         json_path = os.path.join(args.workdir, pre, "tokenizer.json")
         os.makedirs(os.path.dirname(json_path), exist_ok=True)
         hf_tok.save(json_path)
+        write_tokenizer_config(meta, os.path.join(args.workdir, pre, "tokenizer_config.json"))
         sources = [("tokenizer.json", ["--tokenizer-json", json_path])]
         if pre == meta["pre"]:
             sources.append(("gguf", ["--gguf", args.gguf]))

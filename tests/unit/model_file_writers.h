@@ -211,8 +211,9 @@ class GgufWriter {
   void AddStringArray(const std::string& key, const std::vector<std::string>& values) {
     AddRaw(key, kArray, StrArray(values));
   }
+  // Declares `alignment` and lays the data out by it (0, which no reader accepts, keeps 32).
   void SetAlignment(uint32_t alignment) {
-    alignment_ = alignment;
+    if (alignment != 0) alignment_ = alignment;
     Add("general.alignment", kU32, alignment);
   }
 

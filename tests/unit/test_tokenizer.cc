@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -37,9 +38,12 @@ std::string ByteLevel(std::string_view bytes) {
 }
 
 // A vocabulary of the 256 byte tokens (ids 0..255 in byte order) plus `extra` tokens after them.
-TokenizerSpec ByteSpec(const std::vector<std::string>& extra, const std::vector<std::string>& merges) {
+TokenizerSpec ByteSpec(const std::vector<std::string>& extra,
+                       const std::vector<std::string>& merges) {
   TokenizerSpec spec;
-  for (int b = 0; b < 256; ++b) spec.tokens.push_back(ByteLevel(std::string(1, static_cast<char>(b))));
+  for (int b = 0; b < 256; ++b) {
+    spec.tokens.push_back(ByteLevel(std::string(1, static_cast<char>(b))));
+  }
   for (const std::string& t : extra) spec.tokens.push_back(t);
   spec.token_types.assign(spec.tokens.size(), 1);
   spec.merges = merges;
@@ -87,6 +91,32 @@ TEST(TokenizerPreTokenizer, Llama3RegexMatchesHf) {
                                       " I", "'M", "\r\n", "\tok", "!!"}));
   EXPECT_EQ(Split("llama-bpe", "a  \n b.\n\n"),
             (std::vector<std::string>{"a", "  \n", " b", ".\n\n"}));
+}
+
+// Text mixing the cases the matchers branch on, plus bytes that are not valid UTF-8.
+std::string RandomText(std::mt19937* rng, size_t fragments) {
+  static const std::vector<std::string> kFragments = {
+      "a", "Zz", "'s", "'LL", "'", "7", "123", "\u00bd", " ", "  ", "\t", "\n", "\r\n", "\u00a0",
+      "\u3000", ".", "!?", "\u00e9", "\u6f22", "\U0001F600", "\xE2\x82", "\xFF", "\x80", "\xF0"};
+  std::uniform_int_distribution<size_t> pick(0, kFragments.size() - 1);
+  std::string text;
+  for (size_t i = 0; i < fragments; ++i) text += kFragments[pick(*rng)];
+  return text;
+}
+
+TEST(TokenizerPreTokenizer, PiecesCoverAnyInput) {
+  std::mt19937 rng(42);
+  for (const char* pre : {"gpt2", "smollm", "llama-bpe"}) {
+    for (int round = 0; round < 200; ++round) {
+      const std::string text = RandomText(&rng, round % 40);
+      std::string joined;
+      for (const std::string& piece : Split(pre, text)) {
+        ASSERT_FALSE(piece.empty()) << pre;
+        joined += piece;
+      }
+      ASSERT_EQ(joined, text) << pre;
+    }
+  }
 }
 
 TEST(TokenizerPreTokenizer, UnknownNameIsUnsupported) {
@@ -175,6 +205,20 @@ TEST(TokenizerDecode, RoundTripsMixedText) {
   EXPECT_EQ(tok->Decode(tok->Encode(text)), text);
 }
 
+TEST(TokenizerDecode, AnyBytesRoundTrip) {
+  std::mt19937 rng(7);
+  for (const char* pre : {"gpt2", "smollm", "llama-bpe"}) {
+    TokenizerSpec spec = ByteSpec({"Ġa", "'s"}, {"Ġ a", "' s"});
+    spec.pre = pre;
+    auto tok = Build(spec);
+    ASSERT_TRUE(tok);
+    for (int round = 0; round < 100; ++round) {
+      const std::string text = RandomText(&rng, 30);
+      ASSERT_EQ(tok->DecodeBytes(tok->Encode(text)), text) << pre;
+    }
+  }
+}
+
 TEST(TokenizerDecode, InvalidUtf8BecomesReplacementChar) {
   auto tok = Build(ByteSpec({}, {}));
   ASSERT_TRUE(tok);
@@ -203,8 +247,8 @@ TEST(TokenizerDecode, IncrementalDecoderHoldsSplitCharacter) {
 class TokenizerHfJson : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = std::filesystem::path(::testing::TempDir()) /
-           ("kvflow_tok_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    const char* test = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    dir_ = std::filesystem::path(::testing::TempDir()) / ("kvflow_tok_" + std::string(test));
     std::filesystem::create_directories(dir_);
   }
   void TearDown() override { std::filesystem::remove_all(dir_); }
@@ -215,7 +259,8 @@ class TokenizerHfJson : public ::testing::Test {
     return path;
   }
 
-  // A byte-level BPE tokenizer.json over "a", "b", "Ġ" with `pre_tokenizer` and `merges` spliced in.
+  // A byte-level BPE tokenizer.json over "a", "b", "Ġ" with `pre_tokenizer` and `merges`
+  // spliced in.
   static std::string TinyJson(const std::string& pre_tokenizer, const std::string& merges) {
     return R"({"version": "1.0", "normalizer": null, "decoder": {"type": "ByteLevel"},
       "added_tokens": [{"id": 5, "content": "<eos>", "special": true},
@@ -252,7 +297,9 @@ TEST_F(TokenizerHfJson, RecognisesKnownPreTokenizers) {
   const std::string smollm = R"({"type": "Sequence", "pretokenizers": [
       {"type": "Digits", "individual_digits": true}, )" + std::string(kByteLevelPre) + "]}";
   const std::string llama3 = R"({"type": "Sequence", "pretokenizers": [
-      {"type": "Split", "pattern": {"Regex": "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+      {"type": "Split", "pattern": {"Regex":
+          "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}|)"
+      R"( ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
        "behavior": "Isolated", "invert": false},
       {"type": "ByteLevel", "add_prefix_space": false, "use_regex": false}]})";
   for (const std::string& pre : {std::string(kByteLevelPre), smollm, llama3}) {
@@ -301,7 +348,8 @@ TEST_F(TokenizerHfJson, WordPieceIsUnsupported) {
 class TokenizerSmolLm : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    const std::string path = std::string(KVFLOW_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    const std::string path =
+        std::string(KVFLOW_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
     if (!std::filesystem::exists(path)) return;
     auto files = OpenModelFiles(path);
     ASSERT_TRUE(files.ok()) << files.status().ToString();
@@ -328,7 +376,8 @@ TEST_F(TokenizerSmolLm, MatchesHfIds) {
 }
 
 TEST_F(TokenizerSmolLm, RoundTripsAndSkipsSpecials) {
-  const std::string text = "<|im_start|>user\n数字 42, émoji 🎉🙂  tabs\t\tand\r\nnewlines<|im_end|>";
+  const std::string text =
+      "<|im_start|>user\n数字 42, émoji 🎉🙂  tabs\t\tand\r\nnewlines<|im_end|>";
   const std::vector<int32_t> ids = tok_->Encode(text);
   EXPECT_EQ(ids.front(), tok_->bos_id());
   EXPECT_EQ(tok_->Decode(ids, /*skip_special=*/false), text);
