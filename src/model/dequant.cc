@@ -122,8 +122,12 @@ const char* DTypeName(DType t) {
 
 int64_t DTypeBlockElements(DType t) {
   switch (t) {
-    case DType::kF32: case DType::kF16: case DType::kBF16: return 1;
-    case DType::kQ8_0: case DType::kQ4_0: case DType::kQ4_1: return kQuantBlock;
+    case DType::kF32:
+    case DType::kF16:
+    case DType::kBF16: return 1;
+    case DType::kQ8_0:
+    case DType::kQ4_0:
+    case DType::kQ4_1: return kQuantBlock;
   }
   return 1;
 }
@@ -131,7 +135,8 @@ int64_t DTypeBlockElements(DType t) {
 size_t DTypeBlockBytes(DType t) {
   switch (t) {
     case DType::kF32: return 4;
-    case DType::kF16: case DType::kBF16: return 2;
+    case DType::kF16:
+    case DType::kBF16: return 2;
     case DType::kQ8_0: return 34;
     case DType::kQ4_0: return 18;
     case DType::kQ4_1: return 20;
@@ -150,7 +155,8 @@ Status DequantizeToF32(const TensorInfo& info, float* out) {
   const int64_t block = DTypeBlockElements(info.dtype);
   const std::string where = info.file + ": tensor '" + info.name + "'";
   if (n < 0 || (!info.shape.empty() && info.shape.back() % block != 0)) {
-    return Status::InvalidArgument(where + ": shape does not fit " + DTypeName(info.dtype) + " blocks");
+    return Status::InvalidArgument(where + ": shape does not fit " + DTypeName(info.dtype) +
+                                   " blocks");
   }
   const int64_t blocks = n / block;
   if (info.nbytes != static_cast<size_t>(blocks) * DTypeBlockBytes(info.dtype)) {

@@ -23,43 +23,57 @@ constexpr uint64_t kMaxStringValueBytes = 64 << 20;
 
 bool IsIntegerType(GgufType t) {
   switch (t) {
-    case GgufType::kUint8: case GgufType::kInt8: case GgufType::kUint16: case GgufType::kInt16:
-    case GgufType::kUint32: case GgufType::kInt32: case GgufType::kUint64: case GgufType::kInt64:
-      return true;
-    default:
-      return false;
+    case GgufType::kUint8:
+    case GgufType::kInt8:
+    case GgufType::kUint16:
+    case GgufType::kInt16:
+    case GgufType::kUint32:
+    case GgufType::kInt32:
+    case GgufType::kUint64:
+    case GgufType::kInt64: return true;
+    default: return false;
   }
 }
 
 // Size of a fixed-size scalar, 0 for string/array, -1 for an id that is not a GGUF type.
 int ScalarSize(uint32_t type) {
   switch (static_cast<GgufType>(type)) {
-    case GgufType::kUint8: case GgufType::kInt8: case GgufType::kBool: return 1;
-    case GgufType::kUint16: case GgufType::kInt16: return 2;
-    case GgufType::kUint32: case GgufType::kInt32: case GgufType::kFloat32: return 4;
-    case GgufType::kUint64: case GgufType::kInt64: case GgufType::kFloat64: return 8;
-    case GgufType::kString: case GgufType::kArray: return 0;
+    case GgufType::kUint8:
+    case GgufType::kInt8:
+    case GgufType::kBool: return 1;
+    case GgufType::kUint16:
+    case GgufType::kInt16: return 2;
+    case GgufType::kUint32:
+    case GgufType::kInt32:
+    case GgufType::kFloat32: return 4;
+    case GgufType::kUint64:
+    case GgufType::kInt64:
+    case GgufType::kFloat64: return 8;
+    case GgufType::kString:
+    case GgufType::kArray: return 0;
   }
   return -1;
 }
 
 // Fewest bytes one value of `type` can occupy; bounds array counts before anything is allocated.
 uint64_t MinEncodedSize(GgufType type) {
-  if (type == GgufType::kString) return 8;   // length
-  if (type == GgufType::kArray) return 12;   // element type + count
+  if (type == GgufType::kString) return 8;  // length
+  if (type == GgufType::kArray) return 12;  // element type + count
   return static_cast<uint64_t>(ScalarSize(static_cast<uint32_t>(type)));
 }
 
 // Counts are only bounded by the file size until every entry has parsed, so a huge garbage count
 // must not turn into a huge up-front reservation.
-size_t ReservationFor(uint64_t count) { return static_cast<size_t>(std::min<uint64_t>(count, 4096)); }
+size_t ReservationFor(uint64_t count) {
+  return static_cast<size_t>(std::min<uint64_t>(count, 4096));
+}
 
 const char* GgmlTypeName(uint32_t type) {
   static const char* const kNames[] = {
-      "F32",  "F16",     "Q4_0",   "Q4_1",    "Q4_2", "Q4_3",   "Q5_0",  "Q5_1",  "Q8_0",
-      "Q8_1", "Q2_K",    "Q3_K",   "Q4_K",    "Q5_K", "Q6_K",   "Q8_K",  "IQ2_XXS", "IQ2_XS",
-      "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S",  "IQ2_S", "IQ4_XS", "I8",    "I16",   "I32",
-      "I64",  "F64",     "IQ1_M",  "BF16"};
+      "F32",     "F16",    "Q4_0",    "Q4_1",  "Q4_2",   "Q4_3",  "Q5_0",  "Q5_1",
+      "Q8_0",    "Q8_1",   "Q2_K",    "Q3_K",  "Q4_K",   "Q5_K",  "Q6_K",  "Q8_K",
+      "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS",
+      "I8",      "I16",    "I32",     "I64",   "F64",    "IQ1_M", "BF16"};
   return type < std::size(kNames) ? kNames[type] : "unknown";
 }
 
@@ -219,7 +233,9 @@ Status GgufFile::ParseMetadata(GgufCursor& cursor, uint64_t kv_count) {
       ok = cursor.SkipValue(type, 0);
     }
     if (!ok) return Corrupt("metadata '" + key + "' is truncated or malformed");
-    if (!metadata_.emplace(key, value).second) return Corrupt("duplicate metadata key '" + key + "'");
+    if (!metadata_.emplace(key, value).second) {
+      return Corrupt("duplicate metadata key '" + key + "'");
+    }
     keys_.push_back(std::move(key));
   }
 
@@ -317,8 +333,8 @@ Status GgufFile::PlaceTensorData() {
   for (size_t k = 1; k < by_offset.size(); ++k) {
     size_t prev = by_offset[k - 1], cur = by_offset[k];
     if (tensor_offsets_[prev] + tensors_[prev].nbytes > tensor_offsets_[cur]) {
-      return Corrupt("tensor '" + tensors_[prev].name + "' overlaps tensor '" +
-                     tensors_[cur].name + "'");
+      return Corrupt("tensor '" + tensors_[prev].name + "' overlaps tensor '" + tensors_[cur].name +
+                     "'");
     }
   }
   return Status::Ok();
@@ -328,14 +344,17 @@ std::vector<std::string> GgufFile::Keys() const { return keys_; }
 
 Result<const GgufFile::Value*> GgufFile::Lookup(const std::string& key) const {
   auto it = metadata_.find(key);
-  if (it == metadata_.end()) return Status::NotFound(path() + ": metadata key '" + key + "' missing");
+  if (it == metadata_.end()) {
+    return Status::NotFound(path() + ": metadata key '" + key + "' missing");
+  }
   return &it->second;
 }
 
 Result<int64_t> GgufFile::GetInteger(const std::string& key, int64_t min, int64_t max) const {
   KVFLOW_ASSIGN_OR_RETURN(const Value* value, Lookup(key));
   if (!IsIntegerType(value->type)) {
-    return Corrupt("metadata '" + key + "' is " + GgufTypeName(value->type) + ", expected an integer");
+    return Corrupt("metadata '" + key + "' is " + GgufTypeName(value->type) +
+                   ", expected an integer");
   }
   GgufCursor cursor(file_->data(), file_->size(), value->offset);
   int64_t result = 0;
@@ -413,7 +432,8 @@ Result<bool> GgufFile::GetBool(const std::string& key) const {
 Result<std::string> GgufFile::GetString(const std::string& key) const {
   KVFLOW_ASSIGN_OR_RETURN(const Value* value, Lookup(key));
   if (value->type != GgufType::kString) {
-    return Corrupt("metadata '" + key + "' is " + GgufTypeName(value->type) + ", expected a string");
+    return Corrupt("metadata '" + key + "' is " + GgufTypeName(value->type) +
+                   ", expected a string");
   }
   GgufCursor cursor(file_->data(), file_->size(), value->offset);
   std::string s;
@@ -424,7 +444,8 @@ Result<std::string> GgufFile::GetString(const std::string& key) const {
 Result<uint64_t> GgufFile::GetArrayLength(const std::string& key) const {
   KVFLOW_ASSIGN_OR_RETURN(const Value* value, Lookup(key));
   if (value->type != GgufType::kArray) {
-    return Corrupt("metadata '" + key + "' is " + GgufTypeName(value->type) + ", expected an array");
+    return Corrupt("metadata '" + key + "' is " + GgufTypeName(value->type) +
+                   ", expected an array");
   }
   return value->count;
 }
@@ -524,10 +545,12 @@ Result<TokenizerSpec> TokenizerSpecFromGguf(const GgufFile& gguf) {
     KVFLOW_ASSIGN_OR_RETURN(spec.merges, gguf.GetStringArray("tokenizer.ggml.merges"));
   }
   if (gguf.Has("tokenizer.ggml.token_type")) {
-    KVFLOW_ASSIGN_OR_RETURN(std::vector<int64_t> types, gguf.GetIntArray("tokenizer.ggml.token_type"));
+    KVFLOW_ASSIGN_OR_RETURN(std::vector<int64_t> types,
+                            gguf.GetIntArray("tokenizer.ggml.token_type"));
     if (types.size() != spec.tokens.size()) {
       return Status::CorruptFile(gguf.path() + ": " + std::to_string(types.size()) +
-                                 " token types for " + std::to_string(spec.tokens.size()) + " tokens");
+                                 " token types for " + std::to_string(spec.tokens.size()) +
+                                 " tokens");
     }
     spec.token_types.assign(types.begin(), types.end());
   }

@@ -16,7 +16,9 @@ namespace {
 
 using nlohmann::json;
 
-bool IsSupportedArchitecture(const std::string& arch) { return arch == "llama" || arch == "mistral"; }
+bool IsSupportedArchitecture(const std::string& arch) {
+  return arch == "llama" || arch == "mistral";
+}
 
 const char* RopeScalingName(RopeScaling::Type t) {
   switch (t) {
@@ -81,7 +83,8 @@ class JsonFields {
     // Some exporters write integral values as floats (8192.0).
     if (!v.is_number()) return Wrong(key, "an integer");
     double d = v.get<double>();
-    if (d != std::floor(d) || d < std::numeric_limits<int>::min() || d > std::numeric_limits<int>::max()) {
+    if (d != std::floor(d) || d < std::numeric_limits<int>::min() ||
+        d > std::numeric_limits<int>::max()) {
       return Wrong(key, "an integer in range");
     }
     *out = static_cast<int>(d);
@@ -107,16 +110,24 @@ Status ReadHfRopeScaling(const JsonFields& config, const std::string& path, Mode
   JsonFields fields(*scaling, path);
   const json* type = fields.Get("rope_type");
   if (type == nullptr) type = fields.Get("type");
-  if (type == nullptr || !type->is_string()) return config.Wrong("rope_scaling", "an object with a type");
+  if (type == nullptr || !type->is_string()) {
+    return config.Wrong("rope_scaling", "an object with a type");
+  }
 
   RopeScaling& rope = out->rope_scaling;
   const std::string name = type->get<std::string>();
   if (name == "default") return Status::Ok();
-  if (name == "linear") rope.type = RopeScaling::Type::kLinear;
-  else if (name == "dynamic") rope.type = RopeScaling::Type::kDynamic;
-  else if (name == "llama3") rope.type = RopeScaling::Type::kLlama3;
-  else if (name == "yarn") rope.type = RopeScaling::Type::kYarn;
-  else return Status::Unsupported(path + ": rope_scaling type '" + name + "' is not supported");
+  if (name == "linear") {
+    rope.type = RopeScaling::Type::kLinear;
+  } else if (name == "dynamic") {
+    rope.type = RopeScaling::Type::kDynamic;
+  } else if (name == "llama3") {
+    rope.type = RopeScaling::Type::kLlama3;
+  } else if (name == "yarn") {
+    rope.type = RopeScaling::Type::kYarn;
+  } else {
+    return Status::Unsupported(path + ": rope_scaling type '" + name + "' is not supported");
+  }
 
   KVFLOW_RETURN_IF_ERROR(fields.Float("factor", &rope.factor));
   KVFLOW_RETURN_IF_ERROR(fields.Float("low_freq_factor", &rope.low_freq_factor));
@@ -175,7 +186,8 @@ Result<ModelConfig> ModelConfigFromHfJson(const std::string& path) {
                  : std::filesystem::absolute(path).parent_path().filename().string();
     KVFLOW_RETURN_IF_ERROR(fields.Int("vocab_size", &c.vocab_size, /*required=*/true));
     KVFLOW_RETURN_IF_ERROR(fields.Int("hidden_size", &c.hidden_size, /*required=*/true));
-    KVFLOW_RETURN_IF_ERROR(fields.Int("intermediate_size", &c.intermediate_size, /*required=*/true));
+    KVFLOW_RETURN_IF_ERROR(
+        fields.Int("intermediate_size", &c.intermediate_size, /*required=*/true));
     KVFLOW_RETURN_IF_ERROR(fields.Int("num_hidden_layers", &c.num_layers, /*required=*/true));
     KVFLOW_RETURN_IF_ERROR(fields.Int("num_attention_heads", &c.num_heads, /*required=*/true));
     c.num_kv_heads = c.num_heads;
@@ -242,10 +254,13 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& gguf) {
   RopeScaling& rope = c.rope_scaling;
   if (gguf.Has(arch + "rope.scaling.type")) {
     KVFLOW_ASSIGN_OR_RETURN(std::string type, gguf.GetString(arch + "rope.scaling.type"));
-    if (type == "linear") rope.type = RopeScaling::Type::kLinear;
-    else if (type == "yarn") rope.type = RopeScaling::Type::kYarn;
-    else if (type != "none") {
-      return Status::Unsupported(gguf.path() + ": rope scaling type '" + type + "' is not supported");
+    if (type == "linear") {
+      rope.type = RopeScaling::Type::kLinear;
+    } else if (type == "yarn") {
+      rope.type = RopeScaling::Type::kYarn;
+    } else if (type != "none") {
+      return Status::Unsupported(gguf.path() + ": rope scaling type '" + type +
+                                 "' is not supported");
     }
     KVFLOW_RETURN_IF_ERROR(read_float(arch + "rope.scaling.factor", &rope.factor));
   } else if (gguf.Has(arch + "rope.scale_linear")) {  // the key older converters wrote
@@ -275,31 +290,47 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& gguf) {
   for (const char* key : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"}) {
     int id = -1;
     KVFLOW_RETURN_IF_ERROR(read_int(key, &id, false));
-    if (id >= 0 && (c.eos_token_ids.empty() || c.eos_token_ids[0] != id)) c.eos_token_ids.push_back(id);
+    if (id >= 0 && (c.eos_token_ids.empty() || c.eos_token_ids[0] != id)) {
+      c.eos_token_ids.push_back(id);
+    }
   }
   return c;
 }
 
 Status ModelConfig::Validate() const {
-  auto invalid = [](const std::string& what) { return Status::InvalidArgument("model config: " + what); };
+  auto invalid = [](const std::string& what) {
+    return Status::InvalidArgument("model config: " + what);
+  };
   if (!IsSupportedArchitecture(architecture)) {
     return invalid("architecture '" + architecture + "' is not llama or mistral");
   }
   const std::pair<const char*, int> sizes[] = {
-      {"vocab_size", vocab_size}, {"hidden_size", hidden_size},
-      {"intermediate_size", intermediate_size}, {"num_layers", num_layers},
-      {"num_heads", num_heads}, {"num_kv_heads", num_kv_heads},
-      {"head_dim", head_dim}, {"max_position_embeddings", max_position_embeddings}};
+      {"vocab_size", vocab_size},
+      {"hidden_size", hidden_size},
+      {"intermediate_size", intermediate_size},
+      {"num_layers", num_layers},
+      {"num_heads", num_heads},
+      {"num_kv_heads", num_kv_heads},
+      {"head_dim", head_dim},
+      {"max_position_embeddings", max_position_embeddings}};
   for (const auto& [name, value] : sizes) {
-    if (value <= 0) return invalid(std::string(name) + " must be positive, got " + std::to_string(value));
+    if (value <= 0) {
+      return invalid(std::string(name) + " must be positive, got " + std::to_string(value));
+    }
   }
   if (num_heads % num_kv_heads != 0) {
-    return invalid("num_heads " + std::to_string(num_heads) + " is not a multiple of num_kv_heads " +
-                   std::to_string(num_kv_heads));
+    return invalid("num_heads " + std::to_string(num_heads) +
+                   " is not a multiple of num_kv_heads " + std::to_string(num_kv_heads));
   }
-  if (head_dim % 2 != 0) return invalid("head_dim " + std::to_string(head_dim) + " is odd; RoPE needs pairs");
-  if (!(rms_norm_eps > 0.0f) || !std::isfinite(rms_norm_eps)) return invalid("rms_norm_eps must be positive");
-  if (!(rope_theta > 0.0f) || !std::isfinite(rope_theta)) return invalid("rope_theta must be positive");
+  if (head_dim % 2 != 0) {
+    return invalid("head_dim " + std::to_string(head_dim) + " is odd; RoPE needs pairs");
+  }
+  if (!(rms_norm_eps > 0.0f) || !std::isfinite(rms_norm_eps)) {
+    return invalid("rms_norm_eps must be positive");
+  }
+  if (!(rope_theta > 0.0f) || !std::isfinite(rope_theta)) {
+    return invalid("rope_theta must be positive");
+  }
   if (bos_token_id < -1 || bos_token_id >= vocab_size) {
     return invalid("bos_token_id " + std::to_string(bos_token_id) + " is outside the vocabulary");
   }
@@ -332,26 +363,24 @@ std::string ModelConfig::Describe() const {
       << "hidden size:    " << hidden_size << " (ffn " << intermediate_size << ")\n"
       << "heads:          " << num_heads << " query, " << num_kv_heads << " key/value, head_dim "
       << head_dim << "\n"
-      << "vocab:          " << vocab_size << (tie_word_embeddings ? " (tied embeddings)" : "") << "\n"
+      << "vocab:          " << vocab_size << (tie_word_embeddings ? " (tied embeddings)" : "")
+      << "\n"
       << "context:        " << max_position_embeddings << "\n"
       << "rms_norm_eps:   " << rms_norm_eps << "\n"
       << "rope_theta:     " << rope_theta << "\n"
       << "rope_scaling:   " << RopeScalingName(rope_scaling.type);
   switch (rope_scaling.type) {
-    case RopeScaling::Type::kNone:
-      break;
+    case RopeScaling::Type::kNone: break;
     case RopeScaling::Type::kLinear:
-    case RopeScaling::Type::kDynamic:
-      out << " factor " << rope_scaling.factor;
-      break;
+    case RopeScaling::Type::kDynamic: out << " factor " << rope_scaling.factor; break;
     case RopeScaling::Type::kLlama3:
       out << " factor " << rope_scaling.factor << ", low/high freq factor "
-          << rope_scaling.low_freq_factor << "/" << rope_scaling.high_freq_factor << ", original context "
-          << rope_scaling.original_max_position_embeddings;
+          << rope_scaling.low_freq_factor << "/" << rope_scaling.high_freq_factor
+          << ", original context " << rope_scaling.original_max_position_embeddings;
       break;
     case RopeScaling::Type::kYarn:
-      out << " factor " << rope_scaling.factor << ", beta fast/slow " << rope_scaling.beta_fast << "/"
-          << rope_scaling.beta_slow << ", original context "
+      out << " factor " << rope_scaling.factor << ", beta fast/slow " << rope_scaling.beta_fast
+          << "/" << rope_scaling.beta_slow << ", original context "
           << rope_scaling.original_max_position_embeddings;
       break;
   }

@@ -21,7 +21,8 @@ constexpr const char* kExpectedForms =
     "config.json plus model.safetensors or model.safetensors.index.json";
 
 bool EndsWith(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 bool Exists(const fs::path& p) {
@@ -42,10 +43,9 @@ Status CheckEmbeddingShape(const TensorSource& tensors, const std::string& name,
   if (embedding == nullptr) return Status::Ok();  // the weight loader reports missing tensors
   if (embedding->shape.size() != 2 || embedding->shape[0] != config.vocab_size ||
       embedding->shape[1] != config.hidden_size) {
-    return Status::CorruptFile(embedding->file + ": tensor '" + name +
-                               "' does not match vocab_size x hidden_size = " +
-                               std::to_string(config.vocab_size) + " x " +
-                               std::to_string(config.hidden_size));
+    return Status::CorruptFile(
+        embedding->file + ": tensor '" + name + "' does not match vocab_size x hidden_size = " +
+        std::to_string(config.vocab_size) + " x " + std::to_string(config.hidden_size));
   }
   return Status::Ok();
 }
@@ -68,7 +68,8 @@ Result<ModelFiles> OpenGguf(const std::string& path) {
   KVFLOW_ASSIGN_OR_RETURN(files.config, ModelConfigFromGguf(*gguf));
   Result<TokenizerSpec> spec = TokenizerSpecFromGguf(*gguf);
   if (spec.ok()) {
-    KVFLOW_RETURN_IF_ERROR(KeepTokenizerOrWarn(Tokenizer::FromSpec(std::move(spec).value()), &files));
+    KVFLOW_RETURN_IF_ERROR(
+        KeepTokenizerOrWarn(Tokenizer::FromSpec(std::move(spec).value()), &files));
   } else {
     KVFLOW_RETURN_IF_ERROR(KeepTokenizerOrWarn(spec.status(), &files));
   }
@@ -83,7 +84,8 @@ Result<ModelFiles> OpenHfCheckpoint(const fs::path& weights) {
   const fs::path dir = weights.parent_path().empty() ? fs::path(".") : weights.parent_path();
   const fs::path config_path = dir / "config.json";
   if (!Exists(config_path)) {
-    return Status::NotFound(config_path.string() + " not found; safetensors weights need the "
+    return Status::NotFound(config_path.string() +
+                            " not found; safetensors weights need the "
                             "config.json of their checkpoint beside them");
   }
   ModelFiles files;
@@ -94,7 +96,8 @@ Result<ModelFiles> OpenHfCheckpoint(const fs::path& weights) {
   } else {
     KVFLOW_ASSIGN_OR_RETURN(files.tensors, SafetensorsSource::OpenFile(weights.string()));
   }
-  KVFLOW_RETURN_IF_ERROR(CheckEmbeddingShape(*files.tensors, "model.embed_tokens.weight", files.config));
+  KVFLOW_RETURN_IF_ERROR(
+      CheckEmbeddingShape(*files.tensors, "model.embed_tokens.weight", files.config));
   if (!files.config.tie_word_embeddings && files.tensors->Find("lm_head.weight") == nullptr) {
     spdlog::warn("{}: no lm_head.weight; tying the output projection to the embeddings",
                  weights.string());
@@ -103,7 +106,8 @@ Result<ModelFiles> OpenHfCheckpoint(const fs::path& weights) {
 
   const fs::path tokenizer_path = dir / "tokenizer.json";
   if (Exists(tokenizer_path)) {
-    KVFLOW_RETURN_IF_ERROR(KeepTokenizerOrWarn(Tokenizer::FromHfJson(tokenizer_path.string()), &files));
+    KVFLOW_RETURN_IF_ERROR(
+        KeepTokenizerOrWarn(Tokenizer::FromHfJson(tokenizer_path.string()), &files));
   } else {
     spdlog::warn("{} not found; the model has no tokenizer", tokenizer_path.string());
   }
@@ -117,12 +121,18 @@ Result<ModelFiles> OpenByKind(const std::string& path) {
     for (const char* name : {"model.safetensors.index.json", "model.safetensors"}) {
       if (Exists(dir / name)) return OpenHfCheckpoint(dir / name);
     }
-    return Status::NotFound(path + " is a directory without model.safetensors or "
-                            "model.safetensors.index.json; expected " + kExpectedForms);
+    return Status::NotFound(path +
+                            " is a directory without model.safetensors or "
+                            "model.safetensors.index.json; expected " +
+                            kExpectedForms);
   }
-  if (!Exists(path)) return Status::NotFound("no model at " + path + "; expected " + kExpectedForms);
+  if (!Exists(path)) {
+    return Status::NotFound("no model at " + path + "; expected " + kExpectedForms);
+  }
   if (EndsWith(path, ".gguf")) return OpenGguf(path);
-  if (EndsWith(path, ".safetensors") || EndsWith(path, ".index.json")) return OpenHfCheckpoint(path);
+  if (EndsWith(path, ".safetensors") || EndsWith(path, ".index.json")) {
+    return OpenHfCheckpoint(path);
+  }
   return Status::Unsupported(path + " is not a recognized model file; expected " + kExpectedForms);
 }
 
@@ -148,7 +158,8 @@ void LoadProgress::Advance(uint64_t bytes) {
   const int decile = static_cast<int>(std::min<uint64_t>(10, done_bytes_ * 10 / total_bytes_));
   if (decile <= last_logged_decile_) return;
   last_logged_decile_ = decile;
-  spdlog::info("{}: {}% ({:.0f} / {:.0f} MB)", what_, decile * 10, done_bytes_ / 1e6, total_bytes_ / 1e6);
+  spdlog::info("{}: {}% ({:.0f} / {:.0f} MB)", what_, decile * 10, done_bytes_ / 1e6,
+               total_bytes_ / 1e6);
 }
 
 }  // namespace kvflow

@@ -15,10 +15,15 @@ using nlohmann::json;
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
 bool DTypeFromName(const std::string& name, DType* out) {
-  if (name == "F32") *out = DType::kF32;
-  else if (name == "F16") *out = DType::kF16;
-  else if (name == "BF16") *out = DType::kBF16;
-  else return false;
+  if (name == "F32") {
+    *out = DType::kF32;
+  } else if (name == "F16") {
+    *out = DType::kF16;
+  } else if (name == "BF16") {
+    *out = DType::kBF16;
+  } else {
+    return false;
+  }
   return true;
 }
 
@@ -84,8 +89,8 @@ Result<std::unique_ptr<SafetensorsSource>> SafetensorsSource::OpenFile(const std
   KVFLOW_ASSIGN_OR_RETURN(auto file, MappedFile::Open(path));
   std::unique_ptr<SafetensorsSource> source(new SafetensorsSource());
   KVFLOW_RETURN_IF_ERROR(source->AddShard(std::move(file)));
-  source->description_ = "safetensors file " + path + ", " +
-                         std::to_string(source->tensors_.size()) + " tensors";
+  source->description_ =
+      "safetensors file " + path + ", " + std::to_string(source->tensors_.size()) + " tensors";
   return source;
 }
 
@@ -101,7 +106,8 @@ Result<std::unique_ptr<SafetensorsSource>> SafetensorsSource::OpenIndex(
   std::vector<std::string> shard_names;
   for (const auto& [tensor, shard] : weight_map->items()) {
     if (!shard.is_string()) {
-      return Status::CorruptFile(index_path + ": weight_map entry '" + tensor + "' is not a string");
+      return Status::CorruptFile(index_path + ": weight_map entry '" + tensor +
+                                 "' is not a string");
     }
     const std::string& name = shard.get_ref<const std::string&>();
     // Shards are plain file names beside the index; anything else could escape the directory.
@@ -119,9 +125,9 @@ Result<std::unique_ptr<SafetensorsSource>> SafetensorsSource::OpenIndex(
     const std::string shard_path = (dir / name).string();
     Result<std::unique_ptr<MappedFile>> shard = MappedFile::Open(shard_path);
     if (!shard.ok()) {
-      return Status(shard.status().code(),
-                    index_path + ": shard listed in the index cannot be opened: " +
-                        shard.status().message());
+      return Status(
+          shard.status().code(),
+          index_path + ": shard listed in the index cannot be opened: " + shard.status().message());
     }
     KVFLOW_RETURN_IF_ERROR(source->AddShard(std::move(shard).value()));
   }

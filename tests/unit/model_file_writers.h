@@ -132,7 +132,8 @@ inline Bytes QuantizeQ4_1(const std::vector<float>& x) {
 // ---- files ------------------------------------------------------------------------------------
 
 inline void WriteFile(const std::string& path, const Bytes& bytes) {
-  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
 }
 inline void WriteFile(const std::string& path, const std::string& text) {
   std::ofstream(path, std::ios::binary) << text;
@@ -162,12 +163,32 @@ class ScratchDir {
 // ---- GGUF -------------------------------------------------------------------------------------
 
 // ggml type ids used by the tests.
-enum GgmlTypeId : uint32_t { kGgmlF32 = 0, kGgmlF16 = 1, kGgmlQ4_0 = 2, kGgmlQ4_1 = 3,
-                             kGgmlQ8_0 = 8, kGgmlQ6_K = 14, kGgmlBF16 = 30 };
+enum GgmlTypeId : uint32_t {
+  kGgmlF32 = 0,
+  kGgmlF16 = 1,
+  kGgmlQ4_0 = 2,
+  kGgmlQ4_1 = 3,
+  kGgmlQ8_0 = 8,
+  kGgmlQ6_K = 14,
+  kGgmlBF16 = 30
+};
 
 // Value type ids of the GGUF spec.
-enum GgufTypeId : uint32_t { kU8 = 0, kI8, kU16, kI16, kU32, kI32, kF32, kBool, kString, kArray,
-                             kU64, kI64, kF64 };
+enum GgufTypeId : uint32_t {
+  kU8 = 0,
+  kI8,
+  kU16,
+  kI16,
+  kU32,
+  kI32,
+  kF32,
+  kBool,
+  kString,
+  kArray,
+  kU64,
+  kI64,
+  kF64
+};
 
 class GgufWriter {
  public:
@@ -207,7 +228,9 @@ class GgufWriter {
     Append(&payload, value);
     AddRaw(key, type, std::move(payload));
   }
-  void AddString(const std::string& key, const std::string& value) { AddRaw(key, kString, Str(value)); }
+  void AddString(const std::string& key, const std::string& value) {
+    AddRaw(key, kString, Str(value));
+  }
   void AddStringArray(const std::string& key, const std::vector<std::string>& values) {
     AddRaw(key, kArray, StrArray(values));
   }
@@ -219,8 +242,8 @@ class GgufWriter {
 
   // `shape` is row-major, outermost first, as TensorInfo reports it. `offset` overrides the
   // recorded data offset (the data is still laid out in order) to fake broken files.
-  void AddTensor(const std::string& name, uint32_t ggml_type, std::vector<int64_t> shape, Bytes data,
-                 std::optional<uint64_t> offset = std::nullopt) {
+  void AddTensor(const std::string& name, uint32_t ggml_type, std::vector<int64_t> shape,
+                 Bytes data, std::optional<uint64_t> offset = std::nullopt) {
     tensors_.push_back({name, ggml_type, std::move(shape), std::move(data), offset});
   }
 
@@ -247,7 +270,9 @@ class GgufWriter {
       Bytes name = Str(t.name);
       out.insert(out.end(), name.begin(), name.end());
       Append(&out, static_cast<uint32_t>(t.shape.size()));
-      for (auto it = t.shape.rbegin(); it != t.shape.rend(); ++it) Append(&out, static_cast<uint64_t>(*it));
+      for (auto it = t.shape.rbegin(); it != t.shape.rend(); ++it) {
+        Append(&out, static_cast<uint64_t>(*it));
+      }
       Append(&out, t.type);
       Append(&out, t.offset.value_or(offsets[i]));
     }
@@ -284,11 +309,14 @@ class SafetensorsWriter {
  public:
   void AddTensor(const std::string& name, const std::string& dtype, std::vector<int64_t> shape,
                  Bytes data) {
-    header_[name] = {{"dtype", dtype}, {"shape", shape},
+    header_[name] = {{"dtype", dtype},
+                     {"shape", shape},
                      {"data_offsets", {data_.size(), data_.size() + data.size()}}};
     data_.insert(data_.end(), data.begin(), data.end());
   }
-  void SetMetadata(const std::string& key, const std::string& value) { header_["__metadata__"][key] = value; }
+  void SetMetadata(const std::string& key, const std::string& value) {
+    header_["__metadata__"][key] = value;
+  }
 
   // The header to tamper with before BuildWith().
   nlohmann::json& header() { return header_; }

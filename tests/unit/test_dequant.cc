@@ -52,11 +52,13 @@ TEST(Dequant, F16MatchesCompilerConversion) {
   std::vector<uint16_t> bits;
   for (float f : test::RandomFloats(1000, 2, 60000.0f)) bits.push_back(test::FloatToHalfBits(f));
   // Special values: signed zero, smallest/largest subnormal, smallest normal, max, inf, NaN.
-  for (uint16_t special : {0x0000, 0x8000, 0x0001, 0x03ff, 0x0400, 0x7bff, 0x7c00, 0xfc00, 0x7e00}) {
+  for (uint16_t special :
+       {0x0000, 0x8000, 0x0001, 0x03ff, 0x0400, 0x7bff, 0x7c00, 0xfc00, 0x7e00}) {
     bits.push_back(special);
   }
   Bytes bytes = test::ToBytes(bits);
-  std::vector<float> got = Dequantize(MakeInfo(DType::kF16, {static_cast<int64_t>(bits.size())}, bytes));
+  std::vector<float> got =
+      Dequantize(MakeInfo(DType::kF16, {static_cast<int64_t>(bits.size())}, bytes));
   for (size_t i = 0; i < bits.size(); ++i) {
     float want = test::HalfBitsToFloat(bits[i]);
     if (std::isnan(want)) {

@@ -160,11 +160,21 @@ TEST_F(GgufTest, RoundTripsTensors) {
   EXPECT_EQ(Dequantize(*f32), sample.f32);
 
   std::vector<float> f16 = Dequantize(*g.Find("f16"));
-  for (size_t i = 0; i < f16.size(); ++i) EXPECT_EQ(f16[i], test::HalfBitsToFloat(test::FloatToHalfBits(sample.f16[i])));
+  for (size_t i = 0; i < f16.size(); ++i) {
+    EXPECT_EQ(f16[i], test::HalfBitsToFloat(test::FloatToHalfBits(sample.f16[i])));
+  }
   std::vector<float> bf16 = Dequantize(*g.Find("bf16"));
-  for (size_t i = 0; i < bf16.size(); ++i) EXPECT_EQ(bf16[i], test::Bf16BitsToFloat(test::FloatToBf16Bits(sample.bf16[i])));
+  for (size_t i = 0; i < bf16.size(); ++i) {
+    EXPECT_EQ(bf16[i], test::Bf16BitsToFloat(test::FloatToBf16Bits(sample.bf16[i])));
+  }
 
-  struct Quantized { const char* name; DType dtype; std::vector<int64_t> shape; const std::vector<float>* x; float tolerance; };
+  struct Quantized {
+    const char* name;
+    DType dtype;
+    std::vector<int64_t> shape;
+    const std::vector<float>* x;
+    float tolerance;
+  };
   for (const Quantized& q : {Quantized{"q8_0", DType::kQ8_0, {2, 64}, &sample.q8, 0.02f},
                              Quantized{"q4_0", DType::kQ4_0, {3, 1, 32}, &sample.q40, 0.26f},
                              Quantized{"q4_1", DType::kQ4_1, {96}, &sample.q41, 0.14f}}) {
@@ -174,7 +184,9 @@ TEST_F(GgufTest, RoundTripsTensors) {
     EXPECT_EQ(info->shape, q.shape);
     EXPECT_EQ(info->nbytes, q.x->size() / 32 * DTypeBlockBytes(q.dtype));
     std::vector<float> got = Dequantize(*info);
-    for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], (*q.x)[i], q.tolerance) << q.name << " " << i;
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_NEAR(got[i], (*q.x)[i], q.tolerance) << q.name << " " << i;
+    }
   }
 }
 
@@ -204,7 +216,9 @@ TEST_F(GgufTest, RandomCorruptionNeverCrashes) {
   std::string path = dir_.File("fuzz.gguf");
   for (int trial = 0; trial < 3000; ++trial) {
     Bytes bytes = full;
-    for (int k = 0; k < 1 + trial % 4; ++k) bytes[rng() % bytes.size()] = static_cast<uint8_t>(rng());
+    for (int k = 0; k < 1 + trial % 4; ++k) {
+      bytes[rng() % bytes.size()] = static_cast<uint8_t>(rng());
+    }
     test::WriteFile(path, bytes);
     Result<std::unique_ptr<GgufFile>> g = GgufFile::Open(path);
     if (!g.ok()) {
@@ -465,7 +479,8 @@ TEST_F(GgufTest, ModelConfigDetectsTiedEmbeddingsAndBadArchitectures) {
 
 // ---- the real SmolLM2 file, when present --------------------------------------------------------
 
-const std::string kSmolLM2Path = std::string(KVFLOW_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+const std::string kSmolLM2Path =
+    std::string(KVFLOW_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 TEST(GgufSmolLM2, OpensAndDequantizesEveryTensor) {
   const std::string& path = kSmolLM2Path;

@@ -43,7 +43,8 @@ struct SampleTensors {
 class SafetensorsTest : public ::testing::Test {
  protected:
   std::string Write(const Bytes& bytes, const std::string& name = "") {
-    std::string path = dir_.File(name.empty() ? "model" + std::to_string(files_++) + ".safetensors" : name);
+    std::string path =
+        dir_.File(name.empty() ? "model" + std::to_string(files_++) + ".safetensors" : name);
     test::WriteFile(path, bytes);
     return path;
   }
@@ -57,7 +58,8 @@ class SafetensorsTest : public ::testing::Test {
       return "";
     }
     EXPECT_EQ(source.status().code(), code) << source.status().ToString();
-    EXPECT_NE(source.status().message().find(path), std::string::npos) << source.status().ToString();
+    EXPECT_NE(source.status().message().find(path), std::string::npos)
+        << source.status().ToString();
     return source.status().message();
   }
 
@@ -125,17 +127,20 @@ TEST_F(SafetensorsTest, RejectsBadHeaders) {
   ExpectFailure(w.BuildWith("{\"a\": {\"dtype\": "), StatusCode::kCorruptFile);
   ExpectFailure(w.BuildWith("[1, 2, 3]"), StatusCode::kCorruptFile);
   ExpectFailure(w.BuildWith("{\"a\": 5}"), StatusCode::kCorruptFile);
-  ExpectFailure(w.BuildWith("{\"a\": {\"dtype\": \"F32\", \"shape\": [1]}}"), StatusCode::kCorruptFile);
+  ExpectFailure(w.BuildWith("{\"a\": {\"dtype\": \"F32\", \"shape\": [1]}}"),
+                StatusCode::kCorruptFile);
   ExpectFailure(Bytes{1, 2, 3}, StatusCode::kCorruptFile);
 }
 
 TEST_F(SafetensorsTest, RejectsInconsistentEntries) {
   const std::string norm = "model.norm.weight";
-  std::string message = ExpectFailure(WithEntryField(norm, "data_offsets", {0, 1u << 30}), StatusCode::kCorruptFile);
+  std::string message =
+      ExpectFailure(WithEntryField(norm, "data_offsets", {0, 1u << 30}), StatusCode::kCorruptFile);
   EXPECT_NE(message.find(norm), std::string::npos) << message;
   ExpectFailure(WithEntryField(norm, "data_offsets", {8, 4}), StatusCode::kCorruptFile);
   ExpectFailure(WithEntryField(norm, "data_offsets", {-4, 20}), StatusCode::kCorruptFile);
-  ExpectFailure(WithEntryField(norm, "data_offsets", {0, 20}), StatusCode::kCorruptFile);  // 5 floats, shape 6
+  ExpectFailure(WithEntryField(norm, "data_offsets", {0, 20}),
+                StatusCode::kCorruptFile);  // 5 floats, shape 6
   ExpectFailure(WithEntryField(norm, "shape", {7}), StatusCode::kCorruptFile);
   ExpectFailure(WithEntryField(norm, "shape", {-6}), StatusCode::kCorruptFile);
   ExpectFailure(WithEntryField(norm, "shape", {1.5}), StatusCode::kCorruptFile);
@@ -170,9 +175,10 @@ class SafetensorsShardsTest : public SafetensorsTest {
     Write(first.Build(), "model-00001-of-00002.safetensors");
     Write(second.Build(), "model-00002-of-00002.safetensors");
     index_ = {{"metadata", {{"total_size", 24}}},
-              {"weight_map", {{"a", "model-00001-of-00002.safetensors"},
-                              {"b", "model-00001-of-00002.safetensors"},
-                              {"c", "model-00002-of-00002.safetensors"}}}};
+              {"weight_map",
+               {{"a", "model-00001-of-00002.safetensors"},
+                {"b", "model-00001-of-00002.safetensors"},
+                {"c", "model-00002-of-00002.safetensors"}}}};
   }
 
   Result<std::unique_ptr<SafetensorsSource>> OpenIndex(const json& index) {
@@ -201,7 +207,8 @@ TEST_F(SafetensorsShardsTest, RejectsBrokenIndexes) {
   missing_shard["weight_map"]["d"] = "model-00003-of-00003.safetensors";
   Status st = OpenIndex(missing_shard).status();
   EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
-  EXPECT_NE(st.message().find("model-00003-of-00003.safetensors"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("model-00003-of-00003.safetensors"), std::string::npos)
+      << st.message();
 
   json wrong_shard = index_;
   wrong_shard["weight_map"]["c"] = "model-00001-of-00002.safetensors";
@@ -236,8 +243,11 @@ json LlamaConfigJson() {
           {"rms_norm_eps", 1e-5},
           {"rope_theta", 500000.0},
           {"rope_scaling",
-           {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
-            {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}}},
+           {{"rope_type", "llama3"},
+            {"factor", 8.0},
+            {"low_freq_factor", 1.0},
+            {"high_freq_factor", 4.0},
+            {"original_max_position_embeddings", 8192}}},
           {"tie_word_embeddings", true},
           {"bos_token_id", 1},
           {"eos_token_id", {2, 3}},
@@ -284,8 +294,8 @@ TEST_F(ModelConfigTest, ReadsLlamaConfig) {
 
 TEST_F(ModelConfigTest, AppliesDefaultsAndVariants) {
   json config = LlamaConfigJson();
-  for (const char* key : {"num_key_value_heads", "rope_scaling", "tie_word_embeddings", "rope_theta",
-                          "max_position_embeddings", "bos_token_id"}) {
+  for (const char* key : {"num_key_value_heads", "rope_scaling", "tie_word_embeddings",
+                          "rope_theta", "max_position_embeddings", "bos_token_id"}) {
     config.erase(key);
   }
   config["architectures"] = {"MistralForCausalLM"};
@@ -360,7 +370,8 @@ TEST_F(ModelConfigTest, ValidateCatchesInconsistencies) {
   EXPECT_FALSE(bad.Validate().ok());
 }
 
-// ---- OpenModelFiles on Hugging Face layouts -------------------------------------------------------
+// ---- OpenModelFiles on Hugging Face layouts
+// -------------------------------------------------------
 
 class SafetensorsModelDirTest : public ::testing::Test {
  protected:
@@ -372,7 +383,8 @@ class SafetensorsModelDirTest : public ::testing::Test {
     config["num_key_value_heads"] = 1;
     test::WriteFile(dir_.File("config.json"), config.dump());
     SafetensorsWriter w;
-    w.AddTensor("model.embed_tokens.weight", "F32", {16, 8}, test::ToBytes(test::RandomFloats(128, 40)));
+    w.AddTensor("model.embed_tokens.weight", "F32", {16, 8},
+                test::ToBytes(test::RandomFloats(128, 40)));
     if (!sharded) {
       test::WriteFile(dir_.File("model.safetensors"), w.Build());
       return;
