@@ -66,13 +66,13 @@ def main():
     bandwidth = None
     for name, b in by_name.items():
         if name.startswith("BM_MemoryReadBandwidth"):
-            bandwidth = b["GBps"] / 1e9
+            bandwidth = b["GBps"]  # Google Benchmark already reports rates per second
     torch.set_num_threads(os.cpu_count() or 1)
     rows = []
     for batch in (1, 8):
         b = next(v for k, v in by_name.items() if k.startswith(f"BM_Decode/{batch}/"))
         kv_tps = b["tokens_per_s"]
-        weight_gbps = b["weight_GBps"] / 1e9
+        weight_gbps = b["weight_GBps"]
         hf_tps = hf_decode_tokens_per_s(args.gguf, batch)
         # Roofline: one pass over the fp32 weights per step at the measured read bandwidth.
         roofline_tps = batch * bandwidth / (weight_gbps / (kv_tps / batch))

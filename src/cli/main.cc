@@ -88,7 +88,7 @@ int RunInfo(const std::string& model) {
     spdlog::error("{}", files.status().ToString());
     return 1;
   }
-  std::printf("model: %s\nweights: %s\n%s", path.value().c_str(), files->tensors->Describe().c_str(),
+  std::printf("path: %s\nweights: %s\n%s", path.value().c_str(), files->tensors->Describe().c_str(),
               files->config.Describe().c_str());
   if (files->tokenizer) {
     const kvflow::Tokenizer& tok = *files->tokenizer;

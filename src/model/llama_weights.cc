@@ -17,7 +17,8 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 
 class WeightReader {
  public:
-  WeightReader(const TensorSource& source, bool gguf) : source_(source), gguf_(gguf) {}
+  WeightReader(const TensorSource& source, bool gguf)
+      : source_(source), gguf_(gguf), progress_("dequantizing weights", TotalBytes(source)) {}
 
   // Appends the tensor named `hf_name` (or its GGUF twin) to `out`, checking its shape.
   Status Read(const std::string& hf_name, const std::string& gguf_name,
@@ -38,7 +39,9 @@ class WeightReader {
     }
     const size_t offset = out.size();
     out.resize(offset + static_cast<size_t>(info->numel()));
-    return DequantizeToF32(*info, out.data() + offset);
+    KVFLOW_RETURN_IF_ERROR(DequantizeToF32(*info, out.data() + offset));
+    progress_.Advance(info->nbytes);
+    return Status::Ok();
   }
 
   bool Has(const std::string& hf_name, const std::string& gguf_name) const {
@@ -46,8 +49,15 @@ class WeightReader {
   }
 
  private:
+  static uint64_t TotalBytes(const TensorSource& source) {
+    uint64_t total = 0;
+    for (const std::string& name : source.Names()) total += source.Find(name)->nbytes;
+    return total;
+  }
+
   const TensorSource& source_;
   bool gguf_;
+  mutable LoadProgress progress_;
 };
 
 // llama.cpp stores each head's rows as interleaved pairs (2j, 2j+1); HF keeps halves (j, j+d/2).
@@ -97,7 +107,6 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
   }
 
   const auto start = std::chrono::steady_clock::now();
-  auto last_log = start;
   w.layers.resize(static_cast<size_t>(c.num_layers));
   for (int i = 0; i < c.num_layers; ++i) {
     const std::string hf = "model.layers." + std::to_string(i) + ".";
@@ -116,13 +125,6 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
     KVFLOW_RETURN_IF_ERROR(r.Read(hf + "mlp.gate_proj.weight", gg + "ffn_gate.weight", {F, H}, l.w_gate_up));
     KVFLOW_RETURN_IF_ERROR(r.Read(hf + "mlp.up_proj.weight", gg + "ffn_up.weight", {F, H}, l.w_gate_up));
     KVFLOW_RETURN_IF_ERROR(r.Read(hf + "mlp.down_proj.weight", gg + "ffn_down.weight", {H, F}, l.w_down));
-
-    const auto now = std::chrono::steady_clock::now();
-    if (now - last_log > std::chrono::seconds(2)) {
-      spdlog::info("loading weights: layer {}/{} ({:.1f} s)", i + 1, c.num_layers,
-                   std::chrono::duration<double>(now - start).count());
-      last_log = now;
-    }
   }
   spdlog::info("loaded {:.1f}M parameters as fp32 ({:.0f} MiB) in {:.2f} s", w.num_parameters() / 1e6,
                w.num_parameters() * 4.0 / (1 << 20),
