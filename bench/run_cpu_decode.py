@@ -87,7 +87,7 @@ def main():
     with open(os.path.join(args.out_dir, "cpu_decode.json"), "w") as f:
         json.dump(result, f, indent=2)
     lines = [f"# CPU decode — {result['model']} ({result['compute']}), context 128",
-             f"Device: {result['device']}; measured memory read bandwidth {bandwidth:.1f} GB/s; commit {git}; {result['date']}",
+             f"Device: {result['device']}; measured streaming read bandwidth (sgemv over 1 GiB) {bandwidth:.1f} GB/s; commit {git}; {result['date']}",
              "", "| batch | kvflow tok/s | HF transformers tok/s | kvflow / HF | weight stream GB/s | roofline tok/s | % of roofline |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
