@@ -5,6 +5,8 @@
 #include <memory>
 #include <random>
 
+#include "model/byte_level.h"
+
 namespace kvflow {
 namespace {
 
@@ -57,25 +59,6 @@ class PortableNormal {
 };
 
 }  // namespace
-
-std::string ByteLevelSpelling(uint8_t byte) {
-  // Printable Latin-1 bytes spell themselves; the rest map to 256, 257, ... in byte order.
-  auto printable = [](int b) { return (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255); };
-  uint32_t cp = byte;
-  if (!printable(byte)) {
-    int n = 0;
-    for (int b = 0; b < byte; ++b) n += printable(b) ? 0 : 1;
-    cp = 256 + static_cast<uint32_t>(n);
-  }
-  std::string out;
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-  return out;
-}
 
 Result<ModelFiles> MakeTinyRandomModel(uint64_t seed) {
   ModelConfig c;

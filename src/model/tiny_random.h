@@ -13,7 +13,4 @@ inline constexpr const char* kTinyRandomName = "tiny-random";
 
 Result<ModelFiles> MakeTinyRandomModel(uint64_t seed = 0x6b76666c6f77);
 
-// GPT-2's byte-to-unicode table: byte b is spelled as this code point in byte-level BPE vocabularies.
-std::string ByteLevelSpelling(uint8_t byte);
-
 }  // namespace kvflow

@@ -10,6 +10,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include "model/byte_level.h"
 #include "model/pretokenizer.h"
 #include "model/utf8.h"
 
@@ -57,6 +58,12 @@ class ByteLevelAlphabet {
   std::array<std::string, 256> utf8_of_byte_;
   std::array<int16_t, 324> byte_of_cp_;  // 256 + the 68 non-printable bytes
 };
+
+}  // namespace
+
+const std::string& ByteLevelSpelling(uint8_t byte) { return ByteLevelAlphabet::Get().Encode(byte); }
+
+namespace {
 
 // Lets unordered_map<std::string, ...> be searched with a string_view.
 struct StringHash {

@@ -8,6 +8,9 @@
 #include <sstream>
 #include <string>
 
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
 #include "kvflow/tokenizer.h"
 #include "model/tensor_source.h"
 
@@ -21,6 +24,8 @@ int Fail(const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // stdout carries the ids; logs go to stderr.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("kvflow"));
   std::string json_path, gguf_path, input_path;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
