@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <deque>
-#include <list>
 #include <memory>
 #include <random>
 #include <thread>
@@ -114,7 +113,7 @@ class EngineImpl final : public Engine {
       auto id = AddRequest(outs[i].prompt_tokens, params, Collector(outs[i], {}));
       if (!id.ok()) {
         for (size_t j = 0; j < i; ++j) (void)Cancel(outs[j].id);
-        RunUntilDone().ok();
+        (void)RunUntilDone();  // drain the cancellations; the admission error is what we report
         return id.status();
       }
       outs[i].id = id.value();
@@ -168,7 +167,7 @@ class EngineImpl final : public Engine {
     return Status::Ok();
   }
 
-  // Latest arrival among the running sequences: the one FCFS preempts first.
+  // Drops the victim's blocks; it re-enters the queue first and re-prefills prompt + output.
   void PreemptByRecompute(Sequence* victim) {
     spdlog::debug("preempting request {} (recompute): KV cache is full", victim->id);
     victim->blocks.Release(allocator_);

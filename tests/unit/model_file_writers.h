@@ -9,11 +9,14 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 #include <string>
 #include <vector>
+
+#include "kvflow/status.h"
 
 namespace kvflow::test {
 
@@ -137,6 +140,20 @@ inline void WriteFile(const std::string& path, const Bytes& bytes) {
 }
 inline void WriteFile(const std::string& path, const std::string& text) {
   std::ofstream(path, std::ios::binary) << text;
+}
+
+// Opening `path` with `open` (returning a Result) must fail with `code` and a message that names
+// the file; returns the message.
+template <typename OpenFn>
+std::string ExpectOpenFailure(const std::string& path, StatusCode code, OpenFn open) {
+  auto opened = open(path);
+  if (opened.ok()) {
+    ADD_FAILURE() << "opened a broken file";
+    return "";
+  }
+  EXPECT_EQ(opened.status().code(), code) << opened.status().ToString();
+  EXPECT_NE(opened.status().message().find(path), std::string::npos) << opened.status().ToString();
+  return opened.status().message();
 }
 
 // A fresh directory under the system temp dir, removed with everything in it at scope exit.

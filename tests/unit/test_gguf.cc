@@ -40,15 +40,7 @@ class GgufTest : public ::testing::Test {
 
   // Opening must fail with `code`; returns the message, which must name the file.
   std::string ExpectFailure(const Bytes& bytes, StatusCode code) {
-    std::string path = Write(bytes);
-    Result<std::unique_ptr<GgufFile>> gguf = GgufFile::Open(path);
-    if (gguf.ok()) {
-      ADD_FAILURE() << "opened a broken file";
-      return "";
-    }
-    EXPECT_EQ(gguf.status().code(), code) << gguf.status().ToString();
-    EXPECT_NE(gguf.status().message().find(path), std::string::npos) << gguf.status().ToString();
-    return gguf.status().message();
+    return test::ExpectOpenFailure(Write(bytes), code, [](const std::string& p) { return GgufFile::Open(p); });
   }
 
   test::ScratchDir dir_{"gguf"};
