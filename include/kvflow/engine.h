@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,17 +36,43 @@ struct EngineConfig {
   int max_model_len = 0;              // prompt + output limit; 0: the model's context length
   int num_threads = 0;                // CPU threads; 0: all cores
   uint64_t seed = 0;                  // seeds requests that bring no seed of their own
+  // Host memory for swapped-out KV (vLLM's --swap-space), capped at the size of the device pool.
+  int64_t swap_space_bytes = int64_t{4} << 30;
+  int num_host_kv_blocks = -1;        // overrides swap_space_bytes when >= 0
+  // "auto" (recompute single sequences, swap groups that share blocks), "swap" or "recompute".
+  std::string preemption_mode = "auto";
+  bool enable_prefix_caching = false;  // map cached full prompt blocks instead of recomputing them
+  // "paged" (vLLM), or the Orca baselines "orca-max", "orca-pow2", "orca-oracle".
+  std::string scheduling_policy = "paged";
 };
 
 struct EngineStats {
-  int num_waiting = 0;
+  int num_waiting = 0;  // requests
   int num_running = 0;
+  int num_swapped = 0;
+  int num_running_seqs = 0;
   int kv_blocks_total = 0;
-  int kv_blocks_free = 0;
+  int kv_blocks_free = 0;       // allocatable, including unused prefix-cache blocks
+  int kv_blocks_cached = 0;     // unused blocks kept for prefix hits
+  int64_t kv_blocks_logical = 0;  // blocks the running sequences would hold without sharing
+  int host_blocks_total = 0;
+  int host_blocks_free = 0;
+  double prefix_cache_hit_rate = 0.0;  // of full prompt blocks admitted with prefix caching on
   int64_t prompt_tokens_processed = 0;
   int64_t generated_tokens = 0;
-  int64_t num_preemptions = 0;
+  int64_t num_preemptions = 0;  // recompute + swap
+  int64_t num_preemptions_swap = 0;
+  int64_t blocks_swapped_out = 0;
+  int64_t blocks_swapped_in = 0;
+  int64_t blocks_copied = 0;    // copy-on-write
   int64_t num_steps = 0;
+};
+
+// What the scheduler may know about a request beyond its prompt: the true output length (trace
+// replays; what the Orca oracle baselines reserve) or a predicted one (S3).
+struct RequestHints {
+  std::optional<int64_t> true_output_len;
+  std::optional<int64_t> predicted_output_len;
 };
 
 // What one Step() did.
@@ -65,6 +92,8 @@ class Engine {
                                        StreamCallback on_event = {}) = 0;
   virtual Result<RequestId> AddRequest(std::vector<int32_t> prompt_tokens, const SamplingParams& params,
                                        StreamCallback on_event = {}) = 0;
+  virtual Result<RequestId> AddRequestWithHints(std::vector<int32_t> prompt_tokens, const SamplingParams& params,
+                                                StreamCallback on_event, const RequestHints& hints) = 0;
   // Stops a request and frees its KV blocks; its callback receives FinishReason::kCancelled.
   virtual Status Cancel(RequestId id) = 0;
 
@@ -72,7 +101,8 @@ class Engine {
   virtual Result<StepResult> Step() = 0;
   virtual bool HasUnfinishedRequests() const = 0;
 
-  // Runs requests to completion (together, in one batch when they fit).
+  // Runs requests to completion (together, in one batch when they fit). With n > 1 every
+  // completion is in RequestOutput::outputs.
   virtual Result<RequestOutput> Generate(const std::string& prompt, const SamplingParams& params,
                                          StreamCallback on_event = {}) = 0;
   virtual Result<std::vector<RequestOutput>> Generate(const std::vector<std::string>& prompts,

@@ -30,25 +30,37 @@ enum class FinishReason { kNone, kLength, kStop, kEos, kCancelled, kError };
 const char* FinishReasonName(FinishReason r);
 
 // Delivered through the stream callback after every step that produced something for a request.
+// With n > 1 each completion streams separately, told apart by `index`.
 struct StreamEvent {
   RequestId id = 0;
+  int index = 0;                     // which completion (0 .. n-1)
   std::vector<SampledToken> tokens;  // new tokens this step (usually one)
   std::string text_delta;            // new complete UTF-8 text (stop strings already cut)
-  bool finished = false;
+  bool finished = false;             // this completion is done
+  bool request_finished = false;     // every completion of the request is done (the last event)
   FinishReason finish_reason = FinishReason::kNone;
   Status error;                      // set when finish_reason == kError
 };
 using StreamCallback = std::function<void(const StreamEvent&)>;
 
+struct CompletionOutput {
+  int index = 0;
+  std::vector<int32_t> tokens;
+  std::vector<SampledToken> logprobs;  // one per token
+  std::string text;
+  double cumulative_logprob = 0.0;
+  FinishReason finish_reason = FinishReason::kNone;
+};
+
 struct RequestOutput {
   RequestId id = 0;
   std::vector<int32_t> prompt_tokens;
-  std::vector<int32_t> output_tokens;
-  std::vector<SampledToken> output_logprobs;  // one per output token
-  std::string text;
-  FinishReason finish_reason = FinishReason::kNone;
+  std::vector<CompletionOutput> outputs;  // n of them, by index
   double time_to_first_token_s = 0.0;
   double total_time_s = 0.0;
+
+  // The first completion (the only one when n == 1).
+  const CompletionOutput& first() const { return outputs.front(); }
 };
 
 }  // namespace kvflow

@@ -29,8 +29,19 @@ struct SamplingParams {
   std::vector<std::string> stop;  // stop strings; the matched text is not included in the output
   bool ignore_eos = false;
   int logprobs = 0;  // return this many top alternatives per token (0: only the chosen token's)
+  // Completions returned. With best_of > n, best_of are generated and the n with the highest
+  // cumulative logprob are returned (at the end, not streamed). All share the prompt's KV blocks.
+  int n = 1;
+  std::optional<int> best_of;
+  // Beam search over best_of (or n) beams, returning the n best finished beams. Deterministic:
+  // needs temperature 0; scores are cumulative logprob / length^length_penalty (vLLM/HF).
+  bool use_beam_search = false;
+  float length_penalty = 1.0f;
 
   bool greedy() const { return temperature <= 0.0f; }
+  int num_candidates() const { return best_of.value_or(n); }
+  // Tokens reach the stream callback as they are generated (not for beam search or best_of > n).
+  bool streams() const { return !use_beam_search && num_candidates() == n; }
   // Rejects impossible values (negative temperature, top_p outside (0,1], ...).
   Status Validate() const;
 };

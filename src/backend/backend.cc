@@ -54,4 +54,17 @@ Status ValidateForwardBatch(const ForwardBatch& batch, const ModelConfig& config
   return Status::Ok();
 }
 
+Status ValidateBlockMoves(std::span<const BlockMove> moves, BlockCopyKind kind, int num_device_blocks,
+                          int num_host_blocks) {
+  const int src_pool = kind == BlockCopyKind::kHostToDevice ? num_host_blocks : num_device_blocks;
+  const int dst_pool = kind == BlockCopyKind::kDeviceToHost ? num_host_blocks : num_device_blocks;
+  for (const BlockMove& m : moves) {
+    if (m.src < 0 || m.src >= src_pool || m.dst < 0 || m.dst >= dst_pool) {
+      return Status::InvalidArgument("block move " + std::to_string(m.src) + " -> " + std::to_string(m.dst) +
+                                     " is outside the pools");
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace kvflow

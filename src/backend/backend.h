@@ -4,10 +4,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
-#include "kv/block_allocator.h"
+#include "kv/block_manager.h"
 #include "kv/kv_cache_layout.h"
 #include "kvflow/config.h"
 #include "kvflow/status.h"
@@ -35,6 +36,9 @@ struct ForwardBatch {
   int64_t num_logit_rows() const;
 };
 
+// Where a batch of block moves (planned by the block manager) copies from and to.
+enum class BlockCopyKind { kDeviceToHost, kHostToDevice, kDeviceToDevice };
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -43,7 +47,12 @@ class Backend {
   // with num_logit_rows() x vocab_size floats.
   virtual Status Forward(const ForwardBatch& batch, std::vector<float>& logits) = 0;
 
+  // Copies whole blocks (every layer, K and V) between the device pool and the host swap pool,
+  // or inside the device pool (copy-on-write). One call per kind per step.
+  virtual Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) = 0;
+
   virtual const KvCacheLayout& kv_layout() const = 0;
+  virtual int num_host_blocks() const = 0;
   virtual const ModelConfig& model_config() const = 0;
   virtual std::string Describe() const = 0;
 };
@@ -51,5 +60,8 @@ class Backend {
 // Checks a batch against the layout and the config (token ids, positions, block tables).
 Status ValidateForwardBatch(const ForwardBatch& batch, const ModelConfig& config,
                             const KvCacheLayout& layout);
+// Checks that every move names blocks inside the pools it reads and writes.
+Status ValidateBlockMoves(std::span<const BlockMove> moves, BlockCopyKind kind, int num_device_blocks,
+                          int num_host_blocks);
 
 }  // namespace kvflow

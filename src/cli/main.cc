@@ -70,7 +70,7 @@ int RunGenerate(GenerateOptions& opt) {
   const double decode_s = std::chrono::duration<double>(end - (generated ? first_token : end)).count();
   const size_t prompt_tokens = out->prompt_tokens.size();
   std::fprintf(stderr, "\n--- finish: %s | prompt: %zu tokens, %.1f tok/s | decode: %lld tokens, %.1f tok/s\n",
-               kvflow::FinishReasonName(out->finish_reason), prompt_tokens,
+               kvflow::FinishReasonName(out->first().finish_reason), prompt_tokens,
                prefill_s > 0 ? prompt_tokens / prefill_s : 0.0, static_cast<long long>(generated),
                decode_s > 0 && generated > 1 ? (generated - 1) / decode_s : 0.0);
   return 0;
@@ -141,6 +141,12 @@ int main(int argc, char** argv) {
   generate->add_option("--threads", gen.engine.num_threads, "CPU threads (0 = all cores)");
   generate->add_option("--block-size", gen.engine.block_size, "Tokens per KV block")->default_val(16);
   generate->add_option("--max-model-len", gen.engine.max_model_len, "Context limit (0 = the model's)");
+  double swap_space_gib = 4.0;
+  generate->add_option("--swap-space", swap_space_gib, "Host memory for swapped-out KV, GiB")->default_val(4.0);
+  generate->add_option("--preemption-mode", gen.engine.preemption_mode, "auto, swap or recompute")->default_val("auto");
+  generate->add_flag("--enable-prefix-caching", gen.engine.enable_prefix_caching, "Reuse cached prompt blocks");
+  generate->add_option("--scheduling-policy", gen.engine.scheduling_policy,
+                       "paged, orca-max, orca-pow2 or orca-oracle")->default_val("paged");
 
   std::string info_model = "smollm2-135m";
   CLI::App* info = app.add_subcommand("info", "Print a model's configuration and tokenizer");
@@ -151,6 +157,7 @@ int main(int argc, char** argv) {
   spdlog::set_level(verbose ? spdlog::level::debug : spdlog::level::info);
 
   if (*generate) {
+    gen.engine.swap_space_bytes = static_cast<int64_t>(swap_space_gib * (1ull << 30));
     gen.show_logprobs = gen.sampling.logprobs > 0;
     return RunGenerate(gen);
   }

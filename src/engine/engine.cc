@@ -1,6 +1,9 @@
 #include "kvflow/engine.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
 #include <deque>
 #include <memory>
 #include <random>
@@ -10,8 +13,10 @@
 #include <spdlog/spdlog.h>
 
 #include "backend/cpu/cpu_backend.h"
-#include "engine/sequence.h"
-#include "kv/block_allocator.h"
+#include "engine/request_state.h"
+#include "kv/block_manager.h"
+#include "sched/policy.h"
+#include "sched/scheduler.h"
 #include "model/llama_weights.h"
 #include "model/tensor_source.h"
 #include "model/tiny_random.h"
@@ -35,14 +40,33 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
+// Seed of candidate `index` of a request: the request seed itself for the first, so n = 1
+// reproduces what a plain request gives.
+uint64_t CandidateSeed(uint64_t seed, int index) {
+  if (index == 0) return seed;
+  uint64_t z = seed + 0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(index);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+double BeamScore(double cumulative_logprob, int64_t length, float length_penalty) {
+  return cumulative_logprob / std::pow(static_cast<double>(std::max<int64_t>(1, length)), length_penalty);
+}
+
 class EngineImpl final : public Engine {
  public:
-  EngineImpl(EngineConfig config, ModelFiles files, std::unique_ptr<Backend> backend)
+  EngineImpl(EngineConfig config, ModelFiles files, std::unique_ptr<Backend> backend,
+             std::unique_ptr<SchedulingPolicy> policy, PreemptionMode preemption)
       : config_(std::move(config)),
         model_config_(files.config),
         tokenizer_(std::move(files.tokenizer)),
         backend_(std::move(backend)),
-        allocator_(backend_->kv_layout().num_blocks),
+        blocks_(BlockManagerConfig{config_.block_size, backend_->kv_layout().num_blocks, backend_->num_host_blocks(),
+                                   config_.enable_prefix_caching}),
+        scheduler_(SchedulerConfig{config_.max_num_seqs, config_.max_num_batched_tokens, config_.max_model_len,
+                                   preemption},
+                   blocks_, std::move(policy)),
         seed_rng_(config_.seed) {}
 
   Result<RequestId> AddRequest(const std::string& prompt, const SamplingParams& params,
@@ -52,6 +76,11 @@ class EngineImpl final : public Engine {
 
   Result<RequestId> AddRequest(std::vector<int32_t> prompt, const SamplingParams& params,
                                StreamCallback on_event) override {
+    return AddRequestWithHints(std::move(prompt), params, std::move(on_event), {});
+  }
+
+  Result<RequestId> AddRequestWithHints(std::vector<int32_t> prompt, const SamplingParams& params,
+                                        StreamCallback on_event, const RequestHints& hints) override {
     KVFLOW_RETURN_IF_ERROR(params.Validate());
     if (prompt.empty()) return Status::InvalidArgument("the prompt is empty");
     for (int32_t t : prompt) {
@@ -64,29 +93,45 @@ class EngineImpl final : public Engine {
       return Status::InvalidArgument("the prompt has " + std::to_string(prompt.size()) +
                                      " tokens; max_model_len is " + std::to_string(config_.max_model_len));
     }
-    const int64_t pool_tokens = static_cast<int64_t>(allocator_.num_blocks()) * config_.block_size;
+    const int64_t pool_tokens = static_cast<int64_t>(blocks_.MaxAdmissibleBlocks()) * config_.block_size;
     if (static_cast<int64_t>(prompt.size()) + 1 > pool_tokens) {
       return Status::InvalidArgument("the prompt has " + std::to_string(prompt.size()) +
                                      " tokens but the whole KV cache holds " + std::to_string(pool_tokens));
     }
-    const RequestId id = next_id_++;
-    const uint64_t seed = params.seed.value_or(seed_rng_());
-    auto seq = std::make_unique<Sequence>(id, std::move(prompt), params, seed, std::move(on_event), *tokenizer_,
-                                          config_.block_size);
-    waiting_.push_back(seq.get());
-    sequences_.emplace(id, std::move(seq));
+    auto req = std::make_unique<RequestState>();
+    req->id = next_id_++;
+    req->params = params;
+    req->seed = params.seed.value_or(seed_rng_());
+    req->on_event = std::move(on_event);
+
+    auto group = std::make_unique<SequenceGroup>();
+    group->request_id = req->id;
+    group->arrival_time = Seconds(req->arrival.time_since_epoch());
+    group->max_output_tokens = params.max_tokens;
+    group->true_output_len = hints.true_output_len;
+    group->predicted_output_len = hints.predicted_output_len;
+    auto seq = std::make_unique<SchedSequence>();
+    seq->id = scheduler_.NewSeqId();
+    seq->prompt_len = static_cast<int64_t>(prompt.size());
+    seq->tokens = std::move(prompt);
+    req->seqs.push_back(std::make_unique<SeqState>(seq.get(), 0, params, req->seed, *tokenizer_));
+    group->seqs.push_back(std::move(seq));
+    req->group = group.get();
+    scheduler_.AddGroup(std::move(group));
+    const RequestId id = req->id;
+    requests_.emplace(id, std::move(req));
     return id;
   }
 
   Status Cancel(RequestId id) override {
-    auto it = sequences_.find(id);
-    if (it == sequences_.end()) return Status::NotFound("no unfinished request " + std::to_string(id));
+    auto it = requests_.find(id);
+    if (it == requests_.end()) return Status::NotFound("no unfinished request " + std::to_string(id));
     it->second->cancel_requested = true;
     if (!in_step_) ReapCancelled();
     return Status::Ok();
   }
 
-  bool HasUnfinishedRequests() const override { return !sequences_.empty(); }
+  bool HasUnfinishedRequests() const override { return !requests_.empty(); }
 
   Result<StepResult> Step() override {
     in_step_ = true;
@@ -100,7 +145,7 @@ class EngineImpl final : public Engine {
                                  StreamCallback on_event) override {
     RequestOutput out;
     out.prompt_tokens = tokenizer_->Encode(prompt, tokenizer_->add_bos());
-    KVFLOW_ASSIGN_OR_RETURN(out.id, AddRequest(out.prompt_tokens, params, Collector(out, std::move(on_event))));
+    KVFLOW_ASSIGN_OR_RETURN(out.id, AddRequest(out.prompt_tokens, params, Collector(out, params, std::move(on_event))));
     KVFLOW_RETURN_IF_ERROR(RunUntilDone());
     return out;
   }
@@ -110,7 +155,7 @@ class EngineImpl final : public Engine {
     std::vector<RequestOutput> outs(prompts.size());
     for (size_t i = 0; i < prompts.size(); ++i) {
       outs[i].prompt_tokens = tokenizer_->Encode(prompts[i], tokenizer_->add_bos());
-      auto id = AddRequest(outs[i].prompt_tokens, params, Collector(outs[i], {}));
+      auto id = AddRequest(outs[i].prompt_tokens, params, Collector(outs[i], params, {}));
       if (!id.ok()) {
         for (size_t j = 0; j < i; ++j) (void)Cancel(outs[j].id);
         (void)RunUntilDone();  // drain the cancellations; the admission error is what we report
@@ -128,31 +173,56 @@ class EngineImpl final : public Engine {
 
   EngineStats stats() const override {
     EngineStats s = stats_;
-    s.num_waiting = static_cast<int>(waiting_.size());
-    s.num_running = static_cast<int>(running_.size());
-    s.kv_blocks_total = allocator_.num_blocks();
-    s.kv_blocks_free = allocator_.num_free();
+    const SchedulerStats sched = scheduler_.stats();
+    s.num_waiting = sched.num_waiting;
+    s.num_running = sched.num_running;
+    s.num_swapped = sched.num_swapped;
+    s.num_running_seqs = sched.num_running_seqs;
+    s.kv_blocks_total = blocks_.device().num_blocks();
+    s.kv_blocks_free = blocks_.device().num_free();
+    s.kv_blocks_cached = blocks_.device().num_cached_unused();
+    s.kv_blocks_logical = blocks_.NumLogicalDeviceBlocks();
+    s.host_blocks_total = blocks_.host().num_blocks();
+    s.host_blocks_free = blocks_.host().num_free();
+    s.prefix_cache_hit_rate = blocks_.PrefixHitRate();
+    s.num_preemptions = sched.num_preemptions_recompute + sched.num_preemptions_swap;
+    s.num_preemptions_swap = sched.num_preemptions_swap;
+    s.blocks_swapped_out = sched.blocks_swapped_out;
+    s.blocks_swapped_in = sched.blocks_swapped_in;
+    s.blocks_copied = sched.blocks_copied;
     return s;
   }
 
   std::string Describe() const override {
-    return model_config_.name + " on " + backend_->Describe() + ", max_model_len " +
-           std::to_string(config_.max_model_len);
+    return model_config_.name + " on " + backend_->Describe() + ", swap " + std::to_string(blocks_.host().num_blocks()) +
+           " blocks, max_model_len " + std::to_string(config_.max_model_len) + ", policy " +
+           std::string(scheduler_.policy().name()) + ", preemption " +
+           PreemptionModeName(scheduler_.config().preemption_mode) +
+           (blocks_.prefix_caching() ? ", prefix caching" : "");
   }
 
  private:
   // Wraps a user callback so the final RequestOutput is assembled as events arrive.
-  static StreamCallback Collector(RequestOutput& out, StreamCallback user) {
+  static StreamCallback Collector(RequestOutput& out, const SamplingParams& params, StreamCallback user) {
     const auto start = Clock::now();
+    out.outputs.resize(static_cast<size_t>(params.n));
+    for (int i = 0; i < params.n; ++i) out.outputs[static_cast<size_t>(i)].index = i;
     return [&out, user = std::move(user), start](const StreamEvent& e) {
-      for (const SampledToken& t : e.tokens) {
-        if (out.output_tokens.empty()) out.time_to_first_token_s = Seconds(Clock::now() - start);
-        out.output_tokens.push_back(t.token);
-        out.output_logprobs.push_back(t);
+      if (e.index >= 0 && static_cast<size_t>(e.index) < out.outputs.size()) {
+        CompletionOutput& c = out.outputs[static_cast<size_t>(e.index)];
+        for (const SampledToken& t : e.tokens) {
+          if (out.time_to_first_token_s == 0.0) out.time_to_first_token_s = Seconds(Clock::now() - start);
+          c.tokens.push_back(t.token);
+          c.cumulative_logprob += t.logprob;
+          c.logprobs.push_back(t);
+        }
+        c.text += e.text_delta;
+        if (e.finished) c.finish_reason = e.finish_reason;
       }
-      out.text += e.text_delta;
-      if (e.finished) {
-        out.finish_reason = e.finish_reason;
+      if (e.request_finished) {
+        for (CompletionOutput& c : out.outputs) {
+          if (c.finish_reason == FinishReason::kNone) c.finish_reason = e.finish_reason;
+        }
         out.total_time_s = Seconds(Clock::now() - start);
       }
       if (user) user(e);
@@ -167,193 +237,404 @@ class EngineImpl final : public Engine {
     return Status::Ok();
   }
 
-  // Drops the victim's blocks; it re-enters the queue first and re-prefills prompt + output.
-  void PreemptByRecompute(Sequence* victim) {
-    spdlog::debug("preempting request {} (recompute): KV cache is full", victim->id);
-    victim->blocks.Release(allocator_);
-    victim->num_computed = 0;
-    running_.erase(std::find(running_.begin(), running_.end(), victim));
-    waiting_.push_front(victim);
-    ++stats_.num_preemptions;
-  }
-
-  struct Scheduled {
-    Sequence* seq;
-    int64_t num_tokens;
-  };
-
-  // FCFS over running then waiting sequences, within the token, sequence and block budgets.
-  std::vector<Scheduled> Schedule() {
-    std::vector<Scheduled> batch;
-    int64_t budget = config_.max_num_batched_tokens;
-    // Running sequences, earliest first; when blocks run out the latest running one gives way.
-    for (size_t i = 0; i < running_.size() && budget > 0;) {
-      Sequence* seq = running_[i];
-      const int64_t n = std::min(seq->num_uncomputed(), budget);
-      if (seq->blocks.EnsureCapacity(seq->num_computed + n, allocator_).ok()) {
-        batch.push_back({seq, n});
-        budget -= n;
-        ++i;
-        continue;
-      }
-      Sequence* victim = running_.back();
-      if (victim == seq && i == 0) {
-        // Alone and still out of blocks: this sequence can never fit.
-        Fail(seq, Status::OutOfMemory("the KV cache cannot hold this sequence (" +
-                                      std::to_string(seq->num_tokens()) + " tokens)"));
-        continue;
-      }
-      PreemptByRecompute(victim);
-      if (victim == seq) break;
-    }
-    // Waiting sequences join while there is room, in arrival order; nothing overtakes.
-    while (!waiting_.empty() && budget > 0 && static_cast<int>(running_.size()) < config_.max_num_seqs) {
-      Sequence* seq = waiting_.front();
-      const int64_t n = std::min(seq->num_uncomputed(), budget);
-      if (!seq->blocks.EnsureCapacity(n, allocator_).ok()) {
-        if (running_.empty()) {
-          Fail(seq, Status::OutOfMemory("the KV cache cannot hold the prompt"));
-          continue;
-        }
-        break;
-      }
-      waiting_.pop_front();
-      running_.push_back(seq);
-      batch.push_back({seq, n});
-      budget -= n;
-    }
-    return batch;
-  }
-
   Result<StepResult> StepInner() {
     ReapCancelled();
-    std::vector<Scheduled> scheduled = Schedule();
+    SchedulerOutput sched = scheduler_.Schedule();
+    for (auto& [id, why] : sched.rejected) FailRequest(id, why, /*in_scheduler=*/false);
+    // Block moves first: swap-out frees device blocks this step may reuse.
+    KVFLOW_RETURN_IF_ERROR(backend_->CopyBlocks(sched.swap_out, BlockCopyKind::kDeviceToHost));
+    KVFLOW_RETURN_IF_ERROR(backend_->CopyBlocks(sched.swap_in, BlockCopyKind::kHostToDevice));
+    KVFLOW_RETURN_IF_ERROR(backend_->CopyBlocks(sched.copies, BlockCopyKind::kDeviceToDevice));
     StepResult result;
-    if (scheduled.empty()) return result;
+    if (sched.empty()) return result;
 
     ForwardBatch batch;
-    for (const Scheduled& s : scheduled) {
+    for (const ScheduledSeq& s : sched.scheduled) {
       SequenceSlice slice;
       slice.token_offset = static_cast<int32_t>(batch.tokens.size());
       slice.num_tokens = static_cast<int32_t>(s.num_tokens);
       slice.context_len = static_cast<int32_t>(s.seq->num_computed + s.num_tokens);
-      slice.block_table = s.seq->blocks.blocks();
-      const bool completes = slice.context_len == s.seq->num_tokens();
-      slice.logits = completes ? LogitsMode::kLast : LogitsMode::kNone;
+      slice.block_table = blocks_.BlockTable(s.seq->id);
+      slice.logits = s.needs_logits ? LogitsMode::kLast : LogitsMode::kNone;
       for (int64_t i = 0; i < s.num_tokens; ++i) {
-        batch.tokens.push_back(s.seq->token_at(s.seq->num_computed + i));
-        batch.positions.push_back(static_cast<int32_t>(s.seq->num_computed + i));
+        const int64_t pos = s.seq->num_computed + i;
+        batch.tokens.push_back(s.seq->tokens[static_cast<size_t>(pos)]);
+        batch.positions.push_back(static_cast<int32_t>(pos));
       }
-      const bool is_prefill = s.seq->num_computed < static_cast<int64_t>(s.seq->prompt.size()) || s.num_tokens > 1;
+      const bool is_prefill = s.seq->num_computed < s.seq->prompt_len || s.num_tokens > 1;
       (is_prefill ? result.num_prefill_tokens : result.num_decode_tokens) += static_cast<int>(s.num_tokens);
       batch.seqs.push_back(std::move(slice));
     }
-    result.num_seqs = static_cast<int>(scheduled.size());
+    result.num_seqs = static_cast<int>(sched.scheduled.size());
 
     Status st = backend_->Forward(batch, logits_);
     if (!st.ok()) {
       // A failed step fails the requests in it, not the engine.
       spdlog::error("forward pass failed: {}", st.ToString());
-      for (const Scheduled& s : scheduled) Fail(s.seq, st);
+      std::vector<RequestId> failed;
+      for (const ScheduledSeq& s : sched.scheduled) failed.push_back(s.group->request_id);
+      std::sort(failed.begin(), failed.end());
+      failed.erase(std::unique(failed.begin(), failed.end()), failed.end());
+      for (RequestId id : failed) FailRequest(id, st, true);
       return result;
     }
+    scheduler_.CompleteStep(sched);
     ++stats_.num_steps;
     stats_.prompt_tokens_processed += result.num_prefill_tokens;
 
+    // Logit rows by request, in batch order.
     const int64_t V = model_config_.vocab_size;
+    std::vector<std::pair<RequestState*, std::vector<std::pair<SeqState*, std::span<float>>>>> by_request;
     int64_t row = 0;
-    for (size_t i = 0; i < scheduled.size(); ++i) {
-      Sequence* seq = scheduled[i].seq;
-      seq->num_computed += scheduled[i].num_tokens;
-      if (batch.seqs[i].logits == LogitsMode::kNone) continue;
+    for (const ScheduledSeq& s : sched.scheduled) {
+      if (!s.needs_logits) continue;
       std::span<float> logits(logits_.data() + row * V, static_cast<size_t>(V));
       ++row;
-      SampleAndStream(seq, logits);
+      RequestState* req = requests_.at(s.group->request_id).get();
+      if (by_request.empty() || by_request.back().first != req) by_request.push_back({req, {}});
+      by_request.back().second.emplace_back(req->Find(s.seq), logits);
+    }
+    for (auto& [req, rows] : by_request) {
+      if (req->params.use_beam_search) {
+        BeamStep(req, rows);
+      } else {
+        SampleStep(req, rows);
+      }
     }
     return result;
   }
 
-  void SampleAndStream(Sequence* seq, std::span<float> logits) {
-    const SamplingParams& p = seq->params;
-    std::vector<int32_t> suppress;
-    if (static_cast<int>(seq->output.size()) < p.min_tokens) {
-      suppress = p.stop_token_ids;
-      if (!p.ignore_eos) suppress.insert(suppress.end(), model_config_.eos_token_ids.begin(), model_config_.eos_token_ids.end());
+  // ---- sampling (n, best_of) ------------------------------------------------------------------
+
+  void SampleStep(RequestState* req, std::vector<std::pair<SeqState*, std::span<float>>>& rows) {
+    const int candidates = req->params.num_candidates();
+    if (!req->forked && candidates > 1) {
+      // The prompt's logits are in: every further candidate forks off the first and shares its
+      // prompt blocks, then samples from the same logits.
+      req->forked = true;
+      SeqState* first = rows.front().first;
+      std::span<float> logits = rows.front().second;
+      for (int i = 1; i < candidates; ++i) {
+        SchedSequence* child = scheduler_.Fork(*req->group, *first->seq);
+        req->seqs.push_back(
+            std::make_unique<SeqState>(child, i, req->params, CandidateSeed(req->seed, i), *tokenizer_));
+        fork_logits_.emplace_back(logits.begin(), logits.end());
+      }
+      for (int i = 1; i < candidates; ++i) {
+        rows.emplace_back(req->seqs[static_cast<size_t>(i)].get(), std::span<float>(fork_logits_[static_cast<size_t>(i - 1)]));
+      }
+    } else {
+      req->forked = true;
     }
-    SampledToken tok = seq->sampler.Sample(logits, seq->prompt, seq->output, suppress);
-    if (!seq->first_token_time) seq->first_token_time = Clock::now();
-    seq->output.push_back(tok.token);
+    for (auto& [st, logits] : rows) SampleOne(req, st, logits);
+    fork_logits_.clear();
+    MaybeFinishRequest(req);
+  }
+
+  void SampleOne(RequestState* req, SeqState* st, std::span<float> logits) {
+    const SamplingParams& p = req->params;
+    std::vector<int32_t> suppress;
+    if (st->seq->output_len() < p.min_tokens) suppress = SuppressedBeforeMinTokens(p);
+    SampledToken tok = st->sampler.Sample(logits, st->prompt(), st->output(), suppress);
+    st->seq->tokens.push_back(tok.token);
+    st->cumulative_logprob += tok.logprob;
     ++stats_.generated_tokens;
 
     FinishReason finish = FinishReason::kNone;
-    const auto& eos = model_config_.eos_token_ids;
-    const bool is_eos = !p.ignore_eos && (std::find(eos.begin(), eos.end(), tok.token) != eos.end() ||
-                                          tok.token == tokenizer_->eos_id());
-    const bool is_stop_token = std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), tok.token) !=
-                               p.stop_token_ids.end();
     StreamEvent event;
-    event.id = seq->id;
-    if (is_eos) {
+    event.id = req->id;
+    event.index = st->index;
+    if (IsEos(p, tok.token)) {
       finish = FinishReason::kEos;
-    } else if (is_stop_token) {
+    } else if (IsStopToken(p, tok.token)) {
       finish = FinishReason::kStop;
     } else {
-      event.text_delta = seq->stop.Push(seq->decoder.Push(tok.token));
-      if (seq->stop.stopped()) finish = FinishReason::kStop;
+      event.text_delta = st->stop.Push(st->decoder.Push(tok.token));
+      if (st->stop.stopped()) finish = FinishReason::kStop;
     }
-    if (finish == FinishReason::kNone && (static_cast<int>(seq->output.size()) >= p.max_tokens ||
-                                          seq->num_tokens() >= config_.max_model_len)) {
-      finish = FinishReason::kLength;
-    }
+    if (finish == FinishReason::kNone && ReachedLength(p, *st->seq)) finish = FinishReason::kLength;
     if (finish != FinishReason::kNone && finish != FinishReason::kStop) {
-      event.text_delta += seq->stop.Push(seq->decoder.Flush());
-      event.text_delta += seq->stop.Flush();
+      event.text_delta += st->stop.Push(st->decoder.Flush());
+      event.text_delta += st->stop.Flush();
     }
+    st->text += event.text_delta;
+    st->logprobs.push_back(tok);
     event.tokens.push_back(std::move(tok));
     if (finish != FinishReason::kNone) {
+      st->finish = finish;
+      scheduler_.FinishSequence(*st->seq);
       event.finished = true;
       event.finish_reason = finish;
     }
-    if (seq->on_event) seq->on_event(event);
-    if (event.finished) Retire(seq);
+    if (p.streams() && req->on_event) {
+      event.request_finished = event.finished && AllFinished(*req);
+      req->on_event(event);
+    }
   }
 
-  void Fail(Sequence* seq, const Status& error) {
+  // When every candidate is done: non-streaming requests deliver their n best now; then the
+  // request is forgotten.
+  void MaybeFinishRequest(RequestState* req) {
+    if (!AllFinished(*req)) return;
+    if (!req->params.streams()) {
+      std::vector<SeqState*> order;
+      for (auto& s : req->seqs) order.push_back(s.get());
+      std::stable_sort(order.begin(), order.end(), [](const SeqState* a, const SeqState* b) {
+        return a->cumulative_logprob > b->cumulative_logprob;
+      });
+      for (int i = 0; i < req->params.n; ++i) {
+        SeqState* s = order[static_cast<size_t>(i)];
+        StreamEvent e;
+        e.id = req->id;
+        e.index = i;
+        e.tokens = s->logprobs;
+        e.text_delta = s->text;
+        e.finished = true;
+        e.finish_reason = s->finish;
+        e.request_finished = i + 1 == req->params.n;
+        if (req->on_event) req->on_event(e);
+      }
+    }
+    Forget(req->id);
+  }
+
+  bool AllFinished(const RequestState& req) const {
+    if (!req.forked && req.params.num_candidates() > 1) return false;
+    for (const auto& s : req.seqs) {
+      if (s->finish == FinishReason::kNone) return false;
+    }
+    return true;
+  }
+
+  // ---- beam search ----------------------------------------------------------------------------
+
+  void BeamStep(RequestState* req, std::vector<std::pair<SeqState*, std::span<float>>>& rows) {
+    for (auto& [st, logits] : rows) st->pending_logits.emplace(logits.begin(), logits.end());
+    std::vector<SeqState*> beams;
+    for (auto& s : req->seqs) {
+      if (s->finish != FinishReason::kNone) continue;
+      if (!s->pending_logits) return;  // a beam still prefilling (after recompute): wait for it
+      beams.push_back(s.get());
+    }
+    req->forked = true;
+    const SamplingParams& p = req->params;
+    const int width = p.num_candidates();
+    const int64_t V = model_config_.vocab_size;
+
+    struct Candidate {
+      SeqState* parent;
+      SampledToken token;
+      double cumulative;
+    };
+    std::vector<Candidate> candidates;
+    std::vector<int32_t> order(static_cast<size_t>(V));
+    for (SeqState* beam : beams) {
+      std::vector<float>& logits = *beam->pending_logits;
+      if (beam->seq->output_len() < p.min_tokens) {
+        for (int32_t t : SuppressedBeforeMinTokens(p)) {
+          if (t >= 0 && t < V) logits[static_cast<size_t>(t)] = -std::numeric_limits<float>::infinity();
+        }
+      }
+      // log-softmax, then the 2 * width best continuations of this beam.
+      const float max = *std::max_element(logits.begin(), logits.end());
+      double sum = 0.0;
+      for (float l : logits) sum += std::exp(static_cast<double>(l - max));
+      const double log_z = static_cast<double>(max) + std::log(sum);
+      std::iota(order.begin(), order.end(), 0);
+      const size_t keep = std::min<size_t>(static_cast<size_t>(2 * width), order.size());
+      std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(keep), order.end(),
+                        [&](int32_t a, int32_t b) {
+                          return logits[static_cast<size_t>(a)] > logits[static_cast<size_t>(b)] ||
+                                 (logits[static_cast<size_t>(a)] == logits[static_cast<size_t>(b)] && a < b);
+                        });
+      for (size_t k = 0; k < keep; ++k) {
+        SampledToken tok;
+        tok.token = order[k];
+        tok.logprob = static_cast<float>(logits[static_cast<size_t>(tok.token)] - log_z);
+        for (int j = 0; j < p.logprobs && j < static_cast<int>(keep); ++j) {
+          tok.top_logprobs.push_back({order[static_cast<size_t>(j)],
+                                      static_cast<float>(logits[static_cast<size_t>(order[static_cast<size_t>(j)])] - log_z)});
+        }
+        candidates.push_back({beam, std::move(tok), beam->cumulative_logprob + (logits[static_cast<size_t>(order[k])] - log_z)});
+      }
+      beam->pending_logits.reset();
+    }
+    std::stable_sort(candidates.begin(), candidates.end(),
+                     [](const Candidate& a, const Candidate& b) { return a.cumulative > b.cumulative; });
+
+    // Top candidates: those ending the sequence become hypotheses (only within the first
+    // `width` ranks, as vLLM and HF do); the rest continue until `width` beams are chosen.
+    std::vector<Candidate> chosen;
+    for (size_t rank = 0; rank < candidates.size() && static_cast<int>(chosen.size()) < width; ++rank) {
+      Candidate& c = candidates[rank];
+      const bool ends = IsEos(p, c.token.token) || IsStopToken(p, c.token.token);
+      if (ends) {
+        if (static_cast<int>(rank) < width) {
+          AddHypothesis(req, *c.parent, &c.token, c.cumulative,
+                        IsEos(p, c.token.token) ? FinishReason::kEos : FinishReason::kStop);
+        }
+        continue;
+      }
+      chosen.push_back(std::move(c));
+    }
+
+    // Fork extra children from untouched parents first, then append.
+    std::vector<std::pair<SeqState*, Candidate*>> assignments;
+    std::vector<SeqState*> used;
+    for (Candidate& c : chosen) {
+      SeqState* target = c.parent;
+      if (std::find(used.begin(), used.end(), c.parent) != used.end()) {
+        SchedSequence* child = scheduler_.Fork(*req->group, *c.parent->seq);
+        req->seqs.push_back(std::make_unique<SeqState>(child, static_cast<int>(req->seqs.size()), p, req->seed, *tokenizer_));
+        target = req->seqs.back().get();
+        target->logprobs = c.parent->logprobs;
+      } else {
+        used.push_back(c.parent);
+      }
+      assignments.emplace_back(target, &c);
+    }
+    for (SeqState* beam : beams) {
+      if (std::find(used.begin(), used.end(), beam) == used.end()) {
+        beam->finish = FinishReason::kStop;  // pruned
+        scheduler_.FinishSequence(*beam->seq);
+      }
+    }
+    for (auto& [target, c] : assignments) {
+      target->seq->tokens.push_back(c->token.token);
+      target->cumulative_logprob = c->cumulative;
+      target->logprobs.push_back(c->token);
+      ++stats_.generated_tokens;
+    }
+
+    // Beams that hit the length limit finish; then the vLLM early-stopping test.
+    std::vector<SeqState*> running;
+    for (auto& [target, c] : assignments) {
+      if (ReachedLength(p, *target->seq)) {
+        AddHypothesis(req, *target, nullptr, target->cumulative_logprob, FinishReason::kLength);
+        target->finish = FinishReason::kLength;
+        scheduler_.FinishSequence(*target->seq);
+      } else {
+        running.push_back(target);
+      }
+    }
+    bool done = running.empty();
+    if (!done && static_cast<int>(req->beams_done.size()) >= width) {
+      std::vector<double> scores;
+      for (const auto& h : req->beams_done) scores.push_back(h.score);
+      std::sort(scores.rbegin(), scores.rend());
+      const double worst_kept = scores[static_cast<size_t>(width - 1)];
+      double best_running = -std::numeric_limits<double>::infinity();
+      for (SeqState* r : running) {
+        best_running = std::max(best_running, BeamScore(r->cumulative_logprob, r->seq->num_tokens(), p.length_penalty));
+      }
+      done = worst_kept >= best_running;
+    }
+    if (!done) return;
+    for (SeqState* r : running) {
+      r->finish = FinishReason::kStop;
+      scheduler_.FinishSequence(*r->seq);
+    }
+    FinishBeamSearch(req);
+  }
+
+  // Records a finished beam: the parent's tokens plus `last` (if any).
+  void AddHypothesis(RequestState* req, const SeqState& beam, const SampledToken* last, double cumulative,
+                     FinishReason why) {
+    BeamHypothesis h;
+    h.tokens.assign(beam.output().begin(), beam.output().end());
+    h.logprobs = beam.logprobs;
+    int64_t length = beam.seq->num_tokens();  // an ending EOS does not count (vLLM)
+    if (last) {
+      h.tokens.push_back(last->token);
+      h.logprobs.push_back(*last);
+    }
+    h.cumulative_logprob = cumulative;
+    h.score = BeamScore(cumulative, length, req->params.length_penalty);
+    h.finish = why;
+    req->beams_done.push_back(std::move(h));
+  }
+
+  void FinishBeamSearch(RequestState* req) {
+    auto& done = req->beams_done;
+    std::stable_sort(done.begin(), done.end(), [](const BeamHypothesis& a, const BeamHypothesis& b) { return a.score > b.score; });
+    const int n = std::min<int>(req->params.n, static_cast<int>(done.size()));
+    for (int i = 0; i < n; ++i) {
+      const BeamHypothesis& h = done[static_cast<size_t>(i)];
+      StreamEvent e;
+      e.id = req->id;
+      e.index = i;
+      e.tokens = h.logprobs;
+      std::vector<int32_t> text_tokens = h.tokens;
+      if (h.finish == FinishReason::kEos && !text_tokens.empty()) text_tokens.pop_back();
+      e.text_delta = tokenizer_->Decode(text_tokens);
+      e.finished = true;
+      e.finish_reason = h.finish;
+      e.request_finished = i + 1 == n;
+      if (req->on_event) req->on_event(e);
+    }
+    Forget(req->id);
+  }
+
+  // ---- shared helpers -------------------------------------------------------------------------
+
+  std::vector<int32_t> SuppressedBeforeMinTokens(const SamplingParams& p) const {
+    std::vector<int32_t> s = p.stop_token_ids;
+    if (!p.ignore_eos) {
+      s.insert(s.end(), model_config_.eos_token_ids.begin(), model_config_.eos_token_ids.end());
+      if (tokenizer_->eos_id() >= 0) s.push_back(tokenizer_->eos_id());
+    }
+    return s;
+  }
+  bool IsEos(const SamplingParams& p, int32_t token) const {
+    const auto& eos = model_config_.eos_token_ids;
+    return !p.ignore_eos && (std::find(eos.begin(), eos.end(), token) != eos.end() || token == tokenizer_->eos_id());
+  }
+  static bool IsStopToken(const SamplingParams& p, int32_t token) {
+    return std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) != p.stop_token_ids.end();
+  }
+  bool ReachedLength(const SamplingParams& p, const SchedSequence& seq) const {
+    return seq.output_len() >= p.max_tokens || seq.num_tokens() >= config_.max_model_len;
+  }
+
+  // Ends a request with an error or cancellation: one final event, blocks freed at once.
+  void FailRequest(RequestId id, const Status& error, bool in_scheduler) {
+    auto it = requests_.find(id);
+    if (it == requests_.end()) return;
+    RequestState* req = it->second.get();
     StreamEvent event;
-    event.id = seq->id;
+    event.id = id;
     event.finished = true;
+    event.request_finished = true;
     event.finish_reason = error.code() == StatusCode::kCancelled ? FinishReason::kCancelled : FinishReason::kError;
     event.error = error;
-    if (seq->on_event) seq->on_event(event);
-    Retire(seq);
+    if (req->on_event) req->on_event(event);
+    if (in_scheduler) scheduler_.RemoveGroup(id);
+    requests_.erase(it);
   }
 
-  // Frees the sequence's blocks and forgets it.
-  void Retire(Sequence* seq) {
-    seq->blocks.Release(allocator_);
-    if (auto it = std::find(running_.begin(), running_.end(), seq); it != running_.end()) running_.erase(it);
-    if (auto it = std::find(waiting_.begin(), waiting_.end(), seq); it != waiting_.end()) waiting_.erase(it);
-    sequences_.erase(seq->id);
+  void Forget(RequestId id) {
+    scheduler_.RemoveGroup(id);
+    requests_.erase(id);
   }
 
   void ReapCancelled() {
-    std::vector<Sequence*> cancelled;
-    for (auto& [id, seq] : sequences_) {
-      if (seq->cancel_requested) cancelled.push_back(seq.get());
+    std::vector<RequestId> cancelled;
+    for (auto& [id, req] : requests_) {
+      if (req->cancel_requested) cancelled.push_back(id);
     }
-    for (Sequence* seq : cancelled) Fail(seq, Status::Cancelled("request cancelled"));
+    for (RequestId id : cancelled) FailRequest(id, Status::Cancelled("request cancelled"), true);
   }
 
   EngineConfig config_;
   ModelConfig model_config_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<Backend> backend_;
-  BlockAllocator allocator_;
+  BlockManager blocks_;
+  Scheduler scheduler_;
   std::mt19937_64 seed_rng_;
-  std::unordered_map<RequestId, std::unique_ptr<Sequence>> sequences_;
-  std::deque<Sequence*> waiting_;
-  std::vector<Sequence*> running_;  // in arrival order
+  std::unordered_map<RequestId, std::unique_ptr<RequestState>> requests_;
   std::vector<float> logits_;
+  std::vector<std::vector<float>> fork_logits_;
   EngineStats stats_;
   RequestId next_id_ = 1;
   bool in_step_ = false;
@@ -365,6 +646,7 @@ Status ValidateEngineConfig(const EngineConfig& c) {
   if (c.max_num_batched_tokens < 1) return Status::InvalidArgument("max_num_batched_tokens must be >= 1");
   if (c.max_model_len < 0) return Status::InvalidArgument("max_model_len must be >= 0");
   if (c.kv_cache_bytes < 0 || c.num_kv_blocks < 0) return Status::InvalidArgument("KV cache size must be >= 0");
+  if (c.swap_space_bytes < 0) return Status::InvalidArgument("swap_space must be >= 0");
   if (c.device != "cpu") {
     return Status::Unsupported("device '" + c.device + "' is not available in this build (supported: cpu)");
   }
@@ -376,6 +658,8 @@ Status ValidateEngineConfig(const EngineConfig& c) {
 Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& input) {
   EngineConfig config = input;
   KVFLOW_RETURN_IF_ERROR(ValidateEngineConfig(config));
+  KVFLOW_ASSIGN_OR_RETURN(auto policy, MakeSchedulingPolicy(config.scheduling_policy));
+  KVFLOW_ASSIGN_OR_RETURN(PreemptionMode preemption, ParsePreemptionMode(config.preemption_mode));
   KVFLOW_ASSIGN_OR_RETURN(std::string path, ResolveModel(config.model));
   ModelFiles files;
   if (path == kTinyRandomName) {
@@ -413,13 +697,18 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& input) {
     }
     layout.num_blocks = static_cast<int>(std::max<int64_t>(1, bytes / block_bytes));
   }
+  // Swap space beyond the device pool could never be filled (see the block manager).
+  const int64_t host_blocks = config.num_host_kv_blocks >= 0 ? config.num_host_kv_blocks
+                                                             : config.swap_space_bytes / block_bytes;
+  const int num_host_blocks = static_cast<int>(std::min<int64_t>(host_blocks, layout.num_blocks));
 
   KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadLlamaWeights(*files.tensors, mc, files.gguf_rope_permuted));
   files.tensors.reset();  // weights are now fp32 copies; drop the mapping
   const int threads = config.num_threads > 0 ? config.num_threads
                                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  KVFLOW_ASSIGN_OR_RETURN(auto backend, CpuBackend::Create(mc, std::move(weights), layout, threads));
-  auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend));
+  KVFLOW_ASSIGN_OR_RETURN(auto backend, CpuBackend::Create(mc, std::move(weights), layout, num_host_blocks, threads));
+  auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(policy),
+                                             preemption);
   spdlog::info("engine ready: {}", engine->Describe());
   return std::unique_ptr<Engine>(std::move(engine));
 }

@@ -1,22 +1,44 @@
 #include "kv/block_allocator.h"
 
+#include <algorithm>
 #include <cassert>
 #include <string>
 
 namespace kvflow {
 
-BlockAllocator::BlockAllocator(int num_blocks) : refcounts_(static_cast<size_t>(num_blocks), 0) {
+uint64_t HashBlockTokens(uint64_t prefix_hash, std::span<const int32_t> tokens) {
+  // splitmix64 finalizer over a running state; cheap and well mixed.
+  auto mix = [](uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  };
+  uint64_t h = mix(prefix_hash + 0x9e3779b97f4a7c15ULL);
+  for (int32_t t : tokens) h = mix(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(t)) + 0x9e3779b97f4a7c15ULL));
+  return mix(h ^ tokens.size());
+}
+
+BlockAllocator::BlockAllocator(int num_blocks)
+    : refcounts_(static_cast<size_t>(num_blocks), 0),
+      contents_(static_cast<size_t>(num_blocks)),
+      lru_pos_(static_cast<size_t>(num_blocks), lru_.end()) {
   free_list_.reserve(static_cast<size_t>(num_blocks));
   for (BlockId id = num_blocks - 1; id >= 0; --id) free_list_.push_back(id);
 }
 
 Result<BlockId> BlockAllocator::Allocate() {
-  if (free_list_.empty()) {
-    return Status::OutOfMemory("KV block pool exhausted (" + std::to_string(num_blocks()) +
-                               " blocks in use)");
+  BlockId id;
+  if (!free_list_.empty()) {
+    id = free_list_.back();
+    free_list_.pop_back();
+  } else if (!lru_.empty()) {
+    id = lru_.front();
+    lru_.pop_front();
+    lru_pos_[static_cast<size_t>(id)] = lru_.end();
+    Uncache(id);
+  } else {
+    return Status::OutOfMemory("KV block pool exhausted (" + std::to_string(num_blocks()) + " blocks in use)");
   }
-  BlockId id = free_list_.back();
-  free_list_.pop_back();
   refcounts_[static_cast<size_t>(id)] = 1;
   return id;
 }
@@ -29,7 +51,56 @@ void BlockAllocator::AddRef(BlockId id) {
 void BlockAllocator::Free(BlockId id) {
   int& rc = refcounts_[static_cast<size_t>(id)];
   assert(rc > 0);
-  if (--rc == 0) free_list_.push_back(id);
+  if (--rc > 0) return;
+  if (contents_[static_cast<size_t>(id)]) {
+    lru_.push_back(id);
+    lru_pos_[static_cast<size_t>(id)] = std::prev(lru_.end());
+  } else {
+    free_list_.push_back(id);
+  }
+}
+
+void BlockAllocator::Uncache(BlockId id) {
+  auto& c = contents_[static_cast<size_t>(id)];
+  if (!c) return;
+  if (auto it = by_hash_.find(c->hash); it != by_hash_.end() && it->second == id) by_hash_.erase(it);
+  c.reset();
+}
+
+std::optional<BlockId> BlockAllocator::Find(uint64_t prefix_hash, std::span<const int32_t> tokens) const {
+  auto it = by_hash_.find(HashBlockTokens(prefix_hash, tokens));
+  if (it == by_hash_.end()) return std::nullopt;
+  const Content& c = *contents_[static_cast<size_t>(it->second)];
+  if (c.prefix_hash != prefix_hash || !std::equal(c.tokens.begin(), c.tokens.end(), tokens.begin(), tokens.end())) {
+    return std::nullopt;  // a hash collision: treat as a miss
+  }
+  return it->second;
+}
+
+std::optional<BlockId> BlockAllocator::Peek(uint64_t prefix_hash, std::span<const int32_t> tokens) const {
+  return Find(prefix_hash, tokens);
+}
+
+std::optional<BlockId> BlockAllocator::Lookup(uint64_t prefix_hash, std::span<const int32_t> tokens) {
+  auto id = Find(prefix_hash, tokens);
+  if (!id) return std::nullopt;
+  auto& pos = lru_pos_[static_cast<size_t>(*id)];
+  if (pos != lru_.end()) {  // revive an unused cached block
+    lru_.erase(pos);
+    pos = lru_.end();
+  }
+  ++refcounts_[static_cast<size_t>(*id)];
+  return id;
+}
+
+bool BlockAllocator::Register(BlockId id, uint64_t prefix_hash, std::span<const int32_t> tokens) {
+  assert(refcounts_[static_cast<size_t>(id)] > 0);
+  if (contents_[static_cast<size_t>(id)]) return false;
+  const uint64_t hash = HashBlockTokens(prefix_hash, tokens);
+  if (by_hash_.contains(hash)) return false;
+  contents_[static_cast<size_t>(id)] = Content{hash, prefix_hash, std::vector<int32_t>(tokens.begin(), tokens.end())};
+  by_hash_.emplace(hash, id);
+  return true;
 }
 
 }  // namespace kvflow

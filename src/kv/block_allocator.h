@@ -1,7 +1,12 @@
-// Fixed pool of KV blocks with reference counts. Plain C++: no backend, no CUDA.
+// One pool of physical KV blocks with reference counts and an optional content-addressed prefix
+// cache. Plain C++: no backend, no CUDA.
 #pragma once
 
 #include <cstdint>
+#include <list>
+#include <optional>
+#include <span>
+#include <unordered_map>
 #include <vector>
 
 #include "kvflow/status.h"
@@ -10,27 +15,60 @@ namespace kvflow {
 
 using BlockId = int32_t;
 
-// Hands out physical block ids of one pool. A block is free exactly when its refcount is 0;
-// sharing (fork, prefix cache) raises the count, Free lowers it.
+// Hash of a full block's token ids chained with the hash of everything before it, so equal hashes
+// mean equal prefixes (verified on lookup, so a 64-bit collision is a miss, never a wrong hit).
+uint64_t HashBlockTokens(uint64_t prefix_hash, std::span<const int32_t> tokens);
+
+// Hands out physical block ids. A block is in exactly one of three states:
+//   used       refcount > 0 (sharing via fork or prefix hits raises the count),
+//   cached     refcount 0 but its content is in the prefix cache; reclaimed LRU when needed,
+//   free       refcount 0, content meaningless.
 class BlockAllocator {
  public:
   explicit BlockAllocator(int num_blocks);
 
-  // A fresh block with refcount 1, or OutOfMemory when none is free.
+  // A block with refcount 1: a free one if any, else the least recently used cached one
+  // (which leaves the cache). OutOfMemory when every block is used.
   Result<BlockId> Allocate();
-  // Another reference to an allocated block (sharing).
+  // Another reference to a used block (sharing).
   void AddRef(BlockId id);
-  // Drops one reference; the block returns to the pool when the last one goes.
+  // Drops one reference. At zero the block becomes cached (if it has content) or free.
   void Free(BlockId id);
 
+  // The block holding `tokens` after the prefix with hash `prefix_hash`, with a new reference
+  // taken, or nullopt.
+  std::optional<BlockId> Lookup(uint64_t prefix_hash, std::span<const int32_t> tokens);
+  // Same match without taking a reference (for admission planning).
+  std::optional<BlockId> Peek(uint64_t prefix_hash, std::span<const int32_t> tokens) const;
+  // Publishes a used, fully computed block under its content; false if that content is cached
+  // already (in another block) or the block already has content.
+  bool Register(BlockId id, uint64_t prefix_hash, std::span<const int32_t> tokens);
+
   int refcount(BlockId id) const { return refcounts_[static_cast<size_t>(id)]; }
+  bool is_cached_content(BlockId id) const { return contents_[static_cast<size_t>(id)].has_value(); }
   int num_blocks() const { return static_cast<int>(refcounts_.size()); }
-  int num_free() const { return static_cast<int>(free_list_.size()); }
+  // Blocks Allocate can still hand out (free + cached).
+  int num_free() const { return static_cast<int>(free_list_.size() + lru_.size()); }
+  int num_cached_unused() const { return static_cast<int>(lru_.size()); }
+  int num_used() const { return num_blocks() - num_free(); }
 
  private:
+  struct Content {
+    uint64_t hash;
+    uint64_t prefix_hash;
+    std::vector<int32_t> tokens;
+  };
+  void Uncache(BlockId id);
+  std::optional<BlockId> Find(uint64_t prefix_hash, std::span<const int32_t> tokens) const;
+
   std::vector<int> refcounts_;
   // LIFO so a just-freed block (warm in cache) is reused first.
   std::vector<BlockId> free_list_;
+  std::vector<std::optional<Content>> contents_;
+  std::unordered_map<uint64_t, BlockId> by_hash_;
+  // Cached blocks nobody uses, least recently released first.
+  std::list<BlockId> lru_;
+  std::vector<std::list<BlockId>::iterator> lru_pos_;
 };
 
 }  // namespace kvflow

@@ -8,6 +8,8 @@ namespace kvflow {
 
 namespace {
 
+constexpr int kMaxCompletions = 256;
+
 // "top_p must be in (0, 1], got 1.5": the field, what it accepts, and what it was given.
 template <typename T>
 Status OutOfRange(const char* field, const char* allowed, T value) {
@@ -40,6 +42,15 @@ Status SamplingParams::Validate() const {
     return OutOfRange("min_tokens", "in [0, max_tokens]", min_tokens);
   }
   if (logprobs < 0 || logprobs > 20) return OutOfRange("logprobs", "in [0, 20]", logprobs);
+  if (n < 1 || n > kMaxCompletions) return OutOfRange("n", "in [1, 256]", n);
+  if (best_of && (*best_of < n || *best_of > kMaxCompletions)) return OutOfRange("best_of", "in [n, 256]", *best_of);
+  if (!(length_penalty >= -10.0f && length_penalty <= 10.0f)) {
+    return OutOfRange("length_penalty", "in [-10, 10]", length_penalty);
+  }
+  if (use_beam_search) {
+    if (temperature != 0.0f) return OutOfRange("temperature", "0 with beam search", temperature);
+    if (!stop.empty()) return Status::InvalidArgument("stop strings are not supported with beam search");
+  }
   for (size_t i = 0; i < stop.size(); ++i) {
     if (stop[i].empty()) {
       return Status::InvalidArgument("stop[" + std::to_string(i) + "] must be a non-empty string");

@@ -14,10 +14,10 @@ int main() {
   p.max_tokens = 8;
   p.ignore_eos = true;
   auto out = engine.value()->Generate("hello", p);
-  if (!out.ok() || out->output_tokens.size() != 8) {
+  if (!out.ok() || out->first().tokens.size() != 8) {
     std::fprintf(stderr, "generation failed\n");
     return 1;
   }
-  std::printf("consumer: generated %zu tokens through kvflow::kvflow\n", out->output_tokens.size());
+  std::printf("consumer: generated %zu tokens through kvflow::kvflow\n", out->first().tokens.size());
   return 0;
 }

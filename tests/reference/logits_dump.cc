@@ -13,7 +13,7 @@
 #include <spdlog/spdlog.h>
 
 #include "backend/cpu/cpu_backend.h"
-#include "kv/block_table.h"
+#include "kv/block_manager.h"
 #include "kvflow/engine.h"
 #include "model/llama_weights.h"
 #include "model/tensor_source.h"
@@ -56,7 +56,7 @@ int main(int argc, char** argv) {
   kvflow::KvCacheLayout layout{config.num_layers, 0, config.num_kv_heads, block_size, config.head_dim};
   for (const auto& p : prompts) layout.num_blocks += kvflow::BlocksForTokens(static_cast<int64_t>(p.size()), block_size);
   layout.num_blocks += 7;  // spare blocks so placement is not a permutation of a dense range
-  auto backend = kvflow::CpuBackend::Create(config, std::move(weights.value()), layout, 0);
+  auto backend = kvflow::CpuBackend::Create(config, std::move(weights.value()), layout, /*num_host_blocks=*/0, 0);
   if (!backend.ok()) return Fail(backend.status());
 
   // Shuffled physical blocks: the reference must not depend on blocks being contiguous.

@@ -31,7 +31,7 @@ SamplingParams Greedy(int max_tokens) {
 std::vector<std::vector<int32_t>> OneByOne(const SamplingParams& p) {
   auto engine = MakeEngine();
   std::vector<std::vector<int32_t>> out;
-  for (const auto& prompt : kPrompts) out.push_back(engine->Generate(prompt, p).value().output_tokens);
+  for (const auto& prompt : kPrompts) out.push_back(engine->Generate(prompt, p).value().first().tokens);
   return out;
 }
 
@@ -40,7 +40,7 @@ std::vector<std::vector<int32_t>> Batched(EngineConfig c, const SamplingParams& 
   auto outs = engine->Generate(kPrompts, p);
   EXPECT_TRUE(outs.ok()) << outs.status().ToString();
   std::vector<std::vector<int32_t>> tokens;
-  for (const auto& o : outs.value()) tokens.push_back(o.output_tokens);
+  for (const auto& o : outs.value()) tokens.push_back(o.first().tokens);
   if (stats) *stats = engine->stats();
   EXPECT_EQ(engine->stats().kv_blocks_free, engine->stats().kv_blocks_total) << "blocks leaked";
   return tokens;
@@ -84,11 +84,11 @@ TEST(Engine, SameSeedSameOutputDifferentSeedDifferentOutput) {
   p.max_tokens = 32;
   p.ignore_eos = true;
   p.seed = 7;
-  auto a = engine->Generate(kPrompts[0], p).value().output_tokens;
-  auto b = engine->Generate(kPrompts[0], p).value().output_tokens;
+  auto a = engine->Generate(kPrompts[0], p).value().first().tokens;
+  auto b = engine->Generate(kPrompts[0], p).value().first().tokens;
   EXPECT_EQ(a, b);
   p.seed = 8;
-  auto c = engine->Generate(kPrompts[0], p).value().output_tokens;
+  auto c = engine->Generate(kPrompts[0], p).value().first().tokens;
   EXPECT_NE(a, c);
 }
 
@@ -101,36 +101,36 @@ TEST(Engine, StreamedTextEqualsDecodedOutputAndHonoursMaxTokens) {
     ++events;
   });
   ASSERT_TRUE(out.ok());
-  EXPECT_EQ(out->finish_reason, FinishReason::kLength);
-  EXPECT_EQ(out->output_tokens.size(), 20u);
+  EXPECT_EQ(out->first().finish_reason, FinishReason::kLength);
+  EXPECT_EQ(out->first().tokens.size(), 20u);
   EXPECT_EQ(events, 20);
-  EXPECT_EQ(streamed, out->text);
-  EXPECT_EQ(out->text, engine->tokenizer().Decode(out->output_tokens));
+  EXPECT_EQ(streamed, out->first().text);
+  EXPECT_EQ(out->first().text, engine->tokenizer().Decode(out->first().tokens));
 }
 
 TEST(Engine, StopStringEndsTheOutputBeforeIt) {
   auto engine = MakeEngine();
   auto full = engine->Generate(kPrompts[3], Greedy(30)).value();
   // Pick a stop string from the middle of what greedy decoding produces.
-  const std::string text = full.text;
+  const std::string text = full.first().text;
   ASSERT_GT(text.size(), 12u);
   const std::string stop = text.substr(text.size() / 2, 3);
   SamplingParams p = Greedy(30);
   p.stop = {stop};
   auto out = engine->Generate(kPrompts[3], p).value();
-  EXPECT_EQ(out.finish_reason, FinishReason::kStop);
-  EXPECT_EQ(out.text, text.substr(0, text.find(stop)));
+  EXPECT_EQ(out.first().finish_reason, FinishReason::kStop);
+  EXPECT_EQ(out.first().text, text.substr(0, text.find(stop)));
 }
 
 TEST(Engine, StopTokenIdEndsGeneration) {
   auto engine = MakeEngine();
   auto full = engine->Generate(kPrompts[0], Greedy(10)).value();
   SamplingParams p = Greedy(10);
-  p.stop_token_ids = {full.output_tokens[4]};
+  p.stop_token_ids = {full.first().tokens[4]};
   auto out = engine->Generate(kPrompts[0], p).value();
-  EXPECT_EQ(out.finish_reason, FinishReason::kStop);
-  EXPECT_LE(out.output_tokens.size(), 5u);
-  EXPECT_EQ(out.output_tokens.back(), full.output_tokens[4]);
+  EXPECT_EQ(out.first().finish_reason, FinishReason::kStop);
+  EXPECT_LE(out.first().tokens.size(), 5u);
+  EXPECT_EQ(out.first().tokens.back(), full.first().tokens[4]);
 }
 
 TEST(Engine, LogprobsAreSortedAndIncludeTheGreedyToken) {
@@ -138,7 +138,7 @@ TEST(Engine, LogprobsAreSortedAndIncludeTheGreedyToken) {
   SamplingParams p = Greedy(5);
   p.logprobs = 3;
   auto out = engine->Generate(kPrompts[0], p).value();
-  for (const SampledToken& t : out.output_logprobs) {
+  for (const SampledToken& t : out.first().logprobs) {
     ASSERT_EQ(t.top_logprobs.size(), 3u);
     EXPECT_EQ(t.top_logprobs[0].token, t.token);  // greedy picks the most likely
     EXPECT_FLOAT_EQ(t.top_logprobs[0].logprob, t.logprob);
@@ -179,8 +179,8 @@ TEST(Engine, BadRequestsGetClearErrors) {
   EXPECT_NE(too_long.status().message().find("max_model_len"), std::string::npos);
   // A request that reaches max_model_len finishes with kLength instead of failing.
   auto out = engine->Generate(std::string(50, 'y'), Greedy(100)).value();
-  EXPECT_EQ(out.finish_reason, FinishReason::kLength);
-  EXPECT_EQ(out.prompt_tokens.size() + out.output_tokens.size(), 64u);
+  EXPECT_EQ(out.first().finish_reason, FinishReason::kLength);
+  EXPECT_EQ(out.prompt_tokens.size() + out.first().tokens.size(), 64u);
 }
 
 TEST(Engine, BadConfigsAndModelsGetClearErrors) {

@@ -1,12 +1,20 @@
+// Block allocator (refcounts, prefix cache, LRU reclaim) and block manager (fork, copy-on-write,
+// prefix hits, swap plans) on hand-built cases. test_block_manager_property.cc covers random ones.
 #include <gtest/gtest.h>
 
-#include <random>
+#include <numeric>
 #include <set>
 
-#include "kv/block_table.h"
+#include "kv/block_manager.h"
 
 namespace kvflow {
 namespace {
+
+std::vector<int32_t> Tokens(int n, int start = 100) {
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  std::iota(t.begin(), t.end(), start);
+  return t;
+}
 
 TEST(BlockAllocator, AllocatesEveryBlockOnceThenReportsExhaustion) {
   BlockAllocator alloc(5);
@@ -35,50 +43,158 @@ TEST(BlockAllocator, SharedBlockReturnsOnlyAfterLastReference) {
   EXPECT_EQ(alloc.num_free(), 2);
 }
 
-TEST(BlockTable, GrowsOnlyWhenTheLastBlockIsFull) {
-  BlockAllocator alloc(10);
-  BlockTable table(4);
-  ASSERT_TRUE(table.EnsureCapacity(1, alloc).ok());
-  EXPECT_EQ(table.blocks().size(), 1u);
-  ASSERT_TRUE(table.EnsureCapacity(4, alloc).ok());
-  EXPECT_EQ(table.blocks().size(), 1u);
-  ASSERT_TRUE(table.EnsureCapacity(5, alloc).ok());
-  EXPECT_EQ(table.blocks().size(), 2u);
-  EXPECT_EQ(table.MissingBlocks(13), 2);
-  table.Release(alloc);
-  EXPECT_EQ(alloc.num_free(), 10);
-}
-
-TEST(BlockTable, AllOrNothingWhenThePoolRunsDry) {
+TEST(BlockAllocator, CachedBlocksAreRevivedByContentAndReclaimedLeastRecentlyUsedFirst) {
   BlockAllocator alloc(3);
-  BlockTable a(4), b(4);
-  ASSERT_TRUE(a.EnsureCapacity(8, alloc).ok());
-  Status st = b.EnsureCapacity(9, alloc);  // needs 3, one free
-  EXPECT_EQ(st.code(), StatusCode::kOutOfMemory);
-  EXPECT_TRUE(b.blocks().empty());
-  EXPECT_EQ(alloc.num_free(), 1);
+  const auto a = Tokens(4, 0), b = Tokens(4, 10);
+  BlockId ba = alloc.Allocate().value();
+  BlockId bb = alloc.Allocate().value();
+  ASSERT_TRUE(alloc.Register(ba, 0, a));
+  ASSERT_TRUE(alloc.Register(bb, 0, b));
+  EXPECT_FALSE(alloc.Register(bb, 0, b)) << "a block gets content once";
+  alloc.Free(ba);  // released first: reclaimed first
+  alloc.Free(bb);
+  EXPECT_EQ(alloc.num_free(), 3);
+  EXPECT_EQ(alloc.num_cached_unused(), 2);
+  // The same tokens after a different prefix are different content.
+  EXPECT_FALSE(alloc.Peek(HashBlockTokens(0, a), b).has_value());
+  auto hit = alloc.Lookup(0, b);
+  ASSERT_TRUE(hit.has_value());
+  EXPECT_EQ(*hit, bb);
+  EXPECT_EQ(alloc.refcount(bb), 1);
+  // Free block first, then the cached `a` (its content is dropped), then nothing.
+  BlockId fresh = alloc.Allocate().value();
+  EXPECT_NE(fresh, ba);
+  EXPECT_EQ(alloc.Allocate().value(), ba);
+  EXPECT_FALSE(alloc.Peek(0, a).has_value());
+  EXPECT_FALSE(alloc.Allocate().ok());
 }
 
-TEST(BlockTable, RandomWorkloadLeavesEveryBlockFree) {
-  std::mt19937 rng(42);
-  BlockAllocator alloc(64);
-  std::vector<BlockTable> tables(8, BlockTable(16));
-  std::vector<int64_t> lengths(8, 0);
-  for (int step = 0; step < 5000; ++step) {
-    const size_t i = rng() % tables.size();
-    if (rng() % 10 == 0) {
-      tables[i].Release(alloc);
-      lengths[i] = 0;
-    } else {
-      const int64_t want = lengths[i] + 1 + rng() % 20;
-      if (tables[i].EnsureCapacity(want, alloc).ok()) lengths[i] = want;
-    }
-    int used = 0;
-    for (const auto& t : tables) used += static_cast<int>(t.blocks().size());
-    ASSERT_EQ(used + alloc.num_free(), alloc.num_blocks());
-  }
-  for (auto& t : tables) t.Release(alloc);
-  EXPECT_EQ(alloc.num_free(), alloc.num_blocks());
+BlockManager Manager(int device, int host, bool prefix = false, int block_size = 4) {
+  BlockManagerConfig c;
+  c.block_size = block_size;
+  c.num_device_blocks = device;
+  c.num_host_blocks = host;
+  c.enable_prefix_caching = prefix;
+  c.watermark = 0.0;
+  return BlockManager(c);
+}
+
+TEST(BlockManager, AppendAllocatesOnlyWhenTheLastBlockIsFull) {
+  BlockManager m = Manager(10, 0);
+  ASSERT_EQ(m.Allocate(1, Tokens(5), 5).value(), 0);
+  EXPECT_EQ(m.BlockTable(1).size(), 2u);
+  EXPECT_EQ(m.BlocksToAppend(1, 5, 8), 0);
+  ASSERT_TRUE(m.AppendSlots(1, 5, 8).ok());
+  EXPECT_EQ(m.BlockTable(1).size(), 2u);
+  EXPECT_EQ(m.BlocksToAppend(1, 8, 9), 1);
+  ASSERT_TRUE(m.AppendSlots(1, 8, 9).ok());
+  EXPECT_EQ(m.BlockTable(1).size(), 3u);
+  m.Free(1);
+  EXPECT_EQ(m.device().num_free(), 10);
+}
+
+TEST(BlockManager, ForkSharesBlocksAndTheFirstWriterCopiesTheSharedPartialBlock) {
+  BlockManager m = Manager(10, 0);
+  ASSERT_TRUE(m.Allocate(1, Tokens(6), 6).ok());  // blocks: [full][2 of 4]
+  m.Fork(1, 2);
+  EXPECT_EQ(m.BlockTable(1), m.BlockTable(2));
+  EXPECT_EQ(m.device().num_used(), 2);
+  EXPECT_EQ(m.NumLogicalDeviceBlocks(), 4);
+  const BlockId shared_last = m.BlockTable(1)[1];
+  // Seq 2 writes token 6 into the shared last block: one copy, then it owns the copy.
+  EXPECT_EQ(m.BlocksToAppend(2, 6, 7), 1);
+  ASSERT_TRUE(m.AppendSlots(2, 6, 7).ok());
+  auto copies = m.TakePendingCopies();
+  ASSERT_EQ(copies.size(), 1u);
+  EXPECT_EQ(copies[0].src, shared_last);
+  EXPECT_EQ(copies[0].dst, m.BlockTable(2)[1]);
+  EXPECT_EQ(m.BlockTable(1)[0], m.BlockTable(2)[0]) << "the full block stays shared";
+  // Seq 1 is now the only owner of the original: it writes in place.
+  EXPECT_EQ(m.BlocksToAppend(1, 6, 7), 0);
+  ASSERT_TRUE(m.AppendSlots(1, 6, 7).ok());
+  EXPECT_TRUE(m.TakePendingCopies().empty());
+  m.Free(1);
+  m.Free(2);
+  EXPECT_EQ(m.device().num_free(), 10);
+}
+
+TEST(BlockManager, PrefixCacheMapsFullComputedBlocksAndKeepsTheLastTokenToCompute) {
+  BlockManager m = Manager(10, 0, /*prefix=*/true);
+  const auto prompt = Tokens(12);  // three full blocks
+  ASSERT_EQ(m.Allocate(1, prompt, 12).value(), 0);
+  m.MarkComputed(1, prompt, 12);
+  // Same prompt: the first two blocks hit; the third holds the last token, which must run.
+  EXPECT_EQ(m.BlocksToAllocate(prompt, 12), 1);
+  ASSERT_EQ(m.Allocate(2, prompt, 12).value(), 8);
+  EXPECT_EQ(m.BlockTable(1)[0], m.BlockTable(2)[0]);
+  EXPECT_EQ(m.BlockTable(1)[1], m.BlockTable(2)[1]);
+  EXPECT_NE(m.BlockTable(1)[2], m.BlockTable(2)[2]);
+  // A prompt that diverges in block 1 hits only block 0.
+  auto other = prompt;
+  other[5] = 7;
+  ASSERT_EQ(m.Allocate(3, other, 12).value(), 4);
+  EXPECT_NEAR(m.PrefixHitRate(), 3.0 / 6.0, 1e-12);  // 0 + 2 + 1 hits of 2 + 2 + 2 eligible blocks
+  // Freed cached blocks stay hittable until reclaimed.
+  m.Free(1);
+  m.Free(2);
+  m.Free(3);
+  EXPECT_EQ(m.device().num_free(), 10);
+  ASSERT_EQ(m.Allocate(4, prompt, 12).value(), 8);
+  m.Free(4);
+}
+
+TEST(BlockManager, SwapOutAndInKeepSharingInsideTheGroup) {
+  BlockManager m = Manager(8, 8);
+  ASSERT_TRUE(m.Allocate(1, Tokens(6), 6).ok());
+  m.Fork(1, 2);
+  ASSERT_TRUE(m.AppendSlots(2, 6, 7).ok());  // seq 2 copies its last block
+  (void)m.TakePendingCopies();
+  const std::vector<SeqId> group = {1, 2};
+  EXPECT_EQ(m.DistinctBlocks(group), 3);
+  ASSERT_TRUE(m.CanSwapOut(group));
+  auto out = m.SwapOut(group).value();
+  EXPECT_EQ(out.size(), 3u);
+  EXPECT_EQ(m.device().num_free(), 8);
+  EXPECT_EQ(m.host().num_used(), 3);
+  EXPECT_TRUE(m.IsSwapped(1));
+  EXPECT_EQ(m.BlockTable(1)[0], m.BlockTable(2)[0]) << "shared on the host too";
+  auto in = m.SwapIn(group).value();
+  EXPECT_EQ(in.size(), 3u);
+  EXPECT_EQ(m.host().num_free(), 8);
+  EXPECT_EQ(m.device().num_used(), 3);
+  EXPECT_EQ(m.BlockTable(1)[0], m.BlockTable(2)[0]);
+  // Every host block swapped in was one swapped out.
+  std::set<BlockId> host_out, host_in;
+  for (auto mv : out) host_out.insert(mv.dst);
+  for (auto mv : in) host_in.insert(mv.src);
+  EXPECT_EQ(host_out, host_in);
+  m.Free(1);
+  m.Free(2);
+  EXPECT_EQ(m.device().num_free(), 8);
+}
+
+TEST(BlockManager, AllOrNothingWhenPoolsRunDry) {
+  BlockManager m = Manager(3, 1);
+  ASSERT_TRUE(m.Allocate(1, Tokens(8), 8).ok());
+  EXPECT_EQ(m.Allocate(2, Tokens(9), 9).status().code(), StatusCode::kOutOfMemory);
+  EXPECT_FALSE(m.Has(2));
+  EXPECT_EQ(m.device().num_free(), 1);
+  EXPECT_EQ(m.AppendSlots(1, 8, 13).code(), StatusCode::kOutOfMemory);
+  EXPECT_EQ(m.BlockTable(1).size(), 2u);
+  const std::vector<SeqId> group = {1};
+  EXPECT_FALSE(m.CanSwapOut(group)) << "two blocks, one host block";
+  EXPECT_EQ(m.SwapOut(group).status().code(), StatusCode::kOutOfMemory);
+  m.Free(1);
+}
+
+TEST(BlockManager, ReservationAllocatesAheadOfTheTokens) {
+  BlockManager m = Manager(10, 0);
+  EXPECT_EQ(m.BlocksToAllocate(Tokens(3), 17), 5);
+  ASSERT_TRUE(m.Allocate(1, Tokens(3), 17).ok());
+  EXPECT_EQ(m.BlockTable(1).size(), 5u);
+  EXPECT_EQ(m.BlocksToAppend(1, 3, 17), 0);
+  EXPECT_EQ(m.BlocksToAppend(1, 17, 18, 24), 1);
+  m.Free(1);
 }
 
 }  // namespace

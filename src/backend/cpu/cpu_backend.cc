@@ -15,10 +15,12 @@ CpuBackend::CpuBackend(const ModelConfig& config, LlamaWeights weights, const Kv
     : config_(config), weights_(std::move(weights)), layout_(layout), rope_(ComputeRopeFrequencies(config)) {}
 
 Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config, LlamaWeights weights,
-                                                       const KvCacheLayout& layout, int num_threads) {
+                                                       const KvCacheLayout& layout, int num_host_blocks,
+                                                       int num_threads) {
   KVFLOW_RETURN_IF_ERROR(config.Validate());
   if (layout.num_layers != config.num_layers || layout.num_kv_heads != config.num_kv_heads ||
-      layout.head_dim != config.head_dim || layout.num_blocks <= 0 || layout.block_size <= 0) {
+      layout.head_dim != config.head_dim || layout.num_blocks <= 0 || layout.block_size <= 0 ||
+      num_host_blocks < 0) {
     return Status::InvalidArgument("KV cache layout does not match the model config");
   }
   cpu::SetNumThreads(num_threads);
@@ -27,6 +29,13 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config
   try {
     backend->key_cache_.assign(elements, 0.0f);
     backend->value_cache_.assign(elements, 0.0f);
+    backend->host_layout_ = layout;
+    backend->host_layout_.num_blocks = num_host_blocks;
+    const size_t host_elements = backend->host_layout_.layer_stride() * static_cast<size_t>(layout.num_layers);
+    if (host_elements > 0) {
+      backend->host_key_cache_.reset(new float[host_elements]);
+      backend->host_value_cache_.reset(new float[host_elements]);
+    }
   } catch (const std::bad_alloc&) {
     return Status::OutOfMemory(fmt::format("cannot allocate a KV cache of {} blocks ({:.1f} MiB)",
                                            layout.num_blocks, 2.0 * elements * 4 / (1 << 20)));
@@ -38,6 +47,29 @@ std::string CpuBackend::Describe() const {
   return fmt::format("cpu (fp32, {} threads, KV pool {} blocks x {} tokens = {:.1f} MiB)", cpu::NumThreads(),
                      layout_.num_blocks, layout_.block_size,
                      2.0 * layout_.layer_stride() * layout_.num_layers * 4 / (1 << 20));
+}
+
+Status CpuBackend::CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) {
+  KVFLOW_RETURN_IF_ERROR(ValidateBlockMoves(moves, kind, layout_.num_blocks, host_layout_.num_blocks));
+  if (moves.empty()) return Status::Ok();
+  const bool src_host = kind == BlockCopyKind::kHostToDevice;
+  const bool dst_host = kind == BlockCopyKind::kDeviceToHost;
+  const size_t block = layout_.block_stride();
+  for (int layer = 0; layer < layout_.num_layers; ++layer) {
+    const size_t dev_base = static_cast<size_t>(layer) * layout_.layer_stride();
+    const size_t host_base = static_cast<size_t>(layer) * host_layout_.layer_stride();
+    for (int kv = 0; kv < 2; ++kv) {
+      float* dev = (kv == 0 ? key_cache_.data() : value_cache_.data()) + dev_base;
+      float* host = (kv == 0 ? host_key_cache_.get() : host_value_cache_.get());
+      if (host) host += host_base;
+      for (const BlockMove& m : moves) {
+        const float* src = (src_host ? host : dev) + static_cast<size_t>(m.src) * block;
+        float* dst = (dst_host ? host : dev) + static_cast<size_t>(m.dst) * block;
+        std::memcpy(dst, src, block * sizeof(float));
+      }
+    }
+  }
+  return Status::Ok();
 }
 
 Status CpuBackend::Forward(const ForwardBatch& batch, std::vector<float>& logits) {

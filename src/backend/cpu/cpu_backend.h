@@ -11,12 +11,17 @@ namespace kvflow {
 
 class CpuBackend final : public Backend {
  public:
-  // Allocates the KV pool described by `layout`; OutOfMemory if the host cannot hold it.
+  // Allocates the KV pool described by `layout` and a swap pool of `num_host_blocks` blocks
+  // (its pages are only touched when something is swapped out); OutOfMemory if the host cannot
+  // hold them.
   static Result<std::unique_ptr<CpuBackend>> Create(const ModelConfig& config, LlamaWeights weights,
-                                                    const KvCacheLayout& layout, int num_threads);
+                                                    const KvCacheLayout& layout, int num_host_blocks,
+                                                    int num_threads);
 
   Status Forward(const ForwardBatch& batch, std::vector<float>& logits) override;
+  Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) override;
   const KvCacheLayout& kv_layout() const override { return layout_; }
+  int num_host_blocks() const override { return host_layout_.num_blocks; }
   const ModelConfig& model_config() const override { return config_; }
   std::string Describe() const override;
 
@@ -30,9 +35,12 @@ class CpuBackend final : public Backend {
   ModelConfig config_;
   LlamaWeights weights_;
   KvCacheLayout layout_;
+  KvCacheLayout host_layout_;  // same shape, num_blocks = swap blocks
   RopeFrequencies rope_;
   std::vector<float> key_cache_;
   std::vector<float> value_cache_;
+  std::unique_ptr<float[]> host_key_cache_;
+  std::unique_ptr<float[]> host_value_cache_;
   // Activations, reused across steps.
   std::vector<float> x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, act_, final_h_;
 };

@@ -1,0 +1,253 @@
+#include "kv/block_manager.h"
+
+#include <algorithm>
+#include <cassert>
+#include <functional>
+#include <string>
+#include <unordered_map>
+
+namespace kvflow {
+
+BlockManager::BlockManager(const BlockManagerConfig& config)
+    : config_(config), device_(config.num_device_blocks), host_(config.num_host_blocks) {}
+
+BlockManager::SeqBlocks& BlockManager::Get(SeqId seq) {
+  auto it = seqs_.find(seq);
+  assert(it != seqs_.end());
+  return it->second;
+}
+
+const BlockManager::SeqBlocks& BlockManager::Get(SeqId seq) const {
+  auto it = seqs_.find(seq);
+  assert(it != seqs_.end());
+  return it->second;
+}
+
+int BlockManager::watermark_blocks() const {
+  return static_cast<int>(config_.watermark * config_.num_device_blocks);
+}
+
+bool BlockManager::IsSwapped(SeqId seq) const {
+  auto it = seqs_.find(seq);
+  return it != seqs_.end() && it->second.on_host;
+}
+
+const std::vector<BlockId>& BlockManager::BlockTable(SeqId seq) const { return Get(seq).blocks; }
+
+int BlockManager::BlocksToAllocate(std::span<const int32_t> tokens, int64_t reserve_tokens) const {
+  const int bs = config_.block_size;
+  const int total = BlocksForTokens(std::max<int64_t>(reserve_tokens, static_cast<int64_t>(tokens.size())), bs);
+  int reused = 0;  // hits on blocks someone already uses cost nothing
+  if (config_.enable_prefix_caching && !tokens.empty()) {
+    const int64_t max_hits = (static_cast<int64_t>(tokens.size()) - 1) / bs;
+    uint64_t prefix = 0;
+    for (int64_t i = 0; i < max_hits; ++i) {
+      auto block_tokens = tokens.subspan(static_cast<size_t>(i * bs), static_cast<size_t>(bs));
+      auto hit = device_.Peek(prefix, block_tokens);
+      if (!hit) break;
+      if (device_.refcount(*hit) > 0) ++reused;
+      prefix = HashBlockTokens(prefix, block_tokens);
+    }
+  }
+  return total - reused;
+}
+
+bool BlockManager::CanAdmit(int num_blocks) const {
+  return device_.num_free() - num_blocks >= watermark_blocks();
+}
+
+Result<int64_t> BlockManager::Allocate(SeqId seq, std::span<const int32_t> tokens, int64_t reserve_tokens) {
+  assert(!seqs_.contains(seq));
+  const int needed = BlocksToAllocate(tokens, reserve_tokens);
+  if (needed > device_.num_free()) {
+    return Status::OutOfMemory("need " + std::to_string(needed) + " KV blocks, " +
+                               std::to_string(device_.num_free()) + " free");
+  }
+  const int bs = config_.block_size;
+  SeqBlocks entry;
+  if (config_.enable_prefix_caching && !tokens.empty()) {
+    const int64_t max_hits = (static_cast<int64_t>(tokens.size()) - 1) / bs;
+    uint64_t prefix = 0;
+    for (int64_t i = 0; i < max_hits; ++i) {
+      auto block_tokens = tokens.subspan(static_cast<size_t>(i * bs), static_cast<size_t>(bs));
+      auto hit = device_.Lookup(prefix, block_tokens);
+      if (!hit) break;
+      entry.blocks.push_back(*hit);
+      prefix = HashBlockTokens(prefix, block_tokens);
+      entry.hashes.push_back(prefix);
+    }
+    prefix_queried_blocks_ += max_hits;
+    prefix_hit_blocks_ += static_cast<int64_t>(entry.hashes.size());
+  }
+  const int total = BlocksForTokens(std::max<int64_t>(reserve_tokens, static_cast<int64_t>(tokens.size())), bs);
+  while (static_cast<int>(entry.blocks.size()) < total) {
+    auto id = device_.Allocate();
+    assert(id.ok());  // checked above
+    entry.blocks.push_back(id.value());
+  }
+  const int64_t cached_tokens = static_cast<int64_t>(entry.hashes.size()) * bs;
+  seqs_.emplace(seq, std::move(entry));
+  return cached_tokens;
+}
+
+int BlockManager::BlocksToAppend(SeqId seq, int64_t write_from, int64_t write_to, int64_t capacity_tokens) const {
+  const SeqBlocks& s = Get(seq);
+  const int bs = config_.block_size;
+  const int want = BlocksForTokens(std::max(write_to, capacity_tokens), bs);
+  const int have = static_cast<int>(s.blocks.size());
+  int needed = std::max(0, want - have);
+  for (int i = static_cast<int>(write_from / bs); i < std::min(BlocksForTokens(write_to, bs), have); ++i) {
+    if (device_.refcount(s.blocks[static_cast<size_t>(i)]) > 1) ++needed;
+  }
+  return needed;
+}
+
+Status BlockManager::AppendSlots(SeqId seq, int64_t write_from, int64_t write_to, int64_t capacity_tokens) {
+  SeqBlocks& s = Get(seq);
+  assert(!s.on_host);
+  const int needed = BlocksToAppend(seq, write_from, write_to, capacity_tokens);
+  if (needed > device_.num_free()) {
+    return Status::OutOfMemory("need " + std::to_string(needed) + " KV blocks, " +
+                               std::to_string(device_.num_free()) + " free");
+  }
+  const int bs = config_.block_size;
+  const int want = BlocksForTokens(std::max(write_to, capacity_tokens), bs);
+  const int have = static_cast<int>(s.blocks.size());
+  for (int i = static_cast<int>(write_from / bs); i < std::min(BlocksForTokens(write_to, bs), have); ++i) {
+    BlockId& b = s.blocks[static_cast<size_t>(i)];
+    if (device_.refcount(b) == 1) continue;
+    const BlockId copy = device_.Allocate().value();
+    pending_copies_.push_back({b, copy});
+    device_.Free(b);
+    b = copy;
+  }
+  while (static_cast<int>(s.blocks.size()) < want) s.blocks.push_back(device_.Allocate().value());
+  return Status::Ok();
+}
+
+void BlockManager::Fork(SeqId parent, SeqId child) {
+  assert(!seqs_.contains(child));
+  SeqBlocks copy = Get(parent);
+  BlockAllocator& pool = copy.on_host ? host_ : device_;
+  for (BlockId b : copy.blocks) pool.AddRef(b);
+  seqs_.emplace(child, std::move(copy));
+}
+
+void BlockManager::Free(SeqId seq) {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) return;
+  BlockAllocator& pool = it->second.on_host ? host_ : device_;
+  for (BlockId b : it->second.blocks) pool.Free(b);
+  seqs_.erase(it);
+}
+
+void BlockManager::MarkComputed(SeqId seq, std::span<const int32_t> tokens, int64_t num_computed) {
+  if (!config_.enable_prefix_caching) return;
+  SeqBlocks& s = Get(seq);
+  if (s.on_host) return;
+  const int bs = config_.block_size;
+  num_computed = std::min<int64_t>(num_computed, static_cast<int64_t>(tokens.size()));
+  for (size_t i = s.hashes.size(); static_cast<int64_t>(i + 1) * bs <= num_computed && i < s.blocks.size(); ++i) {
+    const uint64_t prefix = i == 0 ? 0 : s.hashes[i - 1];
+    auto block_tokens = tokens.subspan(i * static_cast<size_t>(bs), static_cast<size_t>(bs));
+    device_.Register(s.blocks[i], prefix, block_tokens);
+    s.hashes.push_back(HashBlockTokens(prefix, block_tokens));
+  }
+}
+
+int BlockManager::DistinctBlocks(std::span<const SeqId> group) const {
+  std::vector<BlockId> all;
+  for (SeqId seq : group) {
+    const auto& b = Get(seq).blocks;
+    all.insert(all.end(), b.begin(), b.end());
+  }
+  std::sort(all.begin(), all.end());
+  return static_cast<int>(std::unique(all.begin(), all.end()) - all.begin());
+}
+
+bool BlockManager::CanSwapOut(std::span<const SeqId> group) const {
+  for (SeqId seq : group) {
+    if (Get(seq).on_host) return false;
+  }
+  return DistinctBlocks(group) <= host_.num_free();
+}
+
+bool BlockManager::CanSwapIn(std::span<const SeqId> group, int extra_blocks) const {
+  for (SeqId seq : group) {
+    if (!Get(seq).on_host) return false;
+  }
+  return device_.num_free() - DistinctBlocks(group) - extra_blocks >= watermark_blocks();
+}
+
+namespace {
+// Moves every block of the group from `from` to `to`, keeping blocks shared inside the group
+// shared; returns the copies to execute.
+Result<std::vector<BlockMove>> MoveGroup(std::span<const SeqId> group, BlockAllocator& from, BlockAllocator& to,
+                                         const std::function<std::vector<BlockId>&(SeqId)>& table) {
+  std::unordered_map<BlockId, BlockId> mapping;
+  std::vector<BlockMove> moves;
+  for (SeqId seq : group) {
+    for (BlockId& b : table(seq)) {
+      auto it = mapping.find(b);
+      BlockId dst;
+      if (it == mapping.end()) {
+        auto id = to.Allocate();
+        if (!id.ok()) return id.status();  // callers check capacity first
+        dst = id.value();
+        mapping.emplace(b, dst);
+        moves.push_back({b, dst});
+      } else {
+        dst = it->second;
+        to.AddRef(dst);
+      }
+      from.Free(b);
+      b = dst;
+    }
+  }
+  return moves;
+}
+}  // namespace
+
+Result<std::vector<BlockMove>> BlockManager::SwapOut(std::span<const SeqId> group) {
+  if (!CanSwapOut(group)) {
+    return Status::OutOfMemory("swap space cannot hold " + std::to_string(DistinctBlocks(group)) + " blocks (" +
+                               std::to_string(host_.num_free()) + " free)");
+  }
+  auto moves = MoveGroup(group, device_, host_, [this](SeqId s) -> std::vector<BlockId>& { return Get(s).blocks; });
+  for (SeqId seq : group) {
+    Get(seq).on_host = true;
+    Get(seq).hashes.clear();  // host blocks are not content-addressed; re-published after swap-in
+  }
+  return moves;
+}
+
+Result<std::vector<BlockMove>> BlockManager::SwapIn(std::span<const SeqId> group) {
+  if (!CanSwapIn(group, 0)) {
+    return Status::OutOfMemory("the device pool cannot take back " + std::to_string(DistinctBlocks(group)) +
+                               " blocks (" + std::to_string(device_.num_free()) + " free)");
+  }
+  auto moves = MoveGroup(group, host_, device_, [this](SeqId s) -> std::vector<BlockId>& { return Get(s).blocks; });
+  for (SeqId seq : group) Get(seq).on_host = false;
+  return moves;
+}
+
+std::vector<BlockMove> BlockManager::TakePendingCopies() {
+  std::vector<BlockMove> out;
+  out.swap(pending_copies_);
+  return out;
+}
+
+int64_t BlockManager::NumLogicalDeviceBlocks() const {
+  int64_t n = 0;
+  for (const auto& [id, s] : seqs_) {
+    if (!s.on_host) n += static_cast<int64_t>(s.blocks.size());
+  }
+  return n;
+}
+
+double BlockManager::PrefixHitRate() const {
+  return prefix_queried_blocks_ == 0 ? 0.0
+                                     : static_cast<double>(prefix_hit_blocks_) / static_cast<double>(prefix_queried_blocks_);
+}
+
+}  // namespace kvflow

@@ -1,0 +1,120 @@
+// The block manager (vLLM's BlockSpaceManager): block tables for every sequence over a device
+// pool and a host swap pool, with sharing (fork), copy-on-write, prefix caching and swap planning.
+// It only plans: copies and swaps come back as block-id mappings that the backend executes as one
+// batched copy per step. Plain C++: no backend, no CUDA.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "kv/block_allocator.h"
+#include "kvflow/status.h"
+
+namespace kvflow {
+
+using SeqId = int64_t;
+
+inline int BlocksForTokens(int64_t num_tokens, int block_size) {
+  return static_cast<int>((num_tokens + block_size - 1) / block_size);
+}
+
+struct BlockMove {
+  BlockId src;
+  BlockId dst;
+  bool operator==(const BlockMove&) const = default;
+};
+
+struct BlockManagerConfig {
+  int block_size = 16;
+  int num_device_blocks = 0;
+  int num_host_blocks = 0;  // swap space; 0 disables swapping
+  bool enable_prefix_caching = false;
+  // Blocks kept free at admission so running sequences can still grow (vLLM's 1% watermark).
+  double watermark = 0.01;
+};
+
+class BlockManager {
+ public:
+  explicit BlockManager(const BlockManagerConfig& config);
+
+  // ---- admission ---------------------------------------------------------------------------
+  // Device blocks Allocate would take for `tokens` with room for `reserve_tokens` (prefix hits
+  // excluded).
+  int BlocksToAllocate(std::span<const int32_t> tokens, int64_t reserve_tokens) const;
+  // Whether `num_blocks` more blocks can be admitted and still leave the watermark free.
+  bool CanAdmit(int num_blocks) const;
+  // The most blocks one admission can ever take (the pool less the watermark).
+  int MaxAdmissibleBlocks() const { return config_.num_device_blocks - watermark_blocks(); }
+  // Gives `seq` a block table for `tokens` plus room up to `reserve_tokens` tokens, mapping full
+  // prompt blocks found in the prefix cache instead of allocating them. Returns how many leading
+  // tokens already have their KV (a multiple of block_size, always < tokens.size() so the last
+  // token is computed and yields logits). All-or-nothing.
+  Result<int64_t> Allocate(SeqId seq, std::span<const int32_t> tokens, int64_t reserve_tokens);
+
+  // ---- running sequences -------------------------------------------------------------------
+  // Device blocks AppendSlots would allocate (new blocks + copies).
+  int BlocksToAppend(SeqId seq, int64_t write_from, int64_t write_to, int64_t capacity_tokens = 0) const;
+  // Grows the table to hold max(write_to, capacity_tokens) tokens and makes every block that
+  // positions [write_from, write_to) will be written to private: a shared one is copied
+  // (copy-on-write) and remapped; the copy joins TakePendingCopies(). All-or-nothing.
+  Status AppendSlots(SeqId seq, int64_t write_from, int64_t write_to, int64_t capacity_tokens = 0);
+  // `child` shares every block of `parent` (refcount + 1 each).
+  void Fork(SeqId parent, SeqId child);
+  // Drops the sequence's references, on the device or on the host.
+  void Free(SeqId seq);
+  // Publishes the full blocks of tokens[0, num_computed) in the prefix cache (when enabled).
+  void MarkComputed(SeqId seq, std::span<const int32_t> tokens, int64_t num_computed);
+
+  // ---- swapping, all-or-nothing per sequence group -------------------------------------------
+  // Distinct blocks of the group (blocks shared inside the group count once).
+  int DistinctBlocks(std::span<const SeqId> group) const;
+  bool CanSwapOut(std::span<const SeqId> group) const;
+  // Moves the group's blocks to the host pool; returns device -> host copies.
+  Result<std::vector<BlockMove>> SwapOut(std::span<const SeqId> group);
+  // Swap-in needs the group's blocks plus `extra_blocks` of room to keep running.
+  bool CanSwapIn(std::span<const SeqId> group, int extra_blocks) const;
+  // Moves the group back to the device; returns host -> device copies.
+  Result<std::vector<BlockMove>> SwapIn(std::span<const SeqId> group);
+
+  // Copy-on-write copies planned since the last call (device -> device).
+  std::vector<BlockMove> TakePendingCopies();
+
+  // ---- inspection --------------------------------------------------------------------------
+  bool Has(SeqId seq) const { return seqs_.contains(seq); }
+  bool IsSwapped(SeqId seq) const;
+  const std::vector<BlockId>& BlockTable(SeqId seq) const;
+  int block_size() const { return config_.block_size; }
+  const BlockAllocator& device() const { return device_; }
+  const BlockAllocator& host() const { return host_; }
+  bool prefix_caching() const { return config_.enable_prefix_caching; }
+  // Blocks the device tables would hold without any sharing (for the sharing-savings figures).
+  int64_t NumLogicalDeviceBlocks() const;
+  int num_sequences() const { return static_cast<int>(seqs_.size()); }
+  // Of the full prompt blocks admitted with prefix caching on, the fraction found in the cache.
+  double PrefixHitRate() const;
+  int64_t prefix_hit_blocks() const { return prefix_hit_blocks_; }
+  int64_t prefix_queried_blocks() const { return prefix_queried_blocks_; }
+
+ private:
+  struct SeqBlocks {
+    std::vector<BlockId> blocks;
+    // Content hashes of the leading full, computed blocks (the prefix-cache chain).
+    std::vector<uint64_t> hashes;
+    bool on_host = false;
+  };
+  SeqBlocks& Get(SeqId seq);
+  const SeqBlocks& Get(SeqId seq) const;
+  int watermark_blocks() const;
+
+  BlockManagerConfig config_;
+  BlockAllocator device_;
+  BlockAllocator host_;
+  std::unordered_map<SeqId, SeqBlocks> seqs_;
+  std::vector<BlockMove> pending_copies_;
+  int64_t prefix_queried_blocks_ = 0;
+  int64_t prefix_hit_blocks_ = 0;
+};
+
+}  // namespace kvflow

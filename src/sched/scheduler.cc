@@ -1,0 +1,268 @@
+#include "sched/scheduler.h"
+
+#include <algorithm>
+#include <cassert>
+#include <string>
+
+#include <spdlog/spdlog.h>
+
+namespace kvflow {
+
+Result<PreemptionMode> ParsePreemptionMode(std::string_view name) {
+  if (name == "auto") return PreemptionMode::kAuto;
+  if (name == "swap") return PreemptionMode::kSwap;
+  if (name == "recompute") return PreemptionMode::kRecompute;
+  return Status::InvalidArgument("unknown preemption mode '" + std::string(name) + "' (auto, swap, recompute)");
+}
+
+const char* PreemptionModeName(PreemptionMode mode) {
+  switch (mode) {
+    case PreemptionMode::kAuto: return "auto";
+    case PreemptionMode::kSwap: return "swap";
+    case PreemptionMode::kRecompute: return "recompute";
+  }
+  return "unknown";
+}
+
+Scheduler::Scheduler(const SchedulerConfig& config, BlockManager& blocks, std::unique_ptr<SchedulingPolicy> policy)
+    : config_(config), blocks_(blocks), policy_(std::move(policy)) {}
+
+void Scheduler::AddGroup(std::unique_ptr<SequenceGroup> group) {
+  for (auto& s : group->seqs) {
+    s->status = SeqStatus::kWaiting;
+    s->num_computed = 0;
+  }
+  waiting_.push_back(group.get());
+  groups_.emplace(group->request_id, std::move(group));
+}
+
+SequenceGroup* Scheduler::Find(RequestId id) const {
+  auto it = groups_.find(id);
+  return it == groups_.end() ? nullptr : it->second.get();
+}
+
+void Scheduler::SortByPolicy(std::vector<SequenceGroup*>& queue) const {
+  std::stable_sort(queue.begin(), queue.end(),
+                   [this](const SequenceGroup* a, const SequenceGroup* b) { return policy_->Before(*a, *b); });
+}
+
+int Scheduler::RunningSeqs() const {
+  int n = 0;
+  for (const SequenceGroup* g : running_) n += g->num_unfinished();
+  return n;
+}
+
+bool Scheduler::PlanTokens(const SequenceGroup& g, int64_t budget, std::vector<int64_t>& tokens) const {
+  tokens.clear();
+  int64_t total = 0;
+  for (const auto& s : g.seqs) {
+    const int64_t n = s->finished() ? 0 : std::min(s->num_uncomputed(), budget - total);
+    tokens.push_back(n);
+    total += n;
+  }
+  return total > 0;
+}
+
+int Scheduler::BlocksForStep(const SequenceGroup& g, const std::vector<int64_t>& tokens,
+                             std::vector<int64_t>& targets) const {
+  int needed = 0;
+  targets.assign(g.seqs.size(), 0);
+  for (size_t i = 0; i < g.seqs.size(); ++i) {
+    const SchedSequence& s = *g.seqs[i];
+    if (tokens[i] == 0) continue;
+    const int64_t write_to = s.num_computed + tokens[i];
+    const int64_t capacity = static_cast<int64_t>(blocks_.BlockTable(s.id).size()) * blocks_.block_size();
+    targets[i] = write_to > capacity ? std::max(write_to, policy_->GrowReservation(g, s, write_to, config_.max_model_len))
+                                     : write_to;
+    needed += blocks_.BlocksToAppend(s.id, s.num_computed, write_to, targets[i]);
+  }
+  return needed;
+}
+
+void Scheduler::Emit(SequenceGroup* g, const std::vector<int64_t>& tokens, SchedulerOutput& out) {
+  for (size_t i = 0; i < g->seqs.size(); ++i) {
+    if (tokens[i] == 0) continue;
+    SchedSequence* s = g->seqs[i].get();
+    out.scheduled.push_back({g, s, tokens[i], s->num_computed + tokens[i] == s->num_tokens()});
+    out.num_batched_tokens += tokens[i];
+  }
+}
+
+void Scheduler::Reject(SequenceGroup* g, Status why, SchedulerOutput& out) {
+  out.rejected.emplace_back(g->request_id, std::move(why));
+  RemoveGroup(g->request_id);
+}
+
+void Scheduler::Preempt(SequenceGroup* g, SchedulerOutput& out) {
+  const std::vector<SeqId> ids = g->unfinished_ids();
+  PreemptionMode mode = config_.preemption_mode;
+  if (mode == PreemptionMode::kAuto) mode = ids.size() > 1 ? PreemptionMode::kSwap : PreemptionMode::kRecompute;
+  running_.erase(std::find(running_.begin(), running_.end(), g));
+  if (mode == PreemptionMode::kSwap && blocks_.CanSwapOut(ids)) {
+    auto moves = blocks_.SwapOut(ids).value();
+    counters_.blocks_swapped_out += static_cast<int64_t>(moves.size());
+    out.swap_out.insert(out.swap_out.end(), moves.begin(), moves.end());
+    for (SchedSequence* s : g->unfinished()) s->status = SeqStatus::kSwapped;
+    swapped_.push_back(g);
+    ++out.num_preempted_swap;
+    ++counters_.num_preemptions_swap;
+    spdlog::debug("preempted request {} by swap ({} blocks to host)", g->request_id, moves.size());
+    return;
+  }
+  if (mode == PreemptionMode::kSwap) {
+    spdlog::debug("swap space full: preempting request {} by recompute instead", g->request_id);
+  }
+  for (SchedSequence* s : g->unfinished()) {
+    blocks_.Free(s->id);
+    s->num_computed = 0;
+    s->status = SeqStatus::kWaiting;
+  }
+  waiting_.push_back(g);
+  ++out.num_preempted_recompute;
+  ++counters_.num_preemptions_recompute;
+  spdlog::debug("preempted request {} by recompute", g->request_id);
+}
+
+SchedulerOutput Scheduler::Schedule() {
+  SchedulerOutput out;
+  int64_t budget = config_.max_num_batched_tokens;
+  std::vector<int64_t> tokens, targets;
+
+  // Groups that can be scheduled now: give them their blocks and put them in the batch.
+  auto apply = [&](SequenceGroup* g) {
+    for (size_t i = 0; i < g->seqs.size(); ++i) {
+      if (tokens[i] == 0) continue;
+      const SchedSequence& s = *g->seqs[i];
+      Status st = blocks_.AppendSlots(s.id, s.num_computed, s.num_computed + tokens[i], targets[i]);
+      assert(st.ok());
+      (void)st;
+    }
+    Emit(g, tokens, out);
+    for (int64_t n : tokens) budget -= n;
+  };
+
+  // 1. Running groups in policy order; the last ones give way when blocks run out.
+  SortByPolicy(running_);
+  for (size_t i = 0; i < running_.size();) {
+    SequenceGroup* g = running_[i];
+    if (budget <= 0 || !PlanTokens(*g, budget, tokens)) {
+      ++i;
+      continue;
+    }
+    const int need = BlocksForStep(*g, tokens, targets);
+    if (need <= blocks_.device().num_free()) {
+      apply(g);
+      ++i;
+      continue;
+    }
+    SequenceGroup* victim = running_.back();
+    if (victim == g && i == 0) {
+      Reject(g, Status::OutOfMemory("the KV cache cannot hold request " + std::to_string(g->request_id) +
+                                    " even alone (" + std::to_string(blocks_.device().num_blocks()) + " blocks)"),
+             out);
+      continue;
+    }
+    Preempt(victim, out);
+  }
+  const bool preempted = out.num_preempted_recompute + out.num_preempted_swap > 0;
+
+  // 2. Swapped groups come back first, and only in a step that preempted nothing.
+  SortByPolicy(swapped_);
+  while (!preempted && !swapped_.empty() && budget > 0) {
+    SequenceGroup* g = swapped_.front();
+    const std::vector<SeqId> ids = g->unfinished_ids();
+    if (RunningSeqs() + static_cast<int>(ids.size()) > config_.max_num_seqs) break;
+    if (!blocks_.CanSwapIn(ids, static_cast<int>(ids.size()))) break;
+    auto moves = blocks_.SwapIn(ids).value();
+    counters_.blocks_swapped_in += static_cast<int64_t>(moves.size());
+    out.swap_in.insert(out.swap_in.end(), moves.begin(), moves.end());
+    for (SchedSequence* s : g->unfinished()) s->status = SeqStatus::kRunning;
+    swapped_.erase(swapped_.begin());
+    running_.push_back(g);
+    if (PlanTokens(*g, budget, tokens) && BlocksForStep(*g, tokens, targets) <= blocks_.device().num_free()) apply(g);
+  }
+
+  // 3. New (or recompute-preempted) groups, only while nothing is swapped out.
+  SortByPolicy(waiting_);
+  for (size_t k = 0; swapped_.empty() && k < waiting_.size() && budget > 0;) {
+    SequenceGroup* g = waiting_[k];
+    const std::vector<SchedSequence*> seqs = g->unfinished();
+    if (RunningSeqs() + static_cast<int>(seqs.size()) > config_.max_num_seqs) break;
+    std::vector<int64_t> reserve;
+    int need = 0;
+    for (const SchedSequence* s : seqs) {
+      reserve.push_back(std::max(s->num_tokens(), policy_->AdmissionReservation(*g, *s, config_.max_model_len)));
+      need += blocks_.BlocksToAllocate(s->tokens, reserve.back());
+    }
+    if (need > blocks_.MaxAdmissibleBlocks()) {
+      Reject(g, Status::OutOfMemory("request " + std::to_string(g->request_id) + " needs " + std::to_string(need) +
+                                        " KV blocks; the cache admits at most " +
+                                        std::to_string(blocks_.MaxAdmissibleBlocks())),
+             out);
+      continue;
+    }
+    if (!blocks_.CanAdmit(need)) {
+      if (policy_->AdmitOutOfOrder()) {
+        ++k;
+        continue;
+      }
+      break;
+    }
+    for (size_t j = 0; j < seqs.size(); ++j) {
+      auto cached = blocks_.Allocate(seqs[j]->id, seqs[j]->tokens, reserve[j]);
+      assert(cached.ok());
+      seqs[j]->num_computed = cached.value();
+      seqs[j]->status = SeqStatus::kRunning;
+    }
+    g->reserved_tokens = reserve.front();
+    waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(k));
+    running_.push_back(g);
+    if (PlanTokens(*g, budget, tokens) && BlocksForStep(*g, tokens, targets) <= blocks_.device().num_free()) apply(g);
+  }
+
+  out.copies = blocks_.TakePendingCopies();
+  counters_.blocks_copied += static_cast<int64_t>(out.copies.size());
+  return out;
+}
+
+void Scheduler::CompleteStep(const SchedulerOutput& out) {
+  for (const ScheduledSeq& s : out.scheduled) {
+    s.seq->num_computed += s.num_tokens;
+    blocks_.MarkComputed(s.seq->id, s.seq->tokens, s.seq->num_computed);
+  }
+}
+
+SchedSequence* Scheduler::Fork(SequenceGroup& group, const SchedSequence& parent) {
+  auto child = std::make_unique<SchedSequence>(parent);
+  child->id = NewSeqId();
+  blocks_.Fork(parent.id, child->id);
+  group.seqs.push_back(std::move(child));
+  return group.seqs.back().get();
+}
+
+void Scheduler::FinishSequence(SchedSequence& seq) {
+  seq.status = SeqStatus::kFinished;
+  blocks_.Free(seq.id);
+}
+
+void Scheduler::RemoveGroup(RequestId id) {
+  auto it = groups_.find(id);
+  if (it == groups_.end()) return;
+  SequenceGroup* g = it->second.get();
+  for (auto& s : g->seqs) blocks_.Free(s->id);
+  for (auto* q : {&waiting_, &running_, &swapped_}) {
+    if (auto pos = std::find(q->begin(), q->end(), g); pos != q->end()) q->erase(pos);
+  }
+  groups_.erase(it);
+}
+
+SchedulerStats Scheduler::stats() const {
+  SchedulerStats s = counters_;
+  s.num_waiting = static_cast<int>(waiting_.size());
+  s.num_running = static_cast<int>(running_.size());
+  s.num_swapped = static_cast<int>(swapped_.size());
+  s.num_running_seqs = RunningSeqs();
+  return s;
+}
+
+}  // namespace kvflow

@@ -1,0 +1,122 @@
+// Iteration-level scheduler (vLLM §4.5): every step builds one batch of prefill chunks and decode
+// tokens under max_num_seqs and max_num_batched_tokens, in the policy's order (FCFS by default).
+// When blocks run out it preempts whole sequence groups from the end of that order, by swapping
+// them to host memory or by dropping their KV for recomputation. While any group is swapped out
+// nothing new is admitted, and swapped groups come back first. Plain C++, no backend.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "kv/block_manager.h"
+#include "kvflow/status.h"
+#include "sched/policy.h"
+#include "sched/sequence_group.h"
+
+namespace kvflow {
+
+enum class PreemptionMode { kAuto, kSwap, kRecompute };
+// "auto" (recompute single sequences, swap groups that share blocks), "swap", "recompute".
+Result<PreemptionMode> ParsePreemptionMode(std::string_view name);
+const char* PreemptionModeName(PreemptionMode mode);
+
+struct SchedulerConfig {
+  int max_num_seqs = 64;
+  int64_t max_num_batched_tokens = 2048;
+  int64_t max_model_len = 2048;
+  PreemptionMode preemption_mode = PreemptionMode::kAuto;
+};
+
+struct ScheduledSeq {
+  SequenceGroup* group = nullptr;
+  SchedSequence* seq = nullptr;
+  int64_t num_tokens = 0;     // new tokens this step, from seq->num_computed on
+  bool needs_logits = false;  // the step computes the sequence's last token: sample after it
+};
+
+struct SchedulerOutput {
+  std::vector<ScheduledSeq> scheduled;
+  // Executed before the forward pass, in this order: swap-out (device -> host), swap-in
+  // (host -> device), copy-on-write copies (device -> device).
+  std::vector<BlockMove> swap_out;
+  std::vector<BlockMove> swap_in;
+  std::vector<BlockMove> copies;
+  // Groups that can never fit; already removed from the scheduler, to be failed by the caller.
+  std::vector<std::pair<RequestId, Status>> rejected;
+  int num_preempted_recompute = 0;
+  int num_preempted_swap = 0;
+  int64_t num_batched_tokens = 0;
+  bool empty() const { return scheduled.empty(); }
+};
+
+struct SchedulerStats {
+  int num_waiting = 0;  // groups
+  int num_running = 0;
+  int num_swapped = 0;
+  int num_running_seqs = 0;
+  int64_t num_preemptions_recompute = 0;
+  int64_t num_preemptions_swap = 0;
+  int64_t blocks_swapped_out = 0;
+  int64_t blocks_swapped_in = 0;
+  int64_t blocks_copied = 0;
+};
+
+class Scheduler {
+ public:
+  Scheduler(const SchedulerConfig& config, BlockManager& blocks, std::unique_ptr<SchedulingPolicy> policy);
+
+  // Queues a new request (its sequences waiting, nothing computed). Sequence ids must be unique;
+  // NewSeqId() hands out ones that are.
+  void AddGroup(std::unique_ptr<SequenceGroup> group);
+  SeqId NewSeqId() { return next_seq_id_++; }
+
+  // Plans one step. The caller runs it, then calls CompleteStep.
+  SchedulerOutput Schedule();
+  // Advances every scheduled sequence's num_computed and publishes full blocks to the prefix
+  // cache. Call before appending the sampled tokens.
+  void CompleteStep(const SchedulerOutput& out);
+
+  // A new sequence in `group` sharing all of `parent`'s tokens and blocks.
+  SchedSequence* Fork(SequenceGroup& group, const SchedSequence& parent);
+  // Marks a sequence finished and frees its blocks (the group stays until RemoveGroup).
+  void FinishSequence(SchedSequence& seq);
+  // Frees everything of a request and forgets it (finished, cancelled or failed).
+  void RemoveGroup(RequestId id);
+
+  SequenceGroup* Find(RequestId id) const;
+  bool HasWork() const { return !groups_.empty(); }
+  SchedulerStats stats() const;
+  const SchedulerConfig& config() const { return config_; }
+  const SchedulingPolicy& policy() const { return *policy_; }
+  BlockManager& block_manager() { return blocks_; }
+  const BlockManager& block_manager() const { return blocks_; }
+
+ private:
+  enum class Queue { kWaiting, kRunning, kSwapped };
+  void SortByPolicy(std::vector<SequenceGroup*>& queue) const;
+  void Preempt(SequenceGroup* group, SchedulerOutput& out);
+  // Blocks the group's sequences need to run `tokens[i]` new tokens each (including growth the
+  // policy reserves); fills `targets` with each sequence's table size in tokens.
+  int BlocksForStep(const SequenceGroup& g, const std::vector<int64_t>& tokens, std::vector<int64_t>& targets) const;
+  // Splits the token budget over the group's sequences; false when not even one token fits.
+  bool PlanTokens(const SequenceGroup& g, int64_t budget, std::vector<int64_t>& tokens) const;
+  void Emit(SequenceGroup* g, const std::vector<int64_t>& tokens, SchedulerOutput& out);
+  void Reject(SequenceGroup* g, Status why, SchedulerOutput& out);
+  int RunningSeqs() const;
+
+  SchedulerConfig config_;
+  BlockManager& blocks_;
+  std::unique_ptr<SchedulingPolicy> policy_;
+  std::unordered_map<RequestId, std::unique_ptr<SequenceGroup>> groups_;
+  std::vector<SequenceGroup*> waiting_;
+  std::vector<SequenceGroup*> running_;
+  std::vector<SequenceGroup*> swapped_;
+  SchedulerStats counters_;
+  SeqId next_seq_id_ = 1;
+};
+
+}  // namespace kvflow

@@ -1,0 +1,61 @@
+// The scheduler's view of requests: a sequence group is one request with one or more sequences
+// (parallel samples or beams) that share its prompt. Plain C++ so the scheduler and the block
+// manager can be tested with fake sequences, without a model.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "kv/block_manager.h"
+#include "kvflow/request.h"
+
+namespace kvflow {
+
+enum class SeqStatus { kWaiting, kRunning, kSwapped, kFinished };
+
+struct SchedSequence {
+  SeqId id = 0;
+  std::vector<int32_t> tokens;  // prompt, then output
+  int64_t prompt_len = 0;
+  int64_t num_computed = 0;  // leading tokens whose K/V are in the cache
+  SeqStatus status = SeqStatus::kWaiting;
+
+  int64_t num_tokens() const { return static_cast<int64_t>(tokens.size()); }
+  int64_t output_len() const { return num_tokens() - prompt_len; }
+  int64_t num_uncomputed() const { return num_tokens() - num_computed; }
+  bool finished() const { return status == SeqStatus::kFinished; }
+};
+
+struct SequenceGroup {
+  RequestId request_id = 0;
+  double arrival_time = 0.0;  // seconds on any monotonic clock; FCFS order, ties by request_id
+  std::vector<std::unique_ptr<SchedSequence>> seqs;
+  int64_t max_output_tokens = 0;  // the request's max_tokens
+  // Known only in traces; what the Orca oracle baselines reserve.
+  std::optional<int64_t> true_output_len;
+  // Filled by a length predictor (S3); policies may reserve by it.
+  std::optional<int64_t> predicted_output_len;
+  // KV tokens per sequence the policy reserved at admission (0: allocate on demand).
+  int64_t reserved_tokens = 0;
+
+  std::vector<SchedSequence*> unfinished() const {
+    std::vector<SchedSequence*> out;
+    for (const auto& s : seqs) {
+      if (!s->finished()) out.push_back(s.get());
+    }
+    return out;
+  }
+  std::vector<SeqId> unfinished_ids() const {
+    std::vector<SeqId> out;
+    for (const auto& s : seqs) {
+      if (!s->finished()) out.push_back(s->id);
+    }
+    return out;
+  }
+  int num_unfinished() const { return static_cast<int>(unfinished().size()); }
+  int64_t prompt_len() const { return seqs.empty() ? 0 : seqs.front()->prompt_len; }
+};
+
+}  // namespace kvflow

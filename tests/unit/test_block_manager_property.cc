@@ -1,0 +1,271 @@
+// Property test of the block manager: thousands of random operation sequences (allocate with
+// prefix hits, append with copy-on-write, fork, free, swap out/in, recompute) run against a
+// simulated memory that executes the planned copies exactly as a backend would. After every
+// operation: refcounts equal the references in the block tables, free and used never overlap,
+// the host pool never holds more than the device pool, and every sequence reads back exactly its
+// own tokens through its block table. At the end every block is free.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <map>
+#include <random>
+
+#include "kv/block_manager.h"
+
+namespace kvflow {
+namespace {
+
+constexpr int kBlockSize = 4;
+
+// How often the interesting paths ran, so the test cannot pass vacuously.
+struct Coverage {
+  int64_t prefix_hits = 0, copies = 0, swaps_out = 0, swaps_in = 0, forks = 0, recomputes = 0;
+};
+Coverage coverage;
+
+struct Harness {
+  explicit Harness(uint64_t seed, bool prefix, int device_blocks, int host_blocks)
+      : rng(seed),
+        manager([&] {
+          BlockManagerConfig c;
+          c.block_size = kBlockSize;
+          c.num_device_blocks = device_blocks;
+          c.num_host_blocks = host_blocks;
+          c.enable_prefix_caching = prefix;
+          c.watermark = 0.0;
+          return c;
+        }()),
+        device_mem(static_cast<size_t>(device_blocks), std::vector<int32_t>(kBlockSize, -1)),
+        host_mem(static_cast<size_t>(host_blocks), std::vector<int32_t>(kBlockSize, -1)) {}
+
+  std::mt19937_64 rng;
+  BlockManager manager;
+  // What each physical slot holds, as a backend's memory would.
+  std::vector<std::vector<int32_t>> device_mem, host_mem;
+  std::map<SeqId, std::vector<int32_t>> tokens;  // every live sequence's tokens (all computed)
+  std::vector<std::vector<SeqId>> groups;        // sequences that swap together
+  SeqId next_id = 1;
+
+  int Rand(int n) { return static_cast<int>(rng() % static_cast<uint64_t>(n)); }
+
+  // Prompts from a few shared stems so that prefix hits happen.
+  std::vector<int32_t> RandomPrompt() {
+    std::vector<int32_t> p;
+    const int stem = Rand(3);
+    const int stem_len = Rand(3) * kBlockSize + Rand(kBlockSize);
+    for (int i = 0; i < stem_len; ++i) p.push_back(stem * 1000 + i);
+    const int tail = 1 + Rand(6);
+    for (int i = 0; i < tail; ++i) p.push_back(Rand(50));
+    return p;
+  }
+
+  void Write(SeqId seq, int64_t from) {
+    const auto& table = manager.BlockTable(seq);
+    const auto& t = tokens[seq];
+    auto& mem = manager.IsSwapped(seq) ? host_mem : device_mem;
+    for (int64_t i = from; i < static_cast<int64_t>(t.size()); ++i) {
+      mem[static_cast<size_t>(table[static_cast<size_t>(i / kBlockSize)])][static_cast<size_t>(i % kBlockSize)] =
+          t[static_cast<size_t>(i)];
+    }
+  }
+
+  static void Execute(const std::vector<BlockMove>& moves, std::vector<std::vector<int32_t>>& from,
+                      std::vector<std::vector<int32_t>>& to) {
+    for (const BlockMove& m : moves) to[static_cast<size_t>(m.dst)] = from[static_cast<size_t>(m.src)];
+  }
+
+  std::vector<SeqId>* GroupOf(SeqId seq) {
+    for (auto& g : groups) {
+      if (std::find(g.begin(), g.end(), seq) != g.end()) return &g;
+    }
+    return nullptr;
+  }
+
+  SeqId RandomSeq() {
+    auto it = tokens.begin();
+    std::advance(it, Rand(static_cast<int>(tokens.size())));
+    return it->first;
+  }
+
+  void Add() {
+    auto prompt = RandomPrompt();
+    const int64_t reserve = Rand(4) == 0 ? static_cast<int64_t>(prompt.size()) + Rand(12) : 0;
+    if (manager.BlocksToAllocate(prompt, reserve) > manager.device().num_free()) {
+      EXPECT_FALSE(manager.Allocate(next_id, prompt, reserve).ok());
+      EXPECT_FALSE(manager.Has(next_id));
+      return;
+    }
+    const SeqId id = next_id++;
+    const int64_t cached = manager.Allocate(id, prompt, reserve).value();
+    ASSERT_EQ(cached % kBlockSize, 0);
+    ASSERT_LT(cached, static_cast<int64_t>(prompt.size()));
+    coverage.prefix_hits += cached > 0;
+    tokens[id] = prompt;
+    // The cached part must already hold our tokens; we compute (write) only the rest.
+    Write(id, cached);
+    manager.MarkComputed(id, prompt, static_cast<int64_t>(prompt.size()));
+    groups.push_back({id});
+  }
+
+  void Append() {
+    const SeqId seq = RandomSeq();
+    if (manager.IsSwapped(seq)) return;
+    auto& t = tokens[seq];
+    const int64_t len = static_cast<int64_t>(t.size());
+    const int n = 1 + (Rand(4) == 0 ? Rand(6) : 0);
+    const int needed = manager.BlocksToAppend(seq, len, len + n);
+    const int free_before = manager.device().num_free();
+    const Status st = manager.AppendSlots(seq, len, len + n);
+    if (needed > free_before) {  // out of blocks: nothing may have changed
+      ASSERT_EQ(st.code(), StatusCode::kOutOfMemory);
+      ASSERT_TRUE(manager.TakePendingCopies().empty());
+      return;
+    }
+    ASSERT_TRUE(st.ok());
+    const auto copies = manager.TakePendingCopies();
+    coverage.copies += static_cast<int64_t>(copies.size());
+    Execute(copies, device_mem, device_mem);
+    for (int i = 0; i < n; ++i) t.push_back(Rand(50));
+    Write(seq, len);
+    manager.MarkComputed(seq, t, static_cast<int64_t>(t.size()));
+  }
+
+  void Fork() {
+    const SeqId parent = RandomSeq();
+    const SeqId child = next_id++;
+    manager.Fork(parent, child);
+    ++coverage.forks;
+    tokens[child] = tokens[parent];
+    GroupOf(parent)->push_back(child);
+  }
+
+  void Free() {
+    const SeqId seq = RandomSeq();
+    manager.Free(seq);
+    tokens.erase(seq);
+    auto* g = GroupOf(seq);
+    g->erase(std::find(g->begin(), g->end(), seq));
+    if (g->empty()) groups.erase(groups.begin() + (g - groups.data()));
+  }
+
+  void Swap() {
+    auto& g = groups[static_cast<size_t>(Rand(static_cast<int>(groups.size())))];
+    if (manager.IsSwapped(g.front())) {
+      if (!manager.CanSwapIn(g, 0)) {
+        EXPECT_FALSE(manager.SwapIn(g).ok());
+        return;
+      }
+      Execute(manager.SwapIn(g).value(), host_mem, device_mem);
+      ++coverage.swaps_in;
+    } else {
+      if (!manager.CanSwapOut(g)) {
+        EXPECT_FALSE(manager.SwapOut(g).ok());
+        return;
+      }
+      Execute(manager.SwapOut(g).value(), device_mem, host_mem);
+      ++coverage.swaps_out;
+    }
+  }
+
+  // Preemption by recompute: drop the KV, allocate again for every token, recompute.
+  void Recompute() {
+    const SeqId seq = RandomSeq();
+    if (manager.IsSwapped(seq)) return;
+    const auto& t = tokens[seq];
+    manager.Free(seq);
+    if (manager.BlocksToAllocate(t, 0) > manager.device().num_free()) {
+      tokens.erase(seq);
+      auto* g = GroupOf(seq);
+      g->erase(std::find(g->begin(), g->end(), seq));
+      if (g->empty()) groups.erase(groups.begin() + (g - groups.data()));
+      return;
+    }
+    const int64_t cached = manager.Allocate(seq, t, 0).value();
+    ++coverage.recomputes;
+    Write(seq, cached);
+    manager.MarkComputed(seq, t, static_cast<int64_t>(t.size()));
+  }
+
+  void CheckInvariants() {
+    std::vector<int> device_refs(device_mem.size(), 0), host_refs(host_mem.size(), 0);
+    for (const auto& [seq, t] : tokens) {
+      ASSERT_TRUE(manager.Has(seq));
+      const auto& table = manager.BlockTable(seq);
+      ASSERT_GE(static_cast<int64_t>(table.size()) * kBlockSize, static_cast<int64_t>(t.size()));
+      const bool on_host = manager.IsSwapped(seq);
+      auto& refs = on_host ? host_refs : device_refs;
+      const auto& mem = on_host ? host_mem : device_mem;
+      for (BlockId b : table) ++refs[static_cast<size_t>(b)];
+      for (size_t i = 0; i < t.size(); ++i) {
+        ASSERT_EQ(mem[static_cast<size_t>(table[i / kBlockSize])][i % kBlockSize], t[i])
+            << "sequence " << seq << " reads a wrong token at " << i << (on_host ? " (host)" : " (device)");
+      }
+    }
+    ASSERT_EQ(manager.num_sequences(), static_cast<int>(tokens.size()));
+    int device_free = 0, host_free = 0;
+    for (size_t b = 0; b < device_refs.size(); ++b) {
+      ASSERT_EQ(manager.device().refcount(static_cast<BlockId>(b)), device_refs[b]) << "device block " << b;
+      device_free += device_refs[b] == 0;
+    }
+    for (size_t b = 0; b < host_refs.size(); ++b) {
+      ASSERT_EQ(manager.host().refcount(static_cast<BlockId>(b)), host_refs[b]) << "host block " << b;
+      host_free += host_refs[b] == 0;
+    }
+    ASSERT_EQ(manager.device().num_free(), device_free) << "free and used overlap";
+    ASSERT_EQ(manager.host().num_free(), host_free);
+    ASSERT_LE(manager.host().num_used(), manager.device().num_blocks());
+  }
+};
+
+void RunRandomSequence(uint64_t seed, bool prefix, int ops) {
+  const int device_blocks = 8 + static_cast<int>(seed % 24);
+  Harness h(seed, prefix, device_blocks, static_cast<int>(seed % 3) * device_blocks / 2);
+  for (int op = 0; op < ops; ++op) {
+    const int dice = h.tokens.empty() ? 0 : h.Rand(100);
+    if (dice < 25) {
+      h.Add();
+    } else if (dice < 60) {
+      h.Append();
+    } else if (dice < 70) {
+      h.Fork();
+    } else if (dice < 82) {
+      h.Free();
+    } else if (dice < 94) {
+      h.Swap();
+    } else {
+      h.Recompute();
+    }
+    h.CheckInvariants();
+    if (::testing::Test::HasFatalFailure() || ::testing::Test::HasNonfatalFailure()) {
+      FAIL() << "seed " << seed << " op " << op;
+    }
+  }
+  while (!h.tokens.empty()) h.Free();
+  EXPECT_EQ(h.manager.device().num_free(), h.manager.device().num_blocks());
+  EXPECT_EQ(h.manager.host().num_free(), h.manager.host().num_blocks());
+  EXPECT_EQ(h.manager.num_sequences(), 0);
+}
+
+void RunMany(bool prefix) {
+  coverage = {};
+  for (uint64_t seed = 1; seed <= 1500; ++seed) {
+    RunRandomSequence(seed, prefix, 120);
+    if (::testing::Test::HasFailure()) return;
+  }
+  std::printf("coverage: %lld prefix hits, %lld CoW copies, %lld swap-outs, %lld swap-ins, %lld forks, %lld recomputes\n",
+              static_cast<long long>(coverage.prefix_hits), static_cast<long long>(coverage.copies),
+              static_cast<long long>(coverage.swaps_out), static_cast<long long>(coverage.swaps_in),
+              static_cast<long long>(coverage.forks), static_cast<long long>(coverage.recomputes));
+  EXPECT_GT(coverage.copies, 100);
+  EXPECT_GT(coverage.swaps_out, 100);
+  EXPECT_GT(coverage.swaps_in, 100);
+  EXPECT_GT(coverage.recomputes, 100);
+  if (prefix) EXPECT_GT(coverage.prefix_hits, 100);
+}
+
+TEST(BlockManagerProperty, RandomOperationSequencesKeepEveryInvariant) { RunMany(false); }
+
+TEST(BlockManagerProperty, RandomOperationSequencesWithPrefixCachingKeepEveryInvariant) { RunMany(true); }
+
+}  // namespace
+}  // namespace kvflow
