@@ -83,6 +83,10 @@ class EngineImpl final : public Engine {
                                         StreamCallback on_event, const RequestHints& hints) override {
     KVFLOW_RETURN_IF_ERROR(params.Validate());
     if (prompt.empty()) return Status::InvalidArgument("the prompt is empty");
+    if (params.num_candidates() > config_.max_num_seqs) {
+      return Status::InvalidArgument("best_of/n of " + std::to_string(params.num_candidates()) +
+                                     " exceeds max_num_seqs (" + std::to_string(config_.max_num_seqs) + ")");
+    }
     for (int32_t t : prompt) {
       if (t < 0 || t >= model_config_.vocab_size) {
         return Status::InvalidArgument("prompt token id " + std::to_string(t) + " is outside the vocabulary [0, " +
@@ -108,6 +112,7 @@ class EngineImpl final : public Engine {
     group->request_id = req->id;
     group->arrival_time = Seconds(req->arrival.time_since_epoch());
     group->max_output_tokens = params.max_tokens;
+    group->num_candidates = params.num_candidates();
     group->true_output_len = hints.true_output_len;
     group->predicted_output_len = hints.predicted_output_len;
     auto seq = std::make_unique<SchedSequence>();

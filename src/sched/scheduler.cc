@@ -48,7 +48,7 @@ void Scheduler::SortByPolicy(std::vector<SequenceGroup*>& queue) const {
 
 int Scheduler::RunningSeqs() const {
   int n = 0;
-  for (const SequenceGroup* g : running_) n += g->num_unfinished();
+  for (const SequenceGroup* g : running_) n += g->max_running_seqs();
   return n;
 }
 
@@ -171,8 +171,20 @@ SchedulerOutput Scheduler::Schedule() {
   while (!preempted && !swapped_.empty() && budget > 0) {
     SequenceGroup* g = swapped_.front();
     const std::vector<SeqId> ids = g->unfinished_ids();
-    if (RunningSeqs() + static_cast<int>(ids.size()) > config_.max_num_seqs) break;
-    if (!blocks_.CanSwapIn(ids, static_cast<int>(ids.size()))) break;
+    if (RunningSeqs() + g->max_running_seqs() > config_.max_num_seqs) break;
+    if (!blocks_.CanSwapIn(ids, static_cast<int>(ids.size()))) {
+      if (!running_.empty()) break;
+      // Even an idle device cannot take the group back with room to grow: recompute it instead.
+      spdlog::debug("request {} cannot be swapped back in; recomputing it", g->request_id);
+      for (SchedSequence* s : g->unfinished()) {
+        blocks_.Free(s->id);
+        s->num_computed = 0;
+        s->status = SeqStatus::kWaiting;
+      }
+      swapped_.erase(swapped_.begin());
+      waiting_.push_back(g);
+      continue;
+    }
     auto moves = blocks_.SwapIn(ids).value();
     counters_.blocks_swapped_in += static_cast<int64_t>(moves.size());
     out.swap_in.insert(out.swap_in.end(), moves.begin(), moves.end());
@@ -187,7 +199,14 @@ SchedulerOutput Scheduler::Schedule() {
   for (size_t k = 0; swapped_.empty() && k < waiting_.size() && budget > 0;) {
     SequenceGroup* g = waiting_[k];
     const std::vector<SchedSequence*> seqs = g->unfinished();
-    if (RunningSeqs() + static_cast<int>(seqs.size()) > config_.max_num_seqs) break;
+    if (g->max_running_seqs() > config_.max_num_seqs) {
+      Reject(g, Status::InvalidArgument("request " + std::to_string(g->request_id) + " runs " +
+                                        std::to_string(g->max_running_seqs()) + " sequences at once; max_num_seqs is " +
+                                        std::to_string(config_.max_num_seqs)),
+             out);
+      continue;
+    }
+    if (RunningSeqs() + g->max_running_seqs() > config_.max_num_seqs) break;
     std::vector<int64_t> reserve;
     int need = 0;
     for (const SchedSequence* s : seqs) {

@@ -39,6 +39,8 @@ struct SequenceGroup {
   std::optional<int64_t> predicted_output_len;
   // KV tokens per sequence the policy reserved at admission (0: allocate on demand).
   int64_t reserved_tokens = 0;
+  // Sequences the request forks into after its prompt (n / best_of / beam width).
+  int num_candidates = 1;
 
   std::vector<SchedSequence*> unfinished() const {
     std::vector<SchedSequence*> out;
@@ -55,6 +57,11 @@ struct SequenceGroup {
     return out;
   }
   int num_unfinished() const { return static_cast<int>(unfinished().size()); }
+  // Sequences this group will run at once: before the fork that is already num_candidates.
+  int max_running_seqs() const {
+    if (seqs.size() == 1 && !seqs.front()->finished() && seqs.front()->output_len() == 0) return num_candidates;
+    return num_unfinished();
+  }
   int64_t prompt_len() const { return seqs.empty() ? 0 : seqs.front()->prompt_len; }
 };
 

@@ -1,0 +1,293 @@
+// The scheduler with fake sequences and a fake executor (no model): budgets, FCFS order,
+// chunked prefill, preemption by recompute and by swap, swapped groups first, policies, and a
+// random-workload property test that checks invariants after every step and that every request
+// completes with the right length.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <numeric>
+#include <random>
+#include <set>
+
+#include "sched/scheduler.h"
+
+namespace kvflow {
+namespace {
+
+struct FakeRun {
+  FakeRun(int device_blocks, int host_blocks, SchedulerConfig sc, std::string policy = "paged",
+          bool prefix = false, int block_size = 4)
+      : blocks([&] {
+          BlockManagerConfig c;
+          c.block_size = block_size;
+          c.num_device_blocks = device_blocks;
+          c.num_host_blocks = host_blocks;
+          c.enable_prefix_caching = prefix;
+          c.watermark = 0.0;
+          return c;
+        }()),
+        scheduler(sc, blocks, MakeSchedulingPolicy(policy).value()) {}
+
+  // A request with `n` sequences forked after the prompt's first token (like parallel sampling).
+  RequestId Add(int prompt_len, int output_len, double arrival, int n = 1, int first_token = 1000) {
+    auto g = std::make_unique<SequenceGroup>();
+    g->request_id = next_request++;
+    g->arrival_time = arrival;
+    g->max_output_tokens = output_len;
+    g->true_output_len = output_len;
+    g->num_candidates = n;
+    auto s = std::make_unique<SchedSequence>();
+    s->id = scheduler.NewSeqId();
+    s->tokens.resize(static_cast<size_t>(prompt_len));
+    std::iota(s->tokens.begin(), s->tokens.end(), first_token);
+    s->prompt_len = prompt_len;
+    g->seqs.push_back(std::move(s));
+    targets[g->request_id] = {output_len, n};
+    const RequestId id = g->request_id;
+    scheduler.AddGroup(std::move(g));
+    return id;
+  }
+
+  // One engine step without a model: sample a token for every sequence whose last token ran.
+  SchedulerOutput Step() {
+    SchedulerOutput out = scheduler.Schedule();
+    for (auto& [id, why] : out.rejected) rejected.insert(id);
+    scheduler.CompleteStep(out);
+    batch_ids.clear();
+    for (const ScheduledSeq& s : out.scheduled) batch_ids.push_back(s.group->request_id);
+    std::set<RequestId> touched;
+    std::vector<std::pair<SequenceGroup*, SchedSequence*>> sampled;
+    for (const ScheduledSeq& s : out.scheduled) {
+      if (s.needs_logits) sampled.emplace_back(s.group, s.seq);
+    }
+    for (auto& [g, seq] : sampled) {
+      auto& [output_len, n] = targets[g->request_id];
+      if (g->seqs.size() == 1 && n > 1 && seq->output_len() == 0) {
+        for (int i = 1; i < n; ++i) {
+          SchedSequence* child = scheduler.Fork(*g, *seq);
+          child->tokens.push_back(static_cast<int32_t>(i));
+          if (child->output_len() >= output_len) scheduler.FinishSequence(*child);
+        }
+      }
+      seq->tokens.push_back(7);
+      if (seq->output_len() >= output_len) scheduler.FinishSequence(*seq);
+      touched.insert(g->request_id);
+    }
+    for (RequestId id : touched) {
+      SequenceGroup* g = scheduler.Find(id);
+      if (g->num_unfinished() == 0) {
+        for (const auto& s : g->seqs) EXPECT_EQ(s->output_len(), targets[id].first);
+        EXPECT_EQ(static_cast<int>(g->seqs.size()), targets[id].second);
+        finished.push_back(id);
+        scheduler.RemoveGroup(id);
+      }
+    }
+    return out;
+  }
+
+  BlockManager blocks;
+  Scheduler scheduler;
+  RequestId next_request = 1;
+  std::map<RequestId, std::pair<int, int>> targets;  // output length, n
+  std::vector<RequestId> finished;
+  std::set<RequestId> rejected;
+  // Requests in the last step's batch (its ScheduledSeq pointers die with finished groups).
+  std::vector<RequestId> batch_ids;
+};
+
+SchedulerConfig Config(int max_seqs = 64, int64_t max_tokens = 2048, PreemptionMode mode = PreemptionMode::kAuto) {
+  SchedulerConfig c;
+  c.max_num_seqs = max_seqs;
+  c.max_num_batched_tokens = max_tokens;
+  c.max_model_len = 256;
+  c.preemption_mode = mode;
+  return c;
+}
+
+TEST(Scheduler, RespectsTheSequenceAndTokenBudgetsAndChunksLongPrompts) {
+  FakeRun run(100, 0, Config(/*max_seqs=*/2, /*max_tokens=*/10));
+  run.Add(25, 3, 0.0);
+  run.Add(4, 3, 1.0);
+  run.Add(4, 3, 2.0);
+  auto s1 = run.Step();
+  ASSERT_EQ(s1.scheduled.size(), 1u);  // the first prompt eats the whole token budget
+  EXPECT_EQ(s1.num_batched_tokens, 10);
+  EXPECT_FALSE(s1.scheduled[0].needs_logits);
+  auto s2 = run.Step();
+  EXPECT_EQ(s2.num_batched_tokens, 10);
+  auto s3 = run.Step();  // 5 tokens finish prompt 1, prompt 2 (4 tokens) joins; max_num_seqs = 2
+  ASSERT_EQ(s3.scheduled.size(), 2u);
+  EXPECT_EQ(s3.scheduled[0].num_tokens, 5);
+  EXPECT_TRUE(s3.scheduled[0].needs_logits);
+  EXPECT_EQ(s3.scheduled[1].num_tokens, 4);
+  EXPECT_EQ(run.scheduler.stats().num_waiting, 1);
+  while (run.scheduler.HasWork()) run.Step();
+  EXPECT_EQ(run.finished, (std::vector<RequestId>{1, 2, 3}));
+  EXPECT_EQ(run.blocks.device().num_free(), 100);
+}
+
+TEST(Scheduler, PreemptsTheLatestArrivalByRecomputeAndServesItAgainFirst) {
+  // 6 blocks of 4 tokens: two requests of 8 prompt tokens each need 2 blocks, then grow.
+  FakeRun run(6, 0, Config());
+  run.Add(8, 8, 0.0);
+  run.Add(8, 8, 1.0);
+  run.Step();  // both prefill (4 blocks)
+  int preempted = 0;
+  while (run.scheduler.HasWork()) {
+    auto out = run.Step();
+    preempted += out.num_preempted_recompute;
+    for (RequestId id : run.batch_ids) {
+      if (out.num_preempted_recompute > 0) EXPECT_EQ(id, 1u) << "the earlier request keeps running";
+    }
+  }
+  EXPECT_GT(preempted, 0);
+  EXPECT_EQ(run.finished, (std::vector<RequestId>{1, 2}));
+  EXPECT_EQ(run.scheduler.stats().num_preemptions_swap, 0);
+  EXPECT_EQ(run.blocks.device().num_free(), 6);
+}
+
+TEST(Scheduler, SwapsGroupsThatShareBlocksAndAdmitsNothingWhileSwapped) {
+  FakeRun run(8, 8, Config());
+  run.Add(6, 10, 0.0, /*n=*/2);
+  run.Add(6, 10, 1.0, /*n=*/2);
+  run.Add(2, 2, 2.0);  // must wait while anything is swapped
+  bool saw_swap_out = false, saw_swap_in = false;
+  for (int step = 0; step < 200 && run.scheduler.HasWork(); ++step) {
+    auto out = run.Step();
+    saw_swap_out |= !out.swap_out.empty();
+    saw_swap_in |= !out.swap_in.empty();
+    const auto st = run.scheduler.stats();
+    if (st.num_swapped > 0) {
+      for (RequestId id : run.batch_ids) EXPECT_NE(id, 3u) << "admitted while swapped";
+    }
+  }
+  EXPECT_TRUE(saw_swap_out);
+  EXPECT_TRUE(saw_swap_in);
+  EXPECT_EQ(run.finished.size(), 3u);
+  EXPECT_GT(run.scheduler.stats().num_preemptions_swap, 0);
+  EXPECT_EQ(run.blocks.device().num_free(), 8);
+  EXPECT_EQ(run.blocks.host().num_free(), 8);
+}
+
+TEST(Scheduler, OrcaMaxReservesTheWholeContextAndServesOneAtATimeWhereThePagedPolicyBatches) {
+  SchedulerConfig c = Config();
+  c.max_model_len = 64;  // 16 blocks
+  FakeRun orca(20, 0, c, "orca-max");
+  FakeRun paged(20, 0, c, "paged");
+  for (FakeRun* r : {&orca, &paged}) {
+    for (int i = 0; i < 4; ++i) r->Add(8, 8, i);
+  }
+  auto o = orca.Step();
+  auto p = paged.Step();
+  EXPECT_EQ(o.scheduled.size(), 1u);
+  EXPECT_EQ(orca.blocks.BlockTable(o.scheduled[0].seq->id).size(), 16u);
+  EXPECT_EQ(p.scheduled.size(), 4u);
+  while (orca.scheduler.HasWork()) orca.Step();
+  while (paged.scheduler.HasWork()) paged.Step();
+  EXPECT_EQ(orca.finished.size(), 4u);
+  EXPECT_EQ(paged.finished.size(), 4u);
+}
+
+TEST(Scheduler, OraclePolicyReservesTheTrueOutputAndPow2RoundsItUp) {
+  SchedulerConfig c = Config();
+  FakeRun oracle(100, 0, c, "orca-oracle");
+  FakeRun pow2(100, 0, c, "orca-pow2");
+  oracle.Add(8, 9, 0);
+  pow2.Add(8, 9, 0);
+  auto a = oracle.Step();
+  auto b = pow2.Step();
+  EXPECT_EQ(oracle.blocks.BlockTable(a.scheduled[0].seq->id).size(), 5u);  // 17 tokens
+  EXPECT_EQ(pow2.blocks.BlockTable(b.scheduled[0].seq->id).size(), 6u);    // 8 + 16 tokens
+}
+
+TEST(Scheduler, RejectsWhatCanNeverFitAndKeepsServingTheRest) {
+  FakeRun run(4, 0, Config());
+  run.Add(40, 2, 0.0);  // 10 blocks of 4 > 4
+  run.Add(4, 2, 1.0);
+  while (run.scheduler.HasWork()) run.Step();
+  EXPECT_EQ(run.rejected, (std::set<RequestId>{1}));
+  EXPECT_EQ(run.finished, (std::vector<RequestId>{2}));
+  EXPECT_EQ(run.blocks.device().num_free(), 4);
+}
+
+TEST(Scheduler, PrefixHitsSkipTheCachedPartOfThePrompt) {
+  FakeRun run(50, 0, Config(), "paged", /*prefix=*/true);
+  run.Add(17, 2, 0.0);
+  while (run.scheduler.HasWork()) run.Step();
+  run.Add(17, 2, 1.0);  // same tokens
+  auto out = run.Step();
+  ASSERT_EQ(out.scheduled.size(), 1u);
+  EXPECT_EQ(out.scheduled[0].num_tokens, 1);  // 16 cached, the last token runs
+  EXPECT_GT(run.blocks.PrefixHitRate(), 0.0);
+}
+
+// Random arrivals, lengths, n, budgets, pools, policies and preemption modes. After every step:
+// budgets hold, every scheduled sequence has blocks for its context, device refcounts equal the
+// references in the tables, nothing new is admitted while something is swapped, no request
+// overtakes an earlier waiting one (FCFS). At the end everything finished and every block is free.
+TEST(SchedulerProperty, RandomWorkloadsKeepInvariantsAndFinishEveryRequest) {
+  int64_t preempt_recompute = 0, preempt_swap = 0;
+  for (uint64_t seed = 1; seed <= 1000; ++seed) {
+    std::mt19937_64 rng(seed);
+    auto rand = [&](int n) { return static_cast<int>(rng() % static_cast<uint64_t>(n)); };
+    const PreemptionMode mode = std::array{PreemptionMode::kAuto, PreemptionMode::kSwap,
+                                           PreemptionMode::kRecompute}[static_cast<size_t>(rand(3))];
+    SchedulerConfig c = Config(2 + rand(8), 8 + rand(40), mode);
+    c.max_model_len = 96;
+    const std::string policy = SchedulingPolicyNames()[static_cast<size_t>(rand(4))];
+    const int device_blocks = 30 + rand(40);
+    FakeRun run(device_blocks, rand(2) * device_blocks, c, policy, rand(2) == 1);
+    const int num_requests = 5 + rand(20);
+    for (int i = 0; i < num_requests; ++i) {
+      run.Add(1 + rand(40), 1 + rand(40), i, policy == "paged" ? 1 + rand(3) : 1, rand(2) * 1000);
+    }
+    std::set<RequestId> ever_admitted;
+    int steps = 0;
+    while (run.scheduler.HasWork()) {
+      const auto st = run.scheduler.stats();
+      ASSERT_LT(++steps, 20000) << "seed " << seed << ": no progress; policy " << policy << ", mode "
+                                << PreemptionModeName(mode) << ", max_num_seqs " << c.max_num_seqs << ", tokens "
+                                << c.max_num_batched_tokens << ", blocks " << device_blocks << "/"
+                                << run.blocks.host().num_blocks() << "; waiting " << st.num_waiting << ", running "
+                                << st.num_running << " (" << st.num_running_seqs << " seqs), swapped " << st.num_swapped;
+      auto out = run.Step();
+      ASSERT_LE(out.num_batched_tokens, c.max_num_batched_tokens);
+      std::set<RequestId> in_batch(run.batch_ids.begin(), run.batch_ids.end());
+      ASSERT_LE(run.scheduler.stats().num_running_seqs, c.max_num_seqs);
+      for (RequestId id : in_batch) {
+        if (ever_admitted.insert(id).second) {
+          // Swapped groups may come back earlier in the same step; then nothing is swapped.
+          ASSERT_EQ(run.scheduler.stats().num_swapped, 0) << "seed " << seed << ": admitted while swapped";
+          for (RequestId earlier = 1; earlier < id; ++earlier) {
+            ASSERT_TRUE(ever_admitted.contains(earlier) || run.rejected.contains(earlier))
+                << "seed " << seed << ": request " << id << " overtook " << earlier;
+          }
+        }
+      }
+      // Refcounts equal the references held by live sequences.
+      std::map<BlockId, int> refs;
+      for (RequestId id = 1; id < run.next_request; ++id) {
+        const SequenceGroup* g = run.scheduler.Find(id);
+        if (!g) continue;
+        for (const auto& s : g->seqs) {
+          if (s->finished() || !run.blocks.Has(s->id) || run.blocks.IsSwapped(s->id)) continue;
+          for (BlockId b : run.blocks.BlockTable(s->id)) ++refs[b];
+        }
+      }
+      for (BlockId b = 0; b < device_blocks; ++b) ASSERT_EQ(run.blocks.device().refcount(b), refs[b]);
+      ASSERT_LE(run.blocks.host().num_used(), device_blocks);
+    }
+    ASSERT_EQ(run.finished.size() + run.rejected.size(), static_cast<size_t>(num_requests)) << "seed " << seed;
+    ASSERT_EQ(run.blocks.device().num_free(), device_blocks);
+    ASSERT_EQ(run.blocks.host().num_free(), run.blocks.host().num_blocks());
+    preempt_recompute += run.scheduler.stats().num_preemptions_recompute;
+    preempt_swap += run.scheduler.stats().num_preemptions_swap;
+  }
+  std::printf("preemptions: %lld by recompute, %lld by swap\n", static_cast<long long>(preempt_recompute),
+              static_cast<long long>(preempt_swap));
+  EXPECT_GT(preempt_recompute, 100);
+  EXPECT_GT(preempt_swap, 100);
+}
+
+}  // namespace
+}  // namespace kvflow
