@@ -38,6 +38,10 @@ int main(int argc, char** argv) {
   app.add_option("--block-size", block_size);
   app.add_option("--greedy-tokens", greedy_tokens);
   app.add_option("--out-greedy", greedy_path);
+  int beam_width = 0;
+  std::string beams_path;
+  app.add_option("--beam-width", beam_width, "also run beam search over --greedy-tokens tokens with this width");
+  app.add_option("--out-beams", beams_path, "JSON: per prompt, the beams best first");
   CLI11_PARSE(app, argc, argv);
 
   std::vector<std::vector<int32_t>> prompts;
@@ -134,6 +138,25 @@ int main(int argc, char** argv) {
       if (!step.ok()) return Fail(step.status());
     }
     std::ofstream(greedy_path) << nlohmann::json(greedy).dump();
+
+    if (beam_width > 0) {
+      kvflow::SamplingParams bp = sp;
+      bp.use_beam_search = true;
+      bp.n = beam_width;
+      std::vector<std::vector<std::vector<int32_t>>> beams(prompts.size());
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        beams[i].resize(static_cast<size_t>(beam_width));
+        auto id = engine.value()->AddRequest(prompts[i], bp, [&beams, i](const kvflow::StreamEvent& e) {
+          for (const auto& t : e.tokens) beams[i][static_cast<size_t>(e.index)].push_back(t.token);
+        });
+        if (!id.ok()) return Fail(id.status());
+      }
+      while (engine.value()->HasUnfinishedRequests()) {
+        auto step = engine.value()->Step();
+        if (!step.ok()) return Fail(step.status());
+      }
+      std::ofstream(beams_path) << nlohmann::json(beams).dump();
+    }
   }
   return 0;
 }

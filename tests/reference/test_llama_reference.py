@@ -25,10 +25,11 @@ import torch
 SKIP = 77
 
 
-def run_dump(dump_bin, model, prompts, workdir, chunk=0, greedy=0):
+def run_dump(dump_bin, model, prompts, workdir, chunk=0, greedy=0, beam_width=0):
     prompts_path = os.path.join(workdir, "prompts.json")
     logits_path = os.path.join(workdir, "logits.bin")
     greedy_path = os.path.join(workdir, "greedy.json")
+    beams_path = os.path.join(workdir, "beams.json")
     with open(prompts_path, "w") as f:
         json.dump(prompts, f)
     cmd = [dump_bin, "--model", model, "--prompts", prompts_path, "--out-logits", logits_path]
@@ -36,6 +37,8 @@ def run_dump(dump_bin, model, prompts, workdir, chunk=0, greedy=0):
         cmd += ["--chunk", str(chunk)]
     if greedy:
         cmd += ["--greedy-tokens", str(greedy), "--out-greedy", greedy_path]
+    if beam_width:
+        cmd += ["--beam-width", str(beam_width), "--out-beams", beams_path]
     subprocess.run(cmd, check=True)
     flat = np.fromfile(logits_path, dtype=np.float32)
     out, offset = [], 0
@@ -44,6 +47,8 @@ def run_dump(dump_bin, model, prompts, workdir, chunk=0, greedy=0):
         out.append(flat[offset:offset + len(p) * vocab].reshape(len(p), vocab))
         offset += len(p) * vocab
     greedy_tokens = json.load(open(greedy_path)) if greedy else None
+    if beam_width:
+        return out, greedy_tokens, json.load(open(beams_path))
     return out, greedy_tokens
 
 
@@ -61,6 +66,63 @@ def hf_greedy(model, prompt, n):
             tokens.append(nxt)
             out = model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
     return tokens
+
+
+def hf_beams(model, prompt, width, n):
+    """Beam search written out plainly over transformers logits (full recompute, no cache, no
+    paging): each step every beam offers its 2*width best next tokens, the width best by
+    cumulative logprob continue; no EOS, so all lengths are equal and the best come first.
+    (transformers' own generate() cannot be imported with Debian's torch 1.13 on Python 3.11.)"""
+    beams = [(0.0, [])]
+    with torch.no_grad():
+        for _ in range(n):
+            candidates = []
+            for score, out in beams:
+                logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
+                logprobs = torch.log_softmax(logits, dim=-1)
+                top = torch.topk(logprobs, 2 * width)
+                for lp, tok in zip(top.values.tolist(), top.indices.tolist()):
+                    candidates.append((score + lp, out + [tok]))
+            candidates.sort(key=lambda c: -c[0])
+            beams = candidates[:width]
+    return [out for _, out in beams]
+
+
+def write_byte_tokenizer(directory, vocab_size):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([f"<extra_{i}>" for i in range(vocab_size - len(alphabet))])
+    tok.save(os.path.join(directory, "tokenizer.json"))
+
+
+def check_beam_search(args):
+    """kvflow beam search (forks, copy-on-write, block frees) vs plain beam search on HF logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(max_position_embeddings=512, rms_norm_eps=1e-5, **TINY_CONFIGS["gqa_untied"])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    randomize(model, seed=100)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, config.vocab_size, size=n).tolist() for n in (5, 20, 37)]
+    width, tokens = 4, 10
+    with tempfile.TemporaryDirectory(dir=args.workdir) as d:
+        model.save_pretrained(d, safe_serialization=True)
+        write_byte_tokenizer(d, config.vocab_size)  # the engine wants one; prompts are ids
+        _, _, ours = run_dump(args.dump_bin, d, prompts, d, greedy=tokens, beam_width=width)
+    ok = True
+    for p, beams in zip(prompts, ours):
+        ref = hf_beams(model, p, width, tokens)
+        same = beams == ref
+        ok &= same
+        print(f"beam search width {width}, prompt of {len(p):2d} tokens, {tokens} new: "
+              f"{'identical to the reference' if same else 'DIFFERENT'}")
+        if not same:
+            print("  kvflow:", beams)
+            print("  hf:    ", ref)
+    return ok
 
 
 def randomize(model, seed):
@@ -118,6 +180,7 @@ def check_tiny(args):
         print(f"tiny {name:28s} sharded={sharded!s:5s} positions={sum(map(len, prompts)):4d} "
               f"max|dlogit|={err:.2e} (max|logit| {scale:.1f})  {status}")
     print(f"tiny-random models: worst max|dlogit| = {worst:.2e} (tolerance 1e-3)")
+    ok &= check_beam_search(args)
     return 0 if ok else 1
 
 
