@@ -246,6 +246,15 @@ class EngineImpl final : public Engine {
     ReapCancelled();
     SchedulerOutput sched = scheduler_.Schedule();
     for (auto& [id, why] : sched.rejected) FailRequest(id, why, /*in_scheduler=*/false);
+    if (const int preempted = sched.num_preempted_recompute + sched.num_preempted_swap; preempted > 0) {
+      // Like vLLM: say so (rate-limited), since it means the KV cache is too small for the load.
+      const int64_t total = scheduler_.stats().num_preemptions_recompute + scheduler_.stats().num_preemptions_swap;
+      if (total == preempted || total / 50 != (total - preempted) / 50) {
+        spdlog::warn("KV cache full: preempted {} request(s) this step ({} by swap), {} in total; more KV blocks "
+                     "(kv_cache_bytes / num_kv_blocks) would avoid it",
+                     preempted, sched.num_preempted_swap, total);
+      }
+    }
     // Block moves first: swap-out frees device blocks this step may reuse.
     KVFLOW_RETURN_IF_ERROR(backend_->CopyBlocks(sched.swap_out, BlockCopyKind::kDeviceToHost));
     KVFLOW_RETURN_IF_ERROR(backend_->CopyBlocks(sched.swap_in, BlockCopyKind::kHostToDevice));

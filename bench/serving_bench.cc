@@ -1,0 +1,1442 @@
+// Trace-driven serving benchmark after the vLLM paper (§6.2, Fig. 12): one request trace replayed
+// with Poisson arrivals against the paged scheduler (vLLM) and the Orca baselines under the same KV
+// memory budget, reporting latency and throughput per request rate and the rate each policy
+// sustains.
+//
+//   sim        drives the real Scheduler and BlockManager on a virtual clock; every step takes the
+//              time a cost model gives (analytic A100/OPT-13B, or coefficients fitted on this CPU)
+//   real       drives the real Engine on this CPU in wall-clock time
+//   calibrate  times Engine::Step() on prefill and decode batches and fits the sim's cost model
+//
+//   kvflow_bench_serving sim --trace sharegpt --cost-model a100-opt13b --rates 0.5,1,1.5,2
+//   kvflow_bench_serving calibrate --model tiny-random
+//   kvflow_bench_serving real --trace alpaca --model tiny-random --num-requests 64 --rates 2,4
+//       --num-device-blocks 128 --max-model-len 512
+//
+// Results go to bench/results/serving_<trace>_<executor>[_<tag>].{json,md}; bench/serving_report.py
+// draws them.
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "kv/block_manager.h"
+#include "kvflow/engine.h"
+#include "model/tensor_source.h"
+#include "model/tiny_random.h"
+#include "sched/policy.h"
+#include "sched/scheduler.h"
+#include "sched/sequence_group.h"
+
+#ifndef KVFLOW_SOURCE_DIR
+#define KVFLOW_SOURCE_DIR "."
+#endif
+
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::ordered_json;
+using Clock = std::chrono::steady_clock;
+using kvflow::Result;
+using kvflow::Status;
+
+// ctest's "skipped" exit code: the trace's dataset is not on this machine.
+constexpr int kExitSkipped = 77;
+constexpr const char* kDefaultModel = "smollm2-135m";
+const std::string kResultsDir = KVFLOW_SOURCE_DIR "/bench/results";
+const std::string kDefaultAlpacaPath = KVFLOW_SOURCE_DIR "/../shared/datasets/alpaca/alpaca_5000.json";
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::string Join(const std::vector<std::string>& parts, const std::string& sep) {
+  std::string out;
+  for (const auto& p : parts) out += (out.empty() ? "" : sep) + p;
+  return out;
+}
+
+std::string Fixed(double v, int decimals) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", decimals, v);
+  return buf;
+}
+
+// Three significant digits for values spanning orders of magnitude (latencies in seconds).
+std::string Sig3(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.3g", v);
+  return buf;
+}
+
+std::string CpuName() {
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("model name", 0) == 0) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
+    }
+  }
+  return "unknown CPU";
+}
+
+Json MachineJson(int num_threads) {
+  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+  return Json{{"cpu", CpuName()},
+              {"hardware_threads", std::thread::hardware_concurrency()},
+              {"engine_threads", num_threads > 0 ? num_threads : static_cast<int>(std::thread::hardware_concurrency())},
+              {"omp_wait_policy", wait_policy ? wait_policy : "(unset)"}};
+}
+
+// Busy-waiting OpenMP threads steal the cores other processes share with the timed engine.
+void WarnIfOmpSpins() {
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
+    spdlog::warn("OMP_WAIT_POLICY is unset; for CPU timings run with OMP_WAIT_POLICY=passive");
+  }
+}
+
+// ---- models ---------------------------------------------------------------------------------
+
+// The model (or tokenizer) a run uses, named as file names and reports name it.
+struct ModelChoice {
+  std::string name;  // short name, file stem, or "tiny-random"
+  std::string path;  // resolved file, or "tiny-random"
+};
+
+// Resolves `requested`. The default model falls back to the built-in tiny-random model (whose
+// tokenizer is byte-level) when its file is absent; an explicitly requested one must exist.
+Result<ModelChoice> ChooseModel(const std::string& requested, bool explicitly_requested) {
+  auto path = kvflow::ResolveModel(requested);
+  if (!path.ok()) {
+    if (explicitly_requested) return path.status();
+    spdlog::warn("model '{}' not found (tools/fetch-model downloads it); using the built-in tiny-random model",
+                 requested);
+    return ModelChoice{kvflow::kTinyRandomName, kvflow::kTinyRandomName};
+  }
+  std::string name = requested;
+  std::error_code ec;
+  if (fs::exists(requested, ec)) {
+    name = fs::path(requested).stem().string();
+    std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
+  }
+  return ModelChoice{name, path.value()};
+}
+
+Result<kvflow::ModelFiles> OpenModel(const ModelChoice& model) {
+  if (model.path == kvflow::kTinyRandomName) return kvflow::MakeTinyRandomModel();
+  return kvflow::OpenModelFiles(model.path);
+}
+
+// ---- traces ---------------------------------------------------------------------------------
+
+struct TraceRequest {
+  std::vector<int32_t> prompt;
+  int64_t output_len = 0;
+};
+
+struct Trace {
+  std::string name;  // "sharegpt" or "alpaca"
+  Json info;         // source, parameters, tokenizer, realized length statistics
+  std::vector<TraceRequest> requests;
+  // Poisson arrival times at 1 req/s. Every rate divides these, so all rates (and all policies)
+  // replay the same requests in the same order.
+  std::vector<double> unit_arrivals;
+};
+
+std::vector<double> UnitPoissonArrivals(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::exponential_distribution<double> gap(1.0);
+  std::vector<double> arrivals(n);
+  double t = 0.0;
+  for (double& a : arrivals) a = t += gap(rng);
+  return arrivals;
+}
+
+// Clips a request to max_model_len: the output keeps at most max_model_len - 1 tokens and the
+// prompt gives way to it. Returns whether anything was cut.
+bool FitToModelLen(std::vector<int32_t>& prompt, int64_t& output_len, int64_t max_model_len) {
+  const int64_t output = std::min(output_len, max_model_len - 1);
+  const int64_t input = std::min<int64_t>(static_cast<int64_t>(prompt.size()), max_model_len - output);
+  const bool cut = output != output_len || input != static_cast<int64_t>(prompt.size());
+  output_len = output;
+  prompt.resize(static_cast<size_t>(input));
+  return cut;
+}
+
+Json LengthStats(std::vector<int64_t> lengths) {
+  std::sort(lengths.begin(), lengths.end());
+  const double mean = std::accumulate(lengths.begin(), lengths.end(), 0.0) / static_cast<double>(lengths.size());
+  return Json{{"mean", mean}, {"median", lengths[lengths.size() / 2]}, {"min", lengths.front()},
+              {"max", lengths.back()}};
+}
+
+void AddRealizedStats(Trace& trace, int64_t num_truncated) {
+  std::vector<int64_t> inputs, outputs;
+  for (const TraceRequest& r : trace.requests) {
+    inputs.push_back(static_cast<int64_t>(r.prompt.size()));
+    outputs.push_back(r.output_len);
+  }
+  trace.info["num_requests"] = trace.requests.size();
+  trace.info["input_len"] = LengthStats(inputs);
+  trace.info["output_len"] = LengthStats(outputs);
+  trace.info["num_truncated_to_max_model_len"] = num_truncated;
+}
+
+double NormalCdf(double x) { return 0.5 * std::erfc(-x / std::sqrt(2.0)); }
+
+// Mean of exp(N(mu, sigma^2)) clipped to [lo, hi].
+double ClippedLogNormalMean(double mu, double sigma, double lo, double hi) {
+  const double a = (std::log(lo) - mu) / sigma, b = (std::log(hi) - mu) / sigma;
+  const double inside = std::exp(mu + sigma * sigma / 2) * (NormalCdf(b - sigma) - NormalCdf(a - sigma));
+  return lo * NormalCdf(a) + inside + hi * (1.0 - NormalCdf(b));
+}
+
+// A lognormal length distribution clipped to [lo, hi] whose clipped mean is `mean`.
+struct ClippedLogNormal {
+  double mean = 0, sigma = 0, lo = 0, hi = 0;
+  double mu = 0;  // solved
+
+  ClippedLogNormal(double mean_, double sigma_, double lo_, double hi_) : mean(mean_), sigma(sigma_), lo(lo_), hi(hi_) {
+    // The clipped mean grows monotonically with mu: bisect.
+    double low = std::log(lo) - 8 * sigma, high = std::log(hi) + 8 * sigma;
+    for (int i = 0; i < 200; ++i) {
+      const double mid = (low + high) / 2;
+      (ClippedLogNormalMean(mid, sigma, lo, hi) < mean ? low : high) = mid;
+    }
+    mu = (low + high) / 2;
+  }
+  int64_t Sample(std::mt19937_64& rng) const {
+    const double x = std::exp(mu + sigma * std::normal_distribution<double>()(rng));
+    return std::llround(std::clamp(x, lo, hi));
+  }
+  Json ToJson() const {
+    return Json{{"distribution", "lognormal, clipped"}, {"mu", mu}, {"sigma", sigma},
+                {"clip", {lo, hi}}, {"target_mean", mean}};
+  }
+};
+
+// ShareGPT-like lengths: lognormal, with the means of the vLLM paper's ShareGPT trace (input 161,
+// output 338 tokens), clipped to [4, 1024] each. Token ids are synthetic (any id works: only
+// lengths matter to the scheduler, and these ids are valid in every model's vocabulary).
+Trace MakeShareGptTrace(size_t num_requests, uint64_t seed, int64_t max_model_len) {
+  const ClippedLogNormal input(161, 1.0, 4, 1024), output(338, 1.0, 4, 1024);
+  std::mt19937_64 rng(seed);
+  Trace trace;
+  trace.name = "sharegpt";
+  int64_t truncated = 0;
+  for (size_t i = 0; i < num_requests; ++i) {
+    TraceRequest r;
+    const int64_t input_len = input.Sample(rng);
+    r.output_len = output.Sample(rng);
+    for (int64_t j = 0; j < input_len; ++j) r.prompt.push_back(static_cast<int32_t>(3 + (131 * i + 7 * j) % 250));
+    truncated += FitToModelLen(r.prompt, r.output_len, max_model_len);
+    trace.requests.push_back(std::move(r));
+  }
+  trace.info = Json{{"name", "sharegpt"},
+                    {"source", "synthetic ShareGPT-like lengths (means of the vLLM paper's ShareGPT: input 161, "
+                               "output 338 tokens)"},
+                    {"seed", seed},
+                    {"input_distribution", input.ToJson()},
+                    {"output_distribution", output.ToJson()},
+                    {"tokenizer", "none (synthetic token ids)"}};
+  AddRealizedStats(trace, truncated);
+  return trace;
+}
+
+// Alpaca: prompt = instruction (+ "\n" + input), output = the reference output, both tokenized;
+// a seeded random sample of the dataset.
+Result<Trace> LoadAlpacaTrace(const std::string& path, size_t num_requests, uint64_t seed, int64_t max_model_len,
+                              const ModelChoice& tokenizer_model) {
+  std::ifstream in(path);
+  if (!in) return Status::NotFound("cannot open the Alpaca dataset " + path);
+  Json data;
+  try {
+    data = Json::parse(in);
+  } catch (const Json::exception& e) {
+    return Status::CorruptFile(path + ": " + e.what());
+  }
+  if (!data.is_array() || data.empty()) return Status::CorruptFile(path + ": expected a non-empty JSON list");
+  if (num_requests > data.size()) {
+    return Status::InvalidArgument("--num-requests " + std::to_string(num_requests) + " exceeds the " +
+                                   std::to_string(data.size()) + " entries of " + path);
+  }
+  KVFLOW_ASSIGN_OR_RETURN(kvflow::ModelFiles files, OpenModel(tokenizer_model));
+  if (!files.tokenizer) return Status::NotFound("no tokenizer in " + tokenizer_model.path);
+  const kvflow::Tokenizer& tok = *files.tokenizer;
+
+  std::vector<size_t> order(data.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::mt19937_64 rng(seed);
+  std::shuffle(order.begin(), order.end(), rng);
+  Trace trace;
+  trace.name = "alpaca";
+  int64_t truncated = 0;
+  for (size_t i = 0; i < num_requests; ++i) {
+    const Json& e = data[order[i]];
+    const std::string input = e.value("input", "");
+    const std::string prompt = e.value("instruction", "") + (input.empty() ? "" : "\n" + input);
+    TraceRequest r;
+    r.prompt = tok.Encode(prompt, tok.add_bos());
+    r.output_len = std::max<int64_t>(1, static_cast<int64_t>(tok.Encode(e.value("output", ""), false).size()));
+    if (r.prompt.empty()) r.prompt.push_back(tok.bos_id() >= 0 ? tok.bos_id() : 0);
+    truncated += FitToModelLen(r.prompt, r.output_len, max_model_len);
+    trace.requests.push_back(std::move(r));
+  }
+  trace.info = Json{{"name", "alpaca"},
+                    {"source", path},
+                    {"dataset_entries", data.size()},
+                    {"sampling", "seeded shuffle, first num_requests"},
+                    {"seed", seed},
+                    {"prompt", "instruction + (\"\\n\" + input if non-empty)"},
+                    {"tokenizer", tokenizer_model.name},
+                    {"tokenizer_path", tokenizer_model.path}};
+  AddRealizedStats(trace, truncated);
+  return trace;
+}
+
+// ---- cost model -----------------------------------------------------------------------------
+
+struct StepShape {
+  int64_t batched_tokens = 0;
+  int64_t context_tokens = 0;  // over scheduled sequences: num_computed + num_tokens
+  int64_t num_seqs = 0;
+  // Query-key pairs of attention: over the new tokens, each one's context (num_computed + i + 1).
+  // Equal to context_tokens for decode; grows with the square of a prefill.
+  int64_t attention_pairs = 0;
+  int64_t swapped_blocks = 0;  // swap-out + swap-in
+
+  void AddSequence(int64_t num_computed, int64_t num_tokens) {
+    ++num_seqs;
+    batched_tokens += num_tokens;
+    context_tokens += num_computed + num_tokens;
+    attention_pairs += num_tokens * num_computed + num_tokens * (num_tokens + 1) / 2;
+  }
+};
+
+// t = c0 + c_token * batched_tokens + c_context * context_tokens + c_seq * num_seqs
+//     + c_attention_pair * attention_pairs (+ c_swap_token * swapped tokens)
+// The pair term is beyond the four-term model: on the CPU every prefill query reads its whole
+// prefix, so prefill time grows with the square of its length.
+struct CostModel {
+  std::string name;
+  std::string description;  // one line for tables and figures
+  double c0_s = 0, c_token_s = 0, c_context_s = 0, c_seq_s = 0, c_attention_pair_s = 0;
+  double c_swap_token_s = 0;  // 0 where swapping is not modelled
+  std::optional<int64_t> kv_budget_tokens;  // what the modelled device leaves for KV, when known
+  Json details;
+
+  double StepSeconds(const StepShape& s, int block_size) const {
+    return (s.num_seqs > 0 ? c0_s : 0.0) + c_token_s * static_cast<double>(s.batched_tokens) +
+           c_context_s * static_cast<double>(s.context_tokens) + c_seq_s * static_cast<double>(s.num_seqs) +
+           c_attention_pair_s * static_cast<double>(s.attention_pairs) + c_swap_token_s * static_cast<double>(s.swapped_blocks * block_size);
+  }
+  Json ToJson() const {
+    Json j{{"name", name},
+           {"description", description},
+           {"coefficients",
+            {{"c0_s", c0_s}, {"c_token_s", c_token_s}, {"c_context_s", c_context_s}, {"c_seq_s", c_seq_s},
+             {"c_attention_pair_s", c_attention_pair_s}, {"c_swap_token_s", c_swap_token_s}}}};
+    if (kv_budget_tokens) j["kv_budget_tokens"] = *kv_budget_tokens;
+    j["details"] = details;
+    return j;
+  }
+};
+
+// OPT-13B fp16 on one A100-40GB, from bandwidth and FLOP rates (not measured): every step reads
+// the weights once, each batched token costs 2 * params FLOPs, each context token's K and V are
+// read once. The KV budget is what 90% of the GPU leaves beside the weights.
+CostModel A100Opt13bCostModel() {
+  constexpr double kWeightBytes = 26e9, kHbmBytesPerS = 1.5e12, kParams = 13e9, kFlopsPerS = 150e12;
+  constexpr double kLayers = 40, kHidden = 5120, kBytesPerElement = 2;
+  constexpr double kKvBytesPerToken = 2 * kLayers * kHidden * kBytesPerElement;  // K and V: 800 KiB
+  constexpr double kGpuBytes = 40e9, kGpuMemoryUtilization = 0.9, kPcieBytesPerS = 25e9;
+  CostModel m;
+  m.name = "a100-opt13b";
+  m.description = "analytic cost model (not measured): OPT-13B fp16 on 1x A100-40GB";
+  m.c0_s = kWeightBytes / kHbmBytesPerS;
+  m.c_token_s = 2 * kParams / kFlopsPerS;
+  m.c_context_s = kKvBytesPerToken / kHbmBytesPerS;
+  m.c_swap_token_s = kKvBytesPerToken / kPcieBytesPerS;
+  m.kv_budget_tokens = static_cast<int64_t>((kGpuBytes * kGpuMemoryUtilization - kWeightBytes) / kKvBytesPerToken);
+  m.details = Json{{"kind", "analytic"},
+                   {"weights_bytes", kWeightBytes},
+                   {"hbm_bytes_per_s_effective", kHbmBytesPerS},
+                   {"flops_per_token", 2 * kParams},
+                   {"flops_per_s_effective", kFlopsPerS},
+                   {"kv_bytes_per_token", kKvBytesPerToken},
+                   {"kv_budget", "(40 GB * 0.9 - 26 GB) / kv_bytes_per_token"},
+                   {"pcie_bytes_per_s_for_swap", kPcieBytesPerS},
+                   {"c_seq", "0: per-sequence overhead not modelled"},
+                   {"c_attention_pair", "0: prefill attention FLOPs (4 * 40 * 5120 per pair) are < 2% of the "
+                                        "weight FLOPs at these lengths"}};
+  return m;
+}
+
+Result<CostModel> LoadMeasuredCostModel(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return Status::NotFound("cannot open cost model " + path + " (write one with the calibrate subcommand)");
+  Json j;
+  try {
+    j = Json::parse(in);
+    CostModel m;
+    m.name = "cpu-measured:" + path;
+    const Json& c = j.at("coefficients");
+    m.c0_s = c.at("c0_s");
+    m.c_token_s = c.at("c_token_s");
+    m.c_context_s = c.at("c_context_s");
+    m.c_seq_s = c.at("c_seq_s");
+    m.c_attention_pair_s = c.at("c_attention_pair_s");
+    const Json& fit = j.at("fit");
+    m.description = "cpu-measured cost model: " + j.at("model").get<std::string>() + " Engine::Step on " +
+                    j.at("machine").at("cpu").get<std::string>() + " (fit rms rel. err " +
+                    Fixed(100 * fit.at("rms_relative_error").get<double>(), 1) + "%; swaps not timed)";
+    m.details = Json{{"kind", "measured"}, {"file", path}, {"model", j.at("model")}, {"machine", j.at("machine")},
+                     {"fit", fit}};
+    return m;
+  } catch (const Json::exception& e) {
+    return Status::CorruptFile(path + ": " + e.what());
+  }
+}
+
+Result<CostModel> MakeCostModel(const std::string& spec) {
+  if (spec == "a100-opt13b") return A100Opt13bCostModel();
+  const std::string prefix = "cpu-measured:";
+  if (spec.rfind(prefix, 0) == 0 && spec.size() > prefix.size()) return LoadMeasuredCostModel(spec.substr(prefix.size()));
+  return Status::InvalidArgument("unknown cost model '" + spec + "' (a100-opt13b, or cpu-measured:<calibration json>)");
+}
+
+// ---- runs and metrics -----------------------------------------------------------------------
+
+struct ServingConfig {
+  int block_size = 16;
+  int num_device_blocks = 0;
+  int num_host_blocks = 0;
+  int max_num_seqs = 256;
+  int max_num_batched_tokens = 2048;
+  int max_model_len = 2048;
+  std::string preemption_mode = "auto";
+
+  Json ToJson() const {
+    return Json{{"block_size", block_size},         {"num_device_blocks", num_device_blocks},
+                {"num_host_blocks", num_host_blocks}, {"max_num_seqs", max_num_seqs},
+                {"max_num_batched_tokens", max_num_batched_tokens}, {"max_model_len", max_model_len},
+                {"preemption_mode", preemption_mode}, {"prefix_caching", false}};
+  }
+};
+
+struct RequestTiming {
+  double arrival_s = 0;
+  double first_token_s = -1;  // -1: no token yet
+  double finish_s = -1;
+  int64_t output_len = 0;
+  bool failed = false;
+};
+
+// Per-step averages.
+struct StepStats {
+  int64_t steps = 0;
+  double batch_seqs = 0;
+  double kv_used_fraction = 0;  // used device blocks / all
+  // Tokens whose KV is stored / (used blocks * block_size); only the sim can see it.
+  double kv_filled_fraction = 0;
+  int64_t kv_filled_samples = 0;
+
+  double busy_s = 0;  // time spent in steps
+
+  void Add(double step_s, int num_seqs, double used_fraction, std::optional<double> filled_fraction) {
+    ++steps;
+    busy_s += step_s;
+    batch_seqs += num_seqs;
+    kv_used_fraction += used_fraction;
+    if (filled_fraction) {
+      kv_filled_fraction += *filled_fraction;
+      ++kv_filled_samples;
+    }
+  }
+};
+
+struct RunRecord {
+  std::string policy;
+  double rate = 0;
+  std::vector<RequestTiming> requests;
+  StepStats steps;
+  int64_t preemptions_recompute = 0;
+  int64_t preemptions_swap = 0;
+  std::string first_error;
+  double wall_s = 0;
+};
+
+RunRecord NewRunRecord(const Trace& trace, double rate, const std::string& policy) {
+  RunRecord run;
+  run.policy = policy;
+  run.rate = rate;
+  for (size_t i = 0; i < trace.requests.size(); ++i) {
+    RequestTiming t;
+    t.arrival_s = trace.unit_arrivals[i] / rate;
+    t.output_len = trace.requests[i].output_len;
+    run.requests.push_back(t);
+  }
+  return run;
+}
+
+// Linear interpolation between closest ranks (numpy's default).
+double Percentile(const std::vector<double>& sorted, double q) {
+  const double pos = q * static_cast<double>(sorted.size() - 1);
+  const size_t lo = static_cast<size_t>(pos);
+  const size_t hi = std::min(lo + 1, sorted.size() - 1);
+  return sorted[lo] + (sorted[hi] - sorted[lo]) * (pos - static_cast<double>(lo));
+}
+
+Json Distribution(std::vector<double> v) {
+  if (v.empty()) return Json{{"p50", nullptr}, {"p90", nullptr}, {"p99", nullptr}, {"mean", nullptr}};
+  std::sort(v.begin(), v.end());
+  return Json{{"p50", Percentile(v, 0.5)}, {"p90", Percentile(v, 0.9)}, {"p99", Percentile(v, 0.99)},
+              {"mean", std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size())}};
+}
+
+Json Summarize(const RunRecord& run) {
+  std::vector<double> ttft, tpot, normalized, latency;
+  int64_t completed = 0, failed = 0, output_tokens = 0;
+  double first_arrival = std::numeric_limits<double>::infinity(), last_finish = 0;
+  for (const RequestTiming& t : run.requests) {
+    first_arrival = std::min(first_arrival, t.arrival_s);
+    if (t.failed) {
+      ++failed;
+      continue;
+    }
+    ++completed;
+    output_tokens += t.output_len;
+    last_finish = std::max(last_finish, t.finish_s);
+    latency.push_back(t.finish_s - t.arrival_s);
+    normalized.push_back((t.finish_s - t.arrival_s) / static_cast<double>(t.output_len));
+    ttft.push_back(t.first_token_s - t.arrival_s);
+    if (t.output_len > 1) tpot.push_back((t.finish_s - t.first_token_s) / static_cast<double>(t.output_len - 1));
+  }
+  const double duration = completed > 0 ? last_finish - first_arrival : 0.0;
+  auto mean = [](const std::vector<double>& v) -> Json {
+    if (v.empty()) return nullptr;
+    return std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size());
+  };
+  auto per_step = [&](double total, int64_t samples) -> Json {
+    if (samples == 0) return nullptr;
+    return total / static_cast<double>(samples);
+  };
+  Json j{{"policy", run.policy},
+         {"rate_req_s", run.rate},
+         {"num_requests", run.requests.size()},
+         {"completed", completed},
+         {"failed", failed},
+         {"duration_s", duration},
+         {"throughput_req_s", duration > 0 ? completed / duration : 0.0},
+         {"throughput_output_tok_s", duration > 0 ? static_cast<double>(output_tokens) / duration : 0.0},
+         {"normalized_latency_s_per_token", mean(normalized)},
+         {"mean_latency_s", mean(latency)},
+         {"ttft_s", Distribution(ttft)},
+         {"tpot_s", Distribution(tpot)},
+         {"avg_batch_seqs", per_step(run.steps.batch_seqs, run.steps.steps)},
+         {"num_steps", run.steps.steps},
+         {"mean_step_s", per_step(run.steps.busy_s, run.steps.steps)},
+         {"preemptions", {{"recompute", run.preemptions_recompute}, {"swap", run.preemptions_swap}}},
+         {"kv_used_block_fraction", per_step(run.steps.kv_used_fraction, run.steps.steps)},
+         {"kv_filled_token_fraction", per_step(run.steps.kv_filled_fraction, run.steps.kv_filled_samples)},
+         {"wall_s", run.wall_s}};
+  if (!run.first_error.empty()) j["first_error"] = run.first_error;
+  return j;
+}
+
+// ---- sim executor ---------------------------------------------------------------------------
+
+constexpr int32_t kSimulatedToken = 1;  // what the sim "samples"; only lengths matter
+
+// Replays the trace through the real Scheduler and BlockManager, exactly as the engine drives them
+// (schedule, run, CompleteStep, append sampled tokens, finish), with the clock advanced by the cost
+// model instead of a forward pass.
+Result<RunRecord> Simulate(const Trace& trace, double rate, const std::string& policy_name, const ServingConfig& cfg,
+                           const CostModel& cost) {
+  KVFLOW_ASSIGN_OR_RETURN(auto policy, kvflow::MakeSchedulingPolicy(policy_name));
+  KVFLOW_ASSIGN_OR_RETURN(kvflow::PreemptionMode preemption, kvflow::ParsePreemptionMode(cfg.preemption_mode));
+  kvflow::BlockManager blocks(kvflow::BlockManagerConfig{cfg.block_size, cfg.num_device_blocks, cfg.num_host_blocks,
+                                                         /*enable_prefix_caching=*/false});
+  kvflow::Scheduler scheduler(
+      kvflow::SchedulerConfig{cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, preemption}, blocks,
+      std::move(policy));
+
+  const auto wall_start = Clock::now();
+  RunRecord run = NewRunRecord(trace, rate, policy_name);
+  const size_t n = run.requests.size();
+  std::unordered_map<kvflow::RequestId, kvflow::SchedSequence*> in_flight;
+  auto timing = [&](kvflow::RequestId id) -> RequestTiming& { return run.requests[id - 1]; };
+  size_t next = 0, settled = 0;
+  int64_t idle_steps = 0;  // consecutive steps that ran nothing
+  double now = 0.0;
+  while (settled < n) {
+    for (; next < n && run.requests[next].arrival_s <= now; ++next) {
+      auto group = std::make_unique<kvflow::SequenceGroup>();
+      group->request_id = next + 1;
+      group->arrival_time = run.requests[next].arrival_s;
+      group->max_output_tokens = trace.requests[next].output_len;
+      group->true_output_len = trace.requests[next].output_len;
+      auto seq = std::make_unique<kvflow::SchedSequence>();
+      seq->id = scheduler.NewSeqId();
+      seq->tokens = trace.requests[next].prompt;
+      seq->prompt_len = seq->num_tokens();
+      in_flight.emplace(group->request_id, seq.get());
+      group->seqs.push_back(std::move(seq));
+      scheduler.AddGroup(std::move(group));
+    }
+    if (in_flight.empty()) {
+      now = run.requests[next].arrival_s;
+      continue;
+    }
+
+    const kvflow::SchedulerOutput out = scheduler.Schedule();
+    for (const auto& [id, why] : out.rejected) {
+      timing(id).failed = true;
+      if (run.first_error.empty()) run.first_error = why.ToString();
+      in_flight.erase(id);
+      ++settled;
+    }
+    StepShape shape;
+    shape.swapped_blocks = static_cast<int64_t>(out.swap_in.size() + out.swap_out.size());
+    for (const kvflow::ScheduledSeq& s : out.scheduled) shape.AddSequence(s.seq->num_computed, s.num_tokens);
+    const double step_s = cost.StepSeconds(shape, cfg.block_size);
+    now += step_s;
+    if (out.empty()) {
+      // Nothing ran. Fine while rejections or preemptions change the state; otherwise the scheduler
+      // holds work it will never schedule.
+      const bool changed = !out.rejected.empty() || out.num_preempted_recompute + out.num_preempted_swap > 0;
+      if (!in_flight.empty() && (!changed || ++idle_steps > static_cast<int64_t>(n))) {
+        return Status::Internal("the scheduler stalled at t=" + Fixed(now, 3) + " s with " +
+                                std::to_string(in_flight.size()) + " requests in flight and nothing scheduled");
+      }
+      continue;
+    }
+    idle_steps = 0;
+    scheduler.CompleteStep(out);
+
+    int64_t stored_tokens = 0;
+    for (const auto& [id, seq] : in_flight) {
+      if (seq->status == kvflow::SeqStatus::kRunning) stored_tokens += seq->num_computed;
+    }
+    const int used = blocks.device().num_used();
+    run.steps.Add(step_s, static_cast<int>(shape.num_seqs), static_cast<double>(used) / blocks.device().num_blocks(),
+                  used > 0 ? std::optional<double>(static_cast<double>(stored_tokens) / (used * cfg.block_size))
+                           : std::nullopt);
+
+    for (const kvflow::ScheduledSeq& s : out.scheduled) {
+      if (!s.needs_logits) continue;
+      s.seq->tokens.push_back(kSimulatedToken);
+      const kvflow::RequestId id = s.group->request_id;
+      RequestTiming& t = timing(id);
+      if (t.first_token_s < 0) t.first_token_s = now;
+      if (s.seq->output_len() >= t.output_len) {
+        t.finish_s = now;
+        scheduler.FinishSequence(*s.seq);
+        scheduler.RemoveGroup(id);
+        in_flight.erase(id);
+        ++settled;
+      }
+    }
+  }
+  const kvflow::SchedulerStats stats = scheduler.stats();
+  run.preemptions_recompute = stats.num_preemptions_recompute;
+  run.preemptions_swap = stats.num_preemptions_swap;
+  run.wall_s = SecondsSince(wall_start);
+  return run;
+}
+
+// ---- real executor --------------------------------------------------------------------------
+
+kvflow::EngineConfig MakeEngineConfig(const ServingConfig& cfg, const ModelChoice& model, const std::string& policy,
+                                      int num_threads) {
+  kvflow::EngineConfig ec;
+  ec.model = model.path;
+  ec.block_size = cfg.block_size;
+  ec.num_kv_blocks = cfg.num_device_blocks;
+  ec.num_host_kv_blocks = cfg.num_host_blocks;
+  ec.max_num_seqs = cfg.max_num_seqs;
+  ec.max_num_batched_tokens = cfg.max_num_batched_tokens;
+  ec.max_model_len = cfg.max_model_len;
+  ec.preemption_mode = cfg.preemption_mode;
+  ec.scheduling_policy = policy;
+  ec.num_threads = num_threads;
+  return ec;
+}
+
+// Replays the trace against the Engine in wall-clock time: each request is added once its arrival
+// time has passed, the engine steps while it has work and sleeps until the next arrival when idle.
+Result<RunRecord> RunEngine(const Trace& trace, double rate, const std::string& policy, const ServingConfig& cfg,
+                            const ModelChoice& model, int num_threads) {
+  KVFLOW_ASSIGN_OR_RETURN(auto engine, kvflow::Engine::Create(MakeEngineConfig(cfg, model, policy, num_threads)));
+  if (engine->config().max_model_len != cfg.max_model_len) {
+    return Status::InvalidArgument("--max-model-len " + std::to_string(cfg.max_model_len) + " exceeds the model's " +
+                                   std::to_string(engine->config().max_model_len));
+  }
+  kvflow::SamplingParams params;
+  params.temperature = 0.0f;
+  params.ignore_eos = true;
+  params.max_tokens = 4;
+  // One short request first so that first-touch costs do not land on the trace's first requests.
+  KVFLOW_RETURN_IF_ERROR(engine->Generate(std::vector<std::string>{"warm-up"}, params).status());
+  const kvflow::EngineStats before = engine->stats();
+
+  RunRecord run = NewRunRecord(trace, rate, policy);
+  const size_t n = run.requests.size();
+  size_t next = 0, settled = 0;
+  const auto start = Clock::now();
+  while (settled < n) {
+    for (; next < n && run.requests[next].arrival_s <= SecondsSince(start); ++next) {
+      RequestTiming& t = run.requests[next];
+      auto on_event = [&t, &run, &settled, start](const kvflow::StreamEvent& e) {
+        const double now = SecondsSince(start);
+        if (!e.tokens.empty() && t.first_token_s < 0) t.first_token_s = now;
+        if (!e.request_finished) return;
+        t.finish_s = now;
+        t.failed = e.finish_reason == kvflow::FinishReason::kError || e.finish_reason == kvflow::FinishReason::kCancelled;
+        if (t.failed && run.first_error.empty()) run.first_error = e.error.ToString();
+        ++settled;
+      };
+      params.max_tokens = static_cast<int>(t.output_len);
+      auto id = engine->AddRequestWithHints(trace.requests[next].prompt, params, std::move(on_event),
+                                            kvflow::RequestHints{t.output_len, std::nullopt});
+      if (!id.ok()) {
+        t.failed = true;
+        if (run.first_error.empty()) run.first_error = id.status().ToString();
+        ++settled;
+      }
+    }
+    if (!engine->HasUnfinishedRequests()) {
+      if (next < n) {
+        std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(
+                                                  std::chrono::duration<double>(run.requests[next].arrival_s)));
+      }
+      continue;
+    }
+    const auto step_start = Clock::now();
+    auto step = engine->Step();
+    const double step_s = SecondsSince(step_start);
+    if (!step.ok()) return step.status();
+    if (step->num_seqs == 0) continue;
+    const kvflow::EngineStats s = engine->stats();
+    run.steps.Add(step_s, step->num_seqs, static_cast<double>(s.kv_blocks_total - s.kv_blocks_free) / s.kv_blocks_total,
+                  std::nullopt);
+  }
+  run.wall_s = SecondsSince(start);
+  const kvflow::EngineStats after = engine->stats();
+  run.preemptions_swap = after.num_preemptions_swap - before.num_preemptions_swap;
+  run.preemptions_recompute = after.num_preemptions - before.num_preemptions - run.preemptions_swap;
+  return run;
+}
+
+// ---- sweep, sustainable rates, reports --------------------------------------------------------
+
+struct SweepOptions {
+  std::string trace = "sharegpt";
+  std::string alpaca_path = fs::path(kDefaultAlpacaPath).lexically_normal().string();
+  size_t num_requests = 1000;
+  uint64_t seed = 0;
+  std::vector<double> rates{1.0};
+  std::vector<std::string> policies{"paged", "orca-max", "orca-pow2", "orca-oracle"};
+  ServingConfig serving;
+  double latency_bound_factor = 4.0;
+  double latency_bound = 0.0;  // s/token; > 0 overrides the factor
+  std::string out_dir = kResultsDir;
+  std::string tag;
+  // sim
+  std::string cost_model = "a100-opt13b";
+  std::string tokenizer = kDefaultModel;
+  // real
+  std::string model = kDefaultModel;
+  int num_threads = 0;
+};
+
+const Json* FindRun(const Json& runs, const std::string& policy, double rate) {
+  for (const Json& r : runs) {
+    if (r["policy"] == policy && r["rate_req_s"].get<double>() == rate) return &r;
+  }
+  return nullptr;
+}
+
+// The highest tested rate r such that at every tested rate up to r all requests completed and the
+// normalized latency stayed within the bound.
+Json SustainableRates(const Json& runs, const SweepOptions& opt, Json& bound_info) {
+  std::vector<double> rates = opt.rates;
+  std::sort(rates.begin(), rates.end());
+  double bound = opt.latency_bound;
+  if (bound > 0) {
+    bound_info = Json{{"rule", "fixed bound on normalized latency (--latency-bound)"}, {"bound_s_per_token", bound}};
+  } else {
+    // The reference is paged at the lowest rate, or the best policy there when paged is not run.
+    double reference = std::numeric_limits<double>::infinity();
+    std::string reference_policy;
+    for (const std::string& p : opt.policies) {
+      const Json* r = FindRun(runs, p, rates.front());
+      if (!r || r->at("normalized_latency_s_per_token").is_null()) continue;
+      const double v = r->at("normalized_latency_s_per_token");
+      if (p == "paged" || (reference_policy != "paged" && v < reference)) {
+        reference = v;
+        reference_policy = p;
+      }
+    }
+    bound = opt.latency_bound_factor * reference;
+    bound_info = Json{{"rule", Fixed(opt.latency_bound_factor, 1) + "x the normalized latency of " + reference_policy +
+                                   " at the lowest tested rate (" + Fixed(rates.front(), 2) + " req/s)"},
+                      {"factor", opt.latency_bound_factor},
+                      {"reference_policy", reference_policy},
+                      {"reference_s_per_token", reference},
+                      {"bound_s_per_token", bound}};
+  }
+  bound_info["sustainable_rate"] =
+      "highest tested rate r such that at every tested rate <= r all requests completed and normalized latency "
+      "<= bound";
+  Json sustainable = Json::object();
+  for (const std::string& p : opt.policies) {
+    Json best = nullptr;
+    for (double rate : rates) {
+      const Json* r = FindRun(runs, p, rate);
+      if (!r || r->at("failed").get<int64_t>() > 0 || r->at("normalized_latency_s_per_token").is_null() ||
+          r->at("normalized_latency_s_per_token").get<double>() > bound) {
+        break;
+      }
+      best = rate;
+    }
+    sustainable[p] = best;
+  }
+  return sustainable;
+}
+
+Json Ratios(const Json& sustainable) {
+  Json ratios = Json::object();
+  if (!sustainable.contains("paged")) return ratios;
+  for (const auto& [policy, rate] : sustainable.items()) {
+    if (policy == "paged") continue;
+    const bool defined = !rate.is_null() && !sustainable["paged"].is_null() && rate.get<double>() > 0;
+    ratios["paged/" + policy] = defined ? Json(sustainable["paged"].get<double>() / rate.get<double>()) : Json(nullptr);
+  }
+  return ratios;
+}
+
+std::string Cell(const Json& v, int decimals = -1) {
+  if (v.is_null()) return "n/a";
+  if (v.is_number_integer()) return std::to_string(v.get<int64_t>());
+  return decimals < 0 ? Sig3(v.get<double>()) : Fixed(v.get<double>(), decimals);
+}
+
+std::string Percent(const Json& v) { return v.is_null() ? "n/a" : Fixed(100 * v.get<double>(), 1) + "%"; }
+
+std::string Triple(const Json& d) { return Cell(d["p50"]) + " / " + Cell(d["p90"]) + " / " + Cell(d["p99"]); }
+
+std::string Markdown(const Json& report) {
+  std::string md = "# Serving benchmark: " + report["trace"]["name"].get<std::string>() + " trace, " +
+                   report["executor"]["name"].get<std::string>() + " executor\n\n";
+  md += "- executor: " + report["executor"]["description"].get<std::string>() + "\n";
+  const Json& t = report["trace"];
+  md += "- trace: " + t["source"].get<std::string>() + "; " + std::to_string(t["num_requests"].get<int64_t>()) +
+        " requests, Poisson arrivals (seed " + std::to_string(report["arrival_seed"].get<uint64_t>()) +
+        "); tokenizer: " + t["tokenizer"].get<std::string>() + "\n";
+  md += "- lengths (tokens): input mean " + Fixed(t["input_len"]["mean"], 1) + " (max " + Cell(t["input_len"]["max"]) +
+        "), output mean " + Fixed(t["output_len"]["mean"], 1) + " (max " + Cell(t["output_len"]["max"]) + "); " +
+        Cell(t["num_truncated_to_max_model_len"]) + " truncated to max_model_len\n";
+  const Json& c = report["config"];
+  md += "- KV budget: " + Cell(c["num_device_blocks"]) + " blocks x " + Cell(c["block_size"]) + " tokens; swap " +
+        Cell(c["num_host_blocks"]) + " blocks; max_num_seqs " + Cell(c["max_num_seqs"]) + ", max_num_batched_tokens " +
+        Cell(c["max_num_batched_tokens"]) + ", max_model_len " + Cell(c["max_model_len"]) + ", preemption " +
+        c["preemption_mode"].get<std::string>() + "\n\n";
+  md += "Normalized latency = mean over requests of end-to-end latency / output tokens. TTFT and TPOT in seconds "
+        "(p50 / p90 / p99). KV used = allocated device blocks / all; KV filled = tokens with stored KV / allocated "
+        "block capacity (both averaged over steps).\n\n";
+  md += "| policy | rate (req/s) | done / failed | req/s | output tok/s | norm. latency (s/tok) | TTFT (s) | TPOT (s) "
+        "| avg batch | preemptions | KV used | KV filled | duration (s) |\n";
+  md += "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const Json& r : report["runs"]) {
+    md += "| " + r["policy"].get<std::string>() + " | " + Cell(r["rate_req_s"]) + " | " + Cell(r["completed"]) +
+          " / " + Cell(r["failed"]) + " | " + Fixed(r["throughput_req_s"], 2) + " | " +
+          Fixed(r["throughput_output_tok_s"], 0) + " | " + Cell(r["normalized_latency_s_per_token"]) + " | " +
+          Triple(r["ttft_s"]) + " | " + Triple(r["tpot_s"]) + " | " + Cell(r["avg_batch_seqs"], 1) + " | " +
+          std::to_string(r["preemptions"]["recompute"].get<int64_t>() + r["preemptions"]["swap"].get<int64_t>()) +
+          " | " + Percent(r["kv_used_block_fraction"]) + " | " + Percent(r["kv_filled_token_fraction"]) + " | " +
+          Fixed(r["duration_s"], 1) + " |\n";
+  }
+  const Json& bound = report["latency_bound"];
+  md += "\nSustainable rate: " + bound["sustainable_rate"].get<std::string>() + "; bound = " +
+        bound["rule"].get<std::string>() + " = " + Sig3(bound["bound_s_per_token"]) + " s/token.\n\n";
+  md += "| policy | sustainable rate (req/s) | paged / policy |\n|---|---|---|\n";
+  for (const auto& [policy, rate] : report["sustainable_rate_req_s"].items()) {
+    const std::string key = "paged/" + policy;
+    const std::string ratio =
+        policy == "paged" ? "1" : report["ratios"].contains(key) ? Cell(report["ratios"][key], 2) : "n/a";
+    md += "| " + policy + " | " + Cell(rate) + " | " + ratio + " |\n";
+  }
+  return md;
+}
+
+Status WriteFile(const fs::path& path, const std::string& text) {
+  std::error_code ec;
+  fs::create_directories(path.parent_path(), ec);
+  std::ofstream out(path);
+  out << text;
+  out.close();
+  if (!out) return Status::IoError("cannot write " + path.string());
+  return Status::Ok();
+}
+
+std::string BaseName(const std::string& trace, const std::string& executor, const std::string& tag) {
+  return "serving_" + trace + "_" + executor + (tag.empty() ? "" : "_" + tag);
+}
+
+Result<Trace> BuildTrace(const SweepOptions& opt, const ModelChoice* tokenizer) {
+  Result<Trace> trace = opt.trace == "alpaca"
+                            ? LoadAlpacaTrace(opt.alpaca_path, opt.num_requests, opt.seed,
+                                              opt.serving.max_model_len, *tokenizer)
+                            : Result<Trace>(MakeShareGptTrace(opt.num_requests, opt.seed, opt.serving.max_model_len));
+  if (trace.ok()) trace->unit_arrivals = UnitPoissonArrivals(opt.num_requests, opt.seed + 1);
+  return trace;
+}
+
+using RunFn = std::function<Result<RunRecord>(const Trace&, double rate, const std::string& policy)>;
+
+int RunSweep(const std::string& executor, const Json& executor_info, const SweepOptions& opt,
+             const std::vector<std::string>& argv, const Trace& trace, const RunFn& run_one) {
+  std::vector<double> rates = opt.rates;
+  std::sort(rates.begin(), rates.end());
+  Json runs = Json::array();
+  for (const std::string& policy : opt.policies) {
+    for (double rate : rates) {
+      auto run = run_one(trace, rate, policy);
+      if (!run.ok()) {
+        spdlog::error("{} at {} req/s: {}", policy, rate, run.status().ToString());
+        return 1;
+      }
+      Json summary = Summarize(run.value());
+      std::fprintf(stderr, "[%s %s] %-11s %6.2f req/s: %lld done, %lld failed, norm. latency %s s/tok, %lld steps, %.1f s wall\n",
+                   executor.c_str(), trace.name.c_str(), policy.c_str(), rate,
+                   static_cast<long long>(summary["completed"].get<int64_t>()),
+                   static_cast<long long>(summary["failed"].get<int64_t>()),
+                   Cell(summary["normalized_latency_s_per_token"]).c_str(),
+                   static_cast<long long>(summary["num_steps"].get<int64_t>()), run->wall_s);
+      runs.push_back(std::move(summary));
+    }
+  }
+  Json report;
+  report["benchmark"] = "kvflow serving";
+  report["command"] = Join(argv, " ");
+  report["executor"] = executor_info;
+  report["executor"]["name"] = executor;
+  report["trace"] = trace.info;
+  report["arrival_seed"] = opt.seed + 1;
+  report["rates_req_s"] = rates;
+  report["policies"] = opt.policies;
+  report["config"] = opt.serving.ToJson();
+  Json bound_info;
+  report["sustainable_rate_req_s"] = SustainableRates(runs, opt, bound_info);
+  report["latency_bound"] = bound_info;
+  report["ratios"] = Ratios(report["sustainable_rate_req_s"]);
+  report["runs"] = runs;
+
+  const std::string md = Markdown(report);
+  std::fputs(md.c_str(), stdout);
+  const fs::path base = fs::path(opt.out_dir) / BaseName(trace.name, executor, opt.tag);
+  for (const auto& [ext, text] : {std::pair{".json", report.dump(2) + "\n"}, std::pair{".md", md}}) {
+    if (Status st = WriteFile(base.string() + ext, text); !st.ok()) {
+      spdlog::error("{}", st.ToString());
+      return 1;
+    }
+  }
+  std::fprintf(stderr, "wrote %s.json and .md\n", base.c_str());
+  return 0;
+}
+
+// Loads the trace, or says why not: 77 (skipped) when the Alpaca dataset is absent.
+std::optional<int> TraceUnavailable(const SweepOptions& opt) {
+  std::error_code ec;
+  if (opt.trace == "alpaca" && !fs::exists(opt.alpaca_path, ec)) {
+    std::fprintf(stderr, "skipping the alpaca trace: dataset %s not found (pass --alpaca-path)\n",
+                 opt.alpaca_path.c_str());
+    return kExitSkipped;
+  }
+  return std::nullopt;
+}
+
+int RunSim(SweepOptions& opt, bool tokenizer_explicit, const std::vector<std::string>& argv) {
+  if (auto code = TraceUnavailable(opt)) return *code;
+  auto cost = MakeCostModel(opt.cost_model);
+  if (!cost.ok()) {
+    spdlog::error("--cost-model: {}", cost.status().ToString());
+    return 2;
+  }
+  if (opt.serving.num_device_blocks == 0) {
+    if (!cost->kv_budget_tokens) {
+      spdlog::error("--num-device-blocks is required with cost model {} (it models no device memory)", cost->name);
+      return 2;
+    }
+    opt.serving.num_device_blocks = static_cast<int>(*cost->kv_budget_tokens / opt.serving.block_size);
+  }
+  std::optional<ModelChoice> tokenizer;
+  if (opt.trace == "alpaca") {
+    auto chosen = ChooseModel(opt.tokenizer, tokenizer_explicit);
+    if (!chosen.ok()) {
+      spdlog::error("--tokenizer: {}", chosen.status().ToString());
+      return 2;
+    }
+    tokenizer = chosen.value();
+  }
+  auto trace = BuildTrace(opt, tokenizer ? &*tokenizer : nullptr);
+  if (!trace.ok()) {
+    spdlog::error("{}", trace.status().ToString());
+    return 1;
+  }
+  const Json executor{{"description", "virtual clock; step time from the " + cost->description},
+                      {"cost_model", cost->ToJson()}};
+  return RunSweep("sim", executor, opt, argv, trace.value(),
+                  [&](const Trace& t, double rate, const std::string& policy) {
+                    return Simulate(t, rate, policy, opt.serving, cost.value());
+                  });
+}
+
+int RunReal(SweepOptions& opt, bool model_explicit, const std::vector<std::string>& argv) {
+  if (auto code = TraceUnavailable(opt)) return *code;
+  WarnIfOmpSpins();
+  if (opt.serving.num_device_blocks == 0) {
+    spdlog::error("--num-device-blocks is required for the real executor (the KV budget all policies share)");
+    return 2;
+  }
+  auto model = ChooseModel(opt.model, model_explicit);
+  if (!model.ok()) {
+    spdlog::error("--model: {}", model.status().ToString());
+    return 2;
+  }
+  auto trace = BuildTrace(opt, &model.value());
+  if (!trace.ok()) {
+    spdlog::error("{}", trace.status().ToString());
+    return 1;
+  }
+  const Json executor{{"description", "real Engine on the CPU (wall clock): " + model->name + " on " + CpuName()},
+                      {"model", model->name},
+                      {"model_path", model->path},
+                      {"machine", MachineJson(opt.num_threads)}};
+  return RunSweep("real", executor, opt, argv, trace.value(),
+                  [&](const Trace& t, double rate, const std::string& policy) {
+                    return RunEngine(t, rate, policy, opt.serving, model.value(), opt.num_threads);
+                  });
+}
+
+// ---- calibrate ------------------------------------------------------------------------------
+
+struct CalibrationOptions {
+  std::string model = kDefaultModel;
+  std::vector<int> prefill_lens{16, 32, 64, 128, 256, 512};
+  std::vector<int> decode_batches{1, 2, 4, 8, 16, 32};
+  std::vector<int> decode_contexts{64, 128, 256, 512};
+  int reps = 7;
+  int num_threads = 0;
+  std::string out_dir = kResultsDir;
+};
+
+struct CalibrationSample {
+  std::string kind;  // "prefill" or "decode"
+  StepShape shape;
+  std::vector<double> seconds;  // one per repetition
+  double median_s = 0;
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : (v[m - 1] + v[m]) / 2;
+}
+
+std::vector<int32_t> CalibrationPrompt(int len, int salt, int vocab_size) {
+  std::vector<int32_t> p(static_cast<size_t>(len));
+  for (int i = 0; i < len; ++i) p[static_cast<size_t>(i)] = 3 + (7 * i + 131 * salt) % (vocab_size - 3);
+  return p;
+}
+
+Result<double> TimedStep(kvflow::Engine& engine, kvflow::StepResult& result) {
+  const auto start = Clock::now();
+  auto step = engine.Step();
+  const double seconds = SecondsSince(start);
+  if (!step.ok()) return step.status();
+  result = step.value();
+  return seconds;
+}
+
+// One sequence's whole prompt in one step (the request asks for one token, so it ends there).
+Result<CalibrationSample> MeasurePrefill(kvflow::Engine& engine, int len, int reps) {
+  CalibrationSample sample{"prefill", {}, {}, 0};
+  sample.shape.AddSequence(0, len);
+  kvflow::SamplingParams p;
+  p.temperature = 0.0f;
+  p.ignore_eos = true;
+  p.max_tokens = 1;
+  for (int rep = 0; rep <= reps; ++rep) {  // repetition 0 warms up
+    KVFLOW_RETURN_IF_ERROR(
+        engine.AddRequest(CalibrationPrompt(len, rep, engine.model_config().vocab_size), p).status());
+    kvflow::StepResult r;
+    KVFLOW_ASSIGN_OR_RETURN(double seconds, TimedStep(engine, r));
+    if (r.num_prefill_tokens != len || r.num_seqs != 1 || engine.HasUnfinishedRequests()) {
+      return Status::Internal("prefill of " + std::to_string(len) + " tokens did not run as one step");
+    }
+    if (rep > 0) sample.seconds.push_back(seconds);
+  }
+  sample.median_s = Median(sample.seconds);
+  return sample;
+}
+
+// `batch` sequences of `context` tokens each, prefilled untimed, then `reps` timed decode steps
+// after one warm-up step. A long prefill runs in chunks, so the sequences that start decoding
+// first run ahead: `max_new_tokens` must cover that lead plus the timed steps.
+Result<CalibrationSample> MeasureDecode(kvflow::Engine& engine, int batch, int context, int reps,
+                                        int max_new_tokens) {
+  CalibrationSample sample{"decode", {}, {}, 0};
+  kvflow::SamplingParams p;
+  p.temperature = 0.0f;
+  p.ignore_eos = true;
+  p.max_tokens = max_new_tokens;
+  std::vector<int64_t> generated(static_cast<size_t>(batch), 0);
+  std::vector<kvflow::RequestId> ids;
+  for (int b = 0; b < batch; ++b) {
+    auto id = engine.AddRequest(CalibrationPrompt(context, b, engine.model_config().vocab_size), p,
+                                [&generated, b](const kvflow::StreamEvent& e) {
+                                  generated[static_cast<size_t>(b)] += static_cast<int64_t>(e.tokens.size());
+                                });
+    if (!id.ok()) return id.status();
+    ids.push_back(id.value());
+  }
+  auto all_started = [&] { return std::all_of(generated.begin(), generated.end(), [](int64_t g) { return g > 0; }); };
+  while (!all_started()) KVFLOW_RETURN_IF_ERROR(engine.Step().status());
+  for (int rep = 0; rep <= reps; ++rep) {  // repetition 0 warms up
+    StepShape shape;  // the sampled token of each sequence is its one new token
+    for (int64_t g : generated) shape.AddSequence(context + g - 1, 1);
+    kvflow::StepResult r;
+    KVFLOW_ASSIGN_OR_RETURN(double seconds, TimedStep(engine, r));
+    if (r.num_decode_tokens != batch || r.num_prefill_tokens != 0) {
+      return Status::Internal("decode of batch " + std::to_string(batch) + " did not run as one step");
+    }
+    if (rep > 0) sample.seconds.push_back(seconds);
+    // Contexts grow by a token per step: the sample stands for the middle timed step.
+    if (rep == (reps + 1) / 2) sample.shape = shape;
+  }
+  sample.median_s = Median(sample.seconds);
+  for (kvflow::RequestId id : ids) KVFLOW_RETURN_IF_ERROR(engine.Cancel(id));
+  return sample;
+}
+
+constexpr int kNumTerms = 5;
+constexpr std::array<const char*, kNumTerms> kTermNames{"c0_s", "c_token_s", "c_context_s", "c_seq_s",
+                                                        "c_attention_pair_s"};
+using Terms = std::array<double, kNumTerms>;
+
+Terms Features(const StepShape& s) {
+  return {1.0, static_cast<double>(s.batched_tokens), static_cast<double>(s.context_tokens),
+          static_cast<double>(s.num_seqs), static_cast<double>(s.attention_pairs)};
+}
+
+// Least squares of relative error (rows weighted by 1 / measured time, so short decode steps count
+// as much as long prefills) over the coefficients in `active`; the others are 0.
+Terms WeightedFit(const std::vector<CalibrationSample>& samples, const std::array<bool, kNumTerms>& active) {
+  constexpr int n = kNumTerms;
+  // Normal equations over column-scaled features (pairs reach 10^5, the constant is 1).
+  Terms scale;
+  scale.fill(1.0);
+  for (const auto& s : samples) {
+    const Terms x = Features(s.shape);
+    for (int k = 0; k < n; ++k) scale[k] = std::max(scale[k], x[k]);
+  }
+  double a[n][n + 1] = {};  // [A^T A | A^T b]
+  for (const auto& s : samples) {
+    const Terms x = Features(s.shape);
+    const double w = 1.0 / s.median_s;
+    for (int i = 0; i < n; ++i) {
+      for (int k = 0; k < n; ++k) a[i][k] += w * x[i] / scale[i] * w * x[k] / scale[k];
+      a[i][n] += w * x[i] / scale[i] * w * s.median_s;
+    }
+  }
+  for (int i = 0; i < n; ++i) {  // an inactive coefficient is pinned to 0
+    if (active[i]) continue;
+    for (int k = 0; k <= n; ++k) a[i][k] = 0;
+    for (int k = 0; k < n; ++k) a[k][i] = 0;
+    a[i][i] = 1;
+  }
+  for (int col = 0; col < n; ++col) {  // Gauss-Jordan with partial pivoting
+    int pivot = col;
+    for (int r = col + 1; r < n; ++r) {
+      if (std::abs(a[r][col]) > std::abs(a[pivot][col])) pivot = r;
+    }
+    std::swap(a[col], a[pivot]);
+    for (int r = 0; r < n; ++r) {
+      if (r == col || a[col][col] == 0) continue;
+      const double f = a[r][col] / a[col][col];
+      for (int k = col; k <= n; ++k) a[r][k] -= f * a[col][k];
+    }
+  }
+  Terms c{};
+  for (int i = 0; i < n; ++i) c[i] = active[i] && a[i][i] != 0 ? a[i][n] / a[i][i] / scale[i] : 0.0;
+  return c;
+}
+
+// Non-negative fit: the most negative coefficient is clamped to 0 and the rest refitted, until
+// none is negative.
+Terms FitCostModel(const std::vector<CalibrationSample>& samples, std::vector<std::string>& clamped) {
+  std::array<bool, kNumTerms> active;
+  active.fill(true);
+  while (true) {
+    const Terms c = WeightedFit(samples, active);
+    int most_negative = -1;
+    for (int k = 0; k < kNumTerms; ++k) {
+      if (active[k] && c[k] < 0 && (most_negative < 0 || c[k] < c[most_negative])) most_negative = k;
+    }
+    if (most_negative < 0) return c;
+    active[most_negative] = false;
+    clamped.push_back(kTermNames[most_negative]);
+  }
+}
+
+double Predict(const Terms& c, const StepShape& shape) {
+  const Terms x = Features(shape);
+  return std::inner_product(c.begin(), c.end(), x.begin(), 0.0);
+}
+
+int RunCalibrate(const CalibrationOptions& opt, bool model_explicit, const std::vector<std::string>& argv) {
+  WarnIfOmpSpins();
+  auto model = ChooseModel(opt.model, model_explicit);
+  if (!model.ok()) {
+    spdlog::error("--model: {}", model.status().ToString());
+    return 2;
+  }
+  const int max_batch = *std::max_element(opt.decode_batches.begin(), opt.decode_batches.end());
+  const int max_context = std::max(*std::max_element(opt.decode_contexts.begin(), opt.decode_contexts.end()),
+                                   *std::max_element(opt.prefill_lens.begin(), opt.prefill_lens.end()));
+  kvflow::EngineConfig ec;
+  ec.model = model->path;
+  ec.max_num_seqs = max_batch;
+  ec.max_num_batched_tokens = std::max(2048, max_context);
+  const int max_new_tokens = max_batch * max_context / ec.max_num_batched_tokens + opt.reps + 8;
+  ec.max_model_len = max_context + max_new_tokens;
+  ec.num_kv_blocks = max_batch * kvflow::BlocksForTokens(ec.max_model_len, ec.block_size) + 16;
+  ec.num_threads = opt.num_threads;
+  auto engine = kvflow::Engine::Create(ec);
+  if (!engine.ok()) {
+    spdlog::error("{}", engine.status().ToString());
+    return 1;
+  }
+  std::fprintf(stderr, "calibrating %s (%s)\n", model->name.c_str(), engine.value()->Describe().c_str());
+
+  std::vector<CalibrationSample> samples;
+  auto measure = [&](Result<CalibrationSample> s) {
+    if (!s.ok()) {
+      spdlog::error("{}", s.status().ToString());
+      return false;
+    }
+    std::fprintf(stderr, "  %-7s tokens %4lld, context %6lld, seqs %3lld: %.3f ms\n", s->kind.c_str(),
+                 static_cast<long long>(s->shape.batched_tokens), static_cast<long long>(s->shape.context_tokens),
+                 static_cast<long long>(s->shape.num_seqs), 1e3 * s->median_s);
+    samples.push_back(std::move(s.value()));
+    return true;
+  };
+  for (int len : opt.prefill_lens) {
+    if (!measure(MeasurePrefill(*engine.value(), len, opt.reps))) return 1;
+  }
+  for (int context : opt.decode_contexts) {
+    for (int batch : opt.decode_batches) {
+      if (!measure(MeasureDecode(*engine.value(), batch, context, opt.reps, max_new_tokens))) return 1;
+    }
+  }
+
+  std::vector<std::string> clamped;
+  const Terms c = FitCostModel(samples, clamped);
+  double sum_sq = 0, max_rel = 0;
+  Json sample_json = Json::array();
+  std::string table =
+      "| kind | batched tokens | context tokens | attention pairs | seqs | measured (ms) | model (ms) | error |\n"
+      "|---|---|---|---|---|---|---|---|\n";
+  for (const auto& s : samples) {
+    const double predicted = Predict(c, s.shape);
+    const double rel = (predicted - s.median_s) / s.median_s;
+    sum_sq += rel * rel;
+    max_rel = std::max(max_rel, std::abs(rel));
+    sample_json.push_back(Json{{"kind", s.kind},
+                               {"batched_tokens", s.shape.batched_tokens},
+                               {"context_tokens", s.shape.context_tokens},
+                               {"attention_pairs", s.shape.attention_pairs},
+                               {"num_seqs", s.shape.num_seqs},
+                               {"median_s", s.median_s},
+                               {"predicted_s", predicted},
+                               {"seconds", s.seconds}});
+    table += "| " + s.kind + " | " + std::to_string(s.shape.batched_tokens) + " | " +
+             std::to_string(s.shape.context_tokens) + " | " + std::to_string(s.shape.attention_pairs) + " | " +
+             std::to_string(s.shape.num_seqs) + " | " +
+             Fixed(1e3 * s.median_s, 3) + " | " + Fixed(1e3 * predicted, 3) + " | " + Fixed(100 * rel, 1) + "% |\n";
+  }
+  const double rms = std::sqrt(sum_sq / static_cast<double>(samples.size()));
+  Json coefficients = Json::object();
+  for (int k = 0; k < kNumTerms; ++k) coefficients[kTermNames[k]] = c[k];
+  Json report{{"cost_model", "cpu-measured"},
+              {"command", Join(argv, " ")},
+              {"model", model->name},
+              {"model_path", model->path},
+              {"engine", engine.value()->Describe()},
+              {"machine", MachineJson(opt.num_threads)},
+              {"formula", "t = c0 + c_token * batched_tokens + c_context * sum(context_len) + c_seq * num_seqs + "
+                          "c_attention_pair * sum over new tokens of their context"},
+              {"coefficients", coefficients},
+              {"fit",
+               {{"method", "least squares of relative error over per-shape medians; negative coefficients clamped "
+                           "to 0 and the rest refitted"},
+                {"clamped_to_zero", clamped},
+                {"rms_relative_error", rms},
+                {"max_relative_error", max_rel},
+                {"repetitions_per_shape", opt.reps}}},
+              {"samples", sample_json}};
+  std::printf("# Cost model fit: %s on %s\n\nt = %.4g + %.4g * tokens + %.4g * context + %.4g * seqs + %.4g * "
+              "attention pairs (s); rms relative error %.1f%%, max %.1f%%\n\n%s",
+              model->name.c_str(), CpuName().c_str(), c[0], c[1], c[2], c[3], c[4], 100 * rms, 100 * max_rel,
+              table.c_str());
+  const fs::path path = fs::path(opt.out_dir) / ("serving_costmodel_" + model->name + ".json");
+  if (Status st = WriteFile(path, report.dump(2) + "\n"); !st.ok()) {
+    spdlog::error("{}", st.ToString());
+    return 1;
+  }
+  std::fprintf(stderr, "wrote %s\n", path.c_str());
+  return 0;
+}
+
+// ---- command line ---------------------------------------------------------------------------
+
+void AddSweepOptions(CLI::App* cmd, SweepOptions& opt) {
+  cmd->add_option("--trace", opt.trace, "Request trace: sharegpt (synthetic ShareGPT-like lengths) or alpaca")
+      ->check(CLI::IsMember({"sharegpt", "alpaca"}))
+      ->capture_default_str();
+  cmd->add_option("--alpaca-path", opt.alpaca_path,
+                  "Alpaca JSON list of {instruction, input, output}; exit code 77 when missing")
+      ->capture_default_str();
+  cmd->add_option("--num-requests", opt.num_requests, "Requests in the trace")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--seed", opt.seed, "Seed of the trace sample and lengths (arrivals use seed + 1)")
+      ->capture_default_str();
+  cmd->add_option("--rates", opt.rates, "Comma-separated request rates (req/s) of the Poisson arrivals")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--policies", opt.policies, "Comma-separated scheduling policies: " +
+                                                   Join(kvflow::SchedulingPolicyNames(), ", "))
+      ->delimiter(',')
+      ->check(CLI::IsMember(kvflow::SchedulingPolicyNames()))
+      ->capture_default_str();
+  cmd->add_option("--num-device-blocks", opt.serving.num_device_blocks,
+                  "KV blocks on the device, shared by all policies (sim default: the cost model's KV budget)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--num-host-blocks", opt.serving.num_host_blocks,
+                  "Swap space in blocks (0: no swapping; preemption then recomputes)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--block-size", opt.serving.block_size, "Tokens per KV block")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  cmd->add_option("--max-num-seqs", opt.serving.max_num_seqs, "Sequences in one batch")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--max-num-batched-tokens", opt.serving.max_num_batched_tokens, "Tokens in one batch")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--max-model-len", opt.serving.max_model_len,
+                  "Prompt + output limit; longer trace requests are cut (the prompt gives way to the output)")
+      ->check(CLI::Range(2, 1 << 20))
+      ->capture_default_str();
+  cmd->add_option("--preemption-mode", opt.serving.preemption_mode,
+                  "auto (recompute single sequences, swap groups), swap, or recompute")
+      ->check(CLI::IsMember({"auto", "swap", "recompute"}))
+      ->capture_default_str();
+  cmd->add_option("--latency-bound-factor", opt.latency_bound_factor,
+                  "Sustainable-rate bound: this many times paged's normalized latency at the lowest rate")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--latency-bound", opt.latency_bound,
+                  "Sustainable-rate bound in s/token; overrides --latency-bound-factor")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--out-dir", opt.out_dir, "Where serving_<trace>_<executor>[_<tag>].{json,md} go")
+      ->capture_default_str();
+  cmd->add_option("--tag", opt.tag, "Suffix of the output file names, to keep several runs of one trace apart");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Logs to stderr: stdout carries the Markdown report.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("serving"));
+  spdlog::set_level(spdlog::level::warn);
+  const std::vector<std::string> args(argv, argv + argc);
+
+  CLI::App app{"kvflow serving benchmark: replays a request trace with Poisson arrivals against the paged "
+               "scheduler and the Orca baselines under one KV memory budget"};
+  app.require_subcommand(1);
+
+  SweepOptions sweep;
+  CLI::App* sim = app.add_subcommand("sim", "Scheduler + block manager on a virtual clock with a step cost model");
+  AddSweepOptions(sim, sweep);
+  sim->add_option("--cost-model", sweep.cost_model,
+                  "a100-opt13b (analytic, OPT-13B fp16 on one A100-40GB) or cpu-measured:<json from calibrate>")
+      ->capture_default_str();
+  CLI::Option* tokenizer_opt =
+      sim->add_option("--tokenizer", sweep.tokenizer,
+                      "Model whose tokenizer measures Alpaca lengths (default falls back to tiny-random, byte-level)")
+          ->capture_default_str();
+
+  CLI::App* real = app.add_subcommand("real", "The real Engine on this CPU, in wall-clock time");
+  AddSweepOptions(real, sweep);
+  CLI::Option* real_model_opt =
+      real->add_option("--model", sweep.model, "Model path or short name (default falls back to tiny-random)")
+          ->capture_default_str();
+  real->add_option("--num-threads", sweep.num_threads, "CPU threads (0: all cores)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+
+  CalibrationOptions calib;
+  CLI::App* calibrate =
+      app.add_subcommand("calibrate", "Times Engine::Step() on this CPU and fits the sim's cost model");
+  CLI::Option* calib_model_opt =
+      calibrate->add_option("--model", calib.model, "Model path or short name (default falls back to tiny-random)")
+          ->capture_default_str();
+  calibrate->add_option("--prefill-lens", calib.prefill_lens, "Comma-separated prompt lengths of one-sequence prefills")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  calibrate->add_option("--decode-batches", calib.decode_batches, "Comma-separated decode batch sizes")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  calibrate->add_option("--decode-contexts", calib.decode_contexts, "Comma-separated decode context lengths")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  calibrate->add_option("--reps", calib.reps, "Timed repetitions per shape (after one warm-up)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  calibrate->add_option("--num-threads", calib.num_threads, "CPU threads (0: all cores)")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  calibrate->add_option("--out-dir", calib.out_dir, "Where serving_costmodel_<model>.json goes")->capture_default_str();
+
+  CLI11_PARSE(app, argc, argv);
+  if (sim->parsed()) return RunSim(sweep, tokenizer_opt->count() > 0, args);
+  if (real->parsed()) return RunReal(sweep, real_model_opt->count() > 0, args);
+  return RunCalibrate(calib, calib_model_opt->count() > 0, args);
+}
