@@ -1320,6 +1320,28 @@ int RunCalibrate(const CalibrationOptions& opt, bool model_explicit, const std::
 
 // ---- command line ---------------------------------------------------------------------------
 
+// CLI::PositiveNumber reports a failure with its range spelled out up to DBL_MAX; this one says
+// what is wrong.
+CLI::Validator Positive() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(value.c_str(), &end);
+        return end != value.c_str() && *end == '\0' && v > 0 ? "" : "'" + value + "' is not a number > 0";
+      },
+      "> 0", "POSITIVE");
+}
+
+CLI::Validator NonNegative() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(value.c_str(), &end);
+        return end != value.c_str() && *end == '\0' && v >= 0 ? "" : "'" + value + "' is not a number >= 0";
+      },
+      ">= 0", "NONNEGATIVE");
+}
+
 void AddSweepOptions(CLI::App* cmd, SweepOptions& opt) {
   cmd->add_option("--trace", opt.trace, "Request trace: sharegpt (synthetic ShareGPT-like lengths) or alpaca")
       ->check(CLI::IsMember({"sharegpt", "alpaca"}))
@@ -1328,13 +1350,13 @@ void AddSweepOptions(CLI::App* cmd, SweepOptions& opt) {
                   "Alpaca JSON list of {instruction, input, output}; exit code 77 when missing")
       ->capture_default_str();
   cmd->add_option("--num-requests", opt.num_requests, "Requests in the trace")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   cmd->add_option("--seed", opt.seed, "Seed of the trace sample and lengths (arrivals use seed + 1)")
       ->capture_default_str();
   cmd->add_option("--rates", opt.rates, "Comma-separated request rates (req/s) of the Poisson arrivals")
       ->delimiter(',')
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   cmd->add_option("--policies", opt.policies, "Comma-separated scheduling policies: " +
                                                    Join(kvflow::SchedulingPolicyNames(), ", "))
@@ -1343,19 +1365,19 @@ void AddSweepOptions(CLI::App* cmd, SweepOptions& opt) {
       ->capture_default_str();
   cmd->add_option("--num-device-blocks", opt.serving.num_device_blocks,
                   "KV blocks on the device, shared by all policies (sim default: the cost model's KV budget)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   cmd->add_option("--num-host-blocks", opt.serving.num_host_blocks,
                   "Swap space in blocks (0: no swapping; preemption then recomputes)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(NonNegative())
       ->capture_default_str();
   cmd->add_option("--block-size", opt.serving.block_size, "Tokens per KV block")
       ->check(CLI::Range(1, 256))
       ->capture_default_str();
   cmd->add_option("--max-num-seqs", opt.serving.max_num_seqs, "Sequences in one batch")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   cmd->add_option("--max-num-batched-tokens", opt.serving.max_num_batched_tokens, "Tokens in one batch")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   cmd->add_option("--max-model-len", opt.serving.max_model_len,
                   "Prompt + output limit; longer trace requests are cut (the prompt gives way to the output)")
@@ -1367,11 +1389,11 @@ void AddSweepOptions(CLI::App* cmd, SweepOptions& opt) {
       ->capture_default_str();
   cmd->add_option("--latency-bound-factor", opt.latency_bound_factor,
                   "Sustainable-rate bound: this many times paged's normalized latency at the lowest rate")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   cmd->add_option("--latency-bound", opt.latency_bound,
                   "Sustainable-rate bound in s/token; overrides --latency-bound-factor")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   cmd->add_option("--out-dir", opt.out_dir, "Where serving_<trace>_<executor>[_<tag>].{json,md} go")
       ->capture_default_str();
   cmd->add_option("--tag", opt.tag, "Suffix of the output file names, to keep several runs of one trace apart");
@@ -1406,7 +1428,7 @@ int main(int argc, char** argv) {
       real->add_option("--model", sweep.model, "Model path or short name (default falls back to tiny-random)")
           ->capture_default_str();
   real->add_option("--num-threads", sweep.num_threads, "CPU threads (0: all cores)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(NonNegative())
       ->capture_default_str();
 
   CalibrationOptions calib;
@@ -1417,21 +1439,21 @@ int main(int argc, char** argv) {
           ->capture_default_str();
   calibrate->add_option("--prefill-lens", calib.prefill_lens, "Comma-separated prompt lengths of one-sequence prefills")
       ->delimiter(',')
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   calibrate->add_option("--decode-batches", calib.decode_batches, "Comma-separated decode batch sizes")
       ->delimiter(',')
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   calibrate->add_option("--decode-contexts", calib.decode_contexts, "Comma-separated decode context lengths")
       ->delimiter(',')
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   calibrate->add_option("--reps", calib.reps, "Timed repetitions per shape (after one warm-up)")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   calibrate->add_option("--num-threads", calib.num_threads, "CPU threads (0: all cores)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(NonNegative())
       ->capture_default_str();
   calibrate->add_option("--out-dir", calib.out_dir, "Where serving_costmodel_<model>.json goes")->capture_default_str();
 

@@ -20,6 +20,7 @@ import json
 import os
 import statistics
 import sys
+import textwrap
 
 import matplotlib
 
@@ -62,6 +63,11 @@ def trace_line(report):
             f"KV {c['num_device_blocks']} blocks x {c['block_size']}, max_model_len {c['max_model_len']}")
 
 
+def caption(*lines, width=130):
+    """Figure titles wrapped to the figure's width."""
+    return "\n".join(textwrap.fill(line, width) for line in lines)
+
+
 def plot_report(report, out_png):
     fig, (ax_lat, ax_batch) = plt.subplots(1, 2, figsize=(12, 4.8))
     bound = report["latency_bound"]["bound_s_per_token"]
@@ -85,7 +91,7 @@ def plot_report(report, out_png):
     ax_batch.set_title("average batch size")
     ax_batch.legend(fontsize=8)
     ax_batch.grid(True, alpha=0.3)
-    fig.suptitle(f"kvflow serving: {provenance(report)}\n{trace_line(report)}", fontsize=9)
+    fig.suptitle(caption(f"kvflow serving: {provenance(report)}", trace_line(report)), fontsize=9)
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
@@ -170,8 +176,8 @@ def compare(real, sim, out_prefix):
     ax.set_ylabel("normalized latency (s/token)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    ax.set_title(f"kvflow serving, sim vs real (solid: {provenance(real)};\n"
-                 f"dashed: {provenance(sim)})\n{trace_line(real)}", fontsize=8)
+    ax.set_title(caption("kvflow serving, sim vs real", f"solid: {provenance(real)}", f"dashed: {provenance(sim)}",
+                         trace_line(real), width=115), fontsize=8)
     fig.tight_layout()
     fig.savefig(out_prefix + ".png", dpi=120)
     plt.close(fig)

@@ -711,6 +711,21 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& input) {
     }
     layout.num_blocks = static_cast<int>(std::max<int64_t>(1, bytes / block_bytes));
   }
+  // A sequence must fit the pool alone, or it would be preempted and fail at the end (vLLM
+  // refuses to start in that case too).
+  const int64_t pool_tokens =
+      static_cast<int64_t>(layout.num_blocks - static_cast<int>(0.01 * layout.num_blocks)) * config.block_size;
+  if (pool_tokens < config.max_model_len) {
+    if (input.max_model_len > 0) {
+      return Status::InvalidArgument("max_model_len " + std::to_string(config.max_model_len) +
+                                     " is more than the KV cache holds (" + std::to_string(pool_tokens) +
+                                     " tokens in " + std::to_string(layout.num_blocks) +
+                                     " blocks); give it more memory or lower max_model_len");
+    }
+    spdlog::warn("the KV cache holds {} tokens, less than the model's context {}; max_model_len is {}", pool_tokens,
+                 config.max_model_len, pool_tokens);
+    config.max_model_len = static_cast<int>(pool_tokens);
+  }
   // Swap space beyond the device pool could never be filled (see the block manager).
   const int64_t host_blocks = config.num_host_kv_blocks >= 0 ? config.num_host_kv_blocks
                                                              : config.swap_space_bytes / block_bytes;

@@ -1,7 +1,6 @@
 #include "sched/scheduler.h"
 
 #include <algorithm>
-#include <cassert>
 #include <string>
 
 #include <spdlog/spdlog.h>
@@ -128,17 +127,21 @@ SchedulerOutput Scheduler::Schedule() {
   int64_t budget = config_.max_num_batched_tokens;
   std::vector<int64_t> tokens, targets;
 
-  // Groups that can be scheduled now: give them their blocks and put them in the batch.
+  // Groups that can be scheduled now: give them their blocks and put them in the batch. The
+  // block counts were checked; a failure here is a bookkeeping bug, and costs only this group.
   auto apply = [&](SequenceGroup* g) {
     for (size_t i = 0; i < g->seqs.size(); ++i) {
       if (tokens[i] == 0) continue;
       const SchedSequence& s = *g->seqs[i];
-      Status st = blocks_.AppendSlots(s.id, s.num_computed, s.num_computed + tokens[i], targets[i]);
-      assert(st.ok());
-      (void)st;
+      if (Status st = blocks_.AppendSlots(s.id, s.num_computed, s.num_computed + tokens[i], targets[i]); !st.ok()) {
+        spdlog::error("scheduler: planned blocks for request {} are missing: {}", g->request_id, st.ToString());
+        Reject(g, Status::Internal("KV block accounting error: " + st.message()), out);
+        return false;
+      }
     }
     Emit(g, tokens, out);
     for (int64_t n : tokens) budget -= n;
+    return true;
   };
 
   // 1. Running groups in policy order; the last ones give way when blocks run out.
@@ -151,8 +154,7 @@ SchedulerOutput Scheduler::Schedule() {
     }
     const int need = BlocksForStep(*g, tokens, targets);
     if (need <= blocks_.device().num_free()) {
-      apply(g);
-      ++i;
+      if (apply(g)) ++i;
       continue;
     }
     SequenceGroup* victim = running_.back();
@@ -227,11 +229,20 @@ SchedulerOutput Scheduler::Schedule() {
       }
       break;
     }
-    for (size_t j = 0; j < seqs.size(); ++j) {
+    Status allocated;
+    for (size_t j = 0; j < seqs.size() && allocated.ok(); ++j) {
       auto cached = blocks_.Allocate(seqs[j]->id, seqs[j]->tokens, reserve[j]);
-      assert(cached.ok());
+      if (!cached.ok()) {
+        allocated = cached.status();
+        break;
+      }
       seqs[j]->num_computed = cached.value();
       seqs[j]->status = SeqStatus::kRunning;
+    }
+    if (!allocated.ok()) {  // admission counted these blocks: a bookkeeping bug, fail only this group
+      spdlog::error("scheduler: admitting request {} failed: {}", g->request_id, allocated.ToString());
+      Reject(g, Status::Internal("KV block accounting error: " + allocated.message()), out);
+      continue;
     }
     g->reserved_tokens = reserve.front();
     waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(k));

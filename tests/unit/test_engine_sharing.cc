@@ -20,7 +20,7 @@ std::unique_ptr<Engine> MakeEngine(EngineConfig c = {}) {
   c.model = "tiny-random";
   c.num_threads = 2;
   auto e = Engine::Create(c);
-  EXPECT_TRUE(e.ok()) << e.status().ToString();
+  if (!e.ok()) return nullptr;
   return std::move(e).value();
 }
 
@@ -244,6 +244,14 @@ TEST(EngineLimits, RequestsWiderThanTheBatchAreRejectedClearly) {
   SamplingParams bad = Beam(2, 4);
   bad.temperature = 0.7f;
   EXPECT_EQ(engine->AddRequest("hi", bad).status().code(), StatusCode::kInvalidArgument);
+  // A context the pool cannot hold is refused when asked for, and lowered when defaulted.
+  EngineConfig small;
+  small.num_kv_blocks = 10;
+  small.block_size = 16;
+  small.max_model_len = 1024;
+  EXPECT_EQ(MakeEngine(small) == nullptr, true);
+  small.max_model_len = 0;
+  EXPECT_EQ(MakeEngine(small)->config().max_model_len, 160);
   c.scheduling_policy = "lifo";
   EXPECT_EQ(Engine::Create(c).status().code(), StatusCode::kInvalidArgument);
   c.scheduling_policy = "paged";
