@@ -81,15 +81,18 @@ std::optional<BlockId> BlockAllocator::Peek(uint64_t prefix_hash, std::span<cons
   return Find(prefix_hash, tokens);
 }
 
-std::optional<BlockId> BlockAllocator::Lookup(uint64_t prefix_hash, std::span<const int32_t> tokens) {
-  auto id = Find(prefix_hash, tokens);
-  if (!id) return std::nullopt;
-  auto& pos = lru_pos_[static_cast<size_t>(*id)];
+void BlockAllocator::Acquire(BlockId id) {
+  auto& pos = lru_pos_[static_cast<size_t>(id)];
   if (pos != lru_.end()) {  // revive an unused cached block
     lru_.erase(pos);
     pos = lru_.end();
   }
-  ++refcounts_[static_cast<size_t>(*id)];
+  ++refcounts_[static_cast<size_t>(id)];
+}
+
+std::optional<BlockId> BlockAllocator::Lookup(uint64_t prefix_hash, std::span<const int32_t> tokens) {
+  auto id = Find(prefix_hash, tokens);
+  if (id) Acquire(*id);
   return id;
 }
 

@@ -35,11 +35,12 @@ class BlockAllocator {
   // Drops one reference. At zero the block becomes cached (if it has content) or free.
   void Free(BlockId id);
 
-  // The block holding `tokens` after the prefix with hash `prefix_hash`, with a new reference
-  // taken, or nullopt.
-  std::optional<BlockId> Lookup(uint64_t prefix_hash, std::span<const int32_t> tokens);
-  // Same match without taking a reference (for admission planning).
+  // The block holding `tokens` after the prefix with hash `prefix_hash`, or nullopt.
   std::optional<BlockId> Peek(uint64_t prefix_hash, std::span<const int32_t> tokens) const;
+  // A new reference to a block found by Peek: a used one is shared, a cached one revived.
+  void Acquire(BlockId id);
+  // Peek, then Acquire on a hit.
+  std::optional<BlockId> Lookup(uint64_t prefix_hash, std::span<const int32_t> tokens);
   // Publishes a used, fully computed block under its content; false if that content is cached
   // already (in another block) or the block already has content.
   bool Register(BlockId id, uint64_t prefix_hash, std::span<const int32_t> tokens);

@@ -34,21 +34,27 @@ bool BlockManager::IsSwapped(SeqId seq) const {
 
 const std::vector<BlockId>& BlockManager::BlockTable(SeqId seq) const { return Get(seq).blocks; }
 
-int BlockManager::BlocksToAllocate(std::span<const int32_t> tokens, int64_t reserve_tokens) const {
+std::vector<std::pair<BlockId, uint64_t>> BlockManager::CachedPrefix(std::span<const int32_t> tokens) const {
+  std::vector<std::pair<BlockId, uint64_t>> hits;
+  if (!config_.enable_prefix_caching || tokens.empty()) return hits;
   const int bs = config_.block_size;
-  const int total = BlocksForTokens(std::max<int64_t>(reserve_tokens, static_cast<int64_t>(tokens.size())), bs);
-  int reused = 0;  // hits on blocks someone already uses cost nothing
-  if (config_.enable_prefix_caching && !tokens.empty()) {
-    const int64_t max_hits = (static_cast<int64_t>(tokens.size()) - 1) / bs;
-    uint64_t prefix = 0;
-    for (int64_t i = 0; i < max_hits; ++i) {
-      auto block_tokens = tokens.subspan(static_cast<size_t>(i * bs), static_cast<size_t>(bs));
-      auto hit = device_.Peek(prefix, block_tokens);
-      if (!hit) break;
-      if (device_.refcount(*hit) > 0) ++reused;
-      prefix = HashBlockTokens(prefix, block_tokens);
-    }
+  const int64_t max_hits = (static_cast<int64_t>(tokens.size()) - 1) / bs;  // the last token must run
+  uint64_t prefix = 0;
+  for (int64_t i = 0; i < max_hits; ++i) {
+    auto block_tokens = tokens.subspan(static_cast<size_t>(i * bs), static_cast<size_t>(bs));
+    auto hit = device_.Peek(prefix, block_tokens);
+    if (!hit) break;
+    prefix = HashBlockTokens(prefix, block_tokens);
+    hits.emplace_back(*hit, prefix);
   }
+  return hits;
+}
+
+int BlockManager::BlocksToAllocate(std::span<const int32_t> tokens, int64_t reserve_tokens) const {
+  const int total = BlocksForTokens(std::max<int64_t>(reserve_tokens, static_cast<int64_t>(tokens.size())),
+                                    config_.block_size);
+  int reused = 0;  // hits on blocks someone already uses cost nothing
+  for (const auto& [block, hash] : CachedPrefix(tokens)) reused += device_.refcount(block) > 0;
   return total - reused;
 }
 
@@ -65,18 +71,13 @@ Result<int64_t> BlockManager::Allocate(SeqId seq, std::span<const int32_t> token
   }
   const int bs = config_.block_size;
   SeqBlocks entry;
+  for (const auto& [block, hash] : CachedPrefix(tokens)) {
+    device_.Acquire(block);
+    entry.blocks.push_back(block);
+    entry.hashes.push_back(hash);
+  }
   if (config_.enable_prefix_caching && !tokens.empty()) {
-    const int64_t max_hits = (static_cast<int64_t>(tokens.size()) - 1) / bs;
-    uint64_t prefix = 0;
-    for (int64_t i = 0; i < max_hits; ++i) {
-      auto block_tokens = tokens.subspan(static_cast<size_t>(i * bs), static_cast<size_t>(bs));
-      auto hit = device_.Lookup(prefix, block_tokens);
-      if (!hit) break;
-      entry.blocks.push_back(*hit);
-      prefix = HashBlockTokens(prefix, block_tokens);
-      entry.hashes.push_back(prefix);
-    }
-    prefix_queried_blocks_ += max_hits;
+    prefix_queried_blocks_ += (static_cast<int64_t>(tokens.size()) - 1) / bs;
     prefix_hit_blocks_ += static_cast<int64_t>(entry.hashes.size());
   }
   const int total = BlocksForTokens(std::max<int64_t>(reserve_tokens, static_cast<int64_t>(tokens.size())), bs);

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <span>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "kv/block_allocator.h"
@@ -107,6 +108,8 @@ class BlockManager {
   SeqBlocks& Get(SeqId seq);
   const SeqBlocks& Get(SeqId seq) const;
   int watermark_blocks() const;
+  // The leading full blocks of `tokens` in the prefix cache, with their chained hashes.
+  std::vector<std::pair<BlockId, uint64_t>> CachedPrefix(std::span<const int32_t> tokens) const;
 
   BlockManagerConfig config_;
   BlockAllocator device_;
