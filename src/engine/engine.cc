@@ -17,6 +17,7 @@
 #include "kv/block_manager.h"
 #include "sched/policy.h"
 #include "sched/scheduler.h"
+#include "util/hash.h"
 #include "model/llama_weights.h"
 #include "model/tensor_source.h"
 #include "model/tiny_random.h"
@@ -44,10 +45,7 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 // reproduces what a plain request gives.
 uint64_t CandidateSeed(uint64_t seed, int index) {
   if (index == 0) return seed;
-  uint64_t z = seed + 0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(index);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
+  return SplitMix64(seed + kGoldenGamma * static_cast<uint64_t>(index));
 }
 
 double BeamScore(double cumulative_logprob, int64_t length, float length_penalty) {
@@ -96,11 +94,6 @@ class EngineImpl final : public Engine {
     if (static_cast<int64_t>(prompt.size()) >= config_.max_model_len) {
       return Status::InvalidArgument("the prompt has " + std::to_string(prompt.size()) +
                                      " tokens; max_model_len is " + std::to_string(config_.max_model_len));
-    }
-    const int64_t pool_tokens = static_cast<int64_t>(blocks_.MaxAdmissibleBlocks()) * config_.block_size;
-    if (static_cast<int64_t>(prompt.size()) + 1 > pool_tokens) {
-      return Status::InvalidArgument("the prompt has " + std::to_string(prompt.size()) +
-                                     " tokens but the whole KV cache holds " + std::to_string(pool_tokens));
     }
     auto req = std::make_unique<RequestState>();
     req->id = next_id_++;
@@ -713,8 +706,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& input) {
   }
   // A sequence must fit the pool alone, or it would be preempted and fail at the end (vLLM
   // refuses to start in that case too).
-  const int64_t pool_tokens =
-      static_cast<int64_t>(layout.num_blocks - static_cast<int>(0.01 * layout.num_blocks)) * config.block_size;
+  BlockManagerConfig pool;
+  pool.num_device_blocks = layout.num_blocks;
+  const int64_t pool_tokens = static_cast<int64_t>(MaxAdmissibleBlocks(pool)) * config.block_size;
   if (pool_tokens < config.max_model_len) {
     if (input.max_model_len > 0) {
       return Status::InvalidArgument("max_model_len " + std::to_string(config.max_model_len) +

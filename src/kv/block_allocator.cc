@@ -4,18 +4,14 @@
 #include <cassert>
 #include <string>
 
+#include "util/hash.h"
+
 namespace kvflow {
 
 uint64_t HashBlockTokens(uint64_t prefix_hash, std::span<const int32_t> tokens) {
-  // splitmix64 finalizer over a running state; cheap and well mixed.
-  auto mix = [](uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-  };
-  uint64_t h = mix(prefix_hash + 0x9e3779b97f4a7c15ULL);
-  for (int32_t t : tokens) h = mix(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(t)) + 0x9e3779b97f4a7c15ULL));
-  return mix(h ^ tokens.size());
+  uint64_t h = SplitMix64(prefix_hash + kGoldenGamma);
+  for (int32_t t : tokens) h = SplitMix64(h ^ (static_cast<uint64_t>(static_cast<uint32_t>(t)) + kGoldenGamma));
+  return SplitMix64(h ^ tokens.size());
 }
 
 BlockAllocator::BlockAllocator(int num_blocks)

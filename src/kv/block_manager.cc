@@ -50,12 +50,17 @@ std::vector<std::pair<BlockId, uint64_t>> BlockManager::CachedPrefix(std::span<c
   return hits;
 }
 
-int BlockManager::BlocksToAllocate(std::span<const int32_t> tokens, int64_t reserve_tokens) const {
-  const int total = BlocksForTokens(std::max<int64_t>(reserve_tokens, static_cast<int64_t>(tokens.size())),
+int BlockManager::BlocksNeeded(const std::vector<std::pair<BlockId, uint64_t>>& hits, size_t num_tokens,
+                               int64_t reserve_tokens) const {
+  const int total = BlocksForTokens(std::max<int64_t>(reserve_tokens, static_cast<int64_t>(num_tokens)),
                                     config_.block_size);
   int reused = 0;  // hits on blocks someone already uses cost nothing
-  for (const auto& [block, hash] : CachedPrefix(tokens)) reused += device_.refcount(block) > 0;
+  for (const auto& [block, hash] : hits) reused += device_.refcount(block) > 0;
   return total - reused;
+}
+
+int BlockManager::BlocksToAllocate(std::span<const int32_t> tokens, int64_t reserve_tokens) const {
+  return BlocksNeeded(CachedPrefix(tokens), tokens.size(), reserve_tokens);
 }
 
 bool BlockManager::CanAdmit(int num_blocks) const {
@@ -64,14 +69,15 @@ bool BlockManager::CanAdmit(int num_blocks) const {
 
 Result<int64_t> BlockManager::Allocate(SeqId seq, std::span<const int32_t> tokens, int64_t reserve_tokens) {
   assert(!seqs_.contains(seq));
-  const int needed = BlocksToAllocate(tokens, reserve_tokens);
+  const auto hits = CachedPrefix(tokens);
+  const int needed = BlocksNeeded(hits, tokens.size(), reserve_tokens);
   if (needed > device_.num_free()) {
     return Status::OutOfMemory("need " + std::to_string(needed) + " KV blocks, " +
                                std::to_string(device_.num_free()) + " free");
   }
   const int bs = config_.block_size;
   SeqBlocks entry;
-  for (const auto& [block, hash] : CachedPrefix(tokens)) {
+  for (const auto& [block, hash] : hits) {
     device_.Acquire(block);
     entry.blocks.push_back(block);
     entry.hashes.push_back(hash);

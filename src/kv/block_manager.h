@@ -36,6 +36,11 @@ struct BlockManagerConfig {
   double watermark = 0.01;
 };
 
+// The most blocks one admission can ever take: the pool less the watermark.
+inline int MaxAdmissibleBlocks(const BlockManagerConfig& c) {
+  return c.num_device_blocks - static_cast<int>(c.watermark * c.num_device_blocks);
+}
+
 class BlockManager {
  public:
   explicit BlockManager(const BlockManagerConfig& config);
@@ -47,7 +52,7 @@ class BlockManager {
   // Whether `num_blocks` more blocks can be admitted and still leave the watermark free.
   bool CanAdmit(int num_blocks) const;
   // The most blocks one admission can ever take (the pool less the watermark).
-  int MaxAdmissibleBlocks() const { return config_.num_device_blocks - watermark_blocks(); }
+  int MaxAdmissibleBlocks() const { return kvflow::MaxAdmissibleBlocks(config_); }
   // Gives `seq` a block table for `tokens` plus room up to `reserve_tokens` tokens, mapping full
   // prompt blocks found in the prefix cache instead of allocating them. Returns how many leading
   // tokens already have their KV (a multiple of block_size, always < tokens.size() so the last
@@ -110,6 +115,9 @@ class BlockManager {
   int watermark_blocks() const;
   // The leading full blocks of `tokens` in the prefix cache, with their chained hashes.
   std::vector<std::pair<BlockId, uint64_t>> CachedPrefix(std::span<const int32_t> tokens) const;
+  // Blocks to allocate for `num_tokens` (room for `reserve_tokens`) given those prefix hits.
+  int BlocksNeeded(const std::vector<std::pair<BlockId, uint64_t>>& hits, size_t num_tokens,
+                   int64_t reserve_tokens) const;
 
   BlockManagerConfig config_;
   BlockAllocator device_;

@@ -92,6 +92,15 @@ void Scheduler::Reject(SequenceGroup* g, Status why, SchedulerOutput& out) {
   RemoveGroup(g->request_id);
 }
 
+void Scheduler::RequeueForRecompute(SequenceGroup* g) {
+  for (SchedSequence* s : g->unfinished()) {
+    blocks_.Free(s->id);
+    s->num_computed = 0;
+    s->status = SeqStatus::kWaiting;
+  }
+  waiting_.push_back(g);
+}
+
 void Scheduler::Preempt(SequenceGroup* g, SchedulerOutput& out) {
   const std::vector<SeqId> ids = g->unfinished_ids();
   PreemptionMode mode = config_.preemption_mode;
@@ -111,12 +120,7 @@ void Scheduler::Preempt(SequenceGroup* g, SchedulerOutput& out) {
   if (mode == PreemptionMode::kSwap) {
     spdlog::debug("swap space full: preempting request {} by recompute instead", g->request_id);
   }
-  for (SchedSequence* s : g->unfinished()) {
-    blocks_.Free(s->id);
-    s->num_computed = 0;
-    s->status = SeqStatus::kWaiting;
-  }
-  waiting_.push_back(g);
+  RequeueForRecompute(g);
   ++out.num_preempted_recompute;
   ++counters_.num_preemptions_recompute;
   spdlog::debug("preempted request {} by recompute", g->request_id);
@@ -178,13 +182,8 @@ SchedulerOutput Scheduler::Schedule() {
       if (!running_.empty()) break;
       // Even an idle device cannot take the group back with room to grow: recompute it instead.
       spdlog::debug("request {} cannot be swapped back in; recomputing it", g->request_id);
-      for (SchedSequence* s : g->unfinished()) {
-        blocks_.Free(s->id);
-        s->num_computed = 0;
-        s->status = SeqStatus::kWaiting;
-      }
       swapped_.erase(swapped_.begin());
-      waiting_.push_back(g);
+      RequeueForRecompute(g);
       continue;
     }
     auto moves = blocks_.SwapIn(ids).value();

@@ -99,6 +99,8 @@ class Scheduler {
   enum class Queue { kWaiting, kRunning, kSwapped };
   void SortByPolicy(std::vector<SequenceGroup*>& queue) const;
   void Preempt(SequenceGroup* group, SchedulerOutput& out);
+  // Drops the group's KV (device or host) and queues it to prefill all its tokens again.
+  void RequeueForRecompute(SequenceGroup* group);
   // Blocks the group's sequences need to run `tokens[i]` new tokens each (including growth the
   // policy reserves); fills `targets` with each sequence's table size in tokens.
   int BlocksForStep(const SequenceGroup& g, const std::vector<int64_t>& tokens, std::vector<int64_t>& targets) const;

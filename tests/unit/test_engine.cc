@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/stop_matcher.h"
+#include "engine_test_util.h"
 #include "kvflow/engine.h"
 
 namespace kvflow {
@@ -12,21 +13,8 @@ const std::vector<std::string> kPrompts = {
     "The quick brown fox", "Paged attention stores keys and values in blocks.", "a",
     "Once upon a time, in a land far, far away, there lived a", "1 2 3 4 5 6 7 8 9 10 11 12"};
 
-std::unique_ptr<Engine> MakeEngine(EngineConfig c = {}) {
-  c.model = "tiny-random";
-  c.num_threads = 2;
-  auto e = Engine::Create(c);
-  EXPECT_TRUE(e.ok()) << e.status().ToString();
-  return std::move(e).value();
-}
-
-SamplingParams Greedy(int max_tokens) {
-  SamplingParams p;
-  p.temperature = 0.0f;
-  p.max_tokens = max_tokens;
-  p.ignore_eos = true;
-  return p;
-}
+using test::Greedy;
+using test::MakeEngine;
 
 std::vector<std::vector<int32_t>> OneByOne(const SamplingParams& p) {
   auto engine = MakeEngine();

@@ -6,6 +6,7 @@
 
 #include <set>
 
+#include "engine_test_util.h"
 #include "kvflow/engine.h"
 
 namespace kvflow {
@@ -16,21 +17,8 @@ const std::vector<std::string> kPrompts = {
     kSystem + "What is a block table?", kSystem + "Name three colours.", "Unrelated short prompt",
     kSystem + "What is a block table? Explain copy-on-write.", "1 2 3 4 5 6 7 8 9 10 11 12"};
 
-std::unique_ptr<Engine> MakeEngine(EngineConfig c = {}) {
-  c.model = "tiny-random";
-  c.num_threads = 2;
-  auto e = Engine::Create(c);
-  if (!e.ok()) return nullptr;
-  return std::move(e).value();
-}
-
-SamplingParams Greedy(int max_tokens) {
-  SamplingParams p;
-  p.temperature = 0.0f;
-  p.max_tokens = max_tokens;
-  p.ignore_eos = true;
-  return p;
-}
+using test::Greedy;
+using test::MakeEngine;
 
 using Outputs = std::vector<std::vector<std::vector<int32_t>>>;  // [request][completion] tokens
 
@@ -249,7 +237,7 @@ TEST(EngineLimits, RequestsWiderThanTheBatchAreRejectedClearly) {
   small.num_kv_blocks = 10;
   small.block_size = 16;
   small.max_model_len = 1024;
-  EXPECT_EQ(MakeEngine(small) == nullptr, true);
+  EXPECT_EQ(test::CreateTinyEngine(small).status().code(), StatusCode::kInvalidArgument);
   small.max_model_len = 0;
   EXPECT_EQ(MakeEngine(small)->config().max_model_len, 160);
   c.scheduling_policy = "lifo";
