@@ -1,17 +1,32 @@
-// Launchers of the KV-cache kernels (kernels/cache_ops.cu). Plain C++ declarations: callers need
-// no CUDA headers. Layout: kv/kv_cache_layout.h.
+// Launchers of the KV-cache kernels (kernels/cache_ops.cu). Layout: kv/kv_cache_layout.h.
+// Conventions: kernels/kernel_common.h.
 #pragma once
 
 #include <cstdint>
 
+#include "kernel_common.h"
+
 namespace kvflow::cuda {
 
-// Writes key/value rows [num_tokens, num_kv_heads, head_dim] into their paged slots in one launch.
-// slot_mapping[t] = physical_block * block_size + slot, or -1 to skip the token (padding).
-// All pointers are device pointers; `stream` is a cudaStream_t (nullptr: default stream).
-// Returns 0 or the cudaError_t of the launch.
+// reshape_and_cache: writes the K and V rows of a batch's new tokens into their paged slots, one
+// launch for the whole batch. Row t of key is at key + t * key_row_stride and holds num_kv_heads
+// x head_dim elements (likewise value), so K and V can be read straight out of a fused QKV buffer.
+// slot_mapping[t] = physical_block * block_size + slot, or -1 to skip the token.
+int ReshapeAndCache(DType dtype, const void* key, int64_t key_row_stride, const void* value,
+                    int64_t value_row_stride, void* key_cache, void* value_cache,
+                    const int64_t* slot_mapping, int num_tokens, int num_kv_heads, int head_dim,
+                    int block_size, void* stream);
+
+// Kept for the fp32 reference test of issue 2; same as ReshapeAndCache(kF32, dense rows).
 int ReshapeAndCacheF32(const float* key, const float* value, float* key_cache, float* value_cache,
                        const int64_t* slot_mapping, int num_tokens, int num_kv_heads, int head_dim,
                        int block_size, void* stream);
+
+// copy_blocks (copy-on-write): for each i < num_pairs copies block pairs[2i] to block pairs[2i+1]
+// in every layer of both pools, in one launch. The pools hold num_layers consecutive layers of
+// layer_stride elements; a block is block_stride elements (kv/kv_cache_layout.h). Sources and
+// destinations must not overlap (the block manager guarantees it).
+int CopyBlocks(DType dtype, void* key_pool, void* value_pool, int num_layers, int64_t layer_stride,
+               int64_t block_stride, const int32_t* pairs, int num_pairs, void* stream);
 
 }  // namespace kvflow::cuda

@@ -27,7 +27,7 @@ struct EngineConfig {
   // A path (.gguf, .safetensors, model.safetensors.index.json, or an HF directory) or a short name:
   // "tiny-random" (built in) or "smollm2-135m" (looked up under the model directories).
   std::string model = "tiny-random";
-  std::string device = "cpu";
+  std::string device = "cpu";  // "cpu", "cuda" or "cuda:N"
   int block_size = 16;                // tokens per KV block
   int64_t kv_cache_bytes = 0;         // KV pool size; 0: enough for max_num_seqs full contexts, at most 1 GiB
   int num_kv_blocks = 0;              // overrides kv_cache_bytes when > 0
@@ -44,6 +44,11 @@ struct EngineConfig {
   bool enable_prefix_caching = false;  // map cached full prompt blocks instead of recomputing them
   // "paged" (vLLM), or the Orca baselines "orca-max", "orca-pow2", "orca-oracle".
   std::string scheduling_policy = "paged";
+  // CUDA only. Share of the GPU's memory for weights, activations and the KV pool (which gets the
+  // rest, unless kv_cache_bytes / num_kv_blocks fix it).
+  double gpu_memory_utilization = 0.9;
+  std::string dtype = "auto";  // CUDA weights/activations/KV: "fp16", "bf16" or "auto" (bf16)
+  bool enforce_eager = false;  // CUDA: no CUDA graphs for decode steps
 };
 
 struct EngineStats {

@@ -138,6 +138,12 @@ int main(int argc, char** argv) {
   generate->add_option("--stop-token-id", gen.sampling.stop_token_ids, "Stop token id (repeatable)");
   generate->add_flag("--ignore-eos", gen.sampling.ignore_eos, "Keep generating past EOS");
   generate->add_option("--logprobs", gen.sampling.logprobs, "Print this many top logprobs per token to stderr");
+  generate->add_option("--device", gen.engine.device, "cpu, cuda or cuda:N")->default_val("cpu");
+  generate->add_option("--dtype", gen.engine.dtype, "CUDA: fp16, bf16 or auto")->default_val("auto");
+  generate->add_option("--gpu-memory-utilization", gen.engine.gpu_memory_utilization,
+                       "CUDA: share of GPU memory for weights, activations and KV cache")->default_val(0.9);
+  generate->add_flag("--enforce-eager", gen.engine.enforce_eager, "CUDA: no CUDA graphs for decode steps");
+  generate->add_option("--max-num-seqs", gen.engine.max_num_seqs, "Sequences in one batch")->default_val(64);
   generate->add_option("--threads", gen.engine.num_threads, "CPU threads (0 = all cores)");
   generate->add_option("--block-size", gen.engine.block_size, "Tokens per KV block")->default_val(16);
   generate->add_option("--max-model-len", gen.engine.max_model_len, "Context limit (0 = the model's)");

@@ -13,6 +13,7 @@
 #include <spdlog/spdlog.h>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cuda/cuda_backend.h"
 #include "engine/request_state.h"
 #include "kv/block_manager.h"
 #include "sched/policy.h"
@@ -647,6 +648,17 @@ class EngineImpl final : public Engine {
   bool in_step_ = false;
 };
 
+// "cpu" -> -1; "cuda" -> 0; "cuda:N" -> N.
+Result<int> ParseDevice(const std::string& device) {
+  if (device == "cpu") return -1;
+  if (device == "cuda") return 0;
+  if (device.rfind("cuda:", 0) == 0 && device.size() > 5 &&
+      device.find_first_not_of("0123456789", 5) == std::string::npos && device.size() < 9) {
+    return std::stoi(device.substr(5));
+  }
+  return Status::InvalidArgument("device must be cpu, cuda or cuda:N, not '" + device + "'");
+}
+
 Status ValidateEngineConfig(const EngineConfig& c) {
   if (c.block_size < 1 || c.block_size > 256) return Status::InvalidArgument("block_size must be in [1, 256]");
   if (c.max_num_seqs < 1) return Status::InvalidArgument("max_num_seqs must be >= 1");
@@ -654,39 +666,23 @@ Status ValidateEngineConfig(const EngineConfig& c) {
   if (c.max_model_len < 0) return Status::InvalidArgument("max_model_len must be >= 0");
   if (c.kv_cache_bytes < 0 || c.num_kv_blocks < 0) return Status::InvalidArgument("KV cache size must be >= 0");
   if (c.swap_space_bytes < 0) return Status::InvalidArgument("swap_space must be >= 0");
-  if (c.device != "cpu") {
-    return Status::Unsupported("device '" + c.device + "' is not available in this build (supported: cpu)");
+  if (!(c.gpu_memory_utilization > 0.0 && c.gpu_memory_utilization <= 1.0)) {
+    return Status::InvalidArgument("gpu_memory_utilization must be in (0, 1]");
   }
-  return Status::Ok();
+  if (c.dtype != "auto" && c.dtype != "fp16" && c.dtype != "bf16" && c.dtype != "float16" && c.dtype != "bfloat16") {
+    return Status::InvalidArgument("dtype must be auto, fp16 or bf16, not '" + c.dtype + "'");
+  }
+  return ParseDevice(c.device).status();
 }
 
 }  // namespace
 
-Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& input) {
-  EngineConfig config = input;
-  KVFLOW_RETURN_IF_ERROR(ValidateEngineConfig(config));
-  KVFLOW_ASSIGN_OR_RETURN(auto policy, MakeSchedulingPolicy(config.scheduling_policy));
-  KVFLOW_ASSIGN_OR_RETURN(PreemptionMode preemption, ParsePreemptionMode(config.preemption_mode));
-  KVFLOW_ASSIGN_OR_RETURN(std::string path, ResolveModel(config.model));
-  ModelFiles files;
-  if (path == kTinyRandomName) {
-    KVFLOW_ASSIGN_OR_RETURN(files, MakeTinyRandomModel());
-  } else {
-    KVFLOW_ASSIGN_OR_RETURN(files, OpenModelFiles(path));
-  }
-  if (!files.tokenizer) {
-    return Status::NotFound("no tokenizer found for " + path + " (expected tokenizer.json beside the weights)");
-  }
-  const ModelConfig& mc = files.config;
-  KVFLOW_RETURN_IF_ERROR(mc.Validate());
-  if (config.max_model_len == 0 || config.max_model_len > mc.max_position_embeddings) {
-    if (config.max_model_len > mc.max_position_embeddings) {
-      spdlog::warn("max_model_len {} exceeds the model's context length {}; using {}", config.max_model_len,
-                   mc.max_position_embeddings, mc.max_position_embeddings);
-    }
-    config.max_model_len = mc.max_position_embeddings;
-  }
+namespace {
 
+// The CPU backend: the KV pool is kv_cache_bytes (or num_kv_blocks, or enough for max_num_seqs full
+// contexts up to 1 GiB); lowers a defaulted max_model_len to what the pool holds.
+Result<std::unique_ptr<Backend>> CreateEngineCpuBackend(EngineConfig& config, const EngineConfig& input,
+                                                        const ModelConfig& mc, LlamaWeights weights) {
   KvCacheLayout layout;
   layout.num_layers = mc.num_layers;
   layout.num_kv_heads = mc.num_kv_heads;
@@ -725,11 +721,101 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& input) {
                                                              : config.swap_space_bytes / block_bytes;
   const int num_host_blocks = static_cast<int>(std::min<int64_t>(host_blocks, layout.num_blocks));
 
-  KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadLlamaWeights(*files.tensors, mc, files.gguf_rope_permuted));
-  files.tensors.reset();  // weights are now fp32 copies; drop the mapping
   const int threads = config.num_threads > 0 ? config.num_threads
                                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   KVFLOW_ASSIGN_OR_RETURN(auto backend, CpuBackend::Create(mc, std::move(weights), layout, num_host_blocks, threads));
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+// The CUDA backend sizes its KV pool from gpu_memory_utilization (or kv_cache_bytes /
+// num_kv_blocks) and refuses a max_model_len the pool cannot hold.
+Result<std::unique_ptr<Backend>> CreateEngineCudaBackend(EngineConfig& config, const EngineConfig& input,
+                                                         const ModelConfig& mc, const LlamaWeights& weights,
+                                                         int device) {
+  CudaBackendOptions o;
+  o.device = device;
+  o.dtype = config.dtype;
+  o.gpu_memory_utilization = config.gpu_memory_utilization;
+  o.block_size = config.block_size;
+  o.max_num_seqs = config.max_num_seqs;
+  o.max_num_batched_tokens = config.max_num_batched_tokens;
+  o.max_model_len = config.max_model_len;
+  o.enable_cuda_graphs = !config.enforce_eager;
+  KvCacheLayout shape;
+  shape.num_layers = mc.num_layers;
+  shape.num_kv_heads = mc.num_kv_heads;
+  shape.head_dim = mc.head_dim;
+  shape.block_size = config.block_size;
+  const int64_t block_bytes = static_cast<int64_t>(shape.elements_per_block_all_layers() * 2);  // fp16/bf16
+  if (config.num_kv_blocks > 0) {
+    o.num_kv_blocks = config.num_kv_blocks;
+  } else if (config.kv_cache_bytes > 0) {
+    o.num_kv_blocks = static_cast<int>(std::max<int64_t>(1, config.kv_cache_bytes / block_bytes));
+  }
+  const int64_t host_blocks = config.num_host_kv_blocks >= 0 ? config.num_host_kv_blocks
+                                                             : config.swap_space_bytes / block_bytes;
+  o.num_host_blocks = static_cast<int>(std::min<int64_t>(host_blocks, std::numeric_limits<int32_t>::max()));
+  // A pool of known size lowers (or refuses) max_model_len before the backend sizes its tables.
+  auto fit_context = [&](int num_blocks) -> Status {
+    BlockManagerConfig pool;
+    pool.num_device_blocks = num_blocks;
+    const int64_t pool_tokens = static_cast<int64_t>(MaxAdmissibleBlocks(pool)) * config.block_size;
+    if (pool_tokens >= config.max_model_len) return Status::Ok();
+    if (input.max_model_len > 0) {
+      return Status::InvalidArgument("max_model_len " + std::to_string(config.max_model_len) +
+                                     " is more than the GPU KV cache holds (" + std::to_string(pool_tokens) +
+                                     " tokens); raise gpu_memory_utilization or lower max_model_len");
+    }
+    spdlog::warn("the GPU KV cache holds {} tokens, less than the model's context {}; max_model_len is {}",
+                 pool_tokens, config.max_model_len, pool_tokens);
+    config.max_model_len = static_cast<int>(pool_tokens);
+    return Status::Ok();
+  };
+  if (o.num_kv_blocks > 0) {
+    KVFLOW_RETURN_IF_ERROR(fit_context(o.num_kv_blocks));
+    o.max_model_len = config.max_model_len;
+  }
+  KVFLOW_ASSIGN_OR_RETURN(auto backend, CreateCudaBackend(mc, weights, o));
+  KVFLOW_RETURN_IF_ERROR(fit_context(backend->kv_layout().num_blocks));
+  return backend;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& input) {
+  EngineConfig config = input;
+  KVFLOW_RETURN_IF_ERROR(ValidateEngineConfig(config));
+  KVFLOW_ASSIGN_OR_RETURN(auto policy, MakeSchedulingPolicy(config.scheduling_policy));
+  KVFLOW_ASSIGN_OR_RETURN(PreemptionMode preemption, ParsePreemptionMode(config.preemption_mode));
+  KVFLOW_ASSIGN_OR_RETURN(std::string path, ResolveModel(config.model));
+  ModelFiles files;
+  if (path == kTinyRandomName) {
+    KVFLOW_ASSIGN_OR_RETURN(files, MakeTinyRandomModel());
+  } else {
+    KVFLOW_ASSIGN_OR_RETURN(files, OpenModelFiles(path));
+  }
+  if (!files.tokenizer) {
+    return Status::NotFound("no tokenizer found for " + path + " (expected tokenizer.json beside the weights)");
+  }
+  const ModelConfig& mc = files.config;
+  KVFLOW_RETURN_IF_ERROR(mc.Validate());
+  if (config.max_model_len == 0 || config.max_model_len > mc.max_position_embeddings) {
+    if (config.max_model_len > mc.max_position_embeddings) {
+      spdlog::warn("max_model_len {} exceeds the model's context length {}; using {}", config.max_model_len,
+                   mc.max_position_embeddings, mc.max_position_embeddings);
+    }
+    config.max_model_len = mc.max_position_embeddings;
+  }
+
+  KVFLOW_ASSIGN_OR_RETURN(const int cuda_device, ParseDevice(config.device));
+  KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadLlamaWeights(*files.tensors, mc, files.gguf_rope_permuted));
+  files.tensors.reset();  // weights are now fp32 copies; drop the mapping
+  std::unique_ptr<Backend> backend;
+  if (cuda_device >= 0) {
+    KVFLOW_ASSIGN_OR_RETURN(backend, CreateEngineCudaBackend(config, input, mc, weights, cuda_device));
+  } else {
+    KVFLOW_ASSIGN_OR_RETURN(backend, CreateEngineCpuBackend(config, input, mc, std::move(weights)));
+  }
   auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(policy),
                                              preemption);
   spdlog::info("engine ready: {}", engine->Describe());

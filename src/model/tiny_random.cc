@@ -67,9 +67,10 @@ Result<ModelFiles> MakeTinyRandomModel(uint64_t seed) {
   c.hidden_size = 128;
   c.intermediate_size = 344;
   c.num_layers = 4;
-  c.num_heads = 8;
-  c.num_kv_heads = 2;
-  c.head_dim = 16;
+  // head_dim 64, as in SmolLM2, so that the CUDA kernels (head_dim 64 / 128) run this model too.
+  c.num_heads = 2;
+  c.num_kv_heads = 1;
+  c.head_dim = 64;
   c.max_position_embeddings = 4096;
   c.rms_norm_eps = 1e-5f;
   c.rope_theta = 10000.0f;

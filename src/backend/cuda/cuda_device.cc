@@ -1,6 +1,6 @@
 #include "backend/cuda/cuda_device.h"
 
-#include <cuda_runtime.h>
+#include "backend/cuda/cuda_api.h"
 
 #include <spdlog/fmt/fmt.h>
 

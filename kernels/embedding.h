@@ -1,0 +1,17 @@
+// Launcher of the row-gather kernel (kernels/embedding.cu): embedding lookup, and picking the rows
+// that need logits. Conventions: kernels/kernel_common.h.
+#pragma once
+
+#include <cstdint>
+
+#include "kernel_common.h"
+
+namespace kvflow::cuda {
+
+// dst[i, :] = float(src[indices[i], :]) for i < num_rows; rows of n elements, src rows
+// src_row_stride apart, dst dense. An index outside [0, num_src_rows) writes a row of NaN (the
+// host validates token ids, so this only makes a bug loud).
+int GatherRowsToF32(DType src_dtype, const void* src, int64_t src_row_stride, int64_t num_src_rows,
+                    const int32_t* indices, int num_rows, int n, float* dst, void* stream);
+
+}  // namespace kvflow::cuda

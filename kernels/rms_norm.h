@@ -1,0 +1,23 @@
+// Launchers of the RMSNorm kernels (kernels/rms_norm.cu). Conventions: kernels/kernel_common.h.
+// The residual stream stays fp32; normalized activations are written in the model dtype.
+#pragma once
+
+#include <cstdint>
+
+#include "kernel_common.h"
+
+namespace kvflow::cuda {
+
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, rows of n; x fp32, weight and out `dtype`.
+int RmsNorm(DType dtype, const float* x, const void* weight, void* out, int rows, int n, float eps,
+            void* stream);
+
+// residual[r] += delta[r]; then out[r] = RmsNorm(residual[r]) * weight. delta, weight and out are
+// `dtype`, residual fp32 (updated in place). One launch, one pass over the row.
+int FusedAddRmsNorm(DType dtype, float* residual, const void* delta, const void* weight, void* out,
+                    int rows, int n, float eps, void* stream);
+
+// residual[r] += delta[r] only (after the last layer, before the final norm of the logit rows).
+int AddToResidual(DType dtype, float* residual, const void* delta, int rows, int n, void* stream);
+
+}  // namespace kvflow::cuda

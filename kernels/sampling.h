@@ -1,0 +1,62 @@
+// Launchers of the logits-processing and sampling kernels (kernels/sampling.cu). Conventions:
+// kernels/kernel_common.h. The semantics are those of the CPU Sampler (sampling/sampler.h), given
+// the row's uniform draw `uniform` (the host keeps each sequence's seeded RNG, so a seed gives the
+// same tokens on either backend):
+//   1. raw log-normalizer and the num_top_logprobs largest raw logits (ties: lower id first);
+//   2. suppressed tokens -> -inf; repetition penalty over prompt + output tokens (divide positive
+//      logits, multiply negative ones, once per distinct token), then frequency and presence
+//      penalties over output tokens;
+//   3. temperature <= 0: argmax (lowest id among ties). Otherwise weights exp((l - max) / T);
+//      top-k keeps the k largest (ties: lower id first); top-p keeps the smallest set of heaviest
+//      tokens whose weight reaches top_p * (weight of the top-k set); min-p drops tokens whose
+//      weight is below min_p (the top token weighs 1); one draw: the first token, in descending
+//      weight order... see SampleFromLogits for the order used.
+//   4. logprob of the chosen token on the raw (unpenalized) logits.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernel_common.h"
+
+namespace kvflow::cuda {
+
+// One row's parameters, in device memory (an array of num_rows).
+struct SamplingRow {
+  float temperature = 1.0f;  // <= 0: greedy
+  int32_t top_k = 0;         // <= 0: off
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  float repetition_penalty = 1.0f;
+  float frequency_penalty = 0.0f;
+  float presence_penalty = 0.0f;
+  int32_t history_offset = 0;  // the row's prompt then output tokens in `history`
+  int32_t prompt_len = 0;
+  int32_t output_len = 0;
+  int32_t suppress_offset = 0;  // the row's suppressed tokens in `suppress`
+  int32_t suppress_len = 0;
+  double uniform = 0.0;  // the row's draw in [0, 1)
+};
+
+struct SampleArgs {
+  float* logits = nullptr;  // [num_rows][vocab_size] fp32, overwritten (penalties, masking)
+  int num_rows = 0;
+  int vocab_size = 0;
+  const SamplingRow* rows = nullptr;
+  const int32_t* history = nullptr;
+  const int32_t* suppress = nullptr;
+  int num_top_logprobs = 0;          // 0..kMaxTopLogprobs, the same for every row
+  int32_t* out_tokens = nullptr;     // [num_rows]
+  float* out_logprobs = nullptr;     // [num_rows] raw logprob of the chosen token
+  int32_t* out_top_tokens = nullptr; // [num_rows][num_top_logprobs], best first
+  float* out_top_logprobs = nullptr; // [num_rows][num_top_logprobs]
+  void* workspace = nullptr;         // SampleWorkspaceBytes(num_rows, vocab_size) bytes
+  size_t workspace_bytes = 0;
+};
+
+constexpr int kMaxTopLogprobs = 20;
+
+size_t SampleWorkspaceBytes(int num_rows, int vocab_size);
+int SampleFromLogits(const SampleArgs& args, void* stream);
+
+}  // namespace kvflow::cuda

@@ -1,0 +1,948 @@
+// The CUDA backend (see cuda_backend.h). One forward pass per step on one stream:
+//
+//   embedding gather -> per layer: RMSNorm, QKV GEMM, RoPE, reshape_and_cache, paged attention
+//   (decode kernel for one-token slices, prefill kernel for the rest), O GEMM, add + RMSNorm,
+//   gate_up GEMM, SiLU*mul, down GEMM -> gather logit rows, final norm, LM-head GEMM (fp32 out).
+//
+// GEMMs run in cuBLAS (fp16/bf16 inputs, fp32 compute); the residual stream stays fp32 so the
+// backend tracks the fp32 CPU reference closely. Step metadata (tokens, positions, slots, block
+// tables) is staged in pinned memory and uploaded with one copy. A step made only of decode tokens
+// replays a CUDA graph captured once per batch-size bucket, with the bucket's padding rows writing
+// nowhere (slot -1) and reading block 0.
+#include "backend/cuda/cuda_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <thread>
+
+#include <spdlog/fmt/fmt.h>
+#include <spdlog/spdlog.h>
+
+#include "activation.h"
+#include "attention_decode.h"
+#include "attention_prefill.h"
+#include "backend/cuda/cuda_api.h"
+#include "backend/cuda/cuda_device.h"
+#include "cache_ops.h"
+#include "embedding.h"
+#include "fill.h"
+#include "model/rope.h"
+#include "rms_norm.h"
+#include "rotary.h"
+
+namespace kvflow {
+namespace {
+
+using cuda::DType;
+
+constexpr size_t kAlignment = 256;
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+// Device memory kept free beyond the budget's parts: CUDA graphs, cuBLAS heuristics, the context.
+constexpr size_t kReserveBytes = size_t{256} << 20;
+// Rows of logits computed per LM-head GEMM (a whole-prompt logits request runs in chunks).
+constexpr int kMaxLogitRowsPerChunk = 256;
+
+size_t AlignUp(size_t n, size_t a = kAlignment) { return (n + a - 1) / a * a; }
+
+Status CudaStatus(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status::Ok();
+  cudaGetLastError();  // clear a non-sticky error so the next call does not report it again
+  const std::string text = fmt::format("{}: {}", what, cuda::CudaErrorText(e));
+  if (e == cudaErrorMemoryAllocation) return Status::OutOfMemory(text);
+  return Status::Internal(text);
+}
+Status KernelStatus(int rc, const char* kernel) {
+  if (rc == 0) return Status::Ok();
+  return CudaStatus(static_cast<cudaError_t>(rc), kernel);
+}
+Status CublasStatus(cublasStatus_t s, const char* what) {
+  if (s == CUBLAS_STATUS_SUCCESS) return Status::Ok();
+  if (s == CUBLAS_STATUS_ALLOC_FAILED) return Status::OutOfMemory(fmt::format("{}: cuBLAS could not allocate", what));
+  return Status::Internal(fmt::format("{}: {}", what, cublasGetStatusString(s)));
+}
+
+#define KVFLOW_CUDA_RETURN(expr) KVFLOW_RETURN_IF_ERROR(CudaStatus((expr), #expr))
+#define KVFLOW_KERNEL_RETURN(expr) KVFLOW_RETURN_IF_ERROR(KernelStatus((expr), #expr))
+#define KVFLOW_CUBLAS_RETURN(expr) KVFLOW_RETURN_IF_ERROR(CublasStatus((expr), #expr))
+
+cudaDataType_t CudaDataType(DType t) {
+  return t == DType::kF32 ? CUDA_R_32F : t == DType::kF16 ? CUDA_R_16F : CUDA_R_16BF;
+}
+
+// fp32 -> fp16/bf16 on the host (round to nearest even), as the weights are uploaded.
+void ConvertFromFloat(const float* src, size_t n, DType t, uint16_t* dst) {
+  if (t == DType::kF16) {
+    for (size_t i = 0; i < n; ++i) {
+      const __half h = __float2half_rn(src[i]);
+      std::memcpy(&dst[i], &h, 2);
+    }
+  } else {
+    for (size_t i = 0; i < n; ++i) {
+      const __nv_bfloat16 b = __float2bfloat16_rn(src[i]);
+      std::memcpy(&dst[i], &b, 2);
+    }
+  }
+}
+
+// A device allocation that frees itself.
+class DeviceArena {
+ public:
+  DeviceArena() = default;
+  DeviceArena(const DeviceArena&) = delete;
+  DeviceArena& operator=(const DeviceArena&) = delete;
+  ~DeviceArena() {
+    if (base_) cudaFree(base_);
+  }
+  Status Allocate(size_t bytes, const char* what) {
+    if (bytes == 0) return Status::Ok();
+    const cudaError_t e = cudaMalloc(&base_, bytes);
+    if (e != cudaSuccess) {
+      base_ = nullptr;
+      cudaGetLastError();
+      return Status::OutOfMemory(fmt::format("cannot allocate {:.2f} GiB of device memory for {} ({})",
+                                             bytes / double(1 << 30), what, cuda::CudaErrorText(e)));
+    }
+    bytes_ = bytes;
+    return Status::Ok();
+  }
+  char* base() const { return static_cast<char*>(base_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Pinned host memory that frees itself.
+class PinnedArena {
+ public:
+  PinnedArena() = default;
+  PinnedArena(const PinnedArena&) = delete;
+  PinnedArena& operator=(const PinnedArena&) = delete;
+  ~PinnedArena() {
+    if (base_) cudaFreeHost(base_);
+  }
+  Status Allocate(size_t bytes, const char* what) {
+    if (bytes == 0) return Status::Ok();
+    const cudaError_t e = cudaHostAlloc(&base_, bytes, cudaHostAllocDefault);
+    if (e != cudaSuccess) {
+      base_ = nullptr;
+      cudaGetLastError();
+      return Status::OutOfMemory(fmt::format("cannot pin {:.2f} GiB of host memory for {} ({})",
+                                             bytes / double(1 << 30), what, cuda::CudaErrorText(e)));
+    }
+    bytes_ = bytes;
+    return Status::Ok();
+  }
+  char* base() const { return static_cast<char*>(base_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Carves aligned sub-buffers out of one allocation: first a dry run to size it, then for real.
+class Carver {
+ public:
+  explicit Carver(char* base = nullptr) : base_(base) {}
+  template <typename T>
+  T* Take(size_t count) {
+    T* p = base_ ? reinterpret_cast<T*>(base_ + offset_) : nullptr;
+    offset_ = AlignUp(offset_ + count * sizeof(T));
+    return p;
+  }
+  void* TakeBytes(size_t bytes) { return Take<char>(bytes); }
+  size_t size() const { return offset_; }
+
+ private:
+  char* base_;
+  size_t offset_ = 0;
+};
+
+struct DeviceLayer {
+  void* attn_norm = nullptr;
+  void* wqkv = nullptr;
+  void* wo = nullptr;
+  void* ffn_norm = nullptr;
+  void* w_gate_up = nullptr;
+  void* w_down = nullptr;
+};
+
+// Step metadata, laid out identically in pinned staging memory and on the device so that one copy
+// uploads it.
+struct StepMetadata {
+  int32_t* tokens = nullptr;        // [max_tokens]
+  int32_t* positions = nullptr;     // [max_tokens]
+  int64_t* slot_mapping = nullptr;  // [max_tokens]
+  int32_t* logit_rows = nullptr;    // [max_tokens] rows of the batch whose logits are wanted
+  // Decode kernel (one-token slices).
+  int32_t* decode_block_tables = nullptr;  // [max_seqs][max_blocks_per_seq]
+  int32_t* decode_context_lens = nullptr;  // [max_seqs]
+  int32_t* decode_query_rows = nullptr;    // [max_seqs]
+  // Prefill kernel (the other slices).
+  int32_t* prefill_block_tables = nullptr;
+  int32_t* prefill_query_starts = nullptr;
+  int32_t* prefill_query_lens = nullptr;
+  int32_t* prefill_context_lens = nullptr;
+
+  static size_t Carve(Carver& c, StepMetadata* m, int max_tokens, int max_seqs, int max_blocks) {
+    m->tokens = c.Take<int32_t>(max_tokens);
+    m->positions = c.Take<int32_t>(max_tokens);
+    m->slot_mapping = c.Take<int64_t>(max_tokens);
+    m->logit_rows = c.Take<int32_t>(max_tokens);
+    m->decode_block_tables = c.Take<int32_t>(static_cast<size_t>(max_seqs) * max_blocks);
+    m->decode_context_lens = c.Take<int32_t>(max_seqs);
+    m->decode_query_rows = c.Take<int32_t>(max_seqs);
+    m->prefill_block_tables = c.Take<int32_t>(static_cast<size_t>(max_seqs) * max_blocks);
+    m->prefill_query_starts = c.Take<int32_t>(max_seqs);
+    m->prefill_query_lens = c.Take<int32_t>(max_seqs);
+    m->prefill_context_lens = c.Take<int32_t>(max_seqs);
+    return c.size();
+  }
+};
+
+// What one step runs: sizes that pick the kernels' grids, filled by PlanStep.
+struct StepShape {
+  int num_tokens = 0;
+  int num_decode = 0;
+  int num_prefill = 0;
+  int max_decode_context = 0;  // grid bound for the decode kernel
+  int max_prefill_query = 0;   // grid bound for the prefill kernel
+  int num_logit_rows = 0;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(const ModelConfig& config, const CudaBackendOptions& options) : config_(config), options_(options) {}
+  ~CudaBackend() override;
+
+  Status Init(const LlamaWeights* weights, uint64_t random_seed);
+
+  Status Forward(const ForwardBatch& batch, std::vector<float>& logits) override;
+  Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) override;
+  const KvCacheLayout& kv_layout() const override { return layout_; }
+  int num_host_blocks() const override { return num_host_blocks_; }
+  const ModelConfig& model_config() const override { return config_; }
+  std::string Describe() const override;
+
+ private:
+  Status AllocateWeights();
+  Status UploadWeights(const LlamaWeights& weights);
+  Status FillRandomWeights(uint64_t seed);
+  Status AllocatePools();
+
+  // Fills the staging metadata for `batch`; pads a decode batch to `padded_seqs` rows.
+  StepShape PlanStep(const ForwardBatch& batch, int padded_seqs);
+  // The whole forward pass on stream_, from the uploaded metadata to logits_ (rows
+  // [0, min(rows, kMaxLogitRowsPerChunk))); graph-capturable.
+  Status RunModel(const StepShape& shape, int max_decode_context);
+  Status RunLogits(int first_row, int rows);
+  Status Gemm(const void* x, const void* w, void* y, int m, int n, int k, DType out_dtype);
+  Status ForwardWithGraph(const ForwardBatch& batch, int bucket, std::vector<float>& logits);
+  Status CopyLogitsToHost(int rows, float* dst);
+  int GraphBucket(int num_seqs) const;
+
+  ModelConfig config_;
+  CudaBackendOptions options_;
+  DType dtype_ = DType::kBF16;
+  std::string device_name_;
+  KvCacheLayout layout_;
+  int num_host_blocks_ = 0;
+  int max_tokens_ = 0;  // per step
+  int max_seqs_ = 0;
+  int max_blocks_per_seq_ = 0;
+  int logit_rows_per_chunk_ = 0;
+
+  cudaStream_t stream_ = nullptr;       // compute
+  cudaStream_t copy_stream_ = nullptr;  // swap in/out
+  cudaEvent_t swap_done_ = nullptr;
+  cudaEvent_t compute_done_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+
+  // Weights.
+  DeviceArena weight_arena_;
+  size_t weight_bytes_ = 0;
+  void* embed_ = nullptr;
+  void* final_norm_ = nullptr;
+  void* lm_head_ = nullptr;
+  std::vector<DeviceLayer> layers_;
+  float* inv_freq_ = nullptr;
+  float attention_scale_ = 1.0f;
+
+  // Activations and step state.
+  DeviceArena work_arena_;
+  float* residual_ = nullptr;  // [max_tokens, hidden] fp32
+  void* hidden_ = nullptr;     // [max_tokens, hidden]
+  void* qkv_ = nullptr;        // [max_tokens, (heads + 2 kv_heads) * head_dim]
+  void* attn_ = nullptr;       // [max_tokens, heads * head_dim]
+  void* delta_ = nullptr;      // [max_tokens, hidden]
+  void* gate_up_ = nullptr;    // [max_tokens, 2 * intermediate]
+  void* act_ = nullptr;        // [max_tokens, intermediate]
+  float* final_rows_ = nullptr;  // [chunk, hidden] fp32
+  void* final_hidden_ = nullptr; // [chunk, hidden]
+  float* logits_ = nullptr;      // [chunk, vocab] fp32
+  int32_t* copy_pairs_ = nullptr;  // [2 * num_blocks] copy-on-write pairs
+  void* decode_workspace_ = nullptr;
+  size_t decode_workspace_bytes_ = 0;
+  void* cublas_workspace_ = nullptr;
+  StepMetadata device_meta_;
+  size_t meta_bytes_ = 0;
+
+  DeviceArena pairs_;
+  PinnedArena staging_;  // metadata mirror
+  PinnedArena host_pairs_arena_;
+  PinnedArena host_logits_arena_;
+  StepMetadata host_meta_;
+  int32_t* host_pairs_ = nullptr;
+  float* host_logits_ = nullptr;
+
+  // KV pools: [layer][block][kv_head][slot][head_dim], all layers in one buffer per K and V.
+  DeviceArena kv_arena_;
+  char* key_pool_ = nullptr;
+  char* value_pool_ = nullptr;
+  PinnedArena host_kv_arena_;
+  char* host_key_pool_ = nullptr;
+  char* host_value_pool_ = nullptr;
+
+  // CUDA graphs of decode steps, by padded batch size.
+  std::vector<int> graph_buckets_;
+  std::map<int, cudaGraphExec_t> graphs_;
+  bool graphs_failed_ = false;
+};
+
+CudaBackend::~CudaBackend() {
+  if (stream_) cudaStreamSynchronize(stream_);
+  if (copy_stream_) cudaStreamSynchronize(copy_stream_);
+  for (auto& [bucket, exec] : graphs_) cudaGraphExecDestroy(exec);
+  if (cublas_) cublasDestroy(cublas_);
+  if (swap_done_) cudaEventDestroy(swap_done_);
+  if (compute_done_) cudaEventDestroy(compute_done_);
+  if (stream_) cudaStreamDestroy(stream_);
+  if (copy_stream_) cudaStreamDestroy(copy_stream_);
+}
+
+Status CudaBackend::Init(const LlamaWeights* weights, uint64_t random_seed) {
+  KVFLOW_RETURN_IF_ERROR(config_.Validate());
+  if (cuda::DeviceCount() == 0) {
+    return Status::Unsupported("no CUDA GPU is available: " + cuda::DeviceDescription(0));
+  }
+  if (options_.device < 0 || options_.device >= cuda::DeviceCount()) {
+    return Status::InvalidArgument(fmt::format("CUDA device {} does not exist ({} found)", options_.device,
+                                               cuda::DeviceCount()));
+  }
+  KVFLOW_CUDA_RETURN(cudaSetDevice(options_.device));
+  device_name_ = cuda::DeviceDescription(options_.device);
+
+  if (options_.dtype == "fp16" || options_.dtype == "float16" || options_.dtype == "half") {
+    dtype_ = DType::kF16;
+  } else if (options_.dtype == "bf16" || options_.dtype == "bfloat16" || options_.dtype == "auto") {
+    dtype_ = DType::kBF16;
+  } else {
+    return Status::InvalidArgument("dtype must be fp16, bf16 or auto, not '" + options_.dtype + "'");
+  }
+  if (!(options_.gpu_memory_utilization > 0.0 && options_.gpu_memory_utilization <= 1.0)) {
+    return Status::InvalidArgument(
+        fmt::format("gpu_memory_utilization must be in (0, 1], not {}", options_.gpu_memory_utilization));
+  }
+  if (!cuda::PagedDecodeSupports(config_.head_dim, options_.block_size) ||
+      !cuda::PagedPrefillSupports(config_.head_dim, options_.block_size)) {
+    return Status::Unsupported(fmt::format(
+        "the CUDA attention kernels support head_dim 64 or 128 and block_size 8, 16 or 32; this model has "
+        "head_dim {} and the block size is {}",
+        config_.head_dim, options_.block_size));
+  }
+  if (options_.max_num_seqs < 1 || options_.max_num_batched_tokens < 1 || options_.max_model_len < 1) {
+    return Status::InvalidArgument("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1");
+  }
+
+  KVFLOW_CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  KVFLOW_CUDA_RETURN(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+  KVFLOW_CUDA_RETURN(cudaEventCreateWithFlags(&swap_done_, cudaEventDisableTiming));
+  KVFLOW_CUDA_RETURN(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
+  KVFLOW_CUBLAS_RETURN(cublasCreate(&cublas_));
+  KVFLOW_CUBLAS_RETURN(cublasSetStream(cublas_, stream_));
+
+  KVFLOW_RETURN_IF_ERROR(AllocateWeights());
+  if (weights) {
+    KVFLOW_RETURN_IF_ERROR(UploadWeights(*weights));
+  } else {
+    KVFLOW_RETURN_IF_ERROR(FillRandomWeights(random_seed));
+  }
+  KVFLOW_RETURN_IF_ERROR(AllocatePools());
+
+  for (int b : {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512}) {
+    if (b < options_.max_num_seqs) graph_buckets_.push_back(b);
+  }
+  graph_buckets_.push_back(options_.max_num_seqs);
+  return Status::Ok();
+}
+
+Status CudaBackend::AllocateWeights() {
+  const size_t H = config_.hidden_size, D = config_.head_dim, F = config_.intermediate_size;
+  const size_t NH = config_.num_heads, KV = config_.num_kv_heads, V = config_.vocab_size;
+  const size_t es = cuda::DTypeSize(dtype_);
+  // Dry run to size the arena, then carve it for real.
+  auto carve = [&](Carver& c) {
+    embed_ = c.TakeBytes(V * H * es);
+    final_norm_ = c.TakeBytes(H * es);
+    lm_head_ = config_.tie_word_embeddings ? nullptr : c.TakeBytes(V * H * es);
+    layers_.assign(static_cast<size_t>(config_.num_layers), {});
+    for (DeviceLayer& l : layers_) {
+      l.attn_norm = c.TakeBytes(H * es);
+      l.wqkv = c.TakeBytes((NH + 2 * KV) * D * H * es);
+      l.wo = c.TakeBytes(H * NH * D * es);
+      l.ffn_norm = c.TakeBytes(H * es);
+      l.w_gate_up = c.TakeBytes(2 * F * H * es);
+      l.w_down = c.TakeBytes(H * F * es);
+    }
+    inv_freq_ = c.Take<float>(D / 2);
+  };
+  Carver dry;
+  carve(dry);
+  weight_bytes_ = dry.size();
+  KVFLOW_RETURN_IF_ERROR(weight_arena_.Allocate(weight_bytes_, "the model weights"));
+  Carver real(weight_arena_.base());
+  carve(real);
+  if (!lm_head_) lm_head_ = embed_;
+
+  const RopeFrequencies rope = ComputeRopeFrequencies(config_);
+  attention_scale_ = rope.attention_scale;
+  KVFLOW_CUDA_RETURN(cudaMemcpy(inv_freq_, rope.inv_freq.data(), rope.inv_freq.size() * sizeof(float),
+                                cudaMemcpyHostToDevice));
+  return Status::Ok();
+}
+
+Status CudaBackend::UploadWeights(const LlamaWeights& w) {
+  // Convert on the host in slices through one pinned buffer.
+  constexpr size_t kSlice = size_t{16} << 20;  // elements
+  PinnedArena slice;
+  KVFLOW_RETURN_IF_ERROR(slice.Allocate(kSlice * 2, "weight upload staging"));
+  auto* slice16 = reinterpret_cast<uint16_t*>(slice.base());
+  auto upload = [&](const std::vector<float>& src, void* dst) -> Status {
+    for (size_t begin = 0; begin < src.size(); begin += kSlice) {
+      const size_t n = std::min(kSlice, src.size() - begin);
+      ConvertFromFloat(src.data() + begin, n, dtype_, slice16);
+      KVFLOW_CUDA_RETURN(cudaMemcpy(static_cast<char*>(dst) + begin * 2, slice16, n * 2, cudaMemcpyHostToDevice));
+    }
+    return Status::Ok();
+  };
+  KVFLOW_RETURN_IF_ERROR(upload(w.embed, embed_));
+  KVFLOW_RETURN_IF_ERROR(upload(w.final_norm, final_norm_));
+  if (!w.lm_head.empty()) KVFLOW_RETURN_IF_ERROR(upload(w.lm_head, lm_head_));
+  if (w.layers.size() != layers_.size()) return Status::InvalidArgument("weights have the wrong number of layers");
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const LlamaLayerWeights& src = w.layers[i];
+    DeviceLayer& dst = layers_[i];
+    KVFLOW_RETURN_IF_ERROR(upload(src.attn_norm, dst.attn_norm));
+    KVFLOW_RETURN_IF_ERROR(upload(src.wqkv, dst.wqkv));
+    KVFLOW_RETURN_IF_ERROR(upload(src.wo, dst.wo));
+    KVFLOW_RETURN_IF_ERROR(upload(src.ffn_norm, dst.ffn_norm));
+    KVFLOW_RETURN_IF_ERROR(upload(src.w_gate_up, dst.w_gate_up));
+    KVFLOW_RETURN_IF_ERROR(upload(src.w_down, dst.w_down));
+  }
+  return Status::Ok();
+}
+
+Status CudaBackend::FillRandomWeights(uint64_t seed) {
+  const int64_t H = config_.hidden_size, D = config_.head_dim, F = config_.intermediate_size;
+  const int64_t NH = config_.num_heads, KV = config_.num_kv_heads, V = config_.vocab_size;
+  uint64_t tensor = 0;
+  // Uniform in [-s, s) has standard deviation s / sqrt(3): s = sqrt(3 / fan_in) keeps activations O(1).
+  auto fill = [&](void* p, int64_t count, float scale, float offset) -> Status {
+    KVFLOW_KERNEL_RETURN(cuda::FillUniform(dtype_, p, count, seed * 1000003 + tensor++, scale, offset, stream_));
+    return Status::Ok();
+  };
+  auto matrix_scale = [](int64_t fan_in) { return std::sqrt(3.0f / static_cast<float>(fan_in)); };
+  KVFLOW_RETURN_IF_ERROR(fill(embed_, V * H, 1.0f, 0.0f));
+  KVFLOW_RETURN_IF_ERROR(fill(final_norm_, H, 0.1f, 1.0f));
+  if (lm_head_ != embed_) KVFLOW_RETURN_IF_ERROR(fill(lm_head_, V * H, matrix_scale(H), 0.0f));
+  for (DeviceLayer& l : layers_) {
+    KVFLOW_RETURN_IF_ERROR(fill(l.attn_norm, H, 0.1f, 1.0f));
+    KVFLOW_RETURN_IF_ERROR(fill(l.wqkv, (NH + 2 * KV) * D * H, matrix_scale(H), 0.0f));
+    KVFLOW_RETURN_IF_ERROR(fill(l.wo, H * NH * D, matrix_scale(NH * D), 0.0f));
+    KVFLOW_RETURN_IF_ERROR(fill(l.ffn_norm, H, 0.1f, 1.0f));
+    KVFLOW_RETURN_IF_ERROR(fill(l.w_gate_up, 2 * F * H, matrix_scale(H), 0.0f));
+    KVFLOW_RETURN_IF_ERROR(fill(l.w_down, H * F, matrix_scale(F), 0.0f));
+  }
+  KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
+  return Status::Ok();
+}
+
+Status CudaBackend::AllocatePools() {
+  const size_t H = config_.hidden_size, D = config_.head_dim, F = config_.intermediate_size;
+  const size_t NH = config_.num_heads, KV = config_.num_kv_heads, V = config_.vocab_size;
+  const size_t es = cuda::DTypeSize(dtype_);
+  max_seqs_ = options_.max_num_seqs;
+  max_tokens_ = std::max(options_.max_num_batched_tokens, max_seqs_);
+  max_blocks_per_seq_ = (options_.max_model_len + options_.block_size - 1) / options_.block_size;
+  logit_rows_per_chunk_ = std::max(max_seqs_, std::min(max_tokens_, kMaxLogitRowsPerChunk));
+  decode_workspace_bytes_ = cuda::PagedDecodeWorkspaceBytes(max_seqs_, static_cast<int>(NH), static_cast<int>(D),
+                                                             options_.max_model_len);
+  const size_t T = static_cast<size_t>(max_tokens_), R = static_cast<size_t>(logit_rows_per_chunk_);
+
+  // Activations, metadata and workspaces in one arena.
+  auto carve = [&](Carver& c) {
+    residual_ = c.Take<float>(T * H);
+    hidden_ = c.TakeBytes(T * H * es);
+    qkv_ = c.TakeBytes(T * (NH + 2 * KV) * D * es);
+    attn_ = c.TakeBytes(T * NH * D * es);
+    delta_ = c.TakeBytes(T * H * es);
+    gate_up_ = c.TakeBytes(T * 2 * F * es);
+    act_ = c.TakeBytes(T * F * es);
+    final_rows_ = c.Take<float>(R * H);
+    final_hidden_ = c.TakeBytes(R * H * es);
+    logits_ = c.Take<float>(R * V);
+    decode_workspace_ = c.TakeBytes(decode_workspace_bytes_);
+    cublas_workspace_ = c.TakeBytes(kCublasWorkspaceBytes);
+    const size_t before = c.size();
+    StepMetadata::Carve(c, &device_meta_, max_tokens_, max_seqs_, max_blocks_per_seq_);
+    meta_bytes_ = c.size() - before;
+  };
+  Carver dry;
+  carve(dry);
+  KVFLOW_RETURN_IF_ERROR(work_arena_.Allocate(dry.size(), "activations"));
+  Carver real(work_arena_.base());
+  carve(real);
+  KVFLOW_CUBLAS_RETURN(cublasSetWorkspace(cublas_, cublas_workspace_, kCublasWorkspaceBytes));
+
+  // Pinned mirror of the metadata (same offsets), then the logits staging.
+  Carver staging_dry;
+  StepMetadata::Carve(staging_dry, &host_meta_, max_tokens_, max_seqs_, max_blocks_per_seq_);
+  KVFLOW_RETURN_IF_ERROR(staging_.Allocate(staging_dry.size(), "step metadata staging"));
+  Carver staging_real(staging_.base());
+  StepMetadata::Carve(staging_real, &host_meta_, max_tokens_, max_seqs_, max_blocks_per_seq_);
+
+  // The KV pool gets what the budget leaves (vLLM's gpu_memory_utilization).
+  layout_.num_layers = config_.num_layers;
+  layout_.num_kv_heads = config_.num_kv_heads;
+  layout_.head_dim = config_.head_dim;
+  layout_.block_size = options_.block_size;
+  const size_t block_bytes = layout_.elements_per_block_all_layers() * es;
+  size_t free_bytes = 0, total_bytes = 0;
+  KVFLOW_CUDA_RETURN(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const double budget = options_.gpu_memory_utilization * static_cast<double>(total_bytes);
+  const double used = static_cast<double>(total_bytes - free_bytes);
+  const double available = std::min(budget - used, static_cast<double>(free_bytes)) - kReserveBytes;
+  int64_t blocks = options_.num_kv_blocks > 0 ? options_.num_kv_blocks
+                                              : static_cast<int64_t>(std::max(0.0, available) / block_bytes);
+  blocks = std::min<int64_t>(blocks, std::numeric_limits<int32_t>::max() / 2);
+  if (blocks < max_blocks_per_seq_) {
+    return Status::OutOfMemory(fmt::format(
+        "the GPU budget leaves room for {} KV blocks ({} tokens), less than one sequence of max_model_len {} "
+        "needs: weights take {:.2f} GiB, activations {:.2f} GiB, other processes and the context {:.2f} GiB of "
+        "{:.2f} GiB; raise --gpu-memory-utilization (now {}), or lower --max-model-len, --max-num-seqs or "
+        "--max-num-batched-tokens",
+        blocks, blocks * options_.block_size, options_.max_model_len, weight_bytes_ / double(1 << 30),
+        work_arena_.bytes() / double(1 << 30),
+        (used - weight_bytes_ - work_arena_.bytes()) / double(1 << 30), total_bytes / double(1 << 30),
+        options_.gpu_memory_utilization));
+  }
+  layout_.num_blocks = static_cast<int>(blocks);
+  const size_t pool_bytes = layout_.layer_stride() * layout_.num_layers * es;
+  KVFLOW_RETURN_IF_ERROR(kv_arena_.Allocate(2 * pool_bytes, "the KV cache"));
+  key_pool_ = kv_arena_.base();
+  value_pool_ = kv_arena_.base() + pool_bytes;
+
+  // Copy-on-write pair lists and the logits staging.
+  const size_t pairs_bytes = AlignUp(2 * static_cast<size_t>(layout_.num_blocks) * sizeof(int32_t));
+  KVFLOW_RETURN_IF_ERROR(pairs_.Allocate(pairs_bytes, "copy-on-write pairs"));
+  copy_pairs_ = reinterpret_cast<int32_t*>(pairs_.base());
+  KVFLOW_RETURN_IF_ERROR(host_pairs_arena_.Allocate(pairs_bytes, "copy-on-write staging"));
+  host_pairs_ = reinterpret_cast<int32_t*>(host_pairs_arena_.base());
+  KVFLOW_RETURN_IF_ERROR(host_logits_arena_.Allocate(R * V * sizeof(float), "logits staging"));
+  host_logits_ = reinterpret_cast<float*>(host_logits_arena_.base());
+
+  // Swap pool in pinned host memory, same layout as the device pool.
+  num_host_blocks_ = std::max(0, std::min(options_.num_host_blocks, layout_.num_blocks));
+  if (num_host_blocks_ > 0) {
+    KvCacheLayout host_layout = layout_;
+    host_layout.num_blocks = num_host_blocks_;
+    const size_t host_pool_bytes = host_layout.layer_stride() * host_layout.num_layers * es;
+    KVFLOW_RETURN_IF_ERROR(host_kv_arena_.Allocate(2 * host_pool_bytes, "the swap space"));
+    host_key_pool_ = host_kv_arena_.base();
+    host_value_pool_ = host_kv_arena_.base() + host_pool_bytes;
+  }
+  return Status::Ok();
+}
+
+
+int CudaBackend::GraphBucket(int num_seqs) const {
+  for (int b : graph_buckets_) {
+    if (b >= num_seqs) return b;
+  }
+  return -1;
+}
+
+StepShape CudaBackend::PlanStep(const ForwardBatch& batch, int padded_seqs) {
+  StepShape shape;
+  StepMetadata& m = host_meta_;
+  const int bs = layout_.block_size;
+  const int T = static_cast<int>(batch.tokens.size());
+  std::copy(batch.tokens.begin(), batch.tokens.end(), m.tokens);
+  std::copy(batch.positions.begin(), batch.positions.end(), m.positions);
+  for (const SequenceSlice& s : batch.seqs) {
+    // The slice's tokens are the last num_tokens of its context (see backend.h).
+    for (int j = 0; j < s.num_tokens; ++j) {
+      const int pos = s.context_len - s.num_tokens + j;
+      m.slot_mapping[s.token_offset + j] =
+          static_cast<int64_t>(s.block_table[static_cast<size_t>(pos / bs)]) * bs + pos % bs;
+    }
+    const int used_blocks = (s.context_len + bs - 1) / bs;
+    if (s.num_tokens == 1) {
+      const int d = shape.num_decode++;
+      std::copy_n(s.block_table.begin(), used_blocks, m.decode_block_tables + static_cast<size_t>(d) * max_blocks_per_seq_);
+      m.decode_context_lens[d] = s.context_len;
+      m.decode_query_rows[d] = s.token_offset;
+      shape.max_decode_context = std::max(shape.max_decode_context, s.context_len);
+    } else {
+      const int p = shape.num_prefill++;
+      std::copy_n(s.block_table.begin(), used_blocks, m.prefill_block_tables + static_cast<size_t>(p) * max_blocks_per_seq_);
+      m.prefill_query_starts[p] = s.token_offset;
+      m.prefill_query_lens[p] = s.num_tokens;
+      m.prefill_context_lens[p] = s.context_len;
+      shape.max_prefill_query = std::max(shape.max_prefill_query, s.num_tokens);
+    }
+    if (s.logits == LogitsMode::kLast) {
+      m.logit_rows[shape.num_logit_rows++] = s.token_offset + s.num_tokens - 1;
+    } else if (s.logits == LogitsMode::kAll) {
+      for (int j = 0; j < s.num_tokens; ++j) m.logit_rows[shape.num_logit_rows++] = s.token_offset + j;
+    }
+  }
+  shape.num_tokens = T;
+  // Padding rows of a graph bucket: token 0 at position 0, written nowhere, reading block 0.
+  for (int d = shape.num_decode; d < padded_seqs; ++d) {
+    m.tokens[d] = 0;
+    m.positions[d] = 0;
+    m.slot_mapping[d] = -1;
+    m.decode_block_tables[static_cast<size_t>(d) * max_blocks_per_seq_] = 0;
+    m.decode_context_lens[d] = 1;
+    m.decode_query_rows[d] = d;
+    m.logit_rows[d] = d;
+  }
+  return shape;
+}
+
+// Uploads the used part of every metadata array (the device arrays keep their fixed addresses,
+// which CUDA graphs captured).
+Status UploadMetadata(const StepMetadata& host, const StepMetadata& dev, int tokens, int decode_rows,
+                      int prefill_rows, int max_blocks, cudaStream_t stream) {
+  auto up = [&](auto* dst, const auto* src, size_t count) -> Status {
+    if (count == 0) return Status::Ok();
+    return CudaStatus(cudaMemcpyAsync(dst, src, count * sizeof(*src), cudaMemcpyHostToDevice, stream),
+                      "upload step metadata");
+  };
+  const size_t table = static_cast<size_t>(max_blocks);
+  KVFLOW_RETURN_IF_ERROR(up(dev.tokens, host.tokens, tokens));
+  KVFLOW_RETURN_IF_ERROR(up(dev.positions, host.positions, tokens));
+  KVFLOW_RETURN_IF_ERROR(up(dev.slot_mapping, host.slot_mapping, tokens));
+  KVFLOW_RETURN_IF_ERROR(up(dev.logit_rows, host.logit_rows, tokens));
+  KVFLOW_RETURN_IF_ERROR(up(dev.decode_block_tables, host.decode_block_tables, decode_rows * table));
+  KVFLOW_RETURN_IF_ERROR(up(dev.decode_context_lens, host.decode_context_lens, decode_rows));
+  KVFLOW_RETURN_IF_ERROR(up(dev.decode_query_rows, host.decode_query_rows, decode_rows));
+  KVFLOW_RETURN_IF_ERROR(up(dev.prefill_block_tables, host.prefill_block_tables, prefill_rows * table));
+  KVFLOW_RETURN_IF_ERROR(up(dev.prefill_query_starts, host.prefill_query_starts, prefill_rows));
+  KVFLOW_RETURN_IF_ERROR(up(dev.prefill_query_lens, host.prefill_query_lens, prefill_rows));
+  KVFLOW_RETURN_IF_ERROR(up(dev.prefill_context_lens, host.prefill_context_lens, prefill_rows));
+  return Status::Ok();
+}
+
+// y[m, n] = x[m, k] * w[n, k]^T with row-major x, w, y: in cuBLAS's column-major terms
+// y^T (n x m) = w (k x n, transposed) * x^T (k x m).
+Status CudaBackend::Gemm(const void* x, const void* w, void* y, int m, int n, int k, DType out_dtype) {
+  const float one = 1.0f, zero = 0.0f;
+  const cudaDataType_t in = CudaDataType(dtype_);
+  KVFLOW_CUBLAS_RETURN(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, in, k, x, in, k, &zero, y,
+                                    CudaDataType(out_dtype), n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  return Status::Ok();
+}
+
+Status CudaBackend::RunModel(const StepShape& shape, int max_decode_context) {
+  const int T = shape.num_tokens;
+  const int H = config_.hidden_size, D = config_.head_dim, F = config_.intermediate_size;
+  const int NH = config_.num_heads, KV = config_.num_kv_heads, V = config_.vocab_size;
+  const int QKV = (NH + 2 * KV) * D;
+  const float eps = config_.rms_norm_eps;
+  const size_t es = cuda::DTypeSize(dtype_);
+  const size_t layer_bytes = layout_.layer_stride() * es;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const StepMetadata& m = device_meta_;
+
+  KVFLOW_KERNEL_RETURN(cuda::GatherRowsToF32(dtype_, embed_, H, V, m.tokens, T, H, residual_, stream_));
+  for (int l = 0; l < config_.num_layers; ++l) {
+    const DeviceLayer& w = layers_[static_cast<size_t>(l)];
+    if (l == 0) {
+      KVFLOW_KERNEL_RETURN(cuda::RmsNorm(dtype_, residual_, w.attn_norm, hidden_, T, H, eps, stream_));
+    } else {
+      KVFLOW_KERNEL_RETURN(cuda::FusedAddRmsNorm(dtype_, residual_, delta_, w.attn_norm, hidden_, T, H, eps, stream_));
+    }
+    KVFLOW_RETURN_IF_ERROR(Gemm(hidden_, w.wqkv, qkv_, T, QKV, H, dtype_));
+    KVFLOW_KERNEL_RETURN(cuda::ApplyRotaryEmbedding(dtype_, qkv_, QKV, m.positions, T, NH, KV, D, inv_freq_,
+                                                    attention_scale_, stream_));
+    char* qkv = static_cast<char*>(qkv_);
+    char* key_cache = key_pool_ + l * layer_bytes;
+    char* value_cache = value_pool_ + l * layer_bytes;
+    KVFLOW_KERNEL_RETURN(cuda::ReshapeAndCache(dtype_, qkv + static_cast<size_t>(NH) * D * es, QKV,
+                                               qkv + static_cast<size_t>(NH + KV) * D * es, QKV, key_cache,
+                                               value_cache, m.slot_mapping, T, KV, D, layout_.block_size, stream_));
+    if (shape.num_decode > 0) {
+      cuda::PagedDecodeArgs a;
+      a.dtype = dtype_;
+      a.out = attn_;
+      a.out_row_stride = static_cast<int64_t>(NH) * D;
+      a.query = qkv_;
+      a.query_row_stride = QKV;
+      a.key_cache = key_cache;
+      a.value_cache = value_cache;
+      a.block_tables = m.decode_block_tables;
+      a.block_table_stride = max_blocks_per_seq_;
+      a.context_lens = m.decode_context_lens;
+      a.query_rows = m.decode_query_rows;
+      a.num_seqs = shape.num_decode;
+      a.num_heads = NH;
+      a.num_kv_heads = KV;
+      a.head_dim = D;
+      a.block_size = layout_.block_size;
+      a.max_context_len = max_decode_context;
+      a.scale = scale;
+      a.workspace = decode_workspace_;
+      a.workspace_bytes = decode_workspace_bytes_;
+      KVFLOW_KERNEL_RETURN(cuda::PagedAttentionDecode(a, stream_));
+    }
+    if (shape.num_prefill > 0) {
+      cuda::PagedPrefillArgs a;
+      a.dtype = dtype_;
+      a.out = attn_;
+      a.out_row_stride = static_cast<int64_t>(NH) * D;
+      a.query = qkv_;
+      a.query_row_stride = QKV;
+      a.key_cache = key_cache;
+      a.value_cache = value_cache;
+      a.block_tables = m.prefill_block_tables;
+      a.block_table_stride = max_blocks_per_seq_;
+      a.query_starts = m.prefill_query_starts;
+      a.query_lens = m.prefill_query_lens;
+      a.context_lens = m.prefill_context_lens;
+      a.num_seqs = shape.num_prefill;
+      a.num_heads = NH;
+      a.num_kv_heads = KV;
+      a.head_dim = D;
+      a.block_size = layout_.block_size;
+      a.max_query_len = shape.max_prefill_query;
+      a.scale = scale;
+      KVFLOW_KERNEL_RETURN(cuda::PagedAttentionPrefill(a, stream_));
+    }
+    KVFLOW_RETURN_IF_ERROR(Gemm(attn_, w.wo, delta_, T, H, NH * D, dtype_));
+    KVFLOW_KERNEL_RETURN(cuda::FusedAddRmsNorm(dtype_, residual_, delta_, w.ffn_norm, hidden_, T, H, eps, stream_));
+    KVFLOW_RETURN_IF_ERROR(Gemm(hidden_, w.w_gate_up, gate_up_, T, 2 * F, H, dtype_));
+    KVFLOW_KERNEL_RETURN(cuda::SiluAndMul(dtype_, gate_up_, act_, T, F, stream_));
+    KVFLOW_RETURN_IF_ERROR(Gemm(act_, w.w_down, delta_, T, H, F, dtype_));
+  }
+  KVFLOW_KERNEL_RETURN(cuda::AddToResidual(dtype_, residual_, delta_, T, H, stream_));
+  return Status::Ok();
+}
+
+Status CudaBackend::RunLogits(int first_row, int rows) {
+  const int H = config_.hidden_size, V = config_.vocab_size;
+  KVFLOW_KERNEL_RETURN(cuda::GatherRowsToF32(DType::kF32, residual_, H, max_tokens_, device_meta_.logit_rows + first_row,
+                                             rows, H, final_rows_, stream_));
+  KVFLOW_KERNEL_RETURN(cuda::RmsNorm(dtype_, final_rows_, final_norm_, final_hidden_, rows, H, config_.rms_norm_eps, stream_));
+  return Gemm(final_hidden_, lm_head_, logits_, rows, V, H, DType::kF32);
+}
+
+Status CudaBackend::CopyLogitsToHost(int rows, float* dst) {
+  const size_t bytes = static_cast<size_t>(rows) * config_.vocab_size * sizeof(float);
+  KVFLOW_CUDA_RETURN(cudaMemcpyAsync(host_logits_, logits_, bytes, cudaMemcpyDeviceToHost, stream_));
+  // Also where an asynchronous fault of any kernel of the step surfaces.
+  KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
+  std::memcpy(dst, host_logits_, bytes);
+  return Status::Ok();
+}
+
+Status CudaBackend::Forward(const ForwardBatch& batch, std::vector<float>& logits) {
+  KVFLOW_RETURN_IF_ERROR(ValidateForwardBatch(batch, config_, layout_));
+  const int T = static_cast<int>(batch.tokens.size());
+  const int num_seqs = static_cast<int>(batch.seqs.size());
+  if (T == 0) {
+    logits.clear();
+    return Status::Ok();
+  }
+  if (T > max_tokens_ || num_seqs > max_seqs_) {
+    return Status::InvalidArgument(fmt::format(
+        "batch of {} tokens in {} sequences exceeds the CUDA backend's limits ({} tokens, {} sequences)", T, num_seqs,
+        max_tokens_, max_seqs_));
+  }
+  bool all_decode = true;
+  for (const SequenceSlice& s : batch.seqs) {
+    if (s.context_len > max_blocks_per_seq_ * layout_.block_size) {
+      return Status::InvalidArgument(fmt::format("a sequence of {} tokens exceeds max_model_len {}", s.context_len,
+                                                 options_.max_model_len));
+    }
+    all_decode = all_decode && s.num_tokens == 1 && s.logits == LogitsMode::kLast;
+  }
+  const int64_t rows = batch.num_logit_rows();
+  try {
+    logits.resize(static_cast<size_t>(rows) * config_.vocab_size);
+  } catch (const std::bad_alloc&) {
+    return Status::OutOfMemory("cannot allocate host memory for the logits");
+  }
+
+  if (options_.enable_cuda_graphs && !graphs_failed_ && all_decode) {
+    const int bucket = GraphBucket(num_seqs);
+    if (bucket > 0) return ForwardWithGraph(batch, bucket, logits);
+  }
+
+  const StepShape shape = PlanStep(batch, 0);
+  KVFLOW_RETURN_IF_ERROR(UploadMetadata(host_meta_, device_meta_, T, shape.num_decode, shape.num_prefill,
+                                        max_blocks_per_seq_, stream_));
+  KVFLOW_RETURN_IF_ERROR(RunModel(shape, shape.max_decode_context));
+  for (int first = 0; first < rows; first += logit_rows_per_chunk_) {
+    const int chunk = static_cast<int>(std::min<int64_t>(logit_rows_per_chunk_, rows - first));
+    KVFLOW_RETURN_IF_ERROR(RunLogits(first, chunk));
+    KVFLOW_RETURN_IF_ERROR(CopyLogitsToHost(chunk, logits.data() + static_cast<size_t>(first) * config_.vocab_size));
+  }
+  if (rows == 0) KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
+  return Status::Ok();
+}
+
+Status CudaBackend::ForwardWithGraph(const ForwardBatch& batch, int bucket, std::vector<float>& logits) {
+  const int n = static_cast<int>(batch.seqs.size());
+  PlanStep(batch, bucket);
+  KVFLOW_RETURN_IF_ERROR(UploadMetadata(host_meta_, device_meta_, bucket, bucket, 0, max_blocks_per_seq_, stream_));
+  // The graph's shape: the whole bucket, the decode grid sized for max_model_len.
+  StepShape shape;
+  shape.num_tokens = bucket;
+  shape.num_decode = bucket;
+  shape.num_logit_rows = bucket;
+  shape.max_decode_context = options_.max_model_len;
+
+  auto it = graphs_.find(bucket);
+  if (it == graphs_.end()) {
+    // First step of this bucket: run it eagerly (the launches the graph will hold, so every kernel
+    // is set up outside capture), then capture the same launches for the next steps.
+    KVFLOW_RETURN_IF_ERROR(RunModel(shape, shape.max_decode_context));
+    KVFLOW_RETURN_IF_ERROR(RunLogits(0, bucket));
+    KVFLOW_RETURN_IF_ERROR(CopyLogitsToHost(n, logits.data()));
+
+    cudaGraph_t graph = nullptr;
+    KVFLOW_CUDA_RETURN(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    Status captured = RunModel(shape, shape.max_decode_context);
+    if (captured.ok()) captured = RunLogits(0, bucket);
+    const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+    cudaGraphExec_t exec = nullptr;
+    if (captured.ok() && end == cudaSuccess) {
+      const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+      if (inst != cudaSuccess) captured = CudaStatus(inst, "cudaGraphInstantiate");
+    } else if (captured.ok()) {
+      captured = CudaStatus(end, "cudaStreamEndCapture");
+    }
+    if (graph) cudaGraphDestroy(graph);
+    if (!captured.ok()) {
+      // Eager steps still work: log once and stop trying.
+      spdlog::warn("CUDA graph capture failed ({}); decode steps run without graphs", captured.message());
+      graphs_failed_ = true;
+      cudaGetLastError();
+      return Status::Ok();
+    }
+    graphs_.emplace(bucket, exec);
+    spdlog::debug("captured a CUDA graph for decode batches of up to {} sequences", bucket);
+    return Status::Ok();
+  }
+  KVFLOW_CUDA_RETURN(cudaGraphLaunch(it->second, stream_));
+  return CopyLogitsToHost(n, logits.data());
+}
+
+Status CudaBackend::CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) {
+  KVFLOW_RETURN_IF_ERROR(ValidateBlockMoves(moves, kind, layout_.num_blocks, num_host_blocks_));
+  if (moves.empty()) return Status::Ok();
+  const size_t es = cuda::DTypeSize(dtype_);
+  if (kind == BlockCopyKind::kDeviceToDevice) {
+    // The previous pair list may still be in flight to the device.
+    KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
+    const size_t n = std::min(moves.size(), static_cast<size_t>(layout_.num_blocks));
+    for (size_t i = 0; i < n; ++i) {
+      host_pairs_[2 * i] = moves[i].src;
+      host_pairs_[2 * i + 1] = moves[i].dst;
+    }
+    KVFLOW_CUDA_RETURN(cudaMemcpyAsync(copy_pairs_, host_pairs_, 2 * n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    KVFLOW_KERNEL_RETURN(cuda::CopyBlocks(dtype_, key_pool_, value_pool_, layout_.num_layers,
+                                          static_cast<int64_t>(layout_.layer_stride()),
+                                          static_cast<int64_t>(layout_.block_stride()), copy_pairs_,
+                                          static_cast<int>(n), stream_));
+    return Status::Ok();
+  }
+
+  // Swaps: DMA copies on their own stream, after the compute queued so far; compute waits for them.
+  const bool to_host = kind == BlockCopyKind::kDeviceToHost;
+  const size_t block_bytes = layout_.block_stride() * es;
+  const size_t device_layer_bytes = layout_.layer_stride() * es;
+  const size_t host_layer_bytes = block_bytes * static_cast<size_t>(num_host_blocks_);
+  KVFLOW_CUDA_RETURN(cudaEventRecord(compute_done_, stream_));
+  KVFLOW_CUDA_RETURN(cudaStreamWaitEvent(copy_stream_, compute_done_, 0));
+  // Runs of consecutive source and destination ids move as one copy.
+  struct Run {
+    BlockId src, dst;
+    size_t len;
+  };
+  std::vector<Run> runs;
+  for (const BlockMove& mv : moves) {
+    if (!runs.empty() && runs.back().src + static_cast<BlockId>(runs.back().len) == mv.src &&
+        runs.back().dst + static_cast<BlockId>(runs.back().len) == mv.dst) {
+      ++runs.back().len;
+    } else {
+      runs.push_back({mv.src, mv.dst, 1});
+    }
+  }
+  for (int l = 0; l < layout_.num_layers; ++l) {
+    for (int pool = 0; pool < 2; ++pool) {
+      char* dev = (pool == 0 ? key_pool_ : value_pool_) + l * device_layer_bytes;
+      char* host = (pool == 0 ? host_key_pool_ : host_value_pool_) + l * host_layer_bytes;
+      for (const Run& r : runs) {
+        char* src = (to_host ? dev : host) + r.src * block_bytes;
+        char* dst = (to_host ? host : dev) + r.dst * block_bytes;
+        KVFLOW_CUDA_RETURN(cudaMemcpyAsync(dst, src, r.len * block_bytes,
+                                           to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, copy_stream_));
+      }
+    }
+  }
+  KVFLOW_CUDA_RETURN(cudaEventRecord(swap_done_, copy_stream_));
+  KVFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream_, swap_done_, 0));
+  return Status::Ok();
+}
+
+std::string CudaBackend::Describe() const {
+  const size_t es = cuda::DTypeSize(dtype_);
+  const double kv_gib = 2.0 * layout_.layer_stride() * layout_.num_layers * es / double(1 << 30);
+  const double swap_gib = layout_.elements_per_block_all_layers() * es * double(num_host_blocks_) / double(1 << 30);
+  return fmt::format(
+      "cuda:{} {} ({}, weights {:.2f} GiB, activations {:.2f} GiB, KV pool {} blocks x {} tokens = {:.2f} GiB, "
+      "swap {:.2f} GiB pinned, CUDA graphs {})",
+      options_.device, device_name_, cuda::DTypeName(dtype_), weight_bytes_ / double(1 << 30),
+      work_arena_.bytes() / double(1 << 30), layout_.num_blocks, layout_.block_size, kv_gib, swap_gib,
+      options_.enable_cuda_graphs ? (graphs_failed_ ? "failed" : "on") : "off");
+}
+
+Result<std::unique_ptr<Backend>> Create(const ModelConfig& config, const LlamaWeights* weights,
+                                        const CudaBackendOptions& options, uint64_t seed) {
+  auto backend = std::make_unique<CudaBackend>(config, options);
+  KVFLOW_RETURN_IF_ERROR(backend->Init(weights, seed));
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Backend>> CreateCudaBackend(const ModelConfig& config, const LlamaWeights& weights,
+                                                   const CudaBackendOptions& options) {
+  return Create(config, &weights, options, 0);
+}
+
+Result<std::unique_ptr<Backend>> CreateCudaBackendWithRandomWeights(const ModelConfig& config,
+                                                                    const CudaBackendOptions& options,
+                                                                    uint64_t seed) {
+  return Create(config, nullptr, options, seed);
+}
+
+}  // namespace kvflow

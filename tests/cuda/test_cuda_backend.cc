@@ -1,0 +1,412 @@
+// The CUDA backend end to end, against the CPU reference backend:
+//   - logits of the same batches (prefill with every row's logits, chunked prefill mixed with
+//     decode, decode steps) within tolerance, with the CPU running on the same fp16/bf16-rounded
+//     weights so that only activation rounding and summation order differ;
+//   - greedy generations of the CUDA engine equal to the CPU engine's (tiny-random here; SmolLM2
+//     when its GGUF is present and a real GPU runs the test);
+//   - preemption by swap and by recompute, prefix caching, and CUDA graphs vs eager steps leave the
+//     greedy outputs unchanged;
+//   - impossible configurations fail with clear errors.
+// In the emulator build (label emu) this runs the backend's host code, every kernel and the CUDA
+// graph path on the CPU; on a GPU (label gpu) the real thing.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+#include <numeric>
+#include <random>
+
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "engine_test_util.h"
+#include "gpu_test_util.h"
+#include "kvflow/engine.h"
+#include "model/llama_weights.h"
+#include "model/tiny_random.h"
+
+namespace kvflow {
+namespace {
+
+using test::Greedy;
+
+LlamaWeights TinyWeights(ModelConfig* config) {
+  auto files = MakeTinyRandomModel().value();
+  *config = files.config;
+  return LoadLlamaWeights(*files.tensors, files.config, files.gguf_rope_permuted).value();
+}
+
+// Rounds every weight to the device dtype, so the CPU reference computes with the same weights.
+void RoundWeights(LlamaWeights& w, cuda::DType t) {
+  auto round = [t](std::vector<float>& v) { test::ToDeviceBytes(v, t); };
+  round(w.embed);
+  round(w.final_norm);
+  round(w.lm_head);
+  for (auto& l : w.layers) {
+    round(l.attn_norm);
+    round(l.wqkv);
+    round(l.wo);
+    round(l.ffn_norm);
+    round(l.w_gate_up);
+    round(l.w_down);
+  }
+}
+
+// A batch builder over a shuffled pool: each sequence owns the blocks it has touched.
+class BatchPlanner {
+ public:
+  BatchPlanner(int num_blocks, int block_size, uint32_t seed) : block_size_(block_size) {
+    free_.resize(static_cast<size_t>(num_blocks));
+    std::iota(free_.begin(), free_.end(), 0);
+    std::mt19937 rng(seed);
+    std::shuffle(free_.begin(), free_.end(), rng);
+  }
+  // Adds `tokens` new tokens of sequence `seq` (whose context so far is `cached` tokens).
+  void Add(ForwardBatch& b, int seq, const std::vector<int32_t>& tokens, LogitsMode logits) {
+    auto& table = tables_[seq];
+    int& len = lens_[seq];
+    SequenceSlice s;
+    s.token_offset = static_cast<int32_t>(b.tokens.size());
+    s.num_tokens = static_cast<int32_t>(tokens.size());
+    for (int32_t t : tokens) {
+      b.tokens.push_back(t);
+      b.positions.push_back(len++);
+    }
+    s.context_len = len;
+    while (static_cast<int>(table.size()) * block_size_ < len) {
+      table.push_back(free_.back());
+      free_.pop_back();
+    }
+    s.block_table = table;
+    s.logits = logits;
+    b.seqs.push_back(s);
+  }
+
+ private:
+  int block_size_;
+  std::vector<BlockId> free_;
+  std::map<int, std::vector<BlockId>> tables_;
+  std::map<int, int> lens_;
+};
+
+std::vector<int32_t> RandomTokens(std::mt19937& rng, int n, int vocab) {
+  std::uniform_int_distribution<int> d(0, vocab - 1);
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  for (auto& t : v) t = d(rng);
+  return v;
+}
+
+std::vector<int32_t> ArgmaxRows(const std::vector<float>& logits, int vocab) {
+  std::vector<int32_t> out;
+  for (size_t r = 0; r * vocab < logits.size(); ++r) {
+    const float* row = logits.data() + r * vocab;
+    out.push_back(static_cast<int32_t>(std::max_element(row, row + vocab) - row));
+  }
+  return out;
+}
+
+class CudaBackendLogits : public ::testing::TestWithParam<std::tuple<cuda::DType, bool>> {};
+
+TEST_P(CudaBackendLogits, MatchCpuBackendOnTinyRandom) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  const auto [dtype, graphs] = GetParam();
+  ModelConfig config;
+  LlamaWeights weights = TinyWeights(&config);
+  RoundWeights(weights, dtype);
+  const int kBlocks = 64, kBlockSize = 16;
+  KvCacheLayout layout{config.num_layers, kBlocks, config.num_kv_heads, kBlockSize, config.head_dim};
+  auto cpu = CpuBackend::Create(config, weights, layout, 0, 2);
+  ASSERT_TRUE(cpu.ok()) << cpu.status().ToString();
+  CudaBackendOptions o;
+  o.dtype = dtype == cuda::DType::kF16 ? "fp16" : "bf16";
+  o.block_size = kBlockSize;
+  o.num_kv_blocks = kBlocks;
+  o.max_num_seqs = 8;
+  o.max_num_batched_tokens = 128;
+  o.max_model_len = 256;
+  o.enable_cuda_graphs = graphs;
+  auto gpu = CreateCudaBackend(config, weights, o);
+  ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
+  std::printf("  %s\n", gpu.value()->Describe().c_str());
+
+  // Activation rounding of 16-bit formats over 4 layers: relative to the logit scale.
+  const double tol = dtype == cuda::DType::kF16 ? 1e-2 : 6e-2;
+  std::mt19937 rng(5);
+  // The same slices for both backends (they only read block ids).
+  BatchPlanner planner(kBlocks, kBlockSize, 99);
+  auto step = [&](const ForwardBatch& b, const std::string& what) {
+    std::vector<float> ref, got;
+    ASSERT_TRUE(cpu.value()->Forward(b, ref).ok());
+    const Status st = gpu.value()->Forward(b, got);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    double scale = 0.0;
+    for (float x : ref) scale = std::max(scale, static_cast<double>(std::fabs(x)));
+    test::ExpectClose(what, got, ref, tol * scale, 1.0);
+    // Greedy choices agree wherever the reference's top two are not a near-tie.
+    const auto a = ArgmaxRows(got, config.vocab_size), r = ArgmaxRows(ref, config.vocab_size);
+    int agree = 0;
+    for (size_t i = 0; i < a.size(); ++i) agree += a[i] == r[i];
+    EXPECT_GE(agree, static_cast<int>(a.size()) * 9 / 10) << what;
+  };
+
+  {  // Prefill of three prompts, every row's logits.
+    ForwardBatch b;
+    planner.Add(b, 0, RandomTokens(rng, 5, config.vocab_size), LogitsMode::kAll);
+    planner.Add(b, 1, RandomTokens(rng, 17, config.vocab_size), LogitsMode::kAll);
+    planner.Add(b, 2, RandomTokens(rng, 40, config.vocab_size), LogitsMode::kLast);
+    step(b, "prefill 5 + 17 (all rows) + 40");
+  }
+  {  // Chunked prefill of a new prompt next to decode tokens.
+    ForwardBatch b;
+    planner.Add(b, 0, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+    planner.Add(b, 3, RandomTokens(rng, 23, config.vocab_size), LogitsMode::kNone);
+    planner.Add(b, 1, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+    step(b, "decode + first prefill chunk");
+  }
+  {
+    ForwardBatch b;
+    planner.Add(b, 3, RandomTokens(rng, 30, config.vocab_size), LogitsMode::kLast);
+    planner.Add(b, 2, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+    step(b, "second prefill chunk + decode");
+  }
+  for (int i = 0; i < 6; ++i) {  // Pure decode steps (CUDA graphs when enabled).
+    ForwardBatch b;
+    for (int seq = 0; seq < 4; ++seq) planner.Add(b, seq, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+    step(b, "decode step " + std::to_string(i) + " of 4 sequences");
+  }
+  for (int i = 0; i < 3; ++i) {  // A smaller decode batch: another graph bucket.
+    ForwardBatch b;
+    planner.Add(b, 1, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+    step(b, "decode step " + std::to_string(i) + " of 1 sequence");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(DtypesAndGraphs, CudaBackendLogits,
+                         ::testing::Values(std::make_tuple(cuda::DType::kF16, true),
+                                           std::make_tuple(cuda::DType::kBF16, true),
+                                           std::make_tuple(cuda::DType::kF16, false)),
+                         [](const auto& info) {
+                           return std::string(cuda::DTypeName(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) ? "_graphs" : "_eager");
+                         });
+
+// Copy-on-write and swap round trips move exactly the blocks asked for.
+TEST(CudaBackendBlocks, CopyAndSwapRoundTripsPreserveTheCache) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  ModelConfig config;
+  LlamaWeights weights = TinyWeights(&config);
+  CudaBackendOptions o;
+  o.dtype = "fp16";
+  o.block_size = 8;
+  o.num_kv_blocks = 32;
+  o.num_host_blocks = 16;
+  o.max_num_seqs = 4;
+  o.max_num_batched_tokens = 64;
+  o.max_model_len = 64;
+  auto gpu = CreateCudaBackend(config, weights, o).value();
+  BatchPlanner planner(32, 8, 3);
+  std::mt19937 rng(8);
+  ForwardBatch b;
+  planner.Add(b, 0, RandomTokens(rng, 37, config.vocab_size), LogitsMode::kLast);
+  std::vector<float> before, after;
+  ASSERT_TRUE(gpu->Forward(b, before).ok());
+  const std::vector<BlockId> table = b.seqs[0].block_table;  // 5 blocks
+
+  // Swap the blocks out, scribble over them with another sequence, swap back: same next logits.
+  std::vector<BlockMove> out, in;
+  for (size_t i = 0; i < table.size(); ++i) {
+    out.push_back({table[i], static_cast<BlockId>(i + 3)});
+    in.push_back({static_cast<BlockId>(i + 3), table[i]});
+  }
+  ASSERT_TRUE(gpu->CopyBlocks(out, BlockCopyKind::kDeviceToHost).ok());
+  ForwardBatch scribble;
+  {
+    SequenceSlice s;
+    s.num_tokens = 37;
+    s.context_len = 37;
+    s.block_table = table;
+    s.logits = LogitsMode::kNone;
+    auto toks = RandomTokens(rng, 37, config.vocab_size);
+    for (int i = 0; i < 37; ++i) {
+      scribble.tokens.push_back(toks[static_cast<size_t>(i)]);
+      scribble.positions.push_back(i);
+    }
+    scribble.seqs.push_back(s);
+  }
+  std::vector<float> unused;
+  ASSERT_TRUE(gpu->Forward(scribble, unused).ok());
+  ASSERT_TRUE(gpu->CopyBlocks(in, BlockCopyKind::kHostToDevice).ok());
+  ForwardBatch next;
+  SequenceSlice s;
+  s.num_tokens = 1;
+  s.context_len = 38;
+  s.block_table = table;
+  s.logits = LogitsMode::kLast;
+  next.tokens = {7};
+  next.positions = {37};
+  next.seqs = {s};
+  ASSERT_TRUE(gpu->Forward(next, after).ok());
+
+  // Reference: the same decode on an untouched copy (CoW the blocks to fresh ids, decode there).
+  std::vector<BlockMove> cow;
+  std::vector<BlockId> copy_table;
+  for (size_t i = 0; i < table.size(); ++i) {
+    const BlockId dst = 31 - static_cast<BlockId>(i);
+    ASSERT_EQ(std::count(table.begin(), table.end(), dst), 0) << "choose other test blocks";
+    cow.push_back({table[i], dst});
+    copy_table.push_back(dst);
+  }
+  ASSERT_TRUE(gpu->CopyBlocks(cow, BlockCopyKind::kDeviceToDevice).ok());
+  next.seqs[0].block_table = copy_table;
+  std::vector<float> via_copy;
+  ASSERT_TRUE(gpu->Forward(next, via_copy).ok());
+  EXPECT_EQ(after, via_copy) << "a copy-on-write copy decodes exactly like the original";
+  EXPECT_EQ(after.size(), static_cast<size_t>(config.vocab_size));
+  for (float x : after) ASSERT_TRUE(std::isfinite(x));
+}
+
+// ---- engine level ---------------------------------------------------------------------------------
+
+const std::vector<std::string> kPrompts = {
+    "You are a helpful assistant. What is a block table?", "Name three colours.", "1 2 3 4 5 6 7 8 9 10",
+    "You are a helpful assistant. What is a block table? Explain copy-on-write."};
+
+using Outputs = std::vector<std::vector<int32_t>>;
+
+Outputs RunEngine(EngineConfig c, int max_tokens, EngineStats* stats = nullptr) {
+  auto created = Engine::Create(c);
+  EXPECT_TRUE(created.ok()) << created.status().ToString();
+  if (!created.ok()) return {};
+  auto engine = std::move(created).value();
+  Outputs out(kPrompts.size());
+  for (size_t i = 0; i < kPrompts.size(); ++i) {
+    auto id = engine->AddRequest(kPrompts[i], Greedy(max_tokens), [&out, i](const StreamEvent& e) {
+      EXPECT_TRUE(e.error.ok()) << e.error.ToString();
+      for (const auto& t : e.tokens) out[i].push_back(t.token);
+    });
+    EXPECT_TRUE(id.ok());
+  }
+  while (engine->HasUnfinishedRequests()) {
+    auto st = engine->Step();
+    EXPECT_TRUE(st.ok()) << st.status().ToString();
+    if (!st.ok()) break;
+  }
+  if (stats) *stats = engine->stats();
+  EXPECT_EQ(engine->stats().kv_blocks_free, engine->stats().kv_blocks_total) << "device blocks leaked";
+  return out;
+}
+
+EngineConfig CudaConfig(const std::string& model, const std::string& dtype = "fp16") {
+  EngineConfig c;
+  c.model = model;
+  c.device = "cuda";
+  c.dtype = dtype;
+  c.num_threads = 2;
+  c.num_kv_blocks = 256;  // fixed, so the emulator does not size a pool from its fake 8 GiB
+  c.max_num_seqs = 8;
+  c.max_num_batched_tokens = 256;
+  c.max_model_len = 512;
+  return c;
+}
+
+// Number of leading tokens two generations share.
+size_t CommonPrefix(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  size_t n = 0;
+  while (n < a.size() && n < b.size() && a[n] == b[n]) ++n;
+  return n;
+}
+
+void ExpectGreedyMatchesCpu(const std::string& model, int tokens) {
+  EngineConfig cpu = CudaConfig(model);
+  cpu.device = "cpu";
+  const Outputs ref = RunEngine(cpu, tokens);
+  const Outputs got = RunEngine(CudaConfig(model, "fp16"), tokens);
+  ASSERT_EQ(ref.size(), got.size());
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const size_t same = CommonPrefix(ref[i], got[i]);
+    std::printf("  %s prompt %zu: CUDA (fp16) and CPU (fp32) greedy tokens agree for %zu of %d\n", model.c_str(), i,
+                same, tokens);
+    EXPECT_EQ(same, static_cast<size_t>(tokens)) << "prompt " << i;
+  }
+}
+
+TEST(CudaEngine, GreedyMatchesCpuEngineOnTinyRandom) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  ExpectGreedyMatchesCpu("tiny-random", 32);
+}
+
+TEST(CudaEngine, GreedyMatchesCpuEngineOnSmolLM2) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  if (test::IsEmulator()) GTEST_SKIP() << "SmolLM2 is too slow for the CUDA emulator; runs on a GPU";
+  const std::string gguf = std::string(KVFLOW_SOURCE_DIR) + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  if (!std::filesystem::exists(gguf)) GTEST_SKIP() << "no " << gguf << " (tools/fetch-model)";
+  ExpectGreedyMatchesCpu(gguf, 32);
+}
+
+TEST(CudaEngine, PreemptionPrefixCachingAndGraphsKeepGreedyOutputs) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  const int kTokens = 24;
+  const Outputs reference = RunEngine(CudaConfig("tiny-random"), kTokens);
+
+  EngineConfig eager = CudaConfig("tiny-random");
+  eager.enforce_eager = true;
+  EXPECT_EQ(RunEngine(eager, kTokens), reference) << "eager steps = CUDA graph steps";
+
+  for (const std::string mode : {"swap", "recompute"}) {
+    EngineConfig tiny = CudaConfig("tiny-random");
+    tiny.block_size = 8;
+    tiny.num_kv_blocks = 14;  // far less than the batch needs at once
+    tiny.max_model_len = 0;
+    tiny.preemption_mode = mode;
+    EngineStats stats;
+    EXPECT_EQ(RunEngine(tiny, kTokens, &stats), reference) << "preemption by " << mode;
+    EXPECT_GT(stats.num_preemptions, 0) << mode;
+    if (mode == "swap") EXPECT_GT(stats.blocks_swapped_in, 0);
+  }
+
+  EngineConfig cached = CudaConfig("tiny-random");
+  cached.enable_prefix_caching = true;
+  cached.block_size = 8;
+  cached.max_num_batched_tokens = 32;  // later prompts are admitted after earlier ones computed
+  EngineStats stats;
+  EXPECT_EQ(RunEngine(cached, kTokens, &stats), reference) << "prefix caching";
+  EXPECT_GT(stats.prefix_cache_hit_rate, 0.0);
+}
+
+TEST(CudaEngine, ImpossibleConfigurationsFailClearly) {
+  EngineConfig c = CudaConfig("tiny-random");
+  c.device = "cuda:7";
+  auto e = Engine::Create(c);
+  ASSERT_FALSE(e.ok());
+  std::printf("  cuda:7 -> %s\n", e.status().ToString().c_str());
+
+  c = CudaConfig("tiny-random");
+  c.device = "gpu";
+  e = Engine::Create(c);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
+
+  c = CudaConfig("tiny-random");
+  c.gpu_memory_utilization = 1.5;
+  EXPECT_FALSE(Engine::Create(c).ok());
+
+  c = CudaConfig("tiny-random");
+  c.block_size = 4;  // the attention kernels take 8, 16 or 32
+  e = Engine::Create(c);
+  ASSERT_FALSE(e.ok());
+  std::printf("  block_size 4 -> %s\n", e.status().ToString().c_str());
+  if (cuda::DeviceCount() > 0) EXPECT_EQ(e.status().code(), StatusCode::kUnsupported);
+
+  if (cuda::DeviceCount() > 0) {
+    // A budget that cannot hold the weights and one full context.
+    c = CudaConfig("tiny-random");
+    c.num_kv_blocks = 0;
+    c.gpu_memory_utilization = 0.0001;
+    e = Engine::Create(c);
+    ASSERT_FALSE(e.ok());
+    EXPECT_EQ(e.status().code(), StatusCode::kOutOfMemory);
+    std::printf("  gpu_memory_utilization 0.0001 -> %s\n", e.status().ToString().c_str());
+  }
+}
+
+}  // namespace
+}  // namespace kvflow
