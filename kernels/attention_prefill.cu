@@ -2,10 +2,11 @@
 //
 // Work decomposition. One CTA of 4 warps handles one (sequence, kv head, tile of kBlockM "rows").
 // A row is one (query token, query head) pair of the GQA group that shares the kv head, packed
-// token-major: row m <-> token m / group, head kv_head * group + m % group. Packing the group
-// into the M dimension lets every K/V tile that a CTA stages in shared memory serve all the
-// query heads that read it (group x fewer K/V loads), and keeps short query chunks (decode-like
-// rows, small chunked-prefill tails) from wasting most of a tile. Each warp owns 16 * kMTiles
+// token-major: row m <-> token m / group, head kv_head * group + m % group. For short query
+// chunks (decode-like rows, chunked-prefill tails over a long cached prefix) this fills the tile
+// with the group's heads, so each K/V tile is gathered once for the whole group instead of once
+// per query head, and far fewer tile rows are padding; for long prompts it costs the same as
+// per-head tiling (and its diagonal tiles span fewer positions). Each warp owns 16 * kMTiles
 // consecutive rows; the K/V loop walks the sequence's keys 0 .. (last position of the tile) in
 // tiles of kBlockN tokens gathered from the paged cache through the block table with cp.async,
 // double-buffered so the next tile's copy overlaps this tile's math.
@@ -154,22 +155,24 @@ __global__ void __launch_bounds__(kThreads) PagedPrefillKernel(const PrefillPara
   // kRowsPerPass token rows. Token n lives in block block_table[n / block_size], slot
   // n % block_size; keys at or past kv_len are zero-filled and never read (the cache may hold
   // anything there, even NaN, and a zero V row times p = 0 stays 0).
+  // Per-thread bases: this kv head's span of a block plus the thread's chunk column.
+  const T* const k_base = key_cache + head_offset + load_chunk * 8;
+  const T* const v_base = value_cache + head_offset + load_chunk * 8;
   auto load_kv = [&](int tile, int stage) {
     const int n0 = tile * kBlockN;
-#pragma unroll 4
+#pragma unroll 2
     for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
       const int r = load_row0 + i * kRowsPerPass;
       const int key = n0 + r;
       const bool valid = key < kv_len;
       int64_t offset = 0;
       if (valid) {
-        const int64_t block = block_table[key >> p.block_shift];
-        offset = block * block_stride + head_offset +
-                 static_cast<int64_t>(key & (p.block_size - 1)) * kHeadDim + load_chunk * 8;
+        offset = static_cast<int64_t>(block_table[key >> p.block_shift]) * block_stride +
+                 (key & (p.block_size - 1)) * kHeadDim;
       }
       const int dst = (stage * kBlockN + r) * kStride + load_chunk * 8;
-      dev::CpAsync16(sK + dst, key_cache + offset, valid);
-      dev::CpAsync16(sV + dst, value_cache + offset, valid);
+      dev::CpAsync16(sK + dst, valid ? k_base + offset : key_cache, valid);
+      dev::CpAsync16(sV + dst, valid ? v_base + offset : value_cache, valid);
     }
   };
   load_kv(0, 0);
@@ -384,7 +387,10 @@ __global__ void __launch_bounds__(kThreads) PagedPrefillKernel(const PrefillPara
   __syncwarp();
   T* const out = static_cast<T*>(p.out);
   static_assert(16 * kChunks % 32 == 0, "whole store passes");
-#pragma unroll
+  // Not unrolled (runs once per CTA): the 128-row, head_dim 128 kernel sits at 255 registers, and
+  // these unroll factors (here and in load_kv) are the ones with which ptxas reports no spills for
+  // all eight instantiations (check with -Xptxas=-v after changes).
+#pragma unroll 1
   for (int i = 0; i < 16 * kMTiles * kChunks / 32; ++i) {
     const int idx = lane + 32 * i;
     const int r = idx / kChunks, c = idx % kChunks;
@@ -407,8 +413,9 @@ int LaunchPrefill(const PrefillParams& params, int max_rows, int num_kv_heads, i
 }
 
 // block_m: rows per CTA, 64 or 128, or 0 to choose. 128-row tiles (32 rows per warp) halve the
-// shared-memory traffic per mma against 64-row tiles; 64-row tiles waste less on short query chunks
-// and make twice the CTAs when 128-row tiles would leave an H100 (132 SMs) under two waves.
+// shared-memory and L2 traffic per mma against 64-row tiles; 64-row tiles waste less on short
+// query chunks and make twice the CTAs, which wins when 128-row tiles would not even fill one wave
+// of an H100 (132 SMs x 2 resident CTAs: both variants fit two per SM by registers and smem).
 template <typename T, int kHeadDim>
 int DispatchTile(const PrefillParams& params, int block_m, int max_rows, int num_kv_heads, int num_seqs,
                  void* stream) {

@@ -8,18 +8,21 @@
 //     logit (digits of 12, 12 and 8 bits, histograms in shared memory) finds the k-th largest key
 //     exactly; ties at that key are broken by lower id with an ordered count over the row;
 //   - suppression and penalties touch only the row's listed tokens (see ApplyPenalties);
-//   - weights exp((l - max) / T) are recomputed on the fly from the logits in every pass, with the
-//     same float operations (fused multiply-adds included) as the CPU's vectorized ExpNonPositive
-//     in a Release build, so both backends see bit-identical weights;
+//   - weights exp((l - max) / T) are recomputed from the logits in each pass that needs them, with
+//     the same float operations (fused multiply-adds included) as the CPU's vectorized
+//     ExpNonPositive in a Release build, so both backends see bit-identical weights; a pass that
+//     only needs a band of weights skips the others from the logit alone (WeightSource);
 //   - a top-k set of at most kListCap tokens moves to shared memory (sorted by id); larger ones
 //     stay in the row with a membership test;
-//   - top-p: a weighted radix select on the weight bits (double sums) finds the lightest weight of
-//     the nucleus, ties resolved toward lower ids as the CPU's "heavier" order does;
+//   - top-p: a weighted radix select on the weight bits (exact integer sums per bin) finds the
+//     lightest weight of the nucleus, ties resolved toward lower ids as the CPU's "heavier" order;
 //   - the draw: per-segment sums of the kept weights in id order, a block scan over the segments,
 //     then one warp walks the chosen segment: the first kept token whose inclusive prefix sum
 //     exceeds uniform * kept_weight (if rounding leaves none, the last kept token).
 // The only differences from the CPU are the association orders of double sums, which can flip a
 // decision only when a threshold falls within ~1e-16 (relative) of a partial sum.
+//
+// Workspace: one int32 per token and row (penalty bookkeeping); it needs no clearing.
 #include "device_utils.cuh"
 
 #include <cfloat>
@@ -379,6 +382,7 @@ struct Selection {
   uint32_t key;
   double above;   // weight (count) of the items with a larger key
   double target;  // the target, fraction * total when one was given
+  double total;   // weight (count) of all items
   int equal;      // items with key K
   bool found;     // false: all items together stay below the target
 };
@@ -404,7 +408,7 @@ __device__ Selection RadixSelect(const Visit& visit, double target, float fracti
   uint32_t* hist_lo = reinterpret_cast<uint32_t*>(sm.hist_w);
   uint32_t* hist_hi = hist_lo + kBins;
   uint32_t prefix = 0, prefix_mask = 0;
-  double above = 0.0;
+  double above = 0.0, all = 0.0;
   int equal = 0;
 #pragma unroll 1
   for (int level = 0; level < 3; ++level) {
@@ -424,17 +428,32 @@ __device__ Selection RadixSelect(const Visit& visit, double target, float fracti
       sm.flags[1] = INT_MIN;  // max of -bin over non-empty bins: the lowest non-empty bin
     }
     __syncthreads();
+    // Each thread adds up a run of items that fall into the same bin before it touches shared
+    // memory: rows of equal logits (ties, masked vocab) would otherwise serialize on one bin.
+    int run_bin = -1;
+    uint64_t run = 0;
+    const auto flush = [&] {
+      if (run_bin < 0) return;
+      if constexpr (kWeighted) {
+        const uint32_t low = static_cast<uint32_t>(run);
+        const uint32_t old = atomicAdd(&hist_lo[run_bin], low);
+        const uint32_t high = static_cast<uint32_t>(run >> 32) + (old + low < old ? 1u : 0u);  // carry
+        if (high != 0u) atomicAdd(&hist_hi[run_bin], high);
+      } else {
+        atomicAdd(&sm.hist_c[run_bin], static_cast<int>(run));
+      }
+    };
     visit(prefix, prefix_mask, [&](uint32_t key, float) {
       if ((key & prefix_mask) != prefix) return;
       const int bin = static_cast<int>((key >> shift) & digit_mask);
-      if constexpr (kWeighted) {
-        const uint32_t m = Mantissa(key);
-        const uint32_t old = atomicAdd(&hist_lo[bin], m);
-        if (old + m < old) atomicAdd(&hist_hi[bin], 1u);  // carry
-      } else {
-        atomicAdd(&sm.hist_c[bin], 1);
+      if (bin != run_bin) {
+        flush();
+        run_bin = bin;
+        run = 0;
       }
+      run += kWeighted ? Mantissa(key) : 1u;
     });
+    flush();
     __syncthreads();
     // Thread t owns bins top, top - 1, top - 2, top - 3: the scan in thread order runs from the
     // heaviest bin down.
@@ -451,7 +470,10 @@ __device__ Selection RadixSelect(const Visit& visit, double target, float fracti
     }
     double total;
     const double exclusive = BlockExclusiveScanD(local, &total, sm);
-    if (level == 0 && fraction > 0.0f) target = static_cast<double>(fraction) * total;
+    if (level == 0) {
+      all = total;
+      if (fraction > 0.0f) target = static_cast<double>(fraction) * total;
+    }
     double acc = above + exclusive;
     for (int j = 0; j < 4; ++j) {
       if (h[j] > 0.0) {
@@ -465,7 +487,7 @@ __device__ Selection RadixSelect(const Visit& visit, double target, float fracti
     if (bin < 0) {
       // At the first digit: everything together stays below the target. Below it, the sub-bins of
       // the boundary bin, added in another order, fell short by a rounding: all of them are needed.
-      if (level == 0) return Selection{0u, 0.0, target, 0, false};
+      if (level == 0) return Selection{0u, 0.0, target, all, 0, false};
       bin = -sm.flags[1];
     }
     if (top >= bin && bin > top - 4) {
@@ -489,7 +511,7 @@ __device__ Selection RadixSelect(const Visit& visit, double target, float fracti
     prefix |= static_cast<uint32_t>(bin) << shift;
     prefix_mask |= digit_mask << shift;
   }
-  return Selection{prefix, above, target, equal, true};
+  return Selection{prefix, above, target, all, equal, true};
 }
 
 // The `count` largest logits of the row (ties: lower id first): their boundary key and the last id
@@ -593,8 +615,11 @@ __device__ void ApplyPenalties(const SamplingRow& p, const int32_t* history, flo
 }
 
 // Temperature, top-k, top-p, min-p and the draw; returns the token, or -1 if nothing is left
-// (possible only with min_p > 1).
-__device__ int DrawToken(const SamplingRow& p, const RowReader& row, float max_logit, Smem& sm) {
+// (possible only with min_p > 1). *all_weight gets the sum of every token's weight when a pass
+// computed it on the way (no top-k; top-p, or no min-p), else NaN.
+__device__ int DrawToken(const SamplingRow& p, const RowReader& row, float max_logit, double* all_weight,
+                         Smem& sm) {
+  *all_weight = NAN;
   const int vocab = row.n;
   WeightSource src{row, max_logit, p.temperature, 1.0f / p.temperature, -INFINITY, INFINITY,
                    false, 0u, kAllTies, nullptr, 0};
@@ -645,6 +670,7 @@ __device__ int DrawToken(const SamplingRow& p, const RowReader& row, float max_l
       });
     };
     const Selection sel = RadixSelect<true>(visit, 0.0, p.top_p, sm);
+    if (!src.top_k) *all_weight = sel.total;
     src.SetBand(0.0f, 1.0f);
     if (!sel.found) {
       nucleus = false;  // rounding: the whole set is the nucleus
@@ -677,6 +703,7 @@ __device__ int DrawToken(const SamplingRow& p, const RowReader& row, float max_l
     return static_cast<double>(w);
   };
   const double kept_weight = SegmentSums(n, load, kept, sm);
+  if (!src.top_k && !nucleus && p.top_p >= 1.0f && !(min_p > 0.0f)) *all_weight = kept_weight;
   if (!(kept_weight > 0.0)) return -1;
   const int item = FindAbove(n, load, kept, p.uniform * kept_weight, sm);
   if (item < 0) return -1;
@@ -694,34 +721,43 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleArgs args) {
   const RowReader row{x, vocab, (reinterpret_cast<uintptr_t>(x) & 15) == 0};
   const auto load_row = [&](int base, float v[4]) { row.Load4(base, v); };
 
-  // 1. The raw logits: max (argmax), log-normalizer, top-N.
+  // 1. The raw logits: max (argmax), then the log-normalizer and the top-N. With temperature 1 and
+  // nothing that changes the logits, the draw's weights are the raw ones: their sum comes out of a
+  // pass the draw makes anyway, which saves a pass over the row.
   Best best{-INFINITY, INT_MAX};
   ForEachItem(vocab, load_row, [&](int i, float l) {
     if (Beats(l, i, best)) best = {l, i};
   });
   const Best raw_best = BlockArgMax(best, sm);
-  double sum = 0.0;
-  ForEachItem(vocab, load_row, [&](int, float l) { sum += ExpNonPositive(__fsub_rn(l, raw_best.value)); });
-  const double log_normalizer = static_cast<double>(raw_best.value) + log(BlockSumD(sum, sm));
-  if (args.num_top_logprobs > 0) {
-    WriteTopLogprobs(row, args.num_top_logprobs, log_normalizer,
-                     args.out_top_tokens + static_cast<size_t>(row_index) * args.num_top_logprobs,
-                     args.out_top_logprobs + static_cast<size_t>(row_index) * args.num_top_logprobs, sm);
-  }
+  const bool penalize = args.history != nullptr &&
+                        (p.repetition_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f);
+  const bool suppressing = p.suppress_len > 0 && args.suppress != nullptr;
+  const bool defer_raw = !penalize && !suppressing && p.temperature == 1.0f && !(p.top_k > 0 && p.top_k < vocab);
+  double log_normalizer = 0.0;
+  const auto raw_logprobs = [&](double all_weight) {
+    if (!(all_weight >= 0.0)) {  // NaN: not known yet
+      double sum = 0.0;
+      ForEachItem(vocab, load_row, [&](int, float l) { sum += ExpNonPositive(__fsub_rn(l, raw_best.value)); });
+      all_weight = BlockSumD(sum, sm);
+    }
+    log_normalizer = static_cast<double>(raw_best.value) + log(all_weight);
+    if (args.num_top_logprobs > 0) {
+      WriteTopLogprobs(row, args.num_top_logprobs, log_normalizer,
+                       args.out_top_tokens + static_cast<size_t>(row_index) * args.num_top_logprobs,
+                       args.out_top_logprobs + static_cast<size_t>(row_index) * args.num_top_logprobs, sm);
+    }
+  };
+  if (!defer_raw) raw_logprobs(NAN);
 
   // 2. Suppression, then the penalties.
-  bool modified = false;
-  if (p.suppress_len > 0 && args.suppress != nullptr) {
+  if (suppressing) {
     const int32_t* suppress = args.suppress + p.suppress_offset;
     for (int i = threadIdx.x; i < p.suppress_len; i += kThreads) {
       const int32_t t = suppress[i];
       if (t >= 0 && t < vocab) x[t] = -INFINITY;
     }
     __syncthreads();
-    modified = true;
   }
-  const bool penalize = args.history != nullptr &&
-                        (p.repetition_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f);
   const int32_t* history = args.history + (penalize ? p.history_offset : 0);
   const int prompt_len = max(p.prompt_len, 0);
   const int history_first = p.repetition_penalty != 1.0f ? 0 : prompt_len;
@@ -730,12 +766,11 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleArgs args) {
     SamplingRow q = p;
     q.prompt_len = prompt_len;
     ApplyPenalties(q, history, x, ws, vocab, history_first, history_end);
-    modified = true;
   }
 
   // 3. The token: argmax when greedy (or when everything is masked), else one draw.
   Best top = raw_best;
-  if (modified) {
+  if (suppressing || penalize) {
     best = Best{-INFINITY, INT_MAX};
     ForEachItem(vocab, load_row, [&](int i, float l) {
       if (Beats(l, i, best)) best = {l, i};
@@ -743,11 +778,13 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleArgs args) {
     top = BlockArgMax(best, sm);
   }
   int token = top.id;
+  double all_weight = NAN;
   if (p.temperature > 0.0f && top.value != -INFINITY) {
-    const int drawn = DrawToken(p, row, top.value, sm);
+    const int drawn = DrawToken(p, row, top.value, &all_weight, sm);
     if (drawn >= 0) token = drawn;
   }
   if (token == INT_MAX) token = 0;  // every logit NaN
+  if (defer_raw) raw_logprobs(all_weight);
 
   // 4. Its logprob on the raw logits: a penalized token's raw logit is in its workspace slot.
   if (threadIdx.x == 0) sm.flags[7] = 0;
@@ -759,7 +796,8 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleArgs args) {
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    const float raw = sm.flags[7] ? DecodeRawLogit(ws[token]) : x[token];
+    // An atomic read: the slot was last written by atomics, which bypass this SM's L1.
+    const float raw = sm.flags[7] ? DecodeRawLogit(atomicAdd(&ws[token], 0)) : x[token];
     args.out_tokens[row_index] = token;
     args.out_logprobs[row_index] = static_cast<float>(static_cast<double>(raw) - log_normalizer);
   }

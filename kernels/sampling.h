@@ -6,11 +6,14 @@
 //   2. suppressed tokens -> -inf; repetition penalty over prompt + output tokens (divide positive
 //      logits, multiply negative ones, once per distinct token), then frequency and presence
 //      penalties over output tokens;
-//   3. temperature <= 0: argmax (lowest id among ties). Otherwise weights exp((l - max) / T);
-//      top-k keeps the k largest (ties: lower id first); top-p keeps the smallest set of heaviest
-//      tokens whose weight reaches top_p * (weight of the top-k set); min-p drops tokens whose
-//      weight is below min_p (the top token weighs 1); one draw: the first token, in descending
-//      weight order... see SampleFromLogits for the order used.
+//   3. temperature <= 0 (or every logit -inf): argmax (lowest id among ties). Otherwise weights
+//      w = exp((l - max) / T) (the top token weighs exactly 1); top-k keeps the k largest logits
+//      (ties: lower id first); top-p keeps the smallest set of heaviest tokens (heavier first,
+//      ties: lower id first) whose weight reaches top_p * (weight of the top-k set); min-p keeps
+//      tokens with w >= min_p; a kept token also has w > 0. The draw is an inverse CDF over the
+//      kept tokens in ASCENDING TOKEN ID order: the first kept token whose inclusive prefix sum of
+//      weights exceeds uniform * (sum of the kept weights), or the last kept token if rounding
+//      leaves none (exactly what Sampler::Draw does with its own uniform draw);
 //   4. logprob of the chosen token on the raw (unpenalized) logits.
 #pragma once
 

@@ -121,6 +121,7 @@ void Sampler::SelectLargest(std::span<const float> logits, size_t count,
 double Sampler::ScanRawLogits(std::span<const float> logits) {
   const float max_logit = *std::max_element(logits.begin(), logits.end());
   if (weights_.size() < logits.size()) weights_.resize(logits.size());
+  if (kept_bits_.size() < (logits.size() + 63) / 64) kept_bits_.resize((logits.size() + 63) / 64, 0);
   const double sum = ExponentiateAll(logits, max_logit, 1.0f, weights_.data());
   SelectLargest(logits, params_.logprobs, &top_raw_);
   return max_logit + std::log(sum);
@@ -189,6 +190,8 @@ int32_t Sampler::Draw(std::span<const float> logits) {
     total_weight = all_weight;
   }
   if (params_.top_p < 1.0f) KeepNucleus(params_.top_p * total_weight);
+  // Top-k leaves order_ best-first and top-p partitioned; the draw below walks ascending ids.
+  if (order_.size() < logits.size() || params_.top_p < 1.0f) SortByTokenId();
 
   auto eligible = [&](int32_t token) {
     return weights_[token] > 0.0f && weights_[token] >= params_.min_p;
@@ -197,6 +200,9 @@ int32_t Sampler::Draw(std::span<const float> logits) {
   for (int32_t token : order_) {
     if (eligible(token)) kept_weight += weights_[token];
   }
+  // Inverse CDF over the kept tokens in ascending id order: the first token whose cumulative
+  // weight exceeds the threshold. The canonical order makes the token a function of the uniform
+  // draw alone, so the CUDA sampler (kernels/sampling.cu) picks the same token from the same draw.
   const double threshold = UniformUnit(rng_) * kept_weight;
   double cumulative = 0.0;
   int32_t chosen = -1;
@@ -255,6 +261,22 @@ void Sampler::KeepNucleus(double nucleus_weight) {
   size_t kept = begin;
   while (kept < end && heavier_weight < nucleus_weight) heavier_weight += weights_[order_[kept++]];
   order_.resize(kept);
+}
+
+// A bit per token, then the set bits in order: O(kept + vocab / 64), where sorting a nucleus of
+// 100K tokens would cost milliseconds.
+void Sampler::SortByTokenId() {
+  for (int32_t token : order_) kept_bits_[token >> 6] |= uint64_t{1} << (token & 63);
+  size_t kept = 0;
+  for (size_t word = 0; word < kept_bits_.size(); ++word) {
+    uint64_t bits = kept_bits_[word];
+    if (bits == 0) continue;
+    kept_bits_[word] = 0;  // leave the scratch zeroed for the next call
+    do {
+      order_[kept++] = static_cast<int32_t>(word * 64 + std::countr_zero(bits));
+      bits &= bits - 1;
+    } while (bits != 0);
+  }
 }
 
 float Sampler::RawLogit(std::span<const float> logits, int32_t token) const {

@@ -39,11 +39,15 @@ class Sampler {
   // in penalized_ so that the chosen token's logprob can still be reported on the raw logits.
   void ApplyPenalties(std::span<float> logits, std::span<const int32_t> prompt,
                       std::span<const int32_t> output);
-  // Temperature, top-k, top-p and min-p, then one draw from what is left.
+  // Temperature, top-k, top-p and min-p, then one draw from what is left: an inverse-CDF walk over
+  // the kept tokens in ascending id order, so that a uniform draw maps to the same token whatever
+  // the backend.
   int32_t Draw(std::span<const float> logits);
   // Trims order_ to the smallest set of heaviest tokens that weighs at least nucleus_weight
   // (always one token at least).
   void KeepNucleus(double nucleus_weight);
+  // Puts order_ (distinct ids) in ascending order.
+  void SortByTokenId();
   float RawLogit(std::span<const float> logits, int32_t token) const;
 
   SamplingParams params_;
@@ -52,6 +56,7 @@ class Sampler {
   std::vector<int32_t> order_;          // candidate ids
   std::vector<float> weights_;          // by token id: exp(logit - max); sized by ScanRawLogits
   std::vector<int32_t> occurrences_;    // by token id: 1 + output count while penalizing, else 0
+  std::vector<uint64_t> kept_bits_;     // a bit per token id, zero between calls (SortByTokenId)
   std::vector<ScoredToken> penalized_;  // raw logits of the tokens the penalties changed
   std::vector<ScoredToken> top_raw_;    // the largest raw logits, for top_logprobs
   std::vector<ScoredToken> top_k_;      // the largest sampling logits, for top-k

@@ -116,6 +116,14 @@ __global__ void EarlyExitKernel(int* out) {
   out[blockIdx.x * 64 + threadIdx.x] = value;
 }
 
+// Reads its neighbour's shared value WITHOUT the __syncthreads it needs.
+__global__ void MissingBarrierKernel(int* out) {
+  __shared__ int cell[128];
+  const int t = threadIdx.x;
+  cell[t] = 1000 * blockIdx.x + t;
+  out[blockIdx.x * blockDim.x + t] = t > 0 ? cell[t - 1] : -1;
+}
+
 __global__ void BarrierLoopKernel(int iterations, float* out) {
   __shared__ float cell[1024];
   float acc = 0.0f;
@@ -426,6 +434,25 @@ TEST(CudaEmu, ExitedThreadsDoNotBlockSyncthreads) {
 #endif
 }
 
+// Threads run in ascending order in even blocks and descending order in odd ones, so a missing
+// barrier shows whichever thread reads.
+TEST(CudaEmu, MissingBarrierShowsInOneOfTheThreadOrders) {
+  KVFLOW_EMU_ONLY();
+#ifdef KVFLOW_CUDA_EMU
+  if (const char* s = std::getenv("KVFLOW_EMU_SCHEDULE"); s && *s) GTEST_SKIP() << "KVFLOW_EMU_SCHEDULE is set";
+  DeviceBuffer out(2 * 128 * 4);
+  KVFLOW_CUDA_OK(LaunchKernel(MissingBarrierKernel, 2, 128, 0, nullptr, out.get<int>()));
+  const auto got = out.Download<int>();
+  int stale_block0 = 0, stale_block1 = 0;
+  for (int t = 1; t < 128; ++t) {
+    stale_block0 += got[t] != t - 1;
+    stale_block1 += got[128 + t] != 1000 + t - 1;
+  }
+  EXPECT_EQ(stale_block0, 0);    // ascending: the writer ran first
+  EXPECT_EQ(stale_block1, 127);  // descending: every read is stale
+#endif
+}
+
 // Not a correctness test: prints what a barrier costs (the report quotes it).
 TEST(CudaEmu, BarrierCost) {
   KVFLOW_EMU_ONLY();
@@ -720,13 +747,18 @@ TEST(CudaEmu, CublasLargeGemmSpeed) {
   const auto a16 = ToDeviceBytes(a, cuda::DType::kF16), b16 = ToDeviceBytes(b, cuda::DType::kF16);
   DeviceBuffer da = DeviceBuffer::From(a16), db = DeviceBuffer::From(b16), dc(static_cast<size_t>(m) * n * 2);
   const float alpha = 1.0f, beta = 0.0f;
-  const auto t0 = std::chrono::steady_clock::now();
+  auto cpu_seconds = [] {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+  };
+  const double t0 = cpu_seconds();
   // Row-major activations x weights^T, as the backend calls it: C^T = W X^T.
   ASSERT_EQ(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &alpha, da.get(), CUDA_R_16F, k, db.get(),
                          CUDA_R_16F, k, &beta, dc.get(), CUDA_R_16F, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
             CUBLAS_STATUS_SUCCESS);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("  cublasGemmEx fp16 %dx%dx%d: %.3f s (%.1f GFLOP/s)\n", m, n, k, seconds,
+  const double seconds = cpu_seconds() - t0;
+  std::printf("  cublasGemmEx fp16 %dx%dx%d: %.3f s CPU (%.1f GFLOP/s)\n", m, n, k, seconds,
               2.0 * m * n * k / seconds * 1e-9);
   // Spot-check a few elements.
   const auto got = FromDeviceBytes(dc.Download<uint8_t>(), cuda::DType::kF16);

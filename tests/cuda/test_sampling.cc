@@ -10,6 +10,9 @@
 //   - the logits left behind (suppression -> -inf, penalties): atol 1e-5 relative to max|logit|
 //     (bit-exact in a Release build, which contracts freq * count + presence into an fma as the
 //     kernel does).
+// Tests: every kind of row in one launch (vocab 3000/1001/49152 on the emulator; up to 128256 on a
+// GPU), random parameter combinations with and without tied logits, 200 uniforms on one row (the
+// map from uniform to token), the ends of the inverse CDF, argument checks, and (GPU only) timings.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -155,6 +158,12 @@ void RunAndCompare(const std::string& label, int vocab, std::vector<RowCase> row
   std::vector<float> want_lp, got_lp, want_top_lp, got_top_lp;
   int token_mismatches = 0, top_id_mismatches = 0;
   for (size_t i = 0; i < rows.size(); ++i) {
+    if (!std::isfinite(want[i].logprob)) {  // everything masked: -inf on both sides
+      EXPECT_EQ(got_tokens[i], want[i].token) << label << " row " << i << " (" << rows[i].name << ")";
+      EXPECT_EQ(got_logprobs[i], want[i].logprob) << label << " row " << i << " (" << rows[i].name << ")";
+      token_mismatches += got_tokens[i] != want[i].token;
+      continue;
+    }
     if (got_tokens[i] != want[i].token) {
       ++token_mismatches;
       ADD_FAILURE() << label << " row " << i << " (" << rows[i].name << "): token " << got_tokens[i]
@@ -294,6 +303,15 @@ std::vector<RowCase> MixedRows(int vocab, std::mt19937& rng) {
   std::fill(flat->logits.begin(), flat->logits.end(), 1.5f);
   flat = add("all equal, top-k 7", Params(1.0f, 7));
   std::fill(flat->logits.begin(), flat->logits.end(), -0.25f);
+  // Everything masked: the CPU answers as greedy would (token 0, logprob -inf).
+  RowCase* masked = add("everything suppressed", Params(1.0f, 0, 0.9f));
+  masked->suppress.resize(static_cast<size_t>(vocab));
+  std::iota(masked->suppress.begin(), masked->suppress.end(), 0);
+  masked = add("all suppressed but two", Params(0.7f, 5));
+  masked->suppress.resize(static_cast<size_t>(vocab));
+  std::iota(masked->suppress.begin(), masked->suppress.end(), 0);
+  masked->suppress.erase(masked->suppress.begin() + vocab / 2);
+  masked->suppress.erase(masked->suppress.begin() + vocab / 3);
   return rows;
 }
 
@@ -319,6 +337,45 @@ TEST(Sampling, MixedRowsMatchCpuSampler) {
   }
 }
 
+// Random combinations of every parameter, on logits with and without ties.
+TEST(Sampling, RandomParametersMatchCpuSampler) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(31337);
+  const int vocab = test::IsEmulator() ? 2000 : 32000;
+  const int launches = test::IsEmulator() ? 3 : 10;
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  auto chance = [&](float p) { return unit(rng) < p; };
+  for (int launch = 0; launch < launches; ++launch) {
+    std::vector<RowCase> rows(60);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      RowCase& r = rows[i];
+      r.name = "random " + std::to_string(i);
+      r.seed = rng();
+      r.logits = NormalLogits(vocab, 1.0f + 4.0f * unit(rng), rng);
+      if (chance(0.3f)) {  // ties: a grid of 1/2, 1/4 or 1/8
+        const float step = 1.0f / static_cast<float>(2 << (rng() % 3));
+        for (float& l : r.logits) l = std::round(l / step) * step;
+      }
+      SamplingParams& p = r.params;
+      p.temperature = chance(0.15f) ? 0.0f : 0.1f + 2.0f * unit(rng);
+      if (chance(0.5f)) p.top_k = chance(0.7f) ? 1 + static_cast<int>(rng() % 200) : 1000 + static_cast<int>(rng() % 1500);
+      if (chance(0.5f)) p.top_p = 0.05f + 0.94f * unit(rng);
+      if (chance(0.3f)) p.min_p = 0.3f * unit(rng);
+      if (chance(0.3f)) p.repetition_penalty = 0.7f + 0.8f * unit(rng);
+      if (chance(0.3f)) p.frequency_penalty = 2.0f * unit(rng) - 1.0f;
+      if (chance(0.3f)) p.presence_penalty = 2.0f * unit(rng) - 1.0f;
+      if (chance(0.6f)) {
+        std::vector<int32_t> pool = Ranked(r.logits, 20);
+        for (int j = 0; j < 20; ++j) pool.push_back(static_cast<int32_t>(rng() % vocab));
+        r.prompt = History(static_cast<int>(rng() % 300), vocab, pool, rng);
+        r.output = History(static_cast<int>(rng() % 100), vocab, pool, rng);
+      }
+      if (chance(0.2f)) r.suppress = Ranked(r.logits, 1 + rng() % 3);
+    }
+    RunAndCompare("random launch " + std::to_string(launch), vocab, std::move(rows), launch % 2 == 0 ? 0 : 3);
+  }
+}
+
 // One row's logits, 200 uniforms: the map from uniform to token is the same on both sides only if
 // both walk the kept tokens in the same (ascending id) order.
 TEST(Sampling, DrawWalksKeptTokensInAscendingIdOrder) {
@@ -339,6 +396,128 @@ TEST(Sampling, DrawWalksKeptTokensInAscendingIdOrder) {
       rows[i].logits = logits;
     }
     RunAndCompare(std::string("200 draws, ") + name, kVocab, std::move(rows), 0);
+  }
+}
+
+// The ends of the inverse CDF, checked without the CPU Sampler: uniform 0 takes the lowest kept
+// id, the largest uniform below 1 the highest.
+TEST(Sampling, ExtremeUniformsTakeTheFirstAndLastKeptToken) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  constexpr int kVocab = 1000;
+  std::mt19937 rng(5);
+  struct Case {
+    cuda::SamplingRow row;
+    int32_t want;
+  };
+  std::vector<float> logits;
+  std::vector<Case> cases;
+  for (int k : {1, 5, 64}) {
+    const std::vector<float> row_logits = NormalLogits(kVocab, 3.0f, rng);
+    const std::vector<int32_t> top = Ranked(row_logits, static_cast<size_t>(k));
+    for (double uniform : {0.0, 1.0 - 0x1.0p-53}) {
+      cuda::SamplingRow row;
+      row.top_k = k;
+      row.uniform = uniform;
+      logits.insert(logits.end(), row_logits.begin(), row_logits.end());
+      cases.push_back({row, uniform == 0.0 ? *std::min_element(top.begin(), top.end())
+                                           : *std::max_element(top.begin(), top.end())});
+    }
+  }
+  test::DeviceBuffer d_logits = test::DeviceBuffer::From(logits);
+  std::vector<cuda::SamplingRow> rows;
+  for (const Case& c : cases) rows.push_back(c.row);
+  test::DeviceBuffer d_rows = test::DeviceBuffer::From(rows);
+  test::DeviceBuffer d_tokens(rows.size() * 4), d_logprobs(rows.size() * 4);
+  test::DeviceBuffer d_ws(cuda::SampleWorkspaceBytes(static_cast<int>(rows.size()), kVocab));
+  d_tokens.Poison();
+  cuda::SampleArgs args;
+  args.logits = d_logits.get<float>();
+  args.num_rows = static_cast<int>(rows.size());
+  args.vocab_size = kVocab;
+  args.rows = d_rows.get<cuda::SamplingRow>();
+  args.out_tokens = d_tokens.get<int32_t>();
+  args.out_logprobs = d_logprobs.get<float>();
+  args.workspace = d_ws.get();
+  args.workspace_bytes = d_ws.bytes();
+  KVFLOW_CUDA_OK(cuda::SampleFromLogits(args, nullptr));
+  KVFLOW_CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<int32_t> got = d_tokens.Download<int32_t>();
+  for (size_t i = 0; i < cases.size(); ++i) {
+    EXPECT_EQ(got[i], cases[i].want) << "top-k " << cases[i].row.top_k << " uniform " << cases[i].row.uniform;
+  }
+}
+
+// Launch time on a real GPU for the common parameter sets (printed, not checked).
+TEST(Sampling, TimingOnGpu) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  if (test::IsEmulator()) GTEST_SKIP() << "timing is only meaningful on a GPU";
+  std::mt19937 rng(9);
+  for (int vocab : {49152, 128256}) {
+    constexpr int kMaxRows = 256;
+    std::vector<float> logits(static_cast<size_t>(kMaxRows) * vocab);
+    test::FillNormal(logits, rng, 3.0f);
+    std::vector<int32_t> history(1000);
+    std::uniform_int_distribution<int32_t> any(0, vocab - 1);
+    for (int32_t& t : history) t = any(rng) % 2000;
+    test::DeviceBuffer d_logits = test::DeviceBuffer::From(logits), d_history = test::DeviceBuffer::From(history);
+    test::DeviceBuffer d_tokens(kMaxRows * 4), d_logprobs(kMaxRows * 4);
+    test::DeviceBuffer d_ws(cuda::SampleWorkspaceBytes(kMaxRows, vocab));
+    struct Config {
+      const char* name;
+      SamplingParams params;
+      bool history;
+    };
+    SamplingParams penalized = Params(0.7f, 0, 0.9f);
+    penalized.repetition_penalty = 1.1f;
+    penalized.frequency_penalty = 0.2f;
+    const Config configs[] = {{"greedy", Params(0.0f), false},
+                              {"temperature 1", Params(1.0f), false},
+                              {"T 0.7 top-p 0.9", Params(0.7f, 0, 0.9f), false},
+                              {"T 0.7 top-k 50 top-p 0.9", Params(0.7f, 50, 0.9f), false},
+                              {"T 0.7 top-p 0.9 penalties (1000 tokens)", penalized, true}};
+    for (int num_rows : {8, 64, 256}) {
+      for (const Config& c : configs) {
+        std::vector<cuda::SamplingRow> rows(static_cast<size_t>(num_rows));
+        for (int i = 0; i < num_rows; ++i) {
+          cuda::SamplingRow& r = rows[static_cast<size_t>(i)];
+          r.temperature = c.params.temperature;
+          r.top_k = c.params.top_k;
+          r.top_p = c.params.top_p;
+          r.repetition_penalty = c.params.repetition_penalty;
+          r.frequency_penalty = c.params.frequency_penalty;
+          r.prompt_len = c.history ? 800 : 0;
+          r.output_len = c.history ? 200 : 0;
+          r.uniform = FirstUniform(static_cast<uint64_t>(i));
+        }
+        test::DeviceBuffer d_rows = test::DeviceBuffer::From(rows);
+        cuda::SampleArgs args;
+        args.logits = d_logits.get<float>();
+        args.num_rows = num_rows;
+        args.vocab_size = vocab;
+        args.rows = d_rows.get<cuda::SamplingRow>();
+        args.history = d_history.get<int32_t>();
+        args.out_tokens = d_tokens.get<int32_t>();
+        args.out_logprobs = d_logprobs.get<float>();
+        args.workspace = d_ws.get();
+        args.workspace_bytes = d_ws.bytes();
+        constexpr int kIters = 20;
+        cudaEvent_t start, stop;
+        cudaEventCreate(&start);
+        cudaEventCreate(&stop);
+        KVFLOW_CUDA_OK(cuda::SampleFromLogits(args, nullptr));  // warm-up
+        cudaEventRecord(start, nullptr);
+        for (int it = 0; it < kIters; ++it) KVFLOW_CUDA_OK(cuda::SampleFromLogits(args, nullptr));
+        cudaEventRecord(stop, nullptr);
+        KVFLOW_CUDA_OK(cudaEventSynchronize(stop));
+        float ms = 0.0f;
+        cudaEventElapsedTime(&ms, start, stop);
+        cudaEventDestroy(start);
+        cudaEventDestroy(stop);
+        const double us = 1000.0 * ms / kIters;
+        std::printf("  sampling vocab %6d rows %3d %-42s %8.1f us  (%.0f GB/s of logits)\n", vocab, num_rows, c.name,
+                    us, 4.0 * num_rows * vocab / (us * 1e3));
+      }
+    }
   }
 }
 

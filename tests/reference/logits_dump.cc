@@ -1,6 +1,8 @@
 // Runs kvflow on token-id prompts and writes what the HF reference script compares:
 //   logits of every position (all prompts in one batch, prefilled in two chunks through a paged
 //   cache with shuffled block placement) and, optionally, greedy continuations from the Engine.
+// --device cuda runs the same on the CUDA backend (--dtype fp16 or bf16); without a GPU it exits
+// with 77, the code the reference tests report as skipped.
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -13,12 +15,16 @@
 #include <spdlog/spdlog.h>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/cuda_device.h"
 #include "kv/block_manager.h"
 #include "kvflow/engine.h"
 #include "model/llama_weights.h"
 #include "model/tensor_source.h"
 
 namespace {
+
+constexpr int kSkip = 77;  // ctest SKIP_RETURN_CODE of the reference tests
 
 int Fail(const kvflow::Status& st) {
   std::cerr << "error: " << st.ToString() << "\n";
@@ -42,7 +48,17 @@ int main(int argc, char** argv) {
   std::string beams_path;
   app.add_option("--beam-width", beam_width, "also run beam search over --greedy-tokens tokens with this width");
   app.add_option("--out-beams", beams_path, "JSON: per prompt, the beams best first");
+  std::string device = "cpu", dtype = "fp16";
+  app.add_option("--device", device, "backend: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--dtype", dtype, "CUDA weights/activations/KV cache: fp16 or bf16")
+      ->check(CLI::IsMember({"fp16", "bf16"}));
   CLI11_PARSE(app, argc, argv);
+  const bool cuda = device == "cuda";
+  if (cuda && kvflow::cuda::DeviceCount() == 0) {
+    std::cerr << "skipped: --device cuda but no CUDA GPU is available (" << kvflow::cuda::DeviceDescription(0)
+              << ")\n";
+    return kSkip;
+  }
 
   std::vector<std::vector<int32_t>> prompts;
   try {
@@ -60,8 +76,35 @@ int main(int argc, char** argv) {
   kvflow::KvCacheLayout layout{config.num_layers, 0, config.num_kv_heads, block_size, config.head_dim};
   for (const auto& p : prompts) layout.num_blocks += kvflow::BlocksForTokens(static_cast<int64_t>(p.size()), block_size);
   layout.num_blocks += 7;  // spare blocks so placement is not a permutation of a dense range
-  auto backend = kvflow::CpuBackend::Create(config, std::move(weights.value()), layout, /*num_host_blocks=*/0, 0);
-  if (!backend.ok()) return Fail(backend.status());
+  std::unique_ptr<kvflow::Backend> backend;
+  if (cuda) {
+    // The same pool as on the CPU, and limits that hold every prompt in one step: all sequences,
+    // all their tokens (more than either chunk has), the longest prompt plus the greedy tokens
+    // (capped at what the pool holds; the logits here need only the longest prompt).
+    int64_t total_tokens = 0, longest = 0;
+    for (const auto& p : prompts) {
+      total_tokens += static_cast<int64_t>(p.size());
+      longest = std::max(longest, static_cast<int64_t>(p.size()));
+    }
+    const int64_t pool_tokens = static_cast<int64_t>(layout.num_blocks) * block_size;
+    kvflow::CudaBackendOptions o;
+    o.dtype = dtype;
+    o.block_size = block_size;
+    o.num_kv_blocks = layout.num_blocks;
+    o.max_num_seqs = std::max(1, static_cast<int>(prompts.size()));
+    o.max_num_batched_tokens = static_cast<int>(std::max<int64_t>(1, total_tokens));
+    o.max_model_len = static_cast<int>(
+        std::max<int64_t>(1, std::max(longest, std::min(longest + std::max(0, greedy_tokens), pool_tokens))));
+    o.enable_cuda_graphs = true;
+    auto created = kvflow::CreateCudaBackend(config, weights.value(), o);
+    if (!created.ok()) return Fail(created.status());
+    backend = std::move(created.value());
+    weights.value() = kvflow::LlamaWeights{};  // uploaded; free the host copy
+  } else {
+    auto created = kvflow::CpuBackend::Create(config, std::move(weights.value()), layout, /*num_host_blocks=*/0, 0);
+    if (!created.ok()) return Fail(created.status());
+    backend = std::move(created.value());
+  }
 
   // Shuffled physical blocks: the reference must not depend on blocks being contiguous.
   std::vector<kvflow::BlockId> pool(static_cast<size_t>(layout.num_blocks));
@@ -101,7 +144,7 @@ int main(int argc, char** argv) {
     }
     if (batch.seqs.empty()) continue;
     std::vector<float> logits;
-    if (auto st = backend.value()->Forward(batch, logits); !st.ok()) return Fail(st);
+    if (auto st = backend->Forward(batch, logits); !st.ok()) return Fail(st);
     int64_t row = 0;
     for (size_t k = 0; k < members.size(); ++k) {
       const int64_t rows = batch.seqs[k].num_tokens;
@@ -115,9 +158,11 @@ int main(int argc, char** argv) {
   if (!out) return Fail(kvflow::Status::IoError("cannot write " + logits_path));
 
   if (greedy_tokens > 0) {
-    backend.value().reset();
+    backend.reset();
     kvflow::EngineConfig ec;
     ec.model = model;
+    ec.device = device;
+    if (cuda) ec.dtype = dtype;
     ec.block_size = block_size;
     ec.max_model_len = 4096;
     auto engine = kvflow::Engine::Create(ec);

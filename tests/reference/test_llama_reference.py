@@ -10,6 +10,16 @@
 
 kvflow's side runs all prompts in one batch, in two prefill chunks, through a paged KV cache whose
 blocks are shuffled, so the comparison also covers paging and chunked prefill.
+
+--device cuda runs kvflow's CUDA backend (--dtype fp16, or bf16) and transformers in float32 on the
+same GPU (TF32 off), and compares the CUDA logits with both transformers and kvflow's CPU backend:
+  tiny:    the same random Llamas with head_dim 64 or 128 (what the CUDA attention kernels
+           support) and KV block sizes 8, 16 and 32; logits, the first 32 greedy tokens of every
+           prompt (a divergence passes only at a near tie) and beam search.
+  smollm2: logits, and the first 32 greedy tokens identical on every prompt.
+  The tolerances (GPU_TOLERANCES below) are relative to the largest |logit|. It skips (77) when
+  kvflow finds no GPU, or when torch has no CUDA (unless --hf-cpu-fallback: transformers then
+  runs in float32 on the CPU, the same reference).
 Exit codes: 0 pass, 1 fail, 77 skipped (printed with the reason).
 """
 import argparse
@@ -24,8 +34,31 @@ import torch
 
 SKIP = 77
 
+# Where transformers runs: the CPU, or with --device cuda the GPU kvflow runs on.
+DEVICE = torch.device("cpu")
 
-def run_dump(dump_bin, model, prompts, workdir, chunk=0, greedy=0, beam_width=0):
+# kvflow on the GPU (fp16 weights, activations and KV cache; fp32 accumulation, residual stream
+# and logits) against float32 references: max |dlogit| <= tol * max|logit| of the reference.
+# Calibrated by rounding transformers' weights and every activation to fp16 (bf16) on the CPU,
+# which gives max |dlogit| / max|logit| of about 1e-3 on the tiny models (4e-3 to 1e-2 in bf16)
+# and 2.4e-3 on SmolLM2-135M (its 30 layers; 1.3e-2 in bf16), with identical greedy tokens in
+# fp16 (bf16 flips a few near ties on the tiny models). The tolerances leave 10x to 20x for
+# rounding that emulation does not model (attention probabilities rounded to 16 bits for the
+# tensor-core P.V product, exp2f, cuBLAS's summation order). A real bug (a wrong rotary
+# position, a misplaced KV block, a wrong scale) moves logits by a good part of their scale.
+# The CPU backend's tolerance is 1e-3 absolute (fp32 throughout).
+GPU_TOLERANCES = {
+    "fp16": {"tiny": 2e-2, "smollm2": 3e-2},
+    "bf16": {"tiny": 1e-1, "smollm2": 1.5e-1},
+}
+
+
+class Skipped(Exception):
+    pass
+
+
+def run_dump(dump_bin, model, prompts, workdir, chunk=0, greedy=0, beam_width=0, device="cpu", dtype="fp16",
+             block_size=0):
     prompts_path = os.path.join(workdir, "prompts.json")
     logits_path = os.path.join(workdir, "logits.bin")
     greedy_path = os.path.join(workdir, "greedy.json")
@@ -39,7 +72,14 @@ def run_dump(dump_bin, model, prompts, workdir, chunk=0, greedy=0, beam_width=0)
         cmd += ["--greedy-tokens", str(greedy), "--out-greedy", greedy_path]
     if beam_width:
         cmd += ["--beam-width", str(beam_width), "--out-beams", beams_path]
-    subprocess.run(cmd, check=True)
+    if block_size:
+        cmd += ["--block-size", str(block_size)]
+    if device != "cpu":
+        cmd += ["--device", device, "--dtype", dtype]
+    proc = subprocess.run(cmd)
+    if device != "cpu" and proc.returncode == SKIP:
+        raise Skipped(f"kvflow finds no CUDA GPU ({os.path.basename(dump_bin)} --device {device} exited with {SKIP})")
+    proc.check_returncode()
     flat = np.fromfile(logits_path, dtype=np.float32)
     out, offset = [], 0
     vocab = flat.size // sum(len(p) for p in prompts)
@@ -52,20 +92,44 @@ def run_dump(dump_bin, model, prompts, workdir, chunk=0, greedy=0, beam_width=0)
     return out, greedy_tokens
 
 
+def ids(tokens):
+    return torch.tensor([tokens], device=DEVICE)
+
+
 def hf_logits(model, prompts):
     with torch.no_grad():
-        return [model(torch.tensor([p])).logits[0].float().numpy() for p in prompts]
+        return [model(ids(p)).logits[0].float().cpu().numpy() for p in prompts]
 
 
 def hf_greedy(model, prompt, n):
     tokens = []
     with torch.no_grad():
-        out = model(torch.tensor([prompt]), use_cache=True)
+        out = model(ids(prompt), use_cache=True)
         for _ in range(n):
             nxt = int(out.logits[0, -1].argmax())
             tokens.append(nxt)
-            out = model(torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(ids([nxt]), past_key_values=out.past_key_values, use_cache=True)
     return tokens
+
+
+def greedy_agreement(model, prompt, ours, ref, tie_tol=None):
+    """Compares kvflow's greedy tokens with transformers'. Returns (ok, description). With tie_tol,
+    a divergence still passes when it starts at a near tie: where transformers' logit for its own
+    token beats its logit for kvflow's token by at most tie_tol (rounding within the logit
+    tolerance may pick either; the continuations differ from there on, so nothing after it is
+    compared). Without tie_tol the tokens must be identical."""
+    first = next((i for i, (x, y) in enumerate(zip(ours, ref)) if x != y), None)
+    if first is None and len(ours) == len(ref):
+        return True, f"greedy{len(ref)} identical"
+    if first is None:
+        return False, f"greedy: {len(ours)} tokens, expected {len(ref)}"
+    with torch.no_grad():
+        logits = model(ids(prompt + ref[:first])).logits[0, -1].double()
+    gap = float(logits[ref[first]] - logits[ours[first]])
+    where = f"DIFFER at {first} (hf logit gap {gap:.3g} between hf's token {ref[first]} and kvflow's {ours[first]})"
+    if tie_tol is not None and gap <= tie_tol:
+        return True, f"greedy{len(ref)} {where}: near tie, ok"
+    return False, f"greedy{len(ref)} {where}"
 
 
 def hf_beams(model, prompt, width, n):
@@ -78,7 +142,7 @@ def hf_beams(model, prompt, width, n):
         for _ in range(n):
             candidates = []
             for score, out in beams:
-                logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
+                logits = model(ids(prompt + out)).logits[0, -1].double()
                 logprobs = torch.log_softmax(logits, dim=-1)
                 top = torch.topk(logprobs, 2 * width)
                 for lp, tok in zip(top.values.tolist(), top.indices.tolist()):
@@ -98,28 +162,55 @@ def write_byte_tokenizer(directory, vocab_size):
     tok.save(os.path.join(directory, "tokenizer.json"))
 
 
+def beam_scores(model, prompt, beams):
+    """transformers' cumulative logprob of each beam's tokens after the prompt."""
+    scores = []
+    with torch.no_grad():
+        for b in beams:
+            logprobs = torch.log_softmax(model(ids(prompt + b)).logits[0].double(), dim=-1)
+            scores.append(sum(float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(b)))
+    return scores
+
+
 def check_beam_search(args):
-    """kvflow beam search (forks, copy-on-write, block frees) vs plain beam search on HF logits."""
+    """kvflow beam search (forks, copy-on-write, block frees) vs plain beam search on HF logits.
+    On the GPU, beams that differ from the reference still pass when transformers scores them as
+    high, rank by rank, within the logit tolerance (fp16 rounding reordering near-equal beams)."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(max_position_embeddings=512, rms_norm_eps=1e-5, **TINY_CONFIGS["gqa_untied"])
+    config = LlamaConfig(max_position_embeddings=512, rms_norm_eps=1e-5, **tiny_config_kwargs("gqa_untied", args))
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     randomize(model, seed=100)
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, config.vocab_size, size=n).tolist() for n in (5, 20, 37)]
     width, tokens = 4, 10
+    gpu = args.device == "cuda"
     with tempfile.TemporaryDirectory(dir=args.workdir) as d:
         model.save_pretrained(d, safe_serialization=True)
         write_byte_tokenizer(d, config.vocab_size)  # the engine wants one; prompts are ids
-        _, _, ours = run_dump(args.dump_bin, d, prompts, d, greedy=tokens, beam_width=width)
+        if gpu:
+            _, _, ours = run_dump(args.dump_bin, d, prompts, d, greedy=tokens, beam_width=width, device=args.device,
+                                  dtype=args.dtype, block_size=GPU_TINY["gqa_untied"][1])
+        else:
+            _, _, ours = run_dump(args.dump_bin, d, prompts, d, greedy=tokens, beam_width=width)
+    model.to(DEVICE)
+    score_tol = None
+    if gpu:
+        scale = max(float(np.abs(b).max()) for b in hf_logits(model, prompts))
+        score_tol = GPU_TOLERANCES[args.dtype]["tiny"] * scale
     ok = True
     for p, beams in zip(prompts, ours):
         ref = hf_beams(model, p, width, tokens)
         same = beams == ref
+        verdict = "identical to the reference" if same else "DIFFERENT"
+        if not same and score_tol is not None and len(beams) == len(ref):
+            gap = max(abs(a - b) for a, b in zip(beam_scores(model, p, beams), beam_scores(model, p, ref)))
+            same = gap <= score_tol
+            verdict = (f"different beams, hf scores within {gap:.2e} of the reference's rank by rank "
+                       f"(tolerance {score_tol:.2e}): {'ok' if same else 'FAIL'}")
         ok &= same
-        print(f"beam search width {width}, prompt of {len(p):2d} tokens, {tokens} new: "
-              f"{'identical to the reference' if same else 'DIFFERENT'}")
-        if not same:
+        print(f"beam search width {width}, prompt of {len(p):2d} tokens, {tokens} new: {verdict}")
+        if beams != ref:
             print("  kvflow:", beams)
             print("  hf:    ", ref)
     return ok
@@ -153,6 +244,68 @@ TINY_CONFIGS = {
                                 num_key_value_heads=2, head_dim=32, vocab_size=199, tie_word_embeddings=False,
                                 rope_scaling=dict(rope_type="linear", factor=2.0)),
 }
+
+
+# The CUDA attention kernels take head_dim 64 or 128 and KV blocks of 8, 16 or 32 tokens: on the
+# GPU the tiny models get such head sizes (projections wider than hidden_size / heads, as in
+# linear_rope_headdim) and each a block size, so every kernel variant runs. name: (head_dim, block)
+GPU_TINY = {"gqa_untied": (64, 16), "mha_tied": (128, 8), "mqa_llama3_rope_sharded": (64, 32),
+            "linear_rope_headdim": (128, 16)}
+
+
+def tiny_config_kwargs(name, args):
+    kw = dict(TINY_CONFIGS[name])
+    if args.device == "cuda":
+        kw["head_dim"] = GPU_TINY[name][0]
+    return kw
+
+
+def check_tiny_gpu(args):
+    """kvflow's CUDA backend on the tiny models: logits vs transformers (fp32, same GPU) and vs
+    kvflow's CPU backend, the first 32 greedy tokens of every prompt, beam search."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    rel_tol = GPU_TOLERANCES[args.dtype]["tiny"]
+    print(f"kvflow CUDA ({args.dtype}) vs float32 references: tolerance max|dlogit| <= {rel_tol:g} * max|logit|, "
+          f"greedy tokens identical but for near ties within that tolerance")
+    rng = np.random.default_rng(7)
+    worst = 0.0
+    ok = True
+    for i, name in enumerate(TINY_CONFIGS):
+        head_dim, block_size = GPU_TINY[name]
+        config = LlamaConfig(max_position_embeddings=512, rms_norm_eps=1e-5, **tiny_config_kwargs(name, args))
+        torch.manual_seed(i)
+        model = LlamaForCausalLM(config).eval()
+        randomize(model, seed=100 + i)
+        with tempfile.TemporaryDirectory(dir=args.workdir) as d:
+            shard = "20KB" if "sharded" in name else "10GB"
+            model.save_pretrained(d, safe_serialization=True, max_shard_size=shard)
+            write_byte_tokenizer(d, config.vocab_size)  # the engine (greedy) wants one; prompts are ids
+            prompts = [rng.integers(0, config.vocab_size, size=n).tolist() for n in (1, 7, 33, 50, 129)]
+            ours, greedy = run_dump(args.dump_bin, d, prompts, d, greedy=32, device=args.device, dtype=args.dtype,
+                                    block_size=block_size)
+            cpu, _ = run_dump(args.dump_bin, d, prompts, d, block_size=block_size)
+        model.to(DEVICE)
+        ref = hf_logits(model, prompts)
+        scale = max(float(np.abs(b).max()) for b in ref)
+        tol = rel_tol * scale
+        err_hf = max(float(np.abs(a - b).max()) for a, b in zip(ours, ref))
+        err_cpu = max(float(np.abs(a - b).max()) for a, b in zip(ours, cpu))
+        worst = max(worst, err_hf / scale)
+        verdicts = [greedy_agreement(model, p, g, hf_greedy(model, p, 32), tie_tol=tol) for p, g in zip(prompts, greedy)]
+        identical = sum(v[1].endswith("identical") for v in verdicts)
+        passed = err_hf <= tol and err_cpu <= tol and all(v[0] for v in verdicts)
+        ok &= passed
+        print(f"tiny {name:24s} head_dim={head_dim:3d} block={block_size:2d} positions={sum(map(len, prompts)):4d} "
+              f"max|dlogit| vs hf {err_hf:.2e} (rel {err_hf / scale:.1e}) vs cpu {err_cpu:.2e} "
+              f"(max|logit| {scale:.1f}, tol {tol:.2e}) greedy32 identical {identical}/{len(prompts)}  "
+              f"{'ok' if passed else 'FAIL'}")
+        for p, (g_ok, desc) in zip(prompts, verdicts):
+            if not desc.endswith("identical"):
+                print(f"  prompt of {len(p)} tokens: {desc}")
+    print(f"tiny-random models on the GPU ({args.dtype}): worst max|dlogit| / max|logit| = {worst:.1e} "
+          f"(tolerance {rel_tol:g})")
+    ok &= check_beam_search(args)
+    return 0 if ok else 1
 
 
 def check_tiny(args):
@@ -192,6 +345,39 @@ SMOLLM_PROMPTS = [
 ]
 
 
+def check_smollm2_gpu(args, model, prompts):
+    """kvflow's CUDA backend on SmolLM2: logits vs transformers (fp32, same GPU) and vs kvflow's CPU
+    backend; the first 32 greedy tokens identical to transformers' on every prompt (in bf16, but
+    for near ties within the logit tolerance)."""
+    rel_tol = GPU_TOLERANCES[args.dtype]["smollm2"]
+    strict = args.dtype == "fp16"
+    print(f"kvflow CUDA ({args.dtype}) vs float32 references: tolerance max|dlogit| <= {rel_tol:g} * max|logit| "
+          f"of each prompt; greedy32 {'identical' if strict else 'identical but for near ties'}")
+    model.to(DEVICE)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    ours, greedy = run_dump(args.dump_bin, args.gguf, prompts, args.workdir, greedy=32, device=args.device,
+                            dtype=args.dtype)
+    cpu, _ = run_dump(args.dump_bin, args.gguf, prompts, args.workdir)
+    ref = hf_logits(model, prompts)
+    ok = True
+    worst = 0.0
+    for text, p, a, b, c, g in zip(SMOLLM_PROMPTS, prompts, ours, ref, cpu, greedy):
+        scale = float(np.abs(b).max())
+        tol = rel_tol * scale
+        err_hf = float(np.abs(a - b).max())
+        err_cpu = float(np.abs(a - c).max())
+        worst = max(worst, err_hf / scale)
+        g_ok, desc = greedy_agreement(model, p, g, hf_greedy(model, p, 32), tie_tol=None if strict else tol)
+        passed = g_ok and err_hf <= tol and err_cpu <= tol
+        ok &= passed
+        print(f"smollm2 prompt {text[:30]!r:34s} positions={len(a):3d} max|dlogit| vs hf {err_hf:.2e} "
+              f"(rel {err_hf / scale:.1e}) vs cpu {err_cpu:.2e} (max|logit| {scale:.1f}, tol {tol:.2e}) {desc}  "
+              f"{'ok' if passed else 'FAIL'}")
+    print(f"SmolLM2-135M Q4_1 on the GPU ({args.dtype}): worst max|dlogit| / max|logit| = {worst:.1e} "
+          f"(tolerance {rel_tol:g})")
+    return 0 if ok else 1
+
+
 def check_smollm2(args):
     if not args.gguf or not os.path.exists(args.gguf):
         print(f"SKIP: SmolLM2 GGUF not found at {args.gguf!r}; run tools/fetch-model")
@@ -204,6 +390,8 @@ def check_smollm2(args):
     model.lm_head.weight = model.model.embed_tokens.weight
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
     prompts = [tok.encode(p, add_special_tokens=False) for p in SMOLLM_PROMPTS]
+    if args.device == "cuda":
+        return check_smollm2_gpu(args, model, prompts)
     ours, greedy = run_dump(args.dump_bin, args.gguf, prompts, args.workdir, greedy=32)
     ref = hf_logits(model, prompts)
     ok = True
@@ -231,11 +419,38 @@ def main():
     ap.add_argument("--dump-bin", required=True)
     ap.add_argument("--gguf")
     ap.add_argument("--workdir", default=tempfile.gettempdir())
-    ap.add_argument("--smollm-tol", type=float, default=1e-3)
+    ap.add_argument("--smollm-tol", type=float, default=1e-3, help="CPU backend: max |dlogit| on SmolLM2")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="kvflow backend; cuda also runs transformers on the GPU")
+    ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16", help="kvflow's CUDA dtype")
+    ap.add_argument("--hf-cpu-fallback", action="store_true",
+                    help="with --device cuda and a torch without CUDA: run transformers (float32) on the CPU "
+                         "instead of skipping")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    return check_tiny(args) if args.mode == "tiny" else check_smollm2(args)
+    if args.device == "cuda":
+        if torch.cuda.is_available():
+            global DEVICE
+            DEVICE = torch.device("cuda")
+            # A float32 reference: no TF32 in matmuls (cuDNN is not used by these models).
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+            print(f"transformers on {torch.cuda.get_device_name(0)} (torch {torch.__version__}, float32)")
+        elif args.hf_cpu_fallback:
+            print(f"transformers on the CPU (torch {torch.__version__} has no CUDA; --hf-cpu-fallback), float32")
+        else:
+            print(f"SKIP: --device cuda but torch {torch.__version__} has no CUDA device "
+                  f"(torch.cuda.is_available() is False); the GPU reference needs torch with CUDA "
+                  f"(or --hf-cpu-fallback to run transformers on the CPU)")
+            return SKIP
+    try:
+        if args.device == "cuda":
+            return check_tiny_gpu(args) if args.mode == "tiny" else check_smollm2(args)
+        return check_tiny(args) if args.mode == "tiny" else check_smollm2(args)
+    except Skipped as e:
+        print(f"SKIP: {e}")
+        return SKIP
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 
 #include "engine/stop_matcher.h"
 #include "engine_test_util.h"
+#include "backend/cuda/cuda_device.h"
 #include "kvflow/engine.h"
 
 namespace kvflow {
@@ -182,7 +183,13 @@ TEST(Engine, BadConfigsAndModelsGetClearErrors) {
   EXPECT_EQ(Engine::Create(c).status().code(), StatusCode::kInvalidArgument);
   c.block_size = 16;
   c.device = "tpu";
-  EXPECT_EQ(Engine::Create(c).status().code(), StatusCode::kUnsupported);
+  EXPECT_EQ(Engine::Create(c).status().code(), StatusCode::kInvalidArgument);
+  c.device = "cuda";
+  if (cuda::DeviceCount() == 0) {
+    // Built without CUDA, or no GPU here: says so instead of falling back to the CPU.
+    const Status st = Engine::Create(c).status();
+    EXPECT_EQ(st.code(), StatusCode::kUnsupported) << st.ToString();
+  }
 }
 
 TEST(StopMatcher, HoldsBackPossibleStopPrefixes) {
