@@ -11,6 +11,8 @@
 #include "kv/block_manager.h"
 #include "kv/kv_cache_layout.h"
 #include "kvflow/config.h"
+#include "kvflow/request.h"
+#include "kvflow/sampling.h"
 #include "kvflow/status.h"
 
 namespace kvflow {
@@ -36,6 +38,20 @@ struct ForwardBatch {
   int64_t num_logit_rows() const;
 };
 
+// One logit row to sample on the device: the request's parameters, the sequence's tokens so far
+// (for the penalties), tokens not allowed now, and the row's uniform draw in [0, 1) from the
+// sequence's own RNG (so a seed gives the same tokens on every backend).
+struct DeviceSampleRow {
+  const SamplingParams* params = nullptr;
+  double uniform = 0.0;
+  std::span<const int32_t> prompt;
+  std::span<const int32_t> output;
+  std::span<const int32_t> suppress;
+};
+
+// Top alternatives a device sampler returns at most per token.
+constexpr int kMaxDeviceTopLogprobs = 20;
+
 // Where a batch of block moves (planned by the block manager) copies from and to.
 enum class BlockCopyKind { kDeviceToHost, kHostToDevice, kDeviceToDevice };
 
@@ -46,6 +62,15 @@ class Backend {
   // Runs the model on `batch`, writing each new token's K/V into its block, and fills `logits`
   // with num_logit_rows() x vocab_size floats.
   virtual Status Forward(const ForwardBatch& batch, std::vector<float>& logits) = 0;
+
+  // Backends that sample on the device run Forward and then sample each logit row there (`rows`:
+  // one per logit row, in order), so only tokens and logprobs cross to the host; same semantics as
+  // the CPU Sampler given the same uniforms. Every row's params.logprobs <= kMaxDeviceTopLogprobs.
+  virtual bool SupportsDeviceSampling() const { return false; }
+  virtual Status ForwardAndSample(const ForwardBatch& batch, std::span<const DeviceSampleRow> rows,
+                                  std::vector<SampledToken>& sampled) {
+    return Status::Unsupported("this backend does not sample on the device");
+  }
 
   // Copies whole blocks (every layer, K and V) between the device pool and the host swap pool,
   // or inside the device pool (copy-on-write). One call per kind per step.

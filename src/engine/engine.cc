@@ -275,7 +275,31 @@ class EngineImpl final : public Engine {
     }
     result.num_seqs = static_cast<int>(sched.scheduled.size());
 
-    Status st = backend_->Forward(batch, logits_);
+    // Sample on the device when the backend can and every row is a plain one (no forks, no beams):
+    // then only tokens and logprobs come back to the host.
+    std::vector<DeviceSampleRow> device_rows;
+    std::vector<std::vector<int32_t>> device_suppress;
+    std::vector<SampledToken> device_sampled;
+    const bool sample_on_device = backend_->SupportsDeviceSampling() && DeviceSamplingApplies(sched);
+    if (sample_on_device) {
+      for (const ScheduledSeq& s : sched.scheduled) {
+        if (!s.needs_logits) continue;
+        RequestState* req = requests_.at(s.group->request_id).get();
+        SeqState* st = req->Find(s.seq);
+        const SamplingParams& p = req->params;
+        device_suppress.push_back(st->seq->output_len() < p.min_tokens ? SuppressedBeforeMinTokens(p)
+                                                                        : std::vector<int32_t>{});
+        DeviceSampleRow row;
+        row.params = &req->params;
+        row.uniform = p.greedy() ? 0.0 : st->sampler.NextUniform();
+        row.prompt = st->prompt();
+        row.output = st->output();
+        device_rows.push_back(row);
+      }
+      for (size_t i = 0; i < device_rows.size(); ++i) device_rows[i].suppress = device_suppress[i];
+    }
+    Status st = sample_on_device ? backend_->ForwardAndSample(batch, device_rows, device_sampled)
+                                 : backend_->Forward(batch, logits_);
     if (!st.ok()) {
       // A failed step fails the requests in it, not the engine.
       spdlog::error("forward pass failed: {}", st.ToString());
@@ -289,6 +313,18 @@ class EngineImpl final : public Engine {
     scheduler_.CompleteStep(sched);
     ++stats_.num_steps;
     stats_.prompt_tokens_processed += result.num_prefill_tokens;
+
+    if (sample_on_device) {
+      size_t next = 0;
+      for (const ScheduledSeq& s : sched.scheduled) {
+        if (!s.needs_logits) continue;
+        RequestState* req = requests_.at(s.group->request_id).get();
+        req->forked = true;  // one candidate: nothing to fork
+        AcceptToken(req, req->Find(s.seq), std::move(device_sampled[next++]));
+        MaybeFinishRequest(req);
+      }
+      return result;
+    }
 
     // Logit rows by request, in batch order.
     const int64_t V = model_config_.vocab_size;
@@ -343,7 +379,23 @@ class EngineImpl final : public Engine {
     const SamplingParams& p = req->params;
     std::vector<int32_t> suppress;
     if (st->seq->output_len() < p.min_tokens) suppress = SuppressedBeforeMinTokens(p);
-    SampledToken tok = st->sampler.Sample(logits, st->prompt(), st->output(), suppress);
+    AcceptToken(req, st, st->sampler.Sample(logits, st->prompt(), st->output(), suppress));
+  }
+
+  // Every request behind the step's logit rows samples one plain sequence.
+  bool DeviceSamplingApplies(const SchedulerOutput& sched) const {
+    for (const ScheduledSeq& s : sched.scheduled) {
+      if (!s.needs_logits) continue;
+      const SamplingParams& p = requests_.at(s.group->request_id)->params;
+      if (p.use_beam_search || p.num_candidates() != 1 || p.logprobs > kMaxDeviceTopLogprobs) return false;
+    }
+    return true;
+  }
+
+  // Appends a sampled token to its sequence and streams it; finishes the sequence at EOS, a stop
+  // token or string, or its length limit.
+  void AcceptToken(RequestState* req, SeqState* st, SampledToken tok) {
+    const SamplingParams& p = req->params;
     st->seq->tokens.push_back(tok.token);
     st->cumulative_logprob += tok.logprob;
     ++stats_.generated_tokens;

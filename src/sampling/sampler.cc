@@ -76,6 +76,8 @@ double ExponentiateAll(std::span<const float> logits, float max_logit, float tem
 
 Sampler::Sampler(const SamplingParams& params, uint64_t seed) : params_(params), rng_(seed) {}
 
+double Sampler::NextUniform() { return UniformUnit(rng_); }
+
 SampledToken Sampler::Sample(std::span<float> logits, std::span<const int32_t> prompt,
                              std::span<const int32_t> output, std::span<const int32_t> suppress) {
   const double raw_log_normalizer = ScanRawLogits(logits);

@@ -23,6 +23,11 @@ class Sampler {
   SampledToken Sample(std::span<float> logits, std::span<const int32_t> prompt,
                       std::span<const int32_t> output, std::span<const int32_t> suppress = {});
 
+  // The uniform draw Sample would take for its next token (non-greedy params), for a device
+  // sampler: taking it here keeps the sequence's RNG in step with the CPU path. (The CPU path
+  // skips the draw when every token is masked; a device row always takes it.)
+  double NextUniform();
+
  private:
   struct ScoredToken {
     float logit = 0.0f;

@@ -32,6 +32,7 @@
 #include "model/rope.h"
 #include "rms_norm.h"
 #include "rotary.h"
+#include "sampling.h"
 
 namespace kvflow {
 namespace {
@@ -93,10 +94,14 @@ class DeviceArena {
   DeviceArena() = default;
   DeviceArena(const DeviceArena&) = delete;
   DeviceArena& operator=(const DeviceArena&) = delete;
-  ~DeviceArena() {
+  ~DeviceArena() { Release(); }
+  void Release() {
     if (base_) cudaFree(base_);
+    base_ = nullptr;
+    bytes_ = 0;
   }
   Status Allocate(size_t bytes, const char* what) {
+    Release();
     if (bytes == 0) return Status::Ok();
     const cudaError_t e = cudaMalloc(&base_, bytes);
     if (e != cudaSuccess) {
@@ -223,6 +228,9 @@ class CudaBackend final : public Backend {
   Status Init(const LlamaWeights* weights, uint64_t random_seed);
 
   Status Forward(const ForwardBatch& batch, std::vector<float>& logits) override;
+  bool SupportsDeviceSampling() const override { return true; }
+  Status ForwardAndSample(const ForwardBatch& batch, std::span<const DeviceSampleRow> rows,
+                          std::vector<SampledToken>& sampled) override;
   Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) override;
   const KvCacheLayout& kv_layout() const override { return layout_; }
   int num_host_blocks() const override { return num_host_blocks_; }
@@ -242,8 +250,17 @@ class CudaBackend final : public Backend {
   Status RunModel(const StepShape& shape, int max_decode_context);
   Status RunLogits(int first_row, int rows);
   Status Gemm(const void* x, const void* w, void* y, int m, int n, int k, DType out_dtype);
-  Status ForwardWithGraph(const ForwardBatch& batch, int bucket, std::vector<float>& logits);
+  // Where a step's logits go: copied to the host, or sampled on the device.
+  struct LogitsSink {
+    float* host = nullptr;                                 // copy rows here, or
+    std::span<const DeviceSampleRow> sample_rows;          // sample these rows into
+    std::vector<SampledToken>* sampled = nullptr;
+  };
+  Status Run(const ForwardBatch& batch, const LogitsSink& sink, int64_t rows);
+  Status ForwardWithGraph(const ForwardBatch& batch, int bucket, const LogitsSink& sink);
+  Status Drain(int first_row, int rows, const LogitsSink& sink);
   Status CopyLogitsToHost(int rows, float* dst);
+  Status SampleOnDevice(std::span<const DeviceSampleRow> rows, std::vector<SampledToken>& sampled);
   int GraphBucket(int num_seqs) const;
 
   ModelConfig config_;
@@ -289,6 +306,16 @@ class CudaBackend final : public Backend {
   void* decode_workspace_ = nullptr;
   size_t decode_workspace_bytes_ = 0;
   void* cublas_workspace_ = nullptr;
+  // Device sampling (rows up to max_seqs_).
+  cuda::SamplingRow* sample_rows_ = nullptr;
+  int32_t* sampled_tokens_ = nullptr;
+  float* sampled_logprobs_ = nullptr;
+  int32_t* sampled_top_tokens_ = nullptr;
+  float* sampled_top_logprobs_ = nullptr;
+  void* sample_workspace_ = nullptr;
+  size_t sample_workspace_bytes_ = 0;
+  DeviceArena sample_tokens_arena_;  // histories and suppressed tokens, grown on demand
+  PinnedArena sample_staging_;       // rows + outputs
   StepMetadata device_meta_;
   size_t meta_bytes_ = 0;
 
@@ -480,6 +507,7 @@ Status CudaBackend::AllocatePools() {
   max_tokens_ = std::max(options_.max_num_batched_tokens, max_seqs_);
   max_blocks_per_seq_ = (options_.max_model_len + options_.block_size - 1) / options_.block_size;
   logit_rows_per_chunk_ = std::max(max_seqs_, std::min(max_tokens_, kMaxLogitRowsPerChunk));
+  sample_workspace_bytes_ = cuda::SampleWorkspaceBytes(max_seqs_, static_cast<int>(V));
   decode_workspace_bytes_ = cuda::PagedDecodeWorkspaceBytes(max_seqs_, static_cast<int>(NH), static_cast<int>(D),
                                                              options_.max_model_len);
   const size_t T = static_cast<size_t>(max_tokens_), R = static_cast<size_t>(logit_rows_per_chunk_);
@@ -498,6 +526,12 @@ Status CudaBackend::AllocatePools() {
     logits_ = c.Take<float>(R * V);
     decode_workspace_ = c.TakeBytes(decode_workspace_bytes_);
     cublas_workspace_ = c.TakeBytes(kCublasWorkspaceBytes);
+    sample_rows_ = c.Take<cuda::SamplingRow>(static_cast<size_t>(max_seqs_));
+    sampled_tokens_ = c.Take<int32_t>(static_cast<size_t>(max_seqs_));
+    sampled_logprobs_ = c.Take<float>(static_cast<size_t>(max_seqs_));
+    sampled_top_tokens_ = c.Take<int32_t>(static_cast<size_t>(max_seqs_) * cuda::kMaxTopLogprobs);
+    sampled_top_logprobs_ = c.Take<float>(static_cast<size_t>(max_seqs_) * cuda::kMaxTopLogprobs);
+    sample_workspace_ = c.TakeBytes(sample_workspace_bytes_);
     const size_t before = c.size();
     StepMetadata::Carve(c, &device_meta_, max_tokens_, max_seqs_, max_blocks_per_seq_);
     meta_bytes_ = c.size() - before;
@@ -513,6 +547,9 @@ Status CudaBackend::AllocatePools() {
   Carver staging_dry;
   StepMetadata::Carve(staging_dry, &host_meta_, max_tokens_, max_seqs_, max_blocks_per_seq_);
   KVFLOW_RETURN_IF_ERROR(staging_.Allocate(staging_dry.size(), "step metadata staging"));
+  const size_t sample_staging = AlignUp(max_seqs_ * sizeof(cuda::SamplingRow)) +
+                                max_seqs_ * (2 + 2 * cuda::kMaxTopLogprobs) * sizeof(int32_t);
+  KVFLOW_RETURN_IF_ERROR(sample_staging_.Allocate(sample_staging, "sampling staging"));
   Carver staging_real(staging_.base());
   StepMetadata::Carve(staging_real, &host_meta_, max_tokens_, max_seqs_, max_blocks_per_seq_);
 
@@ -764,12 +801,42 @@ Status CudaBackend::CopyLogitsToHost(int rows, float* dst) {
 
 Status CudaBackend::Forward(const ForwardBatch& batch, std::vector<float>& logits) {
   KVFLOW_RETURN_IF_ERROR(ValidateForwardBatch(batch, config_, layout_));
-  const int T = static_cast<int>(batch.tokens.size());
-  const int num_seqs = static_cast<int>(batch.seqs.size());
-  if (T == 0) {
+  if (batch.tokens.empty()) {
     logits.clear();
     return Status::Ok();
   }
+  const int64_t rows = batch.num_logit_rows();
+  try {
+    logits.resize(static_cast<size_t>(rows) * config_.vocab_size);
+  } catch (const std::bad_alloc&) {
+    return Status::OutOfMemory("cannot allocate host memory for the logits");
+  }
+  LogitsSink sink;
+  sink.host = logits.data();
+  return Run(batch, sink, rows);
+}
+
+Status CudaBackend::ForwardAndSample(const ForwardBatch& batch, std::span<const DeviceSampleRow> rows,
+                                     std::vector<SampledToken>& sampled) {
+  KVFLOW_RETURN_IF_ERROR(ValidateForwardBatch(batch, config_, layout_));
+  if (static_cast<int64_t>(rows.size()) != batch.num_logit_rows() || static_cast<int>(rows.size()) > max_seqs_) {
+    return Status::InvalidArgument(fmt::format("device sampling needs one row per logit row, at most {} ({} given for {})",
+                                               max_seqs_, rows.size(), batch.num_logit_rows()));
+  }
+  for (const DeviceSampleRow& r : rows) {
+    if (!r.params || r.params->logprobs > kMaxDeviceTopLogprobs || r.params->logprobs < 0) {
+      return Status::InvalidArgument("device sampling row without params or with more than 20 logprobs");
+    }
+  }
+  LogitsSink sink;
+  sink.sample_rows = rows;
+  sink.sampled = &sampled;
+  return Run(batch, sink, static_cast<int64_t>(rows.size()));
+}
+
+Status CudaBackend::Run(const ForwardBatch& batch, const LogitsSink& sink, int64_t rows) {
+  const int T = static_cast<int>(batch.tokens.size());
+  const int num_seqs = static_cast<int>(batch.seqs.size());
   if (T > max_tokens_ || num_seqs > max_seqs_) {
     return Status::InvalidArgument(fmt::format(
         "batch of {} tokens in {} sequences exceeds the CUDA backend's limits ({} tokens, {} sequences)", T, num_seqs,
@@ -783,16 +850,9 @@ Status CudaBackend::Forward(const ForwardBatch& batch, std::vector<float>& logit
     }
     all_decode = all_decode && s.num_tokens == 1 && s.logits == LogitsMode::kLast;
   }
-  const int64_t rows = batch.num_logit_rows();
-  try {
-    logits.resize(static_cast<size_t>(rows) * config_.vocab_size);
-  } catch (const std::bad_alloc&) {
-    return Status::OutOfMemory("cannot allocate host memory for the logits");
-  }
-
   if (options_.enable_cuda_graphs && !graphs_failed_ && all_decode) {
     const int bucket = GraphBucket(num_seqs);
-    if (bucket > 0) return ForwardWithGraph(batch, bucket, logits);
+    if (bucket > 0) return ForwardWithGraph(batch, bucket, sink);
   }
 
   const StepShape shape = PlanStep(batch, 0);
@@ -802,13 +862,111 @@ Status CudaBackend::Forward(const ForwardBatch& batch, std::vector<float>& logit
   for (int first = 0; first < rows; first += logit_rows_per_chunk_) {
     const int chunk = static_cast<int>(std::min<int64_t>(logit_rows_per_chunk_, rows - first));
     KVFLOW_RETURN_IF_ERROR(RunLogits(first, chunk));
-    KVFLOW_RETURN_IF_ERROR(CopyLogitsToHost(chunk, logits.data() + static_cast<size_t>(first) * config_.vocab_size));
+    KVFLOW_RETURN_IF_ERROR(Drain(first, chunk, sink));
   }
   if (rows == 0) KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
   return Status::Ok();
 }
 
-Status CudaBackend::ForwardWithGraph(const ForwardBatch& batch, int bucket, std::vector<float>& logits) {
+// Hands logits rows [first_row, first_row + rows) of the step (now in logits_) to the sink.
+Status CudaBackend::Drain(int first_row, int rows, const LogitsSink& sink) {
+  if (sink.host) return CopyLogitsToHost(rows, sink.host + static_cast<size_t>(first_row) * config_.vocab_size);
+  return SampleOnDevice(sink.sample_rows.subspan(static_cast<size_t>(first_row), static_cast<size_t>(rows)),
+                        *sink.sampled);
+}
+
+Status CudaBackend::SampleOnDevice(std::span<const DeviceSampleRow> rows, std::vector<SampledToken>& sampled) {
+  const int n = static_cast<int>(rows.size());
+  if (n == 0) return Status::Ok();
+  auto* host_rows = reinterpret_cast<cuda::SamplingRow*>(sample_staging_.base());
+  auto* out_tokens = reinterpret_cast<int32_t*>(sample_staging_.base() + AlignUp(max_seqs_ * sizeof(cuda::SamplingRow)));
+  auto* out_logprobs = reinterpret_cast<float*>(out_tokens + max_seqs_);
+  auto* out_top_tokens = out_tokens + 2 * max_seqs_;
+  auto* out_top_logprobs = reinterpret_cast<float*>(out_top_tokens + max_seqs_ * cuda::kMaxTopLogprobs);
+  // Histories only for rows with penalties; suppressed tokens after them.
+  std::vector<int32_t> tokens;
+  int num_top = 0;
+  for (int i = 0; i < n; ++i) {
+    const DeviceSampleRow& r = rows[static_cast<size_t>(i)];
+    const SamplingParams& p = *r.params;
+    cuda::SamplingRow& row = host_rows[i];
+    row = cuda::SamplingRow{};
+    row.temperature = p.temperature;
+    row.top_k = p.top_k;
+    row.top_p = p.top_p;
+    row.min_p = p.min_p;
+    row.repetition_penalty = p.repetition_penalty;
+    row.frequency_penalty = p.frequency_penalty;
+    row.presence_penalty = p.presence_penalty;
+    row.uniform = r.uniform;
+    if (p.repetition_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f) {
+      row.history_offset = static_cast<int32_t>(tokens.size());
+      row.prompt_len = static_cast<int32_t>(r.prompt.size());
+      row.output_len = static_cast<int32_t>(r.output.size());
+      tokens.insert(tokens.end(), r.prompt.begin(), r.prompt.end());
+      tokens.insert(tokens.end(), r.output.begin(), r.output.end());
+    }
+    num_top = std::max(num_top, p.logprobs);
+  }
+  const size_t history_len = tokens.size();
+  for (int i = 0; i < n; ++i) {
+    const DeviceSampleRow& r = rows[static_cast<size_t>(i)];
+    host_rows[i].suppress_offset = static_cast<int32_t>(tokens.size() - history_len);
+    host_rows[i].suppress_len = static_cast<int32_t>(r.suppress.size());
+    tokens.insert(tokens.end(), r.suppress.begin(), r.suppress.end());
+  }
+  num_top = std::min(num_top, config_.vocab_size);
+  if (tokens.size() * sizeof(int32_t) > sample_tokens_arena_.bytes()) {
+    KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));  // the old buffer may still be read
+    KVFLOW_RETURN_IF_ERROR(sample_tokens_arena_.Allocate(AlignUp(tokens.size() * sizeof(int32_t) * 2, size_t{1} << 16),
+                                                         "sampling histories"));
+  }
+  auto* dev_tokens = reinterpret_cast<int32_t*>(sample_tokens_arena_.base());
+  if (!tokens.empty()) {
+    KVFLOW_CUDA_RETURN(cudaMemcpyAsync(dev_tokens, tokens.data(), tokens.size() * sizeof(int32_t),
+                                       cudaMemcpyHostToDevice, stream_));
+  }
+  KVFLOW_CUDA_RETURN(cudaMemcpyAsync(sample_rows_, host_rows, n * sizeof(cuda::SamplingRow), cudaMemcpyHostToDevice, stream_));
+  cuda::SampleArgs a;
+  a.logits = logits_;
+  a.num_rows = n;
+  a.vocab_size = config_.vocab_size;
+  a.rows = sample_rows_;
+  a.history = dev_tokens;
+  a.suppress = dev_tokens ? dev_tokens + history_len : nullptr;
+  a.num_top_logprobs = num_top;
+  a.out_tokens = sampled_tokens_;
+  a.out_logprobs = sampled_logprobs_;
+  a.out_top_tokens = sampled_top_tokens_;
+  a.out_top_logprobs = sampled_top_logprobs_;
+  a.workspace = sample_workspace_;
+  a.workspace_bytes = sample_workspace_bytes_;
+  KVFLOW_KERNEL_RETURN(cuda::SampleFromLogits(a, stream_));
+  KVFLOW_CUDA_RETURN(cudaMemcpyAsync(out_tokens, sampled_tokens_, n * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+  KVFLOW_CUDA_RETURN(cudaMemcpyAsync(out_logprobs, sampled_logprobs_, n * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  if (num_top > 0) {
+    const size_t top = static_cast<size_t>(n) * num_top;
+    KVFLOW_CUDA_RETURN(cudaMemcpyAsync(out_top_tokens, sampled_top_tokens_, top * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+    KVFLOW_CUDA_RETURN(cudaMemcpyAsync(out_top_logprobs, sampled_top_logprobs_, top * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  }
+  KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
+  for (int i = 0; i < n; ++i) {
+    SampledToken t;
+    t.token = out_tokens[i];
+    t.logprob = out_logprobs[i];
+    const int k = rows[static_cast<size_t>(i)].params->logprobs;
+    for (int j = 0; j < std::min(k, num_top); ++j) {
+      t.top_logprobs.push_back({out_top_tokens[i * num_top + j], out_top_logprobs[i * num_top + j]});
+    }
+    if (t.token < 0 || t.token >= config_.vocab_size) {
+      return Status::Internal(fmt::format("device sampler returned token {} for row {}", t.token, i));
+    }
+    sampled.push_back(std::move(t));
+  }
+  return Status::Ok();
+}
+
+Status CudaBackend::ForwardWithGraph(const ForwardBatch& batch, int bucket, const LogitsSink& sink) {
   const int n = static_cast<int>(batch.seqs.size());
   PlanStep(batch, bucket);
   KVFLOW_RETURN_IF_ERROR(UploadMetadata(host_meta_, device_meta_, bucket, bucket, 0, max_blocks_per_seq_, stream_));
@@ -825,7 +983,7 @@ Status CudaBackend::ForwardWithGraph(const ForwardBatch& batch, int bucket, std:
     // is set up outside capture), then capture the same launches for the next steps.
     KVFLOW_RETURN_IF_ERROR(RunModel(shape, shape.max_decode_context));
     KVFLOW_RETURN_IF_ERROR(RunLogits(0, bucket));
-    KVFLOW_RETURN_IF_ERROR(CopyLogitsToHost(n, logits.data()));
+    KVFLOW_RETURN_IF_ERROR(Drain(0, n, sink));
 
     cudaGraph_t graph = nullptr;
     KVFLOW_CUDA_RETURN(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
@@ -852,7 +1010,7 @@ Status CudaBackend::ForwardWithGraph(const ForwardBatch& batch, int bucket, std:
     return Status::Ok();
   }
   KVFLOW_CUDA_RETURN(cudaGraphLaunch(it->second, stream_));
-  return CopyLogitsToHost(n, logits.data());
+  return Drain(0, n, sink);
 }
 
 Status CudaBackend::CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) {
