@@ -10,10 +10,7 @@
 namespace kvflow::cuda {
 namespace {
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
+using dev::Vec;
 
 // grid = (rows, chunks of kThreads * V elements of a row): rows on x (no 65535 limit), so each
 // thread handles exactly one V-group of one row and there is no integer division per element.

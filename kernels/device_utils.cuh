@@ -144,6 +144,13 @@ __device__ __forceinline__ uint32_t PackTwo(float lo, float hi) {
   return static_cast<uint32_t>(ua) | (static_cast<uint32_t>(ub) << 16);
 }
 
+// N elements of T as one aligned unit: with sizeof(T) * N == 16 a load or store of it is one
+// 16-byte vector access.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
 // ---- reductions ---------------------------------------------------------------------------------
 
 constexpr unsigned kFullMask = 0xffffffffu;

@@ -9,10 +9,7 @@
 namespace kvflow::cuda {
 namespace {
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
+using dev::Vec;
 
 // grid = (num_rows, chunks of kChunk elements of a row): rows on x (no 65535 limit for long
 // prefills), a few CTAs per row so a decode step with a handful of rows still spreads out.

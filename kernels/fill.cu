@@ -10,10 +10,7 @@
 namespace kvflow::cuda {
 namespace {
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
+using dev::Vec;
 
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 

@@ -12,10 +12,7 @@
 namespace kvflow::cuda {
 namespace {
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
+using dev::Vec;
 
 // V consecutive fp32 values (V a multiple of 4: float4 loads/stores; V == 1: scalar).
 template <int V>

@@ -14,10 +14,7 @@
 namespace kvflow::cuda {
 namespace {
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Vec {
-  T v[N];
-};
+using dev::Vec;
 
 // a * b - c * d and a * b + c * d with both products rounded to fp32: the written formula, whatever
 // the compiler would contract into an fma (the CPU reference, built for x86-64-v3, may contract one

@@ -88,27 +88,29 @@ void ConvertFromFloat(const float* src, size_t n, DType t, uint16_t* dst) {
   }
 }
 
-// A device allocation that frees itself.
-class DeviceArena {
+// A device (cudaMalloc) or pinned host (cudaHostAlloc) allocation that frees itself.
+template <bool kPinnedHost>
+class Arena {
  public:
-  DeviceArena() = default;
-  DeviceArena(const DeviceArena&) = delete;
-  DeviceArena& operator=(const DeviceArena&) = delete;
-  ~DeviceArena() { Release(); }
+  Arena() = default;
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+  ~Arena() { Release(); }
   void Release() {
-    if (base_) cudaFree(base_);
+    if (base_) kPinnedHost ? cudaFreeHost(base_) : cudaFree(base_);
     base_ = nullptr;
     bytes_ = 0;
   }
   Status Allocate(size_t bytes, const char* what) {
     Release();
     if (bytes == 0) return Status::Ok();
-    const cudaError_t e = cudaMalloc(&base_, bytes);
+    const cudaError_t e = kPinnedHost ? cudaHostAlloc(&base_, bytes, cudaHostAllocDefault) : cudaMalloc(&base_, bytes);
     if (e != cudaSuccess) {
       base_ = nullptr;
       cudaGetLastError();
-      return Status::OutOfMemory(fmt::format("cannot allocate {:.2f} GiB of device memory for {} ({})",
-                                             bytes / double(1 << 30), what, cuda::CudaErrorText(e)));
+      return Status::OutOfMemory(fmt::format("cannot allocate {:.2f} GiB of {} memory for {} ({})",
+                                             bytes / double(1 << 30), kPinnedHost ? "pinned host" : "device", what,
+                                             cuda::CudaErrorText(e)));
     }
     bytes_ = bytes;
     return Status::Ok();
@@ -120,35 +122,8 @@ class DeviceArena {
   void* base_ = nullptr;
   size_t bytes_ = 0;
 };
-
-// Pinned host memory that frees itself.
-class PinnedArena {
- public:
-  PinnedArena() = default;
-  PinnedArena(const PinnedArena&) = delete;
-  PinnedArena& operator=(const PinnedArena&) = delete;
-  ~PinnedArena() {
-    if (base_) cudaFreeHost(base_);
-  }
-  Status Allocate(size_t bytes, const char* what) {
-    if (bytes == 0) return Status::Ok();
-    const cudaError_t e = cudaHostAlloc(&base_, bytes, cudaHostAllocDefault);
-    if (e != cudaSuccess) {
-      base_ = nullptr;
-      cudaGetLastError();
-      return Status::OutOfMemory(fmt::format("cannot pin {:.2f} GiB of host memory for {} ({})",
-                                             bytes / double(1 << 30), what, cuda::CudaErrorText(e)));
-    }
-    bytes_ = bytes;
-    return Status::Ok();
-  }
-  char* base() const { return static_cast<char*>(base_); }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* base_ = nullptr;
-  size_t bytes_ = 0;
-};
+using DeviceArena = Arena<false>;
+using PinnedArena = Arena<true>;
 
 // Carves aligned sub-buffers out of one allocation: first a dry run to size it, then for real.
 class Carver {
