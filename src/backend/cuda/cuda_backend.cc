@@ -811,6 +811,7 @@ Status CudaBackend::ForwardAndSample(const ForwardBatch& batch, std::span<const 
 
 Status CudaBackend::Run(const ForwardBatch& batch, const LogitsSink& sink, int64_t rows) {
   const int T = static_cast<int>(batch.tokens.size());
+  if (T == 0) return Status::Ok();
   const int num_seqs = static_cast<int>(batch.seqs.size());
   if (T > max_tokens_ || num_seqs > max_seqs_) {
     return Status::InvalidArgument(fmt::format(
