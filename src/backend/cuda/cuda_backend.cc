@@ -16,7 +16,6 @@
 #include <cstring>
 #include <limits>
 #include <map>
-#include <thread>
 
 #include <spdlog/fmt/fmt.h>
 #include <spdlog/spdlog.h>
@@ -227,8 +226,8 @@ class CudaBackend final : public Backend {
   Status Gemm(const void* x, const void* w, void* y, int m, int n, int k, DType out_dtype);
   // Where a step's logits go: copied to the host, or sampled on the device.
   struct LogitsSink {
-    float* host = nullptr;                                 // copy rows here, or
-    std::span<const DeviceSampleRow> sample_rows;          // sample these rows into
+    float* host = nullptr;                        // copy rows here, unless `sampled` is set:
+    std::span<const DeviceSampleRow> sample_rows;  // then sample these rows into it
     std::vector<SampledToken>* sampled = nullptr;
   };
   Status Run(const ForwardBatch& batch, const LogitsSink& sink, int64_t rows);
@@ -846,7 +845,7 @@ Status CudaBackend::Run(const ForwardBatch& batch, const LogitsSink& sink, int64
 
 // Hands logits rows [first_row, first_row + rows) of the step (now in logits_) to the sink.
 Status CudaBackend::Drain(int first_row, int rows, const LogitsSink& sink) {
-  if (sink.host) return CopyLogitsToHost(rows, sink.host + static_cast<size_t>(first_row) * config_.vocab_size);
+  if (!sink.sampled) return CopyLogitsToHost(rows, sink.host + static_cast<size_t>(first_row) * config_.vocab_size);
   return SampleOnDevice(sink.sample_rows.subspan(static_cast<size_t>(first_row), static_cast<size_t>(rows)),
                         *sink.sampled);
 }
