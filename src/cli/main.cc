@@ -144,6 +144,8 @@ int main(int argc, char** argv) {
                        "CUDA: share of GPU memory for weights, activations and KV cache")->default_val(0.9);
   generate->add_flag("--enforce-eager", gen.engine.enforce_eager, "CUDA: no CUDA graphs for decode steps");
   generate->add_option("--max-num-seqs", gen.engine.max_num_seqs, "Sequences in one batch")->default_val(64);
+  generate->add_option("--max-num-batched-tokens", gen.engine.max_num_batched_tokens,
+                       "Tokens in one batch (longer prompts prefill in chunks)")->default_val(2048);
   generate->add_option("--threads", gen.engine.num_threads, "CPU threads (0 = all cores)");
   generate->add_option("--block-size", gen.engine.block_size, "Tokens per KV block")->default_val(16);
   generate->add_option("--max-model-len", gen.engine.max_model_len, "Context limit (0 = the model's)");
