@@ -142,6 +142,28 @@ struct PagedSetup {
     CHECK_CUDA(cudaMemcpy(context_lens->p, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMemcpy(rows->p, row.data(), row.size() * 4, cudaMemcpyHostToDevice));
   }
+  // The pools and tables of this setup, fp16, for `heads` query heads over dense q/out rows.
+  kvflow::cuda::PagedAttentionArgs Args(void* out, const void* query, int num_seqs, int heads, int kv_heads,
+                                        int head_dim, int block_size) const {
+    kvflow::cuda::PagedAttentionArgs a;
+    a.dtype = DType::kF16;
+    a.out = out;
+    a.out_row_stride = heads * head_dim;
+    a.query = query;
+    a.query_row_stride = heads * head_dim;
+    a.key_cache = key->p;
+    a.value_cache = value->p;
+    a.block_tables = tables->as<int32_t>();
+    a.block_table_stride = max_blocks;
+    a.context_lens = context_lens->as<int32_t>();
+    a.num_seqs = num_seqs;
+    a.num_heads = heads;
+    a.num_kv_heads = kv_heads;
+    a.head_dim = head_dim;
+    a.block_size = block_size;
+    a.scale = 1.0f / std::sqrt(float(head_dim));
+    return a;
+  }
 };
 
 json BenchDecode(double copy_gbs, size_t free_bytes) {
@@ -164,24 +186,9 @@ json BenchDecode(double copy_gbs, size_t free_bytes) {
         const size_t ws = kvflow::cuda::PagedDecodeWorkspaceBytes(batch, H, D, ctx);
         DeviceBuffer workspace(ws);
         kvflow::cuda::PagedDecodeArgs a;
-        a.dtype = DType::kF16;
-        a.out = o.p;
-        a.out_row_stride = H * D;
-        a.query = q.p;
-        a.query_row_stride = H * D;
-        a.key_cache = s.key->p;
-        a.value_cache = s.value->p;
-        a.block_tables = s.tables->as<int32_t>();
-        a.block_table_stride = s.max_blocks;
-        a.context_lens = s.context_lens->as<int32_t>();
+        static_cast<kvflow::cuda::PagedAttentionArgs&>(a) = s.Args(o.p, q.p, batch, H, kv, D, BS);
         a.query_rows = s.rows->as<int32_t>();
-        a.num_seqs = batch;
-        a.num_heads = H;
-        a.num_kv_heads = kv;
-        a.head_dim = D;
-        a.block_size = BS;
         a.max_context_len = ctx;
-        a.scale = 1.0f / std::sqrt(float(D));
         a.workspace = workspace.p;
         a.workspace_bytes = ws;
         const double ms = TimeMs([&] { CHECK_RC(kvflow::cuda::PagedAttentionDecode(a, nullptr)); });
@@ -213,25 +220,10 @@ json BenchPrefill(double gemm_tflops) {
       CHECK_CUDA(cudaMemcpy(starts.p, &zero, 4, cudaMemcpyHostToDevice));
       CHECK_CUDA(cudaMemcpy(lens.p, &s, 4, cudaMemcpyHostToDevice));
       kvflow::cuda::PagedPrefillArgs a;
-      a.dtype = DType::kF16;
-      a.out = o.p;
-      a.out_row_stride = H * D;
-      a.query = q.p;
-      a.query_row_stride = H * D;
-      a.key_cache = p.key->p;
-      a.value_cache = p.value->p;
-      a.block_tables = p.tables->as<int32_t>();
-      a.block_table_stride = p.max_blocks;
+      static_cast<kvflow::cuda::PagedAttentionArgs&>(a) = p.Args(o.p, q.p, 1, H, kv, D, BS);
       a.query_starts = starts.as<int32_t>();
       a.query_lens = lens.as<int32_t>();
-      a.context_lens = p.context_lens->as<int32_t>();
-      a.num_seqs = 1;
-      a.num_heads = H;
-      a.num_kv_heads = kv;
-      a.head_dim = D;
-      a.block_size = BS;
       a.max_query_len = s;
-      a.scale = 1.0f / std::sqrt(float(D));
       const double ms = TimeMs([&] { CHECK_RC(kvflow::cuda::PagedAttentionPrefill(a, nullptr)); }, 5, 5);
       const double flops = 4.0 * double(s) * s * H * D / 2.0;  // causal
       const double tflops = flops / (ms * 1e-3) / 1e12;

@@ -718,18 +718,31 @@ Status ValidateEngineConfig(const EngineConfig& c) {
   if (c.max_model_len < 0) return Status::InvalidArgument("max_model_len must be >= 0");
   if (c.kv_cache_bytes < 0 || c.num_kv_blocks < 0) return Status::InvalidArgument("KV cache size must be >= 0");
   if (c.swap_space_bytes < 0) return Status::InvalidArgument("swap_space must be >= 0");
-  if (!(c.gpu_memory_utilization > 0.0 && c.gpu_memory_utilization <= 1.0)) {
-    return Status::InvalidArgument("gpu_memory_utilization must be in (0, 1]");
-  }
-  if (c.dtype != "auto" && c.dtype != "fp16" && c.dtype != "bf16" && c.dtype != "float16" && c.dtype != "bfloat16") {
-    return Status::InvalidArgument("dtype must be auto, fp16 or bf16, not '" + c.dtype + "'");
-  }
   return ParseDevice(c.device).status();
 }
 
 }  // namespace
 
 namespace {
+
+// A sequence must fit the pool alone, or it would be preempted and fail at the end (vLLM refuses to
+// start in that case too): a max_model_len the user asked for is refused, a defaulted one lowered.
+Status FitMaxModelLenToPool(EngineConfig& config, bool requested, int num_blocks, const char* remedy) {
+  BlockManagerConfig pool;
+  pool.num_device_blocks = num_blocks;
+  const int64_t pool_tokens = static_cast<int64_t>(MaxAdmissibleBlocks(pool)) * config.block_size;
+  if (pool_tokens >= config.max_model_len) return Status::Ok();
+  if (requested) {
+    return Status::InvalidArgument("max_model_len " + std::to_string(config.max_model_len) +
+                                   " is more than the KV cache holds (" + std::to_string(pool_tokens) +
+                                   " tokens in " + std::to_string(num_blocks) + " blocks); " + remedy +
+                                   " or lower max_model_len");
+  }
+  spdlog::warn("the KV cache holds {} tokens, less than the model's context {}; max_model_len is {}", pool_tokens,
+               config.max_model_len, pool_tokens);
+  config.max_model_len = static_cast<int>(pool_tokens);
+  return Status::Ok();
+}
 
 // The CPU backend: the KV pool is kv_cache_bytes (or num_kv_blocks, or enough for max_num_seqs full
 // contexts up to 1 GiB); lowers a defaulted max_model_len to what the pool holds.
@@ -752,22 +765,8 @@ Result<std::unique_ptr<Backend>> CreateEngineCpuBackend(EngineConfig& config, co
     }
     layout.num_blocks = static_cast<int>(std::max<int64_t>(1, bytes / block_bytes));
   }
-  // A sequence must fit the pool alone, or it would be preempted and fail at the end (vLLM
-  // refuses to start in that case too).
-  BlockManagerConfig pool;
-  pool.num_device_blocks = layout.num_blocks;
-  const int64_t pool_tokens = static_cast<int64_t>(MaxAdmissibleBlocks(pool)) * config.block_size;
-  if (pool_tokens < config.max_model_len) {
-    if (input.max_model_len > 0) {
-      return Status::InvalidArgument("max_model_len " + std::to_string(config.max_model_len) +
-                                     " is more than the KV cache holds (" + std::to_string(pool_tokens) +
-                                     " tokens in " + std::to_string(layout.num_blocks) +
-                                     " blocks); give it more memory or lower max_model_len");
-    }
-    spdlog::warn("the KV cache holds {} tokens, less than the model's context {}; max_model_len is {}", pool_tokens,
-                 config.max_model_len, pool_tokens);
-    config.max_model_len = static_cast<int>(pool_tokens);
-  }
+  KVFLOW_RETURN_IF_ERROR(
+      FitMaxModelLenToPool(config, input.max_model_len > 0, layout.num_blocks, "give it more memory"));
   // Swap space beyond the device pool could never be filled (see the block manager).
   const int64_t host_blocks = config.num_host_kv_blocks >= 0 ? config.num_host_kv_blocks
                                                              : config.swap_space_bytes / block_bytes;
@@ -808,27 +807,14 @@ Result<std::unique_ptr<Backend>> CreateEngineCudaBackend(EngineConfig& config, c
                                                              : config.swap_space_bytes / block_bytes;
   o.num_host_blocks = static_cast<int>(std::min<int64_t>(host_blocks, std::numeric_limits<int32_t>::max()));
   // A pool of known size lowers (or refuses) max_model_len before the backend sizes its tables.
-  auto fit_context = [&](int num_blocks) -> Status {
-    BlockManagerConfig pool;
-    pool.num_device_blocks = num_blocks;
-    const int64_t pool_tokens = static_cast<int64_t>(MaxAdmissibleBlocks(pool)) * config.block_size;
-    if (pool_tokens >= config.max_model_len) return Status::Ok();
-    if (input.max_model_len > 0) {
-      return Status::InvalidArgument("max_model_len " + std::to_string(config.max_model_len) +
-                                     " is more than the GPU KV cache holds (" + std::to_string(pool_tokens) +
-                                     " tokens); raise gpu_memory_utilization or lower max_model_len");
-    }
-    spdlog::warn("the GPU KV cache holds {} tokens, less than the model's context {}; max_model_len is {}",
-                 pool_tokens, config.max_model_len, pool_tokens);
-    config.max_model_len = static_cast<int>(pool_tokens);
-    return Status::Ok();
-  };
+  const bool requested = input.max_model_len > 0;
+  const char* remedy = "raise gpu_memory_utilization";
   if (o.num_kv_blocks > 0) {
-    KVFLOW_RETURN_IF_ERROR(fit_context(o.num_kv_blocks));
+    KVFLOW_RETURN_IF_ERROR(FitMaxModelLenToPool(config, requested, o.num_kv_blocks, remedy));
     o.max_model_len = config.max_model_len;
   }
   KVFLOW_ASSIGN_OR_RETURN(auto backend, CreateCudaBackend(mc, weights, o));
-  KVFLOW_RETURN_IF_ERROR(fit_context(backend->kv_layout().num_blocks));
+  KVFLOW_RETURN_IF_ERROR(FitMaxModelLenToPool(config, requested, backend->kv_layout().num_blocks, remedy));
   return backend;
 }
 

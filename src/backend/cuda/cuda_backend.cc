@@ -338,7 +338,7 @@ Status CudaBackend::Init(const LlamaWeights* weights, uint64_t random_seed) {
   KVFLOW_CUDA_RETURN(cudaSetDevice(options_.device));
   device_name_ = cuda::DeviceDescription(options_.device);
 
-  if (options_.dtype == "fp16" || options_.dtype == "float16" || options_.dtype == "half") {
+  if (options_.dtype == "fp16" || options_.dtype == "float16") {
     dtype_ = DType::kF16;
   } else if (options_.dtype == "bf16" || options_.dtype == "bfloat16" || options_.dtype == "auto") {
     dtype_ = DType::kBF16;
@@ -699,51 +699,42 @@ Status CudaBackend::RunModel(const StepShape& shape, int max_decode_context) {
     KVFLOW_KERNEL_RETURN(cuda::ReshapeAndCache(dtype_, qkv + static_cast<size_t>(NH) * D * es, QKV,
                                                qkv + static_cast<size_t>(NH + KV) * D * es, QKV, key_cache,
                                                value_cache, m.slot_mapping, T, KV, D, layout_.block_size, stream_));
+    // The layer's side of both attention kernels; each adds its sequences.
+    cuda::PagedAttentionArgs layer;
+    layer.dtype = dtype_;
+    layer.out = attn_;
+    layer.out_row_stride = static_cast<int64_t>(NH) * D;
+    layer.query = qkv_;
+    layer.query_row_stride = QKV;
+    layer.key_cache = key_cache;
+    layer.value_cache = value_cache;
+    layer.block_table_stride = max_blocks_per_seq_;
+    layer.num_heads = NH;
+    layer.num_kv_heads = KV;
+    layer.head_dim = D;
+    layer.block_size = layout_.block_size;
+    layer.scale = scale;
     if (shape.num_decode > 0) {
       cuda::PagedDecodeArgs a;
-      a.dtype = dtype_;
-      a.out = attn_;
-      a.out_row_stride = static_cast<int64_t>(NH) * D;
-      a.query = qkv_;
-      a.query_row_stride = QKV;
-      a.key_cache = key_cache;
-      a.value_cache = value_cache;
+      static_cast<cuda::PagedAttentionArgs&>(a) = layer;
       a.block_tables = m.decode_block_tables;
-      a.block_table_stride = max_blocks_per_seq_;
       a.context_lens = m.decode_context_lens;
-      a.query_rows = m.decode_query_rows;
       a.num_seqs = shape.num_decode;
-      a.num_heads = NH;
-      a.num_kv_heads = KV;
-      a.head_dim = D;
-      a.block_size = layout_.block_size;
+      a.query_rows = m.decode_query_rows;
       a.max_context_len = max_decode_context;
-      a.scale = scale;
       a.workspace = decode_workspace_;
       a.workspace_bytes = decode_workspace_bytes_;
       KVFLOW_KERNEL_RETURN(cuda::PagedAttentionDecode(a, stream_));
     }
     if (shape.num_prefill > 0) {
       cuda::PagedPrefillArgs a;
-      a.dtype = dtype_;
-      a.out = attn_;
-      a.out_row_stride = static_cast<int64_t>(NH) * D;
-      a.query = qkv_;
-      a.query_row_stride = QKV;
-      a.key_cache = key_cache;
-      a.value_cache = value_cache;
+      static_cast<cuda::PagedAttentionArgs&>(a) = layer;
       a.block_tables = m.prefill_block_tables;
-      a.block_table_stride = max_blocks_per_seq_;
-      a.query_starts = m.prefill_query_starts;
-      a.query_lens = m.prefill_query_lens;
       a.context_lens = m.prefill_context_lens;
       a.num_seqs = shape.num_prefill;
-      a.num_heads = NH;
-      a.num_kv_heads = KV;
-      a.head_dim = D;
-      a.block_size = layout_.block_size;
+      a.query_starts = m.prefill_query_starts;
+      a.query_lens = m.prefill_query_lens;
       a.max_query_len = shape.max_prefill_query;
-      a.scale = scale;
       KVFLOW_KERNEL_RETURN(cuda::PagedAttentionPrefill(a, stream_));
     }
     KVFLOW_RETURN_IF_ERROR(Gemm(attn_, w.wo, delta_, T, H, NH * D, dtype_));
