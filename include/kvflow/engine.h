@@ -99,6 +99,9 @@ class Engine {
                                        StreamCallback on_event = {}) = 0;
   virtual Result<RequestId> AddRequestWithHints(std::vector<int32_t> prompt_tokens, const SamplingParams& params,
                                                 StreamCallback on_event, const RequestHints& hints) = 0;
+  // The checks AddRequest makes (parameters, prompt ids, lengths, limits) without queuing anything.
+  // Reads only the configuration, so any thread may call it while another drives the engine.
+  virtual Status ValidateRequest(const std::vector<int32_t>& prompt_tokens, const SamplingParams& params) const = 0;
   // Stops a request and frees its KV blocks; its callback receives FinishReason::kCancelled.
   virtual Status Cancel(RequestId id) = 0;
 

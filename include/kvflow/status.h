@@ -18,6 +18,8 @@ enum class StatusCode {
   kOutOfMemory,      // a pool or allocation could not be satisfied
   kCancelled,
   kInternal,
+  kResourceExhausted,  // a bounded queue is full: retry later
+  kUnavailable,        // the service is shutting down
 };
 
 const char* StatusCodeName(StatusCode code);
@@ -36,6 +38,8 @@ class [[nodiscard]] Status {
   static Status OutOfMemory(std::string m) { return {StatusCode::kOutOfMemory, std::move(m)}; }
   static Status Cancelled(std::string m) { return {StatusCode::kCancelled, std::move(m)}; }
   static Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+  static Status ResourceExhausted(std::string m) { return {StatusCode::kResourceExhausted, std::move(m)}; }
+  static Status Unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
 
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }

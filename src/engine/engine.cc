@@ -78,8 +78,7 @@ class EngineImpl final : public Engine {
     return AddRequestWithHints(std::move(prompt), params, std::move(on_event), {});
   }
 
-  Result<RequestId> AddRequestWithHints(std::vector<int32_t> prompt, const SamplingParams& params,
-                                        StreamCallback on_event, const RequestHints& hints) override {
+  Status ValidateRequest(const std::vector<int32_t>& prompt, const SamplingParams& params) const override {
     KVFLOW_RETURN_IF_ERROR(params.Validate());
     if (prompt.empty()) return Status::InvalidArgument("the prompt is empty");
     if (params.num_candidates() > config_.max_num_seqs) {
@@ -96,6 +95,12 @@ class EngineImpl final : public Engine {
       return Status::InvalidArgument("the prompt has " + std::to_string(prompt.size()) +
                                      " tokens; max_model_len is " + std::to_string(config_.max_model_len));
     }
+    return Status::Ok();
+  }
+
+  Result<RequestId> AddRequestWithHints(std::vector<int32_t> prompt, const SamplingParams& params,
+                                        StreamCallback on_event, const RequestHints& hints) override {
+    KVFLOW_RETURN_IF_ERROR(ValidateRequest(prompt, params));
     auto req = std::make_unique<RequestState>();
     req->id = next_id_++;
     req->params = params;

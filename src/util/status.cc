@@ -13,6 +13,8 @@ const char* StatusCodeName(StatusCode code) {
     case StatusCode::kOutOfMemory: return "OutOfMemory";
     case StatusCode::kCancelled: return "Cancelled";
     case StatusCode::kInternal: return "Internal";
+    case StatusCode::kResourceExhausted: return "ResourceExhausted";
+    case StatusCode::kUnavailable: return "Unavailable";
   }
   return "Unknown";
 }

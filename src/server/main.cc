@@ -1,0 +1,144 @@
+// kvflow-server: an OpenAI-compatible HTTP server over kvflow::AsyncEngine.
+//
+//   kvflow-server --model smollm2-135m --port 8000
+//   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
+//        -d '{"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 16}'
+#include <signal.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+
+#include <CLI/CLI.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "kvflow/async_engine.h"
+#include "server/http_server.h"
+#include "server/openai_server.h"
+
+namespace {
+
+struct Options {
+  kvflow::EngineConfig engine;
+  kvflow::AsyncEngineOptions async;
+  kvflow::server::HttpServerOptions http;
+  kvflow::server::OpenAiServerOptions api;
+  double swap_space_gib = 4.0;
+  double shutdown_timeout_s = 30.0;
+  bool verbose = false;
+};
+
+int Serve(Options& opt) {
+  // Signals are taken synchronously by this thread (sigwait); every thread started below
+  // inherits the mask, so none is interrupted by them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  spdlog::info("loading model '{}' on {}", opt.engine.model, opt.engine.device);
+  const auto load_start = std::chrono::steady_clock::now();
+  auto engine_or = kvflow::AsyncEngine::Create(opt.engine, opt.async);
+  if (!engine_or.ok()) {
+    spdlog::error("{}", engine_or.status().ToString());
+    return 1;
+  }
+  std::unique_ptr<kvflow::AsyncEngine> engine = std::move(engine_or).value();
+  if (opt.api.served_model_name.empty()) opt.api.served_model_name = opt.engine.model;
+  if (opt.api.api_key.empty()) {
+    if (const char* key = std::getenv("KVFLOW_API_KEY")) opt.api.api_key = key;
+  }
+  auto api_or = kvflow::server::OpenAiServer::Create(engine.get(), opt.api);
+  if (!api_or.ok()) {
+    spdlog::error("{}", api_or.status().ToString());
+    return 1;
+  }
+  auto api = std::move(api_or).value();
+  kvflow::server::ServerMetrics* metrics = &api->metrics();
+  opt.http.on_response = [metrics](int status) { metrics->RecordHttpStatus(status); };
+  auto http_or = kvflow::server::HttpServer::Listen(
+      opt.http, [&api](const kvflow::server::HttpRequest& req, kvflow::server::HttpExchange& ex) { api->Handle(req, ex); });
+  if (!http_or.ok()) {
+    spdlog::error("{}", http_or.status().ToString());
+    return 1;
+  }
+  auto http = std::move(http_or).value();
+  http->Start();
+  const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count();
+  spdlog::info("listening on http://{}:{} | model '{}' ({}) loaded in {:.1f} s{}", opt.http.host, http->port(),
+               opt.api.served_model_name, engine->Describe(), load_s,
+               opt.api.api_key.empty() ? "" : " | API key required");
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  spdlog::info("{}: refusing new connections; finishing {} request(s) (deadline {:.0f} s)", strsignal(sig),
+               engine->num_unfinished(), opt.shutdown_timeout_s);
+  http->StopAccepting();
+  api->BeginShutdown();
+  engine->Drain(std::chrono::steady_clock::now() +
+                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                    std::chrono::duration<double>(opt.shutdown_timeout_s)));
+  http->Shutdown();
+  const kvflow::EngineStats s = engine->stats();
+  engine.reset();
+  spdlog::info("stopped: {} prompt and {} generated tokens served", s.prompt_tokens_processed, s.generated_tokens);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options opt;
+  opt.engine.model = "smollm2-135m";
+  opt.async.max_queue_len = 256;
+  CLI::App app{
+      "kvflow-server: OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health,\n"
+      "/metrics). Flags are spelled as vLLM spells them.\n\n"
+      "  kvflow-server --model smollm2-135m --port 8000\n"};
+  app.add_option("-m,--model", opt.engine.model, "Model path or short name (tiny-random, smollm2-135m)")
+      ->default_val("smollm2-135m");
+  app.add_option("--served-model-name", opt.api.served_model_name, "Model name in the API (default: --model)");
+  app.add_option("--host", opt.http.host, "Address to listen on")->default_val("127.0.0.1");
+  app.add_option("--port", opt.http.port, "Port (0: any free one)")->default_val(8000);
+  app.add_option("--api-key", opt.api.api_key, "Require 'Authorization: Bearer KEY' on /v1 (or env KVFLOW_API_KEY)");
+  app.add_option("--chat-template", opt.api.chat_template, "chatml, llama3, or a file with the model's Jinja template");
+  app.add_option("--device", opt.engine.device, "cpu, cuda or cuda:N")->default_val("cpu");
+  app.add_option("--dtype", opt.engine.dtype, "CUDA: fp16, bf16 or auto")->default_val("auto");
+  app.add_option("--gpu-memory-utilization", opt.engine.gpu_memory_utilization,
+                 "CUDA: share of GPU memory for weights, activations and KV cache")->default_val(0.9);
+  app.add_flag("--enforce-eager", opt.engine.enforce_eager, "CUDA: no CUDA graphs");
+  app.add_option("--max-num-seqs", opt.engine.max_num_seqs, "Sequences in one batch")->default_val(64);
+  app.add_option("--max-num-batched-tokens", opt.engine.max_num_batched_tokens, "Tokens in one batch")
+      ->default_val(2048);
+  app.add_option("--max-model-len", opt.engine.max_model_len, "Context limit (0: the model's)")->default_val(0);
+  app.add_option("--block-size", opt.engine.block_size, "Tokens per KV block")->default_val(16);
+  app.add_option("--num-kv-blocks", opt.engine.num_kv_blocks, "Fix the device KV pool size in blocks (0: automatic)");
+  app.add_option("--swap-space", opt.swap_space_gib, "Host memory for swapped-out KV, GiB")->default_val(4.0);
+  app.add_option("--num-host-kv-blocks", opt.engine.num_host_kv_blocks, "Fix the host (swap) pool in blocks");
+  app.add_option("--preemption-mode", opt.engine.preemption_mode, "auto, swap or recompute")->default_val("auto");
+  app.add_flag("--enable-prefix-caching", opt.engine.enable_prefix_caching, "Reuse cached prompt blocks");
+  app.add_option("--threads", opt.engine.num_threads, "CPU threads (0: all cores)")->default_val(0);
+  app.add_option("--seed", opt.engine.seed, "Seed for requests that bring none")->default_val(0);
+  app.add_option("--max-queue-len", opt.async.max_queue_len, "Waiting requests beyond which new ones get 503 (0: no limit)")
+      ->default_val(256);
+  app.add_option("--max-request-body-bytes", opt.http.max_body_bytes, "Larger request bodies get 413")
+      ->default_val(size_t{8} << 20);
+  app.add_option("--max-connections", opt.http.max_connections, "Open connections beyond which new ones get 503")
+      ->default_val(512);
+  app.add_option("--shutdown-timeout", opt.shutdown_timeout_s,
+                 "Seconds in-flight requests get to finish after SIGTERM before they are cancelled")->default_val(30.0);
+  app.add_flag("-v,--verbose", opt.verbose, "Debug logging");
+  CLI11_PARSE(app, argc, argv);
+
+  spdlog::set_default_logger(spdlog::stderr_color_mt("kvflow-server"));
+  spdlog::set_level(opt.verbose ? spdlog::level::debug : spdlog::level::info);
+  opt.engine.swap_space_bytes = static_cast<int64_t>(opt.swap_space_gib * (1ull << 30));
+  if (opt.shutdown_timeout_s < 0 || opt.http.max_connections < 1 || opt.http.max_body_bytes < 1) {
+    spdlog::error("--shutdown-timeout must be >= 0, --max-connections and --max-request-body-bytes >= 1");
+    return 2;
+  }
+  return Serve(opt);
+}

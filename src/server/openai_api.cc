@@ -1,0 +1,482 @@
+#include "server/openai_api.h"
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <map>
+
+namespace kvflow::server {
+namespace {
+
+std::string TypeName(const Json& v) {
+  switch (v.type()) {
+    case Json::value_t::null: return "null";
+    case Json::value_t::boolean: return "boolean";
+    case Json::value_t::string: return "string";
+    case Json::value_t::array: return "array";
+    case Json::value_t::object: return "object";
+    case Json::value_t::number_float: return "number";
+    default: return "integer";
+  }
+}
+
+ApiError WrongType(const std::string& field, const char* expected, const Json& got) {
+  return InvalidRequest("'" + field + "' must be " + expected + ", not " + TypeName(got), field);
+}
+
+// Depth of [ / { nesting outside strings; refuses hostile bodies before the parser sees them.
+bool NestingWithin(std::string_view body, int limit) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (char c : body) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (c == '\\') escaped = true;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > limit) return false;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return true;
+}
+
+std::optional<ApiError> ParseObject(std::string_view body, Json* out) {
+  if (!NestingWithin(body, kMaxJsonDepth)) {
+    return InvalidRequest("the JSON body is nested deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+  }
+  *out = Json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (out->is_discarded()) return InvalidRequest("the body is not valid JSON");
+  if (!out->is_object()) return InvalidRequest("the body must be a JSON object, not " + TypeName(*out));
+  return std::nullopt;
+}
+
+// Field readers: null means "not given" and leaves the target alone.
+using FieldReader = std::function<std::optional<ApiError>(const std::string& name, const Json& v)>;
+
+FieldReader Integer(int* target, int64_t lo = std::numeric_limits<int>::min(),
+                    int64_t hi = std::numeric_limits<int>::max(), bool* given = nullptr) {
+  return [=](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null()) return std::nullopt;
+    if (!v.is_number_integer()) return WrongType(name, "an integer", v);
+    const bool is_unsigned = v.is_number_unsigned();
+    const int64_t x = is_unsigned ? static_cast<int64_t>(std::min<uint64_t>(v.get<uint64_t>(), INT64_MAX))
+                                  : v.get<int64_t>();
+    if (x < lo || x > hi) {
+      return InvalidRequest("'" + name + "' must be in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                                "], not " + std::to_string(x),
+                            name);
+    }
+    *target = static_cast<int>(x);
+    if (given) *given = true;
+    return std::nullopt;
+  };
+}
+
+FieldReader Number(float* target) {
+  return [=](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null()) return std::nullopt;
+    if (!v.is_number()) return WrongType(name, "a number", v);
+    *target = v.get<float>();
+    return std::nullopt;
+  };
+}
+
+FieldReader Bool(bool* target) {
+  return [=](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null()) return std::nullopt;
+    if (!v.is_boolean()) return WrongType(name, "a boolean", v);
+    *target = v.get<bool>();
+    return std::nullopt;
+  };
+}
+
+FieldReader String(std::string* target) {
+  return [=](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null()) return std::nullopt;
+    if (!v.is_string()) return WrongType(name, "a string", v);
+    *target = v.get<std::string>();
+    return std::nullopt;
+  };
+}
+
+// Accepted and not acted on (it changes nothing about the output).
+FieldReader Ignored(const char* expected, bool (Json::*is_type)() const noexcept) {
+  return [=](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null() || (v.*is_type)()) return std::nullopt;
+    return WrongType(name, expected, v);
+  };
+}
+
+// Known OpenAI fields kvflow does not implement: fine when absent or empty, a clear 400 otherwise.
+FieldReader Unsupported(const char* what) {
+  return [=](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null() || (v.is_array() && v.empty()) || (v.is_object() && v.empty())) return std::nullopt;
+    return InvalidRequest(std::string("'") + name + "' is not supported: " + what, name);
+  };
+}
+
+std::optional<ApiError> ReadFields(const Json& body, const std::map<std::string, FieldReader>& readers) {
+  for (const auto& [name, value] : body.items()) {
+    auto it = readers.find(name);
+    if (it == readers.end()) return InvalidRequest("Unrecognized request argument supplied: " + name, name);
+    if (auto error = it->second(name, value)) return error;
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> ReadStop(const Json& v, SamplingParams* p) {
+  if (v.is_null()) return std::nullopt;
+  if (v.is_string()) {
+    p->stop = {v.get<std::string>()};
+    return std::nullopt;
+  }
+  if (!v.is_array()) return WrongType("stop", "a string or an array of strings", v);
+  p->stop.clear();
+  for (const Json& s : v) {
+    if (!s.is_string()) return WrongType("stop", "a string or an array of strings", s);
+    p->stop.push_back(s.get<std::string>());
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> ReadTokenIds(const std::string& name, const Json& v, std::vector<int32_t>* out) {
+  out->clear();
+  for (const Json& t : v) {
+    if (!t.is_number_integer()) return WrongType(name, "an array of integer token ids", t);
+    if (t.is_number_unsigned() ? t.get<uint64_t>() > INT32_MAX
+                               : (t.get<int64_t>() < INT32_MIN || t.get<int64_t>() > INT32_MAX)) {
+      return InvalidRequest("'" + name + "' holds a token id out of range", name);
+    }
+    out->push_back(static_cast<int32_t>(t.get<int64_t>()));
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> ReadStreamOptions(const Json& v, GenerationRequest* r) {
+  if (v.is_null()) return std::nullopt;
+  if (!v.is_object()) return WrongType("stream_options", "an object", v);
+  for (const auto& [key, value] : v.items()) {
+    if (key == "include_usage") {
+      if (!value.is_boolean()) return WrongType("stream_options.include_usage", "a boolean", value);
+      r->include_usage = value.get<bool>();
+    } else {
+      return InvalidRequest("Unrecognized request argument supplied: stream_options." + key, "stream_options");
+    }
+  }
+  return std::nullopt;
+}
+
+// Fields both endpoints read the same way.
+std::map<std::string, FieldReader> CommonReaders(GenerationRequest* r, bool* stream_options_given) {
+  SamplingParams* p = &r->sampling;
+  auto seed = [p](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null()) return std::nullopt;
+    if (!v.is_number_integer()) return WrongType(name, "an integer", v);
+    p->seed = v.is_number_unsigned() ? v.get<uint64_t>() : static_cast<uint64_t>(v.get<int64_t>());
+    return std::nullopt;
+  };
+  auto best_of = [p](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null()) return std::nullopt;
+    int x = 0;
+    if (auto e = Integer(&x, std::numeric_limits<int>::min(), std::numeric_limits<int>::max())(name, v)) return e;
+    p->best_of = x;
+    return std::nullopt;
+  };
+  auto top_k = [p](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (auto e = Integer(&p->top_k, -1, std::numeric_limits<int>::max())(name, v)) return e;
+    if (p->top_k < 0) p->top_k = 0;  // vLLM spells "disabled" -1
+    return std::nullopt;
+  };
+  auto stop_token_ids = [p](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null()) return std::nullopt;
+    if (!v.is_array()) return WrongType(name, "an array of integers", v);
+    return ReadTokenIds(name, v, &p->stop_token_ids);
+  };
+  return {
+      {"model", String(&r->model)},
+      {"max_tokens", Integer(&p->max_tokens, std::numeric_limits<int>::min(), std::numeric_limits<int>::max(),
+                             &r->max_tokens_given)},
+      {"temperature", Number(&p->temperature)},
+      {"top_p", Number(&p->top_p)},
+      {"n", Integer(&p->n, std::numeric_limits<int>::min(), std::numeric_limits<int>::max())},
+      {"best_of", best_of},
+      {"stop", [p](const std::string&, const Json& v) { return ReadStop(v, p); }},
+      {"seed", seed},
+      {"presence_penalty", Number(&p->presence_penalty)},
+      {"frequency_penalty", Number(&p->frequency_penalty)},
+      {"stream", Bool(&r->stream)},
+      {"stream_options",
+       [r, stream_options_given](const std::string&, const Json& v) {
+         *stream_options_given = !v.is_null();
+         return ReadStreamOptions(v, r);
+       }},
+      {"user", Ignored("a string", &Json::is_string)},
+      {"logit_bias", Unsupported("kvflow does not bias logits")},
+      // vLLM's extra sampling parameters.
+      {"top_k", top_k},
+      {"min_p", Number(&p->min_p)},
+      {"repetition_penalty", Number(&p->repetition_penalty)},
+      {"ignore_eos", Bool(&p->ignore_eos)},
+      {"min_tokens", Integer(&p->min_tokens)},
+      {"stop_token_ids", stop_token_ids},
+      {"use_beam_search", Bool(&p->use_beam_search)},
+      {"length_penalty", Number(&p->length_penalty)},
+  };
+}
+
+// Checks that need every field: run once all were read.
+std::optional<ApiError> FinishCommon(GenerationRequest* r, bool stream_options_given) {
+  SamplingParams& p = r->sampling;
+  if (r->max_tokens_given && p.max_tokens < 1) {
+    return InvalidRequest("'max_tokens' must be at least 1, not " + std::to_string(p.max_tokens), "max_tokens");
+  }
+  if (p.best_of && *p.best_of < p.n) {
+    return InvalidRequest("'best_of' (" + std::to_string(*p.best_of) + ") must be >= 'n' (" + std::to_string(p.n) + ")",
+                          "best_of");
+  }
+  if (stream_options_given && !r->stream) {
+    return InvalidRequest("'stream_options' is only allowed when 'stream' is true", "stream_options");
+  }
+  if (r->stream && !p.streams()) {
+    return InvalidRequest("streaming is not supported with best_of > n or beam search", "stream");
+  }
+  // max_tokens is checked against the context later; validate the rest with a placeholder.
+  SamplingParams check = p;
+  if (!r->max_tokens_given) check.max_tokens = std::max(1, check.min_tokens);
+  if (Status s = check.Validate(); !s.ok()) return InvalidRequest(s.message());
+  return std::nullopt;
+}
+
+std::optional<ApiError> ReadPrompt(const Json& v, std::vector<PromptInput>* prompts) {
+  prompts->clear();
+  const char* expected = "a string, an array of strings, an array of token ids or an array of token-id arrays";
+  if (v.is_string()) {
+    prompts->push_back({false, v.get<std::string>(), {}});
+  } else if (v.is_array() && !v.empty() && v.front().is_number()) {
+    PromptInput in{true, {}, {}};
+    if (auto e = ReadTokenIds("prompt", v, &in.tokens)) return e;
+    prompts->push_back(std::move(in));
+  } else if (v.is_array() && !v.empty()) {
+    for (const Json& item : v) {
+      if (item.is_string()) {
+        prompts->push_back({false, item.get<std::string>(), {}});
+      } else if (item.is_array()) {
+        PromptInput in{true, {}, {}};
+        if (auto e = ReadTokenIds("prompt", item, &in.tokens)) return e;
+        prompts->push_back(std::move(in));
+      } else {
+        return WrongType("prompt", expected, item);
+      }
+    }
+  } else if (v.is_array()) {
+    return InvalidRequest("'prompt' must not be empty", "prompt");
+  } else {
+    return WrongType("prompt", expected, v);
+  }
+  for (const PromptInput& in : *prompts) {
+    if (in.is_tokens ? in.tokens.empty() : in.text.empty()) return InvalidRequest("'prompt' must not be empty", "prompt");
+  }
+  return std::nullopt;
+}
+
+std::optional<ApiError> ReadMessages(const Json& v, std::vector<ChatMessage>* messages) {
+  if (!v.is_array()) return WrongType("messages", "an array of message objects", v);
+  if (v.empty()) return InvalidRequest("'messages' must not be empty", "messages");
+  messages->clear();
+  for (size_t i = 0; i < v.size(); ++i) {
+    const Json& m = v[i];
+    const std::string where = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object()) return WrongType(where, "an object", m);
+    ChatMessage msg;
+    bool has_content = false;
+    for (const auto& [key, value] : m.items()) {
+      if (key == "role") {
+        if (!value.is_string()) return WrongType(where + ".role", "a string", value);
+        msg.role = value.get<std::string>();
+      } else if (key == "content") {
+        if (value.is_null()) continue;
+        has_content = true;
+        if (value.is_string()) {
+          msg.content = value.get<std::string>();
+        } else if (value.is_array()) {
+          for (const Json& part : value) {
+            if (!part.is_object() || !part.contains("type") || part["type"] != "text" || !part.contains("text") ||
+                !part["text"].is_string()) {
+              return InvalidRequest(where + ".content: only text parts ({\"type\": \"text\", \"text\": ...}) are "
+                                    "supported", "messages");
+            }
+            msg.content += part["text"].get<std::string>();
+          }
+        } else {
+          return WrongType(where + ".content", "a string or an array of text parts", value);
+        }
+      } else if (key == "name") {
+        if (!value.is_string()) return WrongType(where + ".name", "a string", value);
+      } else if (key == "tool_calls" || key == "function_call" || key == "tool_call_id") {
+        if (!value.is_null() && !(value.is_array() && value.empty())) {
+          return InvalidRequest(where + "." + key + " is not supported: kvflow does not call tools", "messages");
+        }
+      } else {
+        return InvalidRequest("Unrecognized request argument supplied: " + where + "." + key, "messages");
+      }
+    }
+    if (msg.role == "developer") msg.role = "system";  // OpenAI's newer name for the system role
+    if (msg.role != "system" && msg.role != "user" && msg.role != "assistant") {
+      return InvalidRequest(where + ".role must be system, user or assistant, not '" + msg.role + "'", "messages");
+    }
+    if (!has_content && msg.role != "assistant") {
+      return InvalidRequest(where + ".content is required", "messages");
+    }
+    messages->push_back(std::move(msg));
+  }
+  return std::nullopt;
+}
+
+std::string TokenText(const Tokenizer& tokenizer, int32_t token) {
+  return tokenizer.DecodeBytes({token}, /*skip_special=*/false);
+}
+
+}  // namespace
+
+std::string ApiError::ToJson() const {
+  Json error{{"message", message},
+             {"type", type},
+             {"param", param ? Json(*param) : Json(nullptr)},
+             {"code", code ? Json(*code) : Json(nullptr)}};
+  return DumpJson(Json{{"error", std::move(error)}});
+}
+
+ApiError InvalidRequest(std::string message, std::optional<std::string> param) {
+  ApiError e;
+  e.message = std::move(message);
+  e.param = std::move(param);
+  return e;
+}
+
+std::optional<ApiError> ParseCompletionRequest(std::string_view body, CompletionRequest* out) {
+  *out = CompletionRequest{};
+  Json json;
+  if (auto e = ParseObject(body, &json)) return e;
+  bool stream_options_given = false;
+  bool has_prompt = false;
+  auto readers = CommonReaders(out, &stream_options_given);
+  readers["prompt"] = [&](const std::string&, const Json& v) {
+    has_prompt = true;
+    return ReadPrompt(v, &out->prompts);
+  };
+  readers["echo"] = Bool(&out->echo);
+  readers["logprobs"] = Integer(&out->sampling.logprobs, 0, 20, &out->logprobs_given);
+  readers["suffix"] = Unsupported("kvflow does not insert text");
+  if (auto e = ReadFields(json, readers)) return e;
+  if (!has_prompt) return InvalidRequest("'prompt' is required", "prompt");
+  if (!out->max_tokens_given) out->sampling.max_tokens = 16;  // OpenAI's default for completions
+  if (out->echo && out->logprobs_given) {
+    return InvalidRequest("'echo' with 'logprobs' is not supported: kvflow does not compute prompt logprobs", "echo");
+  }
+  return FinishCommon(out, stream_options_given);
+}
+
+std::optional<ApiError> ParseChatRequest(std::string_view body, ChatRequest* out) {
+  *out = ChatRequest{};
+  Json json;
+  if (auto e = ParseObject(body, &json)) return e;
+  bool stream_options_given = false;
+  bool has_messages = false;
+  bool top_logprobs_given = false;
+  bool max_completion_tokens_given = false;
+  int max_completion_tokens = 0;
+  auto readers = CommonReaders(out, &stream_options_given);
+  readers["messages"] = [&](const std::string&, const Json& v) {
+    has_messages = true;
+    return ReadMessages(v, &out->messages);
+  };
+  readers["logprobs"] = Bool(&out->logprobs);
+  readers["top_logprobs"] = Integer(&out->sampling.logprobs, 0, 20, &top_logprobs_given);
+  readers["max_completion_tokens"] =
+      Integer(&max_completion_tokens, std::numeric_limits<int>::min(), std::numeric_limits<int>::max(),
+              &max_completion_tokens_given);
+  readers["tools"] = Unsupported("kvflow does not call tools");
+  readers["functions"] = Unsupported("kvflow does not call tools");
+  readers["tool_choice"] = [](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null() || v == "none" || v == "auto") return std::nullopt;
+    return InvalidRequest("'tool_choice' is not supported: kvflow does not call tools", name);
+  };
+  readers["function_call"] = readers["tool_choice"];
+  readers["parallel_tool_calls"] = Ignored("a boolean", &Json::is_boolean);
+  readers["response_format"] = [](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null() || (v.is_object() && v.size() == 1 && v.contains("type") && v["type"] == "text")) {
+      return std::nullopt;
+    }
+    return InvalidRequest("only {\"type\": \"text\"} is supported for 'response_format'", name);
+  };
+  readers["store"] = Ignored("a boolean", &Json::is_boolean);
+  readers["metadata"] = Ignored("an object", &Json::is_object);
+  readers["service_tier"] = Ignored("a string", &Json::is_string);
+  if (auto e = ReadFields(json, readers)) return e;
+  if (!has_messages) return InvalidRequest("'messages' is required", "messages");
+  if (max_completion_tokens_given) {
+    out->sampling.max_tokens = max_completion_tokens;
+    out->max_tokens_given = true;
+  }
+  if (top_logprobs_given && out->sampling.logprobs > 0 && !out->logprobs) {
+    return InvalidRequest("'top_logprobs' needs 'logprobs' to be true", "top_logprobs");
+  }
+  return FinishCommon(out, stream_options_given);
+}
+
+const char* OpenAiFinishReason(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kLength: return "length";
+    case FinishReason::kStop:
+    case FinishReason::kEos: return "stop";
+    case FinishReason::kCancelled: return "abort";
+    case FinishReason::kError: return "error";
+    case FinishReason::kNone: break;
+  }
+  return "stop";
+}
+
+Json CompletionLogprobs(const Tokenizer& tokenizer, const std::vector<SampledToken>& tokens, size_t text_offset_start) {
+  Json strings = Json::array(), logprobs = Json::array(), tops = Json::array(), offsets = Json::array();
+  size_t offset = text_offset_start;
+  for (const SampledToken& t : tokens) {
+    const std::string text = TokenText(tokenizer, t.token);
+    strings.push_back(text);
+    logprobs.push_back(t.logprob);
+    offsets.push_back(offset);
+    offset += text.size();
+    Json top = Json::object();
+    for (const TokenLogprob& alt : t.top_logprobs) top[TokenText(tokenizer, alt.token)] = alt.logprob;
+    tops.push_back(std::move(top));
+  }
+  return Json{{"tokens", std::move(strings)},
+              {"token_logprobs", std::move(logprobs)},
+              {"top_logprobs", std::move(tops)},
+              {"text_offset", std::move(offsets)}};
+}
+
+Json ChatLogprobs(const Tokenizer& tokenizer, const std::vector<SampledToken>& tokens) {
+  auto entry = [&](int32_t token, float logprob) {
+    const std::string text = TokenText(tokenizer, token);
+    Json bytes = Json::array();
+    for (unsigned char c : text) bytes.push_back(static_cast<int>(c));
+    return Json{{"token", text}, {"logprob", logprob}, {"bytes", std::move(bytes)}};
+  };
+  Json content = Json::array();
+  for (const SampledToken& t : tokens) {
+    Json e = entry(t.token, t.logprob);
+    Json top = Json::array();
+    for (const TokenLogprob& alt : t.top_logprobs) top.push_back(entry(alt.token, alt.logprob));
+    e["top_logprobs"] = std::move(top);
+    content.push_back(std::move(e));
+  }
+  return Json{{"content", std::move(content)}};
+}
+
+std::string DumpJson(const Json& json) { return json.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+}  // namespace kvflow::server

@@ -1,0 +1,482 @@
+#include "server/openai_server.h"
+
+#include <chrono>
+#include <ctime>
+#include <fstream>
+#include <random>
+#include <set>
+#include <thread>
+#include <sstream>
+
+#include <spdlog/spdlog.h>
+
+namespace kvflow::server {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsBetween(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+// Compares in time that depends only on the expected key's length.
+bool ConstantTimeEquals(std::string_view given, std::string_view expected) {
+  unsigned diff = given.size() != expected.size();
+  for (size_t i = 0; i < expected.size(); ++i) {
+    diff |= static_cast<unsigned char>(i < given.size() ? given[i] : 0) ^ static_cast<unsigned char>(expected[i]);
+  }
+  return diff == 0;
+}
+
+std::string RandomHex() {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(rng()));
+  return buf;
+}
+
+ApiError ErrorFromStatus(const Status& s) {
+  ApiError e;
+  e.message = s.message();
+  switch (s.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kOutOfMemory:  // a request that can never fit the KV cache
+    case StatusCode::kUnsupported:
+      e.status = 400;
+      break;
+    case StatusCode::kResourceExhausted:
+      e.status = 503;
+      e.type = "service_unavailable_error";
+      e.code = "queue_full";
+      break;
+    case StatusCode::kUnavailable:
+      e.status = 503;
+      e.type = "service_unavailable_error";
+      e.code = "shutting_down";
+      break;
+    default:
+      e.status = 500;
+      e.type = "server_error";
+      e.message = s.ToString();
+  }
+  return e;
+}
+
+std::string SseEvent(const Json& json) { return "data: " + DumpJson(json) + "\n\n"; }
+
+}  // namespace
+
+Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Create(AsyncEngine* engine, const OpenAiServerOptions& options) {
+  std::unique_ptr<OpenAiServer> server(new OpenAiServer(engine, options));
+  server->created_ = static_cast<int64_t>(std::time(nullptr));
+  std::string text = options.chat_template;
+  if (!text.empty() && text != "chatml" && text != "llama3") {
+    std::ifstream file(text);
+    if (!file) return Status::NotFound("--chat-template: '" + text + "' is neither chatml, llama3 nor a readable file");
+    std::stringstream ss;
+    ss << file.rdbuf();
+    text = ss.str();
+  }
+  const bool explicit_template = !text.empty();
+  if (!explicit_template) text = engine->tokenizer().chat_template();
+  auto family = DetectChatTemplate(text);
+  if (family.ok()) {
+    server->chat_family_ = family.value();
+    server->chat_template_text_ = text;
+  } else if (explicit_template || family.status().code() != StatusCode::kNotFound) {
+    return Status(family.status().code(), (explicit_template ? "--chat-template: " : "the model's chat template: ") +
+                                              family.status().message() +
+                                              (explicit_template ? "" : "; pass --chat-template chatml|llama3|FILE"));
+  } else {
+    server->chat_template_error_ = "the model has no chat template; start the server with --chat-template";
+    spdlog::warn("{}: /v1/chat/completions will refuse requests", server->chat_template_error_);
+  }
+  return server;
+}
+
+bool OpenAiServer::Authorized(const HttpRequest& req) const {
+  if (options_.api_key.empty()) return true;
+  const std::string* auth = req.Header("authorization");
+  if (!auth || auth->size() < 7 || auth->compare(0, 7, "Bearer ") != 0) return false;
+  return ConstantTimeEquals(std::string_view(*auth).substr(7), options_.api_key);
+}
+
+void OpenAiServer::SendError(HttpExchange& exchange, const ApiError& error) {
+  HttpResponse r{error.status, "application/json", error.ToJson(), {}};
+  if (error.status == 503) r.headers.emplace_back("Retry-After", "1");
+  if (error.status == 401) r.headers.emplace_back("WWW-Authenticate", "Bearer");
+  exchange.Send(r);
+}
+
+std::optional<ApiError> OpenAiServer::CheckModel(const std::string& model) const {
+  if (model.empty() || model == options_.served_model_name) return std::nullopt;
+  ApiError e;
+  e.status = 404;
+  e.message = "The model `" + model + "` does not exist; this server serves `" + options_.served_model_name + "`.";
+  e.param = "model";
+  e.code = "model_not_found";
+  return e;
+}
+
+void OpenAiServer::Handle(const HttpRequest& req, HttpExchange& exchange) {
+  const std::string& path = req.path;
+  auto method_not_allowed = [&](const char* allow) {
+    ApiError e = InvalidRequest("method " + req.method + " is not allowed on " + path);
+    e.status = 405;
+    exchange.Send(HttpResponse{405, "application/json", e.ToJson(), {{"Allow", allow}}});
+  };
+  if (path == "/health") {
+    if (req.method != "GET" && req.method != "HEAD") return method_not_allowed("GET");
+    exchange.Send(HttpResponse{shutting_down_.load() ? 503 : 200, "", "", {}});
+    return;
+  }
+  if (path == "/metrics") {
+    if (req.method != "GET") return method_not_allowed("GET");
+    exchange.Send(HttpResponse{200, "text/plain; version=0.0.4; charset=utf-8", metrics_.Render(engine_->stats()), {}});
+    return;
+  }
+  if (path == "/version") {
+    if (req.method != "GET") return method_not_allowed("GET");
+    exchange.Send(HttpResponse{200, "application/json", R"({"version":"0.1.0"})", {}});
+    return;
+  }
+  if (path.rfind("/v1/", 0) == 0 && !Authorized(req)) {
+    ApiError e;
+    e.status = 401;
+    e.type = "authentication_error";
+    e.code = "invalid_api_key";
+    e.message = "Incorrect or missing API key: send 'Authorization: Bearer <key>'";
+    return SendError(exchange, e);
+  }
+  if (path == "/v1/models") {
+    if (req.method != "GET") return method_not_allowed("GET");
+    return HandleModels(exchange);
+  }
+  if (path == "/v1/completions" || path == "/v1/chat/completions") {
+    if (req.method != "POST") return method_not_allowed("POST");
+    if (shutting_down_.load()) return SendError(exchange, ErrorFromStatus(Status::Unavailable("the server is shutting down")));
+    ++metrics_.in_flight();
+    if (path == "/v1/completions") {
+      HandleCompletions(req, exchange);
+    } else {
+      HandleChat(req, exchange);
+    }
+    --metrics_.in_flight();
+    return;
+  }
+  ApiError e = InvalidRequest("no route for " + req.method + " " + path);
+  e.status = 404;
+  SendError(exchange, e);
+}
+
+void OpenAiServer::HandleModels(HttpExchange& exchange) {
+  Json model{{"id", options_.served_model_name},
+             {"object", "model"},
+             {"created", created_},
+             {"owned_by", "kvflow"},
+             {"root", engine_->config().model},
+             {"max_model_len", engine_->config().max_model_len}};
+  exchange.Send(HttpResponse{200, "application/json", DumpJson(Json{{"object", "list"}, {"data", Json::array({model})}}), {}});
+}
+
+// ---- one generation request, from submission to the last byte ---------------------------------
+
+struct PromptJob {
+  std::vector<int32_t> tokens;
+  std::string echo_text;  // the prompt, when echo is on
+};
+
+class GenerationRun {
+ public:
+  GenerationRun(OpenAiServer& server, HttpExchange& exchange, bool chat)
+      : server_(server), exchange_(exchange), chat_(chat), start_(Clock::now()) {}
+
+  // Everything after parsing: length checks, submission, waiting, the response.
+  void Run(std::vector<PromptJob> jobs, const GenerationRequest& request, bool echo, bool want_logprobs) {
+    SamplingParams params = request.sampling;
+    const int64_t max_len = server_.engine_->config().max_model_len;
+    for (const PromptJob& job : jobs) {
+      const int64_t prompt_len = static_cast<int64_t>(job.tokens.size());
+      const int64_t max_tokens = request.max_tokens_given ? params.max_tokens : (chat_ ? max_len - prompt_len : params.max_tokens);
+      if (prompt_len + std::max<int64_t>(max_tokens, 1) > max_len) {
+        return Fail(InvalidRequest("This model's maximum context length is " + std::to_string(max_len) +
+                                       " tokens. However, you requested " + std::to_string(prompt_len + max_tokens) +
+                                       " tokens (" + std::to_string(prompt_len) + " in the " +
+                                       (chat_ ? "messages" : "prompt") + ", " + std::to_string(max_tokens) +
+                                       " in the completion). Please reduce the length of the " +
+                                       (chat_ ? "messages" : "prompt") + " or completion.",
+                                   chat_ ? "messages" : "prompt"));
+      }
+    }
+    if (!request.max_tokens_given && chat_) {
+      int64_t longest = 0;
+      for (const PromptJob& job : jobs) longest = std::max<int64_t>(longest, static_cast<int64_t>(job.tokens.size()));
+      params.max_tokens = static_cast<int>(max_len - longest);
+    }
+    n_ = params.n;
+    logprobs_ = want_logprobs;
+    stream_ = request.stream;
+    include_usage_ = request.include_usage;
+    for (PromptJob& job : jobs) {
+      prompt_tokens_ += static_cast<int64_t>(job.tokens.size());
+      echo_texts_.push_back(echo ? job.echo_text : "");
+      auto stream = server_.engine_->Submit(std::move(job.tokens), params);
+      if (!stream.ok()) {
+        for (auto& s : streams_) s->Cancel();
+        return Fail(ErrorFromStatus(stream.status()));
+      }
+      streams_.push_back(stream.value());
+    }
+    choices_.resize(streams_.size() * static_cast<size_t>(n_));
+    id_ = (chat_ ? "chatcmpl-" : "cmpl-") + RandomHex();
+    if (stream_) {
+      Stream();
+    } else {
+      Collect();
+    }
+  }
+
+ private:
+  struct Choice {
+    std::string text;
+    std::vector<SampledToken> tokens;
+    FinishReason finish = FinishReason::kNone;
+    bool finished = false;
+    Status error;
+  };
+
+  void Fail(const ApiError& e) { server_.SendError(exchange_, e); }
+
+  Json Envelope() const {
+    return Json{{"id", id_},
+                {"object", chat_ ? (stream_ ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
+                {"created", static_cast<int64_t>(std::time(nullptr))},
+                {"model", server_.options_.served_model_name}};
+  }
+
+  Json Usage() const {
+    return Json{{"prompt_tokens", prompt_tokens_},
+                {"completion_tokens", completion_tokens_},
+                {"total_tokens", prompt_tokens_ + completion_tokens_}};
+  }
+
+  // Applies one event; returns the choice's global index.
+  size_t Apply(size_t prompt_index, const StreamEvent& e) {
+    const size_t index = prompt_index * static_cast<size_t>(n_) + static_cast<size_t>(std::max(0, e.index));
+    Choice& c = choices_.at(index);
+    c.text += e.text_delta;
+    c.tokens.insert(c.tokens.end(), e.tokens.begin(), e.tokens.end());
+    completion_tokens_ += static_cast<int64_t>(e.tokens.size());
+    if (e.finished || e.request_finished) {
+      c.finished = true;
+      c.finish = e.finish_reason;
+      c.error = e.error;
+    }
+    return index;
+  }
+
+  // Waits for events from any of the streams and applies them to the choices; returns them with
+  // their choice index. False when all streams have ended, or when the client has gone (then
+  // everything is cancelled).
+  bool NextEvents(std::vector<std::pair<size_t, StreamEvent>>* out) {
+    out->clear();
+    std::vector<StreamEvent> events;
+    while (true) {
+      bool any_open = false;
+      for (size_t i = 0; i < streams_.size(); ++i) {
+        if (done_streams_.count(i)) continue;
+        any_open = true;
+        const auto wait = streams_.size() == 1 ? std::chrono::milliseconds(50) : std::chrono::milliseconds(0);
+        if (!streams_[i]->Next(events, wait)) {
+          done_streams_.insert(i);
+          continue;
+        }
+        bool finished = false;
+        for (StreamEvent& e : events) {
+          finished |= e.request_finished;
+          const size_t k = Apply(i, e);
+          out->emplace_back(k, std::move(e));
+        }
+        if (finished) {
+          done_streams_.insert(i);
+          Finished(i);
+        }
+      }
+      if (!out->empty()) return true;
+      if (!any_open) return false;
+      if (exchange_.ClientGone()) {
+        CancelAll("client disconnected");
+        return false;
+      }
+      if (streams_.size() > 1) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+
+  void Finished(size_t stream_index) {
+    const RequestStream& s = *streams_[stream_index];
+    int64_t tokens = 0;
+    FinishReason reason = FinishReason::kNone;
+    for (int j = 0; j < n_; ++j) {
+      const Choice& c = choices_[stream_index * static_cast<size_t>(n_) + static_cast<size_t>(j)];
+      tokens += static_cast<int64_t>(c.tokens.size());
+      if (j == 0) reason = c.finish;
+    }
+    if (reason == FinishReason::kError) {
+      server_.metrics_.RecordFailure();
+    } else if (reason == FinishReason::kCancelled) {
+      server_.metrics_.RecordCancelled();
+    } else {
+      const double ttft = s.first_token_time() == Clock::time_point{} ? 0.0 : SecondsBetween(start_, s.first_token_time());
+      server_.metrics_.RecordRequest(ttft, SecondsBetween(start_, s.finish_time()), tokens / n_,
+                                     OpenAiFinishReason(reason));
+    }
+  }
+
+  void CancelAll(const char* why) {
+    spdlog::debug("{}: {}; cancelling", id_, why);
+    for (size_t i = 0; i < streams_.size(); ++i) {
+      if (done_streams_.count(i)) continue;
+      streams_[i]->Cancel();
+      server_.metrics_.RecordCancelled();
+    }
+  }
+
+  Json CompletionLogprobsFor(const std::vector<SampledToken>& tokens, size_t offset) const {
+    return logprobs_ ? CompletionLogprobs(server_.engine_->tokenizer(), tokens, offset) : Json(nullptr);
+  }
+
+  void Collect() {
+    std::vector<std::pair<size_t, StreamEvent>> events;
+    while (NextEvents(&events)) {  // NextEvents applies them to choices_
+    }
+    if (exchange_.ClientGone()) return;
+    Json choices = Json::array();
+    for (size_t k = 0; k < choices_.size(); ++k) {
+      const Choice& c = choices_[k];
+      if (c.finish == FinishReason::kError) {
+        return Fail(ErrorFromStatus(c.error.ok() ? Status::Internal("the request failed") : c.error));
+      }
+      if (c.finish == FinishReason::kCancelled) {
+        return Fail(ErrorFromStatus(Status::Unavailable("the server is shutting down; the request was cancelled")));
+      }
+      Json choice{{"index", k}};
+      const std::string& echo = echo_texts_[k / static_cast<size_t>(n_)];
+      if (chat_) {
+        choice["message"] = Json{{"role", "assistant"}, {"content", c.text}};
+        choice["logprobs"] = logprobs_ ? ChatLogprobs(server_.engine_->tokenizer(), c.tokens) : Json(nullptr);
+      } else {
+        choice["text"] = echo + c.text;
+        choice["logprobs"] = CompletionLogprobsFor(c.tokens, echo.size());
+      }
+      choice["finish_reason"] = OpenAiFinishReason(c.finish);
+      choices.push_back(std::move(choice));
+    }
+    Json body = Envelope();
+    body["choices"] = std::move(choices);
+    body["usage"] = Usage();
+    exchange_.Send(HttpResponse{200, "application/json", DumpJson(body), {}});
+  }
+
+  bool Emit(const Json& chunk) {
+    Json body = Envelope();
+    body["choices"] = Json::array({chunk});
+    return exchange_.WriteChunk(SseEvent(body));
+  }
+
+  void Stream() {
+    if (!exchange_.BeginStream(200, "text/event-stream")) return CancelAll("client disconnected");
+    std::vector<size_t> text_offset(choices_.size(), 0);
+    for (size_t k = 0; k < choices_.size(); ++k) {
+      const std::string& echo = echo_texts_[k / static_cast<size_t>(n_)];
+      bool ok = true;
+      if (chat_) {
+        ok = Emit(Json{{"index", k}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
+                       {"finish_reason", nullptr}});
+      } else if (!echo.empty()) {
+        ok = Emit(Json{{"index", k}, {"text", echo}, {"logprobs", nullptr}, {"finish_reason", nullptr}});
+        text_offset[k] = echo.size();
+      }
+      if (!ok) return CancelAll("client disconnected");
+    }
+    std::vector<std::pair<size_t, StreamEvent>> events;
+    std::optional<Status> error;
+    while (NextEvents(&events)) {
+      for (auto& [k, e] : events) {
+        const bool ends = e.finished || e.request_finished;
+        if (e.finish_reason == FinishReason::kError) {
+          if (!error) error = e.error.ok() ? Status::Internal("the request failed") : e.error;
+          continue;
+        }
+        if (e.tokens.empty() && e.text_delta.empty() && !ends) continue;
+        Json chunk{{"index", k}};
+        if (chat_) {
+          chunk["delta"] = e.text_delta.empty() && ends ? Json::object() : Json{{"content", e.text_delta}};
+          chunk["logprobs"] = logprobs_ ? ChatLogprobs(server_.engine_->tokenizer(), e.tokens) : Json(nullptr);
+        } else {
+          chunk["text"] = e.text_delta;
+          chunk["logprobs"] = CompletionLogprobsFor(e.tokens, text_offset[k]);
+        }
+        text_offset[k] += e.text_delta.size();
+        chunk["finish_reason"] = ends ? Json(OpenAiFinishReason(e.finish_reason)) : Json(nullptr);
+        if (!Emit(chunk)) return CancelAll("client disconnected");
+      }
+    }
+    if (exchange_.ClientGone()) return;
+    if (error) {
+      exchange_.WriteChunk(SseEvent(Json::parse(ErrorFromStatus(*error).ToJson())));
+    } else if (include_usage_) {
+      Json body = Envelope();
+      body["choices"] = Json::array();
+      body["usage"] = Usage();
+      exchange_.WriteChunk(SseEvent(body));
+    }
+    exchange_.WriteChunk("data: [DONE]\n\n");
+    exchange_.EndStream();
+  }
+
+  OpenAiServer& server_;
+  HttpExchange& exchange_;
+  const bool chat_;
+  const Clock::time_point start_;
+  std::string id_;
+  int n_ = 1;
+  bool logprobs_ = false;
+  bool stream_ = false;
+  bool include_usage_ = false;
+  std::vector<std::shared_ptr<RequestStream>> streams_;
+  std::set<size_t> done_streams_;
+  std::vector<std::string> echo_texts_;
+  std::vector<Choice> choices_;
+  int64_t prompt_tokens_ = 0;
+  int64_t completion_tokens_ = 0;
+};
+
+void OpenAiServer::HandleCompletions(const HttpRequest& req, HttpExchange& exchange) {
+  CompletionRequest request;
+  if (auto error = ParseCompletionRequest(req.body, &request)) return SendError(exchange, *error);
+  if (auto error = CheckModel(request.model)) return SendError(exchange, *error);
+  const Tokenizer& tok = engine_->tokenizer();
+  std::vector<PromptJob> jobs;
+  for (const PromptInput& p : request.prompts) {
+    PromptJob job;
+    job.tokens = p.is_tokens ? p.tokens : tok.Encode(p.text, tok.add_bos());
+    if (request.echo) job.echo_text = p.is_tokens ? tok.Decode(p.tokens) : p.text;
+    jobs.push_back(std::move(job));
+  }
+  GenerationRun run(*this, exchange, /*chat=*/false);
+  run.Run(std::move(jobs), request, request.echo, request.logprobs_given);
+}
+
+void OpenAiServer::HandleChat(const HttpRequest& req, HttpExchange& exchange) {
+  ChatRequest request;
+  if (auto error = ParseChatRequest(req.body, &request)) return SendError(exchange, *error);
+  if (auto error = CheckModel(request.model)) return SendError(exchange, *error);
+  if (!chat_family_) return SendError(exchange, InvalidRequest(chat_template_error_, "messages"));
+  const Tokenizer& tok = engine_->tokenizer();
+  PromptJob job;
+  job.tokens = tok.Encode(RenderChat(*chat_family_, chat_template_text_, request.messages), tok.add_bos());
+  std::vector<PromptJob> jobs;
+  jobs.push_back(std::move(job));
+  GenerationRun run(*this, exchange, /*chat=*/true);
+  run.Run(std::move(jobs), request, false, request.logprobs);
+}
+
+}  // namespace kvflow::server
