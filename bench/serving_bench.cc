@@ -6,32 +6,59 @@
 //   sim        drives the real Scheduler and BlockManager on a virtual clock; every step takes the
 //              time a cost model gives (analytic A100/OPT-13B, or coefficients fitted on this CPU)
 //   real       drives the real Engine on this CPU in wall-clock time
+//   http       sends the trace to kvflow-server (streamed /v1/completions, one connection per
+//              request), started with the real executor's engine configuration or attached (--url)
+//   compare    real and http back to back on the same trace and rates: the HTTP server's overhead
 //   calibrate  times Engine::Step() on prefill and decode batches and fits the sim's cost model
 //
 //   kvflow_bench_serving sim --trace sharegpt --cost-model a100-opt13b --rates 0.5,1,1.5,2
 //   kvflow_bench_serving calibrate --model tiny-random
 //   kvflow_bench_serving real --trace alpaca --model tiny-random --num-requests 64 --rates 2,4
 //       --num-device-blocks 128 --max-model-len 512
+//   kvflow_bench_serving compare --trace alpaca --model tiny-random --num-requests 200 --rates 4,8,inf
+//       --num-device-blocks 256 --max-model-len 1024 --num-threads 1
 //
-// Results go to bench/results/serving_<trace>_<executor>[_<tag>].{json,md}; bench/serving_report.py
-// draws them.
+// Rate "inf" sends every request at t = 0.
+//
+// Results go to bench/results/serving_<trace>_<executor>[_<tag>].{json,md} (compare:
+// serving_<trace>_http_vs_library[_<tag>]); bench/serving_report.py draws them.
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
+#include <variant>
 #include <vector>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -475,6 +502,8 @@ struct StepStats {
 
 struct RunRecord {
   std::string policy;
+  // Executor-specific figures merged into the run's summary (CPU time, HTTP details).
+  Json extra = Json::object();
   double rate = 0;
   std::vector<RequestTiming> requests;
   StepStats steps;
@@ -496,6 +525,14 @@ RunRecord NewRunRecord(const Trace& trace, double rate, const std::string& polic
   }
   return run;
 }
+
+// Rates are numbers in the reports, except "inf" (every request arrives at t = 0), which JSON has
+// no number for.
+Json RateJson(double rate) { return std::isinf(rate) ? Json("inf") : Json(rate); }
+double RateFromJson(const Json& v) {
+  return v.is_string() ? std::numeric_limits<double>::infinity() : v.get<double>();
+}
+std::string RateLabel(double rate) { return std::isinf(rate) ? "inf" : Sig3(rate); }
 
 // Linear interpolation between closest ranks (numpy's default).
 double Percentile(const std::vector<double>& sorted, double q) {
@@ -540,7 +577,7 @@ Json Summarize(const RunRecord& run) {
     return total / static_cast<double>(samples);
   };
   Json j{{"policy", run.policy},
-         {"rate_req_s", run.rate},
+         {"rate_req_s", RateJson(run.rate)},
          {"num_requests", run.requests.size()},
          {"completed", completed},
          {"failed", failed},
@@ -551,6 +588,7 @@ Json Summarize(const RunRecord& run) {
          {"mean_latency_s", mean(latency)},
          {"ttft_s", Distribution(ttft)},
          {"tpot_s", Distribution(tpot)},
+         {"e2e_s", Distribution(latency)},
          {"avg_batch_seqs", per_step(run.steps.batch_seqs, run.steps.steps)},
          {"num_steps", run.steps.steps},
          {"mean_step_s", per_step(run.steps.busy_s, run.steps.steps)},
@@ -559,6 +597,7 @@ Json Summarize(const RunRecord& run) {
          {"kv_filled_token_fraction", per_step(run.steps.kv_filled_fraction, run.steps.kv_filled_samples)},
          {"wall_s", run.wall_s}};
   if (!run.first_error.empty()) j["first_error"] = run.first_error;
+  for (const auto& [key, value] : run.extra.items()) j[key] = value;
   return j;
 }
 
@@ -665,6 +704,14 @@ Result<RunRecord> Simulate(const Trace& trace, double rate, const std::string& p
 
 // ---- real executor --------------------------------------------------------------------------
 
+// User + system CPU time of this process (all threads).
+double ProcessCpuSeconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+         1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
 kvflow::EngineConfig MakeEngineConfig(const ServingConfig& cfg, const ModelChoice& model, const std::string& policy,
                                       int num_threads) {
   kvflow::EngineConfig ec;
@@ -700,18 +747,28 @@ Result<RunRecord> RunEngine(const Trace& trace, double rate, const std::string& 
 
   RunRecord run = NewRunRecord(trace, rate, policy);
   const size_t n = run.requests.size();
+  std::vector<int64_t> generated(n, 0);
   size_t next = 0, settled = 0;
+  const double cpu_before = ProcessCpuSeconds();
   const auto start = Clock::now();
   while (settled < n) {
     for (; next < n && run.requests[next].arrival_s <= SecondsSince(start); ++next) {
       RequestTiming& t = run.requests[next];
-      auto on_event = [&t, &run, &settled, start](const kvflow::StreamEvent& e) {
+      int64_t& count = generated[next];
+      auto on_event = [&t, &run, &settled, &count, start](const kvflow::StreamEvent& e) {
         const double now = SecondsSince(start);
         if (!e.tokens.empty() && t.first_token_s < 0) t.first_token_s = now;
+        count += static_cast<int64_t>(e.tokens.size());
         if (!e.request_finished) return;
         t.finish_s = now;
         t.failed = e.finish_reason == kvflow::FinishReason::kError || e.finish_reason == kvflow::FinishReason::kCancelled;
         if (t.failed && run.first_error.empty()) run.first_error = e.error.ToString();
+        if (!t.failed && count != t.output_len) {  // ignore_eos + max_tokens: exactly output_len tokens
+          t.failed = true;
+          if (run.first_error.empty()) {
+            run.first_error = "generated " + std::to_string(count) + " tokens, expected " + std::to_string(t.output_len);
+          }
+        }
         ++settled;
       };
       params.max_tokens = static_cast<int>(t.output_len);
@@ -740,9 +797,1072 @@ Result<RunRecord> RunEngine(const Trace& trace, double rate, const std::string& 
                   std::nullopt);
   }
   run.wall_s = SecondsSince(start);
+  run.extra["process_cpu_s"] = ProcessCpuSeconds() - cpu_before;
   const kvflow::EngineStats after = engine->stats();
   run.preemptions_swap = after.num_preemptions_swap - before.num_preemptions_swap;
   run.preemptions_recompute = after.num_preemptions - before.num_preemptions - run.preemptions_swap;
+  return run;
+}
+
+// ---- http executor: the trace against kvflow-server -------------------------------------------
+//
+// One connection per request (HTTP/1.1, Connection: close), all driven by one thread blocked in
+// ppoll(): the client wakes for a socket's bytes or the next arrival, never spins. Each request is
+// POST /v1/completions with the prompt's token ids, streamed: TTFT is the first SSE event with a
+// choice in it, the finish the event with a finish_reason, and the usage chunk must report exactly
+// the trace's output length.
+
+struct Endpoint {
+  std::string host = "127.0.0.1";
+  int port = 0;
+  std::string url() const { return "http://" + host + ":" + std::to_string(port); }
+};
+
+Result<Endpoint> ParseUrl(const std::string& url) {
+  std::string rest = url;
+  if (rest.rfind("http://", 0) == 0) rest = rest.substr(7);
+  while (!rest.empty() && rest.back() == '/') rest.pop_back();
+  const size_t colon = rest.rfind(':');
+  Endpoint ep;
+  if (colon == std::string::npos || rest.find('/') != std::string::npos) {
+    return Status::InvalidArgument("expected http://HOST:PORT, got '" + url + "'");
+  }
+  ep.host = rest.substr(0, colon);
+  char* end = nullptr;
+  const long port = std::strtol(rest.c_str() + colon + 1, &end, 10);
+  if (ep.host.empty() || *end != '\0' || port <= 0 || port > 65535) {
+    return Status::InvalidArgument("expected http://HOST:PORT, got '" + url + "'");
+  }
+  ep.port = static_cast<int>(port);
+  return ep;
+}
+
+Result<sockaddr_storage> Resolve(const Endpoint& ep, socklen_t& len) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const int rc = getaddrinfo(ep.host.c_str(), std::to_string(ep.port).c_str(), &hints, &res);
+  if (rc != 0 || res == nullptr) return Status::NotFound("cannot resolve " + ep.host + ": " + gai_strerror(rc));
+  sockaddr_storage addr{};
+  std::memcpy(&addr, res->ai_addr, res->ai_addrlen);
+  len = res->ai_addrlen;
+  freeaddrinfo(res);
+  return addr;
+}
+
+std::string ErrnoText(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+std::string Lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  return s;
+}
+
+// Incremental HTTP/1.1 response parser: status line, headers, then a Content-Length, chunked or
+// close-delimited body, handed to on_body as it is decoded.
+class HttpResponseParser {
+ public:
+  std::function<void(std::string_view)> on_body;
+
+  void Feed(std::string_view data) {
+    buf_.append(data.data(), data.size());
+    Process();
+  }
+  // The peer closed the connection.
+  void Eof() {
+    if (state_ == St::kClose) {
+      state_ = St::kDone;
+    } else if (state_ != St::kDone && state_ != St::kError) {
+      Fail("connection closed before the end of the response");
+    }
+  }
+  bool done() const { return state_ == St::kDone; }
+  bool failed() const { return state_ == St::kError; }
+  bool headers_done() const { return headers_done_; }
+  const std::string& error() const { return error_; }
+  int status() const { return status_; }
+  std::string Header(const std::string& lower_name) const {
+    for (const auto& [k, v] : headers_) {
+      if (k == lower_name) return v;
+    }
+    return "";
+  }
+
+ private:
+  enum class St { kStatus, kHeaders, kChunkSize, kChunkData, kChunkEnd, kTrailers, kLength, kClose, kDone, kError };
+
+  void Fail(const std::string& why) {
+    if (state_ != St::kError) error_ = why;
+    state_ = St::kError;
+  }
+
+  // Takes one line (through "\n", without "\r\n") from the buffer.
+  bool Line(std::string& line) {
+    const size_t nl = buf_.find('\n', pos_);
+    if (nl == std::string::npos) {
+      if (buf_.size() - pos_ > 65536) Fail("header or chunk-size line over 64 KiB");
+      return false;
+    }
+    line.assign(buf_, pos_, nl - pos_);
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    pos_ = nl + 1;
+    return true;
+  }
+
+  void Body(size_t n) {
+    if (on_body && n > 0) on_body(std::string_view(buf_).substr(pos_, n));
+    pos_ += n;
+  }
+
+  void StartBody() {
+    headers_done_ = true;
+    if (status_ / 100 == 1) {  // 100 Continue and friends: the real response follows
+      headers_.clear();
+      headers_done_ = false;
+      state_ = St::kStatus;
+      return;
+    }
+    const std::string te = Lower(Header("transfer-encoding"));
+    const std::string cl = Header("content-length");
+    if (te.find("chunked") != std::string::npos) {
+      state_ = St::kChunkSize;
+    } else if (!cl.empty()) {
+      remaining_ = std::strtoull(cl.c_str(), nullptr, 10);
+      state_ = remaining_ == 0 ? St::kDone : St::kLength;
+    } else if (status_ == 204 || status_ == 304) {
+      state_ = St::kDone;
+    } else {
+      state_ = St::kClose;
+    }
+  }
+
+  void Process() {
+    std::string line;
+    bool progress = true;
+    while (progress && state_ != St::kDone && state_ != St::kError) {
+      progress = false;
+      switch (state_) {
+        case St::kStatus:
+          if (!Line(line)) break;
+          if (line.rfind("HTTP/1.", 0) != 0 || line.size() < 12) {
+            Fail("bad status line '" + line.substr(0, 80) + "'");
+            break;
+          }
+          status_ = std::atoi(line.c_str() + 9);
+          state_ = St::kHeaders;
+          progress = true;
+          break;
+        case St::kHeaders:
+          if (!Line(line)) break;
+          progress = true;
+          if (line.empty()) {
+            StartBody();
+          } else if (const size_t colon = line.find(':'); colon != std::string::npos) {
+            const size_t v = line.find_first_not_of(" \t", colon + 1);
+            headers_.emplace_back(Lower(line.substr(0, colon)), v == std::string::npos ? "" : line.substr(v));
+          } else {
+            Fail("bad header line '" + line.substr(0, 80) + "'");
+          }
+          break;
+        case St::kChunkSize: {
+          if (!Line(line)) break;
+          char* end = nullptr;
+          remaining_ = std::strtoull(line.c_str(), &end, 16);
+          if (end == line.c_str()) {
+            Fail("bad chunk size line '" + line.substr(0, 80) + "'");
+            break;
+          }
+          state_ = remaining_ == 0 ? St::kTrailers : St::kChunkData;
+          progress = true;
+          break;
+        }
+        case St::kChunkData: {
+          const size_t n = std::min<uint64_t>(remaining_, buf_.size() - pos_);
+          if (n == 0) break;
+          Body(n);
+          remaining_ -= n;
+          if (remaining_ == 0) state_ = St::kChunkEnd;
+          progress = true;
+          break;
+        }
+        case St::kChunkEnd:
+          if (!Line(line)) break;
+          if (!line.empty()) {
+            Fail("chunk data longer than its size");
+            break;
+          }
+          state_ = St::kChunkSize;
+          progress = true;
+          break;
+        case St::kTrailers:
+          if (!Line(line)) break;
+          if (line.empty()) state_ = St::kDone;
+          progress = true;
+          break;
+        case St::kLength: {
+          const size_t n = std::min<uint64_t>(remaining_, buf_.size() - pos_);
+          if (n == 0) break;
+          Body(n);
+          remaining_ -= n;
+          if (remaining_ == 0) state_ = St::kDone;
+          progress = true;
+          break;
+        }
+        case St::kClose:
+          if (pos_ < buf_.size()) Body(buf_.size() - pos_);
+          break;
+        case St::kDone:
+        case St::kError:
+          break;
+      }
+    }
+    buf_.erase(0, pos_);
+    pos_ = 0;
+  }
+
+  St state_ = St::kStatus;
+  std::string buf_;
+  size_t pos_ = 0;
+  int status_ = 0;
+  bool headers_done_ = false;
+  std::vector<std::pair<std::string, std::string>> headers_;
+  uint64_t remaining_ = 0;
+  std::string error_;
+};
+
+// Server-sent events: hands each event's data (its "data:" lines joined by "\n") to on_data.
+class SseParser {
+ public:
+  std::function<void(const std::string&)> on_data;
+
+  void Feed(std::string_view bytes) {
+    buf_.append(bytes.data(), bytes.size());
+    size_t pos = 0;
+    for (size_t nl; (nl = buf_.find('\n', pos)) != std::string::npos; pos = nl + 1) {
+      std::string_view line(buf_.data() + pos, nl - pos);
+      if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+      if (line.empty()) {
+        if (has_data_) on_data(data_);
+        data_.clear();
+        has_data_ = false;
+      } else if (line.rfind("data:", 0) == 0) {
+        std::string_view value = line.substr(5);
+        if (!value.empty() && value.front() == ' ') value.remove_prefix(1);
+        if (has_data_) data_ += '\n';
+        data_.append(value.data(), value.size());
+        has_data_ = true;
+      }  // comments (":") and other fields (event:, id:, retry:) carry nothing here
+    }
+    buf_.erase(0, pos);
+  }
+  bool pending() const { return has_data_ || !buf_.empty(); }
+
+ private:
+  std::string buf_, data_;
+  bool has_data_ = false;
+};
+
+std::string HttpRequestText(const Endpoint& ep, const std::string& method, const std::string& path,
+                            const std::string& body, const std::string& api_key, bool stream) {
+  std::string r = method + " " + path + " HTTP/1.1\r\nHost: " + ep.host + ":" + std::to_string(ep.port) +
+                  "\r\nUser-Agent: kvflow-bench-serving\r\nConnection: close\r\n";
+  if (stream) r += "Accept: text/event-stream\r\n";
+  if (!api_key.empty()) r += "Authorization: Bearer " + api_key + "\r\n";
+  if (!body.empty() || method == "POST") {
+    r += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n";
+  }
+  return r + "\r\n" + body;
+}
+
+int OpenSocket(const sockaddr_storage& addr, socklen_t len, bool nonblocking) {
+  const int fd = socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC | (nonblocking ? SOCK_NONBLOCK : 0), 0);
+  if (fd < 0) return -1;
+  const int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&addr), len) != 0 && errno != EINPROGRESS) {
+    const int saved = errno;
+    close(fd);
+    errno = saved;
+    return -1;
+  }
+  return fd;
+}
+
+struct HttpResponse {
+  int status = 0;
+  std::string content_type;
+  std::string body;
+};
+
+// One blocking request/response (control calls: /health, /metrics, /v1/models, warm-up).
+Result<HttpResponse> HttpCall(const Endpoint& ep, const std::string& method, const std::string& path,
+                              const std::string& body, const std::string& api_key, double timeout_s) {
+  socklen_t len = 0;
+  KVFLOW_ASSIGN_OR_RETURN(sockaddr_storage addr, Resolve(ep, len));
+  const int fd = OpenSocket(addr, len, /*nonblocking=*/false);
+  if (fd < 0) return Status::IoError(ErrnoText("connect to " + ep.url()));
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(timeout_s);
+  tv.tv_usec = static_cast<suseconds_t>(1e6 * (timeout_s - static_cast<double>(tv.tv_sec)));
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  const std::string request = HttpRequestText(ep, method, path, body, api_key, false);
+  for (size_t off = 0; off < request.size();) {
+    const ssize_t w = send(fd, request.data() + off, request.size() - off, MSG_NOSIGNAL);
+    if (w <= 0) {
+      const std::string why = ErrnoText("send to " + ep.url() + path);
+      close(fd);
+      return Status::IoError(why);
+    }
+    off += static_cast<size_t>(w);
+  }
+  HttpResponseParser parser;
+  HttpResponse out;
+  parser.on_body = [&out](std::string_view b) { out.body.append(b.data(), b.size()); };
+  char buf[16384];
+  while (!parser.done() && !parser.failed()) {
+    const ssize_t r = recv(fd, buf, sizeof(buf), 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      const std::string why = ErrnoText(method + " " + ep.url() + path);
+      close(fd);
+      return Status::IoError(why);
+    }
+    if (r == 0) {
+      parser.Eof();
+      break;
+    }
+    parser.Feed(std::string_view(buf, static_cast<size_t>(r)));
+  }
+  close(fd);
+  if (parser.failed()) return Status::IoError(method + " " + ep.url() + path + ": " + parser.error());
+  out.status = parser.status();
+  out.content_type = parser.Header("content-type");
+  return out;
+}
+
+// Sum of a Prometheus metric's samples (over all label sets); nullopt when absent.
+std::optional<double> MetricValue(const std::string& text, const std::string& name) {
+  std::optional<double> sum;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t nl = text.find('\n', pos);
+    if (nl == std::string::npos) nl = text.size();
+    const std::string_view line(text.data() + pos, nl - pos);
+    pos = nl + 1;
+    if (line.rfind(name, 0) != 0 || line.size() <= name.size()) continue;
+    const char next = line[name.size()];
+    if (next != ' ' && next != '{') continue;
+    const size_t space = line.rfind(' ');
+    if (space == std::string_view::npos) continue;
+    const std::string value(line.substr(space + 1));
+    sum = sum.value_or(0.0) + std::strtod(value.c_str(), nullptr);
+  }
+  return sum;
+}
+
+// Raises the open-file limit to its hard limit: one socket per in-flight request.
+void RaiseFileLimit(size_t needed) {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0 || lim.rlim_cur >= needed + 64) return;
+  lim.rlim_cur = lim.rlim_max;
+  setrlimit(RLIMIT_NOFILE, &lim);
+}
+
+// A kvflow-server this benchmark started: stderr and stdout go to a log file, from which the
+// listening line gives the port.
+class ServerProcess {
+ public:
+  ServerProcess(const ServerProcess&) = delete;
+  ServerProcess& operator=(const ServerProcess&) = delete;
+  ~ServerProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+
+  static Result<std::unique_ptr<ServerProcess>> Start(const std::string& binary, const std::vector<std::string>& args,
+                                                      const fs::path& log_path, double timeout_s) {
+    std::unique_ptr<ServerProcess> server(new ServerProcess());
+    server->log_path_ = log_path;
+    std::error_code ec;
+    fs::create_directories(log_path.parent_path(), ec);
+    const int log_fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (log_fd < 0) return Status::IoError(ErrnoText("cannot open " + log_path.string()));
+    std::vector<std::string> argv_s{binary};
+    argv_s.insert(argv_s.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (std::string& a : argv_s) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const pid_t parent = getpid();
+    const pid_t pid = fork();
+    if (pid < 0) {
+      close(log_fd);
+      return Status::IoError(ErrnoText("fork"));
+    }
+    if (pid == 0) {
+      // The server must not outlive the benchmark (SIGTERM lets it shut down cleanly).
+      prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (getppid() != parent) _exit(127);
+      dup2(log_fd, STDOUT_FILENO);
+      dup2(log_fd, STDERR_FILENO);
+      const int null_fd = open("/dev/null", O_RDONLY);
+      if (null_fd >= 0) dup2(null_fd, STDIN_FILENO);
+      execv(binary.c_str(), argv.data());
+      std::fprintf(stderr, "exec %s: %s\n", binary.c_str(), std::strerror(errno));
+      _exit(127);
+    }
+    close(log_fd);
+    server->pid_ = pid;
+
+    const auto start = Clock::now();
+    const std::string marker = "listening on http://";
+    while (true) {
+      int status = 0;
+      if (waitpid(pid, &status, WNOHANG) == pid) {
+        server->pid_ = -1;
+        return Status::Internal("kvflow-server exited during startup (" + DescribeExit(status) + "); log " +
+                                log_path.string() + ":\n" + server->LogTail(2000));
+      }
+      const std::string log = server->Log();
+      if (const size_t at = log.find(marker); at != std::string::npos) {
+        const size_t end = log.find_first_of(" \t\r\n", at + marker.size());
+        if (end != std::string::npos) {
+          auto ep = ParseUrl(log.substr(at + marker.size() - 7, end - (at + marker.size() - 7)));
+          if (!ep.ok()) return Status::Internal("cannot parse the server's listening line: " + ep.status().ToString());
+          server->endpoint_ = ep.value();
+          break;
+        }
+      }
+      if (SecondsSince(start) > timeout_s) {
+        return Status::Internal("kvflow-server printed no 'listening on http://HOST:PORT' within " +
+                                Fixed(timeout_s, 0) + " s; log " + log_path.string() + ":\n" + server->LogTail(2000));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    server->startup_s_ = SecondsSince(start);
+    return server;
+  }
+
+  // SIGTERM, then waits up to timeout_s for the exit (SIGKILL after that). Returns how it ended.
+  std::string Stop(double timeout_s) {
+    if (pid_ <= 0) return "not running";
+    kill(pid_, SIGTERM);
+    const auto start = Clock::now();
+    int status = 0;
+    while (waitpid(pid_, &status, WNOHANG) != pid_) {
+      if (SecondsSince(start) > timeout_s) {
+        kill(pid_, SIGKILL);
+        waitpid(pid_, &status, 0);
+        pid_ = -1;
+        return "did not exit within " + Fixed(timeout_s, 0) + " s of SIGTERM; killed";
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    pid_ = -1;
+    exit_clean_ = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    return DescribeExit(status) + " " + Fixed(SecondsSince(start), 2) + " s after SIGTERM";
+  }
+
+  // User + system CPU seconds of the server (all its threads) so far.
+  double CpuSeconds() const {
+    std::ifstream in("/proc/" + std::to_string(pid_) + "/stat");
+    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const size_t paren = stat.rfind(')');
+    if (paren == std::string::npos) return 0.0;
+    std::istringstream fields(stat.substr(paren + 2));
+    std::string f;
+    double utime = 0, stime = 0;
+    for (int i = 3; fields >> f; ++i) {  // field 3 is the state; 14 utime, 15 stime
+      if (i == 14) utime = std::strtod(f.c_str(), nullptr);
+      if (i == 15) {
+        stime = std::strtod(f.c_str(), nullptr);
+        break;
+      }
+    }
+    return (utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+  }
+
+  std::string Log() const {
+    std::ifstream in(log_path_);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }
+  std::string LogTail(size_t bytes) const {
+    const std::string log = Log();
+    return log.size() <= bytes ? log : "..." + log.substr(log.size() - bytes);
+  }
+
+  const Endpoint& endpoint() const { return endpoint_; }
+  pid_t pid() const { return pid_; }
+  double startup_s() const { return startup_s_; }
+  bool exit_clean() const { return exit_clean_; }
+  const fs::path& log_path() const { return log_path_; }
+
+  static std::string DescribeExit(int status) {
+    if (WIFEXITED(status)) return "exit code " + std::to_string(WEXITSTATUS(status));
+    if (WIFSIGNALED(status)) return std::string("killed by signal ") + strsignal(WTERMSIG(status));
+    return "status " + std::to_string(status);
+  }
+
+ private:
+  ServerProcess() = default;
+  pid_t pid_ = -1;
+  fs::path log_path_;
+  Endpoint endpoint_;
+  double startup_s_ = 0;
+  bool exit_clean_ = false;
+};
+
+struct HttpOptions {
+  std::string url;                // attach to this server instead of starting one
+  std::string server_binary;      // default: <build>/kvflow-server beside this binary's bench/ dir
+  std::vector<std::string> server_args;  // appended to the server's command line
+  std::string served_model_name;  // attached servers: default from GET /v1/models
+  std::string api_key;            // default: $KVFLOW_API_KEY
+  std::string server_log;         // default: <out-dir>/server logs under the temp dir
+  double startup_timeout_s = 300;
+  double run_timeout_s = 3600;
+  double shutdown_timeout_s = 60;
+};
+
+std::string DefaultServerBinary() {
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);  // <build>/bench/kvflow_bench_serving
+  if (ec) return "kvflow-server";
+  return (self.parent_path().parent_path() / "kvflow-server").string();
+}
+
+// The server a run talks to: started here (the real executor's engine configuration) or attached.
+struct ServerSession {
+  Endpoint endpoint;
+  std::string model_name;  // "model" of every request
+  std::string api_key;
+  std::unique_ptr<ServerProcess> process;  // null when attached
+  Json info;                               // for the report
+  std::vector<std::string> warnings;       // config mismatches seen on an attached server
+
+  double CpuSeconds() const { return process ? process->CpuSeconds() : 0.0; }
+
+  Result<std::string> Metrics() const {
+    KVFLOW_ASSIGN_OR_RETURN(HttpResponse r, HttpCall(endpoint, "GET", "/metrics", "", api_key, 10));
+    if (r.status != 200) return Status::Internal("GET /metrics: HTTP " + std::to_string(r.status));
+    return r.body;
+  }
+};
+
+// The server's engine flags for `cfg`: exactly what MakeEngineConfig gives the real executor.
+Result<std::vector<std::string>> ServerEngineArgs(const ServingConfig& cfg, const ModelChoice& model,
+                                                  int num_threads, size_t num_requests, const std::string& binary) {
+  std::vector<std::string> args{"--model", model.path,
+                                "--served-model-name", model.name,
+                                "--host", "127.0.0.1",
+                                "--port", "0",
+                                "--device", "cpu",
+                                "--num-kv-blocks", std::to_string(cfg.num_device_blocks),
+                                "--block-size", std::to_string(cfg.block_size),
+                                "--max-num-seqs", std::to_string(cfg.max_num_seqs),
+                                "--max-num-batched-tokens", std::to_string(cfg.max_num_batched_tokens),
+                                "--max-model-len", std::to_string(cfg.max_model_len),
+                                "--preemption-mode", cfg.preemption_mode,
+                                "--threads", std::to_string(num_threads),
+                                "--seed", "0",
+                                // Every trace request may wait at once (rate inf): none may get 503.
+                                "--max-queue-len", std::to_string(std::max<size_t>(256, num_requests + 16)),
+                                "--max-connections", std::to_string(std::max<size_t>(512, num_requests + 64))};
+  // The host (swap) pool in blocks, like EngineConfig::num_host_kv_blocks. Without that flag only
+  // an empty pool can be asked for exactly (--swap-space 0).
+  bool has_host_blocks_flag = false;
+  {
+    int pipe_fds[2];
+    if (pipe(pipe_fds) == 0) {
+      const pid_t pid = fork();
+      if (pid == 0) {
+        dup2(pipe_fds[1], STDOUT_FILENO);
+        dup2(pipe_fds[1], STDERR_FILENO);
+        close(pipe_fds[0]);
+        execl(binary.c_str(), binary.c_str(), "--help", static_cast<char*>(nullptr));
+        _exit(127);
+      }
+      close(pipe_fds[1]);
+      std::string help;
+      char buf[4096];
+      for (ssize_t r; (r = read(pipe_fds[0], buf, sizeof(buf))) > 0;) help.append(buf, static_cast<size_t>(r));
+      close(pipe_fds[0]);
+      if (pid > 0) waitpid(pid, nullptr, 0);
+      has_host_blocks_flag = help.find("--num-host-kv-blocks") != std::string::npos;
+    }
+  }
+  if (has_host_blocks_flag) {
+    args.insert(args.end(), {"--num-host-kv-blocks", std::to_string(cfg.num_host_blocks)});
+  } else if (cfg.num_host_blocks == 0) {
+    args.insert(args.end(), {"--swap-space", "0"});
+  } else {
+    return Status::InvalidArgument("--num-host-blocks " + std::to_string(cfg.num_host_blocks) + ": " + binary +
+                                   " has no --num-host-kv-blocks flag, so only an empty swap pool (0) matches the "
+                                   "library's configuration exactly");
+  }
+  return args;
+}
+
+// Checks the server's pools and context length against `cfg` (reads /v1/models and /metrics).
+std::vector<std::string> CheckServerConfig(const ServerSession& s, const ServingConfig& cfg, Json& seen) {
+  std::vector<std::string> problems;
+  auto models = HttpCall(s.endpoint, "GET", "/v1/models", "", s.api_key, 10);
+  if (!models.ok() || models->status != 200) {
+    problems.push_back("GET /v1/models failed: " +
+                       (models.ok() ? "HTTP " + std::to_string(models->status) : models.status().ToString()));
+  } else {
+    const Json j = Json::parse(models->body, nullptr, false);
+    bool found = false;
+    if (j.is_object() && j.contains("data") && j["data"].is_array()) {
+      for (const Json& m : j["data"]) {
+        if (!m.is_object() || m.value("id", "") != s.model_name) continue;
+        found = true;
+        seen["max_model_len"] = m.value("max_model_len", Json(nullptr));
+        if (!m.contains("max_model_len") || !m["max_model_len"].is_number_integer() ||
+            m["max_model_len"].get<int64_t>() != cfg.max_model_len) {
+          problems.push_back("max_model_len " + m.value("max_model_len", Json(nullptr)).dump() + ", expected " +
+                             std::to_string(cfg.max_model_len));
+        }
+      }
+    }
+    if (!found) problems.push_back("GET /v1/models does not list '" + s.model_name + "': " + models->body);
+  }
+  auto metrics = s.Metrics();
+  if (!metrics.ok()) {
+    problems.push_back(metrics.status().ToString());
+    return problems;
+  }
+  const std::pair<const char*, int> expected[] = {{"kvflow:kv_cache_blocks_total", cfg.num_device_blocks},
+                                                  {"kvflow:host_kv_cache_blocks_total", cfg.num_host_blocks}};
+  for (const auto& [name, want] : expected) {
+    const auto v = MetricValue(metrics.value(), name);
+    seen[name] = v ? Json(*v) : Json(nullptr);
+    if (!v || *v != want) {
+      problems.push_back(std::string(name) + " = " + (v ? Fixed(*v, 0) : "absent") + ", expected " +
+                         std::to_string(want));
+    }
+  }
+  return problems;
+}
+
+Result<ServerSession> OpenServerSession(const HttpOptions& http, const ServingConfig& cfg, const ModelChoice& model,
+                                        int num_threads, size_t num_requests, const std::string& out_dir) {
+  ServerSession s;
+  s.api_key = http.api_key;
+  if (s.api_key.empty()) {
+    if (const char* k = std::getenv("KVFLOW_API_KEY")) s.api_key = k;
+  }
+  if (!http.url.empty()) {
+    KVFLOW_ASSIGN_OR_RETURN(s.endpoint, ParseUrl(http.url));
+    s.info = Json{{"mode", "attached"}, {"url", s.endpoint.url()}};
+  } else {
+    const std::string binary = http.server_binary.empty() ? DefaultServerBinary() : http.server_binary;
+    std::error_code ec;
+    if (!fs::exists(binary, ec)) {
+      return Status::NotFound("no kvflow-server at " + binary +
+                              " (build the kvflow-server target, or pass --server-binary or --url)");
+    }
+    KVFLOW_ASSIGN_OR_RETURN(std::vector<std::string> args,
+                            ServerEngineArgs(cfg, model, num_threads, num_requests, binary));
+    args.insert(args.end(), http.server_args.begin(), http.server_args.end());
+    const fs::path log = http.server_log.empty()
+                             ? fs::temp_directory_path() / ("kvflow_bench_server_" + std::to_string(getpid()) + ".log")
+                             : fs::path(http.server_log);
+    std::fprintf(stderr, "starting %s %s\n", binary.c_str(), Join(args, " ").c_str());
+    KVFLOW_ASSIGN_OR_RETURN(s.process, ServerProcess::Start(binary, args, log, http.startup_timeout_s));
+    s.endpoint = s.process->endpoint();
+    s.info = Json{{"mode", "started by the benchmark"},
+                  {"binary", fs::weakly_canonical(binary, ec).string()},
+                  {"args", args},
+                  {"url", s.endpoint.url()},
+                  {"log", log.string()}};
+  }
+  (void)out_dir;
+  // Ready once /health says 200.
+  const auto start = Clock::now();
+  std::string last;
+  while (true) {
+    auto health = HttpCall(s.endpoint, "GET", "/health", "", s.api_key, 5);
+    if (health.ok() && health->status == 200) break;
+    last = health.ok() ? "HTTP " + std::to_string(health->status) : health.status().ToString();
+    if (SecondsSince(start) > http.startup_timeout_s) {
+      return Status::Internal("GET " + s.endpoint.url() + "/health not 200 within " +
+                              Fixed(http.startup_timeout_s, 0) + " s: " + last);
+    }
+    if (s.process && waitpid(s.process->pid(), nullptr, WNOHANG) == s.process->pid()) {
+      return Status::Internal("kvflow-server exited before /health answered 200");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (s.process) s.info["startup_s"] = s.process->startup_s();
+
+  // The served name: ours, or the attached server's (first listed) unless given.
+  s.model_name = http.served_model_name.empty() ? model.name : http.served_model_name;
+  if (!s.process && http.served_model_name.empty()) {
+    auto models = HttpCall(s.endpoint, "GET", "/v1/models", "", s.api_key, 10);
+    if (models.ok() && models->status == 200) {
+      const Json j = Json::parse(models->body, nullptr, false);
+      if (j.is_object() && j.contains("data") && j["data"].is_array() && !j["data"].empty()) {
+        s.model_name = j["data"][0].value("id", s.model_name);
+      }
+    }
+  }
+  s.info["served_model_name"] = s.model_name;
+  Json seen = Json::object();
+  const std::vector<std::string> problems = CheckServerConfig(s, cfg, seen);
+  s.info["observed"] = seen;
+  if (!problems.empty()) {
+    if (s.process) {
+      return Status::Internal("the server's configuration differs from the library's: " + Join(problems, "; "));
+    }
+    for (const std::string& p : problems) spdlog::warn("attached server: {}", p);
+    s.warnings = problems;
+    s.info["config_mismatches"] = problems;
+  }
+  return s;
+}
+
+// Mirrors RunEngine's warm-up: one short greedy request.
+Status WarmUpServer(const ServerSession& s) {
+  const Json body{{"model", s.model_name}, {"prompt", "warm-up"}, {"max_tokens", 4}, {"temperature", 0},
+                  {"ignore_eos", true}};
+  KVFLOW_ASSIGN_OR_RETURN(HttpResponse r, HttpCall(s.endpoint, "POST", "/v1/completions", body.dump(), s.api_key, 120));
+  if (r.status != 200) return Status::Internal("warm-up request: HTTP " + std::to_string(r.status) + ": " + r.body);
+  return Status::Ok();
+}
+
+// Waits until the server holds no request and every KV block is free again. Returns what is left
+// over after `timeout_s` (empty: idle).
+std::string WaitServerIdle(const ServerSession& s, double timeout_s) {
+  const auto start = Clock::now();
+  std::string why;
+  while (true) {
+    auto metrics = s.Metrics();
+    if (!metrics.ok()) return metrics.status().ToString();
+    const std::string& m = metrics.value();
+    auto get = [&](const char* name) { return MetricValue(m, name).value_or(-1.0); };
+    const double running = get("kvflow:num_requests_running"), waiting = get("kvflow:num_requests_waiting"),
+                 swapped = get("kvflow:num_requests_swapped"), in_flight = get("kvflow:num_requests_in_flight"),
+                 total = get("kvflow:kv_cache_blocks_total"), free_blocks = get("kvflow:kv_cache_blocks_free");
+    if (running == 0 && waiting == 0 && swapped == 0 && in_flight == 0 && free_blocks == total) return "";
+    why = "running " + Fixed(running, 0) + ", waiting " + Fixed(waiting, 0) + ", swapped " + Fixed(swapped, 0) +
+          ", in flight " + Fixed(in_flight, 0) + ", KV blocks free " + Fixed(free_blocks, 0) + " of " +
+          Fixed(total, 0);
+    if (SecondsSince(start) > timeout_s) return why;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+// One streamed request in flight.
+struct StreamConn {
+  size_t index = 0;
+  int fd = -1;
+  size_t written = 0;
+  bool connected = false;
+  double sent_s = -1;  // request fully written
+  double recv_s = -1;  // when the bytes being parsed arrived
+  HttpResponseParser http;
+  SseParser sse;
+  std::string error_body;  // of a non-200 response
+  bool saw_done = false;   // data: [DONE]
+  int64_t token_events = 0;
+  int64_t empty_text_events = 0;
+  std::string finish_reason;
+  int64_t completion_tokens = -1;
+  int64_t prompt_tokens = -1;
+  std::string error;  // the first problem seen
+  void Problem(const std::string& why) {
+    if (error.empty()) error = why;
+  }
+};
+
+// Replays the trace against the server: request i is sent at its arrival time on its own connection.
+Result<RunRecord> RunHttpReplay(const Trace& trace, double rate, const ServerSession& server, double timeout_s,
+                                const std::string& preemption_mode) {
+  RunRecord run = NewRunRecord(trace, rate, "paged");
+  const size_t n = run.requests.size();
+  RaiseFileLimit(n);
+  socklen_t addr_len = 0;
+  KVFLOW_ASSIGN_OR_RETURN(sockaddr_storage addr, Resolve(server.endpoint, addr_len));
+  // Every request's bytes, built before the clock starts.
+  std::vector<std::string> requests(n);
+  for (size_t i = 0; i < n; ++i) {
+    const Json body{{"model", server.model_name},
+                    {"prompt", trace.requests[i].prompt},
+                    {"max_tokens", trace.requests[i].output_len},
+                    {"temperature", 0},
+                    {"ignore_eos", true},
+                    {"stream", true},
+                    {"stream_options", {{"include_usage", true}}}};
+    requests[i] = HttpRequestText(server.endpoint, "POST", "/v1/completions", body.dump(), server.api_key, true);
+  }
+  auto metrics_before = server.Metrics();
+  const double server_cpu_before = server.CpuSeconds();
+  const double client_cpu_before = ProcessCpuSeconds();
+
+  std::vector<std::unique_ptr<StreamConn>> conns(n);
+  std::vector<StreamConn*> active;
+  std::vector<double> send_lag;
+  std::map<std::string, int64_t> failure_reasons;
+  std::map<int, int64_t> status_codes;
+  int64_t token_events = 0, empty_text_events = 0, completed_tokens = 0;
+  size_t next = 0, settled = 0;
+  const auto start = Clock::now();
+
+  auto settle = [&](StreamConn& c, double now) {
+    RequestTiming& t = run.requests[c.index];
+    const int64_t want_prompt = static_cast<int64_t>(trace.requests[c.index].prompt.size());
+    if (c.http.headers_done()) ++status_codes[c.http.status()];
+    if (c.http.failed()) c.Problem(c.http.error());
+    if (c.http.headers_done() && c.http.status() != 200) {
+      std::string message = c.error_body.substr(0, 300);
+      const Json j = Json::parse(c.error_body, nullptr, false);
+      if (j.is_object() && j.contains("error") && j["error"].is_object()) message = j["error"].value("message", message);
+      c.error = "HTTP " + std::to_string(c.http.status()) + ": " + message;
+    } else if (c.error.empty()) {
+      if (!c.http.done()) c.Problem("the response did not end");
+      else if (c.sse.pending()) c.Problem("the stream ended inside an event");
+      else if (c.finish_reason.empty()) c.Problem("no event with a finish_reason");
+      else if (c.finish_reason != "length") c.Problem("finish_reason '" + c.finish_reason + "', expected 'length'");
+      else if (c.completion_tokens < 0) c.Problem("no usage chunk (stream_options.include_usage)");
+      else if (c.completion_tokens != t.output_len) {
+        c.Problem("usage.completion_tokens " + std::to_string(c.completion_tokens) + " != max_tokens " +
+                  std::to_string(t.output_len));
+      } else if (c.prompt_tokens != want_prompt) {
+        c.Problem("usage.prompt_tokens " + std::to_string(c.prompt_tokens) + " != " + std::to_string(want_prompt) +
+                  " prompt ids sent");
+      } else if (!c.saw_done) {
+        c.Problem("no data: [DONE]");
+      }
+    }
+    if (!c.error.empty()) {
+      t.failed = true;
+      if (run.first_error.empty()) run.first_error = "request " + std::to_string(c.index) + ": " + c.error;
+      // Reasons grouped: by status code, or with their numbers left out.
+      std::string kind;
+      if (c.http.headers_done() && c.http.status() != 200) {
+        kind = "HTTP " + std::to_string(c.http.status());
+      } else {
+        for (char ch : c.error) {
+          if (!std::isdigit(static_cast<unsigned char>(ch))) kind += ch;
+          else if (kind.empty() || kind.back() != 'N') kind += 'N';
+        }
+      }
+      ++failure_reasons[kind.substr(0, 120)];
+    } else {
+      completed_tokens += t.output_len;
+      if (t.finish_s < 0) t.finish_s = now;
+    }
+    token_events += c.token_events;
+    empty_text_events += c.empty_text_events;
+    if (c.sent_s >= 0) send_lag.push_back(c.sent_s - t.arrival_s);
+    if (c.fd >= 0) close(c.fd);
+    c.fd = -1;
+    ++settled;
+  };
+
+  auto launch = [&](size_t i, double now) {
+    auto c = std::make_unique<StreamConn>();
+    c->index = i;
+    StreamConn* raw = c.get();
+    RequestTiming& t = run.requests[i];
+    raw->sse.on_data = [raw, &t](const std::string& data) {
+      const double now = raw->recv_s;
+      if (raw->saw_done) {
+        raw->Problem("data after [DONE]");
+        return;
+      }
+      if (data == "[DONE]") {
+        raw->saw_done = true;
+        return;
+      }
+      const Json j = Json::parse(data, nullptr, false);
+      if (!j.is_object()) {
+        raw->Problem("SSE data is not a JSON object: " + data.substr(0, 120));
+        return;
+      }
+      if (j.contains("error")) {
+        raw->Problem("error event: " + j["error"].dump().substr(0, 200));
+        return;
+      }
+      if (j.contains("choices") && j["choices"].is_array()) {
+        for (const Json& choice : j["choices"]) {
+          if (!choice.is_object()) continue;
+          ++raw->token_events;
+          if (!choice.contains("text") || !choice["text"].is_string() || choice["text"].get_ref<const std::string&>().empty()) {
+            ++raw->empty_text_events;
+          }
+          if (t.first_token_s < 0) t.first_token_s = now;
+          if (choice.contains("finish_reason") && choice["finish_reason"].is_string()) {
+            if (!raw->finish_reason.empty()) raw->Problem("two events with a finish_reason");
+            raw->finish_reason = choice["finish_reason"].get<std::string>();
+            t.finish_s = now;
+          }
+        }
+      }
+      if (j.contains("usage") && j["usage"].is_object()) {
+        raw->completion_tokens = j["usage"].value("completion_tokens", int64_t{-1});
+        raw->prompt_tokens = j["usage"].value("prompt_tokens", int64_t{-1});
+      }
+    };
+    raw->http.on_body = [raw](std::string_view bytes) {
+      if (raw->http.status() == 200 && raw->http.Header("content-type").rfind("text/event-stream", 0) == 0) {
+        raw->sse.Feed(bytes);
+      } else {
+        if (raw->http.status() == 200) raw->Problem("HTTP 200 but Content-Type '" + raw->http.Header("content-type") +
+                                                    "', expected text/event-stream");
+        if (raw->error_body.size() < 65536) raw->error_body.append(bytes.data(), bytes.size());
+      }
+    };
+    conns[i] = std::move(c);
+    raw->fd = OpenSocket(addr, addr_len, /*nonblocking=*/true);
+    if (raw->fd < 0) {
+      raw->Problem(ErrnoText("connect"));
+      settle(*raw, now);
+      return;
+    }
+    active.push_back(raw);
+  };
+
+  double now = 0.0;
+  std::vector<pollfd> fds;
+  char buf[65536];
+  while (settled < n) {
+    now = SecondsSince(start);
+    for (; next < n && run.requests[next].arrival_s <= now; ++next) launch(next, now);
+    if (now > timeout_s) {
+      for (StreamConn* c : active) {
+        c->Problem("no end of the stream within --run-timeout " + Fixed(timeout_s, 0) + " s");
+        settle(*c, now);
+      }
+      active.clear();
+      for (; next < n; ++next) {
+        run.requests[next].failed = true;
+        ++settled;
+      }
+      break;
+    }
+    if (active.empty() && next < n) {
+      std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(
+                                                std::chrono::duration<double>(run.requests[next].arrival_s)));
+      continue;
+    }
+    fds.clear();
+    for (StreamConn* c : active) {
+      const bool writing = c->written < requests[c->index].size();
+      fds.push_back(pollfd{c->fd, static_cast<short>(writing ? POLLOUT : POLLIN), 0});
+    }
+    double wait_s = std::min(1.0, timeout_s - now);
+    if (next < n) wait_s = std::min(wait_s, run.requests[next].arrival_s - now);
+    wait_s = std::max(0.0, wait_s);
+    timespec ts{static_cast<time_t>(wait_s), static_cast<long>(1e9 * (wait_s - std::floor(wait_s)))};
+    const int ready = ppoll(fds.data(), fds.size(), &ts, nullptr);
+    if (ready < 0 && errno != EINTR) return Status::IoError(ErrnoText("ppoll"));
+    if (ready <= 0) continue;
+    bool any_settled = false;
+    for (size_t k = 0; k < fds.size(); ++k) {
+      if (fds[k].revents == 0) continue;
+      StreamConn& c = *active[k];
+      const std::string& request = requests[c.index];
+      if (c.written < request.size()) {
+        if (!c.connected) {
+          int err = 0;
+          socklen_t len = sizeof(err);
+          getsockopt(c.fd, SOL_SOCKET, SO_ERROR, &err, &len);
+          if (err != 0) {
+            c.Problem(std::string("connect: ") + std::strerror(err));
+            settle(c, SecondsSince(start));
+            any_settled = true;
+            continue;
+          }
+          c.connected = true;
+        }
+        const ssize_t w = send(c.fd, request.data() + c.written, request.size() - c.written, MSG_NOSIGNAL);
+        if (w < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+        if (w < 0) {
+          c.Problem(ErrnoText("send"));
+          settle(c, SecondsSince(start));
+          any_settled = true;
+          continue;
+        }
+        c.written += static_cast<size_t>(w);
+        if (c.written == request.size()) c.sent_s = SecondsSince(start);
+        continue;
+      }
+      // Readable (or hung up): drain the socket.
+      bool finished = false;
+      while (!finished) {
+        const ssize_t r = recv(c.fd, buf, sizeof(buf), 0);
+        now = SecondsSince(start);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && errno == EAGAIN) break;
+        if (r < 0) {
+          c.Problem(ErrnoText("recv"));
+          finished = true;
+        } else if (r == 0) {
+          c.http.Eof();
+          finished = true;
+        } else {
+          c.recv_s = now;
+          c.http.Feed(std::string_view(buf, static_cast<size_t>(r)));
+          finished = c.http.done() || c.http.failed();
+        }
+      }
+      if (finished) {
+        settle(c, now);
+        any_settled = true;
+      }
+    }
+    if (any_settled) {
+      active.erase(std::remove_if(active.begin(), active.end(), [](StreamConn* c) { return c->fd < 0; }),
+                   active.end());
+    }
+  }
+  run.wall_s = SecondsSince(start);
+  const double client_cpu = ProcessCpuSeconds() - client_cpu_before;
+  const double server_cpu = server.CpuSeconds() - server_cpu_before;
+
+  // Server-side counters over the run; preemptions by the mode (the server reports one total; with
+  // n = 1, auto preempts by recomputation).
+  const std::string idle = WaitServerIdle(server, 5.0);
+  auto metrics_after = server.Metrics();
+  Json server_side = Json::object();
+  if (metrics_before.ok() && metrics_after.ok()) {
+    auto delta = [&](const char* name) -> Json {
+      const auto a = MetricValue(metrics_before.value(), name), b = MetricValue(metrics_after.value(), name);
+      if (!a || !b) return nullptr;
+      return *b - *a;
+    };
+    server_side = Json{{"preemptions", delta("kvflow:num_preemptions_total")},
+                       {"generation_tokens", delta("kvflow:generation_tokens_total")},
+                       {"prompt_tokens", delta("kvflow:prompt_tokens_total")},
+                       {"request_success", delta("kvflow:request_success_total")},
+                       {"request_failure", delta("kvflow:request_failure_total")},
+                       {"request_cancelled", delta("kvflow:request_cancelled_total")}};
+    const Json& p = server_side["preemptions"];
+    if (p.is_number()) {
+      (preemption_mode == "swap" ? run.preemptions_swap : run.preemptions_recompute) =
+          static_cast<int64_t>(p.get<double>());
+    }
+  }
+  Json statuses = Json::object();
+  for (const auto& [code, count] : status_codes) statuses[std::to_string(code)] = count;
+  run.extra["http"] = Json{{"send_lag_s", Distribution(send_lag)},
+                           {"token_events", token_events},
+                           {"token_events_per_output_token",
+                            completed_tokens > 0 ? Json(static_cast<double>(token_events) /
+                                                        static_cast<double>(completed_tokens))
+                                                 : Json(nullptr)},
+                           {"empty_text_events", empty_text_events},
+                           {"status_codes", statuses},
+                           {"failure_reasons", failure_reasons},
+                           {"server_counters", server_side},
+                           {"server_idle_after_run", idle.empty() ? Json(true) : Json(idle)}};
+  run.extra["client_cpu_s"] = client_cpu;
+  if (server.process) run.extra["server_cpu_s"] = server_cpu;
+  if (!idle.empty()) spdlog::warn("the server is not idle 5 s after the run: {}", idle);
   return run;
 }
 
@@ -770,7 +1890,7 @@ struct SweepOptions {
 
 const Json* FindRun(const Json& runs, const std::string& policy, double rate) {
   for (const Json& r : runs) {
-    if (r["policy"] == policy && r["rate_req_s"].get<double>() == rate) return &r;
+    if (r["policy"] == policy && RateFromJson(r["rate_req_s"]) == rate) return &r;
   }
   return nullptr;
 }
@@ -816,7 +1936,7 @@ Json SustainableRates(const Json& runs, const SweepOptions& opt, Json& bound_inf
           r->at("normalized_latency_s_per_token").get<double>() > bound) {
         break;
       }
-      best = rate;
+      best = RateJson(rate);
     }
     sustainable[p] = best;
   }
@@ -828,8 +1948,10 @@ Json Ratios(const Json& sustainable) {
   if (!sustainable.contains("paged")) return ratios;
   for (const auto& [policy, rate] : sustainable.items()) {
     if (policy == "paged") continue;
-    const bool defined = !rate.is_null() && !sustainable["paged"].is_null() && rate.get<double>() > 0;
-    ratios["paged/" + policy] = defined ? Json(sustainable["paged"].get<double>() / rate.get<double>()) : Json(nullptr);
+    const bool defined = !rate.is_null() && !sustainable["paged"].is_null() && RateFromJson(rate) > 0 &&
+                         !rate.is_string() && !sustainable["paged"].is_string();
+    ratios["paged/" + policy] =
+        defined ? Json(RateFromJson(sustainable["paged"]) / RateFromJson(rate)) : Json(nullptr);
   }
   return ratios;
 }
@@ -848,6 +1970,10 @@ std::string Markdown(const Json& report) {
   std::string md = "# Serving benchmark: " + report["trace"]["name"].get<std::string>() + " trace, " +
                    report["executor"]["name"].get<std::string>() + " executor\n\n";
   md += "- executor: " + report["executor"]["description"].get<std::string>() + "\n";
+  if (report["executor"].contains("server") && report["executor"]["server"].contains("args")) {
+    md += "- server: `kvflow-server " + Join(report["executor"]["server"]["args"].get<std::vector<std::string>>(), " ") +
+          "`\n";
+  }
   const Json& t = report["trace"];
   md += "- trace: " + t["source"].get<std::string>() + "; " + std::to_string(t["num_requests"].get<int64_t>()) +
         " requests, Poisson arrivals (seed " + std::to_string(report["arrival_seed"].get<uint64_t>()) +
@@ -867,7 +1993,8 @@ std::string Markdown(const Json& report) {
         "| avg batch | preemptions | KV used | KV filled | duration (s) |\n";
   md += "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const Json& r : report["runs"]) {
-    md += "| " + r["policy"].get<std::string>() + " | " + Cell(r["rate_req_s"]) + " | " + Cell(r["completed"]) +
+    md += "| " + r["policy"].get<std::string>() + " | " + RateLabel(RateFromJson(r["rate_req_s"])) + " | " +
+          Cell(r["completed"]) +
           " / " + Cell(r["failed"]) + " | " + Fixed(r["throughput_req_s"], 2) + " | " +
           Fixed(r["throughput_output_tok_s"], 0) + " | " + Cell(r["normalized_latency_s_per_token"]) + " | " +
           Triple(r["ttft_s"]) + " | " + Triple(r["tpot_s"]) + " | " + Cell(r["avg_batch_seqs"], 1) + " | " +
@@ -883,7 +2010,7 @@ std::string Markdown(const Json& report) {
     const std::string key = "paged/" + policy;
     const std::string ratio =
         policy == "paged" ? "1" : report["ratios"].contains(key) ? Cell(report["ratios"][key], 2) : "n/a";
-    md += "| " + policy + " | " + Cell(rate) + " | " + ratio + " |\n";
+    md += "| " + policy + " | " + (rate.is_null() ? "n/a" : RateLabel(RateFromJson(rate))) + " | " + ratio + " |\n";
   }
   return md;
 }
@@ -913,8 +2040,10 @@ Result<Trace> BuildTrace(const SweepOptions& opt, const ModelChoice* tokenizer) 
 
 using RunFn = std::function<Result<RunRecord>(const Trace&, double rate, const std::string& policy)>;
 
+// `before_write`, when given, completes the report (the http executor adds how its server exited).
 int RunSweep(const std::string& executor, const Json& executor_info, const SweepOptions& opt,
-             const std::vector<std::string>& argv, const Trace& trace, const RunFn& run_one) {
+             const std::vector<std::string>& argv, const Trace& trace, const RunFn& run_one,
+             const std::function<void(Json&)>& before_write = {}) {
   std::vector<double> rates = opt.rates;
   std::sort(rates.begin(), rates.end());
   Json runs = Json::array();
@@ -942,7 +2071,8 @@ int RunSweep(const std::string& executor, const Json& executor_info, const Sweep
   report["executor"]["name"] = executor;
   report["trace"] = trace.info;
   report["arrival_seed"] = opt.seed + 1;
-  report["rates_req_s"] = rates;
+  report["rates_req_s"] = Json::array();
+  for (double rate : rates) report["rates_req_s"].push_back(RateJson(rate));
   report["policies"] = opt.policies;
   report["config"] = opt.serving.ToJson();
   Json bound_info;
@@ -950,6 +2080,7 @@ int RunSweep(const std::string& executor, const Json& executor_info, const Sweep
   report["latency_bound"] = bound_info;
   report["ratios"] = Ratios(report["sustainable_rate_req_s"]);
   report["runs"] = runs;
+  if (before_write) before_write(report);
 
   const std::string md = Markdown(report);
   std::fputs(md.c_str(), stdout);
@@ -1036,6 +2167,257 @@ int RunReal(SweepOptions& opt, bool model_explicit, const std::vector<std::strin
                   [&](const Trace& t, double rate, const std::string& policy) {
                     return RunEngine(t, rate, policy, opt.serving, model.value(), opt.num_threads);
                   });
+}
+
+// ---- http and compare -------------------------------------------------------------------------
+
+// What the http and compare executors share: the model, the trace, and a server with the real
+// executor's engine configuration (or an attached one).
+struct HttpSetup {
+  ModelChoice model;
+  Trace trace;
+  ServerSession server;
+};
+
+// Returns the setup, or the exit code to leave with.
+std::variant<HttpSetup, int> PrepareHttp(SweepOptions& opt, const HttpOptions& http, bool model_explicit) {
+  if (auto code = TraceUnavailable(opt)) return *code;
+  WarnIfOmpSpins();
+  if (opt.serving.num_device_blocks == 0) {
+    spdlog::error("--num-device-blocks is required (the KV budget of the server and the library)");
+    return 2;
+  }
+  auto model = ChooseModel(opt.model, model_explicit);
+  if (!model.ok()) {
+    spdlog::error("--model: {}", model.status().ToString());
+    return 2;
+  }
+  auto trace = BuildTrace(opt, &model.value());
+  if (!trace.ok()) {
+    spdlog::error("{}", trace.status().ToString());
+    return 1;
+  }
+  if (http.url.empty()) {
+    const std::string binary = http.server_binary.empty() ? DefaultServerBinary() : http.server_binary;
+    std::error_code ec;
+    if (!fs::exists(binary, ec)) {
+      std::fprintf(stderr, "skipping: no kvflow-server at %s (build the kvflow-server target, or pass "
+                           "--server-binary or --url)\n", binary.c_str());
+      return kExitSkipped;
+    }
+  }
+  auto server = OpenServerSession(http, opt.serving, model.value(), opt.num_threads, trace->requests.size(),
+                                  opt.out_dir);
+  if (!server.ok()) {
+    spdlog::error("{}", server.status().ToString());
+    return 1;
+  }
+  if (Status st = WarmUpServer(server.value()); !st.ok()) {
+    spdlog::error("{}", st.ToString());
+    return 1;
+  }
+  return HttpSetup{model.value(), std::move(trace.value()), std::move(server.value())};
+}
+
+std::string ClientDescription() {
+  return "one thread blocked in ppoll(), one HTTP/1.1 connection per request, POST /v1/completions with token-id "
+         "prompts, greedy, ignore_eos, stream + include_usage";
+}
+
+// Stops a server the benchmark started; returns how it ended (recorded in the report).
+Json StopServer(ServerSession& s, double timeout_s) {
+  if (!s.process) return nullptr;
+  const std::string how = s.process->Stop(timeout_s);
+  std::fprintf(stderr, "kvflow-server: %s\n", how.c_str());
+  if (!s.process->exit_clean()) spdlog::warn("kvflow-server did not exit cleanly after SIGTERM: {}", how);
+  return Json{{"after_sigterm", how}, {"clean", s.process->exit_clean()}};
+}
+
+int RunHttp(SweepOptions& opt, const HttpOptions& http, bool model_explicit, const std::vector<std::string>& argv) {
+  auto prepared = PrepareHttp(opt, http, model_explicit);
+  if (const int* code = std::get_if<int>(&prepared)) return *code;
+  HttpSetup& setup = std::get<HttpSetup>(prepared);
+  ServerSession& server = setup.server;
+  const Json executor{{"description", "kvflow-server over HTTP (" + server.endpoint.url() + "), " + setup.model.name +
+                                          " on " + CpuName() + "; client: " + ClientDescription()},
+                      {"model", setup.model.name},
+                      {"model_path", setup.model.path},
+                      {"machine", MachineJson(opt.num_threads)},
+                      {"server", server.info}};
+  return RunSweep(
+      "http", executor, opt, argv, setup.trace,
+      [&](const Trace& t, double rate, const std::string&) -> Result<RunRecord> {
+        KVFLOW_RETURN_IF_ERROR(WarmUpServer(server));
+        return RunHttpReplay(t, rate, server, http.run_timeout_s, opt.serving.preemption_mode);
+      },
+      [&](Json& report) { report["executor"]["server"]["exit"] = StopServer(server, http.shutdown_timeout_s); });
+}
+
+Json SafeRatio(const Json& num, const Json& den) {
+  if (!num.is_number() || !den.is_number() || den.get<double>() == 0) return nullptr;
+  return num.get<double>() / den.get<double>();
+}
+
+Json Difference(const Json& a, const Json& b) {
+  if (!a.is_number() || !b.is_number()) return nullptr;
+  return a.get<double>() - b.get<double>();
+}
+
+std::string Ms(const Json& seconds) { return seconds.is_null() ? "n/a" : Sig3(1e3 * seconds.get<double>()); }
+
+std::string CompareMarkdown(const Json& report) {
+  const Json& t = report["trace"];
+  const Json& c = report["config"];
+  const Json& m = report["machine"];
+  std::string md = "# Serving benchmark: kvflow-server (HTTP) vs the library, " + t["name"].get<std::string>() +
+                   " trace, " + report["model"].get<std::string>() + "\n\n";
+  md += "- library: `real` executor, kvflow::Engine driven in-process (wall clock), policy paged\n";
+  md += "- server: `http` executor, " + report["server"]["url"].get<std::string>() + " (" +
+        report["server"]["mode"].get<std::string>() + ")" +
+        (report["server"].contains("args") ? ": `kvflow-server " + Join(report["server"]["args"].get<std::vector<std::string>>(), " ") + "`" : "") +
+        "\n";
+  md += "- client: " + report["client"].get<std::string>() + "\n";
+  md += "- machine: " + m["cpu"].get<std::string>() + ", " + Cell(m["hardware_threads"]) + " hardware threads, " +
+        "engine threads " + Cell(m["engine_threads"]) + ", OMP_WAIT_POLICY " + m["omp_wait_policy"].get<std::string>() +
+        "; the client, the server and the library share these cores\n";
+  md += "- trace: " + t["source"].get<std::string>() + "; " + std::to_string(t["num_requests"].get<int64_t>()) +
+        " requests, Poisson arrivals (seed " + std::to_string(report["arrival_seed"].get<uint64_t>()) +
+        "; rate inf = all at t = 0); tokenizer " + t["tokenizer"].get<std::string>() + "; input mean " +
+        Fixed(t["input_len"]["mean"], 1) + " (max " + Cell(t["input_len"]["max"]) + "), output mean " +
+        Fixed(t["output_len"]["mean"], 1) + " (max " + Cell(t["output_len"]["max"]) + ") tokens\n";
+  md += "- engine (both): KV " + Cell(c["num_device_blocks"]) + " blocks x " + Cell(c["block_size"]) + " tokens; swap " +
+        Cell(c["num_host_blocks"]) + " blocks; max_num_seqs " + Cell(c["max_num_seqs"]) + ", max_num_batched_tokens " +
+        Cell(c["max_num_batched_tokens"]) + ", max_model_len " + Cell(c["max_model_len"]) + ", preemption " +
+        c["preemption_mode"].get<std::string>() + "\n";
+  md += "- order: per rate, the library run, then the server run (one server for all rates; a warm-up request "
+        "before each run on both sides)\n\n";
+  md += "TTFT: arrival (scheduled send time) to the first token (library: the engine's stream callback; server: "
+        "the first SSE event with a choice, as the client reads it). TPOT = (finish - first token) / (output tokens "
+        "- 1). e2e = finish - arrival. Throughput = completed requests (output tokens) / (last finish - first "
+        "arrival). A server request counts as failed unless it streams to finish_reason \"length\" with "
+        "usage.completion_tokens = the trace's output length. CPU = user + system seconds over the run "
+        "(library: the benchmark process; server: the server process + the client).\n\n";
+  md += "| rate (req/s) | side | done / failed | req/s | output tok/s | TTFT p50 / p90 / p99 (s) | "
+        "TPOT p50 / p90 / p99 (s) | e2e p50 / p99 (s) | preemptions | CPU (s) | duration (s) |\n";
+  md += "|---|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const Json& r : report["runs"]) {
+    const std::string rate = RateLabel(RateFromJson(r["rate_req_s"]));
+    for (const char* side : {"library", "server"}) {
+      const Json& s = r[side];
+      const std::string cpu =
+          std::string(side) == "library"
+              ? Cell(s["process_cpu_s"], 1)
+              : (s.contains("server_cpu_s") ? Cell(s["server_cpu_s"], 1) + " + " : std::string("? + ")) +
+                    Cell(s["client_cpu_s"], 1) + " client";
+      md += "| " + rate + " | " + side + " | " + Cell(s["completed"]) + " / " + Cell(s["failed"]) + " | " +
+            Fixed(s["throughput_req_s"], 2) + " | " + Fixed(s["throughput_output_tok_s"], 0) + " | " +
+            Triple(s["ttft_s"]) + " | " + Triple(s["tpot_s"]) + " | " + Cell(s["e2e_s"]["p50"]) + " / " +
+            Cell(s["e2e_s"]["p99"]) + " | " +
+            std::to_string(s["preemptions"]["recompute"].get<int64_t>() + s["preemptions"]["swap"].get<int64_t>()) +
+            " | " + cpu + " | " + Fixed(s["duration_s"], 1) + " |\n";
+    }
+  }
+  md += "\n| rate (req/s) | server / library req/s | server / library output tok/s | HTTP overhead (1 - ratio) | "
+        "TTFT p50 server - library (ms) | TPOT p50 server - library (ms) | e2e p50 server - library (ms) | "
+        "SSE events per output token |\n";
+  md += "|---|---|---|---|---|---|---|---|\n";
+  for (const Json& r : report["runs"]) {
+    const Json& cmp = r["comparison"];
+    md += "| " + RateLabel(RateFromJson(r["rate_req_s"])) + " | " + Cell(cmp["throughput_req_ratio"], 3) + " | " +
+          Cell(cmp["throughput_tok_ratio"], 3) + " | " + Percent(cmp["http_overhead"]) + " | " +
+          Ms(cmp["ttft_p50_delta_s"]) + " | " + Ms(cmp["tpot_p50_delta_s"]) + " | " + Ms(cmp["e2e_p50_delta_s"]) +
+          " | " + Cell(r["server"]["http"]["token_events_per_output_token"], 3) + " |\n";
+  }
+  bool any_failed = false;
+  for (const Json& r : report["runs"]) {
+    for (const char* side : {"library", "server"}) {
+      if (r[side]["failed"].get<int64_t>() == 0) continue;
+      any_failed = true;
+      md += "\n- rate " + RateLabel(RateFromJson(r["rate_req_s"])) + ", " + side + ": " +
+            Cell(r[side]["failed"]) + " failed; first: " + r[side].value("first_error", std::string("?"));
+      if (r[side].contains("http")) md += "; reasons " + r[side]["http"]["failure_reasons"].dump();
+    }
+  }
+  if (any_failed) md += "\n";
+  if (!report["server_exit"].is_null()) {
+    md += "\nServer exit after SIGTERM: " + report["server_exit"]["after_sigterm"].get<std::string>() + ".\n";
+  }
+  return md;
+}
+
+int RunCompare(SweepOptions& opt, const HttpOptions& http, bool model_explicit, const std::vector<std::string>& argv) {
+  auto prepared = PrepareHttp(opt, http, model_explicit);
+  if (const int* code = std::get_if<int>(&prepared)) return *code;
+  HttpSetup& setup = std::get<HttpSetup>(prepared);
+  ServerSession& server = setup.server;
+  std::vector<double> rates = opt.rates;
+  std::sort(rates.begin(), rates.end());
+  Json runs = Json::array();
+  for (double rate : rates) {
+    const double server_cpu_idle_before = server.CpuSeconds();
+    auto lib = RunEngine(setup.trace, rate, "paged", opt.serving, setup.model, opt.num_threads);
+    if (!lib.ok()) {
+      spdlog::error("library at {} req/s: {}", RateLabel(rate), lib.status().ToString());
+      return 1;
+    }
+    if (server.process) lib->extra["idle_server_cpu_s"] = server.CpuSeconds() - server_cpu_idle_before;
+    if (Status st = WarmUpServer(server); !st.ok()) {
+      spdlog::error("{}", st.ToString());
+      return 1;
+    }
+    auto srv = RunHttpReplay(setup.trace, rate, server, http.run_timeout_s, opt.serving.preemption_mode);
+    if (!srv.ok()) {
+      spdlog::error("server at {} req/s: {}", RateLabel(rate), srv.status().ToString());
+      return 1;
+    }
+    Json l = Summarize(lib.value()), s = Summarize(srv.value());
+    l.erase("policy");
+    s.erase("policy");
+    const Json tok_ratio = SafeRatio(s["throughput_output_tok_s"], l["throughput_output_tok_s"]);
+    Json cmp{{"throughput_req_ratio", SafeRatio(s["throughput_req_s"], l["throughput_req_s"])},
+             {"throughput_tok_ratio", tok_ratio},
+             {"http_overhead", tok_ratio.is_null() ? Json(nullptr) : Json(1.0 - tok_ratio.get<double>())},
+             {"ttft_p50_delta_s", Difference(s["ttft_s"]["p50"], l["ttft_s"]["p50"])},
+             {"ttft_p99_delta_s", Difference(s["ttft_s"]["p99"], l["ttft_s"]["p99"])},
+             {"tpot_p50_delta_s", Difference(s["tpot_s"]["p50"], l["tpot_s"]["p50"])},
+             {"e2e_p50_delta_s", Difference(s["e2e_s"]["p50"], l["e2e_s"]["p50"])}};
+    std::fprintf(stderr,
+                 "[compare %s] %5s req/s: library %lld/%lld done, %.0f tok/s, TTFT p50 %s s; server %lld/%lld done, "
+                 "%.0f tok/s, TTFT p50 %s s; server/library throughput %s\n",
+                 setup.trace.name.c_str(), RateLabel(rate).c_str(),
+                 static_cast<long long>(l["completed"].get<int64_t>()), static_cast<long long>(l["num_requests"].get<int64_t>()),
+                 l["throughput_output_tok_s"].get<double>(), Cell(l["ttft_s"]["p50"]).c_str(),
+                 static_cast<long long>(s["completed"].get<int64_t>()), static_cast<long long>(s["num_requests"].get<int64_t>()),
+                 s["throughput_output_tok_s"].get<double>(), Cell(s["ttft_s"]["p50"]).c_str(), Cell(tok_ratio, 3).c_str());
+    runs.push_back(Json{{"rate_req_s", RateJson(rate)}, {"library", l}, {"server", s}, {"comparison", cmp}});
+  }
+  Json report;
+  report["benchmark"] = "kvflow serving: HTTP server vs library";
+  report["command"] = Join(argv, " ");
+  report["model"] = setup.model.name;
+  report["model_path"] = setup.model.path;
+  report["machine"] = MachineJson(opt.num_threads);
+  report["trace"] = setup.trace.info;
+  report["arrival_seed"] = opt.seed + 1;
+  report["rates_req_s"] = Json::array();
+  for (double rate : rates) report["rates_req_s"].push_back(RateJson(rate));
+  report["config"] = opt.serving.ToJson();
+  report["server"] = server.info;
+  report["client"] = ClientDescription();
+  report["runs"] = runs;
+  report["server_exit"] = StopServer(server, http.shutdown_timeout_s);
+
+  const std::string md = CompareMarkdown(report);
+  std::fputs(md.c_str(), stdout);
+  const fs::path base = fs::path(opt.out_dir) / BaseName(setup.trace.name, "http_vs_library", opt.tag);
+  for (const auto& [ext, text] : {std::pair{".json", report.dump(2) + "\n"}, std::pair{".md", md}}) {
+    if (Status st = WriteFile(base.string() + ext, text); !st.ok()) {
+      spdlog::error("{}", st.ToString());
+      return 1;
+    }
+  }
+  std::fprintf(stderr, "wrote %s.json and .md\n", base.c_str());
+  return 0;
 }
 
 // ---- calibrate ------------------------------------------------------------------------------
@@ -1431,6 +2813,44 @@ int main(int argc, char** argv) {
       ->check(NonNegative())
       ->capture_default_str();
 
+  HttpOptions http;
+  auto add_http_options = [&](CLI::App* cmd) {
+    AddSweepOptions(cmd, sweep);
+    cmd->add_option("--model", sweep.model, "Model path or short name (default falls back to tiny-random)")
+        ->capture_default_str();
+    cmd->add_option("--num-threads", sweep.num_threads, "CPU threads of the engine (server --threads; 0: all cores)")
+        ->check(NonNegative())
+        ->capture_default_str();
+    cmd->add_option("--server-binary", http.server_binary,
+                    "kvflow-server to start (default: <build>/kvflow-server beside this binary's bench/ dir; "
+                    "exit code 77 when missing)");
+    cmd->add_option("--url", http.url, "Attach to a running server at http://HOST:PORT instead of starting one");
+    cmd->add_option("--served-model-name", http.served_model_name,
+                    "\"model\" of the requests (default: the --model name; attached: the first of /v1/models)");
+    cmd->add_option("--api-key", http.api_key, "Bearer token for /v1/* (default: $KVFLOW_API_KEY)");
+    cmd->add_option("--server-arg", http.server_args, "Extra argument for the started server (repeatable)")
+        ->allow_extra_args(false);
+    cmd->add_option("--server-log", http.server_log,
+                    "Where the started server's stdout/stderr go (default: a file in the temp dir)");
+    cmd->add_option("--startup-timeout", http.startup_timeout_s, "Seconds for the server to start listening")
+        ->check(Positive())
+        ->capture_default_str();
+    cmd->add_option("--run-timeout", http.run_timeout_s, "Seconds one rate's replay may take")
+        ->check(Positive())
+        ->capture_default_str();
+    cmd->add_option("--shutdown-timeout", http.shutdown_timeout_s, "Seconds for the server to exit after SIGTERM")
+        ->check(Positive())
+        ->capture_default_str();
+  };
+  CLI::App* http_cmd = app.add_subcommand(
+      "http", "kvflow-server over HTTP (streamed /v1/completions), started with the real executor's engine "
+              "configuration or attached with --url; policy paged only");
+  add_http_options(http_cmd);
+  CLI::App* compare_cmd = app.add_subcommand(
+      "compare", "The real executor (library) and the http executor (server) back to back on the same trace and "
+                 "rates; writes serving_<trace>_http_vs_library[_<tag>].{json,md}");
+  add_http_options(compare_cmd);
+
   CalibrationOptions calib;
   CLI::App* calibrate =
       app.add_subcommand("calibrate", "Times Engine::Step() on this CPU and fits the sim's cost model");
@@ -1460,5 +2880,16 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (sim->parsed()) return RunSim(sweep, tokenizer_opt->count() > 0, args);
   if (real->parsed()) return RunReal(sweep, real_model_opt->count() > 0, args);
+  for (CLI::App* cmd : {http_cmd, compare_cmd}) {
+    if (!cmd->parsed()) continue;
+    if (cmd->get_option("--policies")->count() > 0 && sweep.policies != std::vector<std::string>{"paged"}) {
+      spdlog::error("--policies: the {} executor runs the server's scheduler, paged only", cmd->get_name());
+      return 2;
+    }
+    sweep.policies = {"paged"};
+    const bool model_explicit = cmd->get_option("--model")->count() > 0;
+    return cmd == http_cmd ? RunHttp(sweep, http, model_explicit, args)
+                           : RunCompare(sweep, http, model_explicit, args);
+  }
   return RunCalibrate(calib, calib_model_opt->count() > 0, args);
 }

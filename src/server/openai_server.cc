@@ -280,6 +280,14 @@ class GenerationRun {
     out->clear();
     std::vector<StreamEvent> events;
     while (true) {
+      // Events may keep coming while nobody reads them: look at the connection regularly anyway.
+      if (const auto now = Clock::now(); now - last_client_check_ > std::chrono::milliseconds(50)) {
+        last_client_check_ = now;
+        if (exchange_.ClientGone()) {
+          CancelAll("client disconnected");
+          return false;
+        }
+      }
       bool any_open = false;
       for (size_t i = 0; i < streams_.size(); ++i) {
         if (done_streams_.count(i)) continue;
@@ -302,10 +310,6 @@ class GenerationRun {
       }
       if (!out->empty()) return true;
       if (!any_open) return false;
-      if (exchange_.ClientGone()) {
-        CancelAll("client disconnected");
-        return false;
-      }
       if (streams_.size() > 1) std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
   }
@@ -436,6 +440,7 @@ class GenerationRun {
   HttpExchange& exchange_;
   const bool chat_;
   const Clock::time_point start_;
+  Clock::time_point last_client_check_{};
   std::string id_;
   int n_ = 1;
   bool logprobs_ = false;
