@@ -103,6 +103,8 @@ class AsyncEngine {
   void Loop();
   void RequestCancel(std::shared_ptr<RequestStream> stream);
   void OnRequestFinished();
+  void FlushWakeups();
+  void NotifyLoop();
 
   struct Pending {
     std::vector<int32_t> prompt;
@@ -127,6 +129,14 @@ class AsyncEngine {
   int num_waiting_ = 0;  // in the scheduler's waiting queue at the last snapshot
   std::condition_variable idle_;  // signalled when num_unfinished_ drops
   std::thread thread_;
+
+  // Streams with new events, woken by the notifier thread after each step.
+  std::vector<std::shared_ptr<RequestStream>> to_wake_;  // engine thread only
+  std::mutex notify_mu_;
+  std::condition_variable notify_cv_;
+  std::vector<std::shared_ptr<RequestStream>> notify_queue_;
+  bool notifier_stop_ = false;
+  std::thread notifier_;
 };
 
 }  // namespace kvflow

@@ -58,7 +58,8 @@ void RequestStream::Push(const StreamEvent& event) {
       finish_time_ = now;
     }
   }
-  cv_.notify_all();
+  // The reader is woken after the step, by the notifier thread (see AsyncEngine::FlushWakeups).
+  engine_->to_wake_.push_back(shared_from_this());
   if (event.request_finished) engine_->OnRequestFinished();
 }
 
@@ -87,6 +88,7 @@ Result<std::unique_ptr<AsyncEngine>> AsyncEngine::Create(const EngineConfig& con
 AsyncEngine::AsyncEngine(std::unique_ptr<Engine> engine, const AsyncEngineOptions& options)
     : engine_(std::move(engine)), options_(options), describe_(engine_->Describe()) {
   stats_ = engine_->stats();
+  notifier_ = std::thread([this] { NotifyLoop(); });
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -97,6 +99,42 @@ AsyncEngine::~AsyncEngine() {
   }
   wake_.notify_all();
   if (thread_.joinable()) thread_.join();
+  {
+    std::lock_guard<std::mutex> lock(notify_mu_);
+    notifier_stop_ = true;
+  }
+  notify_cv_.notify_all();
+  if (notifier_.joinable()) notifier_.join();
+}
+
+// Waking a reader costs a futex call, and a step can feed hundreds of streams: the engine thread
+// hands the wake-ups to this thread instead of making the next step wait for them.
+void AsyncEngine::FlushWakeups() {
+  if (to_wake_.empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(notify_mu_);
+    if (notify_queue_.empty()) {
+      notify_queue_.swap(to_wake_);
+    } else {
+      notify_queue_.insert(notify_queue_.end(), to_wake_.begin(), to_wake_.end());
+      to_wake_.clear();
+    }
+  }
+  notify_cv_.notify_one();
+}
+
+void AsyncEngine::NotifyLoop() {
+  std::vector<std::shared_ptr<RequestStream>> batch;
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(notify_mu_);
+      notify_cv_.wait(lock, [&] { return notifier_stop_ || !notify_queue_.empty(); });
+      if (notify_queue_.empty()) return;  // stopping, nothing left
+      batch.swap(notify_queue_);
+    }
+    for (const auto& stream : batch) stream->cv_.notify_all();
+    batch.clear();
+  }
 }
 
 Result<std::shared_ptr<RequestStream>> AsyncEngine::Submit(std::vector<int32_t> prompt_tokens,
@@ -200,6 +238,7 @@ void AsyncEngine::Loop() {
       if (stream->id_ != 0 && live.count(stream->id_)) (void)engine_->Cancel(stream->id_);
     }
     cancels.clear();
+    FlushWakeups();  // refusals and cancellations need not wait for the step
 
     if (engine_->HasUnfinishedRequests()) {
       auto step = engine_->Step();
@@ -218,6 +257,7 @@ void AsyncEngine::Loop() {
     for (auto it = live.begin(); it != live.end();) {
       it = it->second->finished() ? live.erase(it) : std::next(it);
     }
+    FlushWakeups();
     {
       std::lock_guard<std::mutex> lock(mu_);
       stats_ = engine_->stats();
