@@ -49,7 +49,7 @@ int RunGenerate(GenerateOptions& opt) {
   auto on_event = [&](const kvflow::StreamEvent& e) {
     if (!e.tokens.empty() && generated == 0) first_token = Clock::now();
     generated += static_cast<int64_t>(e.tokens.size());
-    std::fputs(e.text_delta.c_str(), stdout);
+    std::fwrite(e.text_delta.data(), 1, e.text_delta.size(), stdout);  // the text may hold NUL bytes
     std::fflush(stdout);
     if (opt.show_logprobs) {
       for (const auto& t : e.tokens) {

@@ -321,12 +321,25 @@ void HttpServer::ReapConnections(bool all) {
   for (Connection& c : finished) c.thread.join();
 }
 
-void HttpServer::Reply(int fd, const HttpError& error) {
+void HttpServer::Reply(int fd, const HttpError& error, bool linger) {
   HttpExchange exchange(fd, /*keep_alive=*/false, /*write_timeout_ms=*/1000);
   const std::string body = R"({"error":{"message":")" + error.message +
                            R"(","type":"invalid_request_error","param":null,"code":null}})";
   exchange.Send(HttpResponse{error.status, "application/json", body, {}});
   if (options_.on_response) options_.on_response(error.status);
+  if (!linger) return;
+  // Closing with unread request bytes would make the kernel send a reset, and a client still
+  // sending its body could lose the response: stop writing, then read and drop for a moment.
+  ::shutdown(fd, SHUT_WR);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+  char sink[16384];
+  size_t drained = 0;
+  while (drained < (size_t{4} << 20) && std::chrono::steady_clock::now() < until) {
+    if (!WaitFor(fd, POLLIN, 50)) continue;
+    const ssize_t n = ::recv(fd, sink, sizeof(sink), 0);
+    if (n <= 0) break;
+    drained += static_cast<size_t>(n);
+  }
 }
 
 void HttpServer::AcceptLoop() {
@@ -350,7 +363,7 @@ void HttpServer::AcceptLoop() {
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     ReapConnections(false);
     if (num_connections_.load() >= options_.max_connections) {
-      Reply(fd, HttpError{503, "too many connections"});
+      Reply(fd, HttpError{503, "too many connections"}, /*linger=*/false);  // must not stall accepting
       ::close(fd);
       continue;
     }
@@ -395,7 +408,7 @@ void HttpServer::Serve(int fd) {
     bool started = !buffer.empty();
     while ((head_end = buffer.find("\r\n\r\n")) == std::string::npos) {
       if (buffer.size() > options_.max_header_bytes) {
-        Reply(fd, HttpError{431, "the request head exceeds " + std::to_string(options_.max_header_bytes) + " bytes"});
+        Reply(fd, HttpError{431, "the request head exceeds " + std::to_string(options_.max_header_bytes) + " bytes"}, true);
         return;
       }
       const auto deadline = started ? std::min(head_deadline, Clock::now() + std::chrono::milliseconds(
@@ -405,18 +418,18 @@ void HttpServer::Serve(int fd) {
       started = true;
     }
     if (head_end + 4 > options_.max_header_bytes) {
-      Reply(fd, HttpError{431, "the request head exceeds " + std::to_string(options_.max_header_bytes) + " bytes"});
+      Reply(fd, HttpError{431, "the request head exceeds " + std::to_string(options_.max_header_bytes) + " bytes"}, true);
       return;
     }
     HttpRequest req;
     if (auto error = ParseRequestHead(std::string_view(buffer).substr(0, head_end + 4), &req)) {
-      Reply(fd, *error);
+      Reply(fd, *error, true);
       return;
     }
     buffer.erase(0, head_end + 4);
     BodyFraming framing;
     if (auto error = DecideBodyFraming(req, options_.max_body_bytes, &framing)) {
-      Reply(fd, *error);  // the body is not read, so the connection cannot be reused
+      Reply(fd, *error, true);  // the body is not read, so the connection cannot be reused
       return;
     }
     if (framing.expect_continue && buffer.size() < framing.length) {

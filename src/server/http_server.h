@@ -130,7 +130,8 @@ class HttpServer {
   HttpServer(HttpServerOptions options, HttpHandler handler, int listen_fd, int port);
   void AcceptLoop();
   void Serve(int fd);
-  void Reply(int fd, const HttpError& error);
+  // Sends an error and, with `linger`, drains what the client still sends before the close.
+  void Reply(int fd, const HttpError& error, bool linger);
   void ReapConnections(bool all);
 
   const HttpServerOptions options_;

@@ -4,6 +4,7 @@
 //   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
 //        -d '{"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 16}'
 #include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -91,6 +92,12 @@ int Serve(Options& opt) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The CPU backend's OpenMP workers would spin between steps on the cores the HTTP threads need.
+  // libgomp reads its settings when it loads, so the default is set by re-executing once.
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
+    setenv("OMP_WAIT_POLICY", "passive", 1);
+    execv("/proc/self/exe", argv);  // returns only on failure: then run on as we are
+  }
   Options opt;
   opt.engine.model = "smollm2-135m";
   opt.async.max_queue_len = 256;

@@ -1,9 +1,13 @@
 #include "server/openai_api.h"
 
+#include <cstdio>
+
 #include <cmath>
 #include <functional>
 #include <limits>
 #include <map>
+
+#include "model/utf8.h"
 
 namespace kvflow::server {
 namespace {
@@ -336,8 +340,27 @@ std::optional<ApiError> ReadMessages(const Json& v, std::vector<ChatMessage>* me
   return std::nullopt;
 }
 
-std::string TokenText(const Tokenizer& tokenizer, int32_t token) {
+std::string TokenBytes(const Tokenizer& tokenizer, int32_t token) {
   return tokenizer.DecodeBytes({token}, /*skip_special=*/false);
+}
+
+// A token's text for logprobs: its UTF-8 when it is whole characters, else "bytes:\xNN..." as
+// OpenAI and vLLM write a token that ends inside a character (so that such tokens stay distinct).
+std::string TokenLabel(const std::string& bytes) {
+  bool valid = true;
+  for (size_t pos = 0; pos < bytes.size() && valid;) {
+    const Utf8Step step = DecodeUtf8(bytes, pos);
+    valid = step.valid;
+    pos += step.len;
+  }
+  if (valid) return bytes;
+  std::string label = "bytes:";
+  char hex[8];
+  for (unsigned char c : bytes) {
+    std::snprintf(hex, sizeof(hex), "\\x%02x", c);
+    label += hex;
+  }
+  return label;
 }
 
 }  // namespace
@@ -444,13 +467,14 @@ Json CompletionLogprobs(const Tokenizer& tokenizer, const std::vector<SampledTok
   Json strings = Json::array(), logprobs = Json::array(), tops = Json::array(), offsets = Json::array();
   size_t offset = text_offset_start;
   for (const SampledToken& t : tokens) {
-    const std::string text = TokenText(tokenizer, t.token);
-    strings.push_back(text);
+    const std::string bytes = TokenBytes(tokenizer, t.token);
+    strings.push_back(TokenLabel(bytes));
     logprobs.push_back(t.logprob);
     offsets.push_back(offset);
-    offset += text.size();
+    offset += bytes.size();
     Json top = Json::object();
-    for (const TokenLogprob& alt : t.top_logprobs) top[TokenText(tokenizer, alt.token)] = alt.logprob;
+    // Most likely first; a label seen already keeps its (higher) logprob.
+    for (const TokenLogprob& alt : t.top_logprobs) top.emplace(TokenLabel(TokenBytes(tokenizer, alt.token)), alt.logprob);
     tops.push_back(std::move(top));
   }
   return Json{{"tokens", std::move(strings)},
@@ -461,10 +485,10 @@ Json CompletionLogprobs(const Tokenizer& tokenizer, const std::vector<SampledTok
 
 Json ChatLogprobs(const Tokenizer& tokenizer, const std::vector<SampledToken>& tokens) {
   auto entry = [&](int32_t token, float logprob) {
-    const std::string text = TokenText(tokenizer, token);
+    const std::string text = TokenBytes(tokenizer, token);
     Json bytes = Json::array();
     for (unsigned char c : text) bytes.push_back(static_cast<int>(c));
-    return Json{{"token", text}, {"logprob", logprob}, {"bytes", std::move(bytes)}};
+    return Json{{"token", TokenLabel(text)}, {"logprob", logprob}, {"bytes", std::move(bytes)}};
   };
   Json content = Json::array();
   for (const SampledToken& t : tokens) {

@@ -60,6 +60,15 @@ ApiError ErrorFromStatus(const Status& s) {
   return e;
 }
 
+// A request the engine accepted and then failed: the server's failure, not the client's.
+ApiError EngineFailure(const Status& s) {
+  ApiError e;
+  e.status = 500;
+  e.type = "server_error";
+  e.message = s.ok() ? "the request failed in the engine" : s.ToString();
+  return e;
+}
+
 std::string SseEvent(const Json& json) { return "data: " + DumpJson(json) + "\n\n"; }
 
 }  // namespace
@@ -356,7 +365,7 @@ class GenerationRun {
     for (size_t k = 0; k < choices_.size(); ++k) {
       const Choice& c = choices_[k];
       if (c.finish == FinishReason::kError) {
-        return Fail(ErrorFromStatus(c.error.ok() ? Status::Internal("the request failed") : c.error));
+        return Fail(EngineFailure(c.error));
       }
       if (c.finish == FinishReason::kCancelled) {
         return Fail(ErrorFromStatus(Status::Unavailable("the server is shutting down; the request was cancelled")));
@@ -406,7 +415,7 @@ class GenerationRun {
       for (auto& [k, e] : events) {
         const bool ends = e.finished || e.request_finished;
         if (e.finish_reason == FinishReason::kError) {
-          if (!error) error = e.error.ok() ? Status::Internal("the request failed") : e.error;
+          if (!error) error = e.error;
           continue;
         }
         if (e.tokens.empty() && e.text_delta.empty() && !ends) continue;
@@ -425,7 +434,7 @@ class GenerationRun {
     }
     if (exchange_.ClientGone()) return;
     if (error) {
-      exchange_.WriteChunk(SseEvent(Json::parse(ErrorFromStatus(*error).ToJson())));
+      exchange_.WriteChunk(SseEvent(Json::parse(EngineFailure(*error).ToJson())));
     } else if (include_usage_) {
       Json body = Envelope();
       body["choices"] = Json::array();
