@@ -257,7 +257,7 @@ class GenerationRun {
   Json Envelope() const {
     return Json{{"id", id_},
                 {"object", chat_ ? (stream_ ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
-                {"created", static_cast<int64_t>(std::time(nullptr))},
+                {"created", created_},
                 {"model", server_.options_.served_model_name}};
   }
 
@@ -388,10 +388,32 @@ class GenerationRun {
     exchange_.Send(HttpResponse{200, "application/json", DumpJson(body), {}});
   }
 
-  bool Emit(const Json& chunk) {
-    Json body = Envelope();
-    body["choices"] = Json::array({chunk});
-    return exchange_.WriteChunk(SseEvent(body));
+  // Streamed chunks are built as text around a prefix made once: they are the server's hot path
+  // (one per token per request). Chunks of one wake-up go out in one write.
+  void Emit(const std::string& choice_json) {
+    if (chunk_prefix_.empty()) {
+      const std::string envelope = DumpJson(Envelope());  // {"id":...,"model":...}
+      chunk_prefix_ = "data: " + envelope.substr(0, envelope.size() - 1) + ",\"choices\":[";
+    }
+    pending_ += chunk_prefix_;
+    pending_ += choice_json;
+    pending_ += "]}\n\n";
+  }
+
+  bool Flush() {
+    const bool ok = exchange_.WriteChunk(pending_);
+    pending_.clear();
+    return ok;
+  }
+
+  std::string ChoiceJson(size_t k, const std::string& field, const std::string& value_json, const Json& logprobs,
+                         std::optional<FinishReason> finish) const {
+    std::string out = "{\"index\":" + std::to_string(k) + ",\"" + field + "\":" + value_json + ",\"logprobs\":";
+    out += logprobs.is_null() ? "null" : DumpJson(logprobs);
+    out += ",\"finish_reason\":";
+    out += finish ? "\"" + std::string(OpenAiFinishReason(*finish)) + "\"" : "null";
+    out += "}";
+    return out;
   }
 
   void Stream() {
@@ -399,16 +421,14 @@ class GenerationRun {
     std::vector<size_t> text_offset(choices_.size(), 0);
     for (size_t k = 0; k < choices_.size(); ++k) {
       const std::string& echo = echo_texts_[k / static_cast<size_t>(n_)];
-      bool ok = true;
       if (chat_) {
-        ok = Emit(Json{{"index", k}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
-                       {"finish_reason", nullptr}});
+        Emit(ChoiceJson(k, "delta", R"({"role":"assistant","content":""})", nullptr, std::nullopt));
       } else if (!echo.empty()) {
-        ok = Emit(Json{{"index", k}, {"text", echo}, {"logprobs", nullptr}, {"finish_reason", nullptr}});
+        Emit(ChoiceJson(k, "text", DumpJson(Json(echo)), nullptr, std::nullopt));
         text_offset[k] = echo.size();
       }
-      if (!ok) return CancelAll("client disconnected");
     }
+    if (!pending_.empty() && !Flush()) return CancelAll("client disconnected");
     std::vector<std::pair<size_t, StreamEvent>> events;
     std::optional<Status> error;
     while (NextEvents(&events)) {
@@ -419,18 +439,19 @@ class GenerationRun {
           continue;
         }
         if (e.tokens.empty() && e.text_delta.empty() && !ends) continue;
-        Json chunk{{"index", k}};
+        const std::optional<FinishReason> finish = ends ? std::optional(e.finish_reason) : std::nullopt;
         if (chat_) {
-          chunk["delta"] = e.text_delta.empty() && ends ? Json::object() : Json{{"content", e.text_delta}};
-          chunk["logprobs"] = logprobs_ ? ChatLogprobs(server_.engine_->tokenizer(), e.tokens) : Json(nullptr);
+          const std::string delta =
+              e.text_delta.empty() && ends ? "{}" : "{\"content\":" + DumpJson(Json(e.text_delta)) + "}";
+          Emit(ChoiceJson(k, "delta", delta,
+                          logprobs_ ? ChatLogprobs(server_.engine_->tokenizer(), e.tokens) : Json(nullptr), finish));
         } else {
-          chunk["text"] = e.text_delta;
-          chunk["logprobs"] = CompletionLogprobsFor(e.tokens, text_offset[k]);
+          Emit(ChoiceJson(k, "text", DumpJson(Json(e.text_delta)), CompletionLogprobsFor(e.tokens, text_offset[k]),
+                          finish));
         }
         text_offset[k] += e.text_delta.size();
-        chunk["finish_reason"] = ends ? Json(OpenAiFinishReason(e.finish_reason)) : Json(nullptr);
-        if (!Emit(chunk)) return CancelAll("client disconnected");
       }
+      if (!pending_.empty() && !Flush()) return CancelAll("client disconnected");
     }
     if (exchange_.ClientGone()) return;
     if (error) {
@@ -449,6 +470,7 @@ class GenerationRun {
   HttpExchange& exchange_;
   const bool chat_;
   const Clock::time_point start_;
+  const int64_t created_ = static_cast<int64_t>(std::time(nullptr));
   Clock::time_point last_client_check_{};
   std::string id_;
   int n_ = 1;
@@ -459,6 +481,8 @@ class GenerationRun {
   std::set<size_t> done_streams_;
   std::vector<std::string> echo_texts_;
   std::vector<Choice> choices_;
+  std::string chunk_prefix_;  // "data: {envelope,"choices":["
+  std::string pending_;       // SSE events not yet written
   int64_t prompt_tokens_ = 0;
   int64_t completion_tokens_ = 0;
 };
