@@ -712,6 +712,22 @@ double ProcessCpuSeconds() {
          1e-6 * static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
 }
 
+// CPU seconds all processes on the machine have used (/proc/stat: everything but idle and iowait),
+// to tell how much of a run's time other work took on shared cores.
+double MachineBusyCpuSeconds() {
+  std::ifstream in("/proc/stat");
+  std::string cpu;
+  double user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
+  in >> cpu >> user >> nice >> system >> idle >> iowait >> irq >> softirq >> steal;
+  return (user + nice + system + irq + softirq + steal) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// The rest of the machine's load over a run, in cores: busy CPU beyond `own_cpu_s`, per second.
+Json OtherLoadCores(double machine_busy_s, double own_cpu_s, double wall_s) {
+  if (wall_s <= 0) return nullptr;
+  return std::max(0.0, machine_busy_s - own_cpu_s) / wall_s;
+}
+
 kvflow::EngineConfig MakeEngineConfig(const ServingConfig& cfg, const ModelChoice& model, const std::string& policy,
                                       int num_threads) {
   kvflow::EngineConfig ec;
@@ -750,6 +766,7 @@ Result<RunRecord> RunEngine(const Trace& trace, double rate, const std::string& 
   std::vector<int64_t> generated(n, 0);
   size_t next = 0, settled = 0;
   const double cpu_before = ProcessCpuSeconds();
+  const double machine_before = MachineBusyCpuSeconds();
   const auto start = Clock::now();
   while (settled < n) {
     for (; next < n && run.requests[next].arrival_s <= SecondsSince(start); ++next) {
@@ -766,7 +783,8 @@ Result<RunRecord> RunEngine(const Trace& trace, double rate, const std::string& 
         if (!t.failed && count != t.output_len) {  // ignore_eos + max_tokens: exactly output_len tokens
           t.failed = true;
           if (run.first_error.empty()) {
-            run.first_error = "generated " + std::to_string(count) + " tokens, expected " + std::to_string(t.output_len);
+            run.first_error =
+                "generated " + std::to_string(count) + " tokens, expected " + std::to_string(t.output_len);
           }
         }
         ++settled;
@@ -798,7 +816,11 @@ Result<RunRecord> RunEngine(const Trace& trace, double rate, const std::string& 
   }
   run.wall_s = SecondsSince(start);
   run.extra["process_cpu_s"] = ProcessCpuSeconds() - cpu_before;
+  run.extra["machine_busy_cpu_s"] = MachineBusyCpuSeconds() - machine_before;
+  run.extra["other_load_cores"] =
+      OtherLoadCores(run.extra["machine_busy_cpu_s"], run.extra["process_cpu_s"], run.wall_s);
   const kvflow::EngineStats after = engine->stats();
+  run.extra["prefill_tokens"] = after.prompt_tokens_processed - before.prompt_tokens_processed;
   run.preemptions_swap = after.num_preemptions_swap - before.num_preemptions_swap;
   run.preemptions_recompute = after.num_preemptions - before.num_preemptions - run.preemptions_swap;
   return run;
@@ -1182,7 +1204,9 @@ class ServerProcess {
     }
   }
 
+  // `env`: NAME=VALUE pairs added to the server's environment.
   static Result<std::unique_ptr<ServerProcess>> Start(const std::string& binary, const std::vector<std::string>& args,
+                                                      const std::vector<std::pair<std::string, std::string>>& env,
                                                       const fs::path& log_path, double timeout_s) {
     std::unique_ptr<ServerProcess> server(new ServerProcess());
     server->log_path_ = log_path;
@@ -1209,6 +1233,7 @@ class ServerProcess {
       dup2(log_fd, STDERR_FILENO);
       const int null_fd = open("/dev/null", O_RDONLY);
       if (null_fd >= 0) dup2(null_fd, STDIN_FILENO);
+      for (const auto& [name, value] : env) setenv(name.c_str(), value.c_str(), 1);
       execv(binary.c_str(), argv.data());
       std::fprintf(stderr, "exec %s: %s\n", binary.c_str(), std::strerror(errno));
       _exit(127);
@@ -1324,6 +1349,7 @@ struct HttpOptions {
   double startup_timeout_s = 300;
   double run_timeout_s = 3600;
   double shutdown_timeout_s = 60;
+  int repeats = 1;  // compare: library + server runs per rate
 };
 
 std::string DefaultServerBinary() {
@@ -1470,12 +1496,22 @@ Result<ServerSession> OpenServerSession(const HttpOptions& http, const ServingCo
     const fs::path log = http.server_log.empty()
                              ? fs::temp_directory_path() / ("kvflow_bench_server_" + std::to_string(getpid()) + ".log")
                              : fs::path(http.server_log);
-    std::fprintf(stderr, "starting %s %s\n", binary.c_str(), Join(args, " ").c_str());
-    KVFLOW_ASSIGN_OR_RETURN(s.process, ServerProcess::Start(binary, args, log, http.startup_timeout_s));
+    // kvflow-server applies --threads on its main thread (omp_set_num_threads), but its engine
+    // thread steps with OpenMP's default team (all cores). OMP_NUM_THREADS gives the engine thread
+    // the library's thread count too; harmless once the server sets it on the engine thread.
+    std::vector<std::pair<std::string, std::string>> env;
+    if (num_threads > 0 && std::getenv("OMP_NUM_THREADS") == nullptr) {
+      env.emplace_back("OMP_NUM_THREADS", std::to_string(num_threads));
+    }
+    std::string env_text;
+    for (const auto& [name, value] : env) env_text += name + "=" + value + " ";
+    std::fprintf(stderr, "starting %s%s %s\n", env_text.c_str(), binary.c_str(), Join(args, " ").c_str());
+    KVFLOW_ASSIGN_OR_RETURN(s.process, ServerProcess::Start(binary, args, env, log, http.startup_timeout_s));
     s.endpoint = s.process->endpoint();
     s.info = Json{{"mode", "started by the benchmark"},
                   {"binary", fs::weakly_canonical(binary, ec).string()},
                   {"args", args},
+                  {"env", env_text.empty() ? Json(nullptr) : Json(env_text.substr(0, env_text.size() - 1))},
                   {"url", s.endpoint.url()},
                   {"log", log.string()}};
   }
@@ -1601,6 +1637,7 @@ Result<RunRecord> RunHttpReplay(const Trace& trace, double rate, const ServerSes
   auto metrics_before = server.Metrics();
   const double server_cpu_before = server.CpuSeconds();
   const double client_cpu_before = ProcessCpuSeconds();
+  const double machine_before = MachineBusyCpuSeconds();
 
   std::vector<std::unique_ptr<StreamConn>> conns(n);
   std::vector<StreamConn*> active;
@@ -1619,7 +1656,9 @@ Result<RunRecord> RunHttpReplay(const Trace& trace, double rate, const ServerSes
     if (c.http.headers_done() && c.http.status() != 200) {
       std::string message = c.error_body.substr(0, 300);
       const Json j = Json::parse(c.error_body, nullptr, false);
-      if (j.is_object() && j.contains("error") && j["error"].is_object()) message = j["error"].value("message", message);
+      if (j.is_object() && j.contains("error") && j["error"].is_object()) {
+        message = j["error"].value("message", message);
+      }
       c.error = "HTTP " + std::to_string(c.http.status()) + ": " + message;
     } else if (c.error.empty()) {
       if (!c.http.done()) c.Problem("the response did not end");
@@ -1691,7 +1730,8 @@ Result<RunRecord> RunHttpReplay(const Trace& trace, double rate, const ServerSes
         for (const Json& choice : j["choices"]) {
           if (!choice.is_object()) continue;
           ++raw->token_events;
-          if (!choice.contains("text") || !choice["text"].is_string() || choice["text"].get_ref<const std::string&>().empty()) {
+          const Json* text = choice.contains("text") ? &choice["text"] : nullptr;
+          if (text == nullptr || !text->is_string() || text->get_ref<const std::string&>().empty()) {
             ++raw->empty_text_events;
           }
           if (t.first_token_s < 0) t.first_token_s = now;
@@ -1823,6 +1863,7 @@ Result<RunRecord> RunHttpReplay(const Trace& trace, double rate, const ServerSes
   run.wall_s = SecondsSince(start);
   const double client_cpu = ProcessCpuSeconds() - client_cpu_before;
   const double server_cpu = server.CpuSeconds() - server_cpu_before;
+  const double machine_busy = MachineBusyCpuSeconds() - machine_before;
 
   // Server-side counters over the run; preemptions by the mode (the server reports one total; with
   // n = 1, auto preempts by recomputation).
@@ -1841,6 +1882,9 @@ Result<RunRecord> RunHttpReplay(const Trace& trace, double rate, const ServerSes
                        {"request_success", delta("kvflow:request_success_total")},
                        {"request_failure", delta("kvflow:request_failure_total")},
                        {"request_cancelled", delta("kvflow:request_cancelled_total")}};
+    if (server_side["prompt_tokens"].is_number()) {
+      run.extra["prefill_tokens"] = static_cast<int64_t>(server_side["prompt_tokens"].get<double>());
+    }
     const Json& p = server_side["preemptions"];
     if (p.is_number()) {
       (preemption_mode == "swap" ? run.preemptions_swap : run.preemptions_recompute) =
@@ -1862,6 +1906,9 @@ Result<RunRecord> RunHttpReplay(const Trace& trace, double rate, const ServerSes
                            {"server_idle_after_run", idle.empty() ? Json(true) : Json(idle)}};
   run.extra["client_cpu_s"] = client_cpu;
   if (server.process) run.extra["server_cpu_s"] = server_cpu;
+  run.extra["machine_busy_cpu_s"] = machine_busy;
+  // Attached servers are other load too (their CPU is not known here).
+  run.extra["other_load_cores"] = OtherLoadCores(machine_busy, client_cpu + server_cpu, run.wall_s);
   if (!idle.empty()) spdlog::warn("the server is not idle 5 s after the run: {}", idle);
   return run;
 }
@@ -1971,8 +2018,8 @@ std::string Markdown(const Json& report) {
                    report["executor"]["name"].get<std::string>() + " executor\n\n";
   md += "- executor: " + report["executor"]["description"].get<std::string>() + "\n";
   if (report["executor"].contains("server") && report["executor"]["server"].contains("args")) {
-    md += "- server: `kvflow-server " + Join(report["executor"]["server"]["args"].get<std::vector<std::string>>(), " ") +
-          "`\n";
+    const auto args = report["executor"]["server"]["args"].get<std::vector<std::string>>();
+    md += "- server: `kvflow-server " + Join(args, " ") + "`\n";
   }
   const Json& t = report["trace"];
   md += "- trace: " + t["source"].get<std::string>() + "; " + std::to_string(t["num_requests"].get<int64_t>()) +
@@ -2233,6 +2280,14 @@ Json StopServer(ServerSession& s, double timeout_s) {
   return Json{{"after_sigterm", how}, {"clean", s.process->exit_clean()}};
 }
 
+// Failed requests or an unclean server exit are the server's faults: exit code 3 (after the reports).
+int ServingExitCode(int64_t failed, bool clean_exit) {
+  if (failed > 0) std::fprintf(stderr, "FAILED: %lld request(s) failed (see first_error in the report)\n",
+                               static_cast<long long>(failed));
+  if (!clean_exit) std::fprintf(stderr, "FAILED: kvflow-server did not exit with code 0 after SIGTERM\n");
+  return failed > 0 || !clean_exit ? 3 : 0;
+}
+
 int RunHttp(SweepOptions& opt, const HttpOptions& http, bool model_explicit, const std::vector<std::string>& argv) {
   auto prepared = PrepareHttp(opt, http, model_explicit);
   if (const int* code = std::get_if<int>(&prepared)) return *code;
@@ -2244,13 +2299,22 @@ int RunHttp(SweepOptions& opt, const HttpOptions& http, bool model_explicit, con
                       {"model_path", setup.model.path},
                       {"machine", MachineJson(opt.num_threads)},
                       {"server", server.info}};
-  return RunSweep(
+  int64_t failed = 0;
+  bool clean_exit = true;
+  const int code = RunSweep(
       "http", executor, opt, argv, setup.trace,
       [&](const Trace& t, double rate, const std::string&) -> Result<RunRecord> {
         KVFLOW_RETURN_IF_ERROR(WarmUpServer(server));
-        return RunHttpReplay(t, rate, server, http.run_timeout_s, opt.serving.preemption_mode);
+        auto run = RunHttpReplay(t, rate, server, http.run_timeout_s, opt.serving.preemption_mode);
+        if (run.ok()) failed += std::count_if(run->requests.begin(), run->requests.end(),
+                                              [](const RequestTiming& r) { return r.failed; });
+        return run;
       },
-      [&](Json& report) { report["executor"]["server"]["exit"] = StopServer(server, http.shutdown_timeout_s); });
+      [&](Json& report) {
+        report["executor"]["server"]["exit"] = StopServer(server, http.shutdown_timeout_s);
+        clean_exit = server.process == nullptr || server.process->exit_clean();
+      });
+  return code != 0 ? code : ServingExitCode(failed, clean_exit);
 }
 
 Json SafeRatio(const Json& num, const Json& den) {
@@ -2265,6 +2329,12 @@ Json Difference(const Json& a, const Json& b) {
 
 std::string Ms(const Json& seconds) { return seconds.is_null() ? "n/a" : Sig3(1e3 * seconds.get<double>()); }
 
+// "inf", or "inf #2" for the second of repeated runs.
+std::string RunLabel(const Json& run) {
+  return RateLabel(RateFromJson(run["rate_req_s"])) +
+         (run.contains("repeat") ? " #" + std::to_string(run["repeat"].get<int>()) : "");
+}
+
 std::string CompareMarkdown(const Json& report) {
   const Json& t = report["trace"];
   const Json& c = report["config"];
@@ -2272,36 +2342,45 @@ std::string CompareMarkdown(const Json& report) {
   std::string md = "# Serving benchmark: kvflow-server (HTTP) vs the library, " + t["name"].get<std::string>() +
                    " trace, " + report["model"].get<std::string>() + "\n\n";
   md += "- library: `real` executor, kvflow::Engine driven in-process (wall clock), policy paged\n";
+  const std::string server_args =
+      report["server"].contains("args")
+          ? ": `" + (report["server"].value("env", Json(nullptr)).is_string()
+                         ? report["server"]["env"].get<std::string>() + " "
+                         : std::string()) +
+                "kvflow-server " + Join(report["server"]["args"].get<std::vector<std::string>>(), " ") + "`"
+          : "";
   md += "- server: `http` executor, " + report["server"]["url"].get<std::string>() + " (" +
-        report["server"]["mode"].get<std::string>() + ")" +
-        (report["server"].contains("args") ? ": `kvflow-server " + Join(report["server"]["args"].get<std::vector<std::string>>(), " ") + "`" : "") +
-        "\n";
+        report["server"]["mode"].get<std::string>() + ")" + server_args + "\n";
   md += "- client: " + report["client"].get<std::string>() + "\n";
   md += "- machine: " + m["cpu"].get<std::string>() + ", " + Cell(m["hardware_threads"]) + " hardware threads, " +
-        "engine threads " + Cell(m["engine_threads"]) + ", OMP_WAIT_POLICY " + m["omp_wait_policy"].get<std::string>() +
-        "; the client, the server and the library share these cores\n";
+        "engine threads " + Cell(m["engine_threads"]) + ", OMP_WAIT_POLICY " +
+        m["omp_wait_policy"].get<std::string>() + "; the client, the server and the library share these cores\n";
   md += "- trace: " + t["source"].get<std::string>() + "; " + std::to_string(t["num_requests"].get<int64_t>()) +
         " requests, Poisson arrivals (seed " + std::to_string(report["arrival_seed"].get<uint64_t>()) +
         "; rate inf = all at t = 0); tokenizer " + t["tokenizer"].get<std::string>() + "; input mean " +
         Fixed(t["input_len"]["mean"], 1) + " (max " + Cell(t["input_len"]["max"]) + "), output mean " +
         Fixed(t["output_len"]["mean"], 1) + " (max " + Cell(t["output_len"]["max"]) + ") tokens\n";
-  md += "- engine (both): KV " + Cell(c["num_device_blocks"]) + " blocks x " + Cell(c["block_size"]) + " tokens; swap " +
-        Cell(c["num_host_blocks"]) + " blocks; max_num_seqs " + Cell(c["max_num_seqs"]) + ", max_num_batched_tokens " +
-        Cell(c["max_num_batched_tokens"]) + ", max_model_len " + Cell(c["max_model_len"]) + ", preemption " +
-        c["preemption_mode"].get<std::string>() + "\n";
-  md += "- order: per rate, the library run, then the server run (one server for all rates; a warm-up request "
-        "before each run on both sides)\n\n";
+  md += "- engine (both): KV " + Cell(c["num_device_blocks"]) + " blocks x " + Cell(c["block_size"]) +
+        " tokens; swap " + Cell(c["num_host_blocks"]) + " blocks; max_num_seqs " + Cell(c["max_num_seqs"]) +
+        ", max_num_batched_tokens " + Cell(c["max_num_batched_tokens"]) + ", max_model_len " +
+        Cell(c["max_model_len"]) + ", preemption " + c["preemption_mode"].get<std::string>() + "\n";
+  md += "- order: per rate (and repeat), the library run, then the server run (one server for all rates; a "
+        "warm-up request before each run on both sides)\n\n";
   md += "TTFT: arrival (scheduled send time) to the first token (library: the engine's stream callback; server: "
         "the first SSE event with a choice, as the client reads it). TPOT = (finish - first token) / (output tokens "
         "- 1). e2e = finish - arrival. Throughput = completed requests (output tokens) / (last finish - first "
         "arrival). A server request counts as failed unless it streams to finish_reason \"length\" with "
         "usage.completion_tokens = the trace's output length. CPU = user + system seconds over the run "
-        "(library: the benchmark process; server: the server process + the client).\n\n";
+        "(library: the benchmark process; server: the server process + the client). Prefill tokens = prompt "
+        "tokens the engine processed, recomputation after preemption included. Other load = CPU that other "
+        "processes on the machine used during the run, in cores (0 on an otherwise idle machine); runs with other "
+        "load are not clean comparisons.\n\n";
   md += "| rate (req/s) | side | done / failed | req/s | output tok/s | TTFT p50 / p90 / p99 (s) | "
-        "TPOT p50 / p90 / p99 (s) | e2e p50 / p99 (s) | preemptions | CPU (s) | duration (s) |\n";
-  md += "|---|---|---|---|---|---|---|---|---|---|---|\n";
+        "TPOT p50 / p90 / p99 (s) | e2e p50 / p99 (s) | preemptions | prefill tokens | CPU (s) | "
+        "other load (cores) | duration (s) |\n";
+  md += "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const Json& r : report["runs"]) {
-    const std::string rate = RateLabel(RateFromJson(r["rate_req_s"]));
+    const std::string rate = RunLabel(r);
     for (const char* side : {"library", "server"}) {
       const Json& s = r[side];
       const std::string cpu =
@@ -2314,7 +2393,8 @@ std::string CompareMarkdown(const Json& report) {
             Triple(s["ttft_s"]) + " | " + Triple(s["tpot_s"]) + " | " + Cell(s["e2e_s"]["p50"]) + " / " +
             Cell(s["e2e_s"]["p99"]) + " | " +
             std::to_string(s["preemptions"]["recompute"].get<int64_t>() + s["preemptions"]["swap"].get<int64_t>()) +
-            " | " + cpu + " | " + Fixed(s["duration_s"], 1) + " |\n";
+            " | " + Cell(s.value("prefill_tokens", Json(nullptr))) + " | " + cpu + " | " +
+            Cell(s["other_load_cores"], 2) + " | " + Fixed(s["duration_s"], 1) + " |\n";
     }
   }
   md += "\n| rate (req/s) | server / library req/s | server / library output tok/s | HTTP overhead (1 - ratio) | "
@@ -2323,17 +2403,35 @@ std::string CompareMarkdown(const Json& report) {
   md += "|---|---|---|---|---|---|---|---|\n";
   for (const Json& r : report["runs"]) {
     const Json& cmp = r["comparison"];
-    md += "| " + RateLabel(RateFromJson(r["rate_req_s"])) + " | " + Cell(cmp["throughput_req_ratio"], 3) + " | " +
+    md += "| " + RunLabel(r) + " | " + Cell(cmp["throughput_req_ratio"], 3) + " | " +
           Cell(cmp["throughput_tok_ratio"], 3) + " | " + Percent(cmp["http_overhead"]) + " | " +
           Ms(cmp["ttft_p50_delta_s"]) + " | " + Ms(cmp["tpot_p50_delta_s"]) + " | " + Ms(cmp["e2e_p50_delta_s"]) +
           " | " + Cell(r["server"]["http"]["token_events_per_output_token"], 3) + " |\n";
+  }
+  if (report["repeats"].get<int>() > 1) {
+    md += "\nOver the " + std::to_string(report["repeats"].get<int>()) + " repeats of each rate:\n\n"
+          "| rate (req/s) | server / library output tok/s: median (min - max) | HTTP overhead: median |\n"
+          "|---|---|---|\n";
+    for (const Json& rate : report["rates_req_s"]) {
+      std::vector<double> ratios;
+      for (const Json& r : report["runs"]) {
+        if (r["rate_req_s"] == rate && r["comparison"]["throughput_tok_ratio"].is_number()) {
+          ratios.push_back(r["comparison"]["throughput_tok_ratio"].get<double>());
+        }
+      }
+      if (ratios.empty()) continue;
+      std::sort(ratios.begin(), ratios.end());
+      const double median = Percentile(ratios, 0.5);
+      md += "| " + RateLabel(RateFromJson(rate)) + " | " + Fixed(median, 3) + " (" + Fixed(ratios.front(), 3) + " - " +
+            Fixed(ratios.back(), 3) + ") | " + Fixed(100 * (1 - median), 1) + "% |\n";
+    }
   }
   bool any_failed = false;
   for (const Json& r : report["runs"]) {
     for (const char* side : {"library", "server"}) {
       if (r[side]["failed"].get<int64_t>() == 0) continue;
       any_failed = true;
-      md += "\n- rate " + RateLabel(RateFromJson(r["rate_req_s"])) + ", " + side + ": " +
+      md += "\n- rate " + RunLabel(r) + ", " + side + ": " +
             Cell(r[side]["failed"]) + " failed; first: " + r[side].value("first_error", std::string("?"));
       if (r[side].contains("http")) md += "; reasons " + r[side]["http"]["failure_reasons"].dump();
     }
@@ -2354,42 +2452,55 @@ int RunCompare(SweepOptions& opt, const HttpOptions& http, bool model_explicit, 
   std::sort(rates.begin(), rates.end());
   Json runs = Json::array();
   for (double rate : rates) {
-    const double server_cpu_idle_before = server.CpuSeconds();
-    auto lib = RunEngine(setup.trace, rate, "paged", opt.serving, setup.model, opt.num_threads);
-    if (!lib.ok()) {
-      spdlog::error("library at {} req/s: {}", RateLabel(rate), lib.status().ToString());
-      return 1;
+    for (int repeat = 1; repeat <= http.repeats; ++repeat) {
+      const double server_cpu_idle_before = server.CpuSeconds();
+      auto lib = RunEngine(setup.trace, rate, "paged", opt.serving, setup.model, opt.num_threads);
+      if (!lib.ok()) {
+        spdlog::error("library at {} req/s: {}", RateLabel(rate), lib.status().ToString());
+        return 1;
+      }
+      if (server.process) lib->extra["idle_server_cpu_s"] = server.CpuSeconds() - server_cpu_idle_before;
+      if (Status st = WarmUpServer(server); !st.ok()) {
+        spdlog::error("{}", st.ToString());
+        return 1;
+      }
+      auto srv = RunHttpReplay(setup.trace, rate, server, http.run_timeout_s, opt.serving.preemption_mode);
+      if (!srv.ok()) {
+        spdlog::error("server at {} req/s: {}", RateLabel(rate), srv.status().ToString());
+        return 1;
+      }
+      Json l = Summarize(lib.value()), s = Summarize(srv.value());
+      l.erase("policy");
+      s.erase("policy");
+      const Json tok_ratio = SafeRatio(s["throughput_output_tok_s"], l["throughput_output_tok_s"]);
+      Json cmp{{"throughput_req_ratio", SafeRatio(s["throughput_req_s"], l["throughput_req_s"])},
+               {"throughput_tok_ratio", tok_ratio},
+               {"http_overhead", tok_ratio.is_null() ? Json(nullptr) : Json(1.0 - tok_ratio.get<double>())},
+               {"ttft_p50_delta_s", Difference(s["ttft_s"]["p50"], l["ttft_s"]["p50"])},
+               {"ttft_p99_delta_s", Difference(s["ttft_s"]["p99"], l["ttft_s"]["p99"])},
+               {"tpot_p50_delta_s", Difference(s["tpot_s"]["p50"], l["tpot_s"]["p50"])},
+               {"e2e_p50_delta_s", Difference(s["e2e_s"]["p50"], l["e2e_s"]["p50"])}};
+      auto side_line = [](const Json& j) {
+        return Cell(j["completed"]) + "/" + Cell(j["num_requests"]) + " done, " +
+               Fixed(j["throughput_output_tok_s"], 0) + " tok/s, TTFT p50 " + Cell(j["ttft_s"]["p50"]) + " s";
+      };
+      std::fprintf(stderr, "[compare %s] %5s req/s: library %s; server %s; server/library throughput %s\n",
+                   setup.trace.name.c_str(),
+                   (RateLabel(rate) + (http.repeats > 1 ? " #" + std::to_string(repeat) : "")).c_str(),
+                   side_line(l).c_str(), side_line(s).c_str(), Cell(tok_ratio, 3).c_str());
+      for (const Json* side : {&l, &s}) {
+        if ((*side)["other_load_cores"].is_number() && (*side)["other_load_cores"].get<double>() > 0.2) {
+          spdlog::warn("other processes used {:.2f} cores during the {} run at {} req/s: not a clean comparison",
+                       (*side)["other_load_cores"].get<double>(), side == &l ? "library" : "server", RateLabel(rate));
+        }
+      }
+      Json run{{"rate_req_s", RateJson(rate)}};
+      if (http.repeats > 1) run["repeat"] = repeat;
+      run["library"] = l;
+      run["server"] = s;
+      run["comparison"] = cmp;
+      runs.push_back(std::move(run));
     }
-    if (server.process) lib->extra["idle_server_cpu_s"] = server.CpuSeconds() - server_cpu_idle_before;
-    if (Status st = WarmUpServer(server); !st.ok()) {
-      spdlog::error("{}", st.ToString());
-      return 1;
-    }
-    auto srv = RunHttpReplay(setup.trace, rate, server, http.run_timeout_s, opt.serving.preemption_mode);
-    if (!srv.ok()) {
-      spdlog::error("server at {} req/s: {}", RateLabel(rate), srv.status().ToString());
-      return 1;
-    }
-    Json l = Summarize(lib.value()), s = Summarize(srv.value());
-    l.erase("policy");
-    s.erase("policy");
-    const Json tok_ratio = SafeRatio(s["throughput_output_tok_s"], l["throughput_output_tok_s"]);
-    Json cmp{{"throughput_req_ratio", SafeRatio(s["throughput_req_s"], l["throughput_req_s"])},
-             {"throughput_tok_ratio", tok_ratio},
-             {"http_overhead", tok_ratio.is_null() ? Json(nullptr) : Json(1.0 - tok_ratio.get<double>())},
-             {"ttft_p50_delta_s", Difference(s["ttft_s"]["p50"], l["ttft_s"]["p50"])},
-             {"ttft_p99_delta_s", Difference(s["ttft_s"]["p99"], l["ttft_s"]["p99"])},
-             {"tpot_p50_delta_s", Difference(s["tpot_s"]["p50"], l["tpot_s"]["p50"])},
-             {"e2e_p50_delta_s", Difference(s["e2e_s"]["p50"], l["e2e_s"]["p50"])}};
-    std::fprintf(stderr,
-                 "[compare %s] %5s req/s: library %lld/%lld done, %.0f tok/s, TTFT p50 %s s; server %lld/%lld done, "
-                 "%.0f tok/s, TTFT p50 %s s; server/library throughput %s\n",
-                 setup.trace.name.c_str(), RateLabel(rate).c_str(),
-                 static_cast<long long>(l["completed"].get<int64_t>()), static_cast<long long>(l["num_requests"].get<int64_t>()),
-                 l["throughput_output_tok_s"].get<double>(), Cell(l["ttft_s"]["p50"]).c_str(),
-                 static_cast<long long>(s["completed"].get<int64_t>()), static_cast<long long>(s["num_requests"].get<int64_t>()),
-                 s["throughput_output_tok_s"].get<double>(), Cell(s["ttft_s"]["p50"]).c_str(), Cell(tok_ratio, 3).c_str());
-    runs.push_back(Json{{"rate_req_s", RateJson(rate)}, {"library", l}, {"server", s}, {"comparison", cmp}});
   }
   Json report;
   report["benchmark"] = "kvflow serving: HTTP server vs library";
@@ -2402,6 +2513,7 @@ int RunCompare(SweepOptions& opt, const HttpOptions& http, bool model_explicit, 
   report["rates_req_s"] = Json::array();
   for (double rate : rates) report["rates_req_s"].push_back(RateJson(rate));
   report["config"] = opt.serving.ToJson();
+  report["repeats"] = http.repeats;
   report["server"] = server.info;
   report["client"] = ClientDescription();
   report["runs"] = runs;
@@ -2417,7 +2529,9 @@ int RunCompare(SweepOptions& opt, const HttpOptions& http, bool model_explicit, 
     }
   }
   std::fprintf(stderr, "wrote %s.json and .md\n", base.c_str());
-  return 0;
+  int64_t failed = 0;
+  for (const Json& r : runs) failed += r["library"]["failed"].get<int64_t>() + r["server"]["failed"].get<int64_t>();
+  return ServingExitCode(failed, server.process == nullptr || server.process->exit_clean());
 }
 
 // ---- calibrate ------------------------------------------------------------------------------
@@ -2850,6 +2964,9 @@ int main(int argc, char** argv) {
       "compare", "The real executor (library) and the http executor (server) back to back on the same trace and "
                  "rates; writes serving_<trace>_http_vs_library[_<tag>].{json,md}");
   add_http_options(compare_cmd);
+  compare_cmd->add_option("--repeats", http.repeats, "Library + server runs per rate (the ratio's spread)")
+      ->check(CLI::Range(1, 100))
+      ->capture_default_str();
 
   CalibrationOptions calib;
   CLI::App* calibrate =

@@ -25,6 +25,7 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config
   }
   cpu::SetNumThreads(num_threads);
   std::unique_ptr<CpuBackend> backend(new CpuBackend(config, std::move(weights), layout));
+  backend->num_threads_ = num_threads;
   const size_t elements = layout.layer_stride() * static_cast<size_t>(layout.num_layers);
   try {
     backend->key_cache_.assign(elements, 0.0f);
@@ -74,6 +75,7 @@ Status CpuBackend::CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind ki
 
 Status CpuBackend::Forward(const ForwardBatch& batch, std::vector<float>& logits) {
   KVFLOW_RETURN_IF_ERROR(ValidateForwardBatch(batch, config_, layout_));
+  if (num_threads_ > 0 && cpu::NumThreads() != num_threads_) cpu::SetNumThreads(num_threads_);
   const int64_t T = static_cast<int64_t>(batch.tokens.size());
   const int64_t H = config_.hidden_size, D = config_.head_dim, F = config_.intermediate_size;
   const int64_t NH = config_.num_heads, KV = config_.num_kv_heads, V = config_.vocab_size;

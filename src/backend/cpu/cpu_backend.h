@@ -36,6 +36,9 @@ class CpuBackend final : public Backend {
   LlamaWeights weights_;
   KvCacheLayout layout_;
   KvCacheLayout host_layout_;  // same shape, num_blocks = swap blocks
+  // OpenMP's thread count is per calling thread: it is applied on the thread that runs Forward
+  // (an AsyncEngine steps on a thread of its own). 0: OpenMP's default.
+  int num_threads_ = 0;
   RopeFrequencies rope_;
   std::vector<float> key_cache_;
   std::vector<float> value_cache_;
