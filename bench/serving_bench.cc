@@ -2189,11 +2189,18 @@ int RunSim(SweepOptions& opt, bool tokenizer_explicit, const std::vector<std::st
                   });
 }
 
-int RunReal(SweepOptions& opt, bool model_explicit, const std::vector<std::string>& argv) {
+// The model and trace of the executors that run the real engine (real, http, compare); or the
+// exit code to leave with.
+struct ModelAndTrace {
+  ModelChoice model;
+  Trace trace;
+};
+
+std::variant<ModelAndTrace, int> PrepareModelAndTrace(SweepOptions& opt, bool model_explicit) {
   if (auto code = TraceUnavailable(opt)) return *code;
   WarnIfOmpSpins();
   if (opt.serving.num_device_blocks == 0) {
-    spdlog::error("--num-device-blocks is required for the real executor (the KV budget all policies share)");
+    spdlog::error("--num-device-blocks is required (the KV budget every run shares)");
     return 2;
   }
   auto model = ChooseModel(opt.model, model_explicit);
@@ -2206,13 +2213,21 @@ int RunReal(SweepOptions& opt, bool model_explicit, const std::vector<std::strin
     spdlog::error("{}", trace.status().ToString());
     return 1;
   }
+  return ModelAndTrace{model.value(), std::move(trace.value())};
+}
+
+int RunReal(SweepOptions& opt, bool model_explicit, const std::vector<std::string>& argv) {
+  auto prepared = PrepareModelAndTrace(opt, model_explicit);
+  if (const int* code = std::get_if<int>(&prepared)) return *code;
+  const ModelChoice* model = &std::get<ModelAndTrace>(prepared).model;
+  const Trace* trace = &std::get<ModelAndTrace>(prepared).trace;
   const Json executor{{"description", "real Engine on the CPU (wall clock): " + model->name + " on " + CpuName()},
                       {"model", model->name},
                       {"model_path", model->path},
                       {"machine", MachineJson(opt.num_threads)}};
-  return RunSweep("real", executor, opt, argv, trace.value(),
+  return RunSweep("real", executor, opt, argv, *trace,
                   [&](const Trace& t, double rate, const std::string& policy) {
-                    return RunEngine(t, rate, policy, opt.serving, model.value(), opt.num_threads);
+                    return RunEngine(t, rate, policy, opt.serving, *model, opt.num_threads);
                   });
 }
 
@@ -2228,22 +2243,10 @@ struct HttpSetup {
 
 // Returns the setup, or the exit code to leave with.
 std::variant<HttpSetup, int> PrepareHttp(SweepOptions& opt, const HttpOptions& http, bool model_explicit) {
-  if (auto code = TraceUnavailable(opt)) return *code;
-  WarnIfOmpSpins();
-  if (opt.serving.num_device_blocks == 0) {
-    spdlog::error("--num-device-blocks is required (the KV budget of the server and the library)");
-    return 2;
-  }
-  auto model = ChooseModel(opt.model, model_explicit);
-  if (!model.ok()) {
-    spdlog::error("--model: {}", model.status().ToString());
-    return 2;
-  }
-  auto trace = BuildTrace(opt, &model.value());
-  if (!trace.ok()) {
-    spdlog::error("{}", trace.status().ToString());
-    return 1;
-  }
+  auto prepared = PrepareModelAndTrace(opt, model_explicit);
+  if (const int* code = std::get_if<int>(&prepared)) return *code;
+  const ModelChoice* model = &std::get<ModelAndTrace>(prepared).model;
+  Trace* trace = &std::get<ModelAndTrace>(prepared).trace;
   if (http.url.empty()) {
     const std::string binary = http.server_binary.empty() ? DefaultServerBinary() : http.server_binary;
     std::error_code ec;
@@ -2253,7 +2256,7 @@ std::variant<HttpSetup, int> PrepareHttp(SweepOptions& opt, const HttpOptions& h
       return kExitSkipped;
     }
   }
-  auto server = OpenServerSession(http, opt.serving, model.value(), opt.num_threads, trace->requests.size(),
+  auto server = OpenServerSession(http, opt.serving, *model, opt.num_threads, trace->requests.size(),
                                   opt.out_dir);
   if (!server.ok()) {
     spdlog::error("{}", server.status().ToString());
@@ -2263,7 +2266,7 @@ std::variant<HttpSetup, int> PrepareHttp(SweepOptions& opt, const HttpOptions& h
     spdlog::error("{}", st.ToString());
     return 1;
   }
-  return HttpSetup{model.value(), std::move(trace.value()), std::move(server.value())};
+  return HttpSetup{*model, std::move(*trace), std::move(server.value())};
 }
 
 std::string ClientDescription() {
