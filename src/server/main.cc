@@ -3,8 +3,12 @@
 //   kvflow-server --model smollm2-135m --port 8000
 //   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
 //        -d '{"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 16}'
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
 
 #include <chrono>
 #include <cstdlib>
@@ -30,14 +34,40 @@ struct Options {
   bool verbose = false;
 };
 
+// Signals may land on any thread (OpenBLAS starts its own before main), so they are caught by a
+// handler on whichever thread gets them and passed to the main thread through a pipe.
+int g_signal_pipe[2] = {-1, -1};
+std::atomic<int> g_signals_seen{0};
+
+void OnSignal(int sig) {
+  if (g_signals_seen.fetch_add(1) > 0) {  // a second signal while draining means "now"
+    constexpr char kMessage[] = "kvflow-server: second signal: exiting without finishing the requests\n";
+    (void)!write(STDERR_FILENO, kMessage, sizeof(kMessage) - 1);
+    _exit(1);
+  }
+  const char byte = static_cast<char>(sig);
+  (void)!write(g_signal_pipe[1], &byte, 1);
+}
+
+int WaitForSignal() {
+  char byte = 0;
+  while (read(g_signal_pipe[0], &byte, 1) != 1) {
+    if (errno != EINTR) return 0;
+  }
+  return static_cast<unsigned char>(byte);
+}
+
 int Serve(Options& opt) {
-  // Signals are taken synchronously by this thread (sigwait); every thread started below
-  // inherits the mask, so none is interrupted by them.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  if (pipe2(g_signal_pipe, O_CLOEXEC) != 0) {
+    spdlog::error("pipe: {}", std::strerror(errno));
+    return 1;
+  }
+  struct sigaction action {};
+  action.sa_handler = OnSignal;
+  action.sa_flags = SA_RESTART;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGINT, &action, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
   spdlog::info("loading model '{}' on {}", opt.engine.model, opt.engine.device);
@@ -73,8 +103,7 @@ int Serve(Options& opt) {
                opt.api.served_model_name, engine->Describe(), load_s,
                opt.api.api_key.empty() ? "" : " | API key required");
 
-  int sig = 0;
-  sigwait(&signals, &sig);
+  const int sig = WaitForSignal();
   spdlog::info("{}: refusing new connections; finishing {} request(s) (deadline {:.0f} s)", strsignal(sig),
                engine->num_unfinished(), opt.shutdown_timeout_s);
   http->StopAccepting();

@@ -251,7 +251,14 @@ std::optional<ApiError> FinishCommon(GenerationRequest* r, bool stream_options_g
   // max_tokens is checked against the context later; validate the rest with a placeholder.
   SamplingParams check = p;
   if (!r->max_tokens_given) check.max_tokens = std::max(1, check.min_tokens);
-  if (Status s = check.Validate(); !s.ok()) return InvalidRequest(s.message());
+  if (Status s = check.Validate(); !s.ok()) {
+    // Validate's messages start with the field they are about ("top_p must be in (0, 1], got 0").
+    const std::string& m = s.message();
+    const size_t end = m.find(" must be ");
+    std::optional<std::string> param;
+    if (end != std::string::npos && m.find_first_not_of("abcdefghijklmnopqrstuvwxyz_") == end) param = m.substr(0, end);
+    return InvalidRequest(m, param);
+  }
   return std::nullopt;
 }
 

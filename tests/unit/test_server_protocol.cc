@@ -138,9 +138,9 @@ TEST(OpenAiParse, RefusesBadCompletionRequestsWithTheField) {
   for (const char* bad : {R"({"prompt":"a","temperature":-1})", R"({"prompt":"a","top_p":0})"}) {
     auto error = ParseCompletionRequest(bad, &r);
     ASSERT_TRUE(error) << bad;
-    EXPECT_NE(error->message.find(std::string(bad).find("top_p") != std::string::npos ? "top_p" : "temperature"),
-              std::string::npos)
-        << error->message;
+    const std::string field = std::string(bad).find("top_p") != std::string::npos ? "top_p" : "temperature";
+    EXPECT_NE(error->message.find(field), std::string::npos) << error->message;
+    EXPECT_EQ(error->param.value_or(""), field) << error->message;
   }
   // Hostile nesting is refused before the JSON parser recurses into it.
   std::string deep = R"({"prompt":)" + std::string(100000, '[') + std::string(100000, ']') + "}";
