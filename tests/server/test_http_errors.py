@@ -811,6 +811,25 @@ def test_graceful_shutdown_timeout_aborts(make_server):
     assert_error(r, 503)
 
 
+def test_second_sigterm_exits_at_once(make_server):
+    """A second signal during the drain ends the process without waiting (exit code 1)."""
+    srv = make_server()
+    first, out = threading.Event(), {}
+    body = with_(COMPLETION, prompt="long drain", max_tokens=4000, ignore_eos=True, stream=True)
+    t = threading.Thread(target=stream_in_thread, args=(srv, body, first, out))
+    t.start()
+    assert first.wait(30), "no first event"
+    srv.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    srv.send_signal(signal.SIGTERM)
+    rc = srv.wait(10)
+    t.join(10)
+    assert rc == 1, srv.log()
+    assert time.monotonic() - t0 < 3.0
+    assert out.get("finish_reason") is None, "the 4000-token stream cannot have finished"
+
+
 def test_still_serving_after_all(server):
     assert server.get("/health").status == 200
     assert completion_works(server)
