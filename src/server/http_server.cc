@@ -446,6 +446,7 @@ void HttpServer::Serve(int fd) {
     HttpExchange exchange(fd, req.KeepAlive() && !stopping_.load(), options_.write_timeout_ms);
     handler_(req, exchange);
     if (!exchange.responded()) {
+      if (exchange.ClientGone()) return;  // nobody to answer (a cancelled request)
       exchange.Send(HttpResponse{500, "application/json",
                                  R"({"error":{"message":"no response","type":"server_error","param":null,"code":null}})",
                                  {}});
