@@ -124,9 +124,8 @@ class AsyncEngine {
   bool stop_ = false;
   bool draining_ = false;
   bool cancel_all_ = false;
-  EngineStats stats_;
+  EngineStats stats_;  // the snapshot after the last step; its num_waiting bounds the queue
   int num_unfinished_ = 0;
-  int num_waiting_ = 0;  // in the scheduler's waiting queue at the last snapshot
   std::condition_variable idle_;  // signalled when num_unfinished_ drops
   std::thread thread_;
 

@@ -7,6 +7,7 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "cli/engine_flags.h"
 #include "engine/chat_template.h"
 #include "kvflow/engine.h"
 #include "model/tensor_source.h"
@@ -120,7 +121,6 @@ int main(int argc, char** argv) {
   GenerateOptions gen;
   gen.sampling.max_tokens = 128;
   CLI::App* generate = app.add_subcommand("generate", "Generate text from a prompt, streaming it to stdout");
-  generate->add_option("-m,--model", gen.engine.model, "Model path or short name")->default_val("smollm2-135m");
   generate->add_option("-p,--prompt", gen.prompt, "Prompt text")->required();
   generate->add_flag("--chat", gen.chat, "Wrap the prompt as a user message in the model's chat template");
   generate->add_option("--chat-template", gen.chat_template, "Override the chat template: chatml or llama3");
@@ -138,23 +138,8 @@ int main(int argc, char** argv) {
   generate->add_option("--stop-token-id", gen.sampling.stop_token_ids, "Stop token id (repeatable)");
   generate->add_flag("--ignore-eos", gen.sampling.ignore_eos, "Keep generating past EOS");
   generate->add_option("--logprobs", gen.sampling.logprobs, "Print this many top logprobs per token to stderr");
-  generate->add_option("--device", gen.engine.device, "cpu, cuda or cuda:N")->default_val("cpu");
-  generate->add_option("--dtype", gen.engine.dtype, "CUDA: fp16, bf16 or auto")->default_val("auto");
-  generate->add_option("--gpu-memory-utilization", gen.engine.gpu_memory_utilization,
-                       "CUDA: share of GPU memory for weights, activations and KV cache")->default_val(0.9);
-  generate->add_flag("--enforce-eager", gen.engine.enforce_eager, "CUDA: no CUDA graphs for decode steps");
-  generate->add_option("--max-num-seqs", gen.engine.max_num_seqs, "Sequences in one batch")->default_val(64);
-  generate->add_option("--max-num-batched-tokens", gen.engine.max_num_batched_tokens,
-                       "Tokens in one batch (longer prompts prefill in chunks)")->default_val(2048);
-  generate->add_option("--threads", gen.engine.num_threads, "CPU threads (0 = all cores)");
-  generate->add_option("--block-size", gen.engine.block_size, "Tokens per KV block")->default_val(16);
-  generate->add_option("--max-model-len", gen.engine.max_model_len, "Context limit (0 = the model's)");
   double swap_space_gib = 4.0;
-  generate->add_option("--swap-space", swap_space_gib, "Host memory for swapped-out KV, GiB")->default_val(4.0);
-  generate->add_option("--preemption-mode", gen.engine.preemption_mode, "auto, swap or recompute")->default_val("auto");
-  generate->add_flag("--enable-prefix-caching", gen.engine.enable_prefix_caching, "Reuse cached prompt blocks");
-  generate->add_option("--scheduling-policy", gen.engine.scheduling_policy,
-                       "paged, orca-max, orca-pow2 or orca-oracle")->default_val("paged");
+  kvflow::AddEngineFlags(generate, &gen.engine, &swap_space_gib);
 
   std::string info_model = "smollm2-135m";
   CLI::App* info = app.add_subcommand("info", "Print a model's configuration and tokenizer");
@@ -165,7 +150,7 @@ int main(int argc, char** argv) {
   spdlog::set_level(verbose ? spdlog::level::debug : spdlog::level::info);
 
   if (*generate) {
-    gen.engine.swap_space_bytes = static_cast<int64_t>(swap_space_gib * (1ull << 30));
+    kvflow::ApplySwapSpace(&gen.engine, swap_space_gib);
     gen.show_logprobs = gen.sampling.logprobs > 0;
     return RunGenerate(gen);
   }

@@ -147,7 +147,7 @@ Result<std::shared_ptr<RequestStream>> AsyncEngine::Submit(std::vector<int32_t> 
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (draining_ || stop_) return Status::Unavailable("the server is shutting down");
-    const int queued = static_cast<int>(pending_.size()) + num_waiting_;
+    const int queued = static_cast<int>(pending_.size()) + stats_.num_waiting;
     if (options_.max_queue_len > 0 && queued >= options_.max_queue_len) {
       return Status::ResourceExhausted("the request queue is full (" + std::to_string(queued) +
                                        " requests waiting); retry later");
@@ -261,7 +261,6 @@ void AsyncEngine::Loop() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stats_ = engine_->stats();
-      num_waiting_ = stats_.num_waiting;
     }
     if (stopping && !engine_->HasUnfinishedRequests()) {
       std::lock_guard<std::mutex> lock(mu_);

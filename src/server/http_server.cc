@@ -399,6 +399,8 @@ void HttpServer::Serve(int fd) {
     }
   };
 
+  const HttpError head_too_large{431, "the request head exceeds " + std::to_string(options_.max_header_bytes) +
+                                          " bytes"};
   while (true) {
     // The head: wait for the blank line.
     const bool idle = buffer.empty();
@@ -408,7 +410,7 @@ void HttpServer::Serve(int fd) {
     bool started = !buffer.empty();
     while ((head_end = buffer.find("\r\n\r\n")) == std::string::npos) {
       if (buffer.size() > options_.max_header_bytes) {
-        Reply(fd, HttpError{431, "the request head exceeds " + std::to_string(options_.max_header_bytes) + " bytes"}, true);
+        Reply(fd, head_too_large, true);
         return;
       }
       const auto deadline = started ? std::min(head_deadline, Clock::now() + std::chrono::milliseconds(
@@ -417,8 +419,8 @@ void HttpServer::Serve(int fd) {
       if (!read_more(deadline, !started)) return;
       started = true;
     }
-    if (head_end + 4 > options_.max_header_bytes) {
-      Reply(fd, HttpError{431, "the request head exceeds " + std::to_string(options_.max_header_bytes) + " bytes"}, true);
+    if (head_end + 4 > options_.max_header_bytes) {  // it came in one read with what follows it
+      Reply(fd, head_too_large, true);
       return;
     }
     HttpRequest req;

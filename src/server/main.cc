@@ -18,6 +18,7 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "cli/engine_flags.h"
 #include "kvflow/async_engine.h"
 #include "server/http_server.h"
 #include "server/openai_server.h"
@@ -128,35 +129,17 @@ int main(int argc, char** argv) {
     execv("/proc/self/exe", argv);  // returns only on failure: then run on as we are
   }
   Options opt;
-  opt.engine.model = "smollm2-135m";
   opt.async.max_queue_len = 256;
   CLI::App app{
       "kvflow-server: OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health,\n"
       "/metrics). Flags are spelled as vLLM spells them.\n\n"
       "  kvflow-server --model smollm2-135m --port 8000\n"};
-  app.add_option("-m,--model", opt.engine.model, "Model path or short name (tiny-random, smollm2-135m)")
-      ->default_val("smollm2-135m");
+  kvflow::AddEngineFlags(&app, &opt.engine, &opt.swap_space_gib);
   app.add_option("--served-model-name", opt.api.served_model_name, "Model name in the API (default: --model)");
   app.add_option("--host", opt.http.host, "Address to listen on")->default_val("127.0.0.1");
   app.add_option("--port", opt.http.port, "Port (0: any free one)")->default_val(8000);
   app.add_option("--api-key", opt.api.api_key, "Require 'Authorization: Bearer KEY' on /v1 (or env KVFLOW_API_KEY)");
   app.add_option("--chat-template", opt.api.chat_template, "chatml, llama3, or a file with the model's Jinja template");
-  app.add_option("--device", opt.engine.device, "cpu, cuda or cuda:N")->default_val("cpu");
-  app.add_option("--dtype", opt.engine.dtype, "CUDA: fp16, bf16 or auto")->default_val("auto");
-  app.add_option("--gpu-memory-utilization", opt.engine.gpu_memory_utilization,
-                 "CUDA: share of GPU memory for weights, activations and KV cache")->default_val(0.9);
-  app.add_flag("--enforce-eager", opt.engine.enforce_eager, "CUDA: no CUDA graphs");
-  app.add_option("--max-num-seqs", opt.engine.max_num_seqs, "Sequences in one batch")->default_val(64);
-  app.add_option("--max-num-batched-tokens", opt.engine.max_num_batched_tokens, "Tokens in one batch")
-      ->default_val(2048);
-  app.add_option("--max-model-len", opt.engine.max_model_len, "Context limit (0: the model's)")->default_val(0);
-  app.add_option("--block-size", opt.engine.block_size, "Tokens per KV block")->default_val(16);
-  app.add_option("--num-kv-blocks", opt.engine.num_kv_blocks, "Fix the device KV pool size in blocks (0: automatic)");
-  app.add_option("--swap-space", opt.swap_space_gib, "Host memory for swapped-out KV, GiB")->default_val(4.0);
-  app.add_option("--num-host-kv-blocks", opt.engine.num_host_kv_blocks, "Fix the host (swap) pool in blocks");
-  app.add_option("--preemption-mode", opt.engine.preemption_mode, "auto, swap or recompute")->default_val("auto");
-  app.add_flag("--enable-prefix-caching", opt.engine.enable_prefix_caching, "Reuse cached prompt blocks");
-  app.add_option("--threads", opt.engine.num_threads, "CPU threads (0: all cores)")->default_val(0);
   app.add_option("--seed", opt.engine.seed, "Seed for requests that bring none")->default_val(0);
   app.add_option("--max-queue-len", opt.async.max_queue_len, "Waiting requests beyond which new ones get 503 (0: no limit)")
       ->default_val(256);
@@ -171,7 +154,7 @@ int main(int argc, char** argv) {
 
   spdlog::set_default_logger(spdlog::stderr_color_mt("kvflow-server"));
   spdlog::set_level(opt.verbose ? spdlog::level::debug : spdlog::level::info);
-  opt.engine.swap_space_bytes = static_cast<int64_t>(opt.swap_space_gib * (1ull << 30));
+  kvflow::ApplySwapSpace(&opt.engine, opt.swap_space_gib);
   if (opt.shutdown_timeout_s < 0 || opt.http.max_connections < 1 || opt.http.max_body_bytes < 1) {
     spdlog::error("--shutdown-timeout must be >= 0, --max-connections and --max-request-body-bytes >= 1");
     return 2;

@@ -202,9 +202,14 @@ class GenerationRun {
   void Run(std::vector<PromptJob> jobs, const GenerationRequest& request, bool echo, bool want_logprobs) {
     SamplingParams params = request.sampling;
     const int64_t max_len = server_.engine_->config().max_model_len;
+    if (chat_ && !request.max_tokens_given) {  // chat's default: the rest of the context
+      int64_t longest = 0;
+      for (const PromptJob& job : jobs) longest = std::max<int64_t>(longest, static_cast<int64_t>(job.tokens.size()));
+      params.max_tokens = static_cast<int>(max_len - longest);
+    }
     for (const PromptJob& job : jobs) {
       const int64_t prompt_len = static_cast<int64_t>(job.tokens.size());
-      const int64_t max_tokens = request.max_tokens_given ? params.max_tokens : (chat_ ? max_len - prompt_len : params.max_tokens);
+      const int64_t max_tokens = params.max_tokens;
       if (prompt_len + std::max<int64_t>(max_tokens, 1) > max_len) {
         return Fail(InvalidRequest("This model's maximum context length is " + std::to_string(max_len) +
                                        " tokens. However, you requested " + std::to_string(prompt_len + max_tokens) +
@@ -214,11 +219,6 @@ class GenerationRun {
                                        (chat_ ? "messages" : "prompt") + " or completion.",
                                    chat_ ? "messages" : "prompt"));
       }
-    }
-    if (!request.max_tokens_given && chat_) {
-      int64_t longest = 0;
-      for (const PromptJob& job : jobs) longest = std::max<int64_t>(longest, static_cast<int64_t>(job.tokens.size()));
-      params.max_tokens = static_cast<int>(max_len - longest);
     }
     n_ = params.n;
     logprobs_ = want_logprobs;

@@ -1,0 +1,42 @@
+// The engine flags `kvflow generate` and `kvflow-server` share, spelled as vLLM spells them.
+#pragma once
+
+#include <cstdint>
+
+#include <CLI/CLI.hpp>
+
+#include "kvflow/engine.h"
+
+namespace kvflow {
+
+// Adds the model, device, memory and scheduling flags for `config` to `app`. `swap_space_gib`
+// receives --swap-space; ApplySwapSpace puts it into `config` after parsing.
+inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_space_gib) {
+  EngineConfig& c = *config;
+  app->add_option("-m,--model", c.model, "Model path or short name (tiny-random, smollm2-135m)")
+      ->default_val("smollm2-135m");
+  app->add_option("--device", c.device, "cpu, cuda or cuda:N")->default_val("cpu");
+  app->add_option("--dtype", c.dtype, "CUDA: fp16, bf16 or auto")->default_val("auto");
+  app->add_option("--gpu-memory-utilization", c.gpu_memory_utilization,
+                  "CUDA: share of GPU memory for weights, activations and KV cache")->default_val(0.9);
+  app->add_flag("--enforce-eager", c.enforce_eager, "CUDA: no CUDA graphs for decode steps");
+  app->add_option("--max-num-seqs", c.max_num_seqs, "Sequences in one batch")->default_val(64);
+  app->add_option("--max-num-batched-tokens", c.max_num_batched_tokens,
+                  "Tokens in one batch (longer prompts prefill in chunks)")->default_val(2048);
+  app->add_option("--max-model-len", c.max_model_len, "Context limit (0 = the model's)")->default_val(0);
+  app->add_option("--block-size", c.block_size, "Tokens per KV block")->default_val(16);
+  app->add_option("--num-kv-blocks", c.num_kv_blocks, "Fix the device KV pool size in blocks (0 = automatic)");
+  app->add_option("--swap-space", *swap_space_gib, "Host memory for swapped-out KV, GiB")->default_val(4.0);
+  app->add_option("--num-host-kv-blocks", c.num_host_kv_blocks, "Fix the host (swap) pool in blocks");
+  app->add_option("--preemption-mode", c.preemption_mode, "auto, swap or recompute")->default_val("auto");
+  app->add_flag("--enable-prefix-caching", c.enable_prefix_caching, "Reuse cached prompt blocks");
+  app->add_option("--scheduling-policy", c.scheduling_policy, "paged, orca-max, orca-pow2 or orca-oracle")
+      ->default_val("paged");
+  app->add_option("--threads", c.num_threads, "CPU threads (0 = all cores)")->default_val(0);
+}
+
+inline void ApplySwapSpace(EngineConfig* config, double swap_space_gib) {
+  config->swap_space_bytes = static_cast<int64_t>(swap_space_gib * (1ull << 30));
+}
+
+}  // namespace kvflow
