@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <bit>
+#include <climits>
+#include <optional>
 
 namespace kvflow {
 
@@ -36,16 +38,50 @@ int64_t OrcaPolicy::AdmissionReservation(const SequenceGroup& group, const Sched
   return std::min(seq.prompt_len + reserve, max_model_len);
 }
 
+int64_t S3Policy::Reservation(const SequenceGroup& group, int64_t max_model_len) const {
+  const int64_t prompt = group.prompt_len();
+  // A request never outgrows its own max_tokens, whatever the prediction says.
+  const int64_t ceiling = std::min(max_model_len, prompt + std::max<int64_t>(1, group.max_output_tokens));
+  const std::optional<int64_t> out = oracle_ ? group.true_output_len : group.predicted_output_len;
+  int64_t reserve = std::min(ceiling, prompt + std::max<int64_t>(1, out.value_or(group.max_output_tokens)));
+  // S3's supervisor doubles the reservation of a sequence each time it runs out.
+  for (int i = 0; i < group.reservation_misses && reserve < ceiling; ++i) reserve *= 2;
+  return std::min(reserve, ceiling);
+}
+
+int64_t S3Policy::AdmissionReservation(const SequenceGroup& group, const SchedSequence&, int64_t max_model_len) const {
+  return Reservation(group, max_model_len);
+}
+
+int64_t S3Policy::GrowReservation(const SequenceGroup& group, const SchedSequence&, int64_t needed,
+                                  int64_t max_model_len) const {
+  // Growth happens only up to the reservation (a group swapped back in after a miss) or, when the
+  // reservation cannot grow any more, on demand.
+  return std::max(needed, Reservation(group, max_model_len));
+}
+
+bool S3Policy::Before(const SequenceGroup& a, const SequenceGroup& b) const {
+  // First-fit decreasing: the largest KV reservation first (all of the group's sequences).
+  const int64_t ka = Reservation(a, INT64_MAX) * a.max_running_seqs();
+  const int64_t kb = Reservation(b, INT64_MAX) * b.max_running_seqs();
+  if (ka != kb) return ka > kb;
+  return SchedulingPolicy::Before(a, b);
+}
+
 Result<std::unique_ptr<SchedulingPolicy>> MakeSchedulingPolicy(std::string_view name) {
   if (name == "paged" || name == "fcfs") return std::unique_ptr<SchedulingPolicy>(new PagedPolicy());
   if (name == "orca-max") return std::unique_ptr<SchedulingPolicy>(new OrcaPolicy(OrcaPolicy::Kind::kMax));
   if (name == "orca-pow2") return std::unique_ptr<SchedulingPolicy>(new OrcaPolicy(OrcaPolicy::Kind::kPow2));
   if (name == "orca-oracle") return std::unique_ptr<SchedulingPolicy>(new OrcaPolicy(OrcaPolicy::Kind::kOracle));
+  if (name == "s3") return std::unique_ptr<SchedulingPolicy>(new S3Policy(/*oracle=*/false));
+  if (name == "s3-oracle") return std::unique_ptr<SchedulingPolicy>(new S3Policy(/*oracle=*/true));
   std::string known;
   for (const auto& n : SchedulingPolicyNames()) known += (known.empty() ? "" : ", ") + n;
   return Status::InvalidArgument("unknown scheduling policy '" + std::string(name) + "' (known: " + known + ")");
 }
 
-std::vector<std::string> SchedulingPolicyNames() { return {"paged", "orca-max", "orca-pow2", "orca-oracle"}; }
+std::vector<std::string> SchedulingPolicyNames() {
+  return {"paged", "s3", "orca-max", "orca-pow2", "orca-oracle", "s3-oracle"};
+}
 
 }  // namespace kvflow

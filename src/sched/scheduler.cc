@@ -62,6 +62,49 @@ bool Scheduler::PlanTokens(const SequenceGroup& g, int64_t budget, std::vector<i
   return total > 0;
 }
 
+namespace {
+int64_t Capacity(const BlockManager& blocks, const SchedSequence& s) {
+  return static_cast<int64_t>(blocks.BlockTable(s.id).size()) * blocks.block_size();
+}
+}  // namespace
+
+int64_t Scheduler::PoolShare(const SequenceGroup& g) const {
+  return static_cast<int64_t>(blocks_.MaxAdmissibleBlocks()) * blocks_.block_size() / std::max(1, g.max_running_seqs());
+}
+
+int64_t Scheduler::ReservationFor(const SequenceGroup& g, const SchedSequence& s) const {
+  return std::min(policy_->AdmissionReservation(g, s, config_.max_model_len), PoolShare(g));
+}
+
+bool Scheduler::ExhaustsReservation(const SequenceGroup& g, const std::vector<int64_t>& tokens) const {
+  if (!policy_->PreemptsOnExhaustedReservation()) return false;
+  const int64_t pool_share = PoolShare(g);
+  for (size_t i = 0; i < g.seqs.size(); ++i) {
+    const SchedSequence& s = *g.seqs[i];
+    if (tokens[i] == 0) continue;
+    const int64_t write_to = s.num_computed + tokens[i];
+    if (write_to <= Capacity(blocks_, s)) continue;
+    // A sequence never outgrows the policy's ceiling (max_model_len, its max_tokens), so past the
+    // reservation a doubling always helps, unless the pool could not hold the doubled one: then
+    // the sequence grows on demand instead of being preempted forever.
+    const int64_t reserved = policy_->AdmissionReservation(g, s, config_.max_model_len);
+    if (write_to > reserved && reserved < pool_share) return true;
+  }
+  return false;
+}
+
+int Scheduler::GrowthAfterSwapIn(const SequenceGroup& g) const {
+  int blocks = 0;
+  for (const SchedSequence* s : g.unfinished()) {
+    const int table = static_cast<int>(blocks_.BlockTable(s->id).size());
+    const int reserved = policy_->PreemptsOnExhaustedReservation()
+                             ? BlocksForTokens(ReservationFor(g, *s), blocks_.block_size())
+                             : 0;
+    blocks += std::max(1, reserved - table);  // at least room for the next token
+  }
+  return blocks;
+}
+
 int Scheduler::BlocksForStep(const SequenceGroup& g, const std::vector<int64_t>& tokens,
                              std::vector<int64_t>& targets) const {
   int needed = 0;
@@ -70,9 +113,11 @@ int Scheduler::BlocksForStep(const SequenceGroup& g, const std::vector<int64_t>&
     const SchedSequence& s = *g.seqs[i];
     if (tokens[i] == 0) continue;
     const int64_t write_to = s.num_computed + tokens[i];
-    const int64_t capacity = static_cast<int64_t>(blocks_.BlockTable(s.id).size()) * blocks_.block_size();
-    targets[i] = write_to > capacity ? std::max(write_to, policy_->GrowReservation(g, s, write_to, config_.max_model_len))
-                                     : write_to;
+    // Growth the policy reserves ahead, within the group's share of the pool.
+    targets[i] = write_to > Capacity(blocks_, s)
+                     ? std::max(write_to, std::min(PoolShare(g), policy_->GrowReservation(g, s, write_to,
+                                                                                           config_.max_model_len)))
+                     : write_to;
     needed += blocks_.BlocksToAppend(s.id, s.num_computed, write_to, targets[i]);
   }
   return needed;
@@ -156,6 +201,16 @@ SchedulerOutput Scheduler::Schedule() {
       ++i;
       continue;
     }
+    if (ExhaustsReservation(*g, tokens)) {
+      // S3's supervisor: the prediction was too short. Preempt, double, reschedule.
+      ++g->reservation_misses;
+      ++counters_.num_reservation_preemptions;
+      out.reservation_exhausted.push_back(g->request_id);
+      spdlog::debug("request {} outgrew its KV reservation; preempting it (miss {})", g->request_id,
+                    g->reservation_misses);
+      Preempt(g, out);
+      continue;
+    }
     const int need = BlocksForStep(*g, tokens, targets);
     if (need <= blocks_.device().num_free()) {
       if (apply(g)) ++i;
@@ -178,7 +233,7 @@ SchedulerOutput Scheduler::Schedule() {
     SequenceGroup* g = swapped_.front();
     const std::vector<SeqId> ids = g->unfinished_ids();
     if (RunningSeqs() + g->max_running_seqs() > config_.max_num_seqs) break;
-    if (!blocks_.CanSwapIn(ids, static_cast<int>(ids.size()))) {
+    if (!blocks_.CanSwapIn(ids, GrowthAfterSwapIn(*g))) {
       if (!running_.empty()) break;
       // Even an idle device cannot take the group back with room to grow: recompute it instead.
       spdlog::debug("request {} cannot be swapped back in; recomputing it", g->request_id);
@@ -211,7 +266,7 @@ SchedulerOutput Scheduler::Schedule() {
     std::vector<int64_t> reserve;
     int need = 0;
     for (const SchedSequence* s : seqs) {
-      reserve.push_back(std::max(s->num_tokens(), policy_->AdmissionReservation(*g, *s, config_.max_model_len)));
+      reserve.push_back(std::max(s->num_tokens(), ReservationFor(*g, *s)));
       need += blocks_.BlocksToAllocate(s->tokens, reserve.back());
     }
     if (need > blocks_.MaxAdmissibleBlocks()) {

@@ -47,6 +47,9 @@ struct SchedulerOutput {
   std::vector<BlockMove> copies;
   // Groups that can never fit; already removed from the scheduler, to be failed by the caller.
   std::vector<std::pair<RequestId, Status>> rejected;
+  // Groups preempted this step because a sequence outgrew its reservation (S3 mispredictions);
+  // they come back with the reservation doubled.
+  std::vector<RequestId> reservation_exhausted;
   int num_preempted_recompute = 0;
   int num_preempted_swap = 0;
   int64_t num_batched_tokens = 0;
@@ -60,6 +63,7 @@ struct SchedulerStats {
   int num_running_seqs = 0;
   int64_t num_preemptions_recompute = 0;
   int64_t num_preemptions_swap = 0;
+  int64_t num_reservation_preemptions = 0;  // of the preemptions above, those of exhausted reservations
   int64_t blocks_swapped_out = 0;
   int64_t blocks_swapped_in = 0;
   int64_t blocks_copied = 0;
@@ -104,6 +108,15 @@ class Scheduler {
   // Blocks the group's sequences need to run `tokens[i]` new tokens each (including growth the
   // policy reserves); fills `targets` with each sequence's table size in tokens.
   int BlocksForStep(const SequenceGroup& g, const std::vector<int64_t>& tokens, std::vector<int64_t>& targets) const;
+  // KV tokens per sequence of `g` if the group took all that one admission can take.
+  int64_t PoolShare(const SequenceGroup& g) const;
+  // KV tokens a sequence of `g` may hold under the policy's reservation, within its PoolShare.
+  int64_t ReservationFor(const SequenceGroup& g, const SchedSequence& s) const;
+  // Under a hard-reservation policy: whether `tokens` would take a sequence of `g` past a
+  // reservation that a doubling could still enlarge.
+  bool ExhaustsReservation(const SequenceGroup& g, const std::vector<int64_t>& tokens) const;
+  // Device blocks the group needs beyond its own to keep running after a swap-in.
+  int GrowthAfterSwapIn(const SequenceGroup& g) const;
   // Splits the token budget over the group's sequences; false when not even one token fits.
   bool PlanTokens(const SequenceGroup& g, int64_t budget, std::vector<int64_t>& tokens) const;
   void Emit(SequenceGroup* g, const std::vector<int64_t>& tokens, SchedulerOutput& out);

@@ -37,6 +37,10 @@ struct SequenceGroup {
   std::optional<int64_t> true_output_len;
   // Filled by a length predictor (S3); policies may reserve by it.
   std::optional<int64_t> predicted_output_len;
+  int predicted_bucket = -1;  // the predictor's length bucket, -1: no prediction
+  // Times a sequence of the group outgrew its reservation under a hard-reservation policy (S3);
+  // each one doubles the reservation.
+  int reservation_misses = 0;
   // KV tokens per sequence the policy reserved at admission (0: allocate on demand).
   int64_t reserved_tokens = 0;
   // Sequences the request forks into after its prompt (n / best_of / beam width).

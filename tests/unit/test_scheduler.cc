@@ -6,6 +6,7 @@
 
 #include <map>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <set>
 
@@ -29,12 +30,16 @@ struct FakeRun {
         scheduler(sc, blocks, MakeSchedulingPolicy(policy).value()) {}
 
   // A request with `n` sequences forked after the prompt's first token (like parallel sampling).
-  RequestId Add(int prompt_len, int output_len, double arrival, int n = 1, int first_token = 1000) {
+  // `predicted`: the length predictor's output (S3); `max_output`: the request's max_tokens, by
+  // default the true output length.
+  RequestId Add(int prompt_len, int output_len, double arrival, int n = 1, int first_token = 1000,
+                std::optional<int64_t> predicted = std::nullopt, int max_output = -1) {
     auto g = std::make_unique<SequenceGroup>();
     g->request_id = next_request++;
     g->arrival_time = arrival;
-    g->max_output_tokens = output_len;
+    g->max_output_tokens = max_output > 0 ? max_output : output_len;
     g->true_output_len = output_len;
+    g->predicted_output_len = predicted;
     g->num_candidates = n;
     auto s = std::make_unique<SchedSequence>();
     s->id = scheduler.NewSeqId();
@@ -221,6 +226,100 @@ TEST(Scheduler, PrefixHitsSkipTheCachedPartOfThePrompt) {
   EXPECT_GT(run.blocks.PrefixHitRate(), 0.0);
 }
 
+TEST(Scheduler, S3ReservesPromptPlusPredictionCappedByMaxTokens) {
+  FakeRun run(100, 0, Config(), "s3");
+  run.Add(8, 9, 0, 1, 1000, /*predicted=*/12, /*max_output=*/40);  // 20 tokens: 5 blocks
+  run.Add(8, 9, 1, 1, 2000, /*predicted=*/500, /*max_output=*/10);  // max_tokens caps it: 18 tokens
+  run.Add(8, 9, 2, 1, 3000, std::nullopt, /*max_output=*/30);       // no prediction: max_tokens
+  auto out = run.Step();
+  ASSERT_EQ(out.scheduled.size(), 3u);
+  std::map<RequestId, size_t> table;
+  for (const ScheduledSeq& s : out.scheduled) table[s.group->request_id] = run.blocks.BlockTable(s.seq->id).size();
+  EXPECT_EQ(table[1], 5u);
+  EXPECT_EQ(table[2], 5u);   // ceil(18 / 4)
+  EXPECT_EQ(table[3], 10u);  // 38 tokens
+}
+
+TEST(Scheduler, S3PacksFirstFitDecreasingWhereFcfsStopsAtTheFirstMisfit) {
+  // 20 blocks of 4 tokens. A (6 blocks) arrives first, then B (15), then C (5). FCFS with exact
+  // reservations admits A and stops at B; first-fit decreasing takes B, skips A, fits C.
+  SchedulerConfig c = Config();
+  FakeRun s3(20, 0, c, "s3");
+  FakeRun fcfs(20, 0, c, "orca-oracle");
+  for (FakeRun* r : {&s3, &fcfs}) {
+    r->Add(4, 20, 0.0, 1, 1000, 20);  // 24 tokens: 6 blocks
+    r->Add(4, 56, 1.0, 1, 2000, 56);  // 60 tokens: 15 blocks
+    r->Add(4, 16, 2.0, 1, 3000, 16);  // 20 tokens: 5 blocks
+  }
+  s3.Step();
+  fcfs.Step();
+  std::set<RequestId> s3_batch(s3.batch_ids.begin(), s3.batch_ids.end());
+  std::set<RequestId> fcfs_batch(fcfs.batch_ids.begin(), fcfs.batch_ids.end());
+  EXPECT_EQ(s3_batch, (std::set<RequestId>{2, 3}));
+  EXPECT_EQ(fcfs_batch, (std::set<RequestId>{1}));
+  EXPECT_EQ(s3.blocks.device().num_free(), 0);
+  for (FakeRun* r : {&s3, &fcfs}) {
+    while (r->scheduler.HasWork()) r->Step();
+    EXPECT_EQ(r->finished.size(), 3u);
+    EXPECT_EQ(r->blocks.device().num_free(), 20);
+  }
+}
+
+// The supervisor: a prediction too short makes the sequence outgrow its reservation; it is
+// preempted (by recompute or by swap), comes back with the reservation doubled, and finishes.
+TEST(Scheduler, S3PreemptsASequenceThatOutgrowsItsReservationAndDoublesIt) {
+  for (PreemptionMode mode : {PreemptionMode::kRecompute, PreemptionMode::kSwap}) {
+    SCOPED_TRACE(PreemptionModeName(mode));
+    FakeRun run(40, 40, Config(64, 2048, mode), "s3");
+    // Prompt 8, predicted 4: reservation 12 tokens, then 24, then 48 (true length 8 + 30 = 38).
+    run.Add(8, 30, 0.0, 1, 1000, /*predicted=*/4, /*max_output=*/200);
+    run.Add(8, 2, 1.0, 1, 2000, /*predicted=*/2, /*max_output=*/200);  // right: never preempted
+    std::vector<RequestId> exhausted;
+    std::vector<size_t> tables;
+    int preempted = 0;
+    while (run.scheduler.HasWork()) {
+      auto out = run.Step();
+      exhausted.insert(exhausted.end(), out.reservation_exhausted.begin(), out.reservation_exhausted.end());
+      preempted += out.num_preempted_recompute + out.num_preempted_swap;
+      if (SequenceGroup* g = run.scheduler.Find(1); g && !out.scheduled.empty() &&
+                                                    out.scheduled[0].group == g) {
+        const size_t t = run.blocks.BlockTable(g->seqs[0]->id).size();
+        if (tables.empty() || tables.back() != t) tables.push_back(t);
+      }
+    }
+    EXPECT_EQ(exhausted, (std::vector<RequestId>{1, 1}));
+    EXPECT_EQ(preempted, 2);
+    EXPECT_EQ(run.scheduler.stats().num_reservation_preemptions, 2);
+    EXPECT_EQ(tables, (std::vector<size_t>{3, 6, 12}));  // 12, 24, 48 tokens
+    EXPECT_EQ(run.finished.size(), 2u);
+    EXPECT_EQ(run.blocks.device().num_free(), 40);
+    EXPECT_EQ(run.blocks.host().num_free(), 40);
+  }
+}
+
+TEST(Scheduler, S3CapsADoubledReservationAtThePoolInsteadOfPreemptingForever) {
+  // 10 blocks (40 tokens). Prompt 4, predicted 4: 8 tokens, 16, 32, then 64, which the pool
+  // cannot hold: the request gets the whole pool and finishes (38 tokens).
+  FakeRun run(10, 0, Config(64, 2048, PreemptionMode::kRecompute), "s3");
+  run.Add(4, 34, 0.0, 1, 1000, /*predicted=*/4, /*max_output=*/100);
+  int steps = 0;
+  while (run.scheduler.HasWork()) {
+    ASSERT_LT(++steps, 500);
+    run.Step();
+  }
+  EXPECT_EQ(run.finished, (std::vector<RequestId>{1}));
+  EXPECT_EQ(run.scheduler.stats().num_reservation_preemptions, 3);
+  EXPECT_EQ(run.blocks.device().num_free(), 10);
+}
+
+TEST(Scheduler, S3OracleReservesTheTrueLengthAndNeverMisses) {
+  FakeRun run(60, 0, Config(), "s3-oracle");
+  for (int i = 0; i < 12; ++i) run.Add(3 + i, 5 + 3 * i, i, 1, 1000 * i, /*predicted=*/1, /*max_output=*/200);
+  while (run.scheduler.HasWork()) run.Step();
+  EXPECT_EQ(run.finished.size(), 12u);
+  EXPECT_EQ(run.scheduler.stats().num_reservation_preemptions, 0);
+}
+
 // Random arrivals, lengths, n, budgets, pools, policies and preemption modes. After every step:
 // budgets hold, every scheduled sequence has blocks for its context, device refcounts equal the
 // references in the tables, nothing new is admitted while something is swapped, no request
@@ -234,12 +333,16 @@ TEST(SchedulerProperty, RandomWorkloadsKeepInvariantsAndFinishEveryRequest) {
                                            PreemptionMode::kRecompute}[static_cast<size_t>(rand(3))];
     SchedulerConfig c = Config(2 + rand(8), 8 + rand(40), mode);
     c.max_model_len = 96;
-    const std::string policy = SchedulingPolicyNames()[static_cast<size_t>(rand(4))];
+    const std::string policy = SchedulingPolicyNames()[static_cast<size_t>(rand(6))];
+    const bool fcfs = !MakeSchedulingPolicy(policy).value()->AdmitOutOfOrder();
     const int device_blocks = 30 + rand(40);
     FakeRun run(device_blocks, rand(2) * device_blocks, c, policy, rand(2) == 1);
     const int num_requests = 5 + rand(20);
     for (int i = 0; i < num_requests; ++i) {
-      run.Add(1 + rand(40), 1 + rand(40), i, policy == "paged" ? 1 + rand(3) : 1, rand(2) * 1000);
+      // Predictions anywhere from far too short to far too long; max_tokens at or above the truth.
+      const int output_len = 1 + rand(40);
+      run.Add(1 + rand(40), output_len, i, policy == "paged" || policy == "s3" ? 1 + rand(3) : 1, rand(2) * 1000,
+              1 + rand(2 * output_len), output_len + rand(2) * rand(40));
     }
     std::set<RequestId> ever_admitted;
     int steps = 0;
@@ -258,7 +361,7 @@ TEST(SchedulerProperty, RandomWorkloadsKeepInvariantsAndFinishEveryRequest) {
         if (ever_admitted.insert(id).second) {
           // Swapped groups may come back earlier in the same step; then nothing is swapped.
           ASSERT_EQ(run.scheduler.stats().num_swapped, 0) << "seed " << seed << ": admitted while swapped";
-          for (RequestId earlier = 1; earlier < id; ++earlier) {
+          for (RequestId earlier = 1; fcfs && earlier < id; ++earlier) {
             ASSERT_TRUE(ever_admitted.contains(earlier) || run.rejected.contains(earlier))
                 << "seed " << seed << ": request " << id << " overtook " << earlier;
           }
