@@ -42,8 +42,17 @@ struct EngineConfig {
   // "auto" (recompute single sequences, swap groups that share blocks), "swap" or "recompute".
   std::string preemption_mode = "auto";
   bool enable_prefix_caching = false;  // map cached full prompt blocks instead of recomputing them
-  // "paged" (vLLM), or the Orca baselines "orca-max", "orca-pow2", "orca-oracle".
+  // "paged" (vLLM FCFS, blocks on demand), "s3" (reserve prompt + predicted output, first-fit
+  // decreasing, preempt and double on a misprediction), or for evaluation the Orca baselines
+  // "orca-max", "orca-pow2", "orca-oracle" and S3 with true lengths, "s3-oracle".
   std::string scheduling_policy = "paged";
+  // s3: the output-length predictor (written by kvflow-length-predictor train). Empty: start from
+  // an untrained predictor and learn from completed requests.
+  std::string length_predictor;
+  bool length_predictor_online_updates = true;  // s3: retrain on completed requests
+  std::string length_reservation_point;         // s3: "upper" or "middle" of the bucket; empty: the file's
+  std::string length_prediction_override;       // s3, evaluation only: "scale:F" or "bucket:B"
+
   // CUDA only. Share of the GPU's memory for weights, activations and the KV pool (which gets the
   // rest, unless kv_cache_bytes / num_kv_blocks fix it).
   double gpu_memory_utilization = 0.9;
@@ -71,6 +80,15 @@ struct EngineStats {
   int64_t blocks_swapped_in = 0;
   int64_t blocks_copied = 0;    // copy-on-write
   int64_t num_steps = 0;
+  // S3 (scheduling_policy "s3"): the length predictor and its supervisor.
+  int64_t length_predictions = 0;
+  int64_t length_under_predicted = 0;  // finished requests whose output outgrew the predicted bucket
+  int64_t length_over_predicted = 0;
+  int64_t length_correct = 0;
+  int64_t reservation_preemptions = 0;  // preemptions of exhausted reservations (one per miss)
+  int64_t length_online_updates = 0;
+  double length_predict_seconds = 0;
+  double length_update_seconds = 0;
 };
 
 // What the scheduler may know about a request beyond its prompt: the true output length (trace
@@ -78,6 +96,9 @@ struct EngineStats {
 struct RequestHints {
   std::optional<int64_t> true_output_len;
   std::optional<int64_t> predicted_output_len;
+  // Trace replays that set max_tokens to the true length: the scheduler sees the context limit
+  // instead, so a reservation cannot learn the true length from max_tokens.
+  bool hide_max_tokens = false;
 };
 
 // What one Step() did.

@@ -30,8 +30,16 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
   app->add_option("--num-host-kv-blocks", c.num_host_kv_blocks, "Fix the host (swap) pool in blocks");
   app->add_option("--preemption-mode", c.preemption_mode, "auto, swap or recompute")->default_val("auto");
   app->add_flag("--enable-prefix-caching", c.enable_prefix_caching, "Reuse cached prompt blocks");
-  app->add_option("--scheduling-policy", c.scheduling_policy, "paged, orca-max, orca-pow2 or orca-oracle")
+  app->add_option("--scheduler,--scheduling-policy", c.scheduling_policy,
+                  "paged (vLLM FCFS) or s3 (length-aware); for evaluation orca-max, orca-pow2, orca-oracle, "
+                  "s3-oracle")
       ->default_val("paged");
+  app->add_option("--length-predictor", c.length_predictor,
+                  "s3: output-length predictor file (kvflow-length-predictor train); none: learn online from scratch");
+  app->add_option("--length-reservation", c.length_reservation_point,
+                  "s3: reserve the upper or middle edge of the predicted bucket (default: the file's, upper)");
+  app->add_flag("!--no-length-online-updates", c.length_predictor_online_updates,
+                "s3: do not retrain the predictor on completed requests");
   app->add_option("--threads", c.num_threads, "CPU threads (0 = all cores)")->default_val(0);
 }
 

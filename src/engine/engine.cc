@@ -17,6 +17,7 @@
 #include "engine/request_state.h"
 #include "kv/block_manager.h"
 #include "sched/policy.h"
+#include "sched/length_supervisor.h"
 #include "sched/scheduler.h"
 #include "util/hash.h"
 #include "model/llama_weights.h"
@@ -56,7 +57,8 @@ double BeamScore(double cumulative_logprob, int64_t length, float length_penalty
 class EngineImpl final : public Engine {
  public:
   EngineImpl(EngineConfig config, ModelFiles files, std::unique_ptr<Backend> backend,
-             std::unique_ptr<SchedulingPolicy> policy, PreemptionMode preemption)
+             std::unique_ptr<SchedulingPolicy> policy, PreemptionMode preemption,
+             std::unique_ptr<LengthSupervisor> supervisor)
       : config_(std::move(config)),
         model_config_(files.config),
         tokenizer_(std::move(files.tokenizer)),
@@ -66,6 +68,7 @@ class EngineImpl final : public Engine {
         scheduler_(SchedulerConfig{config_.max_num_seqs, config_.max_num_batched_tokens, config_.max_model_len,
                                    preemption},
                    blocks_, std::move(policy)),
+        length_supervisor_(std::move(supervisor)),
         seed_rng_(config_.seed) {}
 
   Result<RequestId> AddRequest(const std::string& prompt, const SamplingParams& params,
@@ -110,7 +113,8 @@ class EngineImpl final : public Engine {
     auto group = std::make_unique<SequenceGroup>();
     group->request_id = req->id;
     group->arrival_time = Seconds(req->arrival.time_since_epoch());
-    group->max_output_tokens = params.max_tokens;
+    group->max_output_tokens = hints.hide_max_tokens ? config_.max_model_len - static_cast<int64_t>(prompt.size())
+                                                     : params.max_tokens;
     group->num_candidates = params.num_candidates();
     group->true_output_len = hints.true_output_len;
     group->predicted_output_len = hints.predicted_output_len;
@@ -118,8 +122,10 @@ class EngineImpl final : public Engine {
     seq->id = scheduler_.NewSeqId();
     seq->prompt_len = static_cast<int64_t>(prompt.size());
     seq->tokens = std::move(prompt);
-    req->seqs.push_back(std::make_unique<SeqState>(seq.get(), 0, params, req->seed, *tokenizer_));
     group->seqs.push_back(std::move(seq));
+    if (length_supervisor_ && !group->predicted_output_len) length_supervisor_->Predict(*group);
+    SchedSequence* first = group->seqs.front().get();
+    req->seqs.push_back(std::make_unique<SeqState>(first, 0, params, req->seed, *tokenizer_));
     req->group = group.get();
     scheduler_.AddGroup(std::move(group));
     const RequestId id = req->id;
@@ -194,6 +200,17 @@ class EngineImpl final : public Engine {
     s.blocks_swapped_out = sched.blocks_swapped_out;
     s.blocks_swapped_in = sched.blocks_swapped_in;
     s.blocks_copied = sched.blocks_copied;
+    s.reservation_preemptions = sched.num_reservation_preemptions;
+    if (length_supervisor_) {
+      const LengthSupervisorStats& l = length_supervisor_->stats();
+      s.length_predictions = l.predictions;
+      s.length_under_predicted = l.under_predicted;
+      s.length_over_predicted = l.over_predicted;
+      s.length_correct = l.correct;
+      s.length_online_updates = l.online_updates;
+      s.length_predict_seconds = l.predict_seconds;
+      s.length_update_seconds = l.update_seconds;
+    }
     return s;
   }
 
@@ -245,6 +262,11 @@ class EngineImpl final : public Engine {
     ReapCancelled();
     SchedulerOutput sched = scheduler_.Schedule();
     for (auto& [id, why] : sched.rejected) FailRequest(id, why, /*in_scheduler=*/false);
+    if (length_supervisor_) {
+      for (RequestId id : sched.reservation_exhausted) {
+        if (const SequenceGroup* g = scheduler_.Find(id)) length_supervisor_->OnReservationExhausted(*g);
+      }
+    }
     if (const int preempted = sched.num_preempted_recompute + sched.num_preempted_swap; preempted > 0) {
       // Like vLLM: say so (rate-limited), since it means the KV cache is too small for the load.
       const int64_t total = scheduler_.stats().num_preemptions_recompute + scheduler_.stats().num_preemptions_swap;
@@ -441,6 +463,7 @@ class EngineImpl final : public Engine {
   // request is forgotten.
   void MaybeFinishRequest(RequestState* req) {
     if (!AllFinished(*req)) return;
+    if (length_supervisor_) ReportLength(*req);
     if (!req->params.streams()) {
       std::vector<SeqState*> order;
       for (auto& s : req->seqs) order.push_back(s.get());
@@ -461,6 +484,20 @@ class EngineImpl final : public Engine {
       }
     }
     Forget(req->id);
+  }
+
+  // Tells the S3 supervisor how long the request really ran: its longest sequence, and whether
+  // that one ended by itself (so the length is true, not a cut).
+  void ReportLength(const RequestState& req) {
+    int64_t longest = -1;
+    bool natural = false;
+    for (const auto& s : req.seqs) {
+      if (s->seq->output_len() > longest) {
+        longest = s->seq->output_len();
+        natural = s->finish == FinishReason::kEos || s->finish == FinishReason::kStop;
+      }
+    }
+    if (longest >= 0) length_supervisor_->OnFinished(*req.group, longest, natural);
   }
 
   bool AllFinished(const RequestState& req) const {
@@ -696,6 +733,7 @@ class EngineImpl final : public Engine {
   std::unique_ptr<Backend> backend_;
   BlockManager blocks_;
   Scheduler scheduler_;
+  std::unique_ptr<LengthSupervisor> length_supervisor_;  // s3 only
   std::mt19937_64 seed_rng_;
   std::unordered_map<RequestId, std::unique_ptr<RequestState>> requests_;
   std::vector<float> logits_;
@@ -747,6 +785,47 @@ Status FitMaxModelLenToPool(EngineConfig& config, bool requested, int num_blocks
                config.max_model_len, pool_tokens);
   config.max_model_len = static_cast<int>(pool_tokens);
   return Status::Ok();
+}
+
+// S3: the length predictor (loaded, or untrained with buckets over max_model_len) and its
+// supervisor; none for other policies.
+Result<std::unique_ptr<LengthSupervisor>> CreateLengthSupervisor(const EngineConfig& config, const Tokenizer& tokenizer) {
+  if (config.scheduling_policy != "s3") {
+    if (!config.length_predictor.empty()) {
+      spdlog::warn("length predictor {} ignored: only the s3 scheduling policy uses one", config.length_predictor);
+    }
+    return std::unique_ptr<LengthSupervisor>();
+  }
+  LengthPredictor predictor;
+  const std::string fingerprint = TokenizerFingerprint(tokenizer);
+  if (config.length_predictor.empty()) {
+    LengthPredictorConfig pc;
+    pc.buckets.max_output_len = config.max_model_len;
+    predictor = LengthPredictor(pc);
+    predictor.set_tokenizer_fingerprint(fingerprint);
+    spdlog::warn("s3 without a length predictor: every request starts in the shortest bucket and the predictor "
+                 "learns online from completed requests (train one with kvflow-length-predictor train)");
+  } else {
+    KVFLOW_ASSIGN_OR_RETURN(predictor, LengthPredictor::Load(config.length_predictor));
+    if (!predictor.tokenizer_fingerprint().empty() && predictor.tokenizer_fingerprint() != fingerprint) {
+      return Status::InvalidArgument("length predictor " + config.length_predictor +
+                                     " was trained on another tokenizer's token ids (fingerprint " +
+                                     predictor.tokenizer_fingerprint() + ", this model's " + fingerprint + ")");
+    }
+  }
+  if (!config.length_reservation_point.empty()) {
+    KVFLOW_ASSIGN_OR_RETURN(predictor.mutable_config().reservation_point,
+                            ParseReservationPoint(config.length_reservation_point));
+  }
+  LengthSupervisorConfig sc;
+  sc.online_updates = config.length_predictor_online_updates;
+  KVFLOW_ASSIGN_OR_RETURN(sc.override_predictions, ParsePredictionOverride(config.length_prediction_override,
+                                                                            predictor.config().buckets.num_buckets));
+  const LengthPredictorConfig& pc = predictor.config();
+  spdlog::info("s3: length predictor {}: {} buckets of {} tokens, reserving the {} edge; online updates {}",
+               config.length_predictor.empty() ? "untrained" : config.length_predictor, pc.buckets.num_buckets,
+               pc.buckets.width(), ReservationPointName(pc.reservation_point), sc.online_updates ? "on" : "off");
+  return std::make_unique<LengthSupervisor>(std::move(predictor), sc);
 }
 
 // The CPU backend: the KV pool is kv_cache_bytes (or num_kv_blocks, or enough for max_num_seqs full
@@ -859,8 +938,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& input) {
   } else {
     KVFLOW_ASSIGN_OR_RETURN(backend, CreateEngineCpuBackend(config, input, mc, std::move(weights)));
   }
+  KVFLOW_ASSIGN_OR_RETURN(auto supervisor, CreateLengthSupervisor(config, *files.tokenizer));
   auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(policy),
-                                             preemption);
+                                             preemption, std::move(supervisor));
   spdlog::info("engine ready: {}", engine->Describe());
   return std::unique_ptr<Engine>(std::move(engine));
 }

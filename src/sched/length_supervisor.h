@@ -1,0 +1,67 @@
+// S3's supervisor, the part that lives beside the scheduler: it predicts every request's output
+// length at arrival (the s3 policy reserves prompt + prediction), counts mispredictions — the
+// reservations the scheduler found exhausted (it preempts and doubles them itself) and, at the end,
+// the buckets that were too short or too long — and retrains the predictor online from completed
+// requests, the mispredicted ones weighing more. Plain C++, driven by the engine thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "kvflow/status.h"
+#include "sched/length_predictor.h"
+#include "sched/sequence_group.h"
+
+namespace kvflow {
+
+// Evaluation only: distorts every prediction to show what mispredictions cost and that the
+// supervisor recovers. "scale:F" multiplies the reserved length by F; "bucket:B" always predicts
+// bucket B.
+struct PredictionOverride {
+  std::optional<double> scale;
+  std::optional<int> bucket;
+};
+Result<PredictionOverride> ParsePredictionOverride(std::string_view spec, int num_buckets);
+
+struct LengthSupervisorConfig {
+  bool online_updates = true;
+  PredictionOverride override_predictions;
+};
+
+struct LengthSupervisorStats {
+  int64_t predictions = 0;
+  int64_t compared = 0;         // finished requests whose true bucket is known
+  int64_t correct = 0;
+  int64_t under_predicted = 0;  // true bucket above the predicted one
+  int64_t over_predicted = 0;
+  int64_t reservation_misses = 0;  // exhausted reservations: each one a preemption
+  int64_t online_updates = 0;
+  double predict_seconds = 0;  // in Predict, on the engine thread
+  double update_seconds = 0;   // in the online updates
+};
+
+class LengthSupervisor {
+ public:
+  LengthSupervisor(LengthPredictor predictor, const LengthSupervisorConfig& config);
+
+  // Sets group.predicted_output_len and predicted_bucket from its prompt.
+  void Predict(SequenceGroup& group);
+  // The scheduler preempted `group` because a sequence outgrew its reservation.
+  void OnReservationExhausted(const SequenceGroup& group);
+  // A request that completed: `output_len` is its longest sequence's output; `natural_end` says it
+  // stopped by itself (EOS or a stop), so output_len is its true length rather than a cut at
+  // max_tokens or the context. Cancelled and failed requests are not reported.
+  void OnFinished(const SequenceGroup& group, int64_t output_len, bool natural_end);
+
+  const LengthSupervisorStats& stats() const { return stats_; }
+  const LengthPredictor& predictor() const { return predictor_; }
+
+ private:
+  LengthPredictor predictor_;
+  LengthSupervisorConfig config_;
+  LengthSupervisorStats stats_;
+};
+
+}  // namespace kvflow
