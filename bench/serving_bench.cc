@@ -69,6 +69,8 @@
 #include "kvflow/engine.h"
 #include "model/tensor_source.h"
 #include "model/tiny_random.h"
+#include "sched/length_predictor.h"
+#include "sched/length_supervisor.h"
 #include "sched/policy.h"
 #include "sched/scheduler.h"
 #include "sched/sequence_group.h"
@@ -290,8 +292,26 @@ Trace MakeShareGptTrace(size_t num_requests, uint64_t seed, int64_t max_model_le
 
 // Alpaca: prompt = instruction (+ "\n" + input), output = the reference output, both tokenized;
 // a seeded random sample of the dataset.
+// The dataset indices a length predictor's training report held out (its "test_indices").
+Result<std::vector<size_t>> LoadHeldOutIndices(const std::string& report_path) {
+  std::ifstream in(report_path);
+  if (!in) return Status::NotFound("cannot open the predictor report " + report_path);
+  try {
+    const Json j = Json::parse(in);
+    const Json* list = j.contains("test_indices") ? &j["test_indices"]
+                       : j.contains("split") && j["split"].contains("test_indices") ? &j["split"]["test_indices"]
+                                                                                   : nullptr;
+    if (!list || !list->is_array() || list->empty()) {
+      return Status::CorruptFile(report_path + ": no test_indices list (write it with kvflow-length-predictor train)");
+    }
+    return list->get<std::vector<size_t>>();
+  } catch (const Json::exception& e) {
+    return Status::CorruptFile(report_path + ": " + e.what());
+  }
+}
+
 Result<Trace> LoadAlpacaTrace(const std::string& path, size_t num_requests, uint64_t seed, int64_t max_model_len,
-                              const ModelChoice& tokenizer_model) {
+                              const ModelChoice& tokenizer_model, const std::string& held_out_from = "") {
   std::ifstream in(path);
   if (!in) return Status::NotFound("cannot open the Alpaca dataset " + path);
   Json data;
@@ -301,7 +321,16 @@ Result<Trace> LoadAlpacaTrace(const std::string& path, size_t num_requests, uint
     return Status::CorruptFile(path + ": " + e.what());
   }
   if (!data.is_array() || data.empty()) return Status::CorruptFile(path + ": expected a non-empty JSON list");
-  if (num_requests > data.size()) {
+  // The pool: the whole dataset, or the prompts a length predictor never saw in training. A held-out
+  // pool smaller than the trace is replayed in fresh shuffles (S3's throughput runs need thousands).
+  std::vector<size_t> pool(data.size());
+  std::iota(pool.begin(), pool.end(), 0);
+  if (!held_out_from.empty()) {
+    KVFLOW_ASSIGN_OR_RETURN(pool, LoadHeldOutIndices(held_out_from));
+    for (size_t i : pool) {
+      if (i >= data.size()) return Status::CorruptFile(held_out_from + ": index " + std::to_string(i) + " is outside " + path);
+    }
+  } else if (num_requests > data.size()) {
     return Status::InvalidArgument("--num-requests " + std::to_string(num_requests) + " exceeds the " +
                                    std::to_string(data.size()) + " entries of " + path);
   }
@@ -309,10 +338,13 @@ Result<Trace> LoadAlpacaTrace(const std::string& path, size_t num_requests, uint
   if (!files.tokenizer) return Status::NotFound("no tokenizer in " + tokenizer_model.path);
   const kvflow::Tokenizer& tok = *files.tokenizer;
 
-  std::vector<size_t> order(data.size());
-  std::iota(order.begin(), order.end(), 0);
   std::mt19937_64 rng(seed);
-  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<size_t> order;
+  while (order.size() < num_requests) {
+    std::vector<size_t> pass = pool;
+    std::shuffle(pass.begin(), pass.end(), rng);
+    order.insert(order.end(), pass.begin(), pass.end());
+  }
   Trace trace;
   trace.name = "alpaca";
   int64_t truncated = 0;
@@ -330,7 +362,10 @@ Result<Trace> LoadAlpacaTrace(const std::string& path, size_t num_requests, uint
   trace.info = Json{{"name", "alpaca"},
                     {"source", path},
                     {"dataset_entries", data.size()},
-                    {"sampling", "seeded shuffle, first num_requests"},
+                    {"sampling", held_out_from.empty() ? "seeded shuffle, first num_requests"
+                                                        : "the held-out prompts of " + held_out_from + " (" +
+                                                              std::to_string(pool.size()) +
+                                                              "), seeded shuffles, repeated as needed"},
                     {"seed", seed},
                     {"prompt", "instruction + (\"\\n\" + input if non-empty)"},
                     {"tokenizer", tokenizer_model.name},
@@ -417,6 +452,55 @@ CostModel A100Opt13bCostModel() {
   return m;
 }
 
+// S3's models (its Table 1, with each model's real shape) in fp16 on one A100-80GB, the paper's
+// setup, from bandwidth and FLOP rates (not measured): the weights are read once per step, each
+// batched token costs 2 * params FLOPs, each context token's K and V are read once. The KV budget
+// is the 80 GB less the weights, which reproduces Orca's batch sizes in S3's Table 2 (max
+// reservation of 2048 tokens: GPT-J 72 vs 69.94, LLaMA-13B 32 vs 31.61, GPT-NeoX 17 vs 16.89,
+// LLaMA-33B 4.6 vs 4).
+struct S3ModelShape {
+  const char* name;
+  const char* description;
+  double params;
+  int layers;
+  int hidden;
+};
+constexpr S3ModelShape kS3ModelShapes[] = {
+    {"gpt-j-6b", "GPT-J 6B", 6.05e9, 28, 4096},
+    {"llama-13b", "LLaMA 13B", 13.0e9, 40, 5120},
+    {"gpt-neox-20b", "GPT-NeoX 20B", 20.6e9, 44, 6144},
+    {"llama-33b", "LLaMA 33B", 32.5e9, 60, 6656},
+};
+
+CostModel A100x80ShapeCostModel(const S3ModelShape& shape) {
+  constexpr double kHbmBytesPerS = 1.6e12, kFlopsPerS = 200e12, kGpuBytes = 80e9, kPcieBytesPerS = 12e9;
+  constexpr double kBytesPerElement = 2;
+  const double weight_bytes = shape.params * kBytesPerElement;
+  const double kv_bytes_per_token = 2.0 * shape.layers * shape.hidden * kBytesPerElement;
+  CostModel m;
+  m.name = std::string("a100-80g:") + shape.name;
+  m.description = std::string("analytic cost model (not measured): ") + shape.description + " fp16 on 1x A100-80GB";
+  m.c0_s = weight_bytes / kHbmBytesPerS;
+  m.c_token_s = 2 * shape.params / kFlopsPerS;
+  m.c_context_s = kv_bytes_per_token / kHbmBytesPerS;
+  m.c_swap_token_s = kv_bytes_per_token / kPcieBytesPerS;
+  m.kv_budget_tokens = static_cast<int64_t>((kGpuBytes - weight_bytes) / kv_bytes_per_token);
+  m.details = Json{{"kind", "analytic"},
+                   {"model", shape.description},
+                   {"params", shape.params},
+                   {"layers", shape.layers},
+                   {"hidden", shape.hidden},
+                   {"weights_bytes", weight_bytes},
+                   {"hbm_bytes_per_s_effective", kHbmBytesPerS},
+                   {"flops_per_token", 2 * shape.params},
+                   {"flops_per_s_effective", kFlopsPerS},
+                   {"kv_bytes_per_token", kv_bytes_per_token},
+                   {"kv_budget", "(80 GB - weights) / kv_bytes_per_token"},
+                   {"pcie_bytes_per_s_for_swap", kPcieBytesPerS},
+                   {"pcie", "PCIe 4.0 x8 as in S3's server (~12 GB/s effective)"}};
+  return m;
+}
+
 Result<CostModel> LoadMeasuredCostModel(const std::string& path) {
   std::ifstream in(path);
   if (!in) return Status::NotFound("cannot open cost model " + path + " (write one with the calibrate subcommand)");
@@ -445,9 +529,15 @@ Result<CostModel> LoadMeasuredCostModel(const std::string& path) {
 
 Result<CostModel> MakeCostModel(const std::string& spec) {
   if (spec == "a100-opt13b") return A100Opt13bCostModel();
+  for (const S3ModelShape& shape : kS3ModelShapes) {
+    if (spec == std::string("a100-80g:") + shape.name) return A100x80ShapeCostModel(shape);
+  }
   const std::string prefix = "cpu-measured:";
   if (spec.rfind(prefix, 0) == 0 && spec.size() > prefix.size()) return LoadMeasuredCostModel(spec.substr(prefix.size()));
-  return Status::InvalidArgument("unknown cost model '" + spec + "' (a100-opt13b, or cpu-measured:<calibration json>)");
+  std::string shapes;
+  for (const S3ModelShape& shape : kS3ModelShapes) shapes += std::string(", a100-80g:") + shape.name;
+  return Status::InvalidArgument("unknown cost model '" + spec + "' (a100-opt13b" + shapes +
+                                 ", or cpu-measured:<calibration json>)");
 }
 
 // ---- runs and metrics -----------------------------------------------------------------------
@@ -460,12 +550,20 @@ struct ServingConfig {
   int max_num_batched_tokens = 2048;
   int max_model_len = 2048;
   std::string preemption_mode = "auto";
+  // s3: the length predictor (empty: untrained, learning online), its online updates, and
+  // injected mispredictions ("scale:F", "bucket:B").
+  std::string length_predictor;
+  bool online_updates = true;
+  std::string prediction_override;
 
   Json ToJson() const {
     return Json{{"block_size", block_size},         {"num_device_blocks", num_device_blocks},
                 {"num_host_blocks", num_host_blocks}, {"max_num_seqs", max_num_seqs},
                 {"max_num_batched_tokens", max_num_batched_tokens}, {"max_model_len", max_model_len},
-                {"preemption_mode", preemption_mode}, {"prefix_caching", false}};
+                {"preemption_mode", preemption_mode}, {"prefix_caching", false},
+                {"length_predictor", length_predictor.empty() ? Json("untrained") : Json(length_predictor)},
+                {"length_online_updates", online_updates},
+                {"prediction_override", prediction_override.empty() ? Json(nullptr) : Json(prediction_override)}};
   }
 };
 
@@ -605,13 +703,52 @@ Json Summarize(const RunRecord& run) {
 
 constexpr int32_t kSimulatedToken = 1;  // what the sim "samples"; only lengths matter
 
+// S3's supervisor for a run of the s3 policy: the predictor (a copy, so every run starts from the
+// same weights) or an untrained one over max_model_len; nullptr for other policies.
+Result<std::unique_ptr<kvflow::LengthSupervisor>> MakeSupervisor(const std::string& policy, const ServingConfig& cfg,
+                                                                  const kvflow::LengthPredictor* predictor) {
+  if (policy != "s3") return std::unique_ptr<kvflow::LengthSupervisor>();
+  kvflow::LengthPredictor p;
+  if (predictor) {
+    p = *predictor;
+  } else {
+    kvflow::LengthPredictorConfig pc;
+    pc.buckets.max_output_len = cfg.max_model_len;
+    p = kvflow::LengthPredictor(pc);
+  }
+  kvflow::LengthSupervisorConfig sc;
+  sc.online_updates = cfg.online_updates;
+  KVFLOW_ASSIGN_OR_RETURN(sc.override_predictions,
+                          kvflow::ParsePredictionOverride(cfg.prediction_override, p.config().buckets.num_buckets));
+  return std::make_unique<kvflow::LengthSupervisor>(std::move(p), sc);
+}
+
+Json SupervisorJson(const kvflow::LengthSupervisorStats& s) {
+  return Json{{"predictions", s.predictions},
+              {"compared", s.compared},
+              {"correct", s.correct},
+              {"bucket_accuracy", s.compared > 0 ? Json(static_cast<double>(s.correct) / s.compared) : Json(nullptr)},
+              {"under_predicted", s.under_predicted},
+              {"over_predicted", s.over_predicted},
+              {"reservation_preemptions", s.reservation_misses},
+              {"online_updates", s.online_updates},
+              {"predict_s", s.predict_seconds},
+              {"update_s", s.update_seconds},
+              {"predict_us_per_request", s.predictions > 0 ? Json(1e6 * s.predict_seconds / s.predictions) : Json(nullptr)},
+              {"update_us_per_step", s.online_updates > 0 ? Json(1e6 * s.update_seconds / s.online_updates) : Json(nullptr)}};
+}
+
 // Replays the trace through the real Scheduler and BlockManager, exactly as the engine drives them
 // (schedule, run, CompleteStep, append sampled tokens, finish), with the clock advanced by the cost
-// model instead of a forward pass.
+// model instead of a forward pass. The s3 policy runs with its supervisor, as in the engine.
+//
+// Preemption penalty: the modelled time of recomputing KV a sequence had already computed once (its
+// high-water mark) and of swapping, i.e. what a step costs beyond the same step without that work.
 Result<RunRecord> Simulate(const Trace& trace, double rate, const std::string& policy_name, const ServingConfig& cfg,
-                           const CostModel& cost) {
+                           const CostModel& cost, const kvflow::LengthPredictor* predictor) {
   KVFLOW_ASSIGN_OR_RETURN(auto policy, kvflow::MakeSchedulingPolicy(policy_name));
   KVFLOW_ASSIGN_OR_RETURN(kvflow::PreemptionMode preemption, kvflow::ParsePreemptionMode(cfg.preemption_mode));
+  KVFLOW_ASSIGN_OR_RETURN(auto supervisor, MakeSupervisor(policy_name, cfg, predictor));
   kvflow::BlockManager blocks(kvflow::BlockManagerConfig{cfg.block_size, cfg.num_device_blocks, cfg.num_host_blocks,
                                                          /*enable_prefix_caching=*/false});
   kvflow::Scheduler scheduler(
@@ -622,23 +759,28 @@ Result<RunRecord> Simulate(const Trace& trace, double rate, const std::string& p
   RunRecord run = NewRunRecord(trace, rate, policy_name);
   const size_t n = run.requests.size();
   std::unordered_map<kvflow::RequestId, kvflow::SchedSequence*> in_flight;
+  std::unordered_map<kvflow::SeqId, int64_t> high_water;  // most KV ever computed per sequence
   auto timing = [&](kvflow::RequestId id) -> RequestTiming& { return run.requests[id - 1]; };
   size_t next = 0, settled = 0;
   int64_t idle_steps = 0;  // consecutive steps that ran nothing
+  int64_t recomputed_tokens = 0, swapped_blocks = 0;
+  double penalty_s = 0.0;
   double now = 0.0;
   while (settled < n) {
     for (; next < n && run.requests[next].arrival_s <= now; ++next) {
       auto group = std::make_unique<kvflow::SequenceGroup>();
       group->request_id = next + 1;
       group->arrival_time = run.requests[next].arrival_s;
-      group->max_output_tokens = trace.requests[next].output_len;
       group->true_output_len = trace.requests[next].output_len;
       auto seq = std::make_unique<kvflow::SchedSequence>();
       seq->id = scheduler.NewSeqId();
       seq->tokens = trace.requests[next].prompt;
       seq->prompt_len = seq->num_tokens();
+      // The trace's max_tokens would be the true length: the scheduler sees the context limit.
+      group->max_output_tokens = cfg.max_model_len - seq->prompt_len;
       in_flight.emplace(group->request_id, seq.get());
       group->seqs.push_back(std::move(seq));
+      if (supervisor) supervisor->Predict(*group);
       scheduler.AddGroup(std::move(group));
     }
     if (in_flight.empty()) {
@@ -653,10 +795,20 @@ Result<RunRecord> Simulate(const Trace& trace, double rate, const std::string& p
       in_flight.erase(id);
       ++settled;
     }
-    StepShape shape;
+    if (supervisor) {
+      for (kvflow::RequestId id : out.reservation_exhausted) supervisor->OnReservationExhausted(*scheduler.Find(id));
+    }
+    StepShape shape, first_time;  // first_time: the step without recomputation and swaps
     shape.swapped_blocks = static_cast<int64_t>(out.swap_in.size() + out.swap_out.size());
-    for (const kvflow::ScheduledSeq& s : out.scheduled) shape.AddSequence(s.seq->num_computed, s.num_tokens);
+    swapped_blocks += shape.swapped_blocks;
+    for (const kvflow::ScheduledSeq& s : out.scheduled) {
+      shape.AddSequence(s.seq->num_computed, s.num_tokens);
+      const int64_t redo = std::clamp<int64_t>(high_water[s.seq->id] - s.seq->num_computed, 0, s.num_tokens);
+      recomputed_tokens += redo;
+      if (s.num_tokens > redo) first_time.AddSequence(s.seq->num_computed + redo, s.num_tokens - redo);
+    }
     const double step_s = cost.StepSeconds(shape, cfg.block_size);
+    penalty_s += step_s - cost.StepSeconds(first_time, cfg.block_size);
     now += step_s;
     if (out.empty()) {
       // Nothing ran. Fine while rejections or preemptions change the state; otherwise the scheduler
@@ -670,6 +822,10 @@ Result<RunRecord> Simulate(const Trace& trace, double rate, const std::string& p
     }
     idle_steps = 0;
     scheduler.CompleteStep(out);
+    for (const kvflow::ScheduledSeq& s : out.scheduled) {
+      int64_t& hw = high_water[s.seq->id];
+      hw = std::max(hw, s.seq->num_computed);
+    }
 
     int64_t stored_tokens = 0;
     for (const auto& [id, seq] : in_flight) {
@@ -688,6 +844,8 @@ Result<RunRecord> Simulate(const Trace& trace, double rate, const std::string& p
       if (t.first_token_s < 0) t.first_token_s = now;
       if (s.seq->output_len() >= t.output_len) {
         t.finish_s = now;
+        if (supervisor) supervisor->OnFinished(*s.group, s.seq->output_len(), /*natural_end=*/true);
+        high_water.erase(s.seq->id);
         scheduler.FinishSequence(*s.seq);
         scheduler.RemoveGroup(id);
         in_flight.erase(id);
@@ -699,6 +857,11 @@ Result<RunRecord> Simulate(const Trace& trace, double rate, const std::string& p
   run.preemptions_recompute = stats.num_preemptions_recompute;
   run.preemptions_swap = stats.num_preemptions_swap;
   run.wall_s = SecondsSince(wall_start);
+  run.extra["preemption_penalty"] = Json{{"recomputed_tokens", recomputed_tokens},
+                                         {"swapped_blocks", swapped_blocks},
+                                         {"modelled_s", penalty_s},
+                                         {"reservation_preemptions", stats.num_reservation_preemptions}};
+  if (supervisor) run.extra["s3"] = SupervisorJson(supervisor->stats());
   return run;
 }
 
@@ -741,6 +904,11 @@ kvflow::EngineConfig MakeEngineConfig(const ServingConfig& cfg, const ModelChoic
   ec.preemption_mode = cfg.preemption_mode;
   ec.scheduling_policy = policy;
   ec.num_threads = num_threads;
+  if (policy == "s3") {
+    ec.length_predictor = cfg.length_predictor;
+    ec.length_predictor_online_updates = cfg.online_updates;
+    ec.length_prediction_override = cfg.prediction_override;
+  }
   return ec;
 }
 
@@ -790,8 +958,10 @@ Result<RunRecord> RunEngine(const Trace& trace, double rate, const std::string& 
         ++settled;
       };
       params.max_tokens = static_cast<int>(t.output_len);
-      auto id = engine->AddRequestWithHints(trace.requests[next].prompt, params, std::move(on_event),
-                                            kvflow::RequestHints{t.output_len, std::nullopt});
+      kvflow::RequestHints hints;
+      hints.true_output_len = t.output_len;
+      hints.hide_max_tokens = true;  // max_tokens is the true length here: not for the scheduler's eyes
+      auto id = engine->AddRequestWithHints(trace.requests[next].prompt, params, std::move(on_event), hints);
       if (!id.ok()) {
         t.failed = true;
         if (run.first_error.empty()) run.first_error = id.status().ToString();
@@ -823,6 +993,20 @@ Result<RunRecord> RunEngine(const Trace& trace, double rate, const std::string& 
   run.extra["prefill_tokens"] = after.prompt_tokens_processed - before.prompt_tokens_processed;
   run.preemptions_swap = after.num_preemptions_swap - before.num_preemptions_swap;
   run.preemptions_recompute = after.num_preemptions - before.num_preemptions - run.preemptions_swap;
+  run.extra["preemption_penalty"] = Json{{"reservation_preemptions", after.reservation_preemptions - before.reservation_preemptions}};
+  if (policy == "s3") {
+    kvflow::LengthSupervisorStats l;
+    l.predictions = after.length_predictions - before.length_predictions;
+    l.correct = after.length_correct - before.length_correct;
+    l.under_predicted = after.length_under_predicted - before.length_under_predicted;
+    l.over_predicted = after.length_over_predicted - before.length_over_predicted;
+    l.compared = after.length_compared - before.length_compared;
+    l.reservation_misses = after.reservation_preemptions - before.reservation_preemptions;
+    l.online_updates = after.length_online_updates - before.length_online_updates;
+    l.predict_seconds = after.length_predict_seconds - before.length_predict_seconds;
+    l.update_seconds = after.length_update_seconds - before.length_update_seconds;
+    run.extra["s3"] = SupervisorJson(l);
+  }
   return run;
 }
 
@@ -1927,6 +2111,8 @@ struct SweepOptions {
   double latency_bound = 0.0;  // s/token; > 0 overrides the factor
   std::string out_dir = kResultsDir;
   std::string tag;
+  // Alpaca: only the prompts this predictor training report held out.
+  std::string held_out_from;
   // sim
   std::string cost_model = "a100-opt13b";
   std::string tokenizer = kDefaultModel;
@@ -2037,17 +2223,43 @@ std::string Markdown(const Json& report) {
         "(p50 / p90 / p99). KV used = allocated device blocks / all; KV filled = tokens with stored KV / allocated "
         "block capacity (both averaged over steps).\n\n";
   md += "| policy | rate (req/s) | done / failed | req/s | output tok/s | norm. latency (s/tok) | TTFT (s) | TPOT (s) "
-        "| avg batch | preemptions | KV used | KV filled | duration (s) |\n";
-  md += "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+        "| avg batch | steps | preemptions | KV used | KV filled | duration (s) |\n";
+  md += "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const Json& r : report["runs"]) {
     md += "| " + r["policy"].get<std::string>() + " | " + RateLabel(RateFromJson(r["rate_req_s"])) + " | " +
           Cell(r["completed"]) +
           " / " + Cell(r["failed"]) + " | " + Fixed(r["throughput_req_s"], 2) + " | " +
           Fixed(r["throughput_output_tok_s"], 0) + " | " + Cell(r["normalized_latency_s_per_token"]) + " | " +
           Triple(r["ttft_s"]) + " | " + Triple(r["tpot_s"]) + " | " + Cell(r["avg_batch_seqs"], 1) + " | " +
-          std::to_string(r["preemptions"]["recompute"].get<int64_t>() + r["preemptions"]["swap"].get<int64_t>()) +
+          Cell(r["num_steps"]) + " | " + std::to_string(r["preemptions"]["recompute"].get<int64_t>() + r["preemptions"]["swap"].get<int64_t>()) +
           " | " + Percent(r["kv_used_block_fraction"]) + " | " + Percent(r["kv_filled_token_fraction"]) + " | " +
           Fixed(r["duration_s"], 1) + " |\n";
+  }
+  // S3: what the predictor and its supervisor did, and what preemption cost.
+  std::string s3;
+  for (const Json& r : report["runs"]) {
+    const bool has_penalty = r.contains("preemption_penalty") && r["preemption_penalty"].contains("modelled_s");
+    if (!r.contains("s3") && !has_penalty) continue;
+    const Json none = Json::object();
+    const Json& l = r.contains("s3") ? r["s3"] : none;
+    const double duration = r["duration_s"].get<double>();
+    auto share = [&](double seconds) { return duration > 0 ? Fixed(100 * seconds / duration, 2) + "%" : "n/a"; };
+    const double overhead = l.empty() ? 0.0 : l["predict_s"].get<double>() + l["update_s"].get<double>();
+    s3 += "| " + r["policy"].get<std::string>() + " | " + RateLabel(RateFromJson(r["rate_req_s"])) + " | " +
+          (l.empty() ? "-" : Percent(l["bucket_accuracy"])) + " | " +
+          (l.empty() ? "-" : Cell(l["under_predicted"]) + " / " + Cell(l["over_predicted"])) + " | " +
+          Cell(r["preemption_penalty"]["reservation_preemptions"]) + " | " +
+          (has_penalty ? share(r["preemption_penalty"]["modelled_s"].get<double>()) : "n/a") + " | " +
+          (l.empty() ? "-" : Cell(l["predict_us_per_request"], 1) + " / " + Cell(l["update_us_per_step"], 1)) + " | " +
+          (l.empty() ? "-" : share(overhead)) + " |\n";
+  }
+  if (!s3.empty()) {
+    md += "\nS3: bucket accuracy of the predictions at arrival (finished requests), mispredicted requests (under / "
+          "over), preemptions of exhausted reservations, the preemption penalty (recomputing KV already computed "
+          "once, and swapping) as a share of the run, and the predictor's cost on this CPU (predict per request / "
+          "online update per step, and their total as a share of the run).\n\n";
+    md += "| policy | rate | bucket accuracy | under / over | reservation preemptions | penalty | predictor us | "
+          "predictor overhead |\n|---|---|---|---|---|---|---|---|\n" + s3;
   }
   const Json& bound = report["latency_bound"];
   md += "\nSustainable rate: " + bound["sustainable_rate"].get<std::string>() + "; bound = " +
@@ -2079,7 +2291,7 @@ std::string BaseName(const std::string& trace, const std::string& executor, cons
 Result<Trace> BuildTrace(const SweepOptions& opt, const ModelChoice* tokenizer) {
   Result<Trace> trace = opt.trace == "alpaca"
                             ? LoadAlpacaTrace(opt.alpaca_path, opt.num_requests, opt.seed,
-                                              opt.serving.max_model_len, *tokenizer)
+                                              opt.serving.max_model_len, *tokenizer, opt.held_out_from)
                             : Result<Trace>(MakeShareGptTrace(opt.num_requests, opt.seed, opt.serving.max_model_len));
   if (trace.ok()) trace->unit_arrivals = UnitPoissonArrivals(opt.num_requests, opt.seed + 1);
   return trace;
@@ -2181,11 +2393,29 @@ int RunSim(SweepOptions& opt, bool tokenizer_explicit, const std::vector<std::st
     spdlog::error("{}", trace.status().ToString());
     return 1;
   }
+  std::optional<kvflow::LengthPredictor> predictor;
+  if (!opt.serving.length_predictor.empty()) {
+    auto loaded = kvflow::LengthPredictor::Load(opt.serving.length_predictor);
+    if (!loaded.ok()) {
+      spdlog::error("--length-predictor: {}", loaded.status().ToString());
+      return 2;
+    }
+    predictor = std::move(loaded.value());
+    if (tokenizer) {
+      auto files = OpenModel(*tokenizer);
+      if (files.ok() && files->tokenizer && !predictor->tokenizer_fingerprint().empty() &&
+          predictor->tokenizer_fingerprint() != kvflow::TokenizerFingerprint(*files->tokenizer)) {
+        spdlog::error("--length-predictor {} was trained on another tokenizer than {}", opt.serving.length_predictor,
+                      tokenizer->name);
+        return 2;
+      }
+    }
+  }
   const Json executor{{"description", "virtual clock; step time from the " + cost->description},
                       {"cost_model", cost->ToJson()}};
   return RunSweep("sim", executor, opt, argv, trace.value(),
                   [&](const Trace& t, double rate, const std::string& policy) {
-                    return Simulate(t, rate, policy, opt.serving, cost.value());
+                    return Simulate(t, rate, policy, opt.serving, cost.value(), predictor ? &*predictor : nullptr);
                   });
 }
 
@@ -2862,6 +3092,14 @@ void AddSweepOptions(CLI::App* cmd, SweepOptions& opt) {
       ->delimiter(',')
       ->check(CLI::IsMember(kvflow::SchedulingPolicyNames()))
       ->capture_default_str();
+  cmd->add_option("--held-out-from", opt.held_out_from,
+                  "Alpaca: draw the trace from the test_indices of this kvflow-length-predictor train report "
+                  "(repeated as needed)");
+  cmd->add_option("--length-predictor", opt.serving.length_predictor,
+                  "s3: predictor file (kvflow-length-predictor train); none: untrained, learning online");
+  cmd->add_option("--prediction-override", opt.serving.prediction_override,
+                  "s3, robustness: distort every prediction: scale:F or bucket:B");
+  cmd->add_flag("!--no-online-updates", opt.serving.online_updates, "s3: do not retrain the predictor online");
   cmd->add_option("--num-device-blocks", opt.serving.num_device_blocks,
                   "KV blocks on the device, shared by all policies (sim default: the cost model's KV budget)")
       ->check(Positive());
@@ -2914,7 +3152,9 @@ int main(int argc, char** argv) {
   CLI::App* sim = app.add_subcommand("sim", "Scheduler + block manager on a virtual clock with a step cost model");
   AddSweepOptions(sim, sweep);
   sim->add_option("--cost-model", sweep.cost_model,
-                  "a100-opt13b (analytic, OPT-13B fp16 on one A100-40GB) or cpu-measured:<json from calibrate>")
+                  "a100-opt13b (analytic, OPT-13B fp16 on one A100-40GB), S3's models on one A100-80GB "
+                  "(analytic: a100-80g:gpt-j-6b, a100-80g:llama-13b, a100-80g:gpt-neox-20b, a100-80g:llama-33b) "
+                  "or cpu-measured:<json from calibrate>")
       ->capture_default_str();
   CLI::Option* tokenizer_opt =
       sim->add_option("--tokenizer", sweep.tokenizer,

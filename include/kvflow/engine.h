@@ -82,6 +82,7 @@ struct EngineStats {
   int64_t num_steps = 0;
   // S3 (scheduling_policy "s3"): the length predictor and its supervisor.
   int64_t length_predictions = 0;
+  int64_t length_compared = 0;  // finished requests whose true length bucket is known
   int64_t length_under_predicted = 0;  // finished requests whose output outgrew the predicted bucket
   int64_t length_over_predicted = 0;
   int64_t length_correct = 0;

@@ -204,6 +204,7 @@ class EngineImpl final : public Engine {
     if (length_supervisor_) {
       const LengthSupervisorStats& l = length_supervisor_->stats();
       s.length_predictions = l.predictions;
+      s.length_compared = l.compared;
       s.length_under_predicted = l.under_predicted;
       s.length_over_predicted = l.over_predicted;
       s.length_correct = l.correct;
@@ -497,6 +498,8 @@ class EngineImpl final : public Engine {
         natural = s->finish == FinishReason::kEos || s->finish == FinishReason::kStop;
       }
     }
+    // A trace replay knows the true length: reaching it is the request's natural end.
+    if (req.group->true_output_len && longest == *req.group->true_output_len) natural = true;
     if (longest >= 0) length_supervisor_->OnFinished(*req.group, longest, natural);
   }
 
