@@ -2379,6 +2379,7 @@ int RunSim(SweepOptions& opt, bool tokenizer_explicit, const std::vector<std::st
     }
     opt.serving.num_device_blocks = static_cast<int>(*cost->kv_budget_tokens / opt.serving.block_size);
   }
+  if (opt.serving.num_host_blocks < 0) opt.serving.num_host_blocks = opt.serving.num_device_blocks;
   std::optional<ModelChoice> tokenizer;
   if (opt.trace == "alpaca") {
     auto chosen = ChooseModel(opt.tokenizer, tokenizer_explicit);
@@ -2433,6 +2434,7 @@ std::variant<ModelAndTrace, int> PrepareModelAndTrace(SweepOptions& opt, bool mo
     spdlog::error("--num-device-blocks is required (the KV budget every run shares)");
     return 2;
   }
+  if (opt.serving.num_host_blocks < 0) opt.serving.num_host_blocks = opt.serving.num_device_blocks;
   auto model = ChooseModel(opt.model, model_explicit);
   if (!model.ok()) {
     spdlog::error("--model: {}", model.status().ToString());
@@ -3104,8 +3106,8 @@ void AddSweepOptions(CLI::App* cmd, SweepOptions& opt) {
                   "KV blocks on the device, shared by all policies (sim default: the cost model's KV budget)")
       ->check(Positive());
   cmd->add_option("--num-host-blocks", opt.serving.num_host_blocks,
-                  "Swap space in blocks (0: no swapping; preemption then recomputes)")
-      ->check(NonNegative())
+                  "Swap space in blocks (0: no swapping; preemption then recomputes; -1: as many as the device)")
+      ->check(CLI::Range(-1, std::numeric_limits<int>::max()))
       ->capture_default_str();
   cmd->add_option("--block-size", opt.serving.block_size, "Tokens per KV block")
       ->check(CLI::Range(1, 256))
