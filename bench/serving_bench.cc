@@ -553,6 +553,7 @@ struct ServingConfig {
   // s3: the length predictor (empty: untrained, learning online), its online updates, and
   // injected mispredictions ("scale:F", "bucket:B").
   std::string length_predictor;
+  std::string reservation_point;  // "upper" or "middle"; empty: the predictor's
   bool online_updates = true;
   std::string prediction_override;
 
@@ -562,6 +563,7 @@ struct ServingConfig {
                 {"max_num_batched_tokens", max_num_batched_tokens}, {"max_model_len", max_model_len},
                 {"preemption_mode", preemption_mode}, {"prefix_caching", false},
                 {"length_predictor", length_predictor.empty() ? Json("untrained") : Json(length_predictor)},
+                {"length_reservation_point", reservation_point.empty() ? Json("predictor's") : Json(reservation_point)},
                 {"length_online_updates", online_updates},
                 {"prediction_override", prediction_override.empty() ? Json(nullptr) : Json(prediction_override)}};
   }
@@ -715,6 +717,9 @@ Result<std::unique_ptr<kvflow::LengthSupervisor>> MakeSupervisor(const std::stri
     kvflow::LengthPredictorConfig pc;
     pc.buckets.max_output_len = cfg.max_model_len;
     p = kvflow::LengthPredictor(pc);
+  }
+  if (!cfg.reservation_point.empty()) {
+    KVFLOW_ASSIGN_OR_RETURN(p.mutable_config().reservation_point, kvflow::ParseReservationPoint(cfg.reservation_point));
   }
   kvflow::LengthSupervisorConfig sc;
   sc.online_updates = cfg.online_updates;
@@ -908,6 +913,7 @@ kvflow::EngineConfig MakeEngineConfig(const ServingConfig& cfg, const ModelChoic
     ec.length_predictor = cfg.length_predictor;
     ec.length_predictor_online_updates = cfg.online_updates;
     ec.length_prediction_override = cfg.prediction_override;
+    ec.length_reservation_point = cfg.reservation_point;
   }
   return ec;
 }
@@ -3102,6 +3108,9 @@ void AddSweepOptions(CLI::App* cmd, SweepOptions& opt) {
   cmd->add_option("--prediction-override", opt.serving.prediction_override,
                   "s3, robustness: distort every prediction: scale:F or bucket:B");
   cmd->add_flag("!--no-online-updates", opt.serving.online_updates, "s3: do not retrain the predictor online");
+  cmd->add_option("--length-reservation", opt.serving.reservation_point,
+                  "s3: reserve the upper or middle edge of the predicted bucket (default: the predictor's)")
+      ->check(CLI::IsMember({"upper", "middle"}));
   cmd->add_option("--num-device-blocks", opt.serving.num_device_blocks,
                   "KV blocks on the device, shared by all policies (sim default: the cost model's KV budget)")
       ->check(Positive());
