@@ -770,6 +770,7 @@ Result<RunRecord> Simulate(const Trace& trace, double rate, const std::string& p
   int64_t idle_steps = 0;  // consecutive steps that ran nothing
   int64_t recomputed_tokens = 0, swapped_blocks = 0;
   double penalty_s = 0.0;
+  std::vector<bool> mispredicted_in_order;  // s3: per finished request, in completion order
   double now = 0.0;
   while (settled < n) {
     for (; next < n && run.requests[next].arrival_s <= now; ++next) {
@@ -849,7 +850,11 @@ Result<RunRecord> Simulate(const Trace& trace, double rate, const std::string& p
       if (t.first_token_s < 0) t.first_token_s = now;
       if (s.seq->output_len() >= t.output_len) {
         t.finish_s = now;
-        if (supervisor) supervisor->OnFinished(*s.group, s.seq->output_len(), /*natural_end=*/true);
+        if (supervisor) {
+          const kvflow::LengthBuckets& b = supervisor->predictor().config().buckets;
+          mispredicted_in_order.push_back(b.BucketOf(s.seq->output_len()) != s.group->predicted_bucket);
+          supervisor->OnFinished(*s.group, s.seq->output_len(), /*natural_end=*/true);
+        }
         high_water.erase(s.seq->id);
         scheduler.FinishSequence(*s.seq);
         scheduler.RemoveGroup(id);
@@ -866,7 +871,19 @@ Result<RunRecord> Simulate(const Trace& trace, double rate, const std::string& p
                                          {"swapped_blocks", swapped_blocks},
                                          {"modelled_s", penalty_s},
                                          {"reservation_preemptions", stats.num_reservation_preemptions}};
-  if (supervisor) run.extra["s3"] = SupervisorJson(supervisor->stats());
+  if (supervisor) {
+    run.extra["s3"] = SupervisorJson(supervisor->stats());
+    // Whether online retraining converges: the misprediction rate per tenth of the completions.
+    Json deciles = Json::array();
+    const size_t m = mispredicted_in_order.size();
+    for (size_t d = 0; d < 10 && m >= 10; ++d) {
+      const size_t from = d * m / 10, to = (d + 1) * m / 10;
+      deciles.push_back(static_cast<double>(std::count(mispredicted_in_order.begin() + static_cast<std::ptrdiff_t>(from),
+                                                       mispredicted_in_order.begin() + static_cast<std::ptrdiff_t>(to), true)) /
+                        static_cast<double>(to - from));
+    }
+    run.extra["s3"]["misprediction_rate_by_completion_decile"] = deciles;
+  }
   return run;
 }
 
@@ -2119,6 +2136,7 @@ struct SweepOptions {
   std::string tag;
   // Alpaca: only the prompts this predictor training report held out.
   std::string held_out_from;
+  bool require_complete = false;  // exit 3 when any request failed (smoke tests)
   // sim
   std::string cost_model = "a100-opt13b";
   std::string tokenizer = kDefaultModel;
@@ -2312,6 +2330,7 @@ int RunSweep(const std::string& executor, const Json& executor_info, const Sweep
   std::vector<double> rates = opt.rates;
   std::sort(rates.begin(), rates.end());
   Json runs = Json::array();
+  int64_t failed = 0;
   for (const std::string& policy : opt.policies) {
     for (double rate : rates) {
       auto run = run_one(trace, rate, policy);
@@ -2320,6 +2339,7 @@ int RunSweep(const std::string& executor, const Json& executor_info, const Sweep
         return 1;
       }
       Json summary = Summarize(run.value());
+      failed += summary["failed"].get<int64_t>();
       std::fprintf(stderr, "[%s %s] %-11s %6.2f req/s: %lld done, %lld failed, norm. latency %s s/tok, %lld steps, %.1f s wall\n",
                    executor.c_str(), trace.name.c_str(), policy.c_str(), rate,
                    static_cast<long long>(summary["completed"].get<int64_t>()),
@@ -2357,6 +2377,10 @@ int RunSweep(const std::string& executor, const Json& executor_info, const Sweep
     }
   }
   std::fprintf(stderr, "wrote %s.json and .md\n", base.c_str());
+  if (opt.require_complete && failed > 0) {
+    std::fprintf(stderr, "FAILED: %lld request(s) did not complete\n", static_cast<long long>(failed));
+    return 3;
+  }
   return 0;
 }
 
@@ -3100,6 +3124,7 @@ void AddSweepOptions(CLI::App* cmd, SweepOptions& opt) {
       ->delimiter(',')
       ->check(CLI::IsMember(kvflow::SchedulingPolicyNames()))
       ->capture_default_str();
+  cmd->add_flag("--require-complete", opt.require_complete, "Exit with code 3 when any request failed");
   cmd->add_option("--held-out-from", opt.held_out_from,
                   "Alpaca: draw the trace from the test_indices of this kvflow-length-predictor train report "
                   "(repeated as needed)");
