@@ -770,7 +770,7 @@ Result<RunRecord> Simulate(const Trace& trace, double rate, const std::string& p
   int64_t idle_steps = 0;  // consecutive steps that ran nothing
   int64_t recomputed_tokens = 0, swapped_blocks = 0;
   double penalty_s = 0.0;
-  std::vector<bool> mispredicted_in_order;  // s3: per finished request, in completion order
+  std::vector<int8_t> mispredicted(n, -1);  // s3: per request (arrival order); -1: not finished
   double now = 0.0;
   while (settled < n) {
     for (; next < n && run.requests[next].arrival_s <= now; ++next) {
@@ -852,7 +852,7 @@ Result<RunRecord> Simulate(const Trace& trace, double rate, const std::string& p
         t.finish_s = now;
         if (supervisor) {
           const kvflow::LengthBuckets& b = supervisor->predictor().config().buckets;
-          mispredicted_in_order.push_back(b.BucketOf(s.seq->output_len()) != s.group->predicted_bucket);
+          mispredicted[id - 1] = b.BucketOf(s.seq->output_len()) != s.group->predicted_bucket;
           supervisor->OnFinished(*s.group, s.seq->output_len(), /*natural_end=*/true);
         }
         high_water.erase(s.seq->id);
@@ -873,16 +873,19 @@ Result<RunRecord> Simulate(const Trace& trace, double rate, const std::string& p
                                          {"reservation_preemptions", stats.num_reservation_preemptions}};
   if (supervisor) {
     run.extra["s3"] = SupervisorJson(supervisor->stats());
-    // Whether online retraining converges: the misprediction rate per tenth of the completions.
+    // Whether online retraining converges: the misprediction rate per tenth of the requests, in
+    // arrival order (a prediction is made at arrival, so only later arrivals can profit).
     Json deciles = Json::array();
-    const size_t m = mispredicted_in_order.size();
-    for (size_t d = 0; d < 10 && m >= 10; ++d) {
-      const size_t from = d * m / 10, to = (d + 1) * m / 10;
-      deciles.push_back(static_cast<double>(std::count(mispredicted_in_order.begin() + static_cast<std::ptrdiff_t>(from),
-                                                       mispredicted_in_order.begin() + static_cast<std::ptrdiff_t>(to), true)) /
-                        static_cast<double>(to - from));
+    for (size_t d = 0; d < 10 && n >= 10; ++d) {
+      int64_t wrong = 0, seen = 0;
+      for (size_t i = d * n / 10; i < (d + 1) * n / 10; ++i) {
+        if (mispredicted[i] < 0) continue;
+        ++seen;
+        wrong += mispredicted[i];
+      }
+      deciles.push_back(seen > 0 ? Json(static_cast<double>(wrong) / static_cast<double>(seen)) : Json(nullptr));
     }
-    run.extra["s3"]["misprediction_rate_by_completion_decile"] = deciles;
+    run.extra["s3"]["misprediction_rate_by_arrival_decile"] = deciles;
   }
   return run;
 }
