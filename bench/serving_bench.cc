@@ -710,22 +710,9 @@ constexpr int32_t kSimulatedToken = 1;  // what the sim "samples"; only lengths 
 Result<std::unique_ptr<kvflow::LengthSupervisor>> MakeSupervisor(const std::string& policy, const ServingConfig& cfg,
                                                                   const kvflow::LengthPredictor* predictor) {
   if (policy != "s3") return std::unique_ptr<kvflow::LengthSupervisor>();
-  kvflow::LengthPredictor p;
-  if (predictor) {
-    p = *predictor;
-  } else {
-    kvflow::LengthPredictorConfig pc;
-    pc.buckets.max_output_len = cfg.max_model_len;
-    p = kvflow::LengthPredictor(pc);
-  }
-  if (!cfg.reservation_point.empty()) {
-    KVFLOW_ASSIGN_OR_RETURN(p.mutable_config().reservation_point, kvflow::ParseReservationPoint(cfg.reservation_point));
-  }
-  kvflow::LengthSupervisorConfig sc;
-  sc.online_updates = cfg.online_updates;
-  KVFLOW_ASSIGN_OR_RETURN(sc.override_predictions,
-                          kvflow::ParsePredictionOverride(cfg.prediction_override, p.config().buckets.num_buckets));
-  return std::make_unique<kvflow::LengthSupervisor>(std::move(p), sc);
+  return kvflow::MakeLengthSupervisor(predictor ? std::optional(*predictor) : std::nullopt,
+                                      {cfg.max_model_len, cfg.reservation_point, cfg.online_updates,
+                                       cfg.prediction_override});
 }
 
 Json SupervisorJson(const kvflow::LengthSupervisorStats& s) {

@@ -799,36 +799,30 @@ Result<std::unique_ptr<LengthSupervisor>> CreateLengthSupervisor(const EngineCon
     }
     return std::unique_ptr<LengthSupervisor>();
   }
-  LengthPredictor predictor;
-  const std::string fingerprint = TokenizerFingerprint(tokenizer);
+  std::optional<LengthPredictor> trained;
   if (config.length_predictor.empty()) {
-    LengthPredictorConfig pc;
-    pc.buckets.max_output_len = config.max_model_len;
-    predictor = LengthPredictor(pc);
-    predictor.set_tokenizer_fingerprint(fingerprint);
     spdlog::warn("s3 without a length predictor: every request starts in the shortest bucket and the predictor "
                  "learns online from completed requests (train one with kvflow-length-predictor train)");
   } else {
-    KVFLOW_ASSIGN_OR_RETURN(predictor, LengthPredictor::Load(config.length_predictor));
-    if (!predictor.tokenizer_fingerprint().empty() && predictor.tokenizer_fingerprint() != fingerprint) {
+    KVFLOW_ASSIGN_OR_RETURN(trained, LengthPredictor::Load(config.length_predictor));
+    const std::string fingerprint = TokenizerFingerprint(tokenizer);
+    if (!trained->tokenizer_fingerprint().empty() && trained->tokenizer_fingerprint() != fingerprint) {
       return Status::InvalidArgument("length predictor " + config.length_predictor +
                                      " was trained on another tokenizer's token ids (fingerprint " +
-                                     predictor.tokenizer_fingerprint() + ", this model's " + fingerprint + ")");
+                                     trained->tokenizer_fingerprint() + ", this model's " + fingerprint + ")");
     }
   }
-  if (!config.length_reservation_point.empty()) {
-    KVFLOW_ASSIGN_OR_RETURN(predictor.mutable_config().reservation_point,
-                            ParseReservationPoint(config.length_reservation_point));
-  }
-  LengthSupervisorConfig sc;
-  sc.online_updates = config.length_predictor_online_updates;
-  KVFLOW_ASSIGN_OR_RETURN(sc.override_predictions, ParsePredictionOverride(config.length_prediction_override,
-                                                                            predictor.config().buckets.num_buckets));
-  const LengthPredictorConfig& pc = predictor.config();
+  KVFLOW_ASSIGN_OR_RETURN(auto supervisor,
+                          MakeLengthSupervisor(std::move(trained),
+                                               {config.max_model_len, config.length_reservation_point,
+                                                config.length_predictor_online_updates,
+                                                config.length_prediction_override}));
+  const LengthPredictorConfig& pc = supervisor->predictor().config();
   spdlog::info("s3: length predictor {}: {} buckets of {} tokens, reserving the {} edge; online updates {}",
                config.length_predictor.empty() ? "untrained" : config.length_predictor, pc.buckets.num_buckets,
-               pc.buckets.width(), ReservationPointName(pc.reservation_point), sc.online_updates ? "on" : "off");
-  return std::make_unique<LengthSupervisor>(std::move(predictor), sc);
+               pc.buckets.width(), ReservationPointName(pc.reservation_point),
+               config.length_predictor_online_updates ? "on" : "off");
+  return supervisor;
 }
 
 // The CPU backend: the KV pool is kv_cache_bytes (or num_kv_blocks, or enough for max_num_seqs full

@@ -45,6 +45,27 @@ Result<PredictionOverride> ParsePredictionOverride(std::string_view spec, int nu
                                  std::to_string(num_buckets) + "), not '" + std::string(spec) + "'");
 }
 
+Result<std::unique_ptr<LengthSupervisor>> MakeLengthSupervisor(std::optional<LengthPredictor> trained,
+                                                               const LengthSupervisorOptions& options) {
+  LengthPredictor predictor;
+  if (trained) {
+    predictor = std::move(*trained);
+  } else {
+    LengthPredictorConfig pc;
+    pc.buckets.max_output_len = std::max<int64_t>(1, options.max_model_len);
+    predictor = LengthPredictor(pc);
+  }
+  if (!options.reservation_point.empty()) {
+    KVFLOW_ASSIGN_OR_RETURN(predictor.mutable_config().reservation_point,
+                            ParseReservationPoint(options.reservation_point));
+  }
+  LengthSupervisorConfig config;
+  config.online_updates = options.online_updates;
+  KVFLOW_ASSIGN_OR_RETURN(config.override_predictions,
+                          ParsePredictionOverride(options.prediction_override, predictor.config().buckets.num_buckets));
+  return std::make_unique<LengthSupervisor>(std::move(predictor), config);
+}
+
 LengthSupervisor::LengthSupervisor(LengthPredictor predictor, const LengthSupervisorConfig& config)
     : predictor_(std::move(predictor)), config_(config) {}
 

@@ -42,6 +42,19 @@ struct LengthSupervisorStats {
   double update_seconds = 0;   // in the online updates
 };
 
+// What a supervisor is made from: a trained predictor, or none (an untrained one whose buckets span
+// `max_model_len`, learning online only), plus the options the engine and the benchmark share.
+struct LengthSupervisorOptions {
+  int64_t max_model_len = 2048;
+  std::string reservation_point;  // "upper" or "middle"; empty: the predictor's own
+  bool online_updates = true;
+  std::string prediction_override;  // ParsePredictionOverride's syntax; empty: none
+};
+
+class LengthSupervisor;
+Result<std::unique_ptr<LengthSupervisor>> MakeLengthSupervisor(std::optional<LengthPredictor> trained,
+                                                               const LengthSupervisorOptions& options);
+
 class LengthSupervisor {
  public:
   LengthSupervisor(LengthPredictor predictor, const LengthSupervisorConfig& config);
