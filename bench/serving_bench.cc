@@ -74,6 +74,7 @@
 #include "sched/policy.h"
 #include "sched/scheduler.h"
 #include "sched/sequence_group.h"
+#include "util/alpaca.h"
 
 #ifndef KVFLOW_SOURCE_DIR
 #define KVFLOW_SOURCE_DIR "."
@@ -350,8 +351,7 @@ Result<Trace> LoadAlpacaTrace(const std::string& path, size_t num_requests, uint
   int64_t truncated = 0;
   for (size_t i = 0; i < num_requests; ++i) {
     const Json& e = data[order[i]];
-    const std::string input = e.value("input", "");
-    const std::string prompt = e.value("instruction", "") + (input.empty() ? "" : "\n" + input);
+    const std::string prompt = kvflow::AlpacaPrompt(e.value("instruction", ""), e.value("input", ""));
     TraceRequest r;
     r.prompt = tok.Encode(prompt, tok.add_bos());
     r.output_len = std::max<int64_t>(1, static_cast<int64_t>(tok.Encode(e.value("output", ""), false).size()));

@@ -27,6 +27,7 @@
 #include "model/tensor_source.h"
 #include "model/tiny_random.h"
 #include "sched/length_predictor.h"
+#include "util/alpaca.h"
 
 namespace {
 
@@ -42,10 +43,10 @@ extern "C" void RequestStop(int) { g_stop_requested = 1; }
 
 double SecondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-// The same order on every standard library: the split and the sample must be reproducible.
+// The split and the sample must be reproducible: the predictor's shuffle, seeded.
 void FisherYates(std::vector<size_t>& v, uint64_t seed) {
   std::mt19937_64 rng(seed);
-  for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[static_cast<size_t>(rng() % i)]);
+  kvflow::ReproducibleShuffle(v, rng);
 }
 
 std::vector<size_t> Iota(size_t n) {
@@ -100,8 +101,7 @@ Result<Dataset> LoadAlpaca(const std::string& path) {
     for (size_t i = 0; i < data.size(); ++i) {
       const Json& e = data[i];
       if (!e.is_object()) return Status::CorruptFile(path + ": entry " + std::to_string(i) + " is not an object");
-      const std::string input = e.value("input", "");
-      ds.records.push_back({static_cast<int64_t>(i), e.value("instruction", "") + (input.empty() ? "" : "\n" + input),
+      ds.records.push_back({static_cast<int64_t>(i), kvflow::AlpacaPrompt(e.value("instruction", ""), e.value("input", "")),
                             e.value("output", ""), std::nullopt});
     }
   } catch (const Json::exception& e) {

@@ -54,14 +54,6 @@ int LengthBin(size_t prompt_len) {
   return std::min(bin, LengthPredictor::kNumLengthBins - 1);
 }
 
-// The same bit-exact order on every standard library (std::shuffle's is unspecified).
-void FisherYates(std::vector<size_t>& v, std::mt19937_64& rng) {
-  for (size_t i = v.size(); i > 1; --i) {
-    const size_t j = static_cast<size_t>(rng() % i);
-    std::swap(v[i - 1], v[j]);
-  }
-}
-
 template <typename T>
 void AppendPod(std::string& out, const T& v) {
   out.append(reinterpret_cast<const char*>(&v), sizeof(T));
@@ -76,6 +68,13 @@ LengthPredictorConfig Clamped(LengthPredictorConfig c) {
 }
 
 }  // namespace
+
+void ReproducibleShuffle(std::vector<size_t>& v, std::mt19937_64& rng) {
+  for (size_t i = v.size(); i > 1; --i) {
+    const size_t j = static_cast<size_t>(rng() % i);
+    std::swap(v[i - 1], v[j]);
+  }
+}
 
 // ---- buckets and config -----------------------------------------------------------------------
 
@@ -218,7 +217,7 @@ TrainReport LengthPredictor::Train(const std::vector<LengthExample>& examples) {
   const float l2 = config_.l2;
 
   for (int epoch = 0; epoch < config_.epochs; ++epoch) {
-    FisherYates(order, rng);
+    ReproducibleShuffle(order, rng);
     double loss = 0, total_weight = 0;
     for (size_t idx : order) {
       const float weight = examples[idx].weight;

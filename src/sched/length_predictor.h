@@ -21,6 +21,7 @@
 
 #include <array>
 #include <cstdint>
+#include <random>
 #include <span>
 #include <string>
 #include <string_view>
@@ -165,6 +166,10 @@ struct LengthEvaluation {
   double mean_predict_us = 0;          // per prompt, on this CPU
 };
 LengthEvaluation Evaluate(const LengthPredictor& predictor, const std::vector<LengthExample>& examples);
+
+// Fisher-Yates with `rng`: the same order on every standard library (std::shuffle's is
+// unspecified), so training and the tool's splits are reproducible anywhere.
+void ReproducibleShuffle(std::vector<size_t>& v, std::mt19937_64& rng);
 
 // A short stable string identifying a tokenizer's vocabulary.
 std::string TokenizerFingerprint(const Tokenizer& tokenizer);
