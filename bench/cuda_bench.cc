@@ -31,6 +31,7 @@
 
 #include "attention_decode.h"
 #include "attention_prefill.h"
+#include "model/llama_model.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_device.h"
 #include "fill.h"
@@ -311,7 +312,7 @@ json BenchEndToEnd(double copy_gbs, int context, int steps) {
         tokens += context;
       }
       if (b.seqs.empty()) d.Add(b, seq++, context, kvflow::LogitsMode::kLast);
-      if (auto st = backend->Forward(b, logits); !st.ok()) {
+      if (auto st = kvflow::LlamaModel(*backend).Forward(b, logits); !st.ok()) {
         spdlog::error("prefill: {}", st.ToString());
         std::exit(1);
       }
@@ -322,7 +323,7 @@ json BenchEndToEnd(double copy_gbs, int context, int steps) {
       kvflow::ForwardBatch b;
       for (int seq = 0; seq < batch; ++seq) d.Add(b, seq, 1, kvflow::LogitsMode::kLast);
       const auto t0 = std::chrono::steady_clock::now();
-      if (auto st = backend->Forward(b, logits); !st.ok()) {
+      if (auto st = kvflow::LlamaModel(*backend).Forward(b, logits); !st.ok()) {
         spdlog::error("decode: {}", st.ToString());
         std::exit(1);
       }

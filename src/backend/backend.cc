@@ -1,8 +1,74 @@
 #include "backend/backend.h"
 
+#include <algorithm>
 #include <string>
 
 namespace kvflow {
+
+KvView KvView::BlockSubset(std::vector<BlockId> blocks, int32_t num_tokens) {
+  KvView v;
+  v.kind = Kind::kBlocks;
+  v.blocks = std::move(blocks);
+  v.num_tokens = num_tokens;
+  return v;
+}
+
+KvView KvView::Slots(std::vector<int64_t> slots) {
+  KvView v;
+  v.kind = Kind::kSlots;
+  v.slots = std::move(slots);
+  return v;
+}
+
+KvView KvView::SinksAndWindow(std::span<const BlockId> table, int32_t context_len, int32_t num_sinks,
+                              int32_t window, int block_size) {
+  const int32_t sinks = std::clamp(num_sinks, 0, context_len);
+  const int32_t recent_from = std::max(sinks, context_len - std::max(window, 0));
+  std::vector<int64_t> slots;
+  slots.reserve(static_cast<size_t>(sinks + context_len - recent_from));
+  auto slot = [&](int32_t t) {
+    return static_cast<int64_t>(table[static_cast<size_t>(t / block_size)]) * block_size + t % block_size;
+  };
+  for (int32_t t = 0; t < sinks; ++t) slots.push_back(slot(t));
+  for (int32_t t = recent_from; t < context_len; ++t) slots.push_back(slot(t));
+  return Slots(std::move(slots));
+}
+
+int64_t SequenceSlice::view_size() const {
+  switch (view.kind) {
+    case KvView::Kind::kFull: return context_len;
+    case KvView::Kind::kBlocks: return view.num_tokens;
+    case KvView::Kind::kSlots: return static_cast<int64_t>(view.slots.size());
+  }
+  return 0;
+}
+
+std::vector<int64_t> ResolveSlotMapping(const ForwardBatch& batch, int block_size) {
+  if (!batch.slot_mapping.empty()) return batch.slot_mapping;
+  std::vector<int64_t> slots(batch.tokens.size(), -1);
+  for (const SequenceSlice& s : batch.seqs) {
+    for (int32_t j = 0; j < s.num_tokens; ++j) {
+      const int32_t pos = s.context_len - s.num_tokens + j;
+      slots[static_cast<size_t>(s.token_offset + j)] =
+          static_cast<int64_t>(s.block_table[static_cast<size_t>(pos / block_size)]) * block_size + pos % block_size;
+    }
+  }
+  return slots;
+}
+
+void ViewSlots(const SequenceSlice& s, int block_size, std::vector<int64_t>& slots) {
+  slots.clear();
+  if (s.view.kind == KvView::Kind::kSlots) {
+    slots = s.view.slots;
+    return;
+  }
+  const std::vector<BlockId>& table = s.view.kind == KvView::Kind::kFull ? s.block_table : s.view.blocks;
+  const int64_t n = s.view_size();
+  slots.resize(static_cast<size_t>(n));
+  for (int64_t t = 0; t < n; ++t) {
+    slots[static_cast<size_t>(t)] = static_cast<int64_t>(table[static_cast<size_t>(t / block_size)]) * block_size + t % block_size;
+  }
+}
 
 int64_t ForwardBatch::num_logit_rows() const {
   int64_t rows = 0;
@@ -12,6 +78,33 @@ int64_t ForwardBatch::num_logit_rows() const {
   }
   return rows;
 }
+
+namespace {
+
+Status ValidateView(const SequenceSlice& s, const KvCacheLayout& layout) {
+  const KvView& v = s.view;
+  if (s.view_size() < s.num_tokens) {
+    return Status::InvalidArgument("a KV view of " + std::to_string(s.view_size()) +
+                                   " tokens cannot hold the step's " + std::to_string(s.num_tokens) + " tokens");
+  }
+  if (v.kind == KvView::Kind::kBlocks) {
+    if (static_cast<int64_t>(v.blocks.size()) * layout.block_size < v.num_tokens) {
+      return Status::InvalidArgument("a block-subset view of " + std::to_string(v.blocks.size()) +
+                                     " blocks cannot hold " + std::to_string(v.num_tokens) + " tokens");
+    }
+    for (BlockId b : v.blocks) {
+      if (b < 0 || b >= layout.num_blocks) return Status::InvalidArgument("view block id " + std::to_string(b) + " outside the pool");
+    }
+  } else if (v.kind == KvView::Kind::kSlots) {
+    const int64_t slots = static_cast<int64_t>(layout.num_blocks) * layout.block_size;
+    for (int64_t slot : v.slots) {
+      if (slot < 0 || slot >= slots) return Status::InvalidArgument("view slot " + std::to_string(slot) + " outside the pool");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
 
 Status ValidateForwardBatch(const ForwardBatch& batch, const ModelConfig& config,
                             const KvCacheLayout& layout) {
@@ -47,9 +140,22 @@ Status ValidateForwardBatch(const ForwardBatch& batch, const ModelConfig& config
         return Status::InvalidArgument("positions of a sequence must continue its context");
       }
     }
+    KVFLOW_RETURN_IF_ERROR(ValidateView(s, layout));
   }
   if (expected_offset != static_cast<int64_t>(batch.tokens.size())) {
     return Status::InvalidArgument("sequence slices do not cover all tokens of the batch");
+  }
+  if (!batch.slot_mapping.empty()) {
+    if (batch.slot_mapping.size() != batch.tokens.size()) {
+      return Status::InvalidArgument("slot_mapping has " + std::to_string(batch.slot_mapping.size()) +
+                                     " entries for " + std::to_string(batch.tokens.size()) + " tokens");
+    }
+    const int64_t slots = static_cast<int64_t>(layout.num_blocks) * layout.block_size;
+    for (int64_t slot : batch.slot_mapping) {
+      if (slot < -1 || slot >= slots) {
+        return Status::InvalidArgument("KV slot " + std::to_string(slot) + " outside the pool");
+      }
+    }
   }
   return Status::Ok();
 }

@@ -1,8 +1,10 @@
-// The interface every compute backend implements: one forward pass over a batch of sequences whose
-// KV cache lives in paged blocks (see kv/kv_cache_layout.h).
+// The interface every compute backend implements: memory (weights, paged KV pools, activations)
+// and the primitives a decoder is written in, over a batch of sequences whose KV cache lives in
+// paged blocks (see kv/kv_cache_layout.h).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -19,24 +21,60 @@ namespace kvflow {
 
 enum class LogitsMode { kNone, kLast, kAll };
 
-// One sequence's share of a step: `num_tokens` new tokens (a prefill chunk or one decode token)
-// at positions context_len - num_tokens .. context_len - 1.
+// Which cached tokens a sequence's queries attend to (FlashInfer's paged_kv_t: one descriptor for
+// any set of pages). The step's own tokens are the last num_tokens entries of the view and the
+// mask is causal in view order: query j of n sees entries [0, size - n + j]. A view only chooses
+// what attention reads; where the new K/V are written is ForwardBatch::slot_mapping.
+struct KvView {
+  enum class Kind {
+    kFull,    // the first context_len tokens of the sequence's block table (plain decoding)
+    kBlocks,  // the first num_tokens tokens of `blocks`, a chosen subset of the table (retrieval)
+    kSlots,   // exactly `slots`, in order (gathered tokens; sinks + recent window)
+  };
+  Kind kind = Kind::kFull;
+  std::vector<BlockId> blocks;  // kBlocks
+  int32_t num_tokens = 0;       // kBlocks: every block but the last is read whole
+  std::vector<int64_t> slots;   // kSlots: block * block_size + offset
+
+  static KvView Full() { return {}; }
+  static KvView BlockSubset(std::vector<BlockId> blocks, int32_t num_tokens);
+  static KvView Slots(std::vector<int64_t> slots);
+  // StreamingLLM's cache: the first `num_sinks` and the last `window` of the first context_len
+  // tokens of `table` (all of them when they overlap).
+  static KvView SinksAndWindow(std::span<const BlockId> table, int32_t context_len, int32_t num_sinks,
+                               int32_t window, int block_size);
+};
+
+// One sequence's share of a step: `num_tokens` new tokens (a prefill chunk, one decode token, or a
+// token and its drafts) at positions context_len - num_tokens .. context_len - 1.
 struct SequenceSlice {
   int32_t token_offset = 0;  // index of the first of its tokens in ForwardBatch::tokens
   int32_t num_tokens = 0;
   int32_t context_len = 0;  // tokens in its KV cache once this step has written its own
   std::vector<BlockId> block_table;  // must cover context_len tokens
   LogitsMode logits = LogitsMode::kLast;
+  KvView view;  // what its attention reads; the whole table by default
+
+  // Entries of the view (kFull: context_len).
+  int64_t view_size() const;
 };
 
 struct ForwardBatch {
   std::vector<int32_t> tokens;     // all new tokens of the step, sequence after sequence
-  std::vector<int32_t> positions;  // position of each token in its sequence
+  std::vector<int32_t> positions;  // position of each token in its sequence (RoPE)
+  // Physical KV slot (block * block_size + offset) each token's K/V is written to, -1 for none.
+  // Empty: each token goes to its position's slot in its sequence's block table.
+  std::vector<int64_t> slot_mapping;
   std::vector<SequenceSlice> seqs;
 
   // Rows of logits that Forward will produce, in sequence order.
   int64_t num_logit_rows() const;
 };
+
+// The slot of every token of `batch` (its slot_mapping, or the default one).
+std::vector<int64_t> ResolveSlotMapping(const ForwardBatch& batch, int block_size);
+// The physical slots a slice's view reads, in view order.
+void ViewSlots(const SequenceSlice& slice, int block_size, std::vector<int64_t>& slots);
 
 // One logit row to sample on the device: the request's parameters, the sequence's tokens so far
 // (for the penalties), tokens not allowed now, and the row's uniform draw in [0, 1) from the
@@ -55,22 +93,63 @@ constexpr int kMaxDeviceTopLogprobs = 20;
 // Where a batch of block moves (planned by the block manager) copies from and to.
 enum class BlockCopyKind { kDeviceToHost, kHostToDevice, kDeviceToDevice };
 
+// Where a step's logits go: copied to the host (num_logit_rows x vocab floats), or sampled on the
+// device, one DeviceSampleRow per logit row.
+struct LogitsSink {
+  std::vector<float>* host = nullptr;
+  std::span<const DeviceSampleRow> sample_rows;
+  std::vector<SampledToken>* sampled = nullptr;
+};
+
+// The step's activation buffers, owned by the backend: one row per token of the step.
+enum class Activation {
+  kHidden,     // [hidden] normalized input of attention or MLP
+  kQkv,        // [(heads + 2 kv_heads) * head_dim] fused projection: Q, then K, then V
+  kAttention,  // [heads * head_dim]
+  kDelta,      // [hidden] output of a block, added to the residual stream by the next norm
+  kGateUp,     // [2 * intermediate]
+  kMlp,        // [intermediate]
+};
+// The weights of one decoder layer, as the primitives name them.
+enum class LayerWeight { kAttnNorm, kQkv, kO, kFfnNorm, kGateUp, kDown };
+
+// A compute backend: it owns the weights, the paged KV pools, the step's activations, and the
+// primitives a decoder is written in (model/llama_model.h runs the layer loop over them). It has
+// no forward pass of its own.
+//
+// A step: RunStep(batch, sink, layers) stages the batch, calls `layers` (which issues the
+// primitives below for every layer), then runs the head (final norm and LM head over the rows
+// that want logits, in chunks its memory allows) into the sink. A capturable `layers` issues the
+// same primitives whatever the batch, so a backend may record it once (CUDA graphs) and replay it.
 class Backend {
  public:
   virtual ~Backend() = default;
 
-  // Runs the model on `batch`, writing each new token's K/V into its block, and fills `logits`
-  // with num_logit_rows() x vocab_size floats.
-  virtual Status Forward(const ForwardBatch& batch, std::vector<float>& logits) = 0;
+  virtual Status RunStep(const ForwardBatch& batch, const LogitsSink& sink, const std::function<Status()>& layers,
+                         bool capturable) = 0;
 
-  // Backends that sample on the device run Forward and then sample each logit row there (`rows`:
-  // one per logit row, in order), so only tokens and logprobs cross to the host; same semantics as
-  // the CPU Sampler given the same uniforms. Every row's params.logprobs <= kMaxDeviceTopLogprobs.
+  // ---- primitives, valid inside `layers` -------------------------------------------------------
+  // residual = embedding rows of the step's tokens.
+  virtual Status Embed() = 0;
+  // hidden = RMSNorm(residual) * weight; with add_delta, residual += delta first.
+  virtual Status RmsNorm(int layer, LayerWeight norm, bool add_delta) = 0;
+  // out = in x weight^T.
+  virtual Status Linear(int layer, LayerWeight weight, Activation in, Activation out) = 0;
+  // Rotates the Q and K heads of kQkv at the step's positions.
+  virtual Status Rotary() = 0;
+  // Writes the K and V heads of kQkv into the layer's pools at the step's slots.
+  virtual Status WriteKv(int layer) = 0;
+  // kAttention = attention of the Q heads of kQkv over each sequence's KV view.
+  virtual Status Attention(int layer) = 0;
+  // kMlp = silu(gate) * up of kGateUp.
+  virtual Status SiluMul() = 0;
+  // residual += delta (after the last layer).
+  virtual Status AddDelta() = 0;
+
+  // Backends that sample on the device accept a sink with sample_rows: only tokens and logprobs
+  // cross to the host; same semantics as the CPU Sampler given the same uniforms. Every row's
+  // params.logprobs <= kMaxDeviceTopLogprobs.
   virtual bool SupportsDeviceSampling() const { return false; }
-  virtual Status ForwardAndSample(const ForwardBatch& batch, std::span<const DeviceSampleRow> rows,
-                                  std::vector<SampledToken>& sampled) {
-    return Status::Unsupported("this backend does not sample on the device");
-  }
 
   // Copies whole blocks (every layer, K and V) between the device pool and the host swap pool,
   // or inside the device pool (copy-on-write). One call per kind per step.
@@ -82,7 +161,8 @@ class Backend {
   virtual std::string Describe() const = 0;
 };
 
-// Checks a batch against the layout and the config (token ids, positions, block tables).
+// Checks a batch against the layout and the config (token ids, positions, block tables, slots,
+// views).
 Status ValidateForwardBatch(const ForwardBatch& batch, const ModelConfig& config,
                             const KvCacheLayout& layout);
 // Checks that every move names blocks inside the pools it reads and writes.

@@ -20,6 +20,7 @@
 #include "sched/length_supervisor.h"
 #include "sched/scheduler.h"
 #include "util/hash.h"
+#include "model/llama_model.h"
 #include "model/llama_weights.h"
 #include "model/tensor_source.h"
 #include "model/tiny_random.h"
@@ -63,6 +64,7 @@ class EngineImpl final : public Engine {
         model_config_(files.config),
         tokenizer_(std::move(files.tokenizer)),
         backend_(std::move(backend)),
+        model_(*backend_),
         blocks_(BlockManagerConfig{config_.block_size, backend_->kv_layout().num_blocks, backend_->num_host_blocks(),
                                    config_.enable_prefix_caching}),
         scheduler_(SchedulerConfig{config_.max_num_seqs, config_.max_num_batched_tokens, config_.max_model_len,
@@ -326,8 +328,8 @@ class EngineImpl final : public Engine {
       }
       for (size_t i = 0; i < device_rows.size(); ++i) device_rows[i].suppress = device_suppress[i];
     }
-    Status st = sample_on_device ? backend_->ForwardAndSample(batch, device_rows, device_sampled)
-                                 : backend_->Forward(batch, logits_);
+    Status st = sample_on_device ? model_.ForwardAndSample(batch, device_rows, device_sampled)
+                                 : model_.Forward(batch, logits_);
     if (!st.ok()) {
       // A failed step fails the requests in it, not the engine.
       spdlog::error("forward pass failed: {}", st.ToString());
@@ -734,6 +736,7 @@ class EngineImpl final : public Engine {
   ModelConfig model_config_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<Backend> backend_;
+  LlamaModel model_;
   BlockManager blocks_;
   Scheduler scheduler_;
   std::unique_ptr<LengthSupervisor> length_supervisor_;  // s3 only

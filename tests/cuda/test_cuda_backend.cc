@@ -16,6 +16,7 @@
 #include <numeric>
 #include <random>
 
+#include "model/llama_model.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
 #include "engine_test_util.h"
@@ -136,8 +137,8 @@ TEST_P(CudaBackendLogits, MatchCpuBackendOnTinyRandom) {
   BatchPlanner planner(kBlocks, kBlockSize, 99);
   auto step = [&](const ForwardBatch& b, const std::string& what) {
     std::vector<float> ref, got;
-    ASSERT_TRUE(cpu.value()->Forward(b, ref).ok());
-    const Status st = gpu.value()->Forward(b, got);
+    ASSERT_TRUE(LlamaModel(*cpu.value()).Forward(b, ref).ok());
+    const Status st = LlamaModel(*gpu.value()).Forward(b, got);
     ASSERT_TRUE(st.ok()) << st.ToString();
     double scale = 0.0;
     for (float x : ref) scale = std::max(scale, static_cast<double>(std::fabs(x)));
@@ -210,7 +211,7 @@ TEST(CudaBackendBlocks, CopyAndSwapRoundTripsPreserveTheCache) {
   ForwardBatch b;
   planner.Add(b, 0, RandomTokens(rng, 37, config.vocab_size), LogitsMode::kLast);
   std::vector<float> before, after;
-  ASSERT_TRUE(gpu->Forward(b, before).ok());
+  ASSERT_TRUE(LlamaModel(*gpu).Forward(b, before).ok());
   const std::vector<BlockId> table = b.seqs[0].block_table;  // 5 blocks
 
   // Swap the blocks out, scribble over them with another sequence, swap back: same next logits.
@@ -235,7 +236,7 @@ TEST(CudaBackendBlocks, CopyAndSwapRoundTripsPreserveTheCache) {
     scribble.seqs.push_back(s);
   }
   std::vector<float> unused;
-  ASSERT_TRUE(gpu->Forward(scribble, unused).ok());
+  ASSERT_TRUE(LlamaModel(*gpu).Forward(scribble, unused).ok());
   ASSERT_TRUE(gpu->CopyBlocks(in, BlockCopyKind::kHostToDevice).ok());
   ForwardBatch next;
   SequenceSlice s;
@@ -246,7 +247,7 @@ TEST(CudaBackendBlocks, CopyAndSwapRoundTripsPreserveTheCache) {
   next.tokens = {7};
   next.positions = {37};
   next.seqs = {s};
-  ASSERT_TRUE(gpu->Forward(next, after).ok());
+  ASSERT_TRUE(LlamaModel(*gpu).Forward(next, after).ok());
 
   // Reference: the same decode on an untouched copy (CoW the blocks to fresh ids, decode there).
   std::vector<BlockMove> cow;
@@ -260,7 +261,7 @@ TEST(CudaBackendBlocks, CopyAndSwapRoundTripsPreserveTheCache) {
   ASSERT_TRUE(gpu->CopyBlocks(cow, BlockCopyKind::kDeviceToDevice).ok());
   next.seqs[0].block_table = copy_table;
   std::vector<float> via_copy;
-  ASSERT_TRUE(gpu->Forward(next, via_copy).ok());
+  ASSERT_TRUE(LlamaModel(*gpu).Forward(next, via_copy).ok());
   EXPECT_EQ(after, via_copy) << "a copy-on-write copy decodes exactly like the original";
   EXPECT_EQ(after.size(), static_cast<size_t>(config.vocab_size));
   for (float x : after) ASSERT_TRUE(std::isfinite(x));
@@ -307,7 +308,7 @@ TEST(CudaBackendSampling, DeviceSamplingEqualsHostSamplerOnTheSameLogits) {
       planner.Add(b, static_cast<int>(i), toks, LogitsMode::kLast);
     }
     std::vector<float> logits;
-    ASSERT_TRUE(gpu->Forward(b, logits).ok());
+    ASSERT_TRUE(LlamaModel(*gpu).Forward(b, logits).ok());
     std::vector<DeviceSampleRow> rows;
     std::vector<SampledToken> want;
     const std::vector<int32_t> suppress = {3, 5, 7};
@@ -327,7 +328,7 @@ TEST(CudaBackendSampling, DeviceSamplingEqualsHostSamplerOnTheSameLogits) {
       rows.push_back(r);
     }
     std::vector<SampledToken> got;
-    const Status st = gpu->ForwardAndSample(b, rows, got);  // the same step again: same logits
+    const Status st = LlamaModel(*gpu).ForwardAndSample(b, rows, got);  // the same step again: same logits
     ASSERT_TRUE(st.ok()) << st.ToString();
     ASSERT_EQ(got.size(), want.size());
     for (size_t i = 0; i < want.size(); ++i) {

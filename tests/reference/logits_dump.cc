@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "model/llama_model.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_device.h"
@@ -144,7 +145,7 @@ int main(int argc, char** argv) {
     }
     if (batch.seqs.empty()) continue;
     std::vector<float> logits;
-    if (auto st = backend->Forward(batch, logits); !st.ok()) return Fail(st);
+    if (auto st = kvflow::LlamaModel(*backend).Forward(batch, logits); !st.ok()) return Fail(st);
     int64_t row = 0;
     for (size_t k = 0; k < members.size(); ++k) {
       const int64_t rows = batch.seqs[k].num_tokens;

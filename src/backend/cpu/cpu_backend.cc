@@ -73,77 +73,163 @@ Status CpuBackend::CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind ki
   return Status::Ok();
 }
 
-Status CpuBackend::Forward(const ForwardBatch& batch, std::vector<float>& logits) {
+Status CpuBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink,
+                           const std::function<Status()>& layers, bool capturable) {
   KVFLOW_RETURN_IF_ERROR(ValidateForwardBatch(batch, config_, layout_));
+  if (sink.sampled) return Status::Unsupported("the CPU backend samples on the host");
   if (num_threads_ > 0 && cpu::NumThreads() != num_threads_) cpu::SetNumThreads(num_threads_);
   const int64_t T = static_cast<int64_t>(batch.tokens.size());
-  const int64_t H = config_.hidden_size, D = config_.head_dim, F = config_.intermediate_size;
-  const int64_t NH = config_.num_heads, KV = config_.num_kv_heads, V = config_.vocab_size;
-  const int64_t QKV = (NH + 2 * KV) * D;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-
   try {
-    x_.resize(T * H);
-    h_.resize(T * H);
-    qkv_.resize(T * QKV);
-    q_.resize(T * NH * D);
-    k_.resize(T * KV * D);
-    v_.resize(T * KV * D);
-    attn_.resize(T * NH * D);
-    gate_up_.resize(T * 2 * F);
-    act_.resize(T * F);
-    logits.resize(static_cast<size_t>(batch.num_logit_rows() * V));
+    for (Activation a : {Activation::kHidden, Activation::kQkv, Activation::kAttention, Activation::kDelta,
+                         Activation::kGateUp, Activation::kMlp}) {
+      const size_t n = static_cast<size_t>(T * Width(a));
+      std::vector<float>& buffer = a == Activation::kHidden      ? hidden_
+                                   : a == Activation::kQkv       ? qkv_
+                                   : a == Activation::kAttention ? attention_
+                                   : a == Activation::kDelta     ? delta_
+                                   : a == Activation::kGateUp    ? gate_up_
+                                                                 : mlp_;
+      buffer.resize(n);
+    }
+    residual_.resize(static_cast<size_t>(T * config_.hidden_size));
+    sink.host->resize(static_cast<size_t>(batch.num_logit_rows() * config_.vocab_size));
+    slots_ = ResolveSlotMapping(batch, layout_.block_size);
+    view_slots_.resize(batch.seqs.size());
+    for (size_t s = 0; s < batch.seqs.size(); ++s) ViewSlots(batch.seqs[s], layout_.block_size, view_slots_[s]);
   } catch (const std::bad_alloc&) {
     return Status::OutOfMemory("cannot allocate activations for a batch of " + std::to_string(T) + " tokens");
   }
+  batch_ = &batch;
+  num_tokens_ = T;
+  Status st = layers();
+  if (st.ok()) st = Head(sink);
+  batch_ = nullptr;
+  return st;
+}
 
-  for (int64_t t = 0; t < T; ++t) {
-    std::memcpy(&x_[t * H], &weights_.embed[static_cast<size_t>(batch.tokens[t]) * H], H * sizeof(float));
+float* CpuBackend::Buffer(Activation which) {
+  switch (which) {
+    case Activation::kHidden: return hidden_.data();
+    case Activation::kQkv: return qkv_.data();
+    case Activation::kAttention: return attention_.data();
+    case Activation::kDelta: return delta_.data();
+    case Activation::kGateUp: return gate_up_.data();
+    case Activation::kMlp: return mlp_.data();
   }
+  return nullptr;
+}
 
-  for (int layer = 0; layer < config_.num_layers; ++layer) {
-    const LlamaLayerWeights& w = weights_.layers[static_cast<size_t>(layer)];
-    cpu::RmsNorm(x_.data(), w.attn_norm.data(), h_.data(), T, H, config_.rms_norm_eps);
-    cpu::MatmulTransposedB(h_.data(), w.wqkv.data(), qkv_.data(), T, QKV, H);
-
-    // Split the fused projection and rotate Q and K.
-#pragma omp parallel for schedule(static) if (T > 1)
-    for (int64_t t = 0; t < T; ++t) {
-      const float* row = &qkv_[t * QKV];
-      std::memcpy(&q_[t * NH * D], row, NH * D * sizeof(float));
-      std::memcpy(&k_[t * KV * D], row + NH * D, KV * D * sizeof(float));
-      std::memcpy(&v_[t * KV * D], row + (NH + KV) * D, KV * D * sizeof(float));
-      const int pos = batch.positions[static_cast<size_t>(t)];
-      for (int64_t h = 0; h < NH; ++h) ApplyRope(&q_[(t * NH + h) * D], static_cast<int>(D), pos, rope_);
-      for (int64_t h = 0; h < KV; ++h) ApplyRope(&k_[(t * KV + h) * D], static_cast<int>(D), pos, rope_);
-    }
-
-    float* kc = key_cache_.data() + layer * layout_.layer_stride();
-    float* vc = value_cache_.data() + layer * layout_.layer_stride();
-    cpu::WriteKvCache(batch, layout_, k_.data(), v_.data(), kc, vc);
-    cpu::PagedAttention(batch, layout_, static_cast<int>(NH), q_.data(), kc, vc, scale, attn_.data());
-
-    cpu::MatmulTransposedB(attn_.data(), w.wo.data(), x_.data(), T, H, NH * D, /*accumulate=*/true);
-    cpu::RmsNorm(x_.data(), w.ffn_norm.data(), h_.data(), T, H, config_.rms_norm_eps);
-    cpu::MatmulTransposedB(h_.data(), w.w_gate_up.data(), gate_up_.data(), T, 2 * F, H);
-    cpu::SiluMul(gate_up_.data(), act_.data(), T, F);
-    cpu::MatmulTransposedB(act_.data(), w.w_down.data(), x_.data(), T, H, F, /*accumulate=*/true);
+int64_t CpuBackend::Width(Activation which) const {
+  const int64_t D = config_.head_dim;
+  switch (which) {
+    case Activation::kHidden:
+    case Activation::kDelta: return config_.hidden_size;
+    case Activation::kQkv: return (config_.num_heads + 2 * config_.num_kv_heads) * D;
+    case Activation::kAttention: return config_.num_heads * D;
+    case Activation::kGateUp: return 2 * static_cast<int64_t>(config_.intermediate_size);
+    case Activation::kMlp: return config_.intermediate_size;
   }
+  return 0;
+}
 
-  // Only the rows that need logits go through the final norm and the (large) output matrix.
-  const int64_t rows = batch.num_logit_rows();
+const std::vector<float>& CpuBackend::Weight(int layer, LayerWeight which) const {
+  const LlamaLayerWeights& w = weights_.layers[static_cast<size_t>(layer)];
+  switch (which) {
+    case LayerWeight::kAttnNorm: return w.attn_norm;
+    case LayerWeight::kQkv: return w.wqkv;
+    case LayerWeight::kO: return w.wo;
+    case LayerWeight::kFfnNorm: return w.ffn_norm;
+    case LayerWeight::kGateUp: return w.w_gate_up;
+    case LayerWeight::kDown: return w.w_down;
+  }
+  return w.attn_norm;
+}
+
+Status CpuBackend::Embed() {
+  const int64_t H = config_.hidden_size;
+  for (int64_t t = 0; t < num_tokens_; ++t) {
+    std::memcpy(&residual_[t * H], &weights_.embed[static_cast<size_t>(batch_->tokens[t]) * H], H * sizeof(float));
+  }
+  return Status::Ok();
+}
+
+Status CpuBackend::RmsNorm(int layer, LayerWeight norm, bool add_delta) {
+  const int64_t n = num_tokens_ * config_.hidden_size;
+  if (add_delta) {
+    for (int64_t i = 0; i < n; ++i) residual_[i] += delta_[i];
+  }
+  cpu::RmsNorm(residual_.data(), Weight(layer, norm).data(), hidden_.data(), num_tokens_, config_.hidden_size,
+               config_.rms_norm_eps);
+  return Status::Ok();
+}
+
+Status CpuBackend::Linear(int layer, LayerWeight weight, Activation in, Activation out) {
+  cpu::MatmulTransposedB(Buffer(in), Weight(layer, weight).data(), Buffer(out), num_tokens_, Width(out), Width(in));
+  return Status::Ok();
+}
+
+Status CpuBackend::Rotary() {
+  const int64_t D = config_.head_dim, NH = config_.num_heads, KV = config_.num_kv_heads;
+  const int64_t row = Width(Activation::kQkv);
+#pragma omp parallel for schedule(static) if (num_tokens_ > 1)
+  for (int64_t t = 0; t < num_tokens_; ++t) {
+    float* qk = &qkv_[t * row];
+    const int pos = batch_->positions[static_cast<size_t>(t)];
+    // Q heads, then K heads: one run of NH + KV heads.
+    for (int64_t h = 0; h < NH + KV; ++h) ApplyRope(qk + h * D, static_cast<int>(D), pos, rope_);
+  }
+  return Status::Ok();
+}
+
+Status CpuBackend::WriteKv(int layer) {
+  const int64_t D = config_.head_dim, NH = config_.num_heads, KV = config_.num_kv_heads;
+  float* kc = key_cache_.data() + layer * layout_.layer_stride();
+  float* vc = value_cache_.data() + layer * layout_.layer_stride();
+  cpu::WriteKvCache(slots_, layout_, qkv_.data() + NH * D, qkv_.data() + (NH + KV) * D, Width(Activation::kQkv),
+                    kc, vc);
+  return Status::Ok();
+}
+
+Status CpuBackend::Attention(int layer) {
+  cpu::AttentionIo io;
+  io.query = qkv_.data();
+  io.query_row_stride = Width(Activation::kQkv);
+  io.out = attention_.data();
+  io.out_row_stride = Width(Activation::kAttention);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+  cpu::PagedAttention(*batch_, view_slots_, layout_, config_.num_heads, io, key_cache(layer), value_cache(layer),
+                      scale);
+  return Status::Ok();
+}
+
+Status CpuBackend::SiluMul() {
+  cpu::SiluMul(gate_up_.data(), mlp_.data(), num_tokens_, config_.intermediate_size);
+  return Status::Ok();
+}
+
+Status CpuBackend::AddDelta() {
+  const int64_t n = num_tokens_ * config_.hidden_size;
+  for (int64_t i = 0; i < n; ++i) residual_[i] += delta_[i];
+  return Status::Ok();
+}
+
+// Only the rows that need logits go through the final norm and the (large) output matrix.
+Status CpuBackend::Head(const LogitsSink& sink) {
+  const int64_t rows = batch_->num_logit_rows();
   if (rows == 0) return Status::Ok();
-  final_h_.resize(rows * H);
+  const int64_t H = config_.hidden_size;
+  final_rows_.resize(static_cast<size_t>(rows * H));
   int64_t row = 0;
-  for (const SequenceSlice& s : batch.seqs) {
+  for (const SequenceSlice& s : batch_->seqs) {
     if (s.logits == LogitsMode::kNone) continue;
     const int64_t first = s.logits == LogitsMode::kLast ? s.token_offset + s.num_tokens - 1 : s.token_offset;
     const int64_t count = s.logits == LogitsMode::kLast ? 1 : s.num_tokens;
-    std::memcpy(&final_h_[row * H], &x_[first * H], count * H * sizeof(float));
+    std::memcpy(&final_rows_[row * H], &residual_[first * H], count * H * sizeof(float));
     row += count;
   }
-  cpu::RmsNorm(final_h_.data(), weights_.final_norm.data(), final_h_.data(), rows, H, config_.rms_norm_eps);
-  cpu::MatmulTransposedB(final_h_.data(), weights_.output_matrix().data(), logits.data(), rows, V, H);
+  cpu::RmsNorm(final_rows_.data(), weights_.final_norm.data(), final_rows_.data(), rows, H, config_.rms_norm_eps);
+  cpu::MatmulTransposedB(final_rows_.data(), weights_.output_matrix().data(), sink.host->data(), rows,
+                         config_.vocab_size, H);
   return Status::Ok();
 }
 

@@ -1,4 +1,5 @@
-// The CPU reference backend: fp32 Llama forward over a paged KV cache in host memory.
+// The CPU reference backend: fp32 weights, activations and paged KV cache in host memory, and the
+// decoder's primitives over them (model/llama_model.h runs the layer loop).
 #pragma once
 
 #include <memory>
@@ -18,7 +19,17 @@ class CpuBackend final : public Backend {
                                                     const KvCacheLayout& layout, int num_host_blocks,
                                                     int num_threads);
 
-  Status Forward(const ForwardBatch& batch, std::vector<float>& logits) override;
+  Status RunStep(const ForwardBatch& batch, const LogitsSink& sink, const std::function<Status()>& layers,
+                 bool capturable) override;
+  Status Embed() override;
+  Status RmsNorm(int layer, LayerWeight norm, bool add_delta) override;
+  Status Linear(int layer, LayerWeight weight, Activation in, Activation out) override;
+  Status Rotary() override;
+  Status WriteKv(int layer) override;
+  Status Attention(int layer) override;
+  Status SiluMul() override;
+  Status AddDelta() override;
+
   Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) override;
   const KvCacheLayout& kv_layout() const override { return layout_; }
   int num_host_blocks() const override { return host_layout_.num_blocks; }
@@ -28,15 +39,21 @@ class CpuBackend final : public Backend {
   // Direct access to one layer's pools, for tests that compare against contiguous attention.
   const float* key_cache(int layer) const { return key_cache_.data() + layer * layout_.layer_stride(); }
   const float* value_cache(int layer) const { return value_cache_.data() + layer * layout_.layer_stride(); }
+  // A row of the step's activations (valid inside and right after a step), for hooks and tests.
+  const float* activation(Activation which) { return Buffer(which); }
 
  private:
   CpuBackend(const ModelConfig& config, LlamaWeights weights, const KvCacheLayout& layout);
+  float* Buffer(Activation which);
+  int64_t Width(Activation which) const;
+  const std::vector<float>& Weight(int layer, LayerWeight which) const;
+  Status Head(const LogitsSink& sink);
 
   ModelConfig config_;
   LlamaWeights weights_;
   KvCacheLayout layout_;
   KvCacheLayout host_layout_;  // same shape, num_blocks = swap blocks
-  // OpenMP's thread count is per calling thread: it is applied on the thread that runs Forward
+  // OpenMP's thread count is per calling thread: it is applied on the thread that runs the step
   // (an AsyncEngine steps on a thread of its own). 0: OpenMP's default.
   int num_threads_ = 0;
   RopeFrequencies rope_;
@@ -44,8 +61,13 @@ class CpuBackend final : public Backend {
   std::vector<float> value_cache_;
   std::unique_ptr<float[]> host_key_cache_;
   std::unique_ptr<float[]> host_value_cache_;
+  // The step being run, its slots and the slots each sequence's view reads.
+  const ForwardBatch* batch_ = nullptr;
+  int64_t num_tokens_ = 0;
+  std::vector<int64_t> slots_;
+  std::vector<std::vector<int64_t>> view_slots_;
   // Activations, reused across steps.
-  std::vector<float> x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, act_, final_h_;
+  std::vector<float> residual_, hidden_, qkv_, attention_, delta_, gate_up_, mlp_, final_rows_;
 };
 
 }  // namespace kvflow

@@ -2,21 +2,49 @@
 // they read and write the cache exactly as described in kv/kv_cache_layout.h.
 #pragma once
 
+#include <span>
+#include <vector>
+
 #include "backend/backend.h"
 #include "kv/kv_cache_layout.h"
 
 namespace kvflow::cpu {
 
-// Writes the K and V rows of every new token of `batch` into its block slot (reshape_and_cache).
-// key/value: [num_tokens, num_kv_heads, head_dim]; caches: one layer's pools.
+// Writes K and V row t (num_kv_heads x head_dim at key + t * row_stride, likewise value) into
+// physical slot slots[t] (block * block_size + offset); -1 skips the token (reshape_and_cache).
+void WriteKvCache(std::span<const int64_t> slots, const KvCacheLayout& layout, const float* key,
+                  const float* value, int64_t row_stride, float* key_cache, float* value_cache);
+// The same for dense rows ([num_tokens, num_kv_heads, head_dim]) at the batch's slots.
 void WriteKvCache(const ForwardBatch& batch, const KvCacheLayout& layout, const float* key,
                   const float* value, float* key_cache, float* value_cache);
 
-// Causal attention of every new token over its sequence's cached context (which already holds the
-// token's own K/V). query/out: [num_tokens, num_heads, head_dim]; query head h reads KV head
-// h / (num_heads / num_kv_heads).
+// Where attention reads its queries and writes its results: row t of the batch at
+// query + t * query_row_stride (num_heads x head_dim), likewise out; lse, when set, receives the
+// log-sum-exp of each (token, head)'s scaled scores, [num_tokens, num_heads], so attentions over
+// disjoint KV sets can be merged (MergeAttentionStates).
+struct AttentionIo {
+  const float* query = nullptr;
+  int64_t query_row_stride = 0;
+  float* out = nullptr;
+  int64_t out_row_stride = 0;
+  float* lse = nullptr;
+};
+
+// Attention of every new token over its sequence's KV view (which already holds the token's own
+// K/V); causal in view order (backend.h, KvView). view_slots[s]: the physical slots of slice s's
+// view (ViewSlots). Query head h reads KV head h / (num_heads / num_kv_heads).
+void PagedAttention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> view_slots,
+                    const KvCacheLayout& layout, int num_heads, const AttentionIo& io, const float* key_cache,
+                    const float* value_cache, float scale);
+// The same with dense queries and outputs ([num_tokens, num_heads, head_dim]) and each slice's view.
 void PagedAttention(const ForwardBatch& batch, const KvCacheLayout& layout, int num_heads,
                     const float* query, const float* key_cache, const float* value_cache, float scale,
                     float* out);
+
+// Merges two attentions of the same queries over disjoint KV sets a and b into one, exactly as if
+// computed over their union: out = (e^lse_a o_a + e^lse_b o_b) / (e^lse_a + e^lse_b). Rows of
+// `rows` = tokens x heads, each head_dim long; lse_out may alias lse_a.
+void MergeAttentionStates(const float* out_a, const float* lse_a, const float* out_b, const float* lse_b,
+                          int64_t rows, int head_dim, float* out, float* lse_out);
 
 }  // namespace kvflow::cpu

@@ -201,10 +201,17 @@ class CudaBackend final : public Backend {
 
   Status Init(const LlamaWeights* weights, uint64_t random_seed);
 
-  Status Forward(const ForwardBatch& batch, std::vector<float>& logits) override;
+  Status RunStep(const ForwardBatch& batch, const LogitsSink& sink, const std::function<Status()>& layers,
+                 bool capturable) override;
+  Status Embed() override;
+  Status RmsNorm(int layer, LayerWeight norm, bool add_delta) override;
+  Status Linear(int layer, LayerWeight weight, Activation in, Activation out) override;
+  Status Rotary() override;
+  Status WriteKv(int layer) override;
+  Status Attention(int layer) override;
+  Status SiluMul() override;
+  Status AddDelta() override;
   bool SupportsDeviceSampling() const override { return true; }
-  Status ForwardAndSample(const ForwardBatch& batch, std::span<const DeviceSampleRow> rows,
-                          std::vector<SampledToken>& sampled) override;
   Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) override;
   const KvCacheLayout& kv_layout() const override { return layout_; }
   int num_host_blocks() const override { return num_host_blocks_; }
@@ -219,19 +226,17 @@ class CudaBackend final : public Backend {
 
   // Fills the staging metadata for `batch`; pads a decode batch to `padded_seqs` rows.
   StepShape PlanStep(const ForwardBatch& batch, int padded_seqs);
-  // The whole forward pass on stream_, from the uploaded metadata to logits_ (rows
-  // [0, min(rows, kMaxLogitRowsPerChunk))); graph-capturable.
-  Status RunModel(const StepShape& shape, int max_decode_context);
+  // The head over logit rows [first_row, first_row + rows) of the step, into logits_.
   Status RunLogits(int first_row, int rows);
   Status Gemm(const void* x, const void* w, void* y, int m, int n, int k, DType out_dtype);
-  // Where a step's logits go: copied to the host, or sampled on the device.
-  struct LogitsSink {
-    float* host = nullptr;                        // copy rows here, unless `sampled` is set:
-    std::span<const DeviceSampleRow> sample_rows;  // then sample these rows into it
-    std::vector<SampledToken>* sampled = nullptr;
-  };
-  Status Run(const ForwardBatch& batch, const LogitsSink& sink, int64_t rows);
-  Status ForwardWithGraph(const ForwardBatch& batch, int bucket, const LogitsSink& sink);
+  Status CheckSink(const ForwardBatch& batch, const LogitsSink& sink, int64_t rows);
+  // The layers (issued by `layers` from the uploaded metadata) and the head, replayed as a CUDA
+  // graph per decode batch-size bucket.
+  Status RunWithGraph(const ForwardBatch& batch, int bucket, const LogitsSink& sink,
+                      const std::function<Status()>& layers);
+  void* ActivationBuffer(Activation which) const;
+  int ActivationWidth(Activation which) const;
+  const void* LayerWeightPtr(int layer, LayerWeight which) const;
   Status Drain(int first_row, int rows, const LogitsSink& sink);
   Status CopyLogitsToHost(int rows, float* dst);
   Status SampleOnDevice(std::span<const DeviceSampleRow> rows, std::vector<SampledToken>& sampled);
@@ -292,6 +297,8 @@ class CudaBackend final : public Backend {
   PinnedArena sample_staging_;       // rows + outputs
   StepMetadata device_meta_;
   size_t meta_bytes_ = 0;
+  // The step the primitives act on (for a graph: the bucket's padded shape).
+  StepShape step_;
 
   DeviceArena pairs_;
   PinnedArena staging_;  // metadata mirror
@@ -595,26 +602,27 @@ StepShape CudaBackend::PlanStep(const ForwardBatch& batch, int padded_seqs) {
   const int T = static_cast<int>(batch.tokens.size());
   std::copy(batch.tokens.begin(), batch.tokens.end(), m.tokens);
   std::copy(batch.positions.begin(), batch.positions.end(), m.positions);
+  const std::vector<int64_t> slots = ResolveSlotMapping(batch, bs);
+  std::copy(slots.begin(), slots.end(), m.slot_mapping);
   for (const SequenceSlice& s : batch.seqs) {
-    // The slice's tokens are the last num_tokens of its context (see backend.h).
-    for (int j = 0; j < s.num_tokens; ++j) {
-      const int pos = s.context_len - s.num_tokens + j;
-      m.slot_mapping[s.token_offset + j] =
-          static_cast<int64_t>(s.block_table[static_cast<size_t>(pos / bs)]) * bs + pos % bs;
-    }
-    const int used_blocks = (s.context_len + bs - 1) / bs;
+    // Attention reads the slice's view: its whole table, or a subset of blocks (RunStep refuses
+    // explicit slot lists), with the slice's tokens as the view's last entries.
+    const bool full = s.view.kind == KvView::Kind::kFull;
+    const std::vector<BlockId>& table = full ? s.block_table : s.view.blocks;
+    const int view_len = static_cast<int>(s.view_size());
+    const int used_blocks = (view_len + bs - 1) / bs;
     if (s.num_tokens == 1) {
       const int d = shape.num_decode++;
-      std::copy_n(s.block_table.begin(), used_blocks, m.decode_block_tables + static_cast<size_t>(d) * max_blocks_per_seq_);
-      m.decode_context_lens[d] = s.context_len;
+      std::copy_n(table.begin(), used_blocks, m.decode_block_tables + static_cast<size_t>(d) * max_blocks_per_seq_);
+      m.decode_context_lens[d] = view_len;
       m.decode_query_rows[d] = s.token_offset;
-      shape.max_decode_context = std::max(shape.max_decode_context, s.context_len);
+      shape.max_decode_context = std::max(shape.max_decode_context, view_len);
     } else {
       const int p = shape.num_prefill++;
-      std::copy_n(s.block_table.begin(), used_blocks, m.prefill_block_tables + static_cast<size_t>(p) * max_blocks_per_seq_);
+      std::copy_n(table.begin(), used_blocks, m.prefill_block_tables + static_cast<size_t>(p) * max_blocks_per_seq_);
       m.prefill_query_starts[p] = s.token_offset;
       m.prefill_query_lens[p] = s.num_tokens;
-      m.prefill_context_lens[p] = s.context_len;
+      m.prefill_context_lens[p] = view_len;
       shape.max_prefill_query = std::max(shape.max_prefill_query, s.num_tokens);
     }
     if (s.logits == LogitsMode::kLast) {
@@ -671,79 +679,141 @@ Status CudaBackend::Gemm(const void* x, const void* w, void* y, int m, int n, in
   return Status::Ok();
 }
 
-Status CudaBackend::RunModel(const StepShape& shape, int max_decode_context) {
-  const int T = shape.num_tokens;
-  const int H = config_.hidden_size, D = config_.head_dim, F = config_.intermediate_size;
-  const int NH = config_.num_heads, KV = config_.num_kv_heads, V = config_.vocab_size;
-  const int QKV = (NH + 2 * KV) * D;
-  const float eps = config_.rms_norm_eps;
+void* CudaBackend::ActivationBuffer(Activation which) const {
+  switch (which) {
+    case Activation::kHidden: return hidden_;
+    case Activation::kQkv: return qkv_;
+    case Activation::kAttention: return attn_;
+    case Activation::kDelta: return delta_;
+    case Activation::kGateUp: return gate_up_;
+    case Activation::kMlp: return act_;
+  }
+  return nullptr;
+}
+
+int CudaBackend::ActivationWidth(Activation which) const {
+  const int D = config_.head_dim;
+  switch (which) {
+    case Activation::kHidden:
+    case Activation::kDelta: return config_.hidden_size;
+    case Activation::kQkv: return (config_.num_heads + 2 * config_.num_kv_heads) * D;
+    case Activation::kAttention: return config_.num_heads * D;
+    case Activation::kGateUp: return 2 * config_.intermediate_size;
+    case Activation::kMlp: return config_.intermediate_size;
+  }
+  return 0;
+}
+
+const void* CudaBackend::LayerWeightPtr(int layer, LayerWeight which) const {
+  const DeviceLayer& w = layers_[static_cast<size_t>(layer)];
+  switch (which) {
+    case LayerWeight::kAttnNorm: return w.attn_norm;
+    case LayerWeight::kQkv: return w.wqkv;
+    case LayerWeight::kO: return w.wo;
+    case LayerWeight::kFfnNorm: return w.ffn_norm;
+    case LayerWeight::kGateUp: return w.w_gate_up;
+    case LayerWeight::kDown: return w.w_down;
+  }
+  return nullptr;
+}
+
+Status CudaBackend::Embed() {
+  const int H = config_.hidden_size;
+  KVFLOW_KERNEL_RETURN(cuda::GatherRowsToF32(dtype_, embed_, H, config_.vocab_size, device_meta_.tokens,
+                                             step_.num_tokens, H, residual_, stream_));
+  return Status::Ok();
+}
+
+Status CudaBackend::RmsNorm(int layer, LayerWeight norm, bool add_delta) {
+  const int T = step_.num_tokens, H = config_.hidden_size;
+  const void* weight = LayerWeightPtr(layer, norm);
+  if (add_delta) {
+    KVFLOW_KERNEL_RETURN(cuda::FusedAddRmsNorm(dtype_, residual_, delta_, weight, hidden_, T, H, config_.rms_norm_eps,
+                                               stream_));
+  } else {
+    KVFLOW_KERNEL_RETURN(cuda::RmsNorm(dtype_, residual_, weight, hidden_, T, H, config_.rms_norm_eps, stream_));
+  }
+  return Status::Ok();
+}
+
+Status CudaBackend::Linear(int layer, LayerWeight weight, Activation in, Activation out) {
+  return Gemm(ActivationBuffer(in), LayerWeightPtr(layer, weight), ActivationBuffer(out), step_.num_tokens,
+              ActivationWidth(out), ActivationWidth(in), dtype_);
+}
+
+Status CudaBackend::Rotary() {
+  KVFLOW_KERNEL_RETURN(cuda::ApplyRotaryEmbedding(dtype_, qkv_, ActivationWidth(Activation::kQkv),
+                                                  device_meta_.positions, step_.num_tokens, config_.num_heads,
+                                                  config_.num_kv_heads, config_.head_dim, inv_freq_,
+                                                  attention_scale_, stream_));
+  return Status::Ok();
+}
+
+Status CudaBackend::WriteKv(int layer) {
+  const int NH = config_.num_heads, KV = config_.num_kv_heads, D = config_.head_dim;
+  const int QKV = ActivationWidth(Activation::kQkv);
   const size_t es = cuda::DTypeSize(dtype_);
   const size_t layer_bytes = layout_.layer_stride() * es;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const StepMetadata& m = device_meta_;
+  char* qkv = static_cast<char*>(qkv_);
+  KVFLOW_KERNEL_RETURN(cuda::ReshapeAndCache(dtype_, qkv + static_cast<size_t>(NH) * D * es, QKV,
+                                             qkv + static_cast<size_t>(NH + KV) * D * es, QKV,
+                                             key_pool_ + layer * layer_bytes, value_pool_ + layer * layer_bytes,
+                                             device_meta_.slot_mapping, step_.num_tokens, KV, D, layout_.block_size,
+                                             stream_));
+  return Status::Ok();
+}
 
-  KVFLOW_KERNEL_RETURN(cuda::GatherRowsToF32(dtype_, embed_, H, V, m.tokens, T, H, residual_, stream_));
-  for (int l = 0; l < config_.num_layers; ++l) {
-    const DeviceLayer& w = layers_[static_cast<size_t>(l)];
-    if (l == 0) {
-      KVFLOW_KERNEL_RETURN(cuda::RmsNorm(dtype_, residual_, w.attn_norm, hidden_, T, H, eps, stream_));
-    } else {
-      KVFLOW_KERNEL_RETURN(cuda::FusedAddRmsNorm(dtype_, residual_, delta_, w.attn_norm, hidden_, T, H, eps, stream_));
-    }
-    KVFLOW_RETURN_IF_ERROR(Gemm(hidden_, w.wqkv, qkv_, T, QKV, H, dtype_));
-    KVFLOW_KERNEL_RETURN(cuda::ApplyRotaryEmbedding(dtype_, qkv_, QKV, m.positions, T, NH, KV, D, inv_freq_,
-                                                    attention_scale_, stream_));
-    char* qkv = static_cast<char*>(qkv_);
-    char* key_cache = key_pool_ + l * layer_bytes;
-    char* value_cache = value_pool_ + l * layer_bytes;
-    KVFLOW_KERNEL_RETURN(cuda::ReshapeAndCache(dtype_, qkv + static_cast<size_t>(NH) * D * es, QKV,
-                                               qkv + static_cast<size_t>(NH + KV) * D * es, QKV, key_cache,
-                                               value_cache, m.slot_mapping, T, KV, D, layout_.block_size, stream_));
-    // The layer's side of both attention kernels; each adds its sequences.
-    cuda::PagedAttentionArgs layer;
-    layer.dtype = dtype_;
-    layer.out = attn_;
-    layer.out_row_stride = static_cast<int64_t>(NH) * D;
-    layer.query = qkv_;
-    layer.query_row_stride = QKV;
-    layer.key_cache = key_cache;
-    layer.value_cache = value_cache;
-    layer.block_table_stride = max_blocks_per_seq_;
-    layer.num_heads = NH;
-    layer.num_kv_heads = KV;
-    layer.head_dim = D;
-    layer.block_size = layout_.block_size;
-    layer.scale = scale;
-    if (shape.num_decode > 0) {
-      cuda::PagedDecodeArgs a;
-      static_cast<cuda::PagedAttentionArgs&>(a) = layer;
-      a.block_tables = m.decode_block_tables;
-      a.context_lens = m.decode_context_lens;
-      a.num_seqs = shape.num_decode;
-      a.query_rows = m.decode_query_rows;
-      a.max_context_len = max_decode_context;
-      a.workspace = decode_workspace_;
-      a.workspace_bytes = decode_workspace_bytes_;
-      KVFLOW_KERNEL_RETURN(cuda::PagedAttentionDecode(a, stream_));
-    }
-    if (shape.num_prefill > 0) {
-      cuda::PagedPrefillArgs a;
-      static_cast<cuda::PagedAttentionArgs&>(a) = layer;
-      a.block_tables = m.prefill_block_tables;
-      a.context_lens = m.prefill_context_lens;
-      a.num_seqs = shape.num_prefill;
-      a.query_starts = m.prefill_query_starts;
-      a.query_lens = m.prefill_query_lens;
-      a.max_query_len = shape.max_prefill_query;
-      KVFLOW_KERNEL_RETURN(cuda::PagedAttentionPrefill(a, stream_));
-    }
-    KVFLOW_RETURN_IF_ERROR(Gemm(attn_, w.wo, delta_, T, H, NH * D, dtype_));
-    KVFLOW_KERNEL_RETURN(cuda::FusedAddRmsNorm(dtype_, residual_, delta_, w.ffn_norm, hidden_, T, H, eps, stream_));
-    KVFLOW_RETURN_IF_ERROR(Gemm(hidden_, w.w_gate_up, gate_up_, T, 2 * F, H, dtype_));
-    KVFLOW_KERNEL_RETURN(cuda::SiluAndMul(dtype_, gate_up_, act_, T, F, stream_));
-    KVFLOW_RETURN_IF_ERROR(Gemm(act_, w.w_down, delta_, T, H, F, dtype_));
+Status CudaBackend::Attention(int layer) {
+  const StepMetadata& m = device_meta_;
+  const size_t layer_bytes = layout_.layer_stride() * cuda::DTypeSize(dtype_);
+  // The layer's side of both attention kernels; each adds its sequences.
+  cuda::PagedAttentionArgs args;
+  args.dtype = dtype_;
+  args.out = attn_;
+  args.out_row_stride = ActivationWidth(Activation::kAttention);
+  args.query = qkv_;
+  args.query_row_stride = ActivationWidth(Activation::kQkv);
+  args.key_cache = key_pool_ + layer * layer_bytes;
+  args.value_cache = value_pool_ + layer * layer_bytes;
+  args.block_table_stride = max_blocks_per_seq_;
+  args.num_heads = config_.num_heads;
+  args.num_kv_heads = config_.num_kv_heads;
+  args.head_dim = config_.head_dim;
+  args.block_size = layout_.block_size;
+  args.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+  if (step_.num_decode > 0) {
+    cuda::PagedDecodeArgs a;
+    static_cast<cuda::PagedAttentionArgs&>(a) = args;
+    a.block_tables = m.decode_block_tables;
+    a.context_lens = m.decode_context_lens;
+    a.num_seqs = step_.num_decode;
+    a.query_rows = m.decode_query_rows;
+    a.max_context_len = step_.max_decode_context;
+    a.workspace = decode_workspace_;
+    a.workspace_bytes = decode_workspace_bytes_;
+    KVFLOW_KERNEL_RETURN(cuda::PagedAttentionDecode(a, stream_));
   }
-  KVFLOW_KERNEL_RETURN(cuda::AddToResidual(dtype_, residual_, delta_, T, H, stream_));
+  if (step_.num_prefill > 0) {
+    cuda::PagedPrefillArgs a;
+    static_cast<cuda::PagedAttentionArgs&>(a) = args;
+    a.block_tables = m.prefill_block_tables;
+    a.context_lens = m.prefill_context_lens;
+    a.num_seqs = step_.num_prefill;
+    a.query_starts = m.prefill_query_starts;
+    a.query_lens = m.prefill_query_lens;
+    a.max_query_len = step_.max_prefill_query;
+    KVFLOW_KERNEL_RETURN(cuda::PagedAttentionPrefill(a, stream_));
+  }
+  return Status::Ok();
+}
+
+Status CudaBackend::SiluMul() {
+  KVFLOW_KERNEL_RETURN(cuda::SiluAndMul(dtype_, gate_up_, act_, step_.num_tokens, config_.intermediate_size, stream_));
+  return Status::Ok();
+}
+
+Status CudaBackend::AddDelta() {
+  KVFLOW_KERNEL_RETURN(cuda::AddToResidual(dtype_, residual_, delta_, step_.num_tokens, config_.hidden_size, stream_));
   return Status::Ok();
 }
 
@@ -764,42 +834,33 @@ Status CudaBackend::CopyLogitsToHost(int rows, float* dst) {
   return Status::Ok();
 }
 
-Status CudaBackend::Forward(const ForwardBatch& batch, std::vector<float>& logits) {
-  KVFLOW_RETURN_IF_ERROR(ValidateForwardBatch(batch, config_, layout_));
-  if (batch.tokens.empty()) {
-    logits.clear();
+Status CudaBackend::CheckSink(const ForwardBatch& batch, const LogitsSink& sink, int64_t rows) {
+  if (!sink.sampled) {
+    if (!sink.host) return Status::InvalidArgument("a step needs a logits sink");
+    try {
+      sink.host->resize(static_cast<size_t>(rows) * config_.vocab_size);
+    } catch (const std::bad_alloc&) {
+      return Status::OutOfMemory("cannot allocate host memory for the logits");
+    }
     return Status::Ok();
   }
-  const int64_t rows = batch.num_logit_rows();
-  try {
-    logits.resize(static_cast<size_t>(rows) * config_.vocab_size);
-  } catch (const std::bad_alloc&) {
-    return Status::OutOfMemory("cannot allocate host memory for the logits");
-  }
-  LogitsSink sink;
-  sink.host = logits.data();
-  return Run(batch, sink, rows);
-}
-
-Status CudaBackend::ForwardAndSample(const ForwardBatch& batch, std::span<const DeviceSampleRow> rows,
-                                     std::vector<SampledToken>& sampled) {
-  KVFLOW_RETURN_IF_ERROR(ValidateForwardBatch(batch, config_, layout_));
-  if (static_cast<int64_t>(rows.size()) != batch.num_logit_rows() || static_cast<int>(rows.size()) > max_seqs_) {
+  if (static_cast<int64_t>(sink.sample_rows.size()) != rows || static_cast<int>(rows) > max_seqs_) {
     return Status::InvalidArgument(fmt::format("device sampling needs one row per logit row, at most {} ({} given for {})",
-                                               max_seqs_, rows.size(), batch.num_logit_rows()));
+                                               max_seqs_, sink.sample_rows.size(), rows));
   }
-  for (const DeviceSampleRow& r : rows) {
+  for (const DeviceSampleRow& r : sink.sample_rows) {
     if (!r.params || r.params->logprobs > kMaxDeviceTopLogprobs || r.params->logprobs < 0) {
       return Status::InvalidArgument("device sampling row without params or with more than 20 logprobs");
     }
   }
-  LogitsSink sink;
-  sink.sample_rows = rows;
-  sink.sampled = &sampled;
-  return Run(batch, sink, static_cast<int64_t>(rows.size()));
+  return Status::Ok();
 }
 
-Status CudaBackend::Run(const ForwardBatch& batch, const LogitsSink& sink, int64_t rows) {
+Status CudaBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink, const std::function<Status()>& layers,
+                            bool capturable) {
+  KVFLOW_RETURN_IF_ERROR(ValidateForwardBatch(batch, config_, layout_));
+  const int64_t rows = batch.num_logit_rows();
+  KVFLOW_RETURN_IF_ERROR(CheckSink(batch, sink, rows));
   const int T = static_cast<int>(batch.tokens.size());
   if (T == 0) return Status::Ok();
   const int num_seqs = static_cast<int>(batch.seqs.size());
@@ -810,21 +871,25 @@ Status CudaBackend::Run(const ForwardBatch& batch, const LogitsSink& sink, int64
   }
   bool all_decode = true;
   for (const SequenceSlice& s : batch.seqs) {
-    if (s.context_len > max_blocks_per_seq_ * layout_.block_size) {
+    if (s.view.kind == KvView::Kind::kSlots) {
+      return Status::Unsupported("the CUDA attention kernels read block tables; a KV view of explicit slots is not "
+                                 "supported on CUDA yet");
+    }
+    if (s.context_len > max_blocks_per_seq_ * layout_.block_size || s.view_size() > max_blocks_per_seq_ * layout_.block_size) {
       return Status::InvalidArgument(fmt::format("a sequence of {} tokens exceeds max_model_len {}", s.context_len,
                                                  options_.max_model_len));
     }
     all_decode = all_decode && s.num_tokens == 1 && s.logits == LogitsMode::kLast;
   }
-  if (options_.enable_cuda_graphs && !graphs_failed_ && all_decode) {
+  if (capturable && options_.enable_cuda_graphs && !graphs_failed_ && all_decode) {
     const int bucket = GraphBucket(num_seqs);
-    if (bucket > 0) return ForwardWithGraph(batch, bucket, sink);
+    if (bucket > 0) return RunWithGraph(batch, bucket, sink, layers);
   }
 
-  const StepShape shape = PlanStep(batch, 0);
-  KVFLOW_RETURN_IF_ERROR(UploadMetadata(host_meta_, device_meta_, T, shape.num_decode, shape.num_prefill,
+  step_ = PlanStep(batch, 0);
+  KVFLOW_RETURN_IF_ERROR(UploadMetadata(host_meta_, device_meta_, T, step_.num_decode, step_.num_prefill,
                                         max_blocks_per_seq_, stream_));
-  KVFLOW_RETURN_IF_ERROR(RunModel(shape, shape.max_decode_context));
+  KVFLOW_RETURN_IF_ERROR(layers());
   for (int first = 0; first < rows; first += logit_rows_per_chunk_) {
     const int chunk = static_cast<int>(std::min<int64_t>(logit_rows_per_chunk_, rows - first));
     KVFLOW_RETURN_IF_ERROR(RunLogits(first, chunk));
@@ -836,7 +901,7 @@ Status CudaBackend::Run(const ForwardBatch& batch, const LogitsSink& sink, int64
 
 // Hands logits rows [first_row, first_row + rows) of the step (now in logits_) to the sink.
 Status CudaBackend::Drain(int first_row, int rows, const LogitsSink& sink) {
-  if (!sink.sampled) return CopyLogitsToHost(rows, sink.host + static_cast<size_t>(first_row) * config_.vocab_size);
+  if (!sink.sampled) return CopyLogitsToHost(rows, sink.host->data() + static_cast<size_t>(first_row) * config_.vocab_size);
   return SampleOnDevice(sink.sample_rows.subspan(static_cast<size_t>(first_row), static_cast<size_t>(rows)),
                         *sink.sampled);
 }
@@ -932,28 +997,29 @@ Status CudaBackend::SampleOnDevice(std::span<const DeviceSampleRow> rows, std::v
   return Status::Ok();
 }
 
-Status CudaBackend::ForwardWithGraph(const ForwardBatch& batch, int bucket, const LogitsSink& sink) {
+Status CudaBackend::RunWithGraph(const ForwardBatch& batch, int bucket, const LogitsSink& sink,
+                                 const std::function<Status()>& layers) {
   const int n = static_cast<int>(batch.seqs.size());
   PlanStep(batch, bucket);
   KVFLOW_RETURN_IF_ERROR(UploadMetadata(host_meta_, device_meta_, bucket, bucket, 0, max_blocks_per_seq_, stream_));
   // The graph's shape: the whole bucket, the decode grid sized for max_model_len.
-  StepShape shape;
-  shape.num_tokens = bucket;
-  shape.num_decode = bucket;
-  shape.num_logit_rows = bucket;
-  shape.max_decode_context = options_.max_model_len;
+  step_ = StepShape{};
+  step_.num_tokens = bucket;
+  step_.num_decode = bucket;
+  step_.num_logit_rows = bucket;
+  step_.max_decode_context = options_.max_model_len;
 
   auto it = graphs_.find(bucket);
   if (it == graphs_.end()) {
     // First step of this bucket: run it eagerly (the launches the graph will hold, so every kernel
     // is set up outside capture), then capture the same launches for the next steps.
-    KVFLOW_RETURN_IF_ERROR(RunModel(shape, shape.max_decode_context));
+    KVFLOW_RETURN_IF_ERROR(layers());
     KVFLOW_RETURN_IF_ERROR(RunLogits(0, bucket));
     KVFLOW_RETURN_IF_ERROR(Drain(0, n, sink));
 
     cudaGraph_t graph = nullptr;
     KVFLOW_CUDA_RETURN(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    Status captured = RunModel(shape, shape.max_decode_context);
+    Status captured = layers();
     if (captured.ok()) captured = RunLogits(0, bucket);
     const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
     cudaGraphExec_t exec = nullptr;

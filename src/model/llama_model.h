@@ -1,0 +1,65 @@
+// The Llama decoder, written once over the primitives every backend provides (backend/backend.h):
+//
+//   embed -> per layer: [attn norm] -> QKV -> RoPE -> KV write -> (hook) -> attention -> (hook)
+//            -> O -> [add + ffn norm] -> gate_up -> SiLU*mul -> down -> next layer's [add + norm]
+//   -> add -> head (final norm, LM head) over the rows that want logits
+//
+// Features that act inside the layer loop (speculative prefetch, KV send/recv, KV selection) plug
+// in through LayerHooks, not through a copy of this loop.
+#pragma once
+
+#include <span>
+#include <vector>
+
+#include "backend/backend.h"
+#include "kvflow/status.h"
+
+namespace kvflow {
+
+// What a hook sees at its point in the loop. The step's activations (Activation::kHidden: the
+// layer's attention input; kQkv: its Q, K and V, rotated; kAttention after attention) stay in the
+// backend's memory, reachable through `backend`.
+struct LayerContext {
+  int layer = 0;
+  const ForwardBatch& batch;
+  Backend& backend;
+};
+
+// Named points in every layer where a feature may act.
+class LayerHooks {
+ public:
+  virtual ~LayerHooks() = default;
+  // After the layer's K/V are written to the cache, before its attention reads it.
+  virtual Status BeforeAttention(const LayerContext& ctx) { return Status::Ok(); }
+  // After attention, before the output projection.
+  virtual Status AfterAttention(const LayerContext& ctx) { return Status::Ok(); }
+  // Whether the hooks issue the same device work on every step, so a backend may record the step
+  // as a CUDA graph and replay it (hooks that act on the host must say no).
+  virtual bool capturable() const { return false; }
+};
+
+class LlamaModel {
+ public:
+  // `backend` holds the weights and the KV pools; it must outlive the model.
+  explicit LlamaModel(Backend& backend, LayerHooks* hooks = nullptr) : backend_(backend), hooks_(hooks) {}
+
+  // Runs the decoder on `batch`, writing each new token's K/V into its slot, and fills `logits`
+  // with num_logit_rows() x vocab_size floats.
+  Status Forward(const ForwardBatch& batch, std::vector<float>& logits);
+  // Runs the decoder and samples each logit row on the device (rows: one per logit row, in order);
+  // needs backend.SupportsDeviceSampling().
+  Status ForwardAndSample(const ForwardBatch& batch, std::span<const DeviceSampleRow> rows,
+                          std::vector<SampledToken>& sampled);
+
+  void set_hooks(LayerHooks* hooks) { hooks_ = hooks; }
+  Backend& backend() { return backend_; }
+
+ private:
+  Status Run(const ForwardBatch& batch, const LogitsSink& sink);
+  Status Layers(const ForwardBatch& batch);
+
+  Backend& backend_;
+  LayerHooks* hooks_ = nullptr;
+};
+
+}  // namespace kvflow
