@@ -192,6 +192,89 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndGraphs, CudaBackendLogits,
                                   (std::get<1>(info.param) ? "_graphs" : "_eager");
                          });
 
+// KV views (issue 13): a block subset of each sequence's table, for decode and prefill slices,
+// gives the CPU backend's logits over the same subset; explicit slot views are refused clearly on
+// CUDA; a host hook runs on every step even where graphs would be replayed.
+class CountingHooks : public LayerHooks {
+ public:
+  Status BeforeAttention(const LayerContext& ctx) override {
+    ++calls;
+    return Status::Ok();
+  }
+  int calls = 0;
+};
+
+TEST(CudaBackendViews, BlockSubsetsMatchCpuAndSlotViewsAreRefused) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  ModelConfig config;
+  LlamaWeights weights = TinyWeights(&config);
+  RoundWeights(weights, cuda::DType::kF16);
+  const int kBlocks = 48, kBlockSize = 16;
+  KvCacheLayout layout{config.num_layers, kBlocks, config.num_kv_heads, kBlockSize, config.head_dim};
+  auto cpu = CpuBackend::Create(config, weights, layout, 0, 2).value();
+  CudaBackendOptions o;
+  o.dtype = "fp16";
+  o.block_size = kBlockSize;
+  o.num_kv_blocks = kBlocks;
+  o.max_num_seqs = 4;
+  o.max_num_batched_tokens = 128;
+  o.max_model_len = 256;
+  auto gpu = CreateCudaBackend(config, weights, o).value();
+  std::mt19937 rng(8);
+  BatchPlanner planner(kBlocks, kBlockSize, 17);
+  std::vector<std::vector<BlockId>> tables(2);
+  {  // Two prompts of 3 and 4 blocks, the same K/V in both backends.
+    ForwardBatch b;
+    planner.Add(b, 0, RandomTokens(rng, 40, config.vocab_size), LogitsMode::kNone);
+    planner.Add(b, 1, RandomTokens(rng, 60, config.vocab_size), LogitsMode::kNone);
+    std::vector<float> unused;
+    ASSERT_TRUE(LlamaModel(*cpu).Forward(b, unused).ok());
+    ASSERT_TRUE(LlamaModel(*gpu).Forward(b, unused).ok());
+    tables[0] = b.seqs[0].block_table;
+    tables[1] = b.seqs[1].block_table;
+  }
+  // Sequence 0 decodes over blocks {0, 2} of its table (the token lands in block 2); sequence 1
+  // prefills 4 more tokens (filling block 3) over blocks {1, 3} (retrieval-style: blocks 0 and 2
+  // left out).
+  ForwardBatch b;
+  planner.Add(b, 0, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+  planner.Add(b, 1, RandomTokens(rng, 4, config.vocab_size), LogitsMode::kAll);
+  b.seqs[0].view = KvView::BlockSubset({tables[0][0], tables[0][2]}, kBlockSize + (41 - 2 * kBlockSize));
+  b.seqs[1].view = KvView::BlockSubset({tables[1][1], tables[1][3]}, 2 * kBlockSize);
+  std::vector<float> ref, got;
+  ASSERT_TRUE(LlamaModel(*cpu).Forward(b, ref).ok());
+  const Status st = LlamaModel(*gpu).Forward(b, got);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  double scale = 0.0;
+  for (float x : ref) scale = std::max(scale, static_cast<double>(std::fabs(x)));
+  test::ExpectClose("block-subset views", got, ref, 1e-2 * scale, 1e30);
+
+  // The same step with the full tables differs: the subset really changed what attention read.
+  ForwardBatch full = b;
+  for (auto& s : full.seqs) s.view = KvView::Full();
+  std::vector<float> full_logits;
+  ASSERT_TRUE(LlamaModel(*cpu).Forward(full, full_logits).ok());
+  double diff = 0.0;
+  for (size_t i = 0; i < ref.size(); ++i) diff = std::max(diff, static_cast<double>(std::fabs(ref[i] - full_logits[i])));
+  EXPECT_GT(diff, 1e-3 * scale);
+
+  ForwardBatch slots = b;
+  std::vector<int64_t> s0;
+  ViewSlots(slots.seqs[0], kBlockSize, s0);
+  slots.seqs[0].view = KvView::Slots(s0);
+  const Status refused = LlamaModel(*gpu).Forward(slots, got);
+  EXPECT_EQ(refused.code(), StatusCode::kUnsupported) << refused.ToString();
+
+  // Graph-eligible decode steps with a host hook: the hook sees every step (no replay skips it).
+  CountingHooks hooks;
+  for (int i = 0; i < 3; ++i) {
+    ForwardBatch d;
+    planner.Add(d, 0, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+    ASSERT_TRUE(LlamaModel(*gpu, &hooks).Forward(d, got).ok());
+  }
+  EXPECT_EQ(hooks.calls, 3 * config.num_layers);
+}
+
 // Copy-on-write and swap round trips move exactly the blocks asked for.
 TEST(CudaBackendBlocks, CopyAndSwapRoundTripsPreserveTheCache) {
   KVFLOW_SKIP_WITHOUT_GPU();
