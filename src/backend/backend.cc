@@ -160,6 +160,25 @@ Status ValidateForwardBatch(const ForwardBatch& batch, const ModelConfig& config
   return Status::Ok();
 }
 
+Status ValidateKvTransfers(std::span<const KvTransfer> transfers, const KvCacheLayout& layout, int num_host_blocks) {
+  for (const KvTransfer& t : transfers) {
+    const int src_pool = t.src_tier == KvTier::kHost ? num_host_blocks : layout.num_blocks;
+    const int dst_pool = t.dst_tier == KvTier::kHost ? num_host_blocks : layout.num_blocks;
+    const bool ok = t.src_block >= 0 && t.src_block < src_pool && t.dst_block >= 0 && t.dst_block < dst_pool &&
+                    t.num_tokens >= 0 && t.src_offset >= 0 && t.dst_offset >= 0 &&
+                    t.src_offset + t.num_tokens <= layout.block_size && t.dst_offset + t.num_tokens <= layout.block_size &&
+                    t.layer_begin >= 0 && t.layer_begin <= t.layer_end && t.layer_end <= layout.num_layers;
+    if (!ok) {
+      return Status::InvalidArgument("KV transfer of tokens [" + std::to_string(t.src_offset) + ", +" +
+                                     std::to_string(t.num_tokens) + ") of block " + std::to_string(t.src_block) +
+                                     " to block " + std::to_string(t.dst_block) + ", layers [" +
+                                     std::to_string(t.layer_begin) + ", " + std::to_string(t.layer_end) +
+                                     "), is outside the pools, the block or the layers");
+    }
+  }
+  return Status::Ok();
+}
+
 Status ValidateBlockMoves(std::span<const BlockMove> moves, BlockCopyKind kind, int num_device_blocks,
                           int num_host_blocks) {
   const int src_pool = kind == BlockCopyKind::kHostToDevice ? num_host_blocks : num_device_blocks;

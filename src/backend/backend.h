@@ -93,6 +93,25 @@ constexpr int kMaxDeviceTopLogprobs = 20;
 // Where a batch of block moves (planned by the block manager) copies from and to.
 enum class BlockCopyKind { kDeviceToHost, kHostToDevice, kDeviceToDevice };
 
+// Where KV lives: the device pool, or the host pool (the swap space; an offload tier).
+enum class KvTier { kDevice, kHost };
+
+// One move of KV, K and V alike: token slots [src_offset, src_offset + num_tokens) of block
+// src_block in src_tier go to [dst_offset, dst_offset + num_tokens) of dst_block in dst_tier, for
+// layers [layer_begin, layer_end). A whole block of every layer is offsets 0, num_tokens =
+// block_size, layers [0, num_layers): what CopyBlocks moves.
+struct KvTransfer {
+  KvTier src_tier = KvTier::kDevice;
+  BlockId src_block = 0;
+  int src_offset = 0;
+  KvTier dst_tier = KvTier::kDevice;
+  BlockId dst_block = 0;
+  int dst_offset = 0;
+  int num_tokens = 0;
+  int layer_begin = 0;
+  int layer_end = 0;
+};
+
 // Where a step's logits go: copied to the host (num_logit_rows x vocab floats), or sampled on the
 // device, one DeviceSampleRow per logit row.
 struct LogitsSink {
@@ -154,6 +173,10 @@ class Backend {
   // Copies whole blocks (every layer, K and V) between the device pool and the host swap pool,
   // or inside the device pool (copy-on-write). One call per kind per step.
   virtual Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) = 0;
+  // Moves token ranges of chosen layers between tiers or inside one (CopyBlocks' general form:
+  // per-layer prefetch, partial blocks, KV received from a peer). Ordered after the work already
+  // issued and before the next step's; a destination must not overlap a source of the same call.
+  virtual Status TransferKv(std::span<const KvTransfer> transfers) = 0;
 
   virtual const KvCacheLayout& kv_layout() const = 0;
   virtual int num_host_blocks() const = 0;
@@ -165,6 +188,8 @@ class Backend {
 // views).
 Status ValidateForwardBatch(const ForwardBatch& batch, const ModelConfig& config,
                             const KvCacheLayout& layout);
+// Checks that every transfer stays inside its blocks, layers and pools.
+Status ValidateKvTransfers(std::span<const KvTransfer> transfers, const KvCacheLayout& layout, int num_host_blocks);
 // Checks that every move names blocks inside the pools it reads and writes.
 Status ValidateBlockMoves(std::span<const BlockMove> moves, BlockCopyKind kind, int num_device_blocks,
                           int num_host_blocks);

@@ -20,6 +20,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
 #include "engine_test_util.h"
+#include "kv_transfer_check.h"
 #include "gpu_test_util.h"
 #include "kvflow/engine.h"
 #include "model/llama_weights.h"
@@ -273,6 +274,23 @@ TEST(CudaBackendViews, BlockSubsetsMatchCpuAndSlotViewsAreRefused) {
     ASSERT_TRUE(LlamaModel(*gpu, &hooks).Forward(d, got).ok());
   }
   EXPECT_EQ(hooks.calls, 3 * config.num_layers);
+}
+
+// Token- and layer-range transfers between the device pool and the pinned host pool (2D copies).
+TEST(CudaBackendBlocks, TransferredKvDecodesLikeTheOriginal) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  ModelConfig config;
+  LlamaWeights weights = TinyWeights(&config);
+  CudaBackendOptions o;
+  o.dtype = "bf16";
+  o.block_size = 8;
+  o.num_kv_blocks = 16;
+  o.num_host_blocks = 4;
+  o.max_num_seqs = 2;
+  o.max_num_batched_tokens = 64;
+  o.max_model_len = 64;
+  auto gpu = CreateCudaBackend(config, weights, o).value();
+  test::ExpectTransferredKvDecodesAlike(*gpu, 6);
 }
 
 // Copy-on-write and swap round trips move exactly the blocks asked for.

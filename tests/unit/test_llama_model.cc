@@ -13,6 +13,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/paged_attention.h"
+#include "kv_transfer_check.h"
 #include "model/llama_model.h"
 #include "model/tiny_random.h"
 
@@ -24,13 +25,13 @@ struct TinyModel {
   std::unique_ptr<CpuBackend> backend;
 };
 
-TinyModel MakeTiny(int num_blocks, int block_size) {
+TinyModel MakeTiny(int num_blocks, int block_size, int num_host_blocks = 0) {
   auto files = MakeTinyRandomModel().value();
   TinyModel m;
   m.config = files.config;
   LlamaWeights w = LoadLlamaWeights(*files.tensors, files.config, files.gguf_rope_permuted).value();
   KvCacheLayout layout{m.config.num_layers, num_blocks, m.config.num_kv_heads, block_size, m.config.head_dim};
-  m.backend = CpuBackend::Create(m.config, std::move(w), layout, 0, 2).value();
+  m.backend = CpuBackend::Create(m.config, std::move(w), layout, num_host_blocks, 2).value();
   return m;
 }
 
@@ -188,6 +189,11 @@ TEST(LlamaModel, BadViewsAndSlotsAreRefused) {
   EXPECT_EQ(LlamaModel(*m.backend).Forward(b, logits).code(), StatusCode::kInvalidArgument);
   b.slot_mapping = {0, 1, 16};
   EXPECT_EQ(LlamaModel(*m.backend).Forward(b, logits).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(LlamaModel, TransferredKvDecodesLikeTheOriginal) {
+  TinyModel m = MakeTiny(12, 8, 3);
+  test::ExpectTransferredKvDecodesAlike(*m.backend, 4);
 }
 
 // ---- attention over views, against attention in double over the same tokens ------------------

@@ -52,21 +52,43 @@ std::string CpuBackend::Describe() const {
 
 Status CpuBackend::CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) {
   KVFLOW_RETURN_IF_ERROR(ValidateBlockMoves(moves, kind, layout_.num_blocks, host_layout_.num_blocks));
-  if (moves.empty()) return Status::Ok();
-  const bool src_host = kind == BlockCopyKind::kHostToDevice;
-  const bool dst_host = kind == BlockCopyKind::kDeviceToHost;
-  const size_t block = layout_.block_stride();
-  for (int layer = 0; layer < layout_.num_layers; ++layer) {
-    const size_t dev_base = static_cast<size_t>(layer) * layout_.layer_stride();
-    const size_t host_base = static_cast<size_t>(layer) * host_layout_.layer_stride();
-    for (int kv = 0; kv < 2; ++kv) {
-      float* dev = (kv == 0 ? key_cache_.data() : value_cache_.data()) + dev_base;
-      float* host = (kv == 0 ? host_key_cache_.get() : host_value_cache_.get());
-      if (host) host += host_base;
-      for (const BlockMove& m : moves) {
-        const float* src = (src_host ? host : dev) + static_cast<size_t>(m.src) * block;
-        float* dst = (dst_host ? host : dev) + static_cast<size_t>(m.dst) * block;
-        std::memcpy(dst, src, block * sizeof(float));
+  std::vector<KvTransfer> transfers;
+  transfers.reserve(moves.size());
+  for (const BlockMove& m : moves) {
+    KvTransfer t;
+    t.src_tier = kind == BlockCopyKind::kHostToDevice ? KvTier::kHost : KvTier::kDevice;
+    t.dst_tier = kind == BlockCopyKind::kDeviceToHost ? KvTier::kHost : KvTier::kDevice;
+    t.src_block = m.src;
+    t.dst_block = m.dst;
+    t.num_tokens = layout_.block_size;
+    t.layer_end = layout_.num_layers;
+    transfers.push_back(t);
+  }
+  return TransferKv(transfers);
+}
+
+Status CpuBackend::TransferKv(std::span<const KvTransfer> transfers) {
+  KVFLOW_RETURN_IF_ERROR(ValidateKvTransfers(transfers, layout_, host_layout_.num_blocks));
+  // Both tiers share the layout but not the number of blocks, hence their own layer strides.
+  auto pool = [&](KvTier tier, int kv, int layer) -> float* {
+    if (tier == KvTier::kHost) {
+      float* base = kv == 0 ? host_key_cache_.get() : host_value_cache_.get();
+      return base + static_cast<size_t>(layer) * host_layout_.layer_stride();
+    }
+    float* base = kv == 0 ? key_cache_.data() : value_cache_.data();
+    return base + static_cast<size_t>(layer) * layout_.layer_stride();
+  };
+  const size_t run = sizeof(float) * layout_.head_dim;
+  for (const KvTransfer& t : transfers) {
+    for (int layer = t.layer_begin; layer < t.layer_end; ++layer) {
+      for (int kv = 0; kv < 2; ++kv) {
+        const float* src = pool(t.src_tier, kv, layer);
+        float* dst = pool(t.dst_tier, kv, layer);
+        // One kv head's tokens are contiguous inside a block (kv/kv_cache_layout.h).
+        for (int h = 0; h < layout_.num_kv_heads; ++h) {
+          std::memmove(dst + layout_.offset(t.dst_block, h, t.dst_offset), src + layout_.offset(t.src_block, h, t.src_offset),
+                       run * static_cast<size_t>(t.num_tokens));
+        }
       }
     }
   }

@@ -31,6 +31,7 @@ class CpuBackend final : public Backend {
   Status AddDelta() override;
 
   Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) override;
+  Status TransferKv(std::span<const KvTransfer> transfers) override;
   const KvCacheLayout& kv_layout() const override { return layout_; }
   int num_host_blocks() const override { return host_layout_.num_blocks; }
   const ModelConfig& model_config() const override { return config_; }

@@ -213,6 +213,7 @@ class CudaBackend final : public Backend {
   Status AddDelta() override;
   bool SupportsDeviceSampling() const override { return true; }
   Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) override;
+  Status TransferKv(std::span<const KvTransfer> transfers) override;
   const KvCacheLayout& kv_layout() const override { return layout_; }
   int num_host_blocks() const override { return num_host_blocks_; }
   const ModelConfig& model_config() const override { return config_; }
@@ -1100,6 +1101,38 @@ Status CudaBackend::CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind k
   }
   KVFLOW_CUDA_RETURN(cudaEventRecord(swap_done_, copy_stream_));
   KVFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream_, swap_done_, 0));
+  return Status::Ok();
+}
+
+// General moves run on the compute stream, so they are ordered with the steps around them; each
+// (transfer, layer, K or V) is one 2D copy: a run of num_tokens slots per KV head, the heads a
+// block's head stride apart (kv/kv_cache_layout.h).
+Status CudaBackend::TransferKv(std::span<const KvTransfer> transfers) {
+  KVFLOW_RETURN_IF_ERROR(ValidateKvTransfers(transfers, layout_, num_host_blocks_));
+  const size_t es = cuda::DTypeSize(dtype_);
+  const size_t head_bytes = layout_.head_stride() * es;
+  auto pool = [&](KvTier tier, int kv, int layer) -> char* {
+    if (tier == KvTier::kHost) {
+      char* base = kv == 0 ? host_key_pool_ : host_value_pool_;
+      return base + static_cast<size_t>(layer) * layout_.block_stride() * es * static_cast<size_t>(num_host_blocks_);
+    }
+    return (kv == 0 ? key_pool_ : value_pool_) + static_cast<size_t>(layer) * layout_.layer_stride() * es;
+  };
+  for (const KvTransfer& t : transfers) {
+    if (t.num_tokens == 0) continue;
+    const cudaMemcpyKind kind = t.src_tier == KvTier::kHost
+                                    ? (t.dst_tier == KvTier::kHost ? cudaMemcpyHostToHost : cudaMemcpyHostToDevice)
+                                    : (t.dst_tier == KvTier::kHost ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice);
+    const size_t width = static_cast<size_t>(t.num_tokens) * layout_.head_dim * es;
+    for (int layer = t.layer_begin; layer < t.layer_end; ++layer) {
+      for (int kv = 0; kv < 2; ++kv) {
+        const char* src = pool(t.src_tier, kv, layer) + layout_.offset(t.src_block, 0, t.src_offset) * es;
+        char* dst = pool(t.dst_tier, kv, layer) + layout_.offset(t.dst_block, 0, t.dst_offset) * es;
+        KVFLOW_CUDA_RETURN(cudaMemcpy2DAsync(dst, head_bytes, src, head_bytes, width, layout_.num_kv_heads, kind,
+                                             stream_));
+      }
+    }
+  }
   return Status::Ok();
 }
 
