@@ -35,6 +35,9 @@ struct StreamEvent {
   RequestId id = 0;
   int index = 0;                     // which completion (0 .. n-1)
   std::vector<SampledToken> tokens;  // new tokens this step (usually one)
+  // With SamplingParams::prompt_logprobs, once, on the request's first event: entry i is prompt
+  // token i + 1 given the tokens before it (prompt length - 1 entries).
+  std::vector<SampledToken> prompt_logprobs;
   std::string text_delta;            // new complete UTF-8 text (stop strings already cut)
   bool finished = false;             // this completion is done
   bool request_finished = false;     // every completion of the request is done (the last event)
@@ -55,6 +58,7 @@ struct CompletionOutput {
 struct RequestOutput {
   RequestId id = 0;
   std::vector<int32_t> prompt_tokens;
+  std::vector<SampledToken> prompt_logprobs;  // see StreamEvent::prompt_logprobs
   std::vector<CompletionOutput> outputs;  // n of them, by index
   double time_to_first_token_s = 0.0;
   double total_time_s = 0.0;

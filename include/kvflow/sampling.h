@@ -23,12 +23,16 @@ struct SamplingParams {
   float presence_penalty = 0.0f;
   // Same seed and same prompt => same output. Unset: the engine draws one.
   std::optional<uint64_t> seed;
-  int max_tokens = 16;
+  int max_tokens = 16;  // 0: only score the prompt (needs prompt_logprobs)
   int min_tokens = 0;  // EOS and stop tokens are suppressed until this many were generated
   std::vector<int32_t> stop_token_ids;
   std::vector<std::string> stop;  // stop strings; the matched text is not included in the output
   bool ignore_eos = false;
   int logprobs = 0;  // return this many top alternatives per token (0: only the chosen token's)
+  // vLLM's prompt_logprobs: when set, the logprob of every prompt token after the first (given the
+  // tokens before it) with this many top alternatives. Scoring needs every prompt token computed,
+  // so such a request does not take prefix-cache hits. With max_tokens 0 nothing is generated.
+  std::optional<int> prompt_logprobs;
   // Completions returned. With best_of > n, best_of are generated and the n with the highest
   // cumulative logprob are returned (at the end, not streamed). All share the prompt's KV blocks.
   int n = 1;

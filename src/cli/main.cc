@@ -1,14 +1,21 @@
 // `kvflow` command line: generate text, inspect a model.
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
 
 #include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
 #include "cli/engine_flags.h"
 #include "engine/chat_template.h"
+#include "eval/perplexity.h"
 #include "kvflow/engine.h"
 #include "model/tensor_source.h"
 #include "model/tiny_random.h"
@@ -77,6 +84,104 @@ int RunGenerate(GenerateOptions& opt) {
   return 0;
 }
 
+struct PerplexityCliOptions {
+  kvflow::EngineConfig engine;
+  std::string file;
+  int ctx = 2048;
+  int stride = 0;
+  std::string method = "sliding-window";
+  int max_windows = 0;
+  int windows_in_flight = 2;
+  std::string json_out;
+  bool dump_tokens = false;
+};
+
+// A progress bar on stderr, redrawn in place; on a pipe only every tenth.
+void DrawProgress(int64_t done, int64_t total, double seconds) {
+  static const bool tty = isatty(fileno(stderr));
+  if (!tty && done != total && done % std::max<int64_t>(1, total / 10) != 0) return;
+  const int width = 30;
+  const int filled = static_cast<int>(width * done / std::max<int64_t>(1, total));
+  const double eta = done > 0 ? seconds / done * (total - done) : 0.0;
+  std::fprintf(stderr, "%s[%s%s] %lld/%lld windows, %.0f s, eta %.0f s%s", tty ? "\r" : "",
+               std::string(static_cast<size_t>(filled), '#').c_str(), std::string(static_cast<size_t>(width - filled), '.').c_str(),
+               static_cast<long long>(done), static_cast<long long>(total), seconds, eta, tty ? "" : "\n");
+  if (tty && done == total) std::fputs("\n", stderr);
+}
+
+int RunPerplexity(PerplexityCliOptions& opt) {
+  auto method = kvflow::ParsePerplexityMethod(opt.method);
+  if (!method.ok()) {
+    spdlog::error("{}", method.status().ToString());
+    return 1;
+  }
+  std::ifstream in(opt.file, std::ios::binary);
+  if (!in) {
+    spdlog::error("cannot read {}", opt.file);
+    return 1;
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  // Windows of ctx tokens need a context that long; logits of every prompt token are held per
+  // chunk, so prefill in chunks of at most 512 unless asked otherwise.
+  if (opt.engine.max_model_len == 0) opt.engine.max_model_len = opt.ctx;
+  auto engine_or = kvflow::Engine::Create(opt.engine);
+  if (!engine_or.ok()) {
+    spdlog::error("{}", engine_or.status().ToString());
+    return 1;
+  }
+  auto& engine = *engine_or.value();
+  // As Hugging Face's guide tokenizes the joined text: no BOS (the second-half method puts BOS
+  // first in every chunk itself, as llama-perplexity does).
+  const std::vector<int32_t> tokens = engine.tokenizer().Encode(text.str(), /*add_bos=*/false);
+  spdlog::info("perplexity of {} ({} tokens) by {}, ctx {}{}", opt.file, tokens.size(), method.value() ==
+               kvflow::PerplexityMethod::kSlidingWindow ? "sliding window" : "second half (llama.cpp)", opt.ctx,
+               method.value() == kvflow::PerplexityMethod::kSlidingWindow
+                   ? ", stride " + std::to_string(opt.stride > 0 ? opt.stride : opt.ctx) : std::string());
+  kvflow::PerplexityOptions p;
+  p.ctx = opt.ctx;
+  p.stride = opt.stride;
+  p.method = method.value();
+  p.max_windows = opt.max_windows;
+  p.windows_in_flight = opt.windows_in_flight;
+  const auto start = Clock::now();
+  p.progress = [&](int64_t done, int64_t total) {
+    DrawProgress(done, total, std::chrono::duration<double>(Clock::now() - start).count());
+  };
+  auto r = kvflow::ComputePerplexity(engine, tokens, p);
+  if (!r.ok()) {
+    spdlog::error("{}", r.status().ToString());
+    return 1;
+  }
+  std::printf("perplexity %.4f (mean NLL %.5f nats over %lld tokens, %lld windows, %.1f s, %.0f tok/s)\n",
+              r->perplexity, r->mean_nll, static_cast<long long>(r->scored_tokens), static_cast<long long>(r->windows),
+              r->seconds, r->input_tokens / std::max(1e-9, r->seconds));
+  if (!opt.json_out.empty()) {
+    nlohmann::json j = {{"file", opt.file},
+                        {"model", engine.model_config().name},
+                        {"engine", engine.Describe()},
+                        {"method", kvflow::PerplexityMethodName(p.method)},
+                        {"ctx", p.ctx},
+                        {"stride", p.method == kvflow::PerplexityMethod::kSlidingWindow ? (p.stride > 0 ? p.stride : p.ctx) : p.ctx},
+                        {"num_tokens", tokens.size()},
+                        {"perplexity", r->perplexity},
+                        {"mean_nll", r->mean_nll},
+                        {"scored_tokens", r->scored_tokens},
+                        {"windows", r->windows},
+                        {"input_tokens", r->input_tokens},
+                        {"seconds", r->seconds},
+                        {"window_nll", r->window_nll}};
+    if (opt.dump_tokens) j["tokens"] = tokens;
+    std::ofstream out(opt.json_out);
+    out << j.dump(1) << "\n";
+    if (!out) {
+      spdlog::error("cannot write {}", opt.json_out);
+      return 1;
+    }
+  }
+  return 0;
+}
+
 int RunInfo(const std::string& model) {
   auto path = kvflow::ResolveModel(model);
   if (!path.ok()) {
@@ -111,6 +216,7 @@ int main(int argc, char** argv) {
   CLI::App app{
       "kvflow: LLM inference with a paged KV cache.\n\n"
       "  kvflow generate --model smollm2-135m --prompt \"Tell me about cats\" --chat\n"
+      "  kvflow perplexity --model smollm2-135m --file wiki.test.raw --ctx 2048\n"
       "  kvflow info --model smollm2-135m\n\n"
       "Models: a .gguf file, a .safetensors file or HF directory, or a short name: tiny-random\n"
       "(built in, random weights) or smollm2-135m (run tools/fetch-model first)."};
@@ -141,6 +247,28 @@ int main(int argc, char** argv) {
   double swap_space_gib = 4.0;
   kvflow::AddEngineFlags(generate, &gen.engine, &swap_space_gib);
 
+  PerplexityCliOptions ppl;
+  CLI::App* perplexity = app.add_subcommand(
+      "perplexity", "Perplexity of the model on a text file (WikiText-2 style), from the engine's prompt logprobs");
+  perplexity->add_option("-f,--file", ppl.file, "Text file (e.g. WikiText-2 test)")->required();
+  perplexity->add_option("-c,--ctx", ppl.ctx, "Tokens per window")->default_val(2048);
+  perplexity->add_option("--stride", ppl.stride,
+                         "sliding-window: tokens between window starts (0 = ctx: no overlap); each window scores "
+                         "only the tokens the previous one did not")
+      ->default_val(0);
+  perplexity->add_option("--method", ppl.method,
+                         "sliding-window (Hugging Face's guide) or second-half (llama.cpp's llama-perplexity: score "
+                         "tokens ctx/2.. of each chunk)")
+      ->default_val("sliding-window");
+  perplexity->add_option("--max-windows", ppl.max_windows, "Score only the first N windows (0 = all)")->default_val(0);
+  perplexity->add_option("--windows-in-flight", ppl.windows_in_flight, "Windows batched together")->default_val(2);
+  perplexity->add_option("--json", ppl.json_out, "Write the result (and per-window NLL) as JSON here");
+  perplexity->add_flag("--dump-tokens", ppl.dump_tokens, "Include the token ids in the JSON (reference checks)");
+  double ppl_swap_gib = 0.0;
+  kvflow::AddEngineFlags(perplexity, &ppl.engine, &ppl_swap_gib);
+  perplexity->get_option("--max-num-batched-tokens")->default_val(512);
+  perplexity->get_option("--swap-space")->default_val(0.0);
+
   std::string info_model = "smollm2-135m";
   CLI::App* info = app.add_subcommand("info", "Print a model's configuration and tokenizer");
   info->add_option("-m,--model", info_model, "Model path or short name")->default_val("smollm2-135m");
@@ -153,6 +281,10 @@ int main(int argc, char** argv) {
     kvflow::ApplySwapSpace(&gen.engine, swap_space_gib);
     gen.show_logprobs = gen.sampling.logprobs > 0;
     return RunGenerate(gen);
+  }
+  if (*perplexity) {
+    kvflow::ApplySwapSpace(&ppl.engine, ppl_swap_gib);
+    return RunPerplexity(ppl);
   }
   return RunInfo(info_model);
 }

@@ -37,7 +37,16 @@ Status SamplingParams::Validate() const {
   if (!(presence_penalty >= -2.0f && presence_penalty <= 2.0f)) {
     return OutOfRange("presence_penalty", "in [-2, 2]", presence_penalty);
   }
-  if (max_tokens < 1) return OutOfRange("max_tokens", ">= 1", max_tokens);
+  if (prompt_logprobs && (*prompt_logprobs < 0 || *prompt_logprobs > 20)) {
+    return OutOfRange("prompt_logprobs", "in [0, 20]", *prompt_logprobs);
+  }
+  if (max_tokens < (prompt_logprobs ? 0 : 1)) {
+    return OutOfRange("max_tokens", prompt_logprobs ? ">= 0" : ">= 1 (0 only to score the prompt, with prompt_logprobs)",
+                      max_tokens);
+  }
+  if (max_tokens == 0 && (use_beam_search || num_candidates() > 1)) {
+    return Status::InvalidArgument("max_tokens 0 (score the prompt only) cannot be combined with n, best_of or beam search");
+  }
   if (min_tokens < 0 || min_tokens > max_tokens) {
     return OutOfRange("min_tokens", "in [0, max_tokens]", min_tokens);
   }

@@ -1,0 +1,62 @@
+// Perplexity of a causal LM on a token stream, computed through the engine's prompt logprobs, in
+// the two ways people compare models:
+//   - sliding window (Hugging Face, "Perplexity of fixed-length models"): windows of `ctx` tokens
+//     every `stride` tokens; each window scores only the tokens the previous one did not, with
+//     everything before them in the window as context;
+//   - second half (llama.cpp's llama-perplexity): non-overlapping chunks of `ctx` tokens, each
+//     scoring its second half (ctx/2 .. ctx-1) with the first half as context; the first token of a
+//     chunk is the BOS token when the tokenizer adds one.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvflow/engine.h"
+#include "kvflow/status.h"
+
+namespace kvflow {
+
+enum class PerplexityMethod { kSlidingWindow, kSecondHalf };
+Result<PerplexityMethod> ParsePerplexityMethod(const std::string& name);  // "sliding-window", "second-half"
+const char* PerplexityMethodName(PerplexityMethod m);
+
+// Tokens [begin, end) of the stream go in as one prompt; the tokens at [score_from, end) are
+// scored (each from the logits of the token before it, so score_from > begin).
+struct PerplexityWindow {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t score_from = 0;
+};
+
+// The windows of a stream of `num_tokens` tokens; InvalidArgument for ctx < 2, a stride outside
+// [1, ctx], or a stream shorter than one window's worth of scoring.
+Result<std::vector<PerplexityWindow>> PlanPerplexityWindows(int64_t num_tokens, int ctx, int stride,
+                                                            PerplexityMethod method);
+
+struct PerplexityOptions {
+  int ctx = 2048;
+  int stride = 0;  // sliding window only; 0: ctx (non-overlapping)
+  PerplexityMethod method = PerplexityMethod::kSlidingWindow;
+  int max_windows = 0;         // 0: all
+  int windows_in_flight = 2;   // requests batched together
+  // Called after each finished window with (windows done, windows total).
+  std::function<void(int64_t, int64_t)> progress;
+};
+
+struct PerplexityResult {
+  double perplexity = 0.0;
+  double mean_nll = 0.0;  // nats per scored token
+  int64_t scored_tokens = 0;
+  int64_t windows = 0;
+  int64_t input_tokens = 0;  // tokens run through the model (overlap counted again)
+  double seconds = 0.0;
+  std::vector<double> window_nll;  // summed NLL of each window's scored tokens
+};
+
+Result<PerplexityResult> ComputePerplexity(Engine& engine, std::span<const int32_t> tokens,
+                                           const PerplexityOptions& options);
+
+}  // namespace kvflow
