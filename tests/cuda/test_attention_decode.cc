@@ -17,7 +17,8 @@
 // the poison.
 //
 // The log-sum-exp output (PagedAttentionArgs::lse) is checked against the reference's LSE in every
-// case but two (which run lse = nullptr), its unowned rows against poison; and attentions over the
+// case but LargeBatchFullPartitions and the odd rounds of RandomBatches (which run lse = nullptr),
+// its unowned rows against poison; and attentions over the
 // two halves of each context, merged by their LSEs (cpu::MergeAttentionStates), must equal the
 // whole. LSE tolerance: fp16 1e-3, bf16 6e-3 absolute (see LseTolerance).
 //
