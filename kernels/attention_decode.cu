@@ -35,6 +35,9 @@
 // Numerics: fp32 logits and accumulators; probabilities are rounded to the input dtype for the PV
 // mma and the softmax denominator sums the rounded values, so the weights sum to exactly 1.
 // Exponentials are exp2 of log2(e)-prescaled logits (same math as exp, different rounding).
+// The optional LSE is ln 2 * (max + log2(sum)) of those log2-domain maxima and sums, written where
+// `out` is (by the main kernel or the reduce kernel): it uses the same rounded denominator that
+// normalized `out`, so merging partial attentions by their LSE reproduces the whole exactly.
 #include "device_utils.cuh"
 
 #include <algorithm>
@@ -89,7 +92,10 @@ struct DecodeParams {
   float* ws_out;     // [num_seqs][num_heads][num_partitions][head_dim], unnormalized
   float* ws_max;     // [num_seqs][num_heads][num_partitions], log2 domain
   float* ws_sum;     // [num_seqs][num_heads][num_partitions]
+  float* lse;        // [rows][num_heads] or nullptr
 };
+
+constexpr float kLn2 = 0.6931471805599453f;
 
 // Low halves (element 2j) and high halves (element 2j + 1) of two packed pairs, paired up: the
 // first argument's element goes to the low half.
@@ -320,6 +326,7 @@ __global__ void __launch_bounds__(kThreads, 3) PagedDecodeKernel(const DecodePar
       for (int e = 0; e < 4; ++e) c.r[e] = dev::PackTwo<T>(o[2 * e] * inv, o[2 * e + 1] * inv);
       T* dst = static_cast<T*>(p.out) + row * p.out_row_stride + static_cast<int64_t>(head) * kHeadDim + d0;
       *reinterpret_cast<Chunk*>(dst) = c;
+      if (p.lse && d0 == 0) p.lse[row * p.num_heads + head] = (big + log2f(sum)) * kLn2;
     } else {
       const int64_t slot = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_partitions + part;
       float* dst = p.ws_out + slot * kHeadDim + d0;
@@ -394,6 +401,7 @@ __global__ void __launch_bounds__(kReduceThreads) PagedDecodeReduceKernel(const 
     const int64_t row = p.query_rows[seq];
     T* dst = static_cast<T*>(p.out) + row * p.out_row_stride + static_cast<int64_t>(head) * kHeadDim + threadIdx.x;
     *dst = dev::FromFloat<T>(acc / total);
+    if (p.lse && threadIdx.x == 0) p.lse[row * p.num_heads + head] = (big + log2f(total)) * kLn2;
   }
 }
 
@@ -489,6 +497,7 @@ int PagedAttentionDecode(const PagedDecodeArgs& a, void* stream) {
   p.partition_size = PartitionSize(a.num_seqs, a.num_kv_heads, a.max_context_len);
   p.num_partitions = CeilDiv(a.max_context_len, p.partition_size);
   p.scale_log2 = a.scale * 1.4426950408889634f;
+  p.lse = a.lse;
   if (p.num_partitions > 65535 || static_cast<int64_t>(a.num_kv_heads) * p.slices > 65535) return kInvalidValue;
   if (p.num_partitions > 1) {
     const size_t entries = static_cast<size_t>(a.num_seqs) * a.num_heads * p.num_partitions;

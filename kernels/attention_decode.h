@@ -1,6 +1,8 @@
 // Launcher of the paged-attention decode kernel (kernels/attention_decode.cu): one query token per
 // sequence attending to its whole paged context. Conventions: kernels/kernel_common.h; cache
-// layout: kv/kv_cache_layout.h. Same result as cpu::PagedAttention for one-token slices.
+// layout: kv/kv_cache_layout.h. Same result as cpu::PagedAttention for one-token slices, including
+// the optional log-sum-exp (PagedAttentionArgs::lse, row query_rows[s]) with or without a split
+// context.
 #pragma once
 
 #include <cstddef>

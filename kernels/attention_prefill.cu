@@ -16,6 +16,8 @@
 // exp2 with the scale folded in), then O += P V with P converted to fp16/bf16 in registers: the
 // accumulator layout of S is exactly the A-fragment layout of P (FA2 register reuse). At the end
 // O / l is staged through shared memory (the warp's own Q rows) for 16-byte coalesced stores.
+// The optional LSE of a row is ln 2 * (m * scale_log2 + log2(l)) from the same running max and sum
+// (l sums the fp32 probabilities; only their copies fed to the P V mma are rounded).
 //
 // Grid: x = row tiles (reversed, so the longest causal tiles start first), y = kv heads,
 // z = sequences. CTAs whose tile lies beyond their sequence's rows exit at once.
@@ -30,6 +32,7 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kBlockN = 64;  // keys per K/V tile
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
 
 struct PrefillParams {
   void* out;
@@ -48,6 +51,7 @@ struct PrefillParams {
   int block_size;   // a power of two
   int block_shift;  // log2(block_size)
   float scale_log2;  // softmax scale * log2(e): p = exp2(s * scale_log2 - max * scale_log2)
+  float* lse;        // [rows][num_kv_heads * group] or nullptr
 };
 
 // 16 bytes moved as one vector load/store (ld/st .v4.b32).
@@ -86,7 +90,10 @@ __device__ __forceinline__ uint32_t PackPair(float lo, float hi) {
   return bits;
 }
 
-template <typename T, int kHeadDim, int kMTiles>
+// kLse: whether the kernel writes p.lse. A separate instantiation, so that launches without an LSE
+// run exactly the code they ran before (the 128-row head_dim 128 kernel sits at 255 registers; its
+// LSE variant spills 8 bytes).
+template <typename T, int kHeadDim, int kMTiles, bool kLse>
 __global__ void __launch_bounds__(kThreads) PagedPrefillKernel(const PrefillParams p) {
   using Cfg = PrefillConfig<kHeadDim, kMTiles, T>;
   constexpr int kBlockM = Cfg::kBlockM;
@@ -377,6 +384,15 @@ __global__ void __launch_bounds__(kThreads) PagedPrefillKernel(const PrefillPara
       l += __shfl_xor_sync(dev::kFullMask, l, 2);
       const float inv = l > 0.0f ? 1.0f / l : 0.0f;  // l == 0 only for discarded rows
       T* const dst_row = sQ + (warp_row0 + mt * 16 + g + 8 * h) * kStride + 2 * t;
+      if (kLse && t == 0) {
+        const int m = tile_m0 + warp_row0 + mt * 16 + g + 8 * h;
+        if (m < rows) {
+          const int token = m / group;
+          const int head = kv_head * group + (m - token * group);
+          p.lse[static_cast<int64_t>(q_start + token) * (p.num_kv_heads * group) + head] =
+              (row_max[mt][h] * p.scale_log2 + log2f(l)) * kLn2;
+        }
+      }
 #pragma unroll
       for (int db = 0; db < kDB; ++db) {
         *reinterpret_cast<uint32_t*>(dst_row + db * 8) =
@@ -389,7 +405,7 @@ __global__ void __launch_bounds__(kThreads) PagedPrefillKernel(const PrefillPara
   static_assert(16 * kChunks % 32 == 0, "whole store passes");
   // Not unrolled (runs once per CTA): the 128-row, head_dim 128 kernel sits at 255 registers, and
   // these unroll factors (here and in load_kv) are the ones with which ptxas reports no spills for
-  // all eight instantiations (check with -Xptxas=-v after changes).
+  // all eight instantiations without an LSE (check with -Xptxas=-v after changes).
 #pragma unroll 1
   for (int i = 0; i < 16 * kMTiles * kChunks / 32; ++i) {
     const int idx = lane + 32 * i;
@@ -408,7 +424,11 @@ template <typename T, int kHeadDim, int kMTiles>
 int LaunchPrefill(const PrefillParams& params, int max_rows, int num_kv_heads, int num_seqs, void* stream) {
   using Cfg = PrefillConfig<kHeadDim, kMTiles, T>;
   const dim3 grid((max_rows + Cfg::kBlockM - 1) / Cfg::kBlockM, num_kv_heads, num_seqs);
-  return LaunchKernel(PagedPrefillKernel<T, kHeadDim, kMTiles>, grid, dim3(kThreads), Cfg::kSmemBytes, stream,
+  if (params.lse) {
+    return LaunchKernel(PagedPrefillKernel<T, kHeadDim, kMTiles, true>, grid, dim3(kThreads), Cfg::kSmemBytes,
+                        stream, params);
+  }
+  return LaunchKernel(PagedPrefillKernel<T, kHeadDim, kMTiles, false>, grid, dim3(kThreads), Cfg::kSmemBytes, stream,
                       params);
 }
 
@@ -486,6 +506,7 @@ int PagedAttentionPrefillTiled(const PagedPrefillArgs& a, int block_m, void* str
   params.block_shift = 0;
   while ((1 << params.block_shift) < a.block_size) ++params.block_shift;
   params.scale_log2 = a.scale * kLog2e;
+  params.lse = a.lse;
 
   const int rows = static_cast<int>(max_rows);
   KVFLOW_DISPATCH_HALF_DTYPE(a.dtype, T, {

@@ -2,7 +2,8 @@
 // batch of query chunks, each attending causally to its sequence's paged context (earlier chunks,
 // prefix-cache hits and the chunk's own K/V, already written by ReshapeAndCache). Flash-attention
 // style: tiled, online softmax, no score matrix in memory. Conventions: kernels/kernel_common.h.
-// Same result as cpu::PagedAttention.
+// Same result as cpu::PagedAttention, including the optional log-sum-exp (PagedAttentionArgs::lse,
+// rows query_starts[s] + j).
 #pragma once
 
 #include <cstdint>

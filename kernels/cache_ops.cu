@@ -1,7 +1,8 @@
-// KV-cache kernels: reshape_and_cache (scatter a batch's new K/V rows into their paged slots) and
-// copy_blocks (copy-on-write of whole blocks in every layer). Layout: kv/kv_cache_layout.h.
+// KV-cache kernels: reshape_and_cache (scatter a batch's new K/V rows into their paged slots),
+// gather_slots (collect scattered slots of one layer into consecutive blocks) and copy_blocks
+// (copy-on-write of whole blocks in every layer). Layout: kv/kv_cache_layout.h.
 //
-// Both are pure byte copies, so they are written in terms of an opaque "word" (16, 8, 4 or 2 bytes)
+// All are pure byte copies, so they are written in terms of an opaque "word" (16, 8, 4 or 2 bytes)
 // rather than the element type: the copy is bit-exact by construction, and one instantiation per
 // word size serves fp32, fp16 and bf16. The launcher picks the widest word that every pointer,
 // stride and row length is a multiple of; for the supported head dims (64/128) that is 16 bytes.
@@ -83,6 +84,47 @@ int LaunchReshapeAndCache(const void* key, int64_t key_row_stride_bytes, const v
                       key_row_stride_bytes / static_cast<int64_t>(sizeof(W)), static_cast<const W*>(value),
                       value_row_stride_bytes / static_cast<int64_t>(sizeof(W)), static_cast<W*>(key_cache),
                       static_cast<W*>(value_cache), slot_mapping, num_kv_heads, head_words, block_size);
+}
+
+// ---- gather_slots ------------------------------------------------------------------------------------
+//
+// One thread block per destination slot, as reshape_and_cache: threads stride over the slot's
+// num_kv_heads * head_words words; within a head both the source and the destination rows are
+// contiguous, so both sides are coalesced.
+template <typename W>
+__global__ void __launch_bounds__(256)
+    GatherSlotsKernel(const W* __restrict__ key_cache, const W* __restrict__ value_cache,
+                      const int64_t* __restrict__ src_slots, W* __restrict__ dst_key, W* __restrict__ dst_value,
+                      int num_kv_heads, int head_words, int block_size) {
+  const int64_t dst_slot = blockIdx.x;
+  const int64_t src_slot = src_slots[dst_slot];
+  if (src_slot < 0) return;  // padding up to a block boundary
+  const int64_t head_stride = static_cast<int64_t>(block_size) * head_words;
+  const int64_t block_words = num_kv_heads * head_stride;
+  const int64_t src = (src_slot / block_size) * block_words + (src_slot % block_size) * head_words;
+  const int64_t dst = (dst_slot / block_size) * block_words + (dst_slot % block_size) * head_words;
+  const int n = num_kv_heads * head_words;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int head = i / head_words;
+    const int64_t at = head * head_stride + (i - head * head_words);
+    const W k = key_cache[src + at];
+    const W v = value_cache[src + at];
+    dst_key[dst + at] = k;
+    dst_value[dst + at] = v;
+  }
+}
+
+template <typename W>
+int LaunchGatherSlots(const void* key_cache, const void* value_cache, const int64_t* src_slots, int num_slots,
+                      void* dst_key, void* dst_value, int num_kv_heads, int head_bytes, int block_size,
+                      void* stream) {
+  const int head_words = head_bytes / static_cast<int>(sizeof(W));
+  const int n = num_kv_heads * head_words;
+  int threads = (n + 31) / 32 * 32;
+  threads = threads < 32 ? 32 : threads > 256 ? 256 : threads;
+  return LaunchKernel(GatherSlotsKernel<W>, dim3(static_cast<unsigned>(num_slots)), dim3(static_cast<unsigned>(threads)),
+                      0, stream, static_cast<const W*>(key_cache), static_cast<const W*>(value_cache), src_slots,
+                      static_cast<W*>(dst_key), static_cast<W*>(dst_value), num_kv_heads, head_words, block_size);
 }
 
 // ---- copy_blocks -------------------------------------------------------------------------------------
@@ -173,6 +215,34 @@ int ReshapeAndCacheF32(const float* key, const float* value, float* key_cache, f
   const int64_t row = static_cast<int64_t>(num_kv_heads) * head_dim;
   return ReshapeAndCache(DType::kF32, key, row, value, row, key_cache, value_cache, slot_mapping, num_tokens,
                          num_kv_heads, head_dim, block_size, stream);
+}
+
+int GatherSlots(DType dtype, const void* key_cache, const void* value_cache, const int64_t* src_slots, int num_slots,
+                void* dst_key, void* dst_value, int num_kv_heads, int head_dim, int block_size, void* stream) {
+  if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16) return kInvalidValue;
+  if (num_slots < 0 || num_kv_heads <= 0 || head_dim <= 0 || block_size <= 0) return kInvalidValue;
+  if (num_slots == 0) return 0;
+  if (!key_cache || !value_cache || !src_slots || !dst_key || !dst_value) return kInvalidValue;
+  const int head_bytes = head_dim * static_cast<int>(DTypeSize(dtype));
+  const int align = CommonAlignment({reinterpret_cast<uintptr_t>(key_cache), reinterpret_cast<uintptr_t>(value_cache),
+                                     reinterpret_cast<uintptr_t>(dst_key), reinterpret_cast<uintptr_t>(dst_value),
+                                     static_cast<uint64_t>(head_bytes)});
+  switch (align) {
+    case 16:
+      return LaunchGatherSlots<Word16>(key_cache, value_cache, src_slots, num_slots, dst_key, dst_value, num_kv_heads,
+                                       head_bytes, block_size, stream);
+    case 8:
+      return LaunchGatherSlots<Word8>(key_cache, value_cache, src_slots, num_slots, dst_key, dst_value, num_kv_heads,
+                                      head_bytes, block_size, stream);
+    case 4:
+      return LaunchGatherSlots<Word4>(key_cache, value_cache, src_slots, num_slots, dst_key, dst_value, num_kv_heads,
+                                      head_bytes, block_size, stream);
+    case 2:
+      return LaunchGatherSlots<Word2>(key_cache, value_cache, src_slots, num_slots, dst_key, dst_value, num_kv_heads,
+                                      head_bytes, block_size, stream);
+    default:
+      return kInvalidValue;
+  }
 }
 
 int CopyBlocks(DType dtype, void* key_pool, void* value_pool, int num_layers, int64_t layer_stride,

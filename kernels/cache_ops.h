@@ -22,6 +22,15 @@ int ReshapeAndCacheF32(const float* key, const float* value, float* key_cache, f
                        const int64_t* slot_mapping, int num_tokens, int num_kv_heads, int head_dim,
                        int block_size, void* stream);
 
+// gather_slots: for one layer, copies the K and V of cache slot src_slots[i] (physical_block *
+// block_size + slot) into slot i of dst_key / dst_value, which are laid out like the cache (slot i
+// = block i / block_size, offset i % block_size; a block holds num_kv_heads x block_size x
+// head_dim elements). Scattered tokens (a KvView of explicit slots) thus become whole blocks that
+// the paged-attention kernels read through a plain block table. src_slots[i] = -1 leaves slot i
+// untouched (the padding up to a block boundary). The destination must not overlap the cache.
+int GatherSlots(DType dtype, const void* key_cache, const void* value_cache, const int64_t* src_slots, int num_slots,
+                void* dst_key, void* dst_value, int num_kv_heads, int head_dim, int block_size, void* stream);
+
 // copy_blocks (copy-on-write): for each i < num_pairs copies block pairs[2i] to block pairs[2i+1]
 // in every layer of both pools, in one launch. The pools hold num_layers consecutive layers of
 // layer_stride elements; a block is block_stride elements (kv/kv_cache_layout.h). Sources and

@@ -26,6 +26,11 @@ struct PagedAttentionArgs {
   int head_dim = 0;      // 64 or 128
   int block_size = 0;    // 8, 16 or 32
   float scale = 1.0f;    // softmax scale, usually 1/sqrt(head_dim)
+  // Optional (nullptr: not written, no extra work). [rows][num_heads], row r as in `out`: the
+  // natural log of sum(exp(scale * q.k)) over the keys query row r, head h sees, as
+  // cpu::PagedAttention writes into AttentionIo::lse, so that attentions over disjoint KV sets
+  // merge exactly (cpu::MergeAttentionStates).
+  float* lse = nullptr;
 };
 
 }  // namespace kvflow::cuda

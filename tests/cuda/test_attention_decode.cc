@@ -16,6 +16,12 @@
 // workspace poisoned; output rows and columns the kernel must not write are checked to still hold
 // the poison.
 //
+// The log-sum-exp output (PagedAttentionArgs::lse) is checked against the reference's LSE in every
+// case but LargeBatchFullPartitions and the odd rounds of RandomBatches (which run lse = nullptr),
+// its unowned rows against poison; and attentions over the
+// two halves of each context, merged by their LSEs (cpu::MergeAttentionStates), must equal the
+// whole. LSE tolerance: fp16 1e-3, bf16 6e-3 absolute (see LseTolerance).
+//
 // Tolerances (outputs are softmax-weighted averages of N(0,1) values clamped to +-3.5, so
 // |out| < 4): fp16 atol 2e-3,
 // bf16 atol 1.5e-2 (P is rounded to the input type for the P V product and the output is rounded
@@ -58,6 +64,7 @@ struct Shape {
   int max_context_len = 0;  // 0: the largest context
   bool fused_rows = true;   // query rows of (H + 2 KV) * D elements, output rows of H * D + 8, permuted
   float q_std = 1.0f;       // larger: peakier softmax
+  bool lse = true;          // also check the LSE output (false: lse = nullptr)
   uint32_t seed = 1;
 };
 
@@ -76,15 +83,37 @@ std::string Describe(const Shape& s) {
   os << " max" << MaxContext(s);
   if (!s.fused_rows) os << " dense";
   if (s.q_std != 1.0f) os << " qstd" << s.q_std;
+  if (!s.lse) os << " no-lse";
   return os.str();
 }
 
-void RunCase(const Shape& s) {
-  SCOPED_TRACE(Describe(s));
-  const int D = s.head_dim, bs = s.block_size, KV = s.num_kv_heads, H = KV * s.group;
-  const int num_seqs = static_cast<int>(s.contexts.size());
-  const int max_ctx = MaxContext(s);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+// One batch's inputs (host copies rounded to the device dtype, and their device copies) and the
+// CPU reference's output and LSE over each sequence's whole context.
+struct Problem {
+  explicit Problem(const Shape& shape);
+
+  Shape s;
+  int D, bs, KV, H, num_seqs, max_ctx;
+  float scale;
+  KvCacheLayout layout;
+  std::vector<float> key, value;
+  ForwardBatch batch;
+  int bt_stride = 0;
+  int32_t nan_block = 0;
+  std::vector<int32_t> block_tables;  // [num_seqs][bt_stride], unused entries: the NaN block
+  int num_rows = 0;
+  int64_t q_stride = 0, o_stride = 0;
+  std::vector<int32_t> query_rows;  // sequence i owns row query_rows[i]
+  std::vector<float> query;         // [seq][H * D] for the reference
+  std::vector<float> ref, ref_lse;  // [seq][H * D], [seq][H]
+  test::DeviceBuffer d_key, d_value, d_query, d_rows;
+};
+
+Problem::Problem(const Shape& shape) : s(shape) {
+  D = s.head_dim, bs = s.block_size, KV = s.num_kv_heads, H = KV * s.group;
+  num_seqs = static_cast<int>(s.contexts.size());
+  max_ctx = MaxContext(s);
+  scale = 1.0f / std::sqrt(static_cast<float>(D));
   std::mt19937 rng(s.seed * 7919u + static_cast<uint32_t>(D + bs + H));
 
   // Physical blocks from a shuffled pool; one spare block (all NaN) fills unused table entries.
@@ -94,12 +123,13 @@ void RunCase(const Shape& s) {
   std::vector<int32_t> pool(static_cast<size_t>(num_blocks));
   std::iota(pool.begin(), pool.end(), 0);
   std::shuffle(pool.begin(), pool.end(), rng);
-  const int32_t nan_block = pool.back();
-  const int bt_stride = (max_ctx + bs - 1) / bs + 1;
-  std::vector<int32_t> block_tables(static_cast<size_t>(num_seqs) * bt_stride, nan_block);
+  nan_block = pool.back();
+  bt_stride = (max_ctx + bs - 1) / bs + 1;
+  block_tables.assign(static_cast<size_t>(num_seqs) * bt_stride, nan_block);
 
-  KvCacheLayout layout{1, num_blocks, KV, bs, D};
-  std::vector<float> key(layout.layer_stride()), value(layout.layer_stride());
+  layout = KvCacheLayout{1, num_blocks, KV, bs, D};
+  key.resize(layout.layer_stride());
+  value.resize(layout.layer_stride());
   test::FillNormal(key, rng);
   test::FillNormal(value, rng);
   // |v| <= 3.5, so |out| < 4 and rounding the output itself costs at most half an ulp of [2, 4):
@@ -107,7 +137,6 @@ void RunCase(const Shape& s) {
   for (float& v : value) v = std::clamp(v, -3.5f, 3.5f);
 
   // One-token slices: the token at position context - 1, its K/V already in the cache.
-  ForwardBatch batch;
   std::vector<bool> slot_used(static_cast<size_t>(num_blocks) * bs, false);
   int next_block = 0;
   for (int i = 0; i < num_seqs; ++i) {
@@ -139,78 +168,171 @@ void RunCase(const Shape& s) {
   const std::vector<uint8_t> value_bytes = test::ToDeviceBytes(value, s.dtype);
 
   // Query rows: one spare row that no sequence owns; sequence i owns row query_rows[i].
-  const int num_rows = num_seqs + 1;
-  const int64_t q_stride = s.fused_rows ? static_cast<int64_t>(H + 2 * KV) * D : static_cast<int64_t>(H) * D;
-  const int64_t o_stride = s.fused_rows ? static_cast<int64_t>(H) * D + 8 : static_cast<int64_t>(H) * D;
-  std::vector<int32_t> query_rows(static_cast<size_t>(num_rows));
+  num_rows = num_seqs + 1;
+  q_stride = s.fused_rows ? static_cast<int64_t>(H + 2 * KV) * D : static_cast<int64_t>(H) * D;
+  o_stride = s.fused_rows ? static_cast<int64_t>(H) * D + 8 : static_cast<int64_t>(H) * D;
+  query_rows.resize(static_cast<size_t>(num_rows));
   std::iota(query_rows.begin(), query_rows.end(), 0);
   if (s.fused_rows) std::shuffle(query_rows.begin(), query_rows.end(), rng);
   query_rows.resize(static_cast<size_t>(num_seqs));
   std::vector<float> q_rows(static_cast<size_t>(num_rows * q_stride));
   test::FillNormal(q_rows, rng, s.q_std);
   const std::vector<uint8_t> q_bytes = test::ToDeviceBytes(q_rows, s.dtype);
-  std::vector<float> query(static_cast<size_t>(num_seqs) * H * D);
+  query.resize(static_cast<size_t>(num_seqs) * H * D);
   for (int i = 0; i < num_seqs; ++i) {
     const float* src = q_rows.data() + query_rows[static_cast<size_t>(i)] * q_stride;
     std::copy(src, src + static_cast<long>(H) * D, query.begin() + static_cast<long>(i) * H * D);
   }
 
-  std::vector<float> ref(query.size());
-  cpu::PagedAttention(batch, layout, H, query.data(), key.data(), value.data(), scale, ref.data());
+  ref.resize(query.size());
+  ref_lse.resize(static_cast<size_t>(num_seqs) * H);
+  std::vector<std::vector<int64_t>> views(batch.seqs.size());
+  for (size_t i = 0; i < views.size(); ++i) ViewSlots(batch.seqs[i], bs, views[i]);
+  cpu::AttentionIo io;
+  io.query = query.data();
+  io.query_row_stride = static_cast<int64_t>(H) * D;
+  io.out = ref.data();
+  io.out_row_stride = io.query_row_stride;
+  io.lse = ref_lse.data();
+  cpu::PagedAttention(batch, views, layout, H, io, key.data(), value.data(), scale);
 
-  std::vector<int32_t> context_lens(s.contexts.begin(), s.contexts.end());
-  test::DeviceBuffer d_key = test::DeviceBuffer::From(key_bytes);
-  test::DeviceBuffer d_value = test::DeviceBuffer::From(value_bytes);
-  test::DeviceBuffer d_query = test::DeviceBuffer::From(q_bytes);
-  test::DeviceBuffer d_tables = test::DeviceBuffer::From(block_tables);
-  test::DeviceBuffer d_ctx = test::DeviceBuffer::From(context_lens);
-  test::DeviceBuffer d_rows = test::DeviceBuffer::From(query_rows);
-  test::DeviceBuffer d_out(static_cast<size_t>(num_rows * o_stride) * 2);
+  d_key = test::DeviceBuffer::From(key_bytes);
+  d_value = test::DeviceBuffer::From(value_bytes);
+  d_query = test::DeviceBuffer::From(q_bytes);
+  d_rows = test::DeviceBuffer::From(query_rows);
+}
+
+// What one launch produced, in the reference's order.
+struct LaunchResult {
+  std::vector<float> out;  // [seq][H * D]
+  std::vector<float> lse;  // [seq][H]; empty without LSE
+  size_t clobbered = 0;    // output elements written outside the sequences' rows
+  size_t lse_clobbered = 0;
+  bool split = false;
+};
+
+// One launch over `tables` ([num_seqs][bt_stride]) and `contexts`, with a grid for max_context_len
+// (P.max_ctx by default); output and workspace poisoned.
+LaunchResult Launch(const Problem& P, const std::vector<int32_t>& tables, const std::vector<int32_t>& contexts, bool with_lse,
+              int max_context_len = 0) {
+  if (max_context_len == 0) max_context_len = P.max_ctx;
+  const int H = P.H, D = P.D, num_seqs = P.num_seqs;
+  test::DeviceBuffer d_tables = test::DeviceBuffer::From(tables);
+  test::DeviceBuffer d_ctx = test::DeviceBuffer::From(contexts);
+  test::DeviceBuffer d_out(static_cast<size_t>(P.num_rows * P.o_stride) * 2);
   d_out.Poison();
-  const size_t ws_bytes = cuda::PagedDecodeWorkspaceBytes(num_seqs, H, D, max_ctx);
+  test::DeviceBuffer d_lse(with_lse ? static_cast<size_t>(P.num_rows) * H * sizeof(float) : 0);
+  d_lse.Poison();
+  const size_t ws_bytes = cuda::PagedDecodeWorkspaceBytes(num_seqs, H, D, max_context_len);
   test::DeviceBuffer d_ws(ws_bytes);
   d_ws.Poison();
 
   cuda::PagedDecodeArgs args;
-  args.dtype = s.dtype;
+  args.dtype = P.s.dtype;
   args.out = d_out.get();
-  args.out_row_stride = o_stride;
-  args.query = d_query.get();
-  args.query_row_stride = q_stride;
-  args.key_cache = d_key.get();
-  args.value_cache = d_value.get();
+  args.out_row_stride = P.o_stride;
+  args.query = P.d_query.get();
+  args.query_row_stride = P.q_stride;
+  args.key_cache = P.d_key.get();
+  args.value_cache = P.d_value.get();
   args.block_tables = d_tables.get<int32_t>();
-  args.block_table_stride = bt_stride;
+  args.block_table_stride = P.bt_stride;
   args.context_lens = d_ctx.get<int32_t>();
-  args.query_rows = d_rows.get<int32_t>();
+  args.query_rows = P.d_rows.get<int32_t>();
   args.num_seqs = num_seqs;
   args.num_heads = H;
-  args.num_kv_heads = KV;
+  args.num_kv_heads = P.KV;
   args.head_dim = D;
-  args.block_size = bs;
-  args.max_context_len = max_ctx;
-  args.scale = scale;
+  args.block_size = P.bs;
+  args.max_context_len = max_context_len;
+  args.scale = P.scale;
   args.workspace = d_ws.get();
   args.workspace_bytes = ws_bytes;
-  KVFLOW_CUDA_OK(cuda::PagedAttentionDecode(args, nullptr));
-  KVFLOW_CUDA_OK(cudaDeviceSynchronize());
+  args.lse = with_lse ? d_lse.get<float>() : nullptr;
+  LaunchResult r;
+  r.split = cuda::detail::PagedDecodeWorkspaceNeeded(num_seqs, H, P.KV, D, max_context_len) > 0;
+  const int rc = cuda::PagedAttentionDecode(args, nullptr);
+  EXPECT_EQ(rc, 0) << cudaGetErrorString(static_cast<cudaError_t>(rc));
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
   const std::vector<uint16_t> out_bits = d_out.Download<uint16_t>();
-  std::vector<float> got(ref.size());
+  r.out.resize(static_cast<size_t>(num_seqs) * H * D);
   std::vector<bool> written(out_bits.size(), false);
   for (int i = 0; i < num_seqs; ++i) {
-    const int64_t base = query_rows[static_cast<size_t>(i)] * o_stride;
+    const int64_t base = P.query_rows[static_cast<size_t>(i)] * P.o_stride;
     for (int j = 0; j < H * D; ++j) {
-      got[static_cast<size_t>(i) * H * D + j] = test::BitsToFloat(out_bits[static_cast<size_t>(base + j)], s.dtype);
+      r.out[static_cast<size_t>(i) * H * D + j] = test::BitsToFloat(out_bits[static_cast<size_t>(base + j)], P.s.dtype);
       written[static_cast<size_t>(base + j)] = true;
     }
   }
-  size_t clobbered = 0;
-  for (size_t i = 0; i < out_bits.size(); ++i) clobbered += !written[i] && out_bits[i] != kPoisonBits;
-  EXPECT_EQ(clobbered, 0u) << "elements written outside the sequences' output rows";
+  for (size_t i = 0; i < out_bits.size(); ++i) r.clobbered += !written[i] && out_bits[i] != kPoisonBits;
+  if (with_lse) {
+    const std::vector<uint32_t> lse_bits = d_lse.Download<uint32_t>();
+    std::vector<bool> lse_written(lse_bits.size(), false);
+    r.lse.resize(static_cast<size_t>(num_seqs) * H);
+    for (int i = 0; i < num_seqs; ++i) {
+      for (int h = 0; h < H; ++h) {
+        const size_t at = static_cast<size_t>(P.query_rows[static_cast<size_t>(i)]) * H + h;
+        std::memcpy(&r.lse[static_cast<size_t>(i) * H + h], &lse_bits[at], 4);
+        lse_written[at] = true;
+      }
+    }
+    for (size_t i = 0; i < lse_bits.size(); ++i) r.lse_clobbered += !lse_written[i] && lse_bits[i] != 0xFFFFFFFFu;
+  }
+  return r;
+}
 
+std::vector<int32_t> ContextLens(const Shape& s) { return std::vector<int32_t>(s.contexts.begin(), s.contexts.end()); }
+
+// LSE tolerance: the logits match the reference to fp32 rounding; the kernel's denominator sums
+// the probabilities rounded to the input dtype (relative error <= 2^-11 fp16, 2^-8 bf16 per term,
+// the largest term exactly 1), which bounds |d lse| by that relative error.
+double LseTolerance(DType t) { return t == DType::kF16 ? 1e-3 : 6e-3; }
+double OutTolerance(DType t) { return t == DType::kF16 ? 2e-3 : 1.5e-2; }
+
+void RunCase(const Shape& s) {
+  SCOPED_TRACE(Describe(s));
+  const Problem P(s);
+  const LaunchResult r = Launch(P, P.block_tables, ContextLens(s), s.lse);
+  EXPECT_EQ(r.clobbered, 0u) << "elements written outside the sequences' output rows";
   const bool fp16 = s.dtype == DType::kF16;
-  test::ExpectClose(Describe(s) + (ws_bytes ? " [split]" : ""), got, ref, fp16 ? 2e-3 : 1.5e-2, fp16 ? 0.15 : 1.0);
+  const std::string what = Describe(s) + (r.split ? " [split]" : "");
+  test::ExpectClose(what, r.out, P.ref, OutTolerance(s.dtype), fp16 ? 0.15 : 1.0);
+  if (s.lse) {
+    EXPECT_EQ(r.lse_clobbered, 0u) << "LSE written outside the sequences' rows";
+    test::ExpectClose(what + " LSE", r.lse, P.ref_lse, LseTolerance(s.dtype), 1.0);
+  }
+}
+
+// Attention over the first half of each context's blocks and over the rest (two block tables),
+// merged by cpu::MergeAttentionStates with the kernel's LSEs, equals attention over the whole
+// context (the reference), in output and LSE. Contexts must span at least two blocks.
+void RunMergeCase(const Shape& s) {
+  SCOPED_TRACE(Describe(s) + " halves");
+  const Problem P(s);
+  const int bs = P.bs, H = P.H, D = P.D;
+  std::vector<int32_t> tables_a(P.block_tables.size(), P.nan_block), tables_b = tables_a;
+  std::vector<int32_t> ctx_a, ctx_b;
+  for (int i = 0; i < P.num_seqs; ++i) {
+    const int ctx = s.contexts[static_cast<size_t>(i)];
+    const int nb = (ctx + bs - 1) / bs;
+    ASSERT_GE(nb, 2) << "context " << ctx << " has no two halves";
+    const int na = nb / 2;
+    const auto row = P.block_tables.begin() + static_cast<long>(i) * P.bt_stride;
+    std::copy(row, row + na, tables_a.begin() + static_cast<long>(i) * P.bt_stride);
+    std::copy(row + na, row + nb, tables_b.begin() + static_cast<long>(i) * P.bt_stride);
+    ctx_a.push_back(na * bs);
+    ctx_b.push_back(ctx - na * bs);
+  }
+  const LaunchResult a = Launch(P, tables_a, ctx_a, true);
+  const LaunchResult b = Launch(P, tables_b, ctx_b, true);
+  std::vector<float> merged(P.ref.size()), merged_lse(P.ref_lse.size());
+  cpu::MergeAttentionStates(a.out.data(), a.lse.data(), b.out.data(), b.lse.data(),
+                            static_cast<int64_t>(P.num_seqs) * H, D, merged.data(), merged_lse.data());
+  const bool fp16 = s.dtype == DType::kF16;
+  const std::string what = Describe(s) + (a.split || b.split ? " [split]" : "") + " halves merged";
+  test::ExpectClose(what, merged, P.ref, OutTolerance(s.dtype), fp16 ? 0.15 : 1.0);
+  test::ExpectClose(what + " LSE", merged_lse, P.ref_lse, LseTolerance(s.dtype), 1.0);
 }
 
 // Contexts of one batch: single tokens, partial tiles, exact tiles, several tiles and (with
@@ -295,6 +417,7 @@ TEST(PagedAttentionDecode, LargeBatchFullPartitions) {
   s.contexts[5] = 700;
   s.contexts[20] = 1024;
   s.max_context_len = 1024;
+  s.lse = false;  // the lse == nullptr path of a split batch
   s.seed = 201;
   ASSERT_GT(cuda::PagedDecodeWorkspaceBytes(32, 8, 64, 1024), 0u);
   RunCase(s);
@@ -370,8 +493,36 @@ TEST(PagedAttentionDecode, RandomBatches) {
     std::uniform_int_distribution<int> len(1, max_len);
     for (int i = 0; i < num_seqs; ++i) s.contexts.push_back(len(rng));
     s.max_context_len = max_len + 100;
+    s.lse = r % 2 == 0;
     s.seed = 400 + static_cast<uint32_t>(r);
     RunCase(s);
+  }
+}
+
+// LSE merge: attention over two disjoint halves of each context (two block tables), merged with
+// cpu::MergeAttentionStates by the kernel's LSEs, equals attention over the whole context. Both
+// dtypes and head dims, GQA, halves split into partitions (max_context_len > 256) and not.
+TEST(PagedAttentionDecode, LseMergeOfTwoHalvesEqualsWhole) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  uint32_t seed = 600;
+  for (DType dtype : {DType::kF16, DType::kBF16}) {
+    for (int head_dim : {64, 128}) {
+      Shape s;
+      s.dtype = dtype;
+      s.head_dim = head_dim;
+      s.block_size = head_dim == 64 ? 16 : 32;
+      s.num_kv_heads = 2;
+      s.group = head_dim == 64 ? 4 : 1;
+      s.contexts = {33, 200, 65, 1100};  // the 1100-token halves split into 64-token partitions
+      s.max_context_len = 1152;
+      s.q_std = 2.0f;
+      s.seed = seed++;
+      RunMergeCase(s);
+      s.contexts = {40, 250, 70};  // max_context_len <= 256: no half is split
+      s.max_context_len = 0;
+      s.seed = seed++;
+      RunMergeCase(s);
+    }
   }
 }
 

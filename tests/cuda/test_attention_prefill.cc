@@ -16,6 +16,14 @@
 // gets a loose bound (fp16 1, bf16 8): near-zero outputs of long contexts make it large without
 // any real error. The row-relative L2 error is the relative check (a row is a convex combination
 // of V rows, never near zero), and it is tight even where long contexts make outputs small.
+//
+// The log-sum-exp output (PagedAttentionArgs::lse) is checked against the reference's LSE (atol
+// 5e-4: the kernel sums fp32 probabilities, so only exp2/log2 and summation order differ) in every
+// case but those of block size 16 (which run lse = nullptr: the kernels without it are separate
+// instantiations), and LSE entries of rows nobody owns against poison. LseMergeOfTwoHalvesEqualsWhole:
+// attention over the first cached blocks of each context (every query sees them whole: one
+// query_len-1 sequence per token) and over the rest (causal), merged by their LSEs with
+// cpu::MergeAttentionStates, equals the whole, within the output tolerances.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -60,6 +68,8 @@ struct Shape {
   float q_std = 1.0f;  // larger: peakier softmax
   // Tile heights to run (same inputs, same reference): 0 lets the launcher pick, 64 or 128 forces.
   std::vector<int> block_ms = {0};
+  bool lse = true;            // also check the LSE output (false: lse = nullptr)
+  bool merge_halves = false;  // also check that two halves of each context merge to the whole
   uint32_t seed = 1;
 };
 
@@ -72,6 +82,7 @@ std::string Describe(const Shape& s, int block_m) {
   if (s.query_row_extra || s.out_row_extra || s.row_gap) os << " strided";
   if (s.max_query_len_extra) os << " maxq+" << s.max_query_len_extra;
   if (s.q_std != 1.0f) os << " qstd" << s.q_std;
+  if (!s.lse) os << " no-lse";
   return os.str();
 }
 
@@ -161,21 +172,43 @@ void RunCase(const Shape& s) {
   }
 
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  std::vector<float> ref(q_ref.size());
-  cpu::PagedAttention(batch, layout, H, q_ref.data(), k_cache.data(), v_cache.data(), scale, ref.data());
+  std::vector<float> ref(q_ref.size()), ref_lse(static_cast<size_t>(T) * H);
+  {
+    std::vector<std::vector<int64_t>> views(batch.seqs.size());
+    for (size_t i = 0; i < views.size(); ++i) ViewSlots(batch.seqs[i], bs, views[i]);
+    cpu::AttentionIo io;
+    io.query = q_ref.data();
+    io.query_row_stride = static_cast<int64_t>(H) * D;
+    io.out = ref.data();
+    io.out_row_stride = io.query_row_stride;
+    io.lse = ref_lse.data();
+    cpu::PagedAttention(batch, views, layout, H, io, k_cache.data(), v_cache.data(), scale);
+  }
 
   test::DeviceBuffer d_q = test::DeviceBuffer::From(q_bytes);
   test::DeviceBuffer d_k = test::DeviceBuffer::From(k_bytes);
   test::DeviceBuffer d_v = test::DeviceBuffer::From(v_bytes);
-  test::DeviceBuffer d_bt = test::DeviceBuffer::From(block_tables);
-  test::DeviceBuffer d_starts = test::DeviceBuffer::From(query_starts);
-  test::DeviceBuffer d_qlens = test::DeviceBuffer::From(query_lens);
-  test::DeviceBuffer d_ctx = test::DeviceBuffer::From(context_lens);
   test::DeviceBuffer d_out(static_cast<size_t>(total_rows * o_stride) * 2);
-  for (const int block_m : s.block_ms) {
-    const std::string what = Describe(s, block_m);
-    SCOPED_TRACE(what);
+  test::DeviceBuffer d_lse(static_cast<size_t>(total_rows) * H * sizeof(float));
+  // Token t of the batch sits in device row row_of[t].
+  std::vector<int> row_of(static_cast<size_t>(T));
+  for (int i = 0; i < num_seqs; ++i) {
+    for (int j = 0; j < query_lens[static_cast<size_t>(i)]; ++j) {
+      row_of[static_cast<size_t>(batch.seqs[static_cast<size_t>(i)].token_offset + j)] = query_starts[static_cast<size_t>(i)] + j;
+    }
+  }
+
+  // One launch over the given sequences (tables of bt_stride entries); out and lse poisoned first.
+  // Returns false when the launch failed.
+  auto launch = [&](const std::vector<int32_t>& tables, const std::vector<int32_t>& starts,
+                    const std::vector<int32_t>& qlens, const std::vector<int32_t>& ctxs, int max_qlen, int block_m,
+                    bool with_lse) {
+    test::DeviceBuffer d_bt = test::DeviceBuffer::From(tables);
+    test::DeviceBuffer d_starts = test::DeviceBuffer::From(starts);
+    test::DeviceBuffer d_qlens = test::DeviceBuffer::From(qlens);
+    test::DeviceBuffer d_ctx = test::DeviceBuffer::From(ctxs);
     d_out.Poison();
+    d_lse.Poison();
     cuda::PagedPrefillArgs args;
     args.dtype = s.dtype;
     args.out = d_out.get();
@@ -189,32 +222,47 @@ void RunCase(const Shape& s) {
     args.query_starts = d_starts.get<int32_t>();
     args.query_lens = d_qlens.get<int32_t>();
     args.context_lens = d_ctx.get<int32_t>();
-    args.num_seqs = num_seqs;
+    args.num_seqs = static_cast<int>(starts.size());
     args.num_heads = H;
     args.num_kv_heads = KV;
     args.head_dim = D;
     args.block_size = bs;
-    args.max_query_len = max_query_len + s.max_query_len_extra;
+    args.max_query_len = max_qlen;
     args.scale = scale;
-    ASSERT_EQ(cuda::detail::PagedAttentionPrefillTiled(args, block_m, nullptr), 0);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-
-    const std::vector<uint8_t> out_bytes = d_out.Download<uint8_t>();
-    std::vector<char> written(static_cast<size_t>(total_rows * o_stride), 0);
-    std::vector<float> got(ref.size());
-    for (int i = 0; i < num_seqs; ++i) {
-      for (int j = 0; j < query_lens[static_cast<size_t>(i)]; ++j) {
-        const int t = batch.seqs[static_cast<size_t>(i)].token_offset + j;
-        const int64_t base = (query_starts[static_cast<size_t>(i)] + j) * o_stride;
-        for (int e = 0; e < H * D; ++e) {
-          uint16_t bits;
-          std::memcpy(&bits, &out_bytes[static_cast<size_t>(base + e) * 2], 2);
-          got[static_cast<size_t>(t) * H * D + e] = test::BitsToFloat(bits, s.dtype);
-          written[static_cast<size_t>(base + e)] = 1;
-        }
+    args.lse = with_lse ? d_lse.get<float>() : nullptr;
+    const int rc = cuda::detail::PagedAttentionPrefillTiled(args, block_m, nullptr);
+    EXPECT_EQ(rc, 0);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return rc == 0;
+  };
+  // The launch's output and LSE of every token, in the reference's order.
+  auto outputs = [&](std::vector<float>& got, std::vector<float>& got_lse) {
+    const std::vector<uint16_t> out_bits = d_out.Download<uint16_t>();
+    const std::vector<float> lse_all = d_lse.Download<float>();
+    got.resize(ref.size());
+    got_lse.resize(ref_lse.size());
+    for (int t = 0; t < T; ++t) {
+      const int64_t base = row_of[static_cast<size_t>(t)] * o_stride;
+      for (int e = 0; e < H * D; ++e) {
+        got[static_cast<size_t>(t) * H * D + e] = test::BitsToFloat(out_bits[static_cast<size_t>(base + e)], s.dtype);
+      }
+      for (int h = 0; h < H; ++h) {
+        got_lse[static_cast<size_t>(t) * H + h] = lse_all[static_cast<size_t>(row_of[static_cast<size_t>(t)]) * H + h];
       }
     }
-    const bool fp16 = s.dtype == DType::kF16;
+  };
+  const bool fp16 = s.dtype == DType::kF16;
+  const double lse_tol = 5e-4;
+
+  for (const int block_m : s.block_ms) {
+    const std::string what = Describe(s, block_m);
+    SCOPED_TRACE(what);
+    if (!launch(block_tables, query_starts, query_lens, context_lens, max_query_len + s.max_query_len_extra, block_m,
+                s.lse)) {
+      return;
+    }
+    std::vector<float> got, got_lse;
+    outputs(got, got_lse);
     test::ExpectClose(what, got, ref, fp16 ? 3e-3 : 2e-2, fp16 ? 1.0 : 8.0);
     double worst_row = 0.0;
     for (size_t r = 0; r < static_cast<size_t>(T) * H; ++r) {
@@ -227,12 +275,62 @@ void RunCase(const Shape& s) {
     }
     std::printf("  %-60s max row |d|_2/|ref|_2 = %.3g  (tol %.3g)\n", "", worst_row, fp16 ? 4e-3 : 3e-2);
     EXPECT_LE(worst_row, fp16 ? 4e-3 : 3e-2) << "row-relative L2 error";
+    if (s.lse) test::ExpectClose(what + " LSE", got_lse, ref_lse, lse_tol, 1.0);
+
+    // Nothing written outside the query rows' heads (and their LSE entries).
+    const std::vector<uint8_t> out_bytes = d_out.Download<uint8_t>();
+    std::vector<char> written(static_cast<size_t>(total_rows * o_stride), 0);
+    std::vector<char> lse_written(static_cast<size_t>(total_rows) * H, 0);
+    for (int t = 0; t < T; ++t) {
+      std::fill_n(written.begin() + row_of[static_cast<size_t>(t)] * o_stride, H * D, 1);
+      std::fill_n(lse_written.begin() + static_cast<long>(row_of[static_cast<size_t>(t)]) * H, H, 1);
+    }
     size_t stray = 0;
     for (size_t e = 0; e < written.size(); ++e) {
       if (!written[e] && (out_bytes[2 * e] != 0xFF || out_bytes[2 * e + 1] != 0xFF)) ++stray;
     }
     EXPECT_EQ(stray, 0u) << "elements written outside the query rows' heads";
+    const std::vector<uint32_t> lse_bits = d_lse.Download<uint32_t>();
+    size_t lse_stray = 0;
+    for (size_t e = 0; e < lse_bits.size(); ++e) lse_stray += (!s.lse || !lse_written[e]) && lse_bits[e] != 0xFFFFFFFFu;
+    EXPECT_EQ(lse_stray, 0u) << "LSE entries written outside the query rows (or without an lse)";
   }
+  if (!s.merge_halves) return;
+
+  // Two disjoint halves of every context: A = the first blocks of its cached prefix, which every
+  // query token sees whole (so A runs as one query_len-1 sequence per token), and B = the rest,
+  // causal as usual; merged by their LSEs they must equal the whole.
+  const std::string what = Describe(s, s.block_ms[0]) + " halves merged";
+  SCOPED_TRACE(what);
+  std::vector<int32_t> tables_a, starts_a, qlens_a, ctx_a;
+  std::vector<int32_t> tables_b(block_tables.size(), nan_block), ctx_b;
+  for (int i = 0; i < num_seqs; ++i) {
+    const SequenceSlice& slice = batch.seqs[static_cast<size_t>(i)];
+    const int prefix_blocks = (slice.context_len - slice.num_tokens) / bs;
+    ASSERT_GE(prefix_blocks, 1) << "sequence " << i << " has no cached block to split off";
+    const int na = (prefix_blocks + 1) / 2, nb = (slice.context_len + bs - 1) / bs;
+    for (int j = 0; j < slice.num_tokens; ++j) {
+      const size_t row0 = tables_a.size();
+      tables_a.resize(row0 + static_cast<size_t>(bt_stride), nan_block);
+      std::copy_n(slice.block_table.begin(), na, tables_a.begin() + static_cast<long>(row0));
+      starts_a.push_back(query_starts[static_cast<size_t>(i)] + j);
+      qlens_a.push_back(1);
+      ctx_a.push_back(na * bs);
+    }
+    std::copy(slice.block_table.begin() + na, slice.block_table.begin() + nb,
+              tables_b.begin() + static_cast<long>(i) * bt_stride);
+    ctx_b.push_back(slice.context_len - na * bs);
+  }
+  std::vector<float> out_a, lse_a, out_b, lse_b;
+  if (!launch(tables_a, starts_a, qlens_a, ctx_a, 1, s.block_ms[0], true)) return;
+  outputs(out_a, lse_a);
+  if (!launch(tables_b, query_starts, query_lens, ctx_b, max_query_len, s.block_ms[0], true)) return;
+  outputs(out_b, lse_b);
+  std::vector<float> merged(ref.size()), merged_lse(ref_lse.size());
+  cpu::MergeAttentionStates(out_a.data(), lse_a.data(), out_b.data(), lse_b.data(), static_cast<int64_t>(T) * H, D,
+                            merged.data(), merged_lse.data());
+  test::ExpectClose(what, merged, ref, fp16 ? 3e-3 : 2e-2, fp16 ? 1.0 : 8.0);
+  test::ExpectClose(what + " LSE", merged_lse, ref_lse, lse_tol, 1.0);
 }
 
 // ---- cases ------------------------------------------------------------------------------------------
@@ -247,7 +345,9 @@ class PagedPrefill : public ::testing::TestWithParam<Combo> {
   void SetUp() override { KVFLOW_SKIP_WITHOUT_GPU(); }
 
   // Runs `base` for every block size and GQA group. The emulator alternates the two tile heights
-  // (each shape family still sees both); a GPU runs both plus the launcher's own choice.
+  // (each shape family still sees both); a GPU runs both plus the launcher's own choice. Block size
+  // 16 runs without an LSE (the kernels without it are separate instantiations), unless the base
+  // merges halves (which needs the LSE).
   void ForEachLayout(Shape base) {
     int variant = 0;
     for (int bs : {8, 16, 32}) {
@@ -258,6 +358,7 @@ class PagedPrefill : public ::testing::TestWithParam<Combo> {
         s.block_size = bs;
         s.group = group;
         s.block_ms = test::IsEmulator() ? std::vector<int>{variant % 2 ? 128 : 64} : std::vector<int>{0, 64, 128};
+        s.lse = base.merge_halves || bs != 16;
         s.seed = base.seed + static_cast<uint32_t>(variant);
         RunCase(s);
         ++variant;
@@ -316,6 +417,17 @@ TEST_P(PagedPrefill, PeakedSoftmax) {
   s.seqs = {{150, 150}, {20, 170}};
   s.q_std = 4.0f;
   s.seed = 9;
+  ForEachLayout(s);
+}
+
+TEST_P(PagedPrefill, LseMergeOfTwoHalvesEqualsWhole) {
+  // Chunks over cached prefixes (a decode-like row among them), peaky softmax: each context's first
+  // prefix blocks and the rest, merged by their LSEs, equal the whole context.
+  Shape s;
+  s.seqs = {{37, 187}, {1, 200}, {64, 128}, {20, 170}};
+  s.q_std = 2.0f;
+  s.merge_halves = true;
+  s.seed = 21;
   ForEachLayout(s);
 }
 

@@ -1,5 +1,5 @@
 // KV-cache kernels (kernels/cache_ops.cu) against the CPU reference: reshape_and_cache vs
-// cpu::WriteKvCache, copy_blocks vs a host memcpy model. Both are copies, so every comparison is
+// cpu::WriteKvCache, gather_slots and copy_blocks vs host memcpy models. Both are copies, so every comparison is
 // bit-exact, including the NaN poison of every element the kernel must not touch.
 #include <algorithm>
 #include <cstring>
@@ -216,6 +216,97 @@ TEST(CacheOps, ReshapeAndCacheRejectsBadArguments) {
   EXPECT_EQ(cuda::CopyBlocks(DType::kF16, p, p, 1, 64, 0, slots.get<int32_t>(), 1, nullptr), cuda::kInvalidValue);
   EXPECT_EQ(cuda::CopyBlocks(DType::kF16, p, p, 1, 32, 64, slots.get<int32_t>(), 1, nullptr), cuda::kInvalidValue);
   EXPECT_EQ(cuda::CopyBlocks(DType::kF16, p, p, 1, 64, 64, slots.get<int32_t>(), 0, nullptr), 0);  // no pairs
+}
+
+// gather_slots: the slots of several KV views (sinks + window of a sequence, a shuffled subset with
+// a repeated slot, a single token), each starting on a block boundary of the destination with -1
+// padding up to it, as the CUDA backend lays out its gather scratch. Host model: memcpy of each
+// head row; padding slots keep the poison; the source cache is read-only.
+void RunGatherSlots(DType dtype, const KvCacheLayout& layout, std::mt19937& rng) {
+  const size_t es = cuda::DTypeSize(dtype);
+  const int bs = layout.block_size, KV = layout.num_kv_heads, D = layout.head_dim;
+  std::vector<float> key(layout.layer_stride()), value(layout.layer_stride());
+  test::FillNormal(key, rng);
+  test::FillNormal(value, rng);
+  const std::vector<uint8_t> key_bytes = test::ToDeviceBytes(key, dtype);
+  const std::vector<uint8_t> value_bytes = test::ToDeviceBytes(value, dtype);
+
+  std::vector<BlockId> table(static_cast<size_t>(layout.num_blocks));
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), rng);
+  const int32_t context = layout.num_blocks * bs - 3;
+  std::vector<std::vector<int64_t>> views;
+  views.push_back(KvView::SinksAndWindow(table, context, 4, 2 * bs + 5, bs).slots);
+  std::vector<int64_t> subset(static_cast<size_t>(context));
+  std::iota(subset.begin(), subset.end(), 0);
+  std::shuffle(subset.begin(), subset.end(), rng);
+  subset.resize(static_cast<size_t>(3 * bs + 1));
+  subset.push_back(subset.front());  // a slot twice
+  views.push_back(subset);
+  views.push_back({static_cast<int64_t>(table[1]) * bs + bs - 1});
+  std::vector<int64_t> slots;
+  for (const auto& v : views) {
+    slots.insert(slots.end(), v.begin(), v.end());
+    while (slots.size() % static_cast<size_t>(bs) != 0) slots.push_back(-1);
+  }
+  const int num_slots = static_cast<int>(slots.size());
+
+  // Host model: destination block i / bs, offset i % bs gets source slot slots[i], head by head.
+  const size_t dst_elems = static_cast<size_t>(num_slots / bs) * layout.block_stride();
+  std::vector<uint8_t> want_k(dst_elems * es, 0xFF), want_v(dst_elems * es, 0xFF);
+  const size_t row_bytes = static_cast<size_t>(D) * es;
+  for (int i = 0; i < num_slots; ++i) {
+    const int64_t src = slots[static_cast<size_t>(i)];
+    if (src < 0) continue;
+    for (int h = 0; h < KV; ++h) {
+      const size_t from = layout.offset(static_cast<int>(src / bs), h, static_cast<int>(src % bs)) * es;
+      const size_t to = (static_cast<size_t>(i / bs) * layout.block_stride() +
+                         (static_cast<size_t>(h) * bs + static_cast<size_t>(i % bs)) * D) * es;
+      std::memcpy(&want_k[to], &key_bytes[from], row_bytes);
+      std::memcpy(&want_v[to], &value_bytes[from], row_bytes);
+    }
+  }
+
+  test::DeviceBuffer dk = test::DeviceBuffer::From(key_bytes), dv = test::DeviceBuffer::From(value_bytes);
+  test::DeviceBuffer dslots = test::DeviceBuffer::From(slots);
+  test::DeviceBuffer gk(dst_elems * es), gv(dst_elems * es);
+  gk.Poison();
+  gv.Poison();
+  const int rc = cuda::GatherSlots(dtype, dk.get(), dv.get(), dslots.get<int64_t>(), num_slots, gk.get(), gv.get(), KV,
+                                   D, bs, nullptr);
+  KVFLOW_CUDA_OK(rc);
+  KVFLOW_CUDA_OK(cudaDeviceSynchronize());
+  const std::string what = std::string("gather_slots ") + cuda::DTypeName(dtype) + " kv" + std::to_string(KV) + " d" +
+                           std::to_string(D) + " bs" + std::to_string(bs) + " slots" + std::to_string(num_slots);
+  EXPECT_EQ(CountMismatches(what + " K", gk.Download<uint8_t>(), want_k, es), 0u);
+  EXPECT_EQ(CountMismatches(what + " V", gv.Download<uint8_t>(), want_v, es), 0u);
+  EXPECT_EQ(dk.Download<uint8_t>(), key_bytes) << what << ": the cache is read-only";
+  EXPECT_EQ(dv.Download<uint8_t>(), value_bytes) << what << ": the cache is read-only";
+}
+
+TEST(CacheOps, GatherSlotsMatchesHostModel) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(2024);
+  for (DType dtype : kAllDTypes) {
+    RunGatherSlots(dtype, KvCacheLayout{1, 12, 2, 16, 128}, rng);  // 16-byte words
+    RunGatherSlots(dtype, KvCacheLayout{1, 9, 1, 8, 64}, rng);     // MQA, small blocks
+    RunGatherSlots(dtype, KvCacheLayout{1, 6, 3, 32, 36}, rng);    // 72 / 144-byte heads: 8 / 16-byte words
+    RunGatherSlots(dtype, KvCacheLayout{1, 7, 2, 8, 33}, rng);     // odd head_dim: element-sized words
+  }
+}
+
+TEST(CacheOps, GatherSlotsRejectsBadArguments) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  test::DeviceBuffer buf(4096), slots = test::DeviceBuffer::From(std::vector<int64_t>{0});
+  void* p = buf.get();
+  const int64_t* s = slots.get<int64_t>();
+  EXPECT_EQ(cuda::GatherSlots(DType::kF16, p, p, s, 1, p, p, 0, 64, 16, nullptr), cuda::kInvalidValue);
+  EXPECT_EQ(cuda::GatherSlots(DType::kF16, p, p, s, 1, p, p, 1, 0, 16, nullptr), cuda::kInvalidValue);
+  EXPECT_EQ(cuda::GatherSlots(DType::kF16, p, p, s, 1, p, p, 1, 64, 0, nullptr), cuda::kInvalidValue);
+  EXPECT_EQ(cuda::GatherSlots(DType::kF16, p, p, s, -1, p, p, 1, 64, 16, nullptr), cuda::kInvalidValue);
+  EXPECT_EQ(cuda::GatherSlots(DType::kF16, p, p, nullptr, 1, p, p, 1, 64, 16, nullptr), cuda::kInvalidValue);
+  EXPECT_EQ(cuda::GatherSlots(static_cast<DType>(7), p, p, s, 1, p, p, 1, 64, 16, nullptr), cuda::kInvalidValue);
+  EXPECT_EQ(cuda::GatherSlots(DType::kF16, p, p, s, 0, p, p, 1, 64, 16, nullptr), 0);  // nothing to gather
 }
 
 // copy_blocks: random disjoint (src, dst) pairs, some sources copied to several destinations (a

@@ -194,8 +194,9 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndGraphs, CudaBackendLogits,
                          });
 
 // KV views (issue 13): a block subset of each sequence's table, for decode and prefill slices,
-// gives the CPU backend's logits over the same subset; explicit slot views are refused clearly on
-// CUDA; a host hook runs on every step even where graphs would be replayed.
+// gives the CPU backend's logits over the same subset; the same view as an explicit slot list
+// (gathered into scratch blocks) gives exactly the block subset's logits; a host hook runs on every
+// step even where graphs would be replayed.
 class CountingHooks : public LayerHooks {
  public:
   Status BeforeAttention(const LayerContext& ctx) override {
@@ -205,7 +206,7 @@ class CountingHooks : public LayerHooks {
   int calls = 0;
 };
 
-TEST(CudaBackendViews, BlockSubsetsMatchCpuAndSlotViewsAreRefused) {
+TEST(CudaBackendViews, BlockSubsetsMatchCpuAndEqualTheirSlotViews) {
   KVFLOW_SKIP_WITHOUT_GPU();
   ModelConfig config;
   LlamaWeights weights = TinyWeights(&config);
@@ -259,12 +260,17 @@ TEST(CudaBackendViews, BlockSubsetsMatchCpuAndSlotViewsAreRefused) {
   for (size_t i = 0; i < ref.size(); ++i) diff = std::max(diff, static_cast<double>(std::fabs(ref[i] - full_logits[i])));
   EXPECT_GT(diff, 1e-3 * scale);
 
+  // Sequence 0's block subset as the explicit list of its slots: gathered in view order into
+  // scratch blocks, the decode kernel reads exactly the same K/V in the same order (the step
+  // rewrites its own K/V with the same values).
   ForwardBatch slots = b;
   std::vector<int64_t> s0;
   ViewSlots(slots.seqs[0], kBlockSize, s0);
   slots.seqs[0].view = KvView::Slots(s0);
-  const Status refused = LlamaModel(*gpu).Forward(slots, got);
-  EXPECT_EQ(refused.code(), StatusCode::kUnsupported) << refused.ToString();
+  std::vector<float> got_slots;
+  const Status via_slots = LlamaModel(*gpu).Forward(slots, got_slots);
+  ASSERT_TRUE(via_slots.ok()) << via_slots.ToString();
+  EXPECT_EQ(got_slots, got) << "a slot view of a block subset's slots gives the block subset's logits";
 
   // Graph-eligible decode steps with a host hook: the hook sees every step (no replay skips it).
   CountingHooks hooks;
@@ -291,6 +297,124 @@ TEST(CudaBackendBlocks, TransferredKvDecodesLikeTheOriginal) {
   o.max_model_len = 64;
   auto gpu = CreateCudaBackend(config, weights, o).value();
   test::ExpectTransferredKvDecodesAlike(*gpu, 6);
+}
+
+// Explicit slot views (KvView::kSlots) on CUDA: each layer gathers them into scratch blocks and the
+// attention kernels run over synthetic tables into it. Sinks + window and shuffled slot subsets,
+// for decode and prefill slices, next to slices reading the pool (full and block-subset views) in
+// the same step, and an all-decode step that graphs would otherwise replay: the CPU backend's
+// logits. Views needing more scratch than max_gathered_tokens are refused clearly.
+TEST(CudaBackendViews, SlotViewsMatchCpuForDecodeAndPrefill) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  ModelConfig config;
+  LlamaWeights weights = TinyWeights(&config);
+  RoundWeights(weights, cuda::DType::kF16);
+  const int kBlocks = 64, kBlockSize = 16;
+  KvCacheLayout layout{config.num_layers, kBlocks, config.num_kv_heads, kBlockSize, config.head_dim};
+  auto cpu = CpuBackend::Create(config, weights, layout, 0, 2).value();
+  CudaBackendOptions o;
+  o.dtype = "fp16";
+  o.block_size = kBlockSize;
+  o.num_kv_blocks = kBlocks;
+  o.max_num_seqs = 4;
+  o.max_num_batched_tokens = 160;
+  o.max_model_len = 256;
+  o.max_gathered_tokens = 90;  // 6 blocks of scratch
+  auto gpu = CreateCudaBackend(config, weights, o).value();
+  std::mt19937 rng(31);
+  BatchPlanner planner(kBlocks, kBlockSize, 23);
+  {  // Prompts of 50, 70 and 30 tokens, the same K/V in both backends.
+    ForwardBatch b;
+    planner.Add(b, 0, RandomTokens(rng, 50, config.vocab_size), LogitsMode::kNone);
+    planner.Add(b, 1, RandomTokens(rng, 70, config.vocab_size), LogitsMode::kNone);
+    planner.Add(b, 2, RandomTokens(rng, 30, config.vocab_size), LogitsMode::kNone);
+    std::vector<float> unused;
+    ASSERT_TRUE(LlamaModel(*cpu).Forward(b, unused).ok());
+    const Status st = LlamaModel(*gpu).Forward(b, unused);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+  }
+  auto slot = [&](const SequenceSlice& s, int pos) {
+    return static_cast<int64_t>(s.block_table[static_cast<size_t>(pos / kBlockSize)]) * kBlockSize + pos % kBlockSize;
+  };
+  // `keep` of the slice's earlier tokens in random order, then its own tokens in order.
+  auto shuffled = [&](const SequenceSlice& s, int keep) {
+    std::vector<int64_t> v;
+    for (int pos = 0; pos < s.context_len - s.num_tokens; ++pos) v.push_back(slot(s, pos));
+    std::shuffle(v.begin(), v.end(), rng);
+    v.resize(static_cast<size_t>(keep));
+    for (int pos = s.context_len - s.num_tokens; pos < s.context_len; ++pos) v.push_back(slot(s, pos));
+    return KvView::Slots(v);
+  };
+  auto sinks_and_window = [&](const SequenceSlice& s, int sinks, int window) {
+    return KvView::SinksAndWindow(s.block_table, s.context_len, sinks, window, kBlockSize);
+  };
+  double worst = 0.0;
+  auto step = [&](const ForwardBatch& b, const std::string& what) {
+    std::vector<float> ref, got;
+    ASSERT_TRUE(LlamaModel(*cpu).Forward(b, ref).ok());
+    const Status st = LlamaModel(*gpu).Forward(b, got);
+    ASSERT_TRUE(st.ok()) << what << ": " << st.ToString();
+    double scale = 0.0;
+    for (float x : ref) scale = std::max(scale, static_cast<double>(std::fabs(x)));
+    test::ExpectClose(what, got, ref, 1e-2 * scale, 1e30);
+    const test::ErrorStats e = test::CompareArrays(got, ref);
+    worst = std::max(worst, e.max_abs / scale);
+  };
+
+  ForwardBatch last;
+  {  // Mixed: gathered decode and prefill next to a full-view decode.
+    ForwardBatch b;
+    planner.Add(b, 0, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+    planner.Add(b, 1, RandomTokens(rng, 5, config.vocab_size), LogitsMode::kAll);
+    planner.Add(b, 2, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+    b.seqs[0].view = sinks_and_window(b.seqs[0], 4, 20);  // 24 of 51 tokens
+    b.seqs[1].view = shuffled(b.seqs[1], 25);             // 30 of 75 tokens
+    step(b, "slot views: sinks+window decode, shuffled prefill, full decode");
+  }
+  {  // Only decode slices (graph-eligible but for the slot views): runs eagerly.
+    ForwardBatch b;
+    planner.Add(b, 0, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+    planner.Add(b, 1, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+    b.seqs[0].view = sinks_and_window(b.seqs[0], 4, 16);
+    b.seqs[1].view = shuffled(b.seqs[1], 40);
+    step(b, "slot views: all-decode step");
+    last = b;
+  }
+  {  // More gather blocks than max_gathered_tokens (6) provides, though each view alone fits.
+    ForwardBatch big = last;
+    big.seqs[0].view = sinks_and_window(big.seqs[0], 4, 40);  // 44 tokens: 3 blocks
+    big.seqs[1].view = shuffled(big.seqs[1], 49);             // 50 tokens: 4 blocks
+    std::vector<float> unused;
+    const Status refused = LlamaModel(*gpu).Forward(big, unused);
+    EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused.ToString();
+    EXPECT_NE(refused.message().find("max_gathered_tokens"), std::string::npos) << refused.ToString();
+    std::printf("  oversize slot views -> %s\n", refused.ToString().c_str());
+  }
+  {  // Gathered prefills next to a pool prefill and a block-subset decode; views that end mid-block.
+    ForwardBatch b;
+    planner.Add(b, 2, RandomTokens(rng, 6, config.vocab_size), LogitsMode::kAll);
+    planner.Add(b, 0, RandomTokens(rng, 3, config.vocab_size), LogitsMode::kLast);
+    planner.Add(b, 1, RandomTokens(rng, 9, config.vocab_size), LogitsMode::kAll);
+    planner.Add(b, 3, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);  // a new 1-token sequence
+    b.seqs[0].view = sinks_and_window(b.seqs[0], 8, 25);  // 33 of 37 tokens: 3 scratch blocks
+    b.seqs[2].view = shuffled(b.seqs[2], 17);             // 26 of 87 tokens: 2 scratch blocks
+    b.seqs[3].view = KvView::BlockSubset({b.seqs[3].block_table[0]}, 1);
+    step(b, "slot views: gathered prefills, pool prefill and block-subset decode");
+
+    // The views mattered: the same step over full views gives other logits (CPU only, last step).
+    ForwardBatch full = b;
+    for (auto& sl : full.seqs) sl.view = KvView::Full();
+    std::vector<float> with_views, without;
+    ASSERT_TRUE(LlamaModel(*cpu).Forward(b, with_views).ok());
+    ASSERT_TRUE(LlamaModel(*cpu).Forward(full, without).ok());
+    double diff = 0.0, scale = 0.0;
+    for (size_t i = 0; i < with_views.size(); ++i) {
+      diff = std::max(diff, static_cast<double>(std::fabs(with_views[i] - without[i])));
+      scale = std::max(scale, static_cast<double>(std::fabs(with_views[i])));
+    }
+    EXPECT_GT(diff, 1e-2 * scale);
+  }
+  std::printf("  slot views: worst max|d| / logit scale = %.3g\n", worst);
 }
 
 // Copy-on-write and swap round trips move exactly the blocks asked for.

@@ -9,6 +9,12 @@
 // tables) is staged in pinned memory and uploaded with one copy. A step made only of decode tokens
 // replays a CUDA graph captured once per batch-size bucket, with the bucket's padding rows writing
 // nowhere (slot -1) and reading block 0.
+//
+// KV views: a block subset is just another block table for the kernels. Explicit slot lists
+// (KvView::kSlots) are gathered per layer (cache_ops GatherSlots) into scratch blocks, each view
+// from a block boundary, and the same kernels run a second time over synthetic tables into that
+// scratch; the slice's query tokens are the view's last entries, so causality holds in view order.
+// Steps with slot views always run eagerly.
 #include "backend/cuda/cuda_backend.h"
 
 #include <algorithm>
@@ -167,8 +173,11 @@ struct StepMetadata {
   int32_t* prefill_query_starts = nullptr;
   int32_t* prefill_query_lens = nullptr;
   int32_t* prefill_context_lens = nullptr;
+  // Rows [num_decode, num_decode + num_gathered_decode) of the decode arrays (likewise prefill) are
+  // the slices with slot views, their tables pointing into the gather scratch.
+  int64_t* gather_slots = nullptr;  // [max_gathered] cache slot of each scratch slot, -1: padding
 
-  static size_t Carve(Carver& c, StepMetadata* m, int max_tokens, int max_seqs, int max_blocks) {
+  static size_t Carve(Carver& c, StepMetadata* m, int max_tokens, int max_seqs, int max_blocks, int max_gathered) {
     m->tokens = c.Take<int32_t>(max_tokens);
     m->positions = c.Take<int32_t>(max_tokens);
     m->slot_mapping = c.Take<int64_t>(max_tokens);
@@ -180,6 +189,7 @@ struct StepMetadata {
     m->prefill_query_starts = c.Take<int32_t>(max_seqs);
     m->prefill_query_lens = c.Take<int32_t>(max_seqs);
     m->prefill_context_lens = c.Take<int32_t>(max_seqs);
+    m->gather_slots = c.Take<int64_t>(max_gathered);
     return c.size();
   }
 };
@@ -192,6 +202,12 @@ struct StepShape {
   int max_decode_context = 0;  // grid bound for the decode kernel
   int max_prefill_query = 0;   // grid bound for the prefill kernel
   int num_logit_rows = 0;
+  // Slices with slot views: their kernel rows follow the num_decode / num_prefill ones.
+  int num_gathered_decode = 0;
+  int num_gathered_prefill = 0;
+  int max_gathered_decode_context = 0;
+  int max_gathered_prefill_query = 0;
+  int num_gathered_slots = 0;  // scratch slots the step fills (whole blocks)
 };
 
 class CudaBackend final : public Backend {
@@ -285,6 +301,10 @@ class CudaBackend final : public Backend {
   int32_t* copy_pairs_ = nullptr;  // [2 * num_blocks] copy-on-write pairs
   void* decode_workspace_ = nullptr;
   size_t decode_workspace_bytes_ = 0;
+  // One layer's gathered slot views: gather_blocks_ blocks laid out like the cache.
+  void* gather_key_ = nullptr;
+  void* gather_value_ = nullptr;
+  int gather_blocks_ = 0;
   void* cublas_workspace_ = nullptr;
   // Device sampling (rows up to max_seqs_).
   cuda::SamplingRow* sample_rows_ = nullptr;
@@ -366,6 +386,10 @@ Status CudaBackend::Init(const LlamaWeights* weights, uint64_t random_seed) {
   }
   if (options_.max_num_seqs < 1 || options_.max_num_batched_tokens < 1 || options_.max_model_len < 1) {
     return Status::InvalidArgument("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1");
+  }
+  if (options_.max_gathered_tokens < -1) {
+    return Status::InvalidArgument(fmt::format("max_gathered_tokens must be >= 0, or -1 for max_model_len (not {})",
+                                               options_.max_gathered_tokens));
   }
 
   KVFLOW_CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -492,6 +516,10 @@ Status CudaBackend::AllocatePools() {
   sample_workspace_bytes_ = cuda::SampleWorkspaceBytes(max_seqs_, static_cast<int>(V));
   decode_workspace_bytes_ = cuda::PagedDecodeWorkspaceBytes(max_seqs_, static_cast<int>(NH), static_cast<int>(D),
                                                              options_.max_model_len);
+  const int gathered_tokens = options_.max_gathered_tokens < 0 ? options_.max_model_len : options_.max_gathered_tokens;
+  gather_blocks_ = (gathered_tokens + options_.block_size - 1) / options_.block_size;
+  const int max_gathered = gather_blocks_ * options_.block_size;
+  const size_t gather_bytes = static_cast<size_t>(max_gathered) * KV * D * es;
   const size_t T = static_cast<size_t>(max_tokens_), R = static_cast<size_t>(logit_rows_per_chunk_);
 
   // Activations, metadata and workspaces in one arena.
@@ -507,6 +535,8 @@ Status CudaBackend::AllocatePools() {
     final_hidden_ = c.TakeBytes(R * H * es);
     logits_ = c.Take<float>(R * V);
     decode_workspace_ = c.TakeBytes(decode_workspace_bytes_);
+    gather_key_ = c.TakeBytes(gather_bytes);
+    gather_value_ = c.TakeBytes(gather_bytes);
     cublas_workspace_ = c.TakeBytes(kCublasWorkspaceBytes);
     sample_rows_ = c.Take<cuda::SamplingRow>(static_cast<size_t>(max_seqs_));
     sampled_tokens_ = c.Take<int32_t>(static_cast<size_t>(max_seqs_));
@@ -515,7 +545,7 @@ Status CudaBackend::AllocatePools() {
     sampled_top_logprobs_ = c.Take<float>(static_cast<size_t>(max_seqs_) * cuda::kMaxTopLogprobs);
     sample_workspace_ = c.TakeBytes(sample_workspace_bytes_);
     const size_t before = c.size();
-    StepMetadata::Carve(c, &device_meta_, max_tokens_, max_seqs_, max_blocks_per_seq_);
+    StepMetadata::Carve(c, &device_meta_, max_tokens_, max_seqs_, max_blocks_per_seq_, max_gathered);
     meta_bytes_ = c.size() - before;
   };
   Carver dry;
@@ -527,13 +557,13 @@ Status CudaBackend::AllocatePools() {
 
   // Pinned mirror of the metadata (same offsets), then the logits staging.
   Carver staging_dry;
-  StepMetadata::Carve(staging_dry, &host_meta_, max_tokens_, max_seqs_, max_blocks_per_seq_);
+  StepMetadata::Carve(staging_dry, &host_meta_, max_tokens_, max_seqs_, max_blocks_per_seq_, max_gathered);
   KVFLOW_RETURN_IF_ERROR(staging_.Allocate(staging_dry.size(), "step metadata staging"));
   const size_t sample_staging = AlignUp(max_seqs_ * sizeof(cuda::SamplingRow)) +
                                 max_seqs_ * (2 + 2 * cuda::kMaxTopLogprobs) * sizeof(int32_t);
   KVFLOW_RETURN_IF_ERROR(sample_staging_.Allocate(sample_staging, "sampling staging"));
   Carver staging_real(staging_.base());
-  StepMetadata::Carve(staging_real, &host_meta_, max_tokens_, max_seqs_, max_blocks_per_seq_);
+  StepMetadata::Carve(staging_real, &host_meta_, max_tokens_, max_seqs_, max_blocks_per_seq_, max_gathered);
 
   // The KV pool gets what the budget leaves (vLLM's gpu_memory_utilization).
   layout_.num_layers = config_.num_layers;
@@ -605,9 +635,19 @@ StepShape CudaBackend::PlanStep(const ForwardBatch& batch, int padded_seqs) {
   std::copy(batch.positions.begin(), batch.positions.end(), m.positions);
   const std::vector<int64_t> slots = ResolveSlotMapping(batch, bs);
   std::copy(slots.begin(), slots.end(), m.slot_mapping);
+  bool any_slots = false;
   for (const SequenceSlice& s : batch.seqs) {
-    // Attention reads the slice's view: its whole table, or a subset of blocks (RunStep refuses
-    // explicit slot lists), with the slice's tokens as the view's last entries.
+    if (s.logits == LogitsMode::kLast) {
+      m.logit_rows[shape.num_logit_rows++] = s.token_offset + s.num_tokens - 1;
+    } else if (s.logits == LogitsMode::kAll) {
+      for (int j = 0; j < s.num_tokens; ++j) m.logit_rows[shape.num_logit_rows++] = s.token_offset + j;
+    }
+    if (s.view.kind == KvView::Kind::kSlots) {
+      any_slots = true;  // after the pool-reading rows, below
+      continue;
+    }
+    // Attention reads the slice's view: its whole table or a subset of blocks, with the slice's
+    // tokens as the view's last entries.
     const bool full = s.view.kind == KvView::Kind::kFull;
     const std::vector<BlockId>& table = full ? s.block_table : s.view.blocks;
     const int view_len = static_cast<int>(s.view_size());
@@ -626,12 +666,37 @@ StepShape CudaBackend::PlanStep(const ForwardBatch& batch, int padded_seqs) {
       m.prefill_context_lens[p] = view_len;
       shape.max_prefill_query = std::max(shape.max_prefill_query, s.num_tokens);
     }
-    if (s.logits == LogitsMode::kLast) {
-      m.logit_rows[shape.num_logit_rows++] = s.token_offset + s.num_tokens - 1;
-    } else if (s.logits == LogitsMode::kAll) {
-      for (int j = 0; j < s.num_tokens; ++j) m.logit_rows[shape.num_logit_rows++] = s.token_offset + j;
-    }
   }
+  // Slot views: each view's slots fill scratch blocks from a block boundary on (-1 pads the last
+  // one; RunStep checked that they fit), and its table is those consecutive scratch blocks.
+  int next_block = 0;
+  for (size_t i = 0; any_slots && i < batch.seqs.size(); ++i) {
+    const SequenceSlice& s = batch.seqs[i];
+    if (s.view.kind != KvView::Kind::kSlots) continue;
+    const int view_len = static_cast<int>(s.view.slots.size());
+    const int used_blocks = (view_len + bs - 1) / bs;
+    int32_t* table;
+    if (s.num_tokens == 1) {
+      const int d = shape.num_decode + shape.num_gathered_decode++;
+      table = m.decode_block_tables + static_cast<size_t>(d) * max_blocks_per_seq_;
+      m.decode_context_lens[d] = view_len;
+      m.decode_query_rows[d] = s.token_offset;
+      shape.max_gathered_decode_context = std::max(shape.max_gathered_decode_context, view_len);
+    } else {
+      const int p = shape.num_prefill + shape.num_gathered_prefill++;
+      table = m.prefill_block_tables + static_cast<size_t>(p) * max_blocks_per_seq_;
+      m.prefill_query_starts[p] = s.token_offset;
+      m.prefill_query_lens[p] = s.num_tokens;
+      m.prefill_context_lens[p] = view_len;
+      shape.max_gathered_prefill_query = std::max(shape.max_gathered_prefill_query, s.num_tokens);
+    }
+    for (int b = 0; b < used_blocks; ++b) table[b] = next_block + b;
+    int64_t* dst = m.gather_slots + static_cast<size_t>(next_block) * bs;
+    std::copy(s.view.slots.begin(), s.view.slots.end(), dst);
+    std::fill(dst + view_len, dst + static_cast<size_t>(used_blocks) * bs, int64_t{-1});
+    next_block += used_blocks;
+  }
+  shape.num_gathered_slots = next_block * bs;
   shape.num_tokens = T;
   // Padding rows of a graph bucket: token 0 at position 0, written nowhere, reading block 0.
   for (int d = shape.num_decode; d < padded_seqs; ++d) {
@@ -649,7 +714,7 @@ StepShape CudaBackend::PlanStep(const ForwardBatch& batch, int padded_seqs) {
 // Uploads the used part of every metadata array (the device arrays keep their fixed addresses,
 // which CUDA graphs captured).
 Status UploadMetadata(const StepMetadata& host, const StepMetadata& dev, int tokens, int decode_rows,
-                      int prefill_rows, int max_blocks, cudaStream_t stream) {
+                      int prefill_rows, int gathered_slots, int max_blocks, cudaStream_t stream) {
   auto up = [&](auto* dst, const auto* src, size_t count) -> Status {
     if (count == 0) return Status::Ok();
     return CudaStatus(cudaMemcpyAsync(dst, src, count * sizeof(*src), cudaMemcpyHostToDevice, stream),
@@ -667,6 +732,7 @@ Status UploadMetadata(const StepMetadata& host, const StepMetadata& dev, int tok
   KVFLOW_RETURN_IF_ERROR(up(dev.prefill_query_starts, host.prefill_query_starts, prefill_rows));
   KVFLOW_RETURN_IF_ERROR(up(dev.prefill_query_lens, host.prefill_query_lens, prefill_rows));
   KVFLOW_RETURN_IF_ERROR(up(dev.prefill_context_lens, host.prefill_context_lens, prefill_rows));
+  KVFLOW_RETURN_IF_ERROR(up(dev.gather_slots, host.gather_slots, gathered_slots));
   return Status::Ok();
 }
 
@@ -767,43 +833,71 @@ Status CudaBackend::WriteKv(int layer) {
 Status CudaBackend::Attention(int layer) {
   const StepMetadata& m = device_meta_;
   const size_t layer_bytes = layout_.layer_stride() * cuda::DTypeSize(dtype_);
-  // The layer's side of both attention kernels; each adds its sequences.
+  const char* key_cache = key_pool_ + layer * layer_bytes;
+  const char* value_cache = value_pool_ + layer * layer_bytes;
+  // Slot views read the layer's gathered copy of their slots (the K/V this step wrote included).
+  if (step_.num_gathered_slots > 0) {
+    KVFLOW_KERNEL_RETURN(cuda::GatherSlots(dtype_, key_cache, value_cache, m.gather_slots, step_.num_gathered_slots,
+                                           gather_key_, gather_value_, config_.num_kv_heads, config_.head_dim,
+                                           layout_.block_size, stream_));
+  }
+  // The layer's side of both attention kernels; each launch adds its sequences and KV source.
   cuda::PagedAttentionArgs args;
   args.dtype = dtype_;
   args.out = attn_;
   args.out_row_stride = ActivationWidth(Activation::kAttention);
   args.query = qkv_;
   args.query_row_stride = ActivationWidth(Activation::kQkv);
-  args.key_cache = key_pool_ + layer * layer_bytes;
-  args.value_cache = value_pool_ + layer * layer_bytes;
   args.block_table_stride = max_blocks_per_seq_;
   args.num_heads = config_.num_heads;
   args.num_kv_heads = config_.num_kv_heads;
   args.head_dim = config_.head_dim;
   args.block_size = layout_.block_size;
   args.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
-  if (step_.num_decode > 0) {
+  const size_t table = static_cast<size_t>(max_blocks_per_seq_);
+  // Decode rows [first, first + count) of the metadata, over the given K/V blocks.
+  auto decode = [&](int first, int count, int max_context, const void* keys, const void* values) -> Status {
     cuda::PagedDecodeArgs a;
     static_cast<cuda::PagedAttentionArgs&>(a) = args;
-    a.block_tables = m.decode_block_tables;
-    a.context_lens = m.decode_context_lens;
-    a.num_seqs = step_.num_decode;
-    a.query_rows = m.decode_query_rows;
-    a.max_context_len = step_.max_decode_context;
+    a.key_cache = keys;
+    a.value_cache = values;
+    a.block_tables = m.decode_block_tables + first * table;
+    a.context_lens = m.decode_context_lens + first;
+    a.num_seqs = count;
+    a.query_rows = m.decode_query_rows + first;
+    a.max_context_len = max_context;
     a.workspace = decode_workspace_;
     a.workspace_bytes = decode_workspace_bytes_;
     KVFLOW_KERNEL_RETURN(cuda::PagedAttentionDecode(a, stream_));
-  }
-  if (step_.num_prefill > 0) {
+    return Status::Ok();
+  };
+  auto prefill = [&](int first, int count, int max_query, const void* keys, const void* values) -> Status {
     cuda::PagedPrefillArgs a;
     static_cast<cuda::PagedAttentionArgs&>(a) = args;
-    a.block_tables = m.prefill_block_tables;
-    a.context_lens = m.prefill_context_lens;
-    a.num_seqs = step_.num_prefill;
-    a.query_starts = m.prefill_query_starts;
-    a.query_lens = m.prefill_query_lens;
-    a.max_query_len = step_.max_prefill_query;
+    a.key_cache = keys;
+    a.value_cache = values;
+    a.block_tables = m.prefill_block_tables + first * table;
+    a.context_lens = m.prefill_context_lens + first;
+    a.num_seqs = count;
+    a.query_starts = m.prefill_query_starts + first;
+    a.query_lens = m.prefill_query_lens + first;
+    a.max_query_len = max_query;
     KVFLOW_KERNEL_RETURN(cuda::PagedAttentionPrefill(a, stream_));
+    return Status::Ok();
+  };
+  if (step_.num_decode > 0) {
+    KVFLOW_RETURN_IF_ERROR(decode(0, step_.num_decode, step_.max_decode_context, key_cache, value_cache));
+  }
+  if (step_.num_gathered_decode > 0) {
+    KVFLOW_RETURN_IF_ERROR(decode(step_.num_decode, step_.num_gathered_decode, step_.max_gathered_decode_context,
+                                  gather_key_, gather_value_));
+  }
+  if (step_.num_prefill > 0) {
+    KVFLOW_RETURN_IF_ERROR(prefill(0, step_.num_prefill, step_.max_prefill_query, key_cache, value_cache));
+  }
+  if (step_.num_gathered_prefill > 0) {
+    KVFLOW_RETURN_IF_ERROR(prefill(step_.num_prefill, step_.num_gathered_prefill, step_.max_gathered_prefill_query,
+                                   gather_key_, gather_value_));
   }
   return Status::Ok();
 }
@@ -871,16 +965,27 @@ Status CudaBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink, c
         max_tokens_, max_seqs_));
   }
   bool all_decode = true;
+  int64_t gather_blocks = 0, gather_tokens = 0;
   for (const SequenceSlice& s : batch.seqs) {
-    if (s.view.kind == KvView::Kind::kSlots) {
-      return Status::Unsupported("the CUDA attention kernels read block tables; a KV view of explicit slots is not "
-                                 "supported on CUDA yet");
-    }
     if (s.context_len > max_blocks_per_seq_ * layout_.block_size || s.view_size() > max_blocks_per_seq_ * layout_.block_size) {
       return Status::InvalidArgument(fmt::format("a sequence of {} tokens exceeds max_model_len {}", s.context_len,
                                                  options_.max_model_len));
     }
-    all_decode = all_decode && s.num_tokens == 1 && s.logits == LogitsMode::kLast;
+    const bool slots = s.view.kind == KvView::Kind::kSlots;
+    if (slots) {
+      gather_tokens += s.view_size();
+      gather_blocks += (s.view_size() + layout_.block_size - 1) / layout_.block_size;
+    }
+    // Slot views gather per step: eager only.
+    all_decode = all_decode && s.num_tokens == 1 && s.logits == LogitsMode::kLast && !slots;
+  }
+  if (gather_blocks > gather_blocks_) {
+    return Status::InvalidArgument(fmt::format(
+        "the step's KV views of explicit slots gather {} tokens into {} blocks of {} (each view from a block "
+        "boundary), more than the {} blocks of scratch that CudaBackendOptions::max_gathered_tokens ({}) provides; "
+        "raise max_gathered_tokens or split the step",
+        gather_tokens, gather_blocks, layout_.block_size, gather_blocks_,
+        options_.max_gathered_tokens < 0 ? options_.max_model_len : options_.max_gathered_tokens));
   }
   if (capturable && options_.enable_cuda_graphs && !graphs_failed_ && all_decode) {
     const int bucket = GraphBucket(num_seqs);
@@ -888,7 +993,8 @@ Status CudaBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink, c
   }
 
   step_ = PlanStep(batch, 0);
-  KVFLOW_RETURN_IF_ERROR(UploadMetadata(host_meta_, device_meta_, T, step_.num_decode, step_.num_prefill,
+  KVFLOW_RETURN_IF_ERROR(UploadMetadata(host_meta_, device_meta_, T, step_.num_decode + step_.num_gathered_decode,
+                                        step_.num_prefill + step_.num_gathered_prefill, step_.num_gathered_slots,
                                         max_blocks_per_seq_, stream_));
   KVFLOW_RETURN_IF_ERROR(layers());
   for (int first = 0; first < rows; first += logit_rows_per_chunk_) {
@@ -1002,7 +1108,7 @@ Status CudaBackend::RunWithGraph(const ForwardBatch& batch, int bucket, const Lo
                                  const std::function<Status()>& layers) {
   const int n = static_cast<int>(batch.seqs.size());
   PlanStep(batch, bucket);
-  KVFLOW_RETURN_IF_ERROR(UploadMetadata(host_meta_, device_meta_, bucket, bucket, 0, max_blocks_per_seq_, stream_));
+  KVFLOW_RETURN_IF_ERROR(UploadMetadata(host_meta_, device_meta_, bucket, bucket, 0, 0, max_blocks_per_seq_, stream_));
   // The graph's shape: the whole bucket, the decode grid sized for max_model_len.
   step_ = StepShape{};
   step_.num_tokens = bucket;

@@ -5,7 +5,7 @@
 //
 // Memory: one budget, gpu_memory_utilization x the device's memory, is split into the weights,
 // the activation workspace (sized for max_num_batched_tokens / max_num_seqs), cuBLAS and CUDA
-// graph workspaces, and the KV block pool, which gets everything left (as vLLM sizes it). The swap
+// graph workspaces, one layer's scratch blocks for KV views of explicit slots (max_gathered_tokens), and the KV block pool, which gets everything left (as vLLM sizes it). The swap
 // pool is pinned host memory.
 #pragma once
 
@@ -30,6 +30,11 @@ struct CudaBackendOptions {
   int max_num_seqs = 64;                 // sizes the decode metadata and the CUDA graph buckets
   int max_num_batched_tokens = 2048;     // sizes the activation workspace
   int max_model_len = 2048;              // sizes block tables and decode split-K partitions
+  // KV views of explicit slots (KvView::kSlots): the attention kernels read whole blocks, so each
+  // layer gathers a step's slot views into scratch blocks first, each view from a block boundary.
+  // Sizes that scratch, in tokens (rounded up to blocks); -1: max_model_len, 0: none (slot views
+  // are refused). A step whose slot views need more blocks is refused with InvalidArgument.
+  int max_gathered_tokens = -1;
   bool enable_cuda_graphs = true;        // capture decode steps per batch-size bucket
 };
 
