@@ -30,6 +30,7 @@ void Scheduler::AddGroup(std::unique_ptr<SequenceGroup> group) {
   for (auto& s : group->seqs) {
     s->status = SeqStatus::kWaiting;
     s->num_computed = 0;
+    s->draft_tokens.clear();
   }
   waiting_.push_back(group.get());
   groups_.emplace(group->request_id, std::move(group));
@@ -52,22 +53,61 @@ int Scheduler::RunningSeqs() const {
   return n;
 }
 
-bool Scheduler::PlanTokens(const SequenceGroup& g, int64_t budget, std::vector<int64_t>& tokens) const {
-  tokens.clear();
-  int64_t total = 0;
-  for (const auto& s : g.seqs) {
-    const int64_t n = s->finished() ? 0 : std::min(s->num_uncomputed(), budget - total);
-    tokens.push_back(n);
-    total += n;
-  }
-  return total > 0;
-}
-
 namespace {
 int64_t Capacity(const BlockManager& blocks, const SchedSequence& s) {
   return static_cast<int64_t>(blocks.BlockTable(s.id).size()) * blocks.block_size();
 }
 }  // namespace
+
+bool Scheduler::PlanTokens(const SequenceGroup& g, int64_t budget, int64_t reserved, std::vector<int64_t>& tokens,
+                           std::vector<int64_t>& drafts) const {
+  tokens.clear();
+  drafts.clear();
+  int64_t total = 0;
+  for (const auto& s : g.seqs) {
+    const int64_t real = s->finished() ? 0 : std::min(s->num_uncomputed(), budget - total);
+    // Drafts follow the last real token, so only a sequence whose real tokens all run gets any.
+    const int64_t n_drafts =
+        real > 0 && real == s->num_uncomputed() ? DraftsFor(g, *s, budget - reserved - total - real) : 0;
+    tokens.push_back(real + n_drafts);
+    drafts.push_back(n_drafts);
+    total += real + n_drafts;
+  }
+  return total > 0;
+}
+
+int64_t Scheduler::DraftsFor(const SequenceGroup& g, const SchedSequence& s, int64_t room) const {
+  // Forked candidates (n > 1, beams) would each need drafts of their own: kept simple, they get
+  // none. A prompt still being computed has nothing to speculate on.
+  if (s.draft_tokens.empty() || g.num_candidates > 1 || s.num_computed < s.prompt_len) return 0;
+  int64_t n = std::min(static_cast<int64_t>(s.draft_tokens.size()), room);
+  // Even with every draft accepted, the bonus token after them must fit in max_model_len.
+  n = std::min(n, config_.max_model_len - 1 - s.num_tokens());
+  // Speculation never grows a hard reservation: S3's supervisor judges real lengths only.
+  if (policy_->PreemptsOnExhaustedReservation()) n = std::min(n, Capacity(blocks_, s) - s.num_tokens());
+  return std::max<int64_t>(0, n);
+}
+
+int Scheduler::BlocksFittingDrafts(const SequenceGroup& g, std::vector<int64_t>& tokens, std::vector<int64_t>& drafts,
+                                   std::vector<int64_t>& targets) const {
+  int need = BlocksForStep(g, tokens, targets);
+  for (size_t i = drafts.size(); i-- > 0;) {
+    while (drafts[i] > 0 && need > blocks_.device().num_free()) {
+      --drafts[i];
+      --tokens[i];
+      need = BlocksForStep(g, tokens, targets);
+    }
+  }
+  return need;
+}
+
+int64_t Scheduler::RealTokensAfter(size_t i) const {
+  int64_t n = 0;
+  for (size_t j = i + 1; j < running_.size(); ++j) {
+    for (const SchedSequence* s : running_[j]->unfinished()) n += s->num_uncomputed();
+  }
+  return n;
+}
 
 int64_t Scheduler::PoolShare(const SequenceGroup& g) const {
   return static_cast<int64_t>(blocks_.MaxAdmissibleBlocks()) * blocks_.block_size() / std::max(1, g.max_running_seqs());
@@ -124,11 +164,13 @@ int Scheduler::BlocksForStep(const SequenceGroup& g, const std::vector<int64_t>&
   return needed;
 }
 
-void Scheduler::Emit(SequenceGroup* g, const std::vector<int64_t>& tokens, SchedulerOutput& out) {
+void Scheduler::Emit(SequenceGroup* g, const std::vector<int64_t>& tokens, const std::vector<int64_t>& drafts,
+                     SchedulerOutput& out) {
   for (size_t i = 0; i < g->seqs.size(); ++i) {
     if (tokens[i] == 0) continue;
     SchedSequence* s = g->seqs[i].get();
-    out.scheduled.push_back({g, s, tokens[i], s->num_computed + tokens[i] == s->num_tokens()});
+    const bool last_token_runs = s->num_computed + tokens[i] - drafts[i] == s->num_tokens();
+    out.scheduled.push_back({g, s, tokens[i], drafts[i], last_token_runs});
     out.num_batched_tokens += tokens[i];
   }
 }
@@ -152,6 +194,8 @@ void Scheduler::Preempt(SequenceGroup* g, SchedulerOutput& out) {
   PreemptionMode mode = config_.preemption_mode;
   if (mode == PreemptionMode::kAuto) mode = ids.size() > 1 ? PreemptionMode::kSwap : PreemptionMode::kRecompute;
   running_.erase(std::find(running_.begin(), running_.end(), g));
+  // Drafts were proposed for the next step; after preemption the drafter proposes afresh.
+  for (SchedSequence* s : g->unfinished()) s->draft_tokens.clear();
   if (mode == PreemptionMode::kSwap && blocks_.CanSwapOut(ids)) {
     auto moves = blocks_.SwapOut(ids).value();
     counters_.blocks_swapped_out += static_cast<int64_t>(moves.size());
@@ -175,7 +219,7 @@ void Scheduler::Preempt(SequenceGroup* g, SchedulerOutput& out) {
 SchedulerOutput Scheduler::Schedule() {
   SchedulerOutput out;
   int64_t budget = config_.max_num_batched_tokens;
-  std::vector<int64_t> tokens, targets;
+  std::vector<int64_t> tokens, drafts, targets;
 
   // Groups that can be scheduled now: give them their blocks and put them in the batch. The
   // block counts were checked; a failure here is a bookkeeping bug, and costs only this group.
@@ -189,7 +233,7 @@ SchedulerOutput Scheduler::Schedule() {
         return false;
       }
     }
-    Emit(g, tokens, out);
+    Emit(g, tokens, drafts, out);
     for (int64_t n : tokens) budget -= n;
     return true;
   };
@@ -198,7 +242,10 @@ SchedulerOutput Scheduler::Schedule() {
   SortByPolicy(running_);
   for (size_t i = 0; i < running_.size();) {
     SequenceGroup* g = running_[i];
-    if (budget <= 0 || !PlanTokens(*g, budget, tokens)) {
+    // Drafts never displace the real tokens of the running groups behind this one.
+    const bool has_drafts = std::any_of(g->seqs.begin(), g->seqs.end(),
+                                        [](const auto& s) { return !s->finished() && !s->draft_tokens.empty(); });
+    if (budget <= 0 || !PlanTokens(*g, budget, has_drafts ? RealTokensAfter(i) : 0, tokens, drafts)) {
       ++i;
       continue;
     }
@@ -212,7 +259,7 @@ SchedulerOutput Scheduler::Schedule() {
       Preempt(g, out);
       continue;
     }
-    const int need = BlocksForStep(*g, tokens, targets);
+    const int need = BlocksFittingDrafts(*g, tokens, drafts, targets);
     if (need <= blocks_.device().num_free()) {
       if (apply(g)) ++i;
       continue;
@@ -248,7 +295,10 @@ SchedulerOutput Scheduler::Schedule() {
     for (SchedSequence* s : g->unfinished()) s->status = SeqStatus::kRunning;
     swapped_.erase(swapped_.begin());
     running_.push_back(g);
-    if (PlanTokens(*g, budget, tokens) && BlocksForStep(*g, tokens, targets) <= blocks_.device().num_free()) apply(g);
+    if (PlanTokens(*g, budget, 0, tokens, drafts) &&
+        BlocksFittingDrafts(*g, tokens, drafts, targets) <= blocks_.device().num_free()) {
+      apply(g);
+    }
   }
 
   // 3. New (or recompute-preempted) groups, only while nothing is swapped out.
@@ -302,7 +352,10 @@ SchedulerOutput Scheduler::Schedule() {
     g->reserved_tokens = reserve.front();
     waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(k));
     running_.push_back(g);
-    if (PlanTokens(*g, budget, tokens) && BlocksForStep(*g, tokens, targets) <= blocks_.device().num_free()) apply(g);
+    if (PlanTokens(*g, budget, 0, tokens, drafts) &&
+        BlocksFittingDrafts(*g, tokens, drafts, targets) <= blocks_.device().num_free()) {
+      apply(g);
+    }
   }
 
   out.copies = blocks_.TakePendingCopies();
@@ -312,14 +365,39 @@ SchedulerOutput Scheduler::Schedule() {
 
 void Scheduler::CompleteStep(const SchedulerOutput& out) {
   for (const ScheduledSeq& s : out.scheduled) {
-    s.seq->num_computed += s.num_tokens;
+    s.seq->num_computed += s.num_real_tokens();
     blocks_.MarkComputed(s.seq->id, s.seq->tokens, s.seq->num_computed);
+    // The drafts were proposed to follow the token sampled next; they are stale once it exists.
+    if (s.needs_logits) s.seq->draft_tokens.clear();
   }
+}
+
+Status Scheduler::AcceptDrafts(const ScheduledSeq& step, std::span<const int32_t> accepted_drafts, int32_t next_token) {
+  SchedSequence& s = *step.seq;
+  const int64_t accepted = static_cast<int64_t>(accepted_drafts.size());
+  if (accepted > step.num_draft_tokens) {
+    return Status::InvalidArgument("sequence " + std::to_string(s.id) + ": " + std::to_string(accepted) +
+                                   " drafts accepted, " + std::to_string(step.num_draft_tokens) + " ran");
+  }
+  if (!step.needs_logits || s.status != SeqStatus::kRunning || s.num_computed != s.num_tokens() ||
+      !blocks_.Has(s.id) || blocks_.IsSwapped(s.id)) {
+    return Status::InvalidArgument("sequence " + std::to_string(s.id) +
+                                   " did not just compute its last token (AcceptDrafts: once per step, after "
+                                   "CompleteStep)");
+  }
+  // The accepted drafts ran at exactly these positions after exactly these tokens: their KV is
+  // the real tokens' KV. Only now may their full blocks be published.
+  s.tokens.insert(s.tokens.end(), accepted_drafts.begin(), accepted_drafts.end());
+  s.num_computed += accepted;
+  s.tokens.push_back(next_token);
+  blocks_.MarkComputed(s.id, s.tokens, s.num_computed);
+  return blocks_.Truncate(s.id, std::max(s.num_tokens(), ReservationFor(*step.group, s)));
 }
 
 SchedSequence* Scheduler::Fork(SequenceGroup& group, const SchedSequence& parent) {
   auto child = std::make_unique<SchedSequence>(parent);
   child->id = NewSeqId();
+  child->draft_tokens.clear();
   blocks_.Fork(parent.id, child->id);
   group.seqs.push_back(std::move(child));
   return group.seqs.back().get();
