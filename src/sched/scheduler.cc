@@ -59,19 +59,13 @@ int64_t Capacity(const BlockManager& blocks, const SchedSequence& s) {
 }
 }  // namespace
 
-bool Scheduler::PlanTokens(const SequenceGroup& g, int64_t budget, int64_t reserved, std::vector<int64_t>& tokens,
-                           std::vector<int64_t>& drafts) const {
+bool Scheduler::PlanTokens(const SequenceGroup& g, int64_t budget, std::vector<int64_t>& tokens) const {
   tokens.clear();
-  drafts.clear();
   int64_t total = 0;
   for (const auto& s : g.seqs) {
-    const int64_t real = s->finished() ? 0 : std::min(s->num_uncomputed(), budget - total);
-    // Drafts follow the last real token, so only a sequence whose real tokens all run gets any.
-    const int64_t n_drafts =
-        real > 0 && real == s->num_uncomputed() ? DraftsFor(g, *s, budget - reserved - total - real) : 0;
-    tokens.push_back(real + n_drafts);
-    drafts.push_back(n_drafts);
-    total += real + n_drafts;
+    const int64_t n = s->finished() ? 0 : std::min(s->num_uncomputed(), budget - total);
+    tokens.push_back(n);
+    total += n;
   }
   return total > 0;
 }
@@ -88,25 +82,25 @@ int64_t Scheduler::DraftsFor(const SequenceGroup& g, const SchedSequence& s, int
   return std::max<int64_t>(0, n);
 }
 
-int Scheduler::BlocksFittingDrafts(const SequenceGroup& g, std::vector<int64_t>& tokens, std::vector<int64_t>& drafts,
-                                   std::vector<int64_t>& targets) const {
-  int need = BlocksForStep(g, tokens, targets);
-  for (size_t i = drafts.size(); i-- > 0;) {
-    while (drafts[i] > 0 && need > blocks_.device().num_free()) {
-      --drafts[i];
-      --tokens[i];
-      need = BlocksForStep(g, tokens, targets);
+void Scheduler::ScheduleDrafts(SchedulerOutput& out, int64_t budget) {
+  for (ScheduledSeq& s : out.scheduled) {
+    if (budget <= 0) break;
+    // Drafts follow the last real token: only a sequence whose last token runs can have any.
+    if (!s.needs_logits) continue;
+    int64_t n = DraftsFor(*s.group, *s.seq, budget);
+    const int64_t write_from = s.seq->num_tokens();
+    while (n > 0 && blocks_.BlocksToAppend(s.seq->id, write_from, write_from + n) > blocks_.device().num_free()) --n;
+    if (n == 0) continue;
+    if (Status st = blocks_.AppendSlots(s.seq->id, write_from, write_from + n); !st.ok()) {
+      spdlog::error("scheduler: counted blocks for drafts of request {} are missing: {}", s.group->request_id,
+                    st.ToString());
+      continue;  // the step runs without them
     }
+    s.num_tokens += n;
+    s.num_draft_tokens = n;
+    out.num_batched_tokens += n;
+    budget -= n;
   }
-  return need;
-}
-
-int64_t Scheduler::RealTokensAfter(size_t i) const {
-  int64_t n = 0;
-  for (size_t j = i + 1; j < running_.size(); ++j) {
-    for (const SchedSequence* s : running_[j]->unfinished()) n += s->num_uncomputed();
-  }
-  return n;
 }
 
 int64_t Scheduler::PoolShare(const SequenceGroup& g) const {
@@ -164,13 +158,11 @@ int Scheduler::BlocksForStep(const SequenceGroup& g, const std::vector<int64_t>&
   return needed;
 }
 
-void Scheduler::Emit(SequenceGroup* g, const std::vector<int64_t>& tokens, const std::vector<int64_t>& drafts,
-                     SchedulerOutput& out) {
+void Scheduler::Emit(SequenceGroup* g, const std::vector<int64_t>& tokens, SchedulerOutput& out) {
   for (size_t i = 0; i < g->seqs.size(); ++i) {
     if (tokens[i] == 0) continue;
     SchedSequence* s = g->seqs[i].get();
-    const bool last_token_runs = s->num_computed + tokens[i] - drafts[i] == s->num_tokens();
-    out.scheduled.push_back({g, s, tokens[i], drafts[i], last_token_runs});
+    out.scheduled.push_back({g, s, tokens[i], /*num_draft_tokens=*/0, s->num_computed + tokens[i] == s->num_tokens()});
     out.num_batched_tokens += tokens[i];
   }
 }
@@ -219,7 +211,7 @@ void Scheduler::Preempt(SequenceGroup* g, SchedulerOutput& out) {
 SchedulerOutput Scheduler::Schedule() {
   SchedulerOutput out;
   int64_t budget = config_.max_num_batched_tokens;
-  std::vector<int64_t> tokens, drafts, targets;
+  std::vector<int64_t> tokens, targets;
 
   // Groups that can be scheduled now: give them their blocks and put them in the batch. The
   // block counts were checked; a failure here is a bookkeeping bug, and costs only this group.
@@ -233,7 +225,7 @@ SchedulerOutput Scheduler::Schedule() {
         return false;
       }
     }
-    Emit(g, tokens, drafts, out);
+    Emit(g, tokens, out);
     for (int64_t n : tokens) budget -= n;
     return true;
   };
@@ -242,10 +234,7 @@ SchedulerOutput Scheduler::Schedule() {
   SortByPolicy(running_);
   for (size_t i = 0; i < running_.size();) {
     SequenceGroup* g = running_[i];
-    // Drafts never displace the real tokens of the running groups behind this one.
-    const bool has_drafts = std::any_of(g->seqs.begin(), g->seqs.end(),
-                                        [](const auto& s) { return !s->finished() && !s->draft_tokens.empty(); });
-    if (budget <= 0 || !PlanTokens(*g, budget, has_drafts ? RealTokensAfter(i) : 0, tokens, drafts)) {
+    if (budget <= 0 || !PlanTokens(*g, budget, tokens)) {
       ++i;
       continue;
     }
@@ -259,7 +248,7 @@ SchedulerOutput Scheduler::Schedule() {
       Preempt(g, out);
       continue;
     }
-    const int need = BlocksFittingDrafts(*g, tokens, drafts, targets);
+    const int need = BlocksForStep(*g, tokens, targets);
     if (need <= blocks_.device().num_free()) {
       if (apply(g)) ++i;
       continue;
@@ -295,10 +284,7 @@ SchedulerOutput Scheduler::Schedule() {
     for (SchedSequence* s : g->unfinished()) s->status = SeqStatus::kRunning;
     swapped_.erase(swapped_.begin());
     running_.push_back(g);
-    if (PlanTokens(*g, budget, 0, tokens, drafts) &&
-        BlocksFittingDrafts(*g, tokens, drafts, targets) <= blocks_.device().num_free()) {
-      apply(g);
-    }
+    if (PlanTokens(*g, budget, tokens) && BlocksForStep(*g, tokens, targets) <= blocks_.device().num_free()) apply(g);
   }
 
   // 3. New (or recompute-preempted) groups, only while nothing is swapped out.
@@ -352,11 +338,12 @@ SchedulerOutput Scheduler::Schedule() {
     g->reserved_tokens = reserve.front();
     waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(k));
     running_.push_back(g);
-    if (PlanTokens(*g, budget, 0, tokens, drafts) &&
-        BlocksFittingDrafts(*g, tokens, drafts, targets) <= blocks_.device().num_free()) {
-      apply(g);
-    }
+    if (PlanTokens(*g, budget, tokens) && BlocksForStep(*g, tokens, targets) <= blocks_.device().num_free()) apply(g);
   }
+
+  // 4. Drafts, from what the real work of every group left of the budget and the blocks: a bet
+  // never delays or preempts anyone.
+  ScheduleDrafts(out, budget);
 
   out.copies = blocks_.TakePendingCopies();
   counters_.blocks_copied += static_cast<int64_t>(out.copies.size());

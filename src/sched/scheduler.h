@@ -39,8 +39,9 @@ struct SchedulerConfig {
 // One sequence's part of a step: num_tokens new positions from seq->num_computed on, first its
 // uncomputed tokens (all of them, or a prefill chunk), then its first num_draft_tokens drafts
 // (seq->draft_tokens), which get KV slots like real tokens. Drafts run only behind all of a
-// sequence's real tokens, only once its prompt is computed, only in single-candidate groups, and
-// only as far as the token budget, the free blocks and max_model_len allow.
+// sequence's real tokens, only once its prompt is computed, only in single-candidate groups,
+// never past max_model_len, and only with the token budget and free blocks that the step's real
+// tokens left: fewer drafts, never fewer real tokens, and never a preemption for a draft.
 struct ScheduledSeq {
   SequenceGroup* group = nullptr;
   SchedSequence* seq = nullptr;
@@ -151,20 +152,14 @@ class Scheduler {
   bool ExhaustsReservation(const SequenceGroup& g, const std::vector<int64_t>& tokens) const;
   // Device blocks the group needs beyond its own to keep running after a swap-in.
   int GrowthAfterSwapIn(const SequenceGroup& g) const;
-  // Splits the token budget over the group's sequences (tokens[i], of which drafts[i] drafts);
-  // drafts leave `reserved` tokens of the budget to later groups. False when not even one fits.
-  bool PlanTokens(const SequenceGroup& g, int64_t budget, int64_t reserved, std::vector<int64_t>& tokens,
-                  std::vector<int64_t>& drafts) const;
-  // Drafts `s` may run behind its real tokens with `room` tokens of budget left.
+  // Splits the token budget over the group's sequences; false when not even one token fits.
+  bool PlanTokens(const SequenceGroup& g, int64_t budget, std::vector<int64_t>& tokens) const;
+  void Emit(SequenceGroup* g, const std::vector<int64_t>& tokens, SchedulerOutput& out);
+  // Drafts `s` may run behind its last token with `room` tokens of budget left.
   int64_t DraftsFor(const SequenceGroup& g, const SchedSequence& s, int64_t room) const;
-  // BlocksForStep after dropping drafts (last first) until the step fits the free blocks: drafts
-  // are a bet, they never cost anyone else their blocks.
-  int BlocksFittingDrafts(const SequenceGroup& g, std::vector<int64_t>& tokens, std::vector<int64_t>& drafts,
-                          std::vector<int64_t>& targets) const;
-  // Real tokens the running groups after running_[i] still have to compute.
-  int64_t RealTokensAfter(size_t i) const;
-  void Emit(SequenceGroup* g, const std::vector<int64_t>& tokens, const std::vector<int64_t>& drafts,
-            SchedulerOutput& out);
+  // Extends the scheduled sequences whose last token runs with their drafts, in batch order, as
+  // far as the leftover `budget` and the free blocks go; reserves the drafts' KV slots.
+  void ScheduleDrafts(SchedulerOutput& out, int64_t budget);
   void Reject(SequenceGroup* g, Status why, SchedulerOutput& out);
   int RunningSeqs() const;
 
