@@ -463,6 +463,205 @@ TEST(Scheduler, S3OracleReservesTheTrueLengthAndNeverMisses) {
   EXPECT_EQ(run.scheduler.stats().num_reservation_preemptions, 0);
 }
 
+SchedSequence& First(FakeRun& run, RequestId id) { return *run.scheduler.Find(id)->seqs.front(); }
+
+TEST(Scheduler, DraftsRunBehindTheLastTokenWithTheBudgetTheRealTokensLeave) {
+  FakeRun run(100, 0, Config(64, /*max_tokens=*/4));
+  run.Add(2, 20, 0.0);
+  run.Add(2, 20, 1.0);
+  run.Step();  // both prompts (2 + 2 tokens), one token sampled each
+  SchedSequence& a = First(run, 1);
+  a.draft_tokens = {100, 101, 102, 103, 104};
+  auto out = run.scheduler.Schedule();
+  ASSERT_EQ(out.scheduled.size(), 2u);
+  // The later request's real token runs; the drafts take the 2 tokens of budget left.
+  const ScheduledSeq& sa = out.scheduled[0];
+  ASSERT_EQ(sa.seq, &a);
+  EXPECT_EQ(sa.num_tokens, 3);
+  EXPECT_EQ(sa.num_draft_tokens, 2);
+  EXPECT_EQ(sa.num_real_tokens(), 1);
+  EXPECT_TRUE(sa.needs_logits);
+  EXPECT_EQ(sa.token(0), 7);
+  EXPECT_EQ(sa.token(1), 100);
+  EXPECT_EQ(sa.token(2), 101);
+  EXPECT_EQ(out.scheduled[1].num_tokens, 1);
+  EXPECT_EQ(out.scheduled[1].num_draft_tokens, 0);
+  EXPECT_EQ(out.num_batched_tokens, 4);
+  EXPECT_GE(static_cast<int64_t>(run.blocks.BlockTable(a.id).size()) * 4, a.num_computed + sa.num_tokens);
+  run.scheduler.CompleteStep(out);
+  EXPECT_EQ(a.num_computed, 3) << "drafts are not computed tokens";
+  EXPECT_TRUE(a.draft_tokens.empty());
+}
+
+TEST(Scheduler, DraftsTakeOnlyFreeBlocksAndNeverPreempt) {
+  // 4 blocks of 4 tokens: two decoding sequences each need a new block for their real token;
+  // the drafts fit only in what that block has left.
+  FakeRun run(4, 0, Config(64, 2048, PreemptionMode::kRecompute));
+  run.Add(4, 20, 0.0);
+  run.Add(4, 20, 1.0);
+  run.Step();
+  First(run, 1).draft_tokens = {100, 101, 102, 103, 104, 105, 106, 107};
+  auto out = run.scheduler.Schedule();
+  ASSERT_EQ(out.scheduled.size(), 2u);
+  EXPECT_EQ(out.scheduled[0].num_draft_tokens, 3);  // positions 5, 6, 7
+  EXPECT_EQ(out.scheduled[1].num_tokens, 1);
+  EXPECT_EQ(out.num_preempted_recompute, 0);
+  EXPECT_EQ(run.blocks.device().num_free(), 0);
+}
+
+TEST(Scheduler, NoDraftsDuringPrefillOrForSeveralCandidates) {
+  FakeRun run(100, 0, Config(64, /*max_tokens=*/6));
+  run.Add(8, 5, 0.0);
+  SchedSequence& s = First(run, 1);
+  for (int chunk = 0; chunk < 2; ++chunk) {  // the last chunk computes the last prompt token
+    s.draft_tokens = {100, 101};
+    auto out = run.scheduler.Schedule();
+    ASSERT_EQ(out.scheduled.size(), 1u);
+    EXPECT_EQ(out.scheduled[0].num_tokens, chunk == 0 ? 6 : 2);
+    EXPECT_EQ(out.scheduled[0].num_draft_tokens, 0) << "chunk " << chunk;
+    run.scheduler.CompleteStep(out);
+    if (out.scheduled[0].needs_logits) s.tokens.push_back(7);
+  }
+
+  FakeRun beams(100, 0, Config());
+  beams.Add(4, 5, 0.0, /*n=*/2);
+  beams.Step();  // prompt, then the fork
+  SequenceGroup* g = beams.scheduler.Find(1);
+  ASSERT_EQ(g->seqs.size(), 2u);
+  for (auto& seq : g->seqs) seq->draft_tokens = {100, 101};
+  auto out = beams.scheduler.Schedule();
+  ASSERT_EQ(out.scheduled.size(), 2u);
+  for (const ScheduledSeq& sc : out.scheduled) EXPECT_EQ(sc.num_draft_tokens, 0);
+}
+
+TEST(Scheduler, DraftsLeaveRoomForTheBonusTokenWithinMaxModelLen) {
+  SchedulerConfig c = Config();
+  c.max_model_len = 12;
+  FakeRun run(100, 0, c);
+  run.Add(8, 4, 0.0);
+  run.Step();  // 9 tokens
+  SchedSequence& s = First(run, 1);
+  s.draft_tokens = {100, 101, 102, 103, 104};
+  auto out = run.scheduler.Schedule();
+  ASSERT_EQ(out.scheduled.size(), 1u);
+  EXPECT_EQ(out.scheduled[0].num_draft_tokens, 2);
+  run.scheduler.CompleteStep(out);
+  const std::vector<int32_t> accepted = {100, 101};
+  ASSERT_TRUE(run.scheduler.AcceptDrafts(out.scheduled[0], accepted, 9).ok());
+  EXPECT_EQ(s.num_tokens(), c.max_model_len);
+}
+
+TEST(Scheduler, DraftsAreDroppedWhenTheirSequenceIsPreempted) {
+  for (PreemptionMode mode : {PreemptionMode::kRecompute, PreemptionMode::kSwap}) {
+    SCOPED_TRACE(PreemptionModeName(mode));
+    // 3 blocks: after the prompts (one block each) only one of the two can get its next block.
+    FakeRun run(3, 3, Config(64, 2048, mode));
+    run.Add(4, 6, 0.0);
+    run.Add(4, 6, 1.0);
+    run.Step();
+    SchedSequence& a = First(run, 1);
+    SchedSequence& b = First(run, 2);
+    a.draft_tokens = {100, 101, 102, 103};
+    b.draft_tokens = {100, 101, 102, 103};
+    auto out = run.scheduler.Schedule();
+    EXPECT_EQ(out.num_preempted_recompute + out.num_preempted_swap, 1);
+    EXPECT_EQ(b.status, mode == PreemptionMode::kSwap ? SeqStatus::kSwapped : SeqStatus::kWaiting);
+    EXPECT_TRUE(b.draft_tokens.empty());
+    ASSERT_EQ(out.scheduled.size(), 1u);
+    EXPECT_EQ(out.scheduled[0].seq, &a);
+    EXPECT_EQ(out.scheduled[0].num_draft_tokens, 4) << "b's block is free now";
+    run.RunForward(out);
+    run.scheduler.CompleteStep(out);
+    ASSERT_TRUE(run.scheduler.AcceptDrafts(out.scheduled[0], {}, 9).ok());
+    while (run.scheduler.HasWork()) run.Step();
+    EXPECT_EQ(run.finished.size(), 2u);
+    EXPECT_EQ(run.blocks.device().num_free(), 3);
+    EXPECT_EQ(run.blocks.host().num_free(), 3);
+  }
+}
+
+TEST(Scheduler, AcceptDraftsKeepsTheAcceptedAndFreesTheRejectedDraftsBlocks) {
+  for (int accepted : {0, 3, 8}) {
+    SCOPED_TRACE(accepted);
+    FakeRun run(100, 0, Config());
+    run.Add(4, 40, 0.0);
+    run.Step();  // 5 tokens, 4 computed, one block
+    SchedSequence& s = First(run, 1);
+    const std::vector<int32_t> drafts = {100, 101, 102, 103, 104, 105, 106, 107};
+    s.draft_tokens = drafts;
+    auto out = run.scheduler.Schedule();
+    ASSERT_EQ(out.scheduled[0].num_draft_tokens, 8);
+    EXPECT_EQ(run.blocks.BlockTable(s.id).size(), 4u);  // 13 positions
+    run.scheduler.CompleteStep(out);
+    ASSERT_TRUE(run.scheduler.AcceptDrafts(out.scheduled[0], std::span(drafts).first(static_cast<size_t>(accepted)), 9).ok());
+    EXPECT_EQ(s.num_computed, 5 + accepted);
+    EXPECT_EQ(s.num_tokens(), 5 + accepted + 1);
+    EXPECT_TRUE(std::equal(drafts.begin(), drafts.begin() + accepted, s.tokens.begin() + 5));
+    EXPECT_EQ(s.tokens.back(), 9);
+    EXPECT_EQ(run.blocks.BlockTable(s.id).size(), static_cast<size_t>(BlocksForTokens(s.num_tokens(), 4)));
+    EXPECT_EQ(run.blocks.device().num_free(), 100 - BlocksForTokens(s.num_tokens(), 4));
+  }
+}
+
+TEST(Scheduler, AcceptDraftsRefusesMoreDraftsThanRanAndASecondCall) {
+  FakeRun run(100, 0, Config());
+  run.Add(4, 40, 0.0);
+  run.Step();
+  SchedSequence& s = First(run, 1);
+  s.draft_tokens = {100, 101};
+  auto out = run.scheduler.Schedule();
+  run.scheduler.CompleteStep(out);
+  const std::vector<int32_t> three = {100, 101, 102};
+  EXPECT_EQ(run.scheduler.AcceptDrafts(out.scheduled[0], three, 9).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.num_tokens(), 5) << "a refused call changes nothing";
+  ASSERT_TRUE(run.scheduler.AcceptDrafts(out.scheduled[0], std::span(three).first(1), 9).ok());
+  EXPECT_EQ(run.scheduler.AcceptDrafts(out.scheduled[0], {}, 9).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.num_tokens(), 7);
+}
+
+TEST(Scheduler, OnlyComputedRealTokensArePublishedToThePrefixCache) {
+  for (int accepted : {1, 3}) {
+    SCOPED_TRACE(accepted);
+    FakeRun run(100, 0, Config(), "paged", /*prefix=*/true);
+    run.Add(4, 40, 0.0);
+    run.Step();  // block 0 holds the prompt, published
+    SchedSequence& s = First(run, 1);
+    const std::vector<int32_t> drafts = {100, 101, 102, 103, 104};
+    s.draft_tokens = drafts;
+    auto out = run.scheduler.Schedule();
+    run.scheduler.CompleteStep(out);
+    const BlockId second = run.blocks.BlockTable(s.id)[1];  // positions 4..7: 7, then drafts
+    EXPECT_FALSE(run.blocks.device().is_cached_content(second));
+    ASSERT_TRUE(run.scheduler.AcceptDrafts(out.scheduled[0], std::span(drafts).first(static_cast<size_t>(accepted)), 9).ok());
+    const auto published = run.blocks.device().content_tokens(second);
+    if (accepted == 3) {
+      // 7, 100, 101, 102: every position a computed real token now.
+      EXPECT_EQ(std::vector<int32_t>(published.begin(), published.end()), (std::vector<int32_t>{7, 100, 101, 102}));
+    } else {
+      EXPECT_TRUE(published.empty()) << "positions 6 and 7 hold rejected drafts";
+    }
+  }
+}
+
+TEST(Scheduler, S3DraftsStayInsideTheReservationSoTheSupervisorSeesRealGrowth) {
+  FakeRun run(100, 0, Config(), "s3");
+  run.Add(4, 30, 0.0, 1, 1000, /*predicted=*/4, /*max_output=*/100);  // reserves 8 tokens: 2 blocks
+  run.Step();
+  SchedSequence& s = First(run, 1);
+  const std::vector<int32_t> drafts = {100, 101, 102, 103, 104, 105};
+  s.draft_tokens = drafts;
+  auto out = run.scheduler.Schedule();
+  ASSERT_EQ(out.scheduled.size(), 1u);
+  EXPECT_EQ(out.scheduled[0].num_draft_tokens, 3);  // positions 5, 6, 7
+  EXPECT_EQ(run.blocks.BlockTable(s.id).size(), 2u);
+  run.scheduler.CompleteStep(out);
+  ASSERT_TRUE(run.scheduler.AcceptDrafts(out.scheduled[0], std::span(drafts).first(3), 9).ok());
+  EXPECT_EQ(run.blocks.BlockTable(s.id).size(), 2u) << "the reservation stays";
+  // The bonus token at position 8 is the first past the reservation: a miss, as without drafts.
+  auto next = run.scheduler.Schedule();
+  EXPECT_EQ(next.reservation_exhausted, (std::vector<RequestId>{1}));
+}
+
 // Random arrivals, lengths, n, budgets, pools, policies and preemption modes, and with `drafts`
 // random drafts (up to 1-6 per step) with random acceptance. After every step: budgets hold,
 // every scheduled sequence has blocks for its context, device refcounts equal the references in
