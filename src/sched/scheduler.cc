@@ -53,12 +53,6 @@ int Scheduler::RunningSeqs() const {
   return n;
 }
 
-namespace {
-int64_t Capacity(const BlockManager& blocks, const SchedSequence& s) {
-  return static_cast<int64_t>(blocks.BlockTable(s.id).size()) * blocks.block_size();
-}
-}  // namespace
-
 bool Scheduler::PlanTokens(const SequenceGroup& g, int64_t budget, std::vector<int64_t>& tokens) const {
   tokens.clear();
   int64_t total = 0;
@@ -69,6 +63,12 @@ bool Scheduler::PlanTokens(const SequenceGroup& g, int64_t budget, std::vector<i
   }
   return total > 0;
 }
+
+namespace {
+int64_t Capacity(const BlockManager& blocks, const SchedSequence& s) {
+  return static_cast<int64_t>(blocks.BlockTable(s.id).size()) * blocks.block_size();
+}
+}  // namespace
 
 int64_t Scheduler::DraftsFor(const SequenceGroup& g, const SchedSequence& s, int64_t room) const {
   // Forked candidates (n > 1, beams) would each need drafts of their own: kept simple, they get
@@ -162,7 +162,8 @@ void Scheduler::Emit(SequenceGroup* g, const std::vector<int64_t>& tokens, Sched
   for (size_t i = 0; i < g->seqs.size(); ++i) {
     if (tokens[i] == 0) continue;
     SchedSequence* s = g->seqs[i].get();
-    out.scheduled.push_back({g, s, tokens[i], /*num_draft_tokens=*/0, s->num_computed + tokens[i] == s->num_tokens()});
+    const bool last_token_runs = s->num_computed + tokens[i] == s->num_tokens();
+    out.scheduled.push_back({g, s, tokens[i], /*num_draft_tokens=*/0, last_token_runs});
     out.num_batched_tokens += tokens[i];
   }
 }

@@ -333,9 +333,10 @@ void RunMany(bool prefix) {
               static_cast<long long>(coverage.prefix_hits), static_cast<long long>(coverage.copies),
               static_cast<long long>(coverage.swaps_out), static_cast<long long>(coverage.swaps_in),
               static_cast<long long>(coverage.forks), static_cast<long long>(coverage.recomputes));
-  std::printf("coverage: %lld truncates (%lld cut a private published block, %lld a shared one), %lld refused (swapped)\n",
+  std::printf("coverage: %lld truncates (%lld cut a private published block, %lld a shared one), %lld refused\n",
               static_cast<long long>(coverage.truncates), static_cast<long long>(coverage.cut_published_private),
-              static_cast<long long>(coverage.cut_published_shared), static_cast<long long>(coverage.truncates_refused));
+              static_cast<long long>(coverage.cut_published_shared),
+              static_cast<long long>(coverage.truncates_refused));
   EXPECT_GT(coverage.copies, 100);
   EXPECT_GT(coverage.swaps_out, 100);
   EXPECT_GT(coverage.swaps_in, 100);

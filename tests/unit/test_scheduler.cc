@@ -141,7 +141,8 @@ struct FakeRun {
       all_accepted += accepted == k;
       none_accepted += accepted == 0;
     }
-    const Status st = scheduler.AcceptDrafts(step, std::span<const int32_t>(ran).first(static_cast<size_t>(accepted)), 7);
+    const auto kept = std::span<const int32_t>(ran).first(static_cast<size_t>(accepted));
+    const Status st = scheduler.AcceptDrafts(step, kept, 7);
     EXPECT_TRUE(st.ok()) << st.ToString();
     if (policy_name == "paged") {
       // The rejected drafts' blocks went back: the table holds the tokens and nothing more.
@@ -593,7 +594,8 @@ TEST(Scheduler, AcceptDraftsKeepsTheAcceptedAndFreesTheRejectedDraftsBlocks) {
     ASSERT_EQ(out.scheduled[0].num_draft_tokens, 8);
     EXPECT_EQ(run.blocks.BlockTable(s.id).size(), 4u);  // 13 positions
     run.scheduler.CompleteStep(out);
-    ASSERT_TRUE(run.scheduler.AcceptDrafts(out.scheduled[0], std::span(drafts).first(static_cast<size_t>(accepted)), 9).ok());
+    const auto kept = std::span(drafts).first(static_cast<size_t>(accepted));
+    ASSERT_TRUE(run.scheduler.AcceptDrafts(out.scheduled[0], kept, 9).ok());
     EXPECT_EQ(s.num_computed, 5 + accepted);
     EXPECT_EQ(s.num_tokens(), 5 + accepted + 1);
     EXPECT_TRUE(std::equal(drafts.begin(), drafts.begin() + accepted, s.tokens.begin() + 5));
@@ -632,7 +634,8 @@ TEST(Scheduler, OnlyComputedRealTokensArePublishedToThePrefixCache) {
     run.scheduler.CompleteStep(out);
     const BlockId second = run.blocks.BlockTable(s.id)[1];  // positions 4..7: 7, then drafts
     EXPECT_FALSE(run.blocks.device().is_cached_content(second));
-    ASSERT_TRUE(run.scheduler.AcceptDrafts(out.scheduled[0], std::span(drafts).first(static_cast<size_t>(accepted)), 9).ok());
+    const auto kept = std::span(drafts).first(static_cast<size_t>(accepted));
+    ASSERT_TRUE(run.scheduler.AcceptDrafts(out.scheduled[0], kept, 9).ok());
     const auto published = run.blocks.device().content_tokens(second);
     if (accepted == 3) {
       // 7, 100, 101, 102: every position a computed real token now.
