@@ -102,4 +102,9 @@ bool BlockAllocator::Register(BlockId id, uint64_t prefix_hash, std::span<const 
   return true;
 }
 
+void BlockAllocator::Unregister(BlockId id) {
+  assert(refcounts_[static_cast<size_t>(id)] > 0);
+  Uncache(id);
+}
+
 }  // namespace kvflow

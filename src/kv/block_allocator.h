@@ -44,9 +44,16 @@ class BlockAllocator {
   // Publishes a used, fully computed block under its content; false if that content is cached
   // already (in another block) or the block already has content.
   bool Register(BlockId id, uint64_t prefix_hash, std::span<const int32_t> tokens);
+  // Withdraws a used block's content from the prefix cache: its holder is about to overwrite it.
+  void Unregister(BlockId id);
 
   int refcount(BlockId id) const { return refcounts_[static_cast<size_t>(id)]; }
   bool is_cached_content(BlockId id) const { return contents_[static_cast<size_t>(id)].has_value(); }
+  // The tokens a block is published under; empty when it has no content.
+  std::span<const int32_t> content_tokens(BlockId id) const {
+    const auto& c = contents_[static_cast<size_t>(id)];
+    return c ? std::span<const int32_t>(c->tokens) : std::span<const int32_t>();
+  }
   int num_blocks() const { return static_cast<int>(refcounts_.size()); }
   // Blocks Allocate can still hand out (free + cached).
   int num_free() const { return static_cast<int>(free_list_.size() + lru_.size()); }

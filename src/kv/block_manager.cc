@@ -122,13 +122,37 @@ Status BlockManager::AppendSlots(SeqId seq, int64_t write_from, int64_t write_to
   const int have = static_cast<int>(s.blocks.size());
   for (int i = static_cast<int>(write_from / bs); i < std::min(BlocksForTokens(write_to, bs), have); ++i) {
     BlockId& b = s.blocks[static_cast<size_t>(i)];
-    if (device_.refcount(b) == 1) continue;
+    if (device_.refcount(b) == 1) {
+      device_.Unregister(b);
+      continue;
+    }
     const BlockId copy = device_.Allocate().value();
     pending_copies_.push_back({b, copy});
     device_.Free(b);
     b = copy;
   }
   while (static_cast<int>(s.blocks.size()) < want) s.blocks.push_back(device_.Allocate().value());
+  return Status::Ok();
+}
+
+Status BlockManager::Truncate(SeqId seq, int64_t num_tokens) {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) return Status::NotFound("truncate: no sequence " + std::to_string(seq));
+  if (num_tokens < 0) {
+    return Status::InvalidArgument("truncate: sequence " + std::to_string(seq) + " to " +
+                                   std::to_string(num_tokens) + " tokens");
+  }
+  SeqBlocks& s = it->second;
+  if (s.on_host) {
+    return Status::InvalidArgument("truncate: sequence " + std::to_string(seq) +
+                                   " is swapped out; swap it in first");
+  }
+  const int bs = config_.block_size;
+  const size_t keep = static_cast<size_t>(BlocksForTokens(num_tokens, bs));
+  // Released blocks may stay cached (their content is still the KV of real tokens) or shared.
+  for (size_t i = keep; i < s.blocks.size(); ++i) device_.Free(s.blocks[i]);
+  if (keep < s.blocks.size()) s.blocks.resize(keep);
+  s.hashes.resize(std::min(s.hashes.size(), static_cast<size_t>(num_tokens / bs)));
   return Status::Ok();
 }
 

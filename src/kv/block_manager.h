@@ -64,8 +64,18 @@ class BlockManager {
   int BlocksToAppend(SeqId seq, int64_t write_from, int64_t write_to, int64_t capacity_tokens = 0) const;
   // Grows the table to hold max(write_to, capacity_tokens) tokens and makes every block that
   // positions [write_from, write_to) will be written to private: a shared one is copied
-  // (copy-on-write) and remapped; the copy joins TakePendingCopies(). All-or-nothing.
+  // (copy-on-write) and remapped; the copy joins TakePendingCopies(). A private block still
+  // published in the prefix cache (a full block cut by Truncate) leaves the cache first, so the
+  // cache never hands out content being overwritten. All-or-nothing.
   Status AppendSlots(SeqId seq, int64_t write_from, int64_t write_to, int64_t capacity_tokens = 0);
+  // Keeps only the first `num_tokens` tokens of `seq` (llama.cpp's seq_rm from num_tokens to the
+  // end): the table keeps BlocksForTokens(num_tokens) blocks and drops its reference to the rest
+  // (a block shared with a fork or the prefix cache stays valid for the others), and the
+  // sequence's prefix-cache chain shrinks to the full blocks kept. A kept block that becomes
+  // partial keeps its content until the next AppendSlots writes it (see there). Never allocates;
+  // device-resident sequences only: an unknown or swapped-out sequence or a negative count is an
+  // error and changes nothing. Truncating at or past the table's end changes nothing.
+  Status Truncate(SeqId seq, int64_t num_tokens);
   // `child` shares every block of `parent` (refcount + 1 each).
   void Fork(SeqId parent, SeqId child);
   // Drops the sequence's references, on the device or on the host.

@@ -30,6 +30,7 @@ void Scheduler::AddGroup(std::unique_ptr<SequenceGroup> group) {
   for (auto& s : group->seqs) {
     s->status = SeqStatus::kWaiting;
     s->num_computed = 0;
+    s->draft_tokens.clear();
   }
   waiting_.push_back(group.get());
   groups_.emplace(group->request_id, std::move(group));
@@ -68,6 +69,39 @@ int64_t Capacity(const BlockManager& blocks, const SchedSequence& s) {
   return static_cast<int64_t>(blocks.BlockTable(s.id).size()) * blocks.block_size();
 }
 }  // namespace
+
+int64_t Scheduler::DraftsFor(const SequenceGroup& g, const SchedSequence& s, int64_t room) const {
+  // Forked candidates (n > 1, beams) would each need drafts of their own: kept simple, they get
+  // none. A prompt still being computed has nothing to speculate on.
+  if (s.draft_tokens.empty() || g.num_candidates > 1 || s.num_computed < s.prompt_len) return 0;
+  int64_t n = std::min(static_cast<int64_t>(s.draft_tokens.size()), room);
+  // Even with every draft accepted, the bonus token after them must fit in max_model_len.
+  n = std::min(n, config_.max_model_len - 1 - s.num_tokens());
+  // Speculation never grows a hard reservation: S3's supervisor judges real lengths only.
+  if (policy_->PreemptsOnExhaustedReservation()) n = std::min(n, Capacity(blocks_, s) - s.num_tokens());
+  return std::max<int64_t>(0, n);
+}
+
+void Scheduler::ScheduleDrafts(SchedulerOutput& out, int64_t budget) {
+  for (ScheduledSeq& s : out.scheduled) {
+    if (budget <= 0) break;
+    // Drafts follow the last real token: only a sequence whose last token runs can have any.
+    if (!s.needs_logits) continue;
+    int64_t n = DraftsFor(*s.group, *s.seq, budget);
+    const int64_t write_from = s.seq->num_tokens();
+    while (n > 0 && blocks_.BlocksToAppend(s.seq->id, write_from, write_from + n) > blocks_.device().num_free()) --n;
+    if (n == 0) continue;
+    if (Status st = blocks_.AppendSlots(s.seq->id, write_from, write_from + n); !st.ok()) {
+      spdlog::error("scheduler: counted blocks for drafts of request {} are missing: {}", s.group->request_id,
+                    st.ToString());
+      continue;  // the step runs without them
+    }
+    s.num_tokens += n;
+    s.num_draft_tokens = n;
+    out.num_batched_tokens += n;
+    budget -= n;
+  }
+}
 
 int64_t Scheduler::PoolShare(const SequenceGroup& g) const {
   return static_cast<int64_t>(blocks_.MaxAdmissibleBlocks()) * blocks_.block_size() / std::max(1, g.max_running_seqs());
@@ -128,7 +162,8 @@ void Scheduler::Emit(SequenceGroup* g, const std::vector<int64_t>& tokens, Sched
   for (size_t i = 0; i < g->seqs.size(); ++i) {
     if (tokens[i] == 0) continue;
     SchedSequence* s = g->seqs[i].get();
-    out.scheduled.push_back({g, s, tokens[i], s->num_computed + tokens[i] == s->num_tokens()});
+    const bool last_token_runs = s->num_computed + tokens[i] == s->num_tokens();
+    out.scheduled.push_back({g, s, tokens[i], /*num_draft_tokens=*/0, last_token_runs});
     out.num_batched_tokens += tokens[i];
   }
 }
@@ -152,6 +187,8 @@ void Scheduler::Preempt(SequenceGroup* g, SchedulerOutput& out) {
   PreemptionMode mode = config_.preemption_mode;
   if (mode == PreemptionMode::kAuto) mode = ids.size() > 1 ? PreemptionMode::kSwap : PreemptionMode::kRecompute;
   running_.erase(std::find(running_.begin(), running_.end(), g));
+  // Drafts were proposed for the next step; after preemption the drafter proposes afresh.
+  for (SchedSequence* s : g->unfinished()) s->draft_tokens.clear();
   if (mode == PreemptionMode::kSwap && blocks_.CanSwapOut(ids)) {
     auto moves = blocks_.SwapOut(ids).value();
     counters_.blocks_swapped_out += static_cast<int64_t>(moves.size());
@@ -305,6 +342,10 @@ SchedulerOutput Scheduler::Schedule() {
     if (PlanTokens(*g, budget, tokens) && BlocksForStep(*g, tokens, targets) <= blocks_.device().num_free()) apply(g);
   }
 
+  // 4. Drafts, from what the real work of every group left of the budget and the blocks: a bet
+  // never delays or preempts anyone.
+  ScheduleDrafts(out, budget);
+
   out.copies = blocks_.TakePendingCopies();
   counters_.blocks_copied += static_cast<int64_t>(out.copies.size());
   return out;
@@ -312,14 +353,39 @@ SchedulerOutput Scheduler::Schedule() {
 
 void Scheduler::CompleteStep(const SchedulerOutput& out) {
   for (const ScheduledSeq& s : out.scheduled) {
-    s.seq->num_computed += s.num_tokens;
+    s.seq->num_computed += s.num_real_tokens();
     blocks_.MarkComputed(s.seq->id, s.seq->tokens, s.seq->num_computed);
+    // The drafts were proposed to follow the token sampled next; they are stale once it exists.
+    if (s.needs_logits) s.seq->draft_tokens.clear();
   }
+}
+
+Status Scheduler::AcceptDrafts(const ScheduledSeq& step, std::span<const int32_t> accepted_drafts, int32_t next_token) {
+  SchedSequence& s = *step.seq;
+  const int64_t accepted = static_cast<int64_t>(accepted_drafts.size());
+  if (accepted > step.num_draft_tokens) {
+    return Status::InvalidArgument("sequence " + std::to_string(s.id) + ": " + std::to_string(accepted) +
+                                   " drafts accepted, " + std::to_string(step.num_draft_tokens) + " ran");
+  }
+  if (!step.needs_logits || s.status != SeqStatus::kRunning || s.num_computed != s.num_tokens() ||
+      !blocks_.Has(s.id) || blocks_.IsSwapped(s.id)) {
+    return Status::InvalidArgument("sequence " + std::to_string(s.id) +
+                                   " did not just compute its last token (AcceptDrafts: once per step, after "
+                                   "CompleteStep)");
+  }
+  // The accepted drafts ran at exactly these positions after exactly these tokens: their KV is
+  // the real tokens' KV. Only now may their full blocks be published.
+  s.tokens.insert(s.tokens.end(), accepted_drafts.begin(), accepted_drafts.end());
+  s.num_computed += accepted;
+  s.tokens.push_back(next_token);
+  blocks_.MarkComputed(s.id, s.tokens, s.num_computed);
+  return blocks_.Truncate(s.id, std::max(s.num_tokens(), ReservationFor(*step.group, s)));
 }
 
 SchedSequence* Scheduler::Fork(SequenceGroup& group, const SchedSequence& parent) {
   auto child = std::make_unique<SchedSequence>(parent);
   child->id = NewSeqId();
+  child->draft_tokens.clear();
   blocks_.Fork(parent.id, child->id);
   group.seqs.push_back(std::move(child));
   return group.seqs.back().get();

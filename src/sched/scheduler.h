@@ -3,10 +3,15 @@
 // When blocks run out it preempts whole sequence groups from the end of that order, by swapping
 // them to host memory or by dropping their KV for recomputation. While any group is swapped out
 // nothing new is admitted, and swapped groups come back first. Plain C++, no backend.
+//
+// Speculative decoding (vLLM v1): a decoding sequence runs its last token plus the drafts a
+// drafter proposed (SchedSequence::draft_tokens) in one step, with KV slots reserved for them;
+// after verification AcceptDrafts keeps the accepted ones and releases the rest.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string_view>
 #include <unordered_map>
 #include <utility>
@@ -31,11 +36,29 @@ struct SchedulerConfig {
   PreemptionMode preemption_mode = PreemptionMode::kAuto;
 };
 
+// One sequence's part of a step: num_tokens new positions from seq->num_computed on, first its
+// uncomputed tokens (all of them, or a prefill chunk), then its first num_draft_tokens drafts
+// (seq->draft_tokens), which get KV slots like real tokens. Drafts run only behind all of a
+// sequence's real tokens, only once its prompt is computed, only in single-candidate groups,
+// never past max_model_len, and only with the token budget and free blocks that the step's real
+// tokens left: fewer drafts, never fewer real tokens, and never a preemption for a draft.
 struct ScheduledSeq {
   SequenceGroup* group = nullptr;
   SchedSequence* seq = nullptr;
-  int64_t num_tokens = 0;     // new tokens this step, from seq->num_computed on
-  bool needs_logits = false;  // the step computes the sequence's last token: sample after it
+  int64_t num_tokens = 0;        // new positions this step, drafts included
+  int64_t num_draft_tokens = 0;  // the last num_draft_tokens of them are drafts
+  // The step computes the sequence's last real token: sample after it. Logit rows: one for that
+  // token, plus one per draft (num_draft_tokens + 1, in position order); row j verifies draft j
+  // and the last row gives the bonus token when every draft is accepted.
+  bool needs_logits = false;
+
+  int64_t num_real_tokens() const { return num_tokens - num_draft_tokens; }
+  // The token at new position i (0 <= i < num_tokens), real or draft. Valid until CompleteStep.
+  int32_t token(int64_t i) const {
+    const int64_t real = num_real_tokens();
+    return i < real ? seq->tokens[static_cast<size_t>(seq->num_computed + i)]
+                    : seq->draft_tokens[static_cast<size_t>(i - real)];
+  }
 };
 
 struct SchedulerOutput {
@@ -80,9 +103,21 @@ class Scheduler {
 
   // Plans one step. The caller runs it, then calls CompleteStep.
   SchedulerOutput Schedule();
-  // Advances every scheduled sequence's num_computed and publishes full blocks to the prefix
-  // cache. Call before appending the sampled tokens.
+  // Advances every scheduled sequence's num_computed by its real tokens and publishes full blocks
+  // to the prefix cache (drafts are never published: they are not computed tokens). Call before
+  // appending the sampled tokens. A sequence whose last token ran loses its draft_tokens; the KV
+  // slots of the ones that ran stay reserved until AcceptDrafts.
   void CompleteStep(const SchedulerOutput& out);
+  // After CompleteStep, for a `step` that computed its sequence's last token: the verification's
+  // outcome (vLLM's update_from_output). `accepted_drafts`, the leading drafts the target model
+  // confirmed (at most step.num_draft_tokens, as scheduled), join the tokens with their KV already
+  // computed; `next_token` (the correction at the first rejected draft, or the bonus token after
+  // all of them) is appended uncomputed; blocks beyond what the sequence and its policy
+  // reservation now hold (the rejected drafts' slots) go back to the pool. Without drafts it only
+  // appends next_token. It takes the ScheduledSeq because it needs the step's draft count and the
+  // group. Errors change nothing: more drafts accepted than ran, or a sequence that did not just
+  // compute its last token (call once per step, after CompleteStep, before FinishSequence).
+  Status AcceptDrafts(const ScheduledSeq& step, std::span<const int32_t> accepted_drafts, int32_t next_token);
 
   // A new sequence in `group` sharing all of `parent`'s tokens and blocks.
   SchedSequence* Fork(SequenceGroup& group, const SchedSequence& parent);
@@ -120,6 +155,11 @@ class Scheduler {
   // Splits the token budget over the group's sequences; false when not even one token fits.
   bool PlanTokens(const SequenceGroup& g, int64_t budget, std::vector<int64_t>& tokens) const;
   void Emit(SequenceGroup* g, const std::vector<int64_t>& tokens, SchedulerOutput& out);
+  // Drafts `s` may run behind its last token with `room` tokens of budget left.
+  int64_t DraftsFor(const SequenceGroup& g, const SchedSequence& s, int64_t room) const;
+  // Extends the scheduled sequences whose last token runs with their drafts, in batch order, as
+  // far as the leftover `budget` and the free blocks go; reserves the drafts' KV slots.
+  void ScheduleDrafts(SchedulerOutput& out, int64_t budget);
   void Reject(SequenceGroup* g, Status why, SchedulerOutput& out);
   int RunningSeqs() const;
 

@@ -21,6 +21,10 @@ struct SchedSequence {
   int64_t prompt_len = 0;
   int64_t num_computed = 0;  // leading tokens whose K/V are in the cache
   SeqStatus status = SeqStatus::kWaiting;
+  // Speculative tokens a drafter proposes to follow `tokens` (not part of them). Schedule() runs
+  // as many as fit behind the sequence's last token; CompleteStep clears them, and
+  // Scheduler::AcceptDrafts takes the ones the target model confirmed. Dropped on preemption.
+  std::vector<int32_t> draft_tokens;
 
   int64_t num_tokens() const { return static_cast<int64_t>(tokens.size()); }
   int64_t output_len() const { return num_tokens() - prompt_len; }

@@ -1,11 +1,13 @@
 // Property test of the block manager: thousands of random operation sequences (allocate with
-// prefix hits, append with copy-on-write, fork, free, swap out/in, recompute) run against a
-// simulated memory that executes the planned copies exactly as a backend would. After every
-// operation: refcounts equal the references in the block tables, free and used never overlap,
-// the host pool never holds more than the device pool, and every sequence reads back exactly its
-// own tokens through its block table. At the end every block is free.
+// prefix hits, append with copy-on-write, fork, free, swap out/in, recompute, truncate) run
+// against a simulated memory that executes the planned copies exactly as a backend would. After
+// every operation: refcounts equal the references in the block tables, free and used never
+// overlap, the host pool never holds more than the device pool, every sequence reads back exactly
+// its own tokens through its block table, and every block published in the prefix cache holds
+// exactly the tokens it is published under. At the end every block is free.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <random>
@@ -17,9 +19,29 @@ namespace {
 
 constexpr int kBlockSize = 4;
 
+// One KV slot as a backend would hold it: a token's K/V depend on the token and on everything
+// before it, so a block mapped after the wrong prefix reads back wrong even with equal tokens.
+struct Slot {
+  int32_t token = -1;
+  uint64_t context = 0;  // fingerprint of the tokens before and at this position
+  bool operator==(const Slot&) const = default;
+};
+
+std::vector<Slot> Slots(const std::vector<int32_t>& tokens) {
+  std::vector<Slot> slots;
+  uint64_t context = 0;
+  for (int32_t t : tokens) {
+    context = HashBlockTokens(context, std::span<const int32_t>(&t, 1));
+    slots.push_back({t, context});
+  }
+  return slots;
+}
+
 // How often the interesting paths ran, so the test cannot pass vacuously.
 struct Coverage {
   int64_t prefix_hits = 0, copies = 0, swaps_out = 0, swaps_in = 0, forks = 0, recomputes = 0;
+  // Truncations; of them those that cut a published block (private or shared), refused ones.
+  int64_t truncates = 0, cut_published_private = 0, cut_published_shared = 0, truncates_refused = 0;
 };
 Coverage coverage;
 
@@ -35,13 +57,13 @@ struct Harness {
           c.watermark = 0.0;
           return c;
         }()),
-        device_mem(static_cast<size_t>(device_blocks), std::vector<int32_t>(kBlockSize, -1)),
-        host_mem(static_cast<size_t>(host_blocks), std::vector<int32_t>(kBlockSize, -1)) {}
+        device_mem(static_cast<size_t>(device_blocks), std::vector<Slot>(kBlockSize)),
+        host_mem(static_cast<size_t>(host_blocks), std::vector<Slot>(kBlockSize)) {}
 
   std::mt19937_64 rng;
   BlockManager manager;
   // What each physical slot holds, as a backend's memory would.
-  std::vector<std::vector<int32_t>> device_mem, host_mem;
+  std::vector<std::vector<Slot>> device_mem, host_mem;
   std::map<SeqId, std::vector<int32_t>> tokens;  // every live sequence's tokens (all computed)
   std::vector<std::vector<SeqId>> groups;        // sequences that swap together
   SeqId next_id = 1;
@@ -61,16 +83,16 @@ struct Harness {
 
   void Write(SeqId seq, int64_t from) {
     const auto& table = manager.BlockTable(seq);
-    const auto& t = tokens[seq];
+    const auto slots = Slots(tokens[seq]);
     auto& mem = manager.IsSwapped(seq) ? host_mem : device_mem;
-    for (int64_t i = from; i < static_cast<int64_t>(t.size()); ++i) {
+    for (int64_t i = from; i < static_cast<int64_t>(slots.size()); ++i) {
       mem[static_cast<size_t>(table[static_cast<size_t>(i / kBlockSize)])][static_cast<size_t>(i % kBlockSize)] =
-          t[static_cast<size_t>(i)];
+          slots[static_cast<size_t>(i)];
     }
   }
 
-  static void Execute(const std::vector<BlockMove>& moves, std::vector<std::vector<int32_t>>& from,
-                      std::vector<std::vector<int32_t>>& to) {
+  static void Execute(const std::vector<BlockMove>& moves, std::vector<std::vector<Slot>>& from,
+                      std::vector<std::vector<Slot>>& to) {
     for (const BlockMove& m : moves) to[static_cast<size_t>(m.dst)] = from[static_cast<size_t>(m.src)];
   }
 
@@ -186,6 +208,40 @@ struct Harness {
     manager.MarkComputed(seq, t, static_cast<int64_t>(t.size()));
   }
 
+  // llama.cpp's seq_rm: mostly a few tokens off the end (rejected drafts), sometimes to a block
+  // boundary, to nothing, or past the end (a no-op).
+  void Truncate() {
+    const SeqId seq = RandomSeq();
+    auto& t = tokens[seq];
+    const int64_t len = static_cast<int64_t>(t.size());
+    int64_t n;
+    switch (Rand(6)) {
+      case 0: n = 0; break;
+      case 1: n = len / kBlockSize * kBlockSize; break;
+      case 2: n = len + Rand(3); break;
+      default: n = len - Rand(static_cast<int>(std::min<int64_t>(len, 6)) + 1);
+    }
+    const std::vector<BlockId> before = manager.BlockTable(seq);
+    const Status st = manager.Truncate(seq, n);
+    if (manager.IsSwapped(seq)) {
+      ASSERT_EQ(st.code(), StatusCode::kInvalidArgument);
+      ASSERT_EQ(manager.BlockTable(seq), before);
+      ++coverage.truncates_refused;
+      return;
+    }
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    const size_t keep = std::min(before.size(), static_cast<size_t>(BlocksForTokens(n, kBlockSize)));
+    ASSERT_EQ(manager.BlockTable(seq), std::vector<BlockId>(before.begin(), before.begin() + static_cast<long>(keep)));
+    if (n % kBlockSize != 0 && n < len) {
+      const BlockId cut = before[static_cast<size_t>(n / kBlockSize)];
+      if (manager.device().is_cached_content(cut)) {
+        ++(manager.device().refcount(cut) > 1 ? coverage.cut_published_shared : coverage.cut_published_private);
+      }
+    }
+    ++coverage.truncates;
+    if (n < len) t.resize(static_cast<size_t>(n));
+  }
+
   void CheckInvariants() {
     std::vector<int> device_refs(device_mem.size(), 0), host_refs(host_mem.size(), 0);
     for (const auto& [seq, t] : tokens) {
@@ -196,9 +252,20 @@ struct Harness {
       auto& refs = on_host ? host_refs : device_refs;
       const auto& mem = on_host ? host_mem : device_mem;
       for (BlockId b : table) ++refs[static_cast<size_t>(b)];
+      const auto slots = Slots(t);
       for (size_t i = 0; i < t.size(); ++i) {
-        ASSERT_EQ(mem[static_cast<size_t>(table[i / kBlockSize])][i % kBlockSize], t[i])
+        ASSERT_EQ(mem[static_cast<size_t>(table[i / kBlockSize])][i % kBlockSize], slots[i])
             << "sequence " << seq << " reads a wrong token at " << i << (on_host ? " (host)" : " (device)");
+      }
+      // A published block of the sequence is published after exactly the sequence's prefix.
+      uint64_t prefix = 0;
+      for (size_t i = 0; !on_host && (i + 1) * kBlockSize <= t.size(); ++i) {
+        const std::span<const int32_t> block(t.data() + i * kBlockSize, kBlockSize);
+        if (manager.device().is_cached_content(table[i])) {
+          ASSERT_EQ(manager.device().Peek(prefix, block), std::optional<BlockId>(table[i]))
+              << "sequence " << seq << " block " << i << " is published under another prefix";
+        }
+        prefix = HashBlockTokens(prefix, block);
       }
     }
     ASSERT_EQ(manager.num_sequences(), static_cast<int>(tokens.size()));
@@ -212,6 +279,14 @@ struct Harness {
       host_free += host_refs[b] == 0;
     }
     ASSERT_EQ(manager.device().num_free(), device_free) << "free and used overlap";
+    for (size_t b = 0; b < device_mem.size(); ++b) {
+      const auto published = manager.device().content_tokens(static_cast<BlockId>(b));
+      if (published.empty()) continue;
+      for (size_t i = 0; i < published.size(); ++i) {
+        ASSERT_EQ(device_mem[b][i].token, published[i])
+            << "device block " << b << " no longer holds the tokens it is published under";
+      }
+    }
     ASSERT_EQ(manager.host().num_free(), host_free);
     ASSERT_LE(manager.host().num_used(), manager.device().num_blocks());
   }
@@ -222,18 +297,20 @@ void RunRandomSequence(uint64_t seed, bool prefix, int ops) {
   Harness h(seed, prefix, device_blocks, static_cast<int>(seed % 3) * device_blocks / 2);
   for (int op = 0; op < ops; ++op) {
     const int dice = h.tokens.empty() ? 0 : h.Rand(100);
-    if (dice < 25) {
+    if (dice < 23) {
       h.Add();
-    } else if (dice < 60) {
+    } else if (dice < 55) {
       h.Append();
-    } else if (dice < 70) {
+    } else if (dice < 64) {
       h.Fork();
-    } else if (dice < 82) {
+    } else if (dice < 75) {
       h.Free();
-    } else if (dice < 94) {
+    } else if (dice < 86) {
       h.Swap();
-    } else {
+    } else if (dice < 91) {
       h.Recompute();
+    } else {
+      h.Truncate();
     }
     h.CheckInvariants();
     if (::testing::Test::HasFatalFailure() || ::testing::Test::HasNonfatalFailure()) {
@@ -256,11 +333,21 @@ void RunMany(bool prefix) {
               static_cast<long long>(coverage.prefix_hits), static_cast<long long>(coverage.copies),
               static_cast<long long>(coverage.swaps_out), static_cast<long long>(coverage.swaps_in),
               static_cast<long long>(coverage.forks), static_cast<long long>(coverage.recomputes));
+  std::printf("coverage: %lld truncates (%lld cut a private published block, %lld a shared one), %lld refused\n",
+              static_cast<long long>(coverage.truncates), static_cast<long long>(coverage.cut_published_private),
+              static_cast<long long>(coverage.cut_published_shared),
+              static_cast<long long>(coverage.truncates_refused));
   EXPECT_GT(coverage.copies, 100);
   EXPECT_GT(coverage.swaps_out, 100);
   EXPECT_GT(coverage.swaps_in, 100);
   EXPECT_GT(coverage.recomputes, 100);
-  if (prefix) EXPECT_GT(coverage.prefix_hits, 100);
+  EXPECT_GT(coverage.truncates, 1000);
+  EXPECT_GT(coverage.truncates_refused, 100);
+  if (prefix) {
+    EXPECT_GT(coverage.prefix_hits, 100);
+    EXPECT_GT(coverage.cut_published_private, 100);
+    EXPECT_GT(coverage.cut_published_shared, 100);
+  }
 }
 
 TEST(BlockManagerProperty, RandomOperationSequencesKeepEveryInvariant) { RunMany(false); }

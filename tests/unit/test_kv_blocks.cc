@@ -4,6 +4,7 @@
 
 #include <numeric>
 #include <set>
+#include <string>
 
 #include "kv/block_manager.h"
 
@@ -195,6 +196,151 @@ TEST(BlockManager, ReservationAllocatesAheadOfTheTokens) {
   EXPECT_EQ(m.BlocksToAppend(1, 3, 17), 0);
   EXPECT_EQ(m.BlocksToAppend(1, 17, 18, 24), 1);
   m.Free(1);
+}
+
+TEST(BlockManager, TruncateInsideABlockKeepsThePartialBlockAndReleasesTheRest) {
+  BlockManager m = Manager(10, 0);
+  ASSERT_TRUE(m.Allocate(1, Tokens(10), 10).ok());  // [4][4][2]
+  const std::vector<BlockId> before = m.BlockTable(1);
+  ASSERT_TRUE(m.Truncate(1, 6).ok());
+  EXPECT_EQ(m.BlockTable(1), std::vector<BlockId>(before.begin(), before.begin() + 2));
+  EXPECT_EQ(m.device().num_free(), 8);
+  // Positions 6 and 7 are written again in the kept block: nothing to allocate or copy.
+  EXPECT_EQ(m.BlocksToAppend(1, 6, 8), 0);
+  ASSERT_TRUE(m.AppendSlots(1, 6, 8).ok());
+  EXPECT_TRUE(m.TakePendingCopies().empty());
+  EXPECT_EQ(m.BlockTable(1), std::vector<BlockId>(before.begin(), before.begin() + 2));
+  m.Free(1);
+  EXPECT_EQ(m.device().num_free(), 10);
+}
+
+TEST(BlockManager, TruncateAtABlockBoundaryAndToNothing) {
+  BlockManager m = Manager(10, 0);
+  ASSERT_TRUE(m.Allocate(1, Tokens(10), 10).ok());
+  const BlockId first = m.BlockTable(1)[0];
+  ASSERT_TRUE(m.Truncate(1, 4).ok());
+  EXPECT_EQ(m.BlockTable(1), std::vector<BlockId>{first});
+  EXPECT_EQ(m.device().num_free(), 9);
+  ASSERT_TRUE(m.Truncate(1, 7).ok()) << "past the end: nothing to remove";
+  EXPECT_EQ(m.BlockTable(1).size(), 1u);
+  ASSERT_TRUE(m.Truncate(1, 0).ok());
+  EXPECT_TRUE(m.BlockTable(1).empty());
+  EXPECT_TRUE(m.Has(1));
+  EXPECT_EQ(m.device().num_free(), 10);
+  // An empty sequence grows again like any other.
+  ASSERT_TRUE(m.AppendSlots(1, 0, 5).ok());
+  EXPECT_EQ(m.BlockTable(1).size(), 2u);
+  m.Free(1);
+  EXPECT_EQ(m.device().num_free(), 10);
+}
+
+TEST(BlockManager, TruncatingAForkLeavesTheOtherSequenceItsBlocks) {
+  BlockManager m = Manager(10, 0);
+  ASSERT_TRUE(m.Allocate(1, Tokens(12), 12).ok());
+  m.Fork(1, 2);
+  const std::vector<BlockId> parent = m.BlockTable(1);
+  ASSERT_TRUE(m.Truncate(2, 5).ok());
+  EXPECT_EQ(m.BlockTable(1), parent);
+  EXPECT_EQ(m.BlockTable(2), std::vector<BlockId>(parent.begin(), parent.begin() + 2));
+  EXPECT_EQ(m.device().refcount(parent[0]), 2);
+  EXPECT_EQ(m.device().refcount(parent[1]), 2);
+  EXPECT_EQ(m.device().refcount(parent[2]), 1);
+  EXPECT_EQ(m.device().num_used(), 3);
+  // Sequence 2 rewrites position 5 of the block it shares: it copies, sequence 1 keeps the original.
+  ASSERT_TRUE(m.AppendSlots(2, 5, 6).ok());
+  const auto copies = m.TakePendingCopies();
+  ASSERT_EQ(copies.size(), 1u);
+  EXPECT_EQ(copies[0].src, parent[1]);
+  EXPECT_EQ(m.BlockTable(1), parent);
+  EXPECT_NE(m.BlockTable(2)[1], parent[1]);
+  m.Free(1);
+  m.Free(2);
+  EXPECT_EQ(m.device().num_free(), 10);
+}
+
+TEST(BlockManager, TruncateUnpublishesAPrivateCachedBlockBeforeItIsRewritten) {
+  BlockManager m = Manager(10, 0, /*prefix=*/true);
+  const auto prompt = Tokens(12);
+  ASSERT_TRUE(m.Allocate(1, prompt, 12).ok());
+  m.MarkComputed(1, prompt, 12);
+  const std::vector<BlockId> table = m.BlockTable(1);
+  ASSERT_TRUE(m.Truncate(1, 6).ok());
+  // Block 2 left the table but keeps real KV: still a cache hit. Block 1 is partial now, but until
+  // it is written its content is intact.
+  EXPECT_EQ(m.device().num_cached_unused(), 1);
+  EXPECT_TRUE(m.device().is_cached_content(table[1]));
+  // Rewriting positions 6.. of block 1 in place: it must leave the prefix cache first.
+  ASSERT_TRUE(m.AppendSlots(1, 6, 8).ok());
+  EXPECT_TRUE(m.TakePendingCopies().empty()) << "a private block is written in place";
+  EXPECT_FALSE(m.device().is_cached_content(table[1]));
+  EXPECT_EQ(m.BlocksToAllocate(prompt, 12), 2) << "only block 0 still hits";
+  // The chain shrank with the table: the new block 1 is published after block 0's hash.
+  auto rewritten = prompt;
+  rewritten[6] = 1;
+  rewritten[7] = 2;
+  rewritten.resize(8);
+  m.MarkComputed(1, rewritten, 8);
+  rewritten.push_back(3);
+  ASSERT_EQ(m.Allocate(2, rewritten, 9).value(), 8);
+  EXPECT_EQ(m.BlockTable(2)[1], table[1]);
+  m.Free(1);
+  m.Free(2);
+  EXPECT_EQ(m.device().num_free(), 10);
+}
+
+TEST(BlockManager, ATruncatedSharedCachedBlockIsCopiedOnWriteOrUnpublishedOnceTheSharerLeft) {
+  for (bool sharer_leaves : {false, true}) {
+    SCOPED_TRACE(sharer_leaves ? "sharer leaves before the write" : "sharer stays");
+    BlockManager m = Manager(10, 0, /*prefix=*/true);
+    const auto prompt = Tokens(12);
+    ASSERT_TRUE(m.Allocate(1, prompt, 12).ok());
+    m.MarkComputed(1, prompt, 12);
+    ASSERT_EQ(m.Allocate(2, prompt, 12).value(), 8);  // shares blocks 0 and 1
+    const BlockId cut = m.BlockTable(1)[1];
+    ASSERT_TRUE(m.Truncate(1, 6).ok());
+    EXPECT_EQ(m.device().refcount(cut), 2);
+    if (sharer_leaves) m.Free(2);
+    ASSERT_TRUE(m.AppendSlots(1, 6, 7).ok());
+    const auto copies = m.TakePendingCopies();
+    if (sharer_leaves) {
+      // Sole holder again, but the block is still published: unpublished, then written in place.
+      EXPECT_TRUE(copies.empty());
+      EXPECT_EQ(m.BlockTable(1)[1], cut);
+      EXPECT_FALSE(m.device().is_cached_content(cut));
+    } else {
+      ASSERT_EQ(copies.size(), 1u);
+      EXPECT_EQ(copies[0].src, cut);
+      EXPECT_NE(m.BlockTable(1)[1], cut);
+      EXPECT_EQ(m.BlockTable(2)[1], cut);
+      EXPECT_TRUE(m.device().is_cached_content(cut)) << "the other holder's block stays published";
+    }
+    // The prompt's block 1 still hits only where the original content is intact.
+    EXPECT_EQ(m.BlocksToAllocate(prompt, 12), sharer_leaves ? 2 : 1);
+    m.Free(1);
+    m.Free(2);
+    EXPECT_EQ(m.device().num_free(), 10);
+  }
+}
+
+TEST(BlockManager, TruncateRefusesSwappedUnknownAndNegativeAndChangesNothing) {
+  BlockManager m = Manager(8, 8);
+  ASSERT_TRUE(m.Allocate(1, Tokens(10), 10).ok());
+  const std::vector<SeqId> group = {1};
+  ASSERT_TRUE(m.SwapOut(group).ok());
+  const std::vector<BlockId> table = m.BlockTable(1);
+  const Status swapped = m.Truncate(1, 2);
+  EXPECT_EQ(swapped.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(swapped.message().find("swapped out"), std::string::npos) << swapped.message();
+  EXPECT_EQ(m.BlockTable(1), table);
+  EXPECT_EQ(m.host().num_used(), 3);
+  EXPECT_EQ(m.Truncate(7, 2).code(), StatusCode::kNotFound);
+  ASSERT_TRUE(m.SwapIn(group).ok());
+  EXPECT_EQ(m.Truncate(1, -1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(m.BlockTable(1).size(), 3u);
+  ASSERT_TRUE(m.Truncate(1, 2).ok());
+  EXPECT_EQ(m.BlockTable(1).size(), 1u);
+  m.Free(1);
+  EXPECT_EQ(m.device().num_free(), 8);
 }
 
 }  // namespace

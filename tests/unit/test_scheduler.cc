@@ -1,14 +1,18 @@
 // The scheduler with fake sequences and a fake executor (no model): budgets, FCFS order,
-// chunked prefill, preemption by recompute and by swap, swapped groups first, policies, and a
-// random-workload property test that checks invariants after every step and that every request
-// completes with the right length.
+// chunked prefill, preemption by recompute and by swap, swapped groups first, policies, draft
+// tokens (speculative decoding), and a random-workload property test that checks invariants after
+// every step and that every request completes with the right length. The fake executor keeps a
+// simulated KV memory, so every computed token must read back through its block table.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <numeric>
 #include <optional>
 #include <random>
 #include <set>
+#include <span>
+#include <string>
 
 #include "sched/scheduler.h"
 
@@ -27,7 +31,11 @@ struct FakeRun {
           c.watermark = 0.0;
           return c;
         }()),
-        scheduler(sc, blocks, MakeSchedulingPolicy(policy).value()) {}
+        scheduler(sc, blocks, MakeSchedulingPolicy(policy).value()),
+        policy_name(policy),
+        block_size(block_size),
+        device_mem(static_cast<size_t>(device_blocks), std::vector<int32_t>(static_cast<size_t>(block_size), -1)),
+        host_mem(static_cast<size_t>(host_blocks), std::vector<int32_t>(static_cast<size_t>(block_size), -1)) {}
 
   // A request with `n` sequences forked after the prompt's first token (like parallel sampling).
   // `predicted`: the length predictor's output (S3); `max_output`: the request's max_tokens, by
@@ -54,18 +62,39 @@ struct FakeRun {
   }
 
   // One engine step without a model: sample a token for every sequence whose last token ran.
+  // With max_drafts > 0 the verifier accepts a random leading run of the drafts that ran (none,
+  // all, or between) through AcceptDrafts, and a drafter proposes up to max_drafts new ones.
   SchedulerOutput Step() {
+    std::set<SeqId> had_drafts;
+    for (RequestId id = 1; id < next_request; ++id) {
+      if (const SequenceGroup* g = scheduler.Find(id)) {
+        for (const auto& s : g->seqs) {
+          if (!s->draft_tokens.empty()) had_drafts.insert(s->id);
+        }
+      }
+    }
     SchedulerOutput out = scheduler.Schedule();
     for (auto& [id, why] : out.rejected) rejected.insert(id);
+    CheckDrafts(out, had_drafts);
+    RunForward(out);
+    // CompleteStep clears the drafts; the verifier compares against the ones that ran.
+    std::vector<std::vector<int32_t>> ran(out.scheduled.size());
+    for (size_t i = 0; i < out.scheduled.size(); ++i) {
+      const ScheduledSeq& s = out.scheduled[i];
+      ran[i].assign(s.seq->draft_tokens.begin(), s.seq->draft_tokens.begin() + s.num_draft_tokens);
+    }
     scheduler.CompleteStep(out);
     batch_ids.clear();
     for (const ScheduledSeq& s : out.scheduled) batch_ids.push_back(s.group->request_id);
     std::set<RequestId> touched;
-    std::vector<std::pair<SequenceGroup*, SchedSequence*>> sampled;
-    for (const ScheduledSeq& s : out.scheduled) {
-      if (s.needs_logits) sampled.emplace_back(s.group, s.seq);
+    std::vector<size_t> sampled;
+    for (size_t i = 0; i < out.scheduled.size(); ++i) {
+      if (out.scheduled[i].needs_logits) sampled.push_back(i);
     }
-    for (auto& [g, seq] : sampled) {
+    for (size_t k : sampled) {
+      const ScheduledSeq& step = out.scheduled[k];
+      SequenceGroup* g = step.group;
+      SchedSequence* seq = step.seq;
       auto& [output_len, n] = targets[g->request_id];
       if (g->seqs.size() == 1 && n > 1 && seq->output_len() == 0) {
         for (int i = 1; i < n; ++i) {
@@ -74,8 +103,17 @@ struct FakeRun {
           if (child->output_len() >= output_len) scheduler.FinishSequence(*child);
         }
       }
-      seq->tokens.push_back(7);
-      if (seq->output_len() >= output_len) scheduler.FinishSequence(*seq);
+      if (max_drafts == 0) {
+        seq->tokens.push_back(7);
+      } else {
+        Verify(step, ran[k], output_len);
+      }
+      if (seq->output_len() >= output_len) {
+        scheduler.FinishSequence(*seq);
+      } else if (max_drafts > 0) {
+        seq->draft_tokens.resize(static_cast<size_t>(rng() % static_cast<uint64_t>(max_drafts + 1)));
+        for (int32_t& t : seq->draft_tokens) t = 100 + static_cast<int32_t>(rng() % 50);  // never the real 7
+      }
       touched.insert(g->request_id);
     }
     for (RequestId id : touched) {
@@ -87,7 +125,106 @@ struct FakeRun {
         scheduler.RemoveGroup(id);
       }
     }
+    CheckMemory();
     return out;
+  }
+
+  // Accepts a random leading run of the drafts that ran, never past the request's length.
+  void Verify(const ScheduledSeq& step, const std::vector<int32_t>& ran, int output_len) {
+    const int64_t k = static_cast<int64_t>(ran.size());
+    const uint64_t dice = rng() % 3;
+    int64_t accepted = dice == 0 ? 0 : dice == 1 ? k : static_cast<int64_t>(rng() % static_cast<uint64_t>(k + 1));
+    accepted = std::min<int64_t>(accepted, output_len - step.seq->output_len() - 1);
+    if (k > 0) {
+      drafts_accepted += accepted;
+      drafts_rejected += k - accepted;
+      all_accepted += accepted == k;
+      none_accepted += accepted == 0;
+    }
+    const auto kept = std::span<const int32_t>(ran).first(static_cast<size_t>(accepted));
+    const Status st = scheduler.AcceptDrafts(step, kept, 7);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    if (policy_name == "paged") {
+      // The rejected drafts' blocks went back: the table holds the tokens and nothing more.
+      EXPECT_LE(blocks.BlockTable(step.seq->id).size(),
+                static_cast<size_t>(BlocksForTokens(step.seq->num_tokens(), block_size)));
+    }
+  }
+
+  // Drafts run only behind all of a decoding single-candidate sequence's real tokens, within
+  // max_model_len, with KV slots; preemption drops them.
+  void CheckDrafts(const SchedulerOutput& out, const std::set<SeqId>& had_drafts) {
+    for (const ScheduledSeq& s : out.scheduled) {
+      if (s.num_draft_tokens == 0) continue;
+      EXPECT_TRUE(s.needs_logits);
+      EXPECT_EQ(s.group->num_candidates, 1);
+      EXPECT_GE(s.seq->num_computed, s.seq->prompt_len) << "drafts during prefill";
+      EXPECT_EQ(s.num_real_tokens(), s.seq->num_uncomputed());
+      EXPECT_LE(s.num_draft_tokens, static_cast<int64_t>(s.seq->draft_tokens.size()));
+      EXPECT_LE(s.seq->num_tokens() + s.num_draft_tokens, scheduler.config().max_model_len - 1);
+      EXPECT_GE(static_cast<int64_t>(blocks.BlockTable(s.seq->id).size()) * block_size,
+                s.seq->num_computed + s.num_tokens);
+      drafts_scheduled += s.num_draft_tokens;
+    }
+    for (RequestId id = 1; id < next_request; ++id) {
+      const SequenceGroup* g = scheduler.Find(id);
+      if (!g) continue;
+      for (const auto& s : g->seqs) {
+        if (s->status != SeqStatus::kWaiting && s->status != SeqStatus::kSwapped) continue;
+        EXPECT_TRUE(s->draft_tokens.empty()) << "a preempted sequence kept its drafts";
+        drafts_dropped += had_drafts.contains(s->id);
+      }
+    }
+  }
+
+  // Executes the step's block moves and writes every scheduled position (drafts included), as a
+  // backend's forward pass would.
+  void RunForward(const SchedulerOutput& out) {
+    auto execute = [](const std::vector<BlockMove>& moves, std::vector<std::vector<int32_t>>& from,
+                      std::vector<std::vector<int32_t>>& to) {
+      for (const BlockMove& m : moves) to[static_cast<size_t>(m.dst)] = from[static_cast<size_t>(m.src)];
+    };
+    execute(out.swap_out, device_mem, host_mem);
+    execute(out.swap_in, host_mem, device_mem);
+    execute(out.copies, device_mem, device_mem);
+    for (const ScheduledSeq& s : out.scheduled) {
+      const auto& table = blocks.BlockTable(s.seq->id);
+      for (int64_t i = 0; i < s.num_tokens; ++i) {
+        const int64_t pos = s.seq->num_computed + i;
+        device_mem[static_cast<size_t>(table[static_cast<size_t>(pos / block_size)])]
+                  [static_cast<size_t>(pos % block_size)] = s.token(i);
+      }
+    }
+  }
+
+  // Every computed token reads back through its sequence's table; every block published in the
+  // prefix cache holds the tokens it is published under (never a rejected draft).
+  void CheckMemory() {
+    for (RequestId id = 1; id < next_request; ++id) {
+      const SequenceGroup* g = scheduler.Find(id);
+      if (!g) continue;
+      for (const auto& s : g->seqs) {
+        if (s->finished() || !blocks.Has(s->id)) continue;
+        const auto& mem = blocks.IsSwapped(s->id) ? host_mem : device_mem;
+        const auto& table = blocks.BlockTable(s->id);
+        for (int64_t i = 0; i < s->num_computed; ++i) {
+          const int32_t held = mem[static_cast<size_t>(table[static_cast<size_t>(i / block_size)])]
+                                  [static_cast<size_t>(i % block_size)];
+          if (held != s->tokens[static_cast<size_t>(i)]) {
+            ADD_FAILURE() << "request " << id << " sequence " << s->id << " reads " << held << " at " << i
+                          << " instead of " << s->tokens[static_cast<size_t>(i)];
+            return;
+          }
+        }
+      }
+    }
+    for (BlockId b = 0; b < blocks.device().num_blocks(); ++b) {
+      const auto published = blocks.device().content_tokens(b);
+      if (!std::equal(published.begin(), published.end(), device_mem[static_cast<size_t>(b)].begin())) {
+        ADD_FAILURE() << "device block " << b << " does not hold the tokens it is published under";
+        return;
+      }
+    }
   }
 
   BlockManager blocks;
@@ -98,6 +235,13 @@ struct FakeRun {
   std::set<RequestId> rejected;
   // Requests in the last step's batch (its ScheduledSeq pointers die with finished groups).
   std::vector<RequestId> batch_ids;
+  std::string policy_name;
+  int block_size;
+  std::vector<std::vector<int32_t>> device_mem, host_mem;  // the simulated KV: one token per slot
+  int max_drafts = 0;
+  std::mt19937_64 rng{1};
+  int64_t drafts_scheduled = 0, drafts_accepted = 0, drafts_rejected = 0, drafts_dropped = 0;
+  int64_t all_accepted = 0, none_accepted = 0;  // verifications with drafts that kept all / none
 };
 
 SchedulerConfig Config(int max_seqs = 64, int64_t max_tokens = 2048, PreemptionMode mode = PreemptionMode::kAuto) {
@@ -320,12 +464,217 @@ TEST(Scheduler, S3OracleReservesTheTrueLengthAndNeverMisses) {
   EXPECT_EQ(run.scheduler.stats().num_reservation_preemptions, 0);
 }
 
-// Random arrivals, lengths, n, budgets, pools, policies and preemption modes. After every step:
-// budgets hold, every scheduled sequence has blocks for its context, device refcounts equal the
-// references in the tables, nothing new is admitted while something is swapped, no request
-// overtakes an earlier waiting one (FCFS). At the end everything finished and every block is free.
-TEST(SchedulerProperty, RandomWorkloadsKeepInvariantsAndFinishEveryRequest) {
+SchedSequence& First(FakeRun& run, RequestId id) { return *run.scheduler.Find(id)->seqs.front(); }
+
+TEST(Scheduler, DraftsRunBehindTheLastTokenWithTheBudgetTheRealTokensLeave) {
+  FakeRun run(100, 0, Config(64, /*max_tokens=*/4));
+  run.Add(2, 20, 0.0);
+  run.Add(2, 20, 1.0);
+  run.Step();  // both prompts (2 + 2 tokens), one token sampled each
+  SchedSequence& a = First(run, 1);
+  a.draft_tokens = {100, 101, 102, 103, 104};
+  auto out = run.scheduler.Schedule();
+  ASSERT_EQ(out.scheduled.size(), 2u);
+  // The later request's real token runs; the drafts take the 2 tokens of budget left.
+  const ScheduledSeq& sa = out.scheduled[0];
+  ASSERT_EQ(sa.seq, &a);
+  EXPECT_EQ(sa.num_tokens, 3);
+  EXPECT_EQ(sa.num_draft_tokens, 2);
+  EXPECT_EQ(sa.num_real_tokens(), 1);
+  EXPECT_TRUE(sa.needs_logits);
+  EXPECT_EQ(sa.token(0), 7);
+  EXPECT_EQ(sa.token(1), 100);
+  EXPECT_EQ(sa.token(2), 101);
+  EXPECT_EQ(out.scheduled[1].num_tokens, 1);
+  EXPECT_EQ(out.scheduled[1].num_draft_tokens, 0);
+  EXPECT_EQ(out.num_batched_tokens, 4);
+  EXPECT_GE(static_cast<int64_t>(run.blocks.BlockTable(a.id).size()) * 4, a.num_computed + sa.num_tokens);
+  run.scheduler.CompleteStep(out);
+  EXPECT_EQ(a.num_computed, 3) << "drafts are not computed tokens";
+  EXPECT_TRUE(a.draft_tokens.empty());
+}
+
+TEST(Scheduler, DraftsTakeOnlyFreeBlocksAndNeverPreempt) {
+  // 4 blocks of 4 tokens: two decoding sequences each need a new block for their real token;
+  // the drafts fit only in what that block has left.
+  FakeRun run(4, 0, Config(64, 2048, PreemptionMode::kRecompute));
+  run.Add(4, 20, 0.0);
+  run.Add(4, 20, 1.0);
+  run.Step();
+  First(run, 1).draft_tokens = {100, 101, 102, 103, 104, 105, 106, 107};
+  auto out = run.scheduler.Schedule();
+  ASSERT_EQ(out.scheduled.size(), 2u);
+  EXPECT_EQ(out.scheduled[0].num_draft_tokens, 3);  // positions 5, 6, 7
+  EXPECT_EQ(out.scheduled[1].num_tokens, 1);
+  EXPECT_EQ(out.num_preempted_recompute, 0);
+  EXPECT_EQ(run.blocks.device().num_free(), 0);
+}
+
+TEST(Scheduler, NoDraftsDuringPrefillOrForSeveralCandidates) {
+  FakeRun run(100, 0, Config(64, /*max_tokens=*/6));
+  run.Add(8, 5, 0.0);
+  SchedSequence& s = First(run, 1);
+  for (int chunk = 0; chunk < 2; ++chunk) {  // the last chunk computes the last prompt token
+    s.draft_tokens = {100, 101};
+    auto out = run.scheduler.Schedule();
+    ASSERT_EQ(out.scheduled.size(), 1u);
+    EXPECT_EQ(out.scheduled[0].num_tokens, chunk == 0 ? 6 : 2);
+    EXPECT_EQ(out.scheduled[0].num_draft_tokens, 0) << "chunk " << chunk;
+    run.scheduler.CompleteStep(out);
+    if (out.scheduled[0].needs_logits) s.tokens.push_back(7);
+  }
+
+  FakeRun beams(100, 0, Config());
+  beams.Add(4, 5, 0.0, /*n=*/2);
+  beams.Step();  // prompt, then the fork
+  SequenceGroup* g = beams.scheduler.Find(1);
+  ASSERT_EQ(g->seqs.size(), 2u);
+  for (auto& seq : g->seqs) seq->draft_tokens = {100, 101};
+  auto out = beams.scheduler.Schedule();
+  ASSERT_EQ(out.scheduled.size(), 2u);
+  for (const ScheduledSeq& sc : out.scheduled) EXPECT_EQ(sc.num_draft_tokens, 0);
+}
+
+TEST(Scheduler, DraftsLeaveRoomForTheBonusTokenWithinMaxModelLen) {
+  SchedulerConfig c = Config();
+  c.max_model_len = 12;
+  FakeRun run(100, 0, c);
+  run.Add(8, 4, 0.0);
+  run.Step();  // 9 tokens
+  SchedSequence& s = First(run, 1);
+  s.draft_tokens = {100, 101, 102, 103, 104};
+  auto out = run.scheduler.Schedule();
+  ASSERT_EQ(out.scheduled.size(), 1u);
+  EXPECT_EQ(out.scheduled[0].num_draft_tokens, 2);
+  run.scheduler.CompleteStep(out);
+  const std::vector<int32_t> accepted = {100, 101};
+  ASSERT_TRUE(run.scheduler.AcceptDrafts(out.scheduled[0], accepted, 9).ok());
+  EXPECT_EQ(s.num_tokens(), c.max_model_len);
+}
+
+TEST(Scheduler, DraftsAreDroppedWhenTheirSequenceIsPreempted) {
+  for (PreemptionMode mode : {PreemptionMode::kRecompute, PreemptionMode::kSwap}) {
+    SCOPED_TRACE(PreemptionModeName(mode));
+    // 3 blocks: after the prompts (one block each) only one of the two can get its next block.
+    FakeRun run(3, 3, Config(64, 2048, mode));
+    run.Add(4, 6, 0.0);
+    run.Add(4, 6, 1.0);
+    run.Step();
+    SchedSequence& a = First(run, 1);
+    SchedSequence& b = First(run, 2);
+    a.draft_tokens = {100, 101, 102, 103};
+    b.draft_tokens = {100, 101, 102, 103};
+    auto out = run.scheduler.Schedule();
+    EXPECT_EQ(out.num_preempted_recompute + out.num_preempted_swap, 1);
+    EXPECT_EQ(b.status, mode == PreemptionMode::kSwap ? SeqStatus::kSwapped : SeqStatus::kWaiting);
+    EXPECT_TRUE(b.draft_tokens.empty());
+    ASSERT_EQ(out.scheduled.size(), 1u);
+    EXPECT_EQ(out.scheduled[0].seq, &a);
+    EXPECT_EQ(out.scheduled[0].num_draft_tokens, 4) << "b's block is free now";
+    run.RunForward(out);
+    run.scheduler.CompleteStep(out);
+    ASSERT_TRUE(run.scheduler.AcceptDrafts(out.scheduled[0], {}, 9).ok());
+    while (run.scheduler.HasWork()) run.Step();
+    EXPECT_EQ(run.finished.size(), 2u);
+    EXPECT_EQ(run.blocks.device().num_free(), 3);
+    EXPECT_EQ(run.blocks.host().num_free(), 3);
+  }
+}
+
+TEST(Scheduler, AcceptDraftsKeepsTheAcceptedAndFreesTheRejectedDraftsBlocks) {
+  for (int accepted : {0, 3, 8}) {
+    SCOPED_TRACE(accepted);
+    FakeRun run(100, 0, Config());
+    run.Add(4, 40, 0.0);
+    run.Step();  // 5 tokens, 4 computed, one block
+    SchedSequence& s = First(run, 1);
+    const std::vector<int32_t> drafts = {100, 101, 102, 103, 104, 105, 106, 107};
+    s.draft_tokens = drafts;
+    auto out = run.scheduler.Schedule();
+    ASSERT_EQ(out.scheduled[0].num_draft_tokens, 8);
+    EXPECT_EQ(run.blocks.BlockTable(s.id).size(), 4u);  // 13 positions
+    run.scheduler.CompleteStep(out);
+    const auto kept = std::span(drafts).first(static_cast<size_t>(accepted));
+    ASSERT_TRUE(run.scheduler.AcceptDrafts(out.scheduled[0], kept, 9).ok());
+    EXPECT_EQ(s.num_computed, 5 + accepted);
+    EXPECT_EQ(s.num_tokens(), 5 + accepted + 1);
+    EXPECT_TRUE(std::equal(drafts.begin(), drafts.begin() + accepted, s.tokens.begin() + 5));
+    EXPECT_EQ(s.tokens.back(), 9);
+    EXPECT_EQ(run.blocks.BlockTable(s.id).size(), static_cast<size_t>(BlocksForTokens(s.num_tokens(), 4)));
+    EXPECT_EQ(run.blocks.device().num_free(), 100 - BlocksForTokens(s.num_tokens(), 4));
+  }
+}
+
+TEST(Scheduler, AcceptDraftsRefusesMoreDraftsThanRanAndASecondCall) {
+  FakeRun run(100, 0, Config());
+  run.Add(4, 40, 0.0);
+  run.Step();
+  SchedSequence& s = First(run, 1);
+  s.draft_tokens = {100, 101};
+  auto out = run.scheduler.Schedule();
+  run.scheduler.CompleteStep(out);
+  const std::vector<int32_t> three = {100, 101, 102};
+  EXPECT_EQ(run.scheduler.AcceptDrafts(out.scheduled[0], three, 9).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.num_tokens(), 5) << "a refused call changes nothing";
+  ASSERT_TRUE(run.scheduler.AcceptDrafts(out.scheduled[0], std::span(three).first(1), 9).ok());
+  EXPECT_EQ(run.scheduler.AcceptDrafts(out.scheduled[0], {}, 9).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.num_tokens(), 7);
+}
+
+TEST(Scheduler, OnlyComputedRealTokensArePublishedToThePrefixCache) {
+  for (int accepted : {1, 3}) {
+    SCOPED_TRACE(accepted);
+    FakeRun run(100, 0, Config(), "paged", /*prefix=*/true);
+    run.Add(4, 40, 0.0);
+    run.Step();  // block 0 holds the prompt, published
+    SchedSequence& s = First(run, 1);
+    const std::vector<int32_t> drafts = {100, 101, 102, 103, 104};
+    s.draft_tokens = drafts;
+    auto out = run.scheduler.Schedule();
+    run.scheduler.CompleteStep(out);
+    const BlockId second = run.blocks.BlockTable(s.id)[1];  // positions 4..7: 7, then drafts
+    EXPECT_FALSE(run.blocks.device().is_cached_content(second));
+    const auto kept = std::span(drafts).first(static_cast<size_t>(accepted));
+    ASSERT_TRUE(run.scheduler.AcceptDrafts(out.scheduled[0], kept, 9).ok());
+    const auto published = run.blocks.device().content_tokens(second);
+    if (accepted == 3) {
+      // 7, 100, 101, 102: every position a computed real token now.
+      EXPECT_EQ(std::vector<int32_t>(published.begin(), published.end()), (std::vector<int32_t>{7, 100, 101, 102}));
+    } else {
+      EXPECT_TRUE(published.empty()) << "positions 6 and 7 hold rejected drafts";
+    }
+  }
+}
+
+TEST(Scheduler, S3DraftsStayInsideTheReservationSoTheSupervisorSeesRealGrowth) {
+  FakeRun run(100, 0, Config(), "s3");
+  run.Add(4, 30, 0.0, 1, 1000, /*predicted=*/4, /*max_output=*/100);  // reserves 8 tokens: 2 blocks
+  run.Step();
+  SchedSequence& s = First(run, 1);
+  const std::vector<int32_t> drafts = {100, 101, 102, 103, 104, 105};
+  s.draft_tokens = drafts;
+  auto out = run.scheduler.Schedule();
+  ASSERT_EQ(out.scheduled.size(), 1u);
+  EXPECT_EQ(out.scheduled[0].num_draft_tokens, 3);  // positions 5, 6, 7
+  EXPECT_EQ(run.blocks.BlockTable(s.id).size(), 2u);
+  run.scheduler.CompleteStep(out);
+  ASSERT_TRUE(run.scheduler.AcceptDrafts(out.scheduled[0], std::span(drafts).first(3), 9).ok());
+  EXPECT_EQ(run.blocks.BlockTable(s.id).size(), 2u) << "the reservation stays";
+  // The bonus token at position 8 is the first past the reservation: a miss, as without drafts.
+  auto next = run.scheduler.Schedule();
+  EXPECT_EQ(next.reservation_exhausted, (std::vector<RequestId>{1}));
+}
+
+// Random arrivals, lengths, n, budgets, pools, policies and preemption modes, and with `drafts`
+// random drafts (up to 1-6 per step) with random acceptance. After every step: budgets hold,
+// every scheduled sequence has blocks for its context, device refcounts equal the references in
+// the tables, nothing new is admitted while something is swapped, no request overtakes an earlier
+// waiting one (FCFS), and FakeRun's own checks (KV memory, draft rules) pass. At the end
+// everything finished and every block is free.
+void RunRandomWorkloads(bool drafts) {
   int64_t preempt_recompute = 0, preempt_swap = 0;
+  int64_t drafts_scheduled = 0, drafts_accepted = 0, drafts_rejected = 0, drafts_dropped = 0;
+  int64_t all_accepted = 0, none_accepted = 0;
   for (uint64_t seed = 1; seed <= 1000; ++seed) {
     std::mt19937_64 rng(seed);
     auto rand = [&](int n) { return static_cast<int>(rng() % static_cast<uint64_t>(n)); };
@@ -337,6 +686,10 @@ TEST(SchedulerProperty, RandomWorkloadsKeepInvariantsAndFinishEveryRequest) {
     const bool fcfs = !MakeSchedulingPolicy(policy).value()->AdmitOutOfOrder();
     const int device_blocks = 30 + rand(40);
     FakeRun run(device_blocks, rand(2) * device_blocks, c, policy, rand(2) == 1);
+    if (drafts) {
+      run.max_drafts = 1 + static_cast<int>(seed % 6);
+      run.rng.seed(seed);
+    }
     const int num_requests = 5 + rand(20);
     for (int i = 0; i < num_requests; ++i) {
       // Predictions anywhere from far too short to far too long; max_tokens at or above the truth.
@@ -354,6 +707,7 @@ TEST(SchedulerProperty, RandomWorkloadsKeepInvariantsAndFinishEveryRequest) {
                                 << run.blocks.host().num_blocks() << "; waiting " << st.num_waiting << ", running "
                                 << st.num_running << " (" << st.num_running_seqs << " seqs), swapped " << st.num_swapped;
       auto out = run.Step();
+      ASSERT_FALSE(::testing::Test::HasFailure()) << "seed " << seed;
       ASSERT_LE(out.num_batched_tokens, c.max_num_batched_tokens);
       std::set<RequestId> in_batch(run.batch_ids.begin(), run.batch_ids.end());
       ASSERT_LE(run.scheduler.stats().num_running_seqs, c.max_num_seqs);
@@ -385,12 +739,33 @@ TEST(SchedulerProperty, RandomWorkloadsKeepInvariantsAndFinishEveryRequest) {
     ASSERT_EQ(run.blocks.host().num_free(), run.blocks.host().num_blocks());
     preempt_recompute += run.scheduler.stats().num_preemptions_recompute;
     preempt_swap += run.scheduler.stats().num_preemptions_swap;
+    drafts_scheduled += run.drafts_scheduled;
+    drafts_accepted += run.drafts_accepted;
+    drafts_rejected += run.drafts_rejected;
+    drafts_dropped += run.drafts_dropped;
+    all_accepted += run.all_accepted;
+    none_accepted += run.none_accepted;
   }
   std::printf("preemptions: %lld by recompute, %lld by swap\n", static_cast<long long>(preempt_recompute),
               static_cast<long long>(preempt_swap));
   EXPECT_GT(preempt_recompute, 100);
   EXPECT_GT(preempt_swap, 100);
+  if (!drafts) return;
+  std::printf("drafts: %lld scheduled, %lld accepted, %lld rejected; %lld verifications kept all, %lld none; "
+              "%lld sequences lost drafts to preemption\n",
+              static_cast<long long>(drafts_scheduled), static_cast<long long>(drafts_accepted),
+              static_cast<long long>(drafts_rejected), static_cast<long long>(all_accepted),
+              static_cast<long long>(none_accepted), static_cast<long long>(drafts_dropped));
+  EXPECT_GT(drafts_accepted, 1000);
+  EXPECT_GT(drafts_rejected, 1000);
+  EXPECT_GT(all_accepted, 1000);
+  EXPECT_GT(none_accepted, 1000);
+  EXPECT_GT(drafts_dropped, 100);
 }
+
+TEST(SchedulerProperty, RandomWorkloadsKeepInvariantsAndFinishEveryRequest) { RunRandomWorkloads(false); }
+
+TEST(SchedulerProperty, RandomWorkloadsWithDraftsKeepInvariantsAndFinishEveryRequest) { RunRandomWorkloads(true); }
 
 }  // namespace
 }  // namespace kvflow
