@@ -171,6 +171,7 @@ int RunPerplexity(PerplexityCliOptions& opt) {
                         {"input_tokens", r->input_tokens},
                         {"seconds", r->seconds},
                         {"window_nll", r->window_nll}};
+    if (r->first_token_bos >= 0) j["first_token_bos"] = r->first_token_bos;
     if (opt.dump_tokens) j["tokens"] = tokens;
     std::ofstream out(opt.json_out);
     out << j.dump(1) << "\n";

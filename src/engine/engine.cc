@@ -18,6 +18,7 @@
 #include "kv/block_manager.h"
 #include "sched/policy.h"
 #include "sched/length_supervisor.h"
+#include "sampling/logprobs.h"
 #include "sched/scheduler.h"
 #include "util/hash.h"
 #include "model/llama_model.h"
@@ -96,7 +97,8 @@ class EngineImpl final : public Engine {
                                        std::to_string(model_config_.vocab_size) + ")");
       }
     }
-    if (static_cast<int64_t>(prompt.size()) >= config_.max_model_len) {
+    // Room for one generated token, unless the request only scores its prompt.
+    if (static_cast<int64_t>(prompt.size()) + (params.max_tokens > 0 ? 1 : 0) > config_.max_model_len) {
       return Status::InvalidArgument("the prompt has " + std::to_string(prompt.size()) +
                                      " tokens; max_model_len is " + std::to_string(config_.max_model_len));
     }
@@ -118,6 +120,7 @@ class EngineImpl final : public Engine {
     group->max_output_tokens = hints.hide_max_tokens ? config_.max_model_len - static_cast<int64_t>(prompt.size())
                                                      : params.max_tokens;
     group->num_candidates = params.num_candidates();
+    group->compute_whole_prompt = params.prompt_logprobs.has_value();
     group->true_output_len = hints.true_output_len;
     group->predicted_output_len = hints.predicted_output_len;
     auto seq = std::make_unique<SchedSequence>();
@@ -232,6 +235,7 @@ class EngineImpl final : public Engine {
     out.outputs.resize(static_cast<size_t>(params.n));
     for (int i = 0; i < params.n; ++i) out.outputs[static_cast<size_t>(i)].index = i;
     return [&out, user = std::move(user), start](const StreamEvent& e) {
+      if (!e.prompt_logprobs.empty()) out.prompt_logprobs = e.prompt_logprobs;
       if (e.index >= 0 && static_cast<size_t>(e.index) < out.outputs.size()) {
         CompletionOutput& c = out.outputs[static_cast<size_t>(e.index)];
         for (const SampledToken& t : e.tokens) {
@@ -293,7 +297,7 @@ class EngineImpl final : public Engine {
       slice.num_tokens = static_cast<int32_t>(s.num_tokens);
       slice.context_len = static_cast<int32_t>(s.seq->num_computed + s.num_tokens);
       slice.block_table = blocks_.BlockTable(s.seq->id);
-      slice.logits = s.needs_logits ? LogitsMode::kLast : LogitsMode::kNone;
+      slice.logits = SliceLogits(s);
       for (int64_t i = 0; i < s.num_tokens; ++i) {
         const int64_t pos = s.seq->num_computed + i;
         batch.tokens.push_back(s.seq->tokens[static_cast<size_t>(pos)]);
@@ -310,7 +314,7 @@ class EngineImpl final : public Engine {
     std::vector<DeviceSampleRow> device_rows;
     std::vector<std::vector<int32_t>> device_suppress;
     std::vector<SampledToken> device_sampled;
-    const bool sample_on_device = backend_->SupportsDeviceSampling() && DeviceSamplingApplies(sched);
+    const bool sample_on_device = backend_->SupportsDeviceSampling() && DeviceSamplingApplies(sched, batch);
     if (sample_on_device) {
       for (const ScheduledSeq& s : sched.scheduled) {
         if (!s.needs_logits) continue;
@@ -356,15 +360,23 @@ class EngineImpl final : public Engine {
       return result;
     }
 
-    // Logit rows by request, in batch order.
+    // Logit rows by request, in batch order; prompt rows are scored first.
     const int64_t V = model_config_.vocab_size;
     std::vector<std::pair<RequestState*, std::vector<std::pair<SeqState*, std::span<float>>>>> by_request;
     int64_t row = 0;
-    for (const ScheduledSeq& s : sched.scheduled) {
-      if (!s.needs_logits) continue;
-      std::span<float> logits(logits_.data() + row * V, static_cast<size_t>(V));
-      ++row;
+    for (size_t i = 0; i < sched.scheduled.size(); ++i) {
+      const ScheduledSeq& s = sched.scheduled[i];
+      const SequenceSlice& slice = batch.seqs[i];
+      const int64_t rows = slice.logits == LogitsMode::kAll ? slice.num_tokens : slice.logits == LogitsMode::kLast;
       RequestState* req = requests_.at(s.group->request_id).get();
+      if (slice.logits == LogitsMode::kAll) RecordPromptLogprobs(req, s, batch, slice, logits_.data() + row * V);
+      row += rows;
+      if (!s.needs_logits) continue;
+      std::span<float> logits(logits_.data() + (row - 1) * V, static_cast<size_t>(V));
+      if (req->params.max_tokens == 0) {
+        FinishPromptOnly(req);
+        continue;
+      }
       if (by_request.empty() || by_request.back().first != req) by_request.push_back({req, {}});
       by_request.back().second.emplace_back(req->Find(s.seq), logits);
     }
@@ -376,6 +388,54 @@ class EngineImpl final : public Engine {
       }
     }
     return result;
+  }
+
+  // ---- prompt logprobs -------------------------------------------------------------------------
+
+  // All rows of a slice that holds a prompt token followed by another (its row scores that one).
+  LogitsMode SliceLogits(const ScheduledSeq& s) const {
+    const RequestState& req = *requests_.at(s.group->request_id);
+    if (req.params.prompt_logprobs && s.seq->num_computed < s.seq->prompt_len - 1) return LogitsMode::kAll;
+    return s.needs_logits ? LogitsMode::kLast : LogitsMode::kNone;
+  }
+
+  // Scores the prompt tokens that follow the slice's positions; a recomputed prompt (after a
+  // preemption) is not scored twice.
+  void RecordPromptLogprobs(RequestState* req, const ScheduledSeq& s, const ForwardBatch& batch,
+                            const SequenceSlice& slice, const float* rows) {
+    const int64_t V = model_config_.vocab_size;
+    const std::vector<int32_t>& tokens = s.seq->tokens;
+    const int64_t first = batch.positions[static_cast<size_t>(slice.token_offset)];
+    for (int64_t j = 0; j < slice.num_tokens; ++j) {
+      const int64_t next = first + j + 1;  // the prompt token row j predicts
+      if (next >= s.seq->prompt_len) break;
+      if (next != static_cast<int64_t>(req->prompt_logprobs.size()) + 1) continue;
+      req->prompt_logprobs.push_back(ScoreToken(std::span<const float>(rows + j * V, static_cast<size_t>(V)),
+                                                tokens[static_cast<size_t>(next)], *req->params.prompt_logprobs));
+    }
+  }
+
+  // The request's prompt logprobs go out once, with its first event.
+  static void AttachPromptLogprobs(RequestState* req, StreamEvent& event) {
+    if (!req->params.prompt_logprobs || req->prompt_logprobs_sent) return;
+    event.prompt_logprobs = std::move(req->prompt_logprobs);
+    req->prompt_logprobs_sent = true;
+  }
+
+  // max_tokens 0: the prompt is scored, nothing is generated.
+  void FinishPromptOnly(RequestState* req) {
+    StreamEvent e;
+    e.id = req->id;
+    e.finished = true;
+    e.request_finished = true;
+    e.finish_reason = FinishReason::kLength;
+    AttachPromptLogprobs(req, e);
+    for (auto& st : req->seqs) {
+      st->finish = FinishReason::kLength;
+      scheduler_.FinishSequence(*st->seq);
+    }
+    if (req->on_event) req->on_event(e);
+    Forget(req->id);
   }
 
   // ---- sampling (n, best_of) ------------------------------------------------------------------
@@ -413,11 +473,14 @@ class EngineImpl final : public Engine {
   }
 
   // Every request behind the step's logit rows samples one plain sequence.
-  bool DeviceSamplingApplies(const SchedulerOutput& sched) const {
+  bool DeviceSamplingApplies(const SchedulerOutput& sched, const ForwardBatch& batch) const {
+    for (const SequenceSlice& slice : batch.seqs) {
+      if (slice.logits == LogitsMode::kAll) return false;  // prompt logprobs are scored on the host
+    }
     for (const ScheduledSeq& s : sched.scheduled) {
       if (!s.needs_logits) continue;
       const SamplingParams& p = requests_.at(s.group->request_id)->params;
-      if (p.use_beam_search || p.num_candidates() != 1 || p.logprobs > kMaxDeviceTopLogprobs) return false;
+      if (p.max_tokens == 0 || p.use_beam_search || p.num_candidates() != 1 || p.logprobs > kMaxDeviceTopLogprobs) return false;
     }
     return true;
   }
@@ -458,6 +521,7 @@ class EngineImpl final : public Engine {
     }
     if (p.streams() && req->on_event) {
       event.request_finished = event.finished && AllFinished(*req);
+      AttachPromptLogprobs(req, event);
       req->on_event(event);
     }
   }
@@ -483,6 +547,7 @@ class EngineImpl final : public Engine {
         e.finished = true;
         e.finish_reason = s->finish;
         e.request_finished = i + 1 == req->params.n;
+        AttachPromptLogprobs(req, e);
         if (req->on_event) req->on_event(e);
       }
     }
@@ -677,6 +742,7 @@ class EngineImpl final : public Engine {
       e.finished = true;
       e.finish_reason = h.finish;
       e.request_finished = i + 1 == n;
+      AttachPromptLogprobs(req, e);
       if (req->on_event) req->on_event(e);
     }
     Forget(req->id);

@@ -61,6 +61,9 @@ struct RequestState {
   bool forked = false;  // the candidates beyond the first exist (after the prompt's first logits)
   bool cancel_requested = false;
   std::vector<BeamHypothesis> beams_done;
+  // SamplingParams::prompt_logprobs: entry i scores prompt token i + 1; sent with the first event.
+  std::vector<SampledToken> prompt_logprobs;
+  bool prompt_logprobs_sent = false;
   std::chrono::steady_clock::time_point arrival = std::chrono::steady_clock::now();
 
   SeqState* Find(const SchedSequence* s) {

@@ -72,6 +72,7 @@ Result<PerplexityResult> ComputePerplexity(Engine& engine, std::span<const int32
 
   PerplexityResult result;
   result.window_nll.assign(windows.size(), 0.0);
+  result.first_token_bos = replace_bos ? bos : -1;
   std::vector<std::vector<SampledToken>> logprobs(windows.size());
   std::vector<Status> errors(windows.size());
   size_t submitted = 0, finished = 0;

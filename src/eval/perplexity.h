@@ -54,6 +54,7 @@ struct PerplexityResult {
   int64_t input_tokens = 0;  // tokens run through the model (overlap counted again)
   double seconds = 0.0;
   std::vector<double> window_nll;  // summed NLL of each window's scored tokens
+  int32_t first_token_bos = -1;    // second-half: the BOS id each chunk starts with, -1: none
 };
 
 Result<PerplexityResult> ComputePerplexity(Engine& engine, std::span<const int32_t> tokens,

@@ -59,17 +59,20 @@ int BlockManager::BlocksNeeded(const std::vector<std::pair<BlockId, uint64_t>>& 
   return total - reused;
 }
 
-int BlockManager::BlocksToAllocate(std::span<const int32_t> tokens, int64_t reserve_tokens) const {
-  return BlocksNeeded(CachedPrefix(tokens), tokens.size(), reserve_tokens);
+int BlockManager::BlocksToAllocate(std::span<const int32_t> tokens, int64_t reserve_tokens,
+                                   bool reuse_cached_prefix) const {
+  return BlocksNeeded(reuse_cached_prefix ? CachedPrefix(tokens) : decltype(CachedPrefix(tokens)){}, tokens.size(),
+                      reserve_tokens);
 }
 
 bool BlockManager::CanAdmit(int num_blocks) const {
   return device_.num_free() - num_blocks >= watermark_blocks();
 }
 
-Result<int64_t> BlockManager::Allocate(SeqId seq, std::span<const int32_t> tokens, int64_t reserve_tokens) {
+Result<int64_t> BlockManager::Allocate(SeqId seq, std::span<const int32_t> tokens, int64_t reserve_tokens,
+                                       bool reuse_cached_prefix) {
   assert(!seqs_.contains(seq));
-  const auto hits = CachedPrefix(tokens);
+  const auto hits = reuse_cached_prefix ? CachedPrefix(tokens) : decltype(CachedPrefix(tokens)){};
   const int needed = BlocksNeeded(hits, tokens.size(), reserve_tokens);
   if (needed > device_.num_free()) {
     return Status::OutOfMemory("need " + std::to_string(needed) + " KV blocks, " +

@@ -47,8 +47,8 @@ class BlockManager {
 
   // ---- admission ---------------------------------------------------------------------------
   // Device blocks Allocate would take for `tokens` with room for `reserve_tokens` (prefix hits
-  // excluded).
-  int BlocksToAllocate(std::span<const int32_t> tokens, int64_t reserve_tokens) const;
+  // excluded unless reuse_cached_prefix is false).
+  int BlocksToAllocate(std::span<const int32_t> tokens, int64_t reserve_tokens, bool reuse_cached_prefix = true) const;
   // Whether `num_blocks` more blocks can be admitted and still leave the watermark free.
   bool CanAdmit(int num_blocks) const;
   // The most blocks one admission can ever take (the pool less the watermark).
@@ -56,8 +56,10 @@ class BlockManager {
   // Gives `seq` a block table for `tokens` plus room up to `reserve_tokens` tokens, mapping full
   // prompt blocks found in the prefix cache instead of allocating them. Returns how many leading
   // tokens already have their KV (a multiple of block_size, always < tokens.size() so the last
-  // token is computed and yields logits). All-or-nothing.
-  Result<int64_t> Allocate(SeqId seq, std::span<const int32_t> tokens, int64_t reserve_tokens);
+  // token is computed and yields logits). All-or-nothing. reuse_cached_prefix = false computes every
+  // token (a request that scores its whole prompt).
+  Result<int64_t> Allocate(SeqId seq, std::span<const int32_t> tokens, int64_t reserve_tokens,
+                           bool reuse_cached_prefix = true);
 
   // ---- running sequences -------------------------------------------------------------------
   // Device blocks AppendSlots would allocate (new blocks + copies).

@@ -305,7 +305,7 @@ SchedulerOutput Scheduler::Schedule() {
     int need = 0;
     for (const SchedSequence* s : seqs) {
       reserve.push_back(std::max(s->num_tokens(), ReservationFor(*g, *s)));
-      need += blocks_.BlocksToAllocate(s->tokens, reserve.back());
+      need += blocks_.BlocksToAllocate(s->tokens, reserve.back(), !g->compute_whole_prompt);
     }
     if (need > blocks_.MaxAdmissibleBlocks()) {
       Reject(g, Status::OutOfMemory("request " + std::to_string(g->request_id) + " needs " + std::to_string(need) +
@@ -323,7 +323,7 @@ SchedulerOutput Scheduler::Schedule() {
     }
     Status allocated;
     for (size_t j = 0; j < seqs.size() && allocated.ok(); ++j) {
-      auto cached = blocks_.Allocate(seqs[j]->id, seqs[j]->tokens, reserve[j]);
+      auto cached = blocks_.Allocate(seqs[j]->id, seqs[j]->tokens, reserve[j], !g->compute_whole_prompt);
       if (!cached.ok()) {
         allocated = cached.status();
         break;

@@ -49,6 +49,8 @@ struct SequenceGroup {
   int64_t reserved_tokens = 0;
   // Sequences the request forks into after its prompt (n / best_of / beam width).
   int num_candidates = 1;
+  // Every prompt token must run, even with its KV in the prefix cache (prompt logprobs).
+  bool compute_whole_prompt = false;
 
   std::vector<SchedSequence*> unfinished() const {
     std::vector<SchedSequence*> out;
