@@ -65,6 +65,7 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "engine/evaluation.h"
 #include "kv/block_manager.h"
 #include "kvflow/engine.h"
 #include "model/tensor_source.h"
@@ -919,7 +920,6 @@ kvflow::EngineConfig MakeEngineConfig(const ServingConfig& cfg, const ModelChoic
   if (policy == "s3") {
     ec.length_predictor = cfg.length_predictor;
     ec.length_predictor_online_updates = cfg.online_updates;
-    ec.length_prediction_override = cfg.prediction_override;
     ec.length_reservation_point = cfg.reservation_point;
   }
   return ec;
@@ -929,7 +929,10 @@ kvflow::EngineConfig MakeEngineConfig(const ServingConfig& cfg, const ModelChoic
 // time has passed, the engine steps while it has work and sleeps until the next arrival when idle.
 Result<RunRecord> RunEngine(const Trace& trace, double rate, const std::string& policy, const ServingConfig& cfg,
                             const ModelChoice& model, int num_threads) {
-  KVFLOW_ASSIGN_OR_RETURN(auto engine, kvflow::Engine::Create(MakeEngineConfig(cfg, model, policy, num_threads)));
+  kvflow::EvaluationOptions evaluation;
+  if (policy == "s3") evaluation.length_prediction_override = cfg.prediction_override;
+  KVFLOW_ASSIGN_OR_RETURN(auto engine, kvflow::CreateEvaluationEngine(MakeEngineConfig(cfg, model, policy, num_threads),
+                                                                      evaluation));
   if (engine->config().max_model_len != cfg.max_model_len) {
     return Status::InvalidArgument("--max-model-len " + std::to_string(cfg.max_model_len) + " exceeds the model's " +
                                    std::to_string(engine->config().max_model_len));
@@ -1006,18 +1009,18 @@ Result<RunRecord> RunEngine(const Trace& trace, double rate, const std::string& 
   run.extra["prefill_tokens"] = after.prompt_tokens_processed - before.prompt_tokens_processed;
   run.preemptions_swap = after.num_preemptions_swap - before.num_preemptions_swap;
   run.preemptions_recompute = after.num_preemptions - before.num_preemptions - run.preemptions_swap;
-  run.extra["preemption_penalty"] = Json{{"reservation_preemptions", after.reservation_preemptions - before.reservation_preemptions}};
+  run.extra["preemption_penalty"] = Json{{"reservation_preemptions", after.s3.reservation_preemptions - before.s3.reservation_preemptions}};
   if (policy == "s3") {
     kvflow::LengthSupervisorStats l;
-    l.predictions = after.length_predictions - before.length_predictions;
-    l.correct = after.length_correct - before.length_correct;
-    l.under_predicted = after.length_under_predicted - before.length_under_predicted;
-    l.over_predicted = after.length_over_predicted - before.length_over_predicted;
-    l.compared = after.length_compared - before.length_compared;
-    l.reservation_misses = after.reservation_preemptions - before.reservation_preemptions;
-    l.online_updates = after.length_online_updates - before.length_online_updates;
-    l.predict_seconds = after.length_predict_seconds - before.length_predict_seconds;
-    l.update_seconds = after.length_update_seconds - before.length_update_seconds;
+    l.predictions = after.s3.predictions - before.s3.predictions;
+    l.correct = after.s3.correct - before.s3.correct;
+    l.under_predicted = after.s3.under_predicted - before.s3.under_predicted;
+    l.over_predicted = after.s3.over_predicted - before.s3.over_predicted;
+    l.compared = after.s3.compared - before.s3.compared;
+    l.reservation_misses = after.s3.reservation_preemptions - before.s3.reservation_preemptions;
+    l.online_updates = after.s3.online_updates - before.s3.online_updates;
+    l.predict_seconds = after.s3.predict_seconds - before.s3.predict_seconds;
+    l.update_seconds = after.s3.update_seconds - before.s3.update_seconds;
     run.extra["s3"] = SupervisorJson(l);
   }
   return run;

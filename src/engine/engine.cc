@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include "backend/backend_factory.h"
+#include "engine/evaluation.h"
 #include "engine/request_state.h"
 #include "kv/block_manager.h"
 #include "sched/policy.h"
@@ -52,7 +53,7 @@ double BeamScore(double cumulative_logprob, int64_t length, float length_penalty
   return cumulative_logprob / std::pow(static_cast<double>(std::max<int64_t>(1, length)), length_penalty);
 }
 
-class EngineImpl final : public Engine {
+class EngineImpl final : public EvaluationEngine {
  public:
   EngineImpl(EngineConfig config, ModelFiles files, std::unique_ptr<Backend> backend,
              std::unique_ptr<SchedulingPolicy> policy, PreemptionMode preemption,
@@ -198,17 +199,17 @@ class EngineImpl final : public Engine {
     s.blocks_swapped_out = sched.blocks_swapped_out;
     s.blocks_swapped_in = sched.blocks_swapped_in;
     s.blocks_copied = sched.blocks_copied;
-    s.reservation_preemptions = sched.num_reservation_preemptions;
+    s.s3.reservation_preemptions = sched.num_reservation_preemptions;
     if (length_supervisor_) {
       const LengthSupervisorStats& l = length_supervisor_->stats();
-      s.length_predictions = l.predictions;
-      s.length_compared = l.compared;
-      s.length_under_predicted = l.under_predicted;
-      s.length_over_predicted = l.over_predicted;
-      s.length_correct = l.correct;
-      s.length_online_updates = l.online_updates;
-      s.length_predict_seconds = l.predict_seconds;
-      s.length_update_seconds = l.update_seconds;
+      s.s3.predictions = l.predictions;
+      s.s3.compared = l.compared;
+      s.s3.under_predicted = l.under_predicted;
+      s.s3.over_predicted = l.over_predicted;
+      s.s3.correct = l.correct;
+      s.s3.online_updates = l.online_updates;
+      s.s3.predict_seconds = l.predict_seconds;
+      s.s3.update_seconds = l.update_seconds;
     }
     return s;
   }
@@ -760,7 +761,9 @@ namespace {
 
 // S3: the length predictor (loaded, or untrained with buckets over max_model_len) and its
 // supervisor; none for other policies.
-Result<std::unique_ptr<LengthSupervisor>> CreateLengthSupervisor(const EngineConfig& config, const Tokenizer& tokenizer) {
+Result<std::unique_ptr<LengthSupervisor>> CreateLengthSupervisor(const EngineConfig& config,
+                                                                 const EvaluationOptions& evaluation,
+                                                                 const Tokenizer& tokenizer) {
   if (config.scheduling_policy != "s3") {
     if (!config.length_predictor.empty()) {
       spdlog::warn("length predictor {} ignored: only the s3 scheduling policy uses one", config.length_predictor);
@@ -784,7 +787,7 @@ Result<std::unique_ptr<LengthSupervisor>> CreateLengthSupervisor(const EngineCon
                           MakeLengthSupervisor(std::move(trained),
                                                {config.max_model_len, config.length_reservation_point,
                                                 config.length_predictor_online_updates,
-                                                config.length_prediction_override}));
+                                                evaluation.length_prediction_override}));
   const LengthPredictorConfig& pc = supervisor->predictor().config();
   spdlog::info("s3: length predictor {}: {} buckets of {} tokens, reserving the {} edge; online updates {}",
                config.length_predictor.empty() ? "untrained" : config.length_predictor, pc.buckets.num_buckets,
@@ -795,7 +798,8 @@ Result<std::unique_ptr<LengthSupervisor>> CreateLengthSupervisor(const EngineCon
 
 }  // namespace
 
-Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& input) {
+Result<std::unique_ptr<EvaluationEngine>> CreateEvaluationEngine(const EngineConfig& input,
+                                                                 const EvaluationOptions& evaluation) {
   EngineConfig config = input;
   KVFLOW_RETURN_IF_ERROR(ValidateEngineConfig(config));
   KVFLOW_ASSIGN_OR_RETURN(auto policy, MakeSchedulingPolicy(config.scheduling_policy));
@@ -823,10 +827,15 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& input) {
   KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadLlamaWeights(*files.tensors, mc, files.gguf_rope_permuted));
   files.tensors.reset();  // weights are now fp32 copies; drop the mapping
   KVFLOW_ASSIGN_OR_RETURN(auto backend, CreateBackend(config, input.max_model_len > 0, mc, std::move(weights)));
-  KVFLOW_ASSIGN_OR_RETURN(auto supervisor, CreateLengthSupervisor(config, *files.tokenizer));
+  KVFLOW_ASSIGN_OR_RETURN(auto supervisor, CreateLengthSupervisor(config, evaluation, *files.tokenizer));
   auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(policy),
                                              preemption, std::move(supervisor));
   spdlog::info("engine ready: {}", engine->Describe());
+  return std::unique_ptr<EvaluationEngine>(std::move(engine));
+}
+
+Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config) {
+  KVFLOW_ASSIGN_OR_RETURN(auto engine, CreateEvaluationEngine(config, {}));
   return std::unique_ptr<Engine>(std::move(engine));
 }
 
