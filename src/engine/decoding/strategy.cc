@@ -1,0 +1,27 @@
+#include "engine/decoding/strategy.h"
+
+#include "engine/decoding/beam_search.h"
+#include "engine/decoding/sampling.h"
+#include "engine/engine_core.h"
+
+namespace kvflow {
+
+void DecodingStrategy::OnSampled(EngineCore& core, RequestState& req, SeqState& seq,
+                                 std::span<const SampledToken> tokens) {
+  core.AppendTokens(req, seq, tokens);
+}
+
+bool DecodingStrategy::Finished(const RequestState& req) const {
+  for (const auto& s : req.seqs) {
+    if (s->finish == FinishReason::kNone) return false;
+  }
+  return true;
+}
+
+std::unique_ptr<DecodingStrategy> MakeDecodingStrategy(const SamplingParams& params) {
+  if (params.use_beam_search) return std::make_unique<BeamSearch>();
+  if (params.num_candidates() > 1) return std::make_unique<ParallelSampling>();
+  return std::make_unique<PlainSampling>();
+}
+
+}  // namespace kvflow
