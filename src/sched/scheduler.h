@@ -92,6 +92,8 @@ class Scheduler {
   void RemoveGroup(RequestId id);
 
   SequenceGroup* Find(RequestId id) const;
+  // The groups in the running batch.
+  const std::vector<SequenceGroup*>& running() const { return running_; }
   bool HasWork() const { return !groups_.empty(); }
   SchedulerStats stats() const;
   const SchedulerConfig& config() const { return config_; }
