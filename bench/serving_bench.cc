@@ -3,8 +3,9 @@
 // memory budget, reporting latency and throughput per request rate and the rate each policy
 // sustains.
 //
-//   sim        drives the real Scheduler and BlockManager on a virtual clock; every step takes the
-//              time a cost model gives (analytic A100/OPT-13B, or coefficients fitted on this CPU)
+//   sim        drives the engine's core (its Scheduler, BlockManager and step protocol) on a virtual
+//              clock; every step takes the time a cost model gives (analytic A100/OPT-13B, or
+//              coefficients fitted on this CPU)
 //   real       drives the real Engine on this CPU in wall-clock time
 //   http       sends the trace to kvflow-server (streamed /v1/completions, one connection per
 //              request), started with the real executor's engine configuration or attached (--url)
@@ -65,6 +66,8 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "engine/engine_core.h"
+#include "engine/evaluation.h"
 #include "kv/block_manager.h"
 #include "kvflow/engine.h"
 #include "model/tensor_source.h"
@@ -730,149 +733,208 @@ Json SupervisorJson(const kvflow::LengthSupervisorStats& s) {
               {"update_us_per_step", s.online_updates > 0 ? Json(1e6 * s.update_seconds / s.online_updates) : Json(nullptr)}};
 }
 
-// Replays the trace through the real Scheduler and BlockManager, exactly as the engine drives them
-// (schedule, run, CompleteStep, append sampled tokens, finish), with the clock advanced by the cost
-// model instead of a forward pass. The s3 policy runs with its supervisor, as in the engine.
+// The sim's executor: no model. Each step takes the time the cost model gives for its shape, on a
+// virtual clock, and every sequence "samples" kSimulatedToken.
 //
 // Preemption penalty: the modelled time of recomputing KV a sequence had already computed once (its
 // high-water mark) and of swapping, i.e. what a step costs beyond the same step without that work.
+class CostModelExecutor final : public kvflow::Executor {
+ public:
+  CostModelExecutor(const CostModel& cost, int block_size) : cost_(cost), block_size_(block_size) {}
+
+  bool SupportsSampling() const override { return true; }
+  // Swaps are charged in Run, with the rest of the step.
+  Status MoveBlocks(const kvflow::SchedulerOutput&) override { return Status::Ok(); }
+
+  Status Run(const kvflow::SchedulerOutput& out, std::span<const kvflow::LogitsMode>,
+             std::optional<std::span<const kvflow::DeviceSampleRow>> sample_rows,
+             kvflow::ExecutorOutput& result) override {
+    StepShape shape, first_time;  // first_time: the step without recomputation and swaps
+    shape.swapped_blocks = static_cast<int64_t>(out.swap_in.size() + out.swap_out.size());
+    swapped_blocks_ += shape.swapped_blocks;
+    for (const kvflow::ScheduledSeq& s : out.scheduled) {
+      shape.AddSequence(s.seq->num_computed, s.num_tokens);
+      int64_t& high_water = high_water_[s.seq->id];
+      const int64_t redo = std::clamp<int64_t>(high_water - s.seq->num_computed, 0, s.num_tokens);
+      recomputed_tokens_ += redo;
+      if (s.num_tokens > redo) first_time.AddSequence(s.seq->num_computed + redo, s.num_tokens - redo);
+      high_water = std::max(high_water, s.seq->num_computed + s.num_tokens);
+    }
+    last_step_s_ = cost_.StepSeconds(shape, block_size_);
+    penalty_s_ += last_step_s_ - cost_.StepSeconds(first_time, block_size_);
+    now_ += last_step_s_;
+    ran_ = !out.empty();
+    changed_ = !out.rejected.empty() || out.num_preempted_recompute + out.num_preempted_swap > 0;
+    if (out.empty()) return Status::Ok();
+    if (!sample_rows) return Status::Unsupported("the serving simulator samples plain requests only");
+    kvflow::SampledToken token;
+    token.token = kSimulatedToken;
+    result.sampled.assign(sample_rows->size(), {token});
+    return Status::Ok();
+  }
+
+  double now() const { return now_; }
+  void AdvanceTo(double t) { now_ = std::max(now_, t); }
+  double last_step_seconds() const { return last_step_s_; }
+  // Whether the last step ran anything, and whether it changed the scheduler's state otherwise
+  // (rejections, preemptions).
+  bool ran() const { return ran_; }
+  bool changed() const { return changed_; }
+  Json PenaltyJson() const {
+    return Json{{"recomputed_tokens", recomputed_tokens_}, {"swapped_blocks", swapped_blocks_},
+                {"modelled_s", penalty_s_}};
+  }
+
+ private:
+  const CostModel& cost_;
+  const int block_size_;
+  double now_ = 0.0;
+  double last_step_s_ = 0.0;
+  bool ran_ = false;
+  bool changed_ = false;
+  std::unordered_map<kvflow::SeqId, int64_t> high_water_;  // most KV ever computed per sequence
+  int64_t recomputed_tokens_ = 0, swapped_blocks_ = 0;
+  double penalty_s_ = 0.0;
+};
+
+// What the sim measures inside the core: per-step batch size and KV use, and (s3) whether each
+// finished request's predicted length bucket was right.
+class SimObserver final : public kvflow::EngineCoreObserver {
+ public:
+  SimObserver(const kvflow::EngineCore& core, const CostModelExecutor& executor, RunRecord& run)
+      : core_(core), executor_(executor), run_(run), mispredicted_(run.requests.size(), -1) {}
+
+  // Request `id` is trace request `index` (arrival order).
+  void Track(kvflow::RequestId id, size_t index) { index_.emplace(id, index); }
+
+  void OnStepComputed(const kvflow::SchedulerOutput& sched) override {
+    int64_t stored_tokens = 0;
+    for (const kvflow::SequenceGroup* group : core_.scheduler().running()) {
+      for (const auto& seq : group->seqs) {
+        if (seq->status == kvflow::SeqStatus::kRunning) stored_tokens += seq->num_computed;
+      }
+    }
+    const kvflow::BlockManager& blocks = core_.block_manager();
+    const int used = blocks.device().num_used();
+    run_.steps.Add(executor_.last_step_seconds(), static_cast<int>(sched.scheduled.size()),
+                   static_cast<double>(used) / blocks.device().num_blocks(),
+                   used > 0 ? std::optional<double>(static_cast<double>(stored_tokens) / (used * blocks.block_size()))
+                            : std::nullopt);
+  }
+
+  void OnRequestFinished(const kvflow::SequenceGroup& group) override {
+    const kvflow::LengthSupervisor* supervisor = core_.length_supervisor();
+    if (!supervisor) return;
+    const kvflow::LengthBuckets& b = supervisor->predictor().config().buckets;
+    mispredicted_[index_.at(group.request_id)] = b.BucketOf(group.seqs.front()->output_len()) != group.predicted_bucket;
+  }
+
+  // Whether online retraining converges: the misprediction rate per tenth of the requests, in
+  // arrival order (a prediction is made at arrival, so only later arrivals can profit).
+  Json MispredictionDeciles() const {
+    const size_t n = mispredicted_.size();
+    Json deciles = Json::array();
+    for (size_t d = 0; d < 10 && n >= 10; ++d) {
+      int64_t wrong = 0, seen = 0;
+      for (size_t i = d * n / 10; i < (d + 1) * n / 10; ++i) {
+        if (mispredicted_[i] < 0) continue;
+        ++seen;
+        wrong += mispredicted_[i];
+      }
+      deciles.push_back(seen > 0 ? Json(static_cast<double>(wrong) / static_cast<double>(seen)) : Json(nullptr));
+    }
+    return deciles;
+  }
+
+ private:
+  const kvflow::EngineCore& core_;
+  const CostModelExecutor& executor_;
+  RunRecord& run_;
+  std::unordered_map<kvflow::RequestId, size_t> index_;
+  std::vector<int8_t> mispredicted_;  // per trace request; -1: not finished (or not s3)
+};
+
+// Replays the trace through the engine's core (the real Scheduler and BlockManager, the same step
+// protocol as the engine) with the cost-model executor instead of a model. Every request runs to
+// its true length: max_tokens is that length, hidden from the scheduler (which sees the context
+// limit), and EOS is ignored. The s3 policy runs with its supervisor, as in the engine.
 Result<RunRecord> Simulate(const Trace& trace, double rate, const std::string& policy_name, const ServingConfig& cfg,
                            const CostModel& cost, const kvflow::LengthPredictor* predictor) {
   KVFLOW_ASSIGN_OR_RETURN(auto policy, kvflow::MakeSchedulingPolicy(policy_name));
   KVFLOW_ASSIGN_OR_RETURN(kvflow::PreemptionMode preemption, kvflow::ParsePreemptionMode(cfg.preemption_mode));
   KVFLOW_ASSIGN_OR_RETURN(auto supervisor, MakeSupervisor(policy_name, cfg, predictor));
-  kvflow::BlockManager blocks(kvflow::BlockManagerConfig{cfg.block_size, cfg.num_device_blocks, cfg.num_host_blocks,
-                                                         /*enable_prefix_caching=*/false});
-  kvflow::Scheduler scheduler(
-      kvflow::SchedulerConfig{cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, preemption}, blocks,
-      std::move(policy));
+  kvflow::EngineCoreConfig config;
+  config.scheduler = kvflow::SchedulerConfig{cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, preemption};
+  config.blocks = kvflow::BlockManagerConfig{cfg.block_size, cfg.num_device_blocks, cfg.num_host_blocks,
+                                             /*enable_prefix_caching=*/false};
+  config.warn_on_preemption = false;
+  kvflow::EngineCore core(config, std::move(policy), std::move(supervisor), /*tokenizer=*/nullptr);
+  CostModelExecutor executor(cost, cfg.block_size);
 
   const auto wall_start = Clock::now();
   RunRecord run = NewRunRecord(trace, rate, policy_name);
+  SimObserver observer(core, executor, run);
+  core.set_observer(&observer);
   const size_t n = run.requests.size();
-  std::unordered_map<kvflow::RequestId, kvflow::SchedSequence*> in_flight;
-  std::unordered_map<kvflow::SeqId, int64_t> high_water;  // most KV ever computed per sequence
-  auto timing = [&](kvflow::RequestId id) -> RequestTiming& { return run.requests[id - 1]; };
   size_t next = 0, settled = 0;
   int64_t idle_steps = 0;  // consecutive steps that ran nothing
-  int64_t recomputed_tokens = 0, swapped_blocks = 0;
-  double penalty_s = 0.0;
-  std::vector<int8_t> mispredicted(n, -1);  // s3: per request (arrival order); -1: not finished
-  double now = 0.0;
+  kvflow::SamplingParams params;
+  params.temperature = 0.0f;
+  params.ignore_eos = true;
   while (settled < n) {
-    for (; next < n && run.requests[next].arrival_s <= now; ++next) {
-      auto group = std::make_unique<kvflow::SequenceGroup>();
-      group->request_id = next + 1;
-      group->arrival_time = run.requests[next].arrival_s;
-      group->true_output_len = trace.requests[next].output_len;
-      auto seq = std::make_unique<kvflow::SchedSequence>();
-      seq->id = scheduler.NewSeqId();
-      seq->tokens = trace.requests[next].prompt;
-      seq->prompt_len = seq->num_tokens();
-      // The trace's max_tokens would be the true length: the scheduler sees the context limit.
-      group->max_output_tokens = cfg.max_model_len - seq->prompt_len;
-      in_flight.emplace(group->request_id, seq.get());
-      group->seqs.push_back(std::move(seq));
-      if (supervisor) supervisor->Predict(*group);
-      scheduler.AddGroup(std::move(group));
+    for (; next < n && run.requests[next].arrival_s <= executor.now(); ++next) {
+      RequestTiming& t = run.requests[next];
+      auto on_event = [&t, &run, &settled, &executor, generated = int64_t{0}](const kvflow::StreamEvent& e) mutable {
+        if (!e.tokens.empty() && t.first_token_s < 0) t.first_token_s = executor.now();
+        generated += static_cast<int64_t>(e.tokens.size());
+        if (!e.request_finished) return;
+        ++settled;
+        t.failed = e.finish_reason == kvflow::FinishReason::kError || generated != t.output_len;
+        if (!t.failed) t.finish_s = executor.now();
+        if (t.failed && run.first_error.empty()) {
+          run.first_error = !e.error.ok() ? e.error.ToString()
+                                          : "generated " + std::to_string(generated) + " tokens, expected " +
+                                                std::to_string(t.output_len);
+        }
+      };
+      params.max_tokens = static_cast<int>(t.output_len);
+      kvflow::RequestHints hints;
+      hints.true_output_len = t.output_len;
+      hints.hide_max_tokens = true;
+      auto id = core.AddRequest(trace.requests[next].prompt, params, std::move(on_event), hints, t.arrival_s);
+      if (!id.ok()) {
+        t.failed = true;
+        if (run.first_error.empty()) run.first_error = id.status().ToString();
+        ++settled;
+        continue;
+      }
+      observer.Track(id.value(), next);
     }
-    if (in_flight.empty()) {
-      now = run.requests[next].arrival_s;
+    if (!core.HasUnfinishedRequests()) {
+      if (next < n) executor.AdvanceTo(run.requests[next].arrival_s);
       continue;
     }
-
-    const kvflow::SchedulerOutput out = scheduler.Schedule();
-    for (const auto& [id, why] : out.rejected) {
-      timing(id).failed = true;
-      if (run.first_error.empty()) run.first_error = why.ToString();
-      in_flight.erase(id);
-      ++settled;
-    }
-    if (supervisor) {
-      for (kvflow::RequestId id : out.reservation_exhausted) supervisor->OnReservationExhausted(*scheduler.Find(id));
-    }
-    StepShape shape, first_time;  // first_time: the step without recomputation and swaps
-    shape.swapped_blocks = static_cast<int64_t>(out.swap_in.size() + out.swap_out.size());
-    swapped_blocks += shape.swapped_blocks;
-    for (const kvflow::ScheduledSeq& s : out.scheduled) {
-      shape.AddSequence(s.seq->num_computed, s.num_tokens);
-      const int64_t redo = std::clamp<int64_t>(high_water[s.seq->id] - s.seq->num_computed, 0, s.num_tokens);
-      recomputed_tokens += redo;
-      if (s.num_tokens > redo) first_time.AddSequence(s.seq->num_computed + redo, s.num_tokens - redo);
-    }
-    const double step_s = cost.StepSeconds(shape, cfg.block_size);
-    penalty_s += step_s - cost.StepSeconds(first_time, cfg.block_size);
-    now += step_s;
-    if (out.empty()) {
+    KVFLOW_RETURN_IF_ERROR(core.Step(executor).status());
+    if (!executor.ran()) {
       // Nothing ran. Fine while rejections or preemptions change the state; otherwise the scheduler
       // holds work it will never schedule.
-      const bool changed = !out.rejected.empty() || out.num_preempted_recompute + out.num_preempted_swap > 0;
-      if (!in_flight.empty() && (!changed || ++idle_steps > static_cast<int64_t>(n))) {
-        return Status::Internal("the scheduler stalled at t=" + Fixed(now, 3) + " s with " +
-                                std::to_string(in_flight.size()) + " requests in flight and nothing scheduled");
+      if (core.HasUnfinishedRequests() && (!executor.changed() || ++idle_steps > static_cast<int64_t>(n))) {
+        return Status::Internal("the scheduler stalled at t=" + Fixed(executor.now(), 3) + " s with " +
+                                std::to_string(next - settled) + " requests in flight and nothing scheduled");
       }
       continue;
     }
     idle_steps = 0;
-    scheduler.CompleteStep(out);
-    for (const kvflow::ScheduledSeq& s : out.scheduled) {
-      int64_t& hw = high_water[s.seq->id];
-      hw = std::max(hw, s.seq->num_computed);
-    }
-
-    int64_t stored_tokens = 0;
-    for (const auto& [id, seq] : in_flight) {
-      if (seq->status == kvflow::SeqStatus::kRunning) stored_tokens += seq->num_computed;
-    }
-    const int used = blocks.device().num_used();
-    run.steps.Add(step_s, static_cast<int>(shape.num_seqs), static_cast<double>(used) / blocks.device().num_blocks(),
-                  used > 0 ? std::optional<double>(static_cast<double>(stored_tokens) / (used * cfg.block_size))
-                           : std::nullopt);
-
-    for (const kvflow::ScheduledSeq& s : out.scheduled) {
-      if (!s.needs_logits) continue;
-      s.seq->tokens.push_back(kSimulatedToken);
-      const kvflow::RequestId id = s.group->request_id;
-      RequestTiming& t = timing(id);
-      if (t.first_token_s < 0) t.first_token_s = now;
-      if (s.seq->output_len() >= t.output_len) {
-        t.finish_s = now;
-        if (supervisor) {
-          const kvflow::LengthBuckets& b = supervisor->predictor().config().buckets;
-          mispredicted[id - 1] = b.BucketOf(s.seq->output_len()) != s.group->predicted_bucket;
-          supervisor->OnFinished(*s.group, s.seq->output_len(), /*natural_end=*/true);
-        }
-        high_water.erase(s.seq->id);
-        scheduler.FinishSequence(*s.seq);
-        scheduler.RemoveGroup(id);
-        in_flight.erase(id);
-        ++settled;
-      }
-    }
   }
-  const kvflow::SchedulerStats stats = scheduler.stats();
+  const kvflow::SchedulerStats stats = core.scheduler().stats();
   run.preemptions_recompute = stats.num_preemptions_recompute;
   run.preemptions_swap = stats.num_preemptions_swap;
   run.wall_s = SecondsSince(wall_start);
-  run.extra["preemption_penalty"] = Json{{"recomputed_tokens", recomputed_tokens},
-                                         {"swapped_blocks", swapped_blocks},
-                                         {"modelled_s", penalty_s},
-                                         {"reservation_preemptions", stats.num_reservation_preemptions}};
-  if (supervisor) {
+  run.extra["preemption_penalty"] = executor.PenaltyJson();
+  run.extra["preemption_penalty"]["reservation_preemptions"] = stats.num_reservation_preemptions;
+  if (const kvflow::LengthSupervisor* supervisor = core.length_supervisor()) {
     run.extra["s3"] = SupervisorJson(supervisor->stats());
-    // Whether online retraining converges: the misprediction rate per tenth of the requests, in
-    // arrival order (a prediction is made at arrival, so only later arrivals can profit).
-    Json deciles = Json::array();
-    for (size_t d = 0; d < 10 && n >= 10; ++d) {
-      int64_t wrong = 0, seen = 0;
-      for (size_t i = d * n / 10; i < (d + 1) * n / 10; ++i) {
-        if (mispredicted[i] < 0) continue;
-        ++seen;
-        wrong += mispredicted[i];
-      }
-      deciles.push_back(seen > 0 ? Json(static_cast<double>(wrong) / static_cast<double>(seen)) : Json(nullptr));
-    }
-    run.extra["s3"]["misprediction_rate_by_arrival_decile"] = deciles;
+    run.extra["s3"]["misprediction_rate_by_arrival_decile"] = observer.MispredictionDeciles();
   }
   return run;
 }
@@ -919,7 +981,6 @@ kvflow::EngineConfig MakeEngineConfig(const ServingConfig& cfg, const ModelChoic
   if (policy == "s3") {
     ec.length_predictor = cfg.length_predictor;
     ec.length_predictor_online_updates = cfg.online_updates;
-    ec.length_prediction_override = cfg.prediction_override;
     ec.length_reservation_point = cfg.reservation_point;
   }
   return ec;
@@ -929,7 +990,10 @@ kvflow::EngineConfig MakeEngineConfig(const ServingConfig& cfg, const ModelChoic
 // time has passed, the engine steps while it has work and sleeps until the next arrival when idle.
 Result<RunRecord> RunEngine(const Trace& trace, double rate, const std::string& policy, const ServingConfig& cfg,
                             const ModelChoice& model, int num_threads) {
-  KVFLOW_ASSIGN_OR_RETURN(auto engine, kvflow::Engine::Create(MakeEngineConfig(cfg, model, policy, num_threads)));
+  kvflow::EvaluationOptions evaluation;
+  if (policy == "s3") evaluation.length_prediction_override = cfg.prediction_override;
+  KVFLOW_ASSIGN_OR_RETURN(auto engine, kvflow::CreateEvaluationEngine(MakeEngineConfig(cfg, model, policy, num_threads),
+                                                                      evaluation));
   if (engine->config().max_model_len != cfg.max_model_len) {
     return Status::InvalidArgument("--max-model-len " + std::to_string(cfg.max_model_len) + " exceeds the model's " +
                                    std::to_string(engine->config().max_model_len));
@@ -1006,18 +1070,18 @@ Result<RunRecord> RunEngine(const Trace& trace, double rate, const std::string& 
   run.extra["prefill_tokens"] = after.prompt_tokens_processed - before.prompt_tokens_processed;
   run.preemptions_swap = after.num_preemptions_swap - before.num_preemptions_swap;
   run.preemptions_recompute = after.num_preemptions - before.num_preemptions - run.preemptions_swap;
-  run.extra["preemption_penalty"] = Json{{"reservation_preemptions", after.reservation_preemptions - before.reservation_preemptions}};
+  run.extra["preemption_penalty"] = Json{{"reservation_preemptions", after.s3.reservation_preemptions - before.s3.reservation_preemptions}};
   if (policy == "s3") {
     kvflow::LengthSupervisorStats l;
-    l.predictions = after.length_predictions - before.length_predictions;
-    l.correct = after.length_correct - before.length_correct;
-    l.under_predicted = after.length_under_predicted - before.length_under_predicted;
-    l.over_predicted = after.length_over_predicted - before.length_over_predicted;
-    l.compared = after.length_compared - before.length_compared;
-    l.reservation_misses = after.reservation_preemptions - before.reservation_preemptions;
-    l.online_updates = after.length_online_updates - before.length_online_updates;
-    l.predict_seconds = after.length_predict_seconds - before.length_predict_seconds;
-    l.update_seconds = after.length_update_seconds - before.length_update_seconds;
+    l.predictions = after.s3.predictions - before.s3.predictions;
+    l.correct = after.s3.correct - before.s3.correct;
+    l.under_predicted = after.s3.under_predicted - before.s3.under_predicted;
+    l.over_predicted = after.s3.over_predicted - before.s3.over_predicted;
+    l.compared = after.s3.compared - before.s3.compared;
+    l.reservation_misses = after.s3.reservation_preemptions - before.s3.reservation_preemptions;
+    l.online_updates = after.s3.online_updates - before.s3.online_updates;
+    l.predict_seconds = after.s3.predict_seconds - before.s3.predict_seconds;
+    l.update_seconds = after.s3.update_seconds - before.s3.update_seconds;
     run.extra["s3"] = SupervisorJson(l);
   }
   return run;

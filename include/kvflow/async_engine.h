@@ -80,8 +80,7 @@ class AsyncEngine {
 
   // Validates and queues a request. InvalidArgument for a bad request, ResourceExhausted when the
   // queue is full, Unavailable after Shutdown began.
-  Result<std::shared_ptr<RequestStream>> Submit(std::vector<int32_t> prompt_tokens, const SamplingParams& params,
-                                                const RequestHints& hints = {});
+  Result<std::shared_ptr<RequestStream>> Submit(std::vector<int32_t> prompt_tokens, const SamplingParams& params);
 
   // Refuses new submissions, lets running requests finish until `deadline`, cancels the rest and
   // waits until every stream has its last event. The engine thread keeps running until destruction.
@@ -109,7 +108,6 @@ class AsyncEngine {
   struct Pending {
     std::vector<int32_t> prompt;
     SamplingParams params;
-    RequestHints hints;
     std::shared_ptr<RequestStream> stream;
   };
 

@@ -11,7 +11,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -51,13 +50,42 @@ struct EngineConfig {
   std::string length_predictor;
   bool length_predictor_online_updates = true;  // s3: retrain on completed requests
   std::string length_reservation_point;         // s3: "upper" or "middle" of the bucket; empty: the file's
-  std::string length_prediction_override;       // s3, evaluation only: "scale:F" or "bucket:B"
+
+  // Speculative decoding (vLLM's flags): "ngram" drafts up to num_speculative_tokens by looking
+  // the last ngram_max..ngram_min tokens up earlier in the sequence (prompt lookup); empty: off.
+  // Lossless: outputs are those of plain decoding. Requests opt out with SamplingParams::speculative.
+  std::string speculative_method;
+  int num_speculative_tokens = 4;
+  int ngram_max = 4;
+  int ngram_min = 1;
 
   // CUDA only. Share of the GPU's memory for weights, activations and the KV pool (which gets the
   // rest, unless kv_cache_bytes / num_kv_blocks fix it).
   double gpu_memory_utilization = 0.9;
   std::string dtype = "auto";  // CUDA weights/activations/KV: "fp16", "bf16" or "auto" (bf16)
   bool enforce_eager = false;  // CUDA: no CUDA graphs for decode steps
+};
+
+// S3 (scheduling_policy "s3"): its length predictor and supervisor. Zero under other policies.
+struct S3Stats {
+  int64_t predictions = 0;
+  int64_t compared = 0;         // finished requests whose true length bucket is known
+  int64_t under_predicted = 0;  // finished requests whose output outgrew the predicted bucket
+  int64_t over_predicted = 0;
+  int64_t correct = 0;
+  int64_t reservation_preemptions = 0;  // preemptions of exhausted reservations (one per miss)
+  int64_t online_updates = 0;
+  double predict_seconds = 0;
+  double update_seconds = 0;
+};
+
+// Speculative decoding (vLLM's spec_decode metrics): acceptance rate = accepted / draft tokens;
+// mean accepted length = 1 + accepted / drafts (tokens per verification pass of a sequence).
+struct SpecDecodeStats {
+  int64_t num_drafts = 0;           // verification passes of a sequence with at least one draft
+  int64_t num_draft_tokens = 0;
+  int64_t num_accepted_tokens = 0;
+  std::vector<int64_t> accepted_per_position;  // drafts accepted at position 0, 1, ...
 };
 
 struct EngineStats {
@@ -80,26 +108,8 @@ struct EngineStats {
   int64_t blocks_swapped_in = 0;
   int64_t blocks_copied = 0;    // copy-on-write
   int64_t num_steps = 0;
-  // S3 (scheduling_policy "s3"): the length predictor and its supervisor.
-  int64_t length_predictions = 0;
-  int64_t length_compared = 0;  // finished requests whose true length bucket is known
-  int64_t length_under_predicted = 0;  // finished requests whose output outgrew the predicted bucket
-  int64_t length_over_predicted = 0;
-  int64_t length_correct = 0;
-  int64_t reservation_preemptions = 0;  // preemptions of exhausted reservations (one per miss)
-  int64_t length_online_updates = 0;
-  double length_predict_seconds = 0;
-  double length_update_seconds = 0;
-};
-
-// What the scheduler may know about a request beyond its prompt: the true output length (trace
-// replays; what the Orca oracle baselines reserve) or a predicted one (S3).
-struct RequestHints {
-  std::optional<int64_t> true_output_len;
-  std::optional<int64_t> predicted_output_len;
-  // Trace replays that set max_tokens to the true length: the scheduler sees the context limit
-  // instead, so a reservation cannot learn the true length from max_tokens.
-  bool hide_max_tokens = false;
+  S3Stats s3;
+  SpecDecodeStats spec;
 };
 
 // What one Step() did.
@@ -119,8 +129,6 @@ class Engine {
                                        StreamCallback on_event = {}) = 0;
   virtual Result<RequestId> AddRequest(std::vector<int32_t> prompt_tokens, const SamplingParams& params,
                                        StreamCallback on_event = {}) = 0;
-  virtual Result<RequestId> AddRequestWithHints(std::vector<int32_t> prompt_tokens, const SamplingParams& params,
-                                                StreamCallback on_event, const RequestHints& hints) = 0;
   // The checks AddRequest makes (parameters, prompt ids, lengths, limits) without queuing anything.
   // Reads only the configuration, so any thread may call it while another drives the engine.
   virtual Status ValidateRequest(const std::vector<int32_t>& prompt_tokens, const SamplingParams& params) const = 0;

@@ -33,6 +33,9 @@ struct SamplingParams {
   // tokens before it) with this many top alternatives. Scoring needs every prompt token computed,
   // so such a request does not take prefix-cache hits. With max_tokens 0 nothing is generated.
   std::optional<int> prompt_logprobs;
+  // With an engine that decodes speculatively (EngineConfig::speculative_method), whether this
+  // request does; false: plain decoding.
+  bool speculative = true;
   // Completions returned. With best_of > n, best_of are generated and the n with the highest
   // cumulative logprob are returned (at the end, not streamed). All share the prompt's KV blocks.
   int n = 1;

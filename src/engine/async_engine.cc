@@ -138,7 +138,7 @@ void AsyncEngine::NotifyLoop() {
 }
 
 Result<std::shared_ptr<RequestStream>> AsyncEngine::Submit(std::vector<int32_t> prompt_tokens,
-                                                           const SamplingParams& params, const RequestHints& hints) {
+                                                           const SamplingParams& params) {
   // Validation reads only the engine's configuration, so it runs here, on the caller's thread:
   // a bad request is refused at once instead of one step later.
   KVFLOW_RETURN_IF_ERROR(engine_->ValidateRequest(prompt_tokens, params));
@@ -152,7 +152,7 @@ Result<std::shared_ptr<RequestStream>> AsyncEngine::Submit(std::vector<int32_t> 
       return Status::ResourceExhausted("the request queue is full (" + std::to_string(queued) +
                                        " requests waiting); retry later");
     }
-    pending_.push_back(Pending{std::move(prompt_tokens), params, hints, stream});
+    pending_.push_back(Pending{std::move(prompt_tokens), params, stream});
     ++num_unfinished_;
   }
   wake_.notify_all();
@@ -221,8 +221,7 @@ void AsyncEngine::Loop() {
         stream->Push(FinalEvent(FinishReason::kCancelled, Status::Cancelled("cancelled before it started")));
         continue;
       }
-      auto id = engine_->AddRequestWithHints(std::move(p.prompt), p.params,
-                                             [stream](const StreamEvent& e) { stream->Push(e); }, p.hints);
+      auto id = engine_->AddRequest(std::move(p.prompt), p.params, [stream](const StreamEvent& e) { stream->Push(e); });
       if (!id.ok()) {
         stream->Push(FinalEvent(FinishReason::kError, id.status()));
         continue;

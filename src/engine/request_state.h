@@ -1,14 +1,14 @@
 // Engine-side state of a request beyond what the scheduler tracks: samplers, incremental text,
-// logprobs, and the beam-search bookkeeping.
+// logprobs, and the request's decoding strategy.
 #pragma once
 
-#include <chrono>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "engine/decoding/strategy.h"
 #include "engine/stop_matcher.h"
 #include "kvflow/request.h"
 #include "kvflow/tokenizer.h"
@@ -19,8 +19,11 @@ namespace kvflow {
 
 // One completion being generated (a parallel sample or a beam).
 struct SeqState {
-  SeqState(SchedSequence* seq, int index, const SamplingParams& params, uint64_t seed, const Tokenizer& tokenizer)
-      : seq(seq), index(index), sampler(params, seed), decoder(tokenizer), stop(params.stop) {}
+  // Without a tokenizer there is no text (and no stop strings).
+  SeqState(SchedSequence* seq, int index, const SamplingParams& params, uint64_t seed, const Tokenizer* tokenizer)
+      : seq(seq), index(index), sampler(params, seed), stop(params.stop) {
+    if (tokenizer) decoder.emplace(*tokenizer);
+  }
 
   std::span<const int32_t> prompt() const {
     return {seq->tokens.data(), static_cast<size_t>(seq->prompt_len)};
@@ -32,22 +35,11 @@ struct SeqState {
   SchedSequence* seq;
   int index;
   Sampler sampler;
-  IncrementalDecoder decoder;
+  std::optional<IncrementalDecoder> decoder;
   StopMatcher stop;
   std::vector<SampledToken> logprobs;
   std::string text;  // streamed text so far (stop strings cut)
   double cumulative_logprob = 0.0;
-  FinishReason finish = FinishReason::kNone;
-  // Beam search waits for every beam's logits of a step; early arrivals wait here.
-  std::optional<std::vector<float>> pending_logits;
-};
-
-// A finished beam hypothesis.
-struct BeamHypothesis {
-  std::vector<int32_t> tokens;
-  std::vector<SampledToken> logprobs;
-  double cumulative_logprob = 0.0;
-  double score = 0.0;
   FinishReason finish = FinishReason::kNone;
 };
 
@@ -58,13 +50,10 @@ struct RequestState {
   StreamCallback on_event;
   SequenceGroup* group = nullptr;
   std::vector<std::unique_ptr<SeqState>> seqs;  // every sequence ever created, index order
-  bool forked = false;  // the candidates beyond the first exist (after the prompt's first logits)
-  bool cancel_requested = false;
-  std::vector<BeamHypothesis> beams_done;
+  std::unique_ptr<DecodingStrategy> strategy;
   // SamplingParams::prompt_logprobs: entry i scores prompt token i + 1; sent with the first event.
   std::vector<SampledToken> prompt_logprobs;
   bool prompt_logprobs_sent = false;
-  std::chrono::steady_clock::time_point arrival = std::chrono::steady_clock::now();
 
   SeqState* Find(const SchedSequence* s) {
     for (auto& st : seqs) {

@@ -373,11 +373,21 @@ Status Scheduler::AcceptDrafts(const ScheduledSeq& step, std::span<const int32_t
                                    " did not just compute its last token (AcceptDrafts: once per step, after "
                                    "CompleteStep)");
   }
+  s.tokens.insert(s.tokens.end(), accepted_drafts.begin(), accepted_drafts.end());
+  s.tokens.push_back(next_token);
+  return CommitDrafts(step, accepted);
+}
+
+Status Scheduler::CommitDrafts(const ScheduledSeq& step, int64_t accepted) {
+  SchedSequence& s = *step.seq;
+  if (accepted < 0 || accepted > step.num_draft_tokens || s.num_tokens() != s.num_computed + accepted + 1 ||
+      !step.needs_logits || s.status != SeqStatus::kRunning || !blocks_.Has(s.id) || blocks_.IsSwapped(s.id)) {
+    return Status::InvalidArgument("sequence " + std::to_string(s.id) + ": " + std::to_string(accepted) +
+                                   " accepted drafts and the next token were not appended as CommitDrafts expects");
+  }
   // The accepted drafts ran at exactly these positions after exactly these tokens: their KV is
   // the real tokens' KV. Only now may their full blocks be published.
-  s.tokens.insert(s.tokens.end(), accepted_drafts.begin(), accepted_drafts.end());
   s.num_computed += accepted;
-  s.tokens.push_back(next_token);
   blocks_.MarkComputed(s.id, s.tokens, s.num_computed);
   return blocks_.Truncate(s.id, std::max(s.num_tokens(), ReservationFor(*step.group, s)));
 }

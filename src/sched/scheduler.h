@@ -118,6 +118,9 @@ class Scheduler {
   // group. Errors change nothing: more drafts accepted than ran, or a sequence that did not just
   // compute its last token (call once per step, after CompleteStep, before FinishSequence).
   Status AcceptDrafts(const ScheduledSeq& step, std::span<const int32_t> accepted_drafts, int32_t next_token);
+  // The same for a caller that appended the accepted drafts and the next token to seq->tokens
+  // itself (the engine core, which checks stops token by token as it appends).
+  Status CommitDrafts(const ScheduledSeq& step, int64_t accepted);
 
   // A new sequence in `group` sharing all of `parent`'s tokens and blocks.
   SchedSequence* Fork(SequenceGroup& group, const SchedSequence& parent);
@@ -127,6 +130,8 @@ class Scheduler {
   void RemoveGroup(RequestId id);
 
   SequenceGroup* Find(RequestId id) const;
+  // The groups in the running batch.
+  const std::vector<SequenceGroup*>& running() const { return running_; }
   bool HasWork() const { return !groups_.empty(); }
   SchedulerStats stats() const;
   const SchedulerConfig& config() const { return config_; }

@@ -89,21 +89,21 @@ std::string ServerMetrics::Render(const EngineStats& s) const {
          static_cast<double>(s.num_preemptions_swap));
   // S3 (--scheduler s3); zero under other policies.
   Metric(&out, "kvflow:s3_length_predictions_total", "counter", "Output lengths predicted at arrival.",
-         static_cast<double>(s.length_predictions));
+         static_cast<double>(s.s3.predictions));
   out += "# HELP kvflow:s3_mispredictions_total Finished requests whose output fell outside the predicted bucket.\n"
          "# TYPE kvflow:s3_mispredictions_total counter\n"
-         "kvflow:s3_mispredictions_total{direction=\"under\"} " + Num(static_cast<double>(s.length_under_predicted)) +
-         "\nkvflow:s3_mispredictions_total{direction=\"over\"} " + Num(static_cast<double>(s.length_over_predicted)) +
+         "kvflow:s3_mispredictions_total{direction=\"under\"} " + Num(static_cast<double>(s.s3.under_predicted)) +
+         "\nkvflow:s3_mispredictions_total{direction=\"over\"} " + Num(static_cast<double>(s.s3.over_predicted)) +
          "\n";
   Metric(&out, "kvflow:s3_reservation_preemptions_total", "counter",
          "Preemptions of sequences that outgrew their KV reservation (each doubles it).",
-         static_cast<double>(s.reservation_preemptions));
+         static_cast<double>(s.s3.reservation_preemptions));
   Metric(&out, "kvflow:s3_predictor_updates_total", "counter", "Online training steps of the length predictor.",
-         static_cast<double>(s.length_online_updates));
+         static_cast<double>(s.s3.online_updates));
   out += "# HELP kvflow:s3_predictor_seconds_total Engine-thread time in the length predictor.\n"
          "# TYPE kvflow:s3_predictor_seconds_total counter\n"
-         "kvflow:s3_predictor_seconds_total{phase=\"predict\"} " + Num(s.length_predict_seconds) +
-         "\nkvflow:s3_predictor_seconds_total{phase=\"update\"} " + Num(s.length_update_seconds) + "\n";
+         "kvflow:s3_predictor_seconds_total{phase=\"predict\"} " + Num(s.s3.predict_seconds) +
+         "\nkvflow:s3_predictor_seconds_total{phase=\"update\"} " + Num(s.s3.update_seconds) + "\n";
   Metric(&out, "kvflow:request_cancelled_total", "counter", "Requests cancelled (client gone or shutdown).",
          static_cast<double>(cancelled_.load()));
   Metric(&out, "kvflow:request_failure_total", "counter", "Requests that failed in the engine.",

@@ -27,9 +27,9 @@ struct RunResult {
   EngineStats stats;
 };
 
-RunResult GenerateAll(EngineConfig c, const SamplingParams& p) {
+RunResult GenerateAll(EngineConfig c, const SamplingParams& p, const EvaluationOptions& evaluation = {}) {
   c.max_model_len = 256;  // buckets of 26 tokens for an untrained predictor
-  auto engine = MakeEngine(c);
+  auto engine = MakeEngine(c, evaluation);
   RunResult r;
   if (!engine) return r;
   auto outs = engine->Generate(kPrompts, p);
@@ -60,17 +60,18 @@ TEST(EngineS3, InjectedMispredictionsNeverChangeOutputsOrLeak) {
     for (const std::string inject : {"none", "bucket:0", "bucket:9", "scale:0.05", "scale:20"}) {
       SCOPED_TRACE(mode + ", " + inject);
       EngineConfig c = SmallPool("s3", mode);
-      c.length_prediction_override = inject;
-      const RunResult r = GenerateAll(c, p);
+      EvaluationOptions evaluation;
+      evaluation.length_prediction_override = inject;
+      const RunResult r = GenerateAll(c, p, evaluation);
       EXPECT_EQ(r.tokens, reference.tokens);
-      EXPECT_EQ(r.stats.length_predictions, static_cast<int64_t>(kPrompts.size()));
+      EXPECT_EQ(r.stats.s3.predictions, static_cast<int64_t>(kPrompts.size()));
       if (inject == "bucket:0" || inject == "scale:0.05" || inject == "none") {
         // Reserving at most 26 output tokens for 60: every request runs out at least once.
-        EXPECT_GE(r.stats.reservation_preemptions, static_cast<int64_t>(kPrompts.size())) << inject;
+        EXPECT_GE(r.stats.s3.reservation_preemptions, static_cast<int64_t>(kPrompts.size())) << inject;
       }
-      if (inject == "bucket:9" || inject == "scale:20") EXPECT_EQ(r.stats.reservation_preemptions, 0);
+      if (inject == "bucket:9" || inject == "scale:20") EXPECT_EQ(r.stats.s3.reservation_preemptions, 0);
       // Cut at max_tokens: the true bucket is unknown unless it is above the prediction.
-      EXPECT_EQ(r.stats.length_online_updates, 0);
+      EXPECT_EQ(r.stats.s3.online_updates, 0);
     }
   }
 }
@@ -82,7 +83,7 @@ TEST(EngineS3, OracleAndOrcaPoliciesRunThroughTheEngineToo) {
     SCOPED_TRACE(policy);
     const RunResult r = GenerateAll(SmallPool(policy, "auto"), p);
     EXPECT_EQ(r.tokens, reference.tokens);
-    EXPECT_EQ(r.stats.length_predictions, 0);  // only s3 predicts
+    EXPECT_EQ(r.stats.s3.predictions, 0);  // only s3 predicts
   }
 }
 
@@ -122,15 +123,16 @@ TEST(EngineS3, PredictorFilesAreCheckedAtStartup) {
   auto s3 = test::CreateTinyEngine(c);
   ASSERT_TRUE(s3.ok()) << s3.status().ToString();
   ASSERT_TRUE(s3.value()->Generate("hello", Greedy(4)).ok());
-  EXPECT_EQ(s3.value()->stats().length_predictions, 1);
+  EXPECT_EQ(s3.value()->stats().s3.predictions, 1);
 
   c.length_reservation_point = "lower";
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
   c.length_reservation_point = "";
-  c.length_prediction_override = "scale:-1";
-  EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
-  c.length_prediction_override = "bucket:10";
-  EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
+  EvaluationOptions evaluation;
+  evaluation.length_prediction_override = "scale:-1";
+  EXPECT_EQ(test::CreateTinyEngine(c, evaluation).status().code(), StatusCode::kInvalidArgument);
+  evaluation.length_prediction_override = "bucket:10";
+  EXPECT_EQ(test::CreateTinyEngine(c, evaluation).status().code(), StatusCode::kInvalidArgument);
   std::filesystem::remove_all(dir);
 }
 

@@ -1,0 +1,25 @@
+// Builds the backend an engine runs on, sizing the KV pools it owns: the CPU backend from
+// kv_cache_bytes / num_kv_blocks (or enough for max_num_seqs full contexts, at most 1 GiB), the
+// CUDA backend from gpu_memory_utilization (or kv_cache_bytes / num_kv_blocks); the host swap pool
+// from swap_space_bytes / num_host_kv_blocks.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "backend/backend.h"
+#include "kvflow/engine.h"
+#include "model/llama_weights.h"
+
+namespace kvflow {
+
+// "cpu" -> -1; "cuda" -> 0; "cuda:N" -> N.
+Result<int> ParseDevice(const std::string& device);
+
+// The backend for config.device. A sequence must fit the pool alone: a max_model_len the user asked
+// for (`max_model_len_requested`) that the pool cannot hold is refused, a defaulted one is lowered
+// in `config` to what the pool holds.
+Result<std::unique_ptr<Backend>> CreateBackend(EngineConfig& config, bool max_model_len_requested,
+                                               const ModelConfig& model, LlamaWeights weights);
+
+}  // namespace kvflow

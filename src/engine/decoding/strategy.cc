@@ -1,0 +1,30 @@
+#include "engine/decoding/strategy.h"
+
+#include "engine/decoding/beam_search.h"
+#include "engine/decoding/sampling.h"
+#include "engine/engine_core.h"
+#include "spec/speculative_sampling.h"
+
+namespace kvflow {
+
+void DecodingStrategy::OnSampled(EngineCore& core, RequestState& req, SeqState& seq,
+                                 std::span<const SampledToken> tokens) {
+  core.AppendTokens(req, seq, tokens);
+}
+
+bool DecodingStrategy::Finished(const RequestState& req) const {
+  for (const auto& s : req.seqs) {
+    if (s->finish == FinishReason::kNone) return false;
+  }
+  return true;
+}
+
+std::unique_ptr<DecodingStrategy> MakeDecodingStrategy(const SamplingParams& params,
+                                                       const NgramDrafterConfig* speculative) {
+  if (params.use_beam_search) return std::make_unique<BeamSearch>();
+  if (params.num_candidates() > 1) return std::make_unique<ParallelSampling>();
+  if (speculative && params.speculative && params.max_tokens > 1) return std::make_unique<SpeculativeSampling>(*speculative);
+  return std::make_unique<PlainSampling>();
+}
+
+}  // namespace kvflow

@@ -1,0 +1,42 @@
+// Evaluation-only knobs, kept out of the public API: what a trace replay knows about a request
+// beyond its prompt, and distorted length predictions for S3's robustness runs. The serving
+// benchmark and the tests use them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvflow/engine.h"
+
+namespace kvflow {
+
+// What the scheduler may know about a request beyond its prompt: the true output length (trace
+// replays; what the Orca oracle baselines reserve) or a predicted one (S3).
+struct RequestHints {
+  std::optional<int64_t> true_output_len;
+  std::optional<int64_t> predicted_output_len;
+  // Trace replays that set max_tokens to the true length: the scheduler sees the context limit
+  // instead, so a reservation cannot learn the true length from max_tokens.
+  bool hide_max_tokens = false;
+};
+
+struct EvaluationOptions {
+  // s3: distorts every length prediction, "scale:F" or "bucket:B" (see ParsePredictionOverride).
+  std::string length_prediction_override;
+};
+
+// An Engine that also takes requests with hints.
+class EvaluationEngine : public Engine {
+ public:
+  virtual Result<RequestId> AddRequestWithHints(std::vector<int32_t> prompt_tokens, const SamplingParams& params,
+                                                StreamCallback on_event, const RequestHints& hints) = 0;
+};
+
+// Engine::Create with the evaluation options.
+Result<std::unique_ptr<EvaluationEngine>> CreateEvaluationEngine(const EngineConfig& config,
+                                                                 const EvaluationOptions& options);
+
+}  // namespace kvflow

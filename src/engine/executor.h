@@ -1,0 +1,44 @@
+// What runs a step the scheduler planned: the model on a backend (ModelExecutor) or, in the
+// serving simulator, a cost model on a virtual clock. The EngineCore drives either the same way.
+#pragma once
+
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "backend/backend.h"
+#include "kvflow/request.h"
+#include "kvflow/status.h"
+#include "sched/scheduler.h"
+
+namespace kvflow {
+
+// What a step produced, in batch order: either the tokens the executor sampled itself (when the
+// core handed it sample rows: one entry per sequence that needs logits), or the logit rows the
+// core asked for (each scheduled sequence's LogitsMode: none, its last token, or every new token
+// for prompt logprobs and draft verification).
+struct ExecutorOutput {
+  std::vector<std::vector<SampledToken>> sampled;
+  std::span<float> logits;  // rows of vocab_size floats
+  int64_t vocab_size = 0;
+};
+
+class Executor {
+ public:
+  virtual ~Executor() = default;
+
+  // Whether Run can sample rows itself (on the device), so that only tokens come back.
+  virtual bool SupportsSampling() const = 0;
+  // Carries out the step's block moves: swap-out, swap-in, then copy-on-write. A failure leaves
+  // the KV cache unknown and fails the step.
+  virtual Status MoveBlocks(const SchedulerOutput& sched) = 0;
+  // Runs the scheduled sequences; called every step after MoveBlocks, also when nothing was
+  // scheduled (a step that only moved blocks). `logits`: the rows each scheduled sequence needs.
+  // Given `sample_rows` (one per sequence that needs logits, batch order; only when every mode is
+  // kNone or kLast) it fills out.sampled, else out.logits. A failure fails the requests in the
+  // batch, not the engine.
+  virtual Status Run(const SchedulerOutput& sched, std::span<const LogitsMode> logits,
+                     std::optional<std::span<const DeviceSampleRow>> sample_rows, ExecutorOutput& out) = 0;
+};
+
+}  // namespace kvflow

@@ -1,0 +1,49 @@
+#include "engine/model_executor.h"
+
+#include <utility>
+
+namespace kvflow {
+
+ForwardBatch BuildForwardBatch(const SchedulerOutput& sched, const BlockManager& blocks,
+                               std::span<const LogitsMode> logits) {
+  ForwardBatch batch;
+  for (size_t k = 0; k < sched.scheduled.size(); ++k) {
+    const ScheduledSeq& s = sched.scheduled[k];
+    SequenceSlice slice;
+    slice.token_offset = static_cast<int32_t>(batch.tokens.size());
+    slice.num_tokens = static_cast<int32_t>(s.num_tokens);
+    slice.context_len = static_cast<int32_t>(s.seq->num_computed + s.num_tokens);
+    slice.block_table = blocks.BlockTable(s.seq->id);
+    slice.logits = logits[k];
+    for (int64_t i = 0; i < s.num_tokens; ++i) {
+      batch.tokens.push_back(s.token(i));
+      batch.positions.push_back(static_cast<int32_t>(s.seq->num_computed + i));
+    }
+    batch.seqs.push_back(std::move(slice));
+  }
+  return batch;
+}
+
+Status ModelExecutor::MoveBlocks(const SchedulerOutput& sched) {
+  KVFLOW_RETURN_IF_ERROR(backend_.CopyBlocks(sched.swap_out, BlockCopyKind::kDeviceToHost));
+  KVFLOW_RETURN_IF_ERROR(backend_.CopyBlocks(sched.swap_in, BlockCopyKind::kHostToDevice));
+  return backend_.CopyBlocks(sched.copies, BlockCopyKind::kDeviceToDevice);
+}
+
+Status ModelExecutor::Run(const SchedulerOutput& sched, std::span<const LogitsMode> logits,
+                          std::optional<std::span<const DeviceSampleRow>> sample_rows, ExecutorOutput& out) {
+  if (sched.empty()) return Status::Ok();
+  const ForwardBatch batch = BuildForwardBatch(sched, blocks_, logits);
+  if (sample_rows) {
+    sampled_.clear();
+    KVFLOW_RETURN_IF_ERROR(model_.ForwardAndSample(batch, *sample_rows, sampled_));
+    for (SampledToken& t : sampled_) out.sampled.push_back({std::move(t)});
+    return Status::Ok();
+  }
+  KVFLOW_RETURN_IF_ERROR(model_.Forward(batch, logits_));
+  out.vocab_size = backend_.model_config().vocab_size;
+  out.logits = std::span<float>(logits_.data(), static_cast<size_t>(batch.num_logit_rows() * out.vocab_size));
+  return Status::Ok();
+}
+
+}  // namespace kvflow
