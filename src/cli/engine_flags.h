@@ -40,6 +40,12 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
                   "s3: reserve the upper or middle edge of the predicted bucket (default: the file's, upper)");
   app->add_flag("!--no-length-online-updates", c.length_predictor_online_updates,
                 "s3: do not retrain the predictor on completed requests");
+  app->add_option("--speculative-method", c.speculative_method,
+                  "Speculative decoding: ngram (draft by looking the last tokens up earlier in the sequence; "
+                  "lossless). Default: off");
+  app->add_option("--num-speculative-tokens", c.num_speculative_tokens, "Drafts per step at most")->default_val(4);
+  app->add_option("--ngram-max,--prompt-lookup-max", c.ngram_max, "ngram: longest suffix looked up")->default_val(4);
+  app->add_option("--ngram-min,--prompt-lookup-min", c.ngram_min, "ngram: shortest suffix looked up")->default_val(1);
   app->add_option("--threads", c.num_threads, "CPU threads (0 = all cores)")->default_val(0);
 }
 

@@ -104,6 +104,19 @@ std::string ServerMetrics::Render(const EngineStats& s) const {
          "# TYPE kvflow:s3_predictor_seconds_total counter\n"
          "kvflow:s3_predictor_seconds_total{phase=\"predict\"} " + Num(s.s3.predict_seconds) +
          "\nkvflow:s3_predictor_seconds_total{phase=\"update\"} " + Num(s.s3.update_seconds) + "\n";
+  // Speculative decoding, as vLLM names its spec_decode counters.
+  Metric(&out, "kvflow:spec_decode_num_drafts_total", "counter", "Verification passes of a sequence with drafts.",
+         static_cast<double>(s.spec.num_drafts));
+  Metric(&out, "kvflow:spec_decode_num_draft_tokens_total", "counter", "Draft tokens verified.",
+         static_cast<double>(s.spec.num_draft_tokens));
+  Metric(&out, "kvflow:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
+         static_cast<double>(s.spec.num_accepted_tokens));
+  out += "# HELP kvflow:spec_decode_num_accepted_tokens_per_pos_total Draft tokens accepted, by draft position.\n"
+         "# TYPE kvflow:spec_decode_num_accepted_tokens_per_pos_total counter\n";
+  for (size_t i = 0; i < s.spec.accepted_per_position.size(); ++i) {
+    out += "kvflow:spec_decode_num_accepted_tokens_per_pos_total{position=\"" + std::to_string(i) + "\"} " +
+           Num(static_cast<double>(s.spec.accepted_per_position[i])) + "\n";
+  }
   Metric(&out, "kvflow:request_cancelled_total", "counter", "Requests cancelled (client gone or shutdown).",
          static_cast<double>(cancelled_.load()));
   Metric(&out, "kvflow:request_failure_total", "counter", "Requests that failed in the engine.",
