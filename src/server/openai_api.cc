@@ -195,6 +195,13 @@ std::map<std::string, FieldReader> CommonReaders(GenerationRequest* r, bool* str
     if (p->top_k < 0) p->top_k = 0;  // vLLM spells "disabled" -1
     return std::nullopt;
   };
+  auto prompt_logprobs = [r](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null()) return std::nullopt;
+    int x = 0;
+    if (auto e = Integer(&x, 0, 20)(name, v)) return e;
+    r->prompt_logprobs = x;
+    return std::nullopt;
+  };
   auto stop_token_ids = [p](const std::string& name, const Json& v) -> std::optional<ApiError> {
     if (v.is_null()) return std::nullopt;
     if (!v.is_array()) return WrongType(name, "an array of integers", v);
@@ -229,14 +236,29 @@ std::map<std::string, FieldReader> CommonReaders(GenerationRequest* r, bool* str
       {"stop_token_ids", stop_token_ids},
       {"use_beam_search", Bool(&p->use_beam_search)},
       {"length_penalty", Number(&p->length_penalty)},
+      {"prompt_logprobs", prompt_logprobs},
   };
 }
 
-// Checks that need every field: run once all were read.
-std::optional<ApiError> FinishCommon(GenerationRequest* r, bool stream_options_given) {
+// Checks that need every field: run once all were read. max_tokens 0 (only the prompt) is
+// allowed when `zero_ok`; `zero_needs` names what it needs.
+std::optional<ApiError> FinishCommon(GenerationRequest* r, bool stream_options_given, bool zero_ok,
+                                     const char* zero_needs) {
   SamplingParams& p = r->sampling;
-  if (r->max_tokens_given && p.max_tokens < 1) {
-    return InvalidRequest("'max_tokens' must be at least 1, not " + std::to_string(p.max_tokens), "max_tokens");
+  if (r->prompt_logprobs) p.prompt_logprobs = std::max(p.prompt_logprobs.value_or(0), *r->prompt_logprobs);
+  if (r->max_tokens_given && p.max_tokens < (zero_ok ? 0 : 1)) {
+    std::string m = std::string("'max_tokens' must be at least ") + (zero_ok ? "0" : "1") + ", not " +
+                    std::to_string(p.max_tokens);
+    if (p.max_tokens == 0) m += std::string(" (0, for only the prompt, needs ") + zero_needs + ")";
+    return InvalidRequest(m, "max_tokens");
+  }
+  if (r->max_tokens_given && p.max_tokens == 0) {
+    if (p.num_candidates() > 1 || p.use_beam_search) {
+      return InvalidRequest("'max_tokens' 0 (only the prompt) cannot be combined with n > 1, best_of or beam search",
+                            "max_tokens");
+    }
+    // The engine finishes a request that generates nothing once its prompt is scored.
+    if (!p.prompt_logprobs) p.prompt_logprobs = 0;
   }
   if (p.best_of && *p.best_of < p.n) {
     return InvalidRequest("'best_of' (" + std::to_string(*p.best_of) + ") must be >= 'n' (" + std::to_string(p.n) + ")",
@@ -404,10 +426,9 @@ std::optional<ApiError> ParseCompletionRequest(std::string_view body, Completion
   if (auto e = ReadFields(json, readers)) return e;
   if (!has_prompt) return InvalidRequest("'prompt' is required", "prompt");
   if (!out->max_tokens_given) out->sampling.max_tokens = 16;  // OpenAI's default for completions
-  if (out->echo && out->logprobs_given) {
-    return InvalidRequest("'echo' with 'logprobs' is not supported: kvflow does not compute prompt logprobs", "echo");
-  }
-  return FinishCommon(out, stream_options_given);
+  // Echo with logprobs covers the prompt tokens too: the engine scores the prompt.
+  if (out->echo && out->logprobs_given) out->sampling.prompt_logprobs = out->sampling.logprobs;
+  return FinishCommon(out, stream_options_given, out->echo || out->prompt_logprobs, "'echo' or 'prompt_logprobs'");
 }
 
 std::optional<ApiError> ParseChatRequest(std::string_view body, ChatRequest* out) {
@@ -455,7 +476,7 @@ std::optional<ApiError> ParseChatRequest(std::string_view body, ChatRequest* out
   if (top_logprobs_given && out->sampling.logprobs > 0 && !out->logprobs) {
     return InvalidRequest("'top_logprobs' needs 'logprobs' to be true", "top_logprobs");
   }
-  return FinishCommon(out, stream_options_given);
+  return FinishCommon(out, stream_options_given, out->prompt_logprobs.has_value(), "'prompt_logprobs'");
 }
 
 const char* OpenAiFinishReason(FinishReason reason) {
@@ -506,6 +527,62 @@ Json ChatLogprobs(const Tokenizer& tokenizer, const std::vector<SampledToken>& t
     content.push_back(std::move(e));
   }
   return Json{{"content", std::move(content)}};
+}
+
+Json EchoLogprobs(const Tokenizer& tokenizer, const std::vector<int32_t>& prompt,
+                  const std::vector<SampledToken>& logprobs, int top, const std::string& echo_text) {
+  Json strings = Json::array(), token_logprobs = Json::array(), tops = Json::array(), offsets = Json::array();
+  size_t offset = 0;
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    const std::string bytes = TokenBytes(tokenizer, prompt[i]);
+    strings.push_back(TokenLabel(bytes));
+    offsets.push_back(offset);
+    if (echo_text.compare(offset, bytes.size(), bytes) == 0 || !tokenizer.is_special(prompt[i])) {
+      offset = std::min(offset + bytes.size(), echo_text.size());
+    }
+    if (i == 0 || i > logprobs.size()) {  // the first token has nothing before it
+      token_logprobs.push_back(nullptr);
+      tops.push_back(nullptr);
+      continue;
+    }
+    const SampledToken& t = logprobs[i - 1];
+    token_logprobs.push_back(t.logprob);
+    Json alternatives = Json::object();
+    const size_t n = std::min(t.top_logprobs.size(), static_cast<size_t>(std::max(top, 0)));
+    for (size_t j = 0; j < n; ++j) {  // as CompletionLogprobs: a label seen already keeps its logprob
+      alternatives.emplace(TokenLabel(TokenBytes(tokenizer, t.top_logprobs[j].token)), t.top_logprobs[j].logprob);
+    }
+    tops.push_back(std::move(alternatives));
+  }
+  return Json{{"tokens", std::move(strings)},
+              {"token_logprobs", std::move(token_logprobs)},
+              {"top_logprobs", std::move(tops)},
+              {"text_offset", std::move(offsets)}};
+}
+
+void AppendCompletionLogprobs(Json* to, const Json& more) {
+  for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"}) {
+    Json& array = (*to)[key];
+    for (const Json& v : more.at(key)) array.push_back(v);
+  }
+}
+
+Json PromptLogprobs(const Tokenizer& tokenizer, const std::vector<SampledToken>& logprobs, int top) {
+  auto entry = [&](int32_t token, float logprob) {
+    return Json{{"logprob", logprob}, {"decoded_token", tokenizer.Decode({token}, /*skip_special=*/false)}};
+  };
+  Json out = Json::array({nullptr});
+  for (const SampledToken& t : logprobs) {
+    Json e = Json::object();
+    e.emplace(std::to_string(t.token), entry(t.token, t.logprob));
+    const size_t n = std::min(t.top_logprobs.size(), static_cast<size_t>(std::max(top, 0)));
+    for (size_t j = 0; j < n; ++j) {
+      const TokenLogprob& alt = t.top_logprobs[j];
+      e.emplace(std::to_string(alt.token), entry(alt.token, alt.logprob));
+    }
+    out.push_back(std::move(e));
+  }
+  return out;
 }
 
 std::string DumpJson(const Json& json) { return json.dump(-1, ' ', false, Json::error_handler_t::replace); }

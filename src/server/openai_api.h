@@ -48,6 +48,9 @@ struct GenerationRequest {
   bool max_tokens_given = false;  // else the endpoint's default applies
   bool stream = false;
   bool include_usage = false;     // stream_options.include_usage
+  // vLLM's prompt_logprobs (0..20 alternatives): returned with the response. What the engine is
+  // asked for is sampling.prompt_logprobs, which echo with logprobs may set as well.
+  std::optional<int> prompt_logprobs;
 };
 
 struct CompletionRequest : GenerationRequest {
@@ -61,7 +64,8 @@ struct ChatRequest : GenerationRequest {
   bool logprobs = false;  // top_logprobs goes to sampling.logprobs
 };
 
-// Parse and validate a body. Cross-field rules that need the model (context length, n against
+// Parse and validate a body. max_tokens 0 (return or score the prompt only) is allowed with
+// prompt_logprobs, and on /v1/completions with echo. Cross-field rules that need the model (context length, n against
 // max_num_seqs) are checked later, by the server and the engine.
 std::optional<ApiError> ParseCompletionRequest(std::string_view body, CompletionRequest* out);
 std::optional<ApiError> ParseChatRequest(std::string_view body, ChatRequest* out);
@@ -73,6 +77,20 @@ const char* OpenAiFinishReason(FinishReason reason);
 // and of /v1/chat/completions, for the generated tokens.
 Json CompletionLogprobs(const Tokenizer& tokenizer, const std::vector<SampledToken>& tokens, size_t text_offset_start);
 Json ChatLogprobs(const Tokenizer& tokenizer, const std::vector<SampledToken>& tokens);
+
+// The prompt's part of a /v1/completions `logprobs` object with echo: every prompt token, the
+// first with null logprob and top_logprobs, the others with their logprob (`logprobs` from the
+// engine: entry i is prompt token i + 1) and up to `top` alternatives. `text_offset` counts from 0
+// over `echo_text`; a special token that is not written there (a BOS the tokenizer added) takes no
+// room in it.
+Json EchoLogprobs(const Tokenizer& tokenizer, const std::vector<int32_t>& prompt,
+                  const std::vector<SampledToken>& logprobs, int top, const std::string& echo_text);
+// Appends the arrays of one completions `logprobs` object to another's.
+void AppendCompletionLogprobs(Json* to, const Json& more);
+// vLLM's `prompt_logprobs`: one entry per prompt token, null for the first, else
+// {"<token id>": {"logprob", "decoded_token"}} for the prompt token and then up to `top`
+// alternatives, most likely first.
+Json PromptLogprobs(const Tokenizer& tokenizer, const std::vector<SampledToken>& logprobs, int top);
 
 // Serialises JSON; invalid UTF-8 (a token that ends inside a character) becomes U+FFFD.
 std::string DumpJson(const Json& json);

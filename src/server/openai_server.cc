@@ -201,6 +201,8 @@ class GenerationRun {
   // Everything after parsing: length checks, submission, waiting, the response.
   void Run(std::vector<PromptJob> jobs, const GenerationRequest& request, bool echo, bool want_logprobs) {
     SamplingParams params = request.sampling;
+    // max_tokens 0 was allowed by the parser: only the prompt (echoed or scored) comes back.
+    const int64_t min_new_tokens = request.max_tokens_given && params.max_tokens == 0 ? 0 : 1;
     const int64_t max_len = server_.engine_->config().max_model_len;
     if (chat_ && !request.max_tokens_given) {  // chat's default: the rest of the context
       int64_t longest = 0;
@@ -210,7 +212,7 @@ class GenerationRun {
     for (const PromptJob& job : jobs) {
       const int64_t prompt_len = static_cast<int64_t>(job.tokens.size());
       const int64_t max_tokens = params.max_tokens;
-      if (prompt_len + std::max<int64_t>(max_tokens, 1) > max_len) {
+      if (prompt_len + std::max(max_tokens, min_new_tokens) > max_len) {
         return Fail(InvalidRequest("This model's maximum context length is " + std::to_string(max_len) +
                                        " tokens. However, you requested " + std::to_string(prompt_len + max_tokens) +
                                        " tokens (" + std::to_string(prompt_len) + " in the " +
@@ -222,10 +224,17 @@ class GenerationRun {
     }
     n_ = params.n;
     logprobs_ = want_logprobs;
+    echo_logprobs_ = echo && want_logprobs && !chat_;
+    top_logprobs_ = params.logprobs;
+    prompt_logprobs_field_ = request.prompt_logprobs;
     stream_ = request.stream;
     include_usage_ = request.include_usage;
-    for (PromptJob& job : jobs) {
+    prompts_.resize(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      PromptJob& job = jobs[i];
       prompt_tokens_ += static_cast<int64_t>(job.tokens.size());
+      prompts_[i].length = job.tokens.size();
+      if (echo_logprobs_) prompts_[i].tokens = job.tokens;
       echo_texts_.push_back(echo ? job.echo_text : "");
       auto stream = server_.engine_->Submit(std::move(job.tokens), params);
       if (!stream.ok()) {
@@ -244,6 +253,15 @@ class GenerationRun {
   }
 
  private:
+  // What the engine tells once per prompt: its prompt logprobs, with the request's first event.
+  struct Prompt {
+    size_t length = 0;
+    std::vector<int32_t> tokens;  // kept for echo with logprobs
+    bool first_event = false;     // the request's first event has come
+    std::vector<SampledToken> logprobs;
+    bool prelude_sent = false;    // streaming: the echo / role chunks of its choices went out
+  };
+
   struct Choice {
     std::string text;
     std::vector<SampledToken> tokens;
@@ -271,6 +289,11 @@ class GenerationRun {
   size_t Apply(size_t prompt_index, const StreamEvent& e) {
     const size_t index = prompt_index * static_cast<size_t>(n_) + static_cast<size_t>(std::max(0, e.index));
     Choice& c = choices_.at(index);
+    Prompt& prompt = prompts_.at(prompt_index);
+    if (!prompt.first_event) {
+      prompt.first_event = true;
+      prompt.logprobs = e.prompt_logprobs;
+    }
     c.text += e.text_delta;
     c.tokens.insert(c.tokens.end(), e.tokens.begin(), e.tokens.end());
     completion_tokens_ += static_cast<int64_t>(e.tokens.size());
@@ -356,6 +379,25 @@ class GenerationRun {
     return logprobs_ ? CompletionLogprobs(server_.engine_->tokenizer(), tokens, offset) : Json(nullptr);
   }
 
+  // The engine scored every prompt token after the first (not so when the request was cut short).
+  bool PromptScored(size_t prompt_index) const {
+    const Prompt& p = prompts_[prompt_index];
+    return p.first_event && p.logprobs.size() + 1 == p.length;
+  }
+
+  // With echo and logprobs: the logprobs of the echoed prompt (null when they never came).
+  Json EchoLogprobsFor(size_t prompt_index) const {
+    if (!PromptScored(prompt_index)) return nullptr;
+    const Prompt& p = prompts_[prompt_index];
+    return EchoLogprobs(server_.engine_->tokenizer(), p.tokens, p.logprobs, top_logprobs_, echo_texts_[prompt_index]);
+  }
+
+  // vLLM's prompt_logprobs field, when asked for.
+  Json PromptLogprobsFor(size_t prompt_index) const {
+    if (!PromptScored(prompt_index)) return nullptr;
+    return PromptLogprobs(server_.engine_->tokenizer(), prompts_[prompt_index].logprobs, *prompt_logprobs_field_);
+  }
+
   void Collect() {
     std::vector<std::pair<size_t, StreamEvent>> events;
     while (NextEvents(&events)) {  // NextEvents applies them to choices_
@@ -377,27 +419,40 @@ class GenerationRun {
         choice["logprobs"] = logprobs_ ? ChatLogprobs(server_.engine_->tokenizer(), c.tokens) : Json(nullptr);
       } else {
         choice["text"] = echo + c.text;
-        choice["logprobs"] = CompletionLogprobsFor(c.tokens, echo.size());
+        Json logprobs = CompletionLogprobsFor(c.tokens, echo.size());
+        if (echo_logprobs_) {
+          Json prompt_part = EchoLogprobsFor(k / static_cast<size_t>(n_));
+          if (!prompt_part.is_null()) {
+            AppendCompletionLogprobs(&prompt_part, logprobs);
+            logprobs = std::move(prompt_part);
+          }
+        }
+        choice["logprobs"] = std::move(logprobs);
       }
       choice["finish_reason"] = OpenAiFinishReason(c.finish);
+      if (!chat_ && prompt_logprobs_field_) choice["prompt_logprobs"] = PromptLogprobsFor(k / static_cast<size_t>(n_));
       choices.push_back(std::move(choice));
     }
     Json body = Envelope();
     body["choices"] = std::move(choices);
     body["usage"] = Usage();
+    if (chat_ && prompt_logprobs_field_) body["prompt_logprobs"] = PromptLogprobsFor(0);  // vLLM's place for it
     exchange_.Send(HttpResponse{200, "application/json", DumpJson(body), {}});
   }
 
   // Streamed chunks are built as text around a prefix made once: they are the server's hot path
   // (one per token per request). Chunks of one wake-up go out in one write.
-  void Emit(const std::string& choice_json) {
+  // `top_level` (",\"name\":value") goes after the choices array.
+  void Emit(const std::string& choice_json, const std::string& top_level = "") {
     if (chunk_prefix_.empty()) {
       const std::string envelope = DumpJson(Envelope());  // {"id":...,"model":...}
       chunk_prefix_ = "data: " + envelope.substr(0, envelope.size() - 1) + ",\"choices\":[";
     }
     pending_ += chunk_prefix_;
     pending_ += choice_json;
-    pending_ += "]}\n\n";
+    pending_ += "]";
+    pending_ += top_level;
+    pending_ += "}\n\n";
   }
 
   bool Flush() {
@@ -407,26 +462,50 @@ class GenerationRun {
   }
 
   std::string ChoiceJson(size_t k, const std::string& field, const std::string& value_json, const Json& logprobs,
-                         std::optional<FinishReason> finish) const {
+                         std::optional<FinishReason> finish, const std::string& extra = "") const {
     std::string out = "{\"index\":" + std::to_string(k) + ",\"" + field + "\":" + value_json + ",\"logprobs\":";
     out += logprobs.is_null() ? "null" : DumpJson(logprobs);
     out += ",\"finish_reason\":";
     out += finish ? "\"" + std::string(OpenAiFinishReason(*finish)) + "\"" : "null";
+    out += extra;
     out += "}";
     return out;
+  }
+
+  // Whether a prompt's first chunks (the role of chat choices, the echo of completions) need what
+  // comes with the engine's first event: its prompt logprobs.
+  bool PreludeWaits() const { return echo_logprobs_ || prompt_logprobs_field_.has_value(); }
+
+  // The first chunk of every choice of one prompt: chat's role (with vLLM's top-level
+  // prompt_logprobs on the first), or the echoed prompt with its logprobs and prompt_logprobs.
+  void EmitPrelude(size_t prompt_index, std::vector<size_t>& text_offset) {
+    Prompt& prompt = prompts_[prompt_index];
+    if (prompt.prelude_sent) return;
+    prompt.prelude_sent = true;
+    const std::string& echo = echo_texts_[prompt_index];
+    for (int j = 0; j < n_; ++j) {
+      const size_t k = prompt_index * static_cast<size_t>(n_) + static_cast<size_t>(j);
+      if (chat_) {
+        Emit(ChoiceJson(k, "delta", R"({"role":"assistant","content":""})", nullptr, std::nullopt),
+             j == 0 && prompt_logprobs_field_
+                 ? ",\"prompt_logprobs\":" + DumpJson(PromptLogprobsFor(prompt_index))
+                 : std::string());
+        continue;
+      }
+      const std::string extra =
+          prompt_logprobs_field_ ? ",\"prompt_logprobs\":" + DumpJson(PromptLogprobsFor(prompt_index)) : "";
+      if (echo.empty() && extra.empty()) continue;
+      Emit(ChoiceJson(k, "text", DumpJson(Json(echo)), echo_logprobs_ ? EchoLogprobsFor(prompt_index) : Json(nullptr),
+                      std::nullopt, extra));
+      text_offset[k] = echo.size();
+    }
   }
 
   void Stream() {
     if (!exchange_.BeginStream(200, "text/event-stream")) return CancelAll("client disconnected");
     std::vector<size_t> text_offset(choices_.size(), 0);
-    for (size_t k = 0; k < choices_.size(); ++k) {
-      const std::string& echo = echo_texts_[k / static_cast<size_t>(n_)];
-      if (chat_) {
-        Emit(ChoiceJson(k, "delta", R"({"role":"assistant","content":""})", nullptr, std::nullopt));
-      } else if (!echo.empty()) {
-        Emit(ChoiceJson(k, "text", DumpJson(Json(echo)), nullptr, std::nullopt));
-        text_offset[k] = echo.size();
-      }
+    if (!PreludeWaits()) {
+      for (size_t i = 0; i < prompts_.size(); ++i) EmitPrelude(i, text_offset);
     }
     if (!pending_.empty() && !Flush()) return CancelAll("client disconnected");
     std::vector<std::pair<size_t, StreamEvent>> events;
@@ -438,6 +517,7 @@ class GenerationRun {
           if (!error) error = e.error;
           continue;
         }
+        EmitPrelude(k / static_cast<size_t>(n_), text_offset);
         if (e.tokens.empty() && e.text_delta.empty() && !ends) continue;
         const std::optional<FinishReason> finish = ends ? std::optional(e.finish_reason) : std::nullopt;
         if (chat_) {
@@ -475,11 +555,15 @@ class GenerationRun {
   std::string id_;
   int n_ = 1;
   bool logprobs_ = false;
+  bool echo_logprobs_ = false;  // /v1/completions with echo and logprobs: the prompt's come first
+  int top_logprobs_ = 0;
+  std::optional<int> prompt_logprobs_field_;
   bool stream_ = false;
   bool include_usage_ = false;
   std::vector<std::shared_ptr<RequestStream>> streams_;
   std::set<size_t> done_streams_;
   std::vector<std::string> echo_texts_;
+  std::vector<Prompt> prompts_;  // by stream
   std::vector<Choice> choices_;
   std::string chunk_prefix_;  // "data: {envelope,"choices":["
   std::string pending_;       // SSE events not yet written

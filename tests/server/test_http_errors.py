@@ -159,7 +159,10 @@ BAD_COMPLETIONS = {
     "logprobs 21": with_(COMPLETION, logprobs=21),
     "logprobs -1": with_(COMPLETION, logprobs=-1),
     "stream with best_of > n": with_(COMPLETION, stream=True, n=1, best_of=2),
-    "echo with logprobs": with_(COMPLETION, echo=True, logprobs=1),
+    "max_tokens 0 with logprobs": with_(COMPLETION, max_tokens=0, logprobs=1),
+    "prompt_logprobs 21": with_(COMPLETION, prompt_logprobs=21),
+    "prompt_logprobs -1": with_(COMPLETION, prompt_logprobs=-1),
+    "prompt filling the context, max_tokens 1": with_(COMPLETION, prompt=[65] * 512, echo=True, max_tokens=1),
     "suffix": with_(COMPLETION, suffix="tail"),
     "logit_bias": with_(COMPLETION, logit_bias={"1": 5}),
     "stream_options unknown key": with_(COMPLETION, stream=True, stream_options={"bogus": True}),
@@ -191,6 +194,7 @@ BAD_CHATS = {
     "n > best_of": with_(CHAT, n=2, best_of=1),
     "stream with best_of > n": with_(CHAT, stream=True, best_of=2),
     "top_logprobs without logprobs": with_(CHAT, top_logprobs=2),
+    "prompt_logprobs 21": with_(CHAT, prompt_logprobs=21),
     "content null": with_(CHAT, messages=[{"role": "user", "content": None}]),
 }
 
@@ -200,7 +204,7 @@ BAD_CHATS = {
 def test_null_fields_mean_defaults(server, path, base):
     """OpenAI clients (and LangChain & co.) send null for unset optional fields."""
     nullable = ["temperature", "top_p", "n", "stop", "seed", "presence_penalty", "frequency_penalty",
-                "stream", "stream_options", "user", "logit_bias", "best_of"]
+                "stream", "stream_options", "user", "logit_bias", "best_of", "prompt_logprobs"]
     nullable += ["logprobs", "echo", "suffix"] if "prompt" in base else ["logprobs", "top_logprobs",
                                                                           "response_format", "tools"]
     for field in nullable:

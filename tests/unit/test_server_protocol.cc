@@ -120,7 +120,13 @@ TEST(OpenAiParse, RefusesBadCompletionRequestsWithTheField) {
            {R"({"prompt":"a","stream_options":{"include_usage":true}})", "stream_options"},
            {R"({"prompt":"a","logit_bias":{"5":1}})", "logit_bias"},
            {R"({"prompt":"a","suffix":"z"})", "suffix"},
-           {R"({"prompt":"a","echo":true,"logprobs":1})", "echo"},
+           {R"({"prompt":"a","prompt_logprobs":21})", "prompt_logprobs"},
+           {R"({"prompt":"a","prompt_logprobs":-1})", "prompt_logprobs"},
+           {R"({"prompt":"a","prompt_logprobs":true})", "prompt_logprobs"},
+           {R"({"prompt":"a","prompt_logprobs":1.5})", "prompt_logprobs"},
+           {R"({"prompt":"a","max_tokens":0,"logprobs":1})", "max_tokens"},
+           {R"({"prompt":"a","max_tokens":-1,"echo":true})", "max_tokens"},
+           {R"({"prompt":"a","max_tokens":0,"echo":true,"n":2})", "max_tokens"},
        }) {
     CompletionRequest r;
     auto error = ParseCompletionRequest(c.body, &r);
@@ -145,6 +151,49 @@ TEST(OpenAiParse, RefusesBadCompletionRequestsWithTheField) {
   // Hostile nesting is refused before the JSON parser recurses into it.
   std::string deep = R"({"prompt":)" + std::string(100000, '[') + std::string(100000, ']') + "}";
   EXPECT_TRUE(ParseCompletionRequest(deep, &r));
+}
+
+TEST(OpenAiParse, EchoLogprobsAndPromptLogprobs) {
+  CompletionRequest r;
+  // Echo with logprobs asks the engine for the prompt's logprobs with as many alternatives.
+  ASSERT_FALSE(ParseCompletionRequest(R"({"prompt":"a","echo":true,"logprobs":3})", &r));
+  EXPECT_EQ(r.sampling.prompt_logprobs, 3);
+  EXPECT_FALSE(r.prompt_logprobs);
+  // Both: the engine computes the larger number; the field keeps what was asked for.
+  ASSERT_FALSE(ParseCompletionRequest(R"({"prompt":"a","echo":true,"logprobs":2,"prompt_logprobs":5})", &r));
+  EXPECT_EQ(r.sampling.prompt_logprobs, 5);
+  EXPECT_EQ(r.prompt_logprobs, 5);
+  ASSERT_FALSE(ParseCompletionRequest(R"({"prompt":"a","prompt_logprobs":0})", &r));
+  EXPECT_EQ(r.sampling.prompt_logprobs, 0);
+  EXPECT_EQ(r.prompt_logprobs, 0);
+  ASSERT_FALSE(ParseCompletionRequest(R"({"prompt":"a","prompt_logprobs":null})", &r));
+  EXPECT_FALSE(r.sampling.prompt_logprobs);
+  // Echo without logprobs needs no prompt logprobs, unless nothing is generated.
+  ASSERT_FALSE(ParseCompletionRequest(R"({"prompt":"a","echo":true})", &r));
+  EXPECT_FALSE(r.sampling.prompt_logprobs);
+  ASSERT_FALSE(ParseCompletionRequest(R"({"prompt":"a","echo":true,"max_tokens":0})", &r));
+  EXPECT_EQ(r.sampling.max_tokens, 0);
+  EXPECT_EQ(r.sampling.prompt_logprobs, 0);
+  ASSERT_FALSE(ParseCompletionRequest(R"({"prompt":"a","prompt_logprobs":1,"max_tokens":0,"stream":true})", &r));
+  EXPECT_EQ(r.sampling.max_tokens, 0);
+
+  auto zero = ParseCompletionRequest(R"({"prompt":"a","max_tokens":0})", &r);
+  ASSERT_TRUE(zero);
+  EXPECT_EQ(zero->param.value_or(""), "max_tokens");
+  EXPECT_NE(zero->message.find("'echo' or 'prompt_logprobs'"), std::string::npos) << zero->message;
+
+  ChatRequest c;
+  ASSERT_FALSE(ParseChatRequest(R"({"messages":[{"role":"user","content":"x"}],"prompt_logprobs":2})", &c));
+  EXPECT_EQ(c.sampling.prompt_logprobs, 2);
+  ASSERT_FALSE(
+      ParseChatRequest(R"({"messages":[{"role":"user","content":"x"}],"prompt_logprobs":0,"max_tokens":0})", &c));
+  EXPECT_EQ(c.sampling.max_tokens, 0);
+  auto chat_zero = ParseChatRequest(R"({"messages":[{"role":"user","content":"x"}],"max_tokens":0})", &c);
+  ASSERT_TRUE(chat_zero);
+  EXPECT_EQ(chat_zero->param.value_or(""), "max_tokens");
+  auto chat_bad = ParseChatRequest(R"({"messages":[{"role":"user","content":"x"}],"prompt_logprobs":21})", &c);
+  ASSERT_TRUE(chat_bad);
+  EXPECT_EQ(chat_bad->param.value_or(""), "prompt_logprobs");
 }
 
 TEST(OpenAiParse, ChatMessagesAndOptions) {
