@@ -34,6 +34,19 @@ KvView KvView::SinksAndWindow(std::span<const BlockId> table, int32_t context_le
   return Slots(std::move(slots));
 }
 
+int64_t ActivationWidth(const ModelConfig& c, Activation which) {
+  const int64_t D = c.head_dim;
+  switch (which) {
+    case Activation::kHidden:
+    case Activation::kDelta: return c.hidden_size;
+    case Activation::kQkv: return (c.num_heads + 2 * static_cast<int64_t>(c.num_kv_heads)) * D;
+    case Activation::kAttention: return c.num_heads * D;
+    case Activation::kGateUp: return 2 * static_cast<int64_t>(c.intermediate_size);
+    case Activation::kMlp: return c.intermediate_size;
+  }
+  return 0;
+}
+
 int64_t SequenceSlice::view_size() const {
   switch (view.kind) {
     case KvView::Kind::kFull: return context_len;

@@ -129,6 +129,8 @@ enum class Activation {
   kGateUp,     // [2 * intermediate]
   kMlp,        // [intermediate]
 };
+// Elements per row of an activation buffer, for a model of this shape.
+int64_t ActivationWidth(const ModelConfig& config, Activation which);
 // The weights of one decoder layer, as the primitives name them.
 enum class LayerWeight { kAttnNorm, kQkv, kO, kFfnNorm, kGateUp, kDown };
 

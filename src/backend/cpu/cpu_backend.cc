@@ -141,18 +141,7 @@ float* CpuBackend::Buffer(Activation which) {
   return nullptr;
 }
 
-int64_t CpuBackend::Width(Activation which) const {
-  const int64_t D = config_.head_dim;
-  switch (which) {
-    case Activation::kHidden:
-    case Activation::kDelta: return config_.hidden_size;
-    case Activation::kQkv: return (config_.num_heads + 2 * config_.num_kv_heads) * D;
-    case Activation::kAttention: return config_.num_heads * D;
-    case Activation::kGateUp: return 2 * static_cast<int64_t>(config_.intermediate_size);
-    case Activation::kMlp: return config_.intermediate_size;
-  }
-  return 0;
-}
+int64_t CpuBackend::Width(Activation which) const { return ActivationWidth(config_, which); }
 
 const std::vector<float>& CpuBackend::Weight(int layer, LayerWeight which) const {
   const LlamaLayerWeights& w = weights_.layers[static_cast<size_t>(layer)];

@@ -759,16 +759,7 @@ void* CudaBackend::ActivationBuffer(Activation which) const {
 }
 
 int CudaBackend::ActivationWidth(Activation which) const {
-  const int D = config_.head_dim;
-  switch (which) {
-    case Activation::kHidden:
-    case Activation::kDelta: return config_.hidden_size;
-    case Activation::kQkv: return (config_.num_heads + 2 * config_.num_kv_heads) * D;
-    case Activation::kAttention: return config_.num_heads * D;
-    case Activation::kGateUp: return 2 * config_.intermediate_size;
-    case Activation::kMlp: return config_.intermediate_size;
-  }
-  return 0;
+  return static_cast<int>(kvflow::ActivationWidth(config_, which));
 }
 
 const void* CudaBackend::LayerWeightPtr(int layer, LayerWeight which) const {
