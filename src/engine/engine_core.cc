@@ -19,8 +19,6 @@ EngineCore::EngineCore(const EngineCoreConfig& config, std::unique_ptr<Schedulin
       supervisor_(std::move(supervisor)),
       seed_rng_(config_.seed) {}
 
-EngineCore::~EngineCore() = default;
-
 // ---- requests -------------------------------------------------------------------------------------
 
 Status EngineCore::ValidateRequest(const std::vector<int32_t>& prompt, const SamplingParams& params) const {

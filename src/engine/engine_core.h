@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <random>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -56,7 +57,6 @@ class EngineCore {
   // `tokenizer` may be null; otherwise it must outlive the core.
   EngineCore(const EngineCoreConfig& config, std::unique_ptr<SchedulingPolicy> policy,
              std::unique_ptr<LengthSupervisor> supervisor, const Tokenizer* tokenizer);
-  ~EngineCore();
 
   // ---- requests --------------------------------------------------------------------------------
   // The checks AddRequest makes; reads only the configuration (any thread may call it).
