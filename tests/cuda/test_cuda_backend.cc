@@ -648,6 +648,23 @@ TEST(CudaEngine, GreedyMatchesCpuEngineOnSmolLM2) {
   ExpectGreedyMatchesCpu(gguf, 32);
 }
 
+// Multi-token verification on CUDA: n-gram drafts run with their sequence's next token (a
+// several-token slice with every row's logits, sampled on the host) and give the same greedy tokens
+// as plain CUDA decoding (which samples on the device and replays graphs).
+TEST(CudaEngine, SpeculativeDecodingKeepsGreedyOutputs) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  const int kTokens = 40;
+  const Outputs reference = RunEngine(CudaConfig("tiny-random"), kTokens);
+  EngineConfig spec = CudaConfig("tiny-random");
+  spec.speculative_method = "ngram";
+  spec.num_speculative_tokens = 4;
+  EngineStats stats;
+  EXPECT_EQ(RunEngine(spec, kTokens, &stats), reference);
+  std::printf("  drafts %lld, draft tokens %lld, accepted %lld\n", (long long)stats.spec.num_drafts,
+              (long long)stats.spec.num_draft_tokens, (long long)stats.spec.num_accepted_tokens);
+  EXPECT_GT(stats.spec.num_draft_tokens, 0);
+}
+
 TEST(CudaEngine, PreemptionPrefixCachingAndGraphsKeepGreedyOutputs) {
   KVFLOW_SKIP_WITHOUT_GPU();
   const int kTokens = 24;
