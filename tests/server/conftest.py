@@ -280,6 +280,7 @@ class ServerProcess:
             m = self.metrics()
             idle = (m.get("kvflow:num_requests_running") == 0
                     and m.get("kvflow:num_requests_waiting") == 0
+                    and m.get("kvflow:num_requests_in_flight", 0) == 0
                     and m.get("kvflow:kv_cache_blocks_free") == m.get("kvflow:kv_cache_blocks_total"))
             if idle or time.monotonic() > deadline:
                 return m

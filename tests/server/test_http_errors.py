@@ -335,18 +335,26 @@ def _as_response(got):
 def test_queue_full_503(make_server):
     srv = make_server("--max-num-seqs", "1", "--max-queue-len", "1")
     body = with_(COMPLETION, prompt="queue", max_tokens=400, ignore_eos=True, temperature=0)
-    barrier = threading.Barrier(6)
+    barrier = threading.Barrier(5)
     results = [None] * 6
 
-    def worker(i):
-        barrier.wait(10)
+    def worker(i, wait):
+        if wait:
+            barrier.wait(10)
         try:
             results[i] = srv.post("/v1/completions", body, timeout=120)
         except Exception as e:  # reported below
             results[i] = e
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
-    for t in threads:
+    # The first request runs before the rest arrive: six at once could all find the queue holding
+    # one not yet admitted, and then only one of them succeeds.
+    threads = [threading.Thread(target=worker, args=(0, False))]
+    threads[0].start()
+    deadline = time.time() + 10
+    while srv.metrics().get("kvflow:num_requests_running") != 1 and time.time() < deadline:
+        time.sleep(0.01)
+    threads += [threading.Thread(target=worker, args=(i, True)) for i in range(1, 6)]
+    for t in threads[1:]:
         t.start()
     for t in threads:
         t.join(150)
