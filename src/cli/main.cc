@@ -122,8 +122,8 @@ int RunPerplexity(PerplexityCliOptions& opt) {
   }
   std::stringstream text;
   text << in.rdbuf();
-  // Windows of ctx tokens need a context that long; logits of every prompt token are held per
-  // chunk, so prefill in chunks of at most 512 unless asked otherwise.
+  // Windows of ctx tokens need a context that long (the flag's default prefills in chunks of 512,
+  // since every prompt token's logits are held per chunk).
   if (opt.engine.max_model_len == 0) opt.engine.max_model_len = opt.ctx;
   auto engine_or = kvflow::Engine::Create(opt.engine);
   if (!engine_or.ok()) {

@@ -104,14 +104,7 @@ Status CpuBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink,
   try {
     for (Activation a : {Activation::kHidden, Activation::kQkv, Activation::kAttention, Activation::kDelta,
                          Activation::kGateUp, Activation::kMlp}) {
-      const size_t n = static_cast<size_t>(T * Width(a));
-      std::vector<float>& buffer = a == Activation::kHidden      ? hidden_
-                                   : a == Activation::kQkv       ? qkv_
-                                   : a == Activation::kAttention ? attention_
-                                   : a == Activation::kDelta     ? delta_
-                                   : a == Activation::kGateUp    ? gate_up_
-                                                                 : mlp_;
-      buffer.resize(n);
+      Storage(a).resize(static_cast<size_t>(T * Width(a)));
     }
     residual_.resize(static_cast<size_t>(T * config_.hidden_size));
     sink.host->resize(static_cast<size_t>(batch.num_logit_rows() * config_.vocab_size));
@@ -129,16 +122,16 @@ Status CpuBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink,
   return st;
 }
 
-float* CpuBackend::Buffer(Activation which) {
+std::vector<float>& CpuBackend::Storage(Activation which) {
   switch (which) {
-    case Activation::kHidden: return hidden_.data();
-    case Activation::kQkv: return qkv_.data();
-    case Activation::kAttention: return attention_.data();
-    case Activation::kDelta: return delta_.data();
-    case Activation::kGateUp: return gate_up_.data();
-    case Activation::kMlp: return mlp_.data();
+    case Activation::kHidden: return hidden_;
+    case Activation::kQkv: return qkv_;
+    case Activation::kAttention: return attention_;
+    case Activation::kDelta: return delta_;
+    case Activation::kGateUp: return gate_up_;
+    case Activation::kMlp: return mlp_;
   }
-  return nullptr;
+  return hidden_;
 }
 
 int64_t CpuBackend::Width(Activation which) const { return ActivationWidth(config_, which); }
@@ -165,10 +158,7 @@ Status CpuBackend::Embed() {
 }
 
 Status CpuBackend::RmsNorm(int layer, LayerWeight norm, bool add_delta) {
-  const int64_t n = num_tokens_ * config_.hidden_size;
-  if (add_delta) {
-    for (int64_t i = 0; i < n; ++i) residual_[i] += delta_[i];
-  }
+  if (add_delta) AddDelta();
   cpu::RmsNorm(residual_.data(), Weight(layer, norm).data(), hidden_.data(), num_tokens_, config_.hidden_size,
                config_.rms_norm_eps);
   return Status::Ok();

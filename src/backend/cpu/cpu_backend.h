@@ -45,7 +45,8 @@ class CpuBackend final : public Backend {
 
  private:
   CpuBackend(const ModelConfig& config, LlamaWeights weights, const KvCacheLayout& layout);
-  float* Buffer(Activation which);
+  std::vector<float>& Storage(Activation which);
+  float* Buffer(Activation which) { return Storage(which).data(); }
   int64_t Width(Activation which) const;
   const std::vector<float>& Weight(int layer, LayerWeight which) const;
   Status Head(const LogitsSink& sink);
