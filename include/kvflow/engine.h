@@ -52,9 +52,14 @@ struct EngineConfig {
   std::string length_reservation_point;         // s3: "upper" or "middle" of the bucket; empty: the file's
 
   // Speculative decoding (vLLM's flags): "ngram" drafts up to num_speculative_tokens by looking
-  // the last ngram_max..ngram_min tokens up earlier in the sequence (prompt lookup); empty: off.
-  // Lossless: outputs are those of plain decoding. Requests opt out with SamplingParams::speculative.
+  // the last ngram_max..ngram_min tokens up earlier in the sequence (prompt lookup);
+  // "draft_model" samples them from speculative_model, a smaller model with the same tokenizer
+  // (its KV cache follows the target's blocks; it runs on the same device); empty: off, or
+  // "draft_model" when speculative_model is set. Lossless: greedy outputs are those of plain
+  // decoding and sampled ones follow the target's distribution. Requests opt out with
+  // SamplingParams::speculative.
   std::string speculative_method;
+  std::string speculative_model;
   int num_speculative_tokens = 4;
   int ngram_max = 4;
   int ngram_min = 1;

@@ -139,7 +139,10 @@ Status ValidateForwardBatch(const ForwardBatch& batch, const ModelConfig& config
     }
     expected_offset += s.num_tokens;
     if (s.context_len < s.num_tokens) return Status::InvalidArgument("context_len < num_tokens");
-    if (static_cast<int64_t>(s.block_table.size()) * layout.block_size < s.context_len) {
+    // The table places the step's K/V (no slot_mapping) and is what a full view reads; a slice
+    // with explicit slots and its own view does not use it (a draft model's scratch continuation).
+    const bool table_used = batch.slot_mapping.empty() || s.view.kind == KvView::Kind::kFull;
+    if (table_used && static_cast<int64_t>(s.block_table.size()) * layout.block_size < s.context_len) {
       return Status::InvalidArgument("block table of " + std::to_string(s.block_table.size()) +
                                      " blocks cannot hold " + std::to_string(s.context_len) + " tokens");
     }

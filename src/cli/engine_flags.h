@@ -41,8 +41,11 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
   app->add_flag("!--no-length-online-updates", c.length_predictor_online_updates,
                 "s3: do not retrain the predictor on completed requests");
   app->add_option("--speculative-method", c.speculative_method,
-                  "Speculative decoding: ngram (draft by looking the last tokens up earlier in the sequence; "
-                  "lossless). Default: off");
+                  "Speculative decoding, lossless: ngram (draft by looking the last tokens up earlier in the "
+                  "sequence) or draft_model (sample drafts from --speculative-model). Default: off, or draft_model "
+                  "when --speculative-model is given");
+  app->add_option("--speculative-model", c.speculative_model,
+                  "draft_model: a smaller model with the same tokenizer (path or short name), on the same device");
   app->add_option("--num-speculative-tokens", c.num_speculative_tokens, "Drafts per step at most")->default_val(4);
   app->add_option("--ngram-max,--prompt-lookup-max", c.ngram_max, "ngram: longest suffix looked up")->default_val(4);
   app->add_option("--ngram-min,--prompt-lookup-min", c.ngram_min, "ngram: shortest suffix looked up")->default_val(1);

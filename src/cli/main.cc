@@ -189,8 +189,7 @@ int RunInfo(const std::string& model) {
     spdlog::error("{}", path.status().ToString());
     return 1;
   }
-  auto files = path.value() == kvflow::kTinyRandomName ? kvflow::MakeTinyRandomModel()
-                                                       : kvflow::OpenModelFiles(path.value());
+  auto files = kvflow::OpenModelFiles(path.value());
   if (!files.ok()) {
     spdlog::error("{}", files.status().ToString());
     return 1;

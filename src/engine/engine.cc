@@ -12,9 +12,10 @@
 #include "engine/model_executor.h"
 #include "model/llama_weights.h"
 #include "model/tensor_source.h"
-#include "model/tiny_random.h"
 #include "sched/length_supervisor.h"
 #include "sched/policy.h"
+#include "spec/draft_model.h"
+#include "spec/ngram_drafter.h"
 
 namespace kvflow {
 
@@ -37,7 +38,7 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 // What the core needs to know of the engine's configuration and model.
 EngineCoreConfig CoreConfig(const EngineConfig& c, const ModelConfig& model, const Tokenizer& tokenizer,
-                            int num_device_blocks, int num_host_blocks, PreemptionMode preemption) {
+                            int num_device_blocks, int num_host_blocks, PreemptionMode preemption, Drafter* drafter) {
   EngineCoreConfig core;
   core.scheduler = SchedulerConfig{c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, preemption};
   core.blocks = BlockManagerConfig{c.block_size, num_device_blocks, num_host_blocks, c.enable_prefix_caching};
@@ -45,26 +46,41 @@ EngineCoreConfig CoreConfig(const EngineConfig& c, const ModelConfig& model, con
   core.eos_token_ids.assign(model.eos_token_ids.begin(), model.eos_token_ids.end());
   if (tokenizer.eos_id() >= 0) core.eos_token_ids.push_back(tokenizer.eos_id());
   core.seed = c.seed;
-  if (c.speculative_method == "ngram") {
-    core.speculative = NgramDrafterConfig{c.num_speculative_tokens, c.ngram_max, c.ngram_min};
-  }
+  core.drafter = drafter;
   return core;
+}
+
+// The engine's drafter for speculative decoding: none, n-gram lookup, or the draft model on
+// `draft_backend` (whose pool holds the target's `num_table_blocks` and the drafter's scratch).
+std::unique_ptr<Drafter> MakeDrafter(const EngineConfig& c, Backend* draft_backend, int num_table_blocks) {
+  if (c.speculative_method == "ngram") {
+    return std::make_unique<NgramDrafter>(NgramDrafterConfig{c.num_speculative_tokens, c.ngram_max, c.ngram_min});
+  }
+  if (c.speculative_method == "draft_model") {
+    return std::make_unique<DraftModel>(*draft_backend, num_table_blocks, c.num_speculative_tokens, c.max_num_seqs);
+  }
+  return nullptr;
 }
 
 // The public Engine API over the core, the model executor and the backend.
 class EngineImpl final : public EvaluationEngine {
  public:
+  // `draft_backend`: the draft model's, with speculative_method "draft_model" (else null).
   EngineImpl(EngineConfig config, ModelFiles files, std::unique_ptr<Backend> backend,
-             std::unique_ptr<SchedulingPolicy> policy, PreemptionMode preemption,
-             std::unique_ptr<LengthSupervisor> supervisor)
+             std::unique_ptr<Backend> draft_backend, std::unique_ptr<SchedulingPolicy> policy,
+             PreemptionMode preemption, std::unique_ptr<LengthSupervisor> supervisor)
       : config_(std::move(config)),
         model_config_(files.config),
         tokenizer_(std::move(files.tokenizer)),
         backend_(std::move(backend)),
+        draft_backend_(std::move(draft_backend)),
+        drafter_(MakeDrafter(config_, draft_backend_.get(), backend_->kv_layout().num_blocks)),
         core_(CoreConfig(config_, model_config_, *tokenizer_, backend_->kv_layout().num_blocks,
-                         backend_->num_host_blocks(), preemption),
+                         backend_->num_host_blocks(), preemption, drafter_.get()),
               std::move(policy), std::move(supervisor), tokenizer_.get()),
-        executor_(*backend_, core_.block_manager()) {}
+        executor_(*backend_, core_.block_manager()) {
+    if (draft_backend_) executor_.AddFollower(*draft_backend_);
+  }
 
   Result<RequestId> AddRequest(const std::string& prompt, const SamplingParams& params,
                                StreamCallback on_event) override {
@@ -124,7 +140,13 @@ class EngineImpl final : public EvaluationEngine {
   std::string Describe() const override {
     const BlockManager& blocks = core_.block_manager();
     const Scheduler& scheduler = core_.scheduler();
-    return model_config_.name + " on " + backend_->Describe() + ", swap " + std::to_string(blocks.host().num_blocks()) +
+    const std::string draft =
+        draft_backend_ ? ", draft model " + draft_backend_->model_config().name + " (k " +
+                             std::to_string(config_.num_speculative_tokens) + ")"
+        : drafter_     ? ", " + config_.speculative_method + " speculation (k " +
+                             std::to_string(config_.num_speculative_tokens) + ")"
+                       : "";
+    return model_config_.name + " on " + backend_->Describe() + draft + ", swap " + std::to_string(blocks.host().num_blocks()) +
            " blocks, max_model_len " + std::to_string(config_.max_model_len) + ", policy " +
            std::string(scheduler.policy().name()) + ", preemption " +
            PreemptionModeName(scheduler.config().preemption_mode) +
@@ -172,6 +194,8 @@ class EngineImpl final : public EvaluationEngine {
   ModelConfig model_config_;
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Backend> draft_backend_;
+  std::unique_ptr<Drafter> drafter_;
   EngineCore core_;
   ModelExecutor executor_;
 };
@@ -184,10 +208,17 @@ Status ValidateEngineConfig(const EngineConfig& c) {
   if (c.kv_cache_bytes < 0 || c.num_kv_blocks < 0) return Status::InvalidArgument("KV cache size must be >= 0");
   if (c.swap_space_bytes < 0) return Status::InvalidArgument("swap_space must be >= 0");
   if (!c.speculative_method.empty()) {
-    if (c.speculative_method != "ngram") {
-      return Status::InvalidArgument("speculative_method must be ngram (or empty: off), not '" + c.speculative_method + "'");
+    if (c.speculative_method != "ngram" && c.speculative_method != "draft_model") {
+      return Status::InvalidArgument("speculative_method must be ngram or draft_model (or empty: off), not '" +
+                                     c.speculative_method + "'");
     }
     KVFLOW_RETURN_IF_ERROR((NgramDrafterConfig{c.num_speculative_tokens, c.ngram_max, c.ngram_min}).Validate());
+    if (c.speculative_method == "draft_model" && c.speculative_model.empty()) {
+      return Status::InvalidArgument("speculative_method draft_model needs speculative_model (--speculative-model)");
+    }
+    if (c.speculative_method == "ngram" && !c.speculative_model.empty()) {
+      return Status::InvalidArgument("speculative_model is for speculative_method draft_model, not ngram");
+    }
   }
   return ParseDevice(c.device).status();
 }
@@ -229,21 +260,53 @@ Result<std::unique_ptr<LengthSupervisor>> CreateLengthSupervisor(const EngineCon
   return supervisor;
 }
 
+// The draft model's backend: same device, a pool with the target's blocks (which it mirrors) and
+// the drafter's scratch. The draft must read and write the same token ids as the target.
+Result<std::unique_ptr<Backend>> CreateDraftBackend(const EngineConfig& config, const Backend& target,
+                                                    const ModelConfig& target_model, const Tokenizer& tokenizer) {
+  KVFLOW_ASSIGN_OR_RETURN(std::string path, ResolveModel(config.speculative_model));
+  KVFLOW_ASSIGN_OR_RETURN(ModelFiles files, OpenModelFiles(path));
+  const ModelConfig& mc = files.config;
+  KVFLOW_RETURN_IF_ERROR(mc.Validate());
+  const std::string what = "draft model " + config.speculative_model;
+  if (!files.tokenizer) return Status::InvalidArgument(what + " has no tokenizer; it must share the target's");
+  if (mc.vocab_size != target_model.vocab_size ||
+      TokenizerFingerprint(*files.tokenizer) != TokenizerFingerprint(tokenizer)) {
+    return Status::InvalidArgument(what + " has another tokenizer than " + target_model.name + " (vocab " +
+                                   std::to_string(mc.vocab_size) + " vs " + std::to_string(target_model.vocab_size) +
+                                   "); draft and target must share one");
+  }
+  if (mc.max_position_embeddings < config.max_model_len) {
+    return Status::InvalidArgument(what + " has a context of " + std::to_string(mc.max_position_embeddings) +
+                                   " tokens, less than max_model_len " + std::to_string(config.max_model_len) +
+                                   "; lower max_model_len");
+  }
+  KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadLlamaWeights(*files.tensors, mc, files.gguf_rope_permuted));
+  files.tensors.reset();
+  EngineConfig draft = config;
+  draft.num_kv_blocks = target.kv_layout().num_blocks +
+                        DraftModel::ScratchBlocks(config.num_speculative_tokens, config.max_num_seqs, config.block_size);
+  draft.num_host_kv_blocks = target.num_host_blocks();
+  KVFLOW_ASSIGN_OR_RETURN(auto backend, CreateBackend(draft, /*max_model_len_requested=*/true, mc, std::move(weights)));
+  if (backend->kv_layout().num_blocks < draft.num_kv_blocks || backend->num_host_blocks() != target.num_host_blocks()) {
+    return Status::Internal(what + ": its KV pool could not be sized to follow the target's");
+  }
+  spdlog::info("{}: {} layers, KV pool of {} blocks following the target's {}", what, mc.num_layers,
+               backend->kv_layout().num_blocks, target.kv_layout().num_blocks);
+  return backend;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<EvaluationEngine>> CreateEvaluationEngine(const EngineConfig& input,
                                                                  const EvaluationOptions& evaluation) {
   EngineConfig config = input;
+  if (config.speculative_method.empty() && !config.speculative_model.empty()) config.speculative_method = "draft_model";
   KVFLOW_RETURN_IF_ERROR(ValidateEngineConfig(config));
   KVFLOW_ASSIGN_OR_RETURN(auto policy, MakeSchedulingPolicy(config.scheduling_policy));
   KVFLOW_ASSIGN_OR_RETURN(PreemptionMode preemption, ParsePreemptionMode(config.preemption_mode));
   KVFLOW_ASSIGN_OR_RETURN(std::string path, ResolveModel(config.model));
-  ModelFiles files;
-  if (path == kTinyRandomName) {
-    KVFLOW_ASSIGN_OR_RETURN(files, MakeTinyRandomModel());
-  } else {
-    KVFLOW_ASSIGN_OR_RETURN(files, OpenModelFiles(path));
-  }
+  KVFLOW_ASSIGN_OR_RETURN(ModelFiles files, OpenModelFiles(path));
   if (!files.tokenizer) {
     return Status::NotFound("no tokenizer found for " + path + " (expected tokenizer.json beside the weights)");
   }
@@ -260,9 +323,13 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEvaluationEngine(const EngineCon
   KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadLlamaWeights(*files.tensors, mc, files.gguf_rope_permuted));
   files.tensors.reset();  // weights are now fp32 copies; drop the mapping
   KVFLOW_ASSIGN_OR_RETURN(auto backend, CreateBackend(config, input.max_model_len > 0, mc, std::move(weights)));
+  std::unique_ptr<Backend> draft_backend;
+  if (config.speculative_method == "draft_model") {
+    KVFLOW_ASSIGN_OR_RETURN(draft_backend, CreateDraftBackend(config, *backend, mc, *files.tokenizer));
+  }
   KVFLOW_ASSIGN_OR_RETURN(auto supervisor, CreateLengthSupervisor(config, evaluation, *files.tokenizer));
-  auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(policy),
-                                             preemption, std::move(supervisor));
+  auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(draft_backend),
+                                             std::move(policy), preemption, std::move(supervisor));
   spdlog::info("engine ready: {}", engine->Describe());
   return std::unique_ptr<EvaluationEngine>(std::move(engine));
 }

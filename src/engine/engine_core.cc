@@ -53,7 +53,7 @@ Result<RequestId> EngineCore::AddRequest(std::vector<int32_t> prompt, const Samp
   req->params = params;
   req->seed = params.seed.value_or(seed_rng_());
   req->on_event = std::move(on_event);
-  req->strategy = MakeDecodingStrategy(params, config_.speculative ? &*config_.speculative : nullptr);
+  req->strategy = MakeDecodingStrategy(params, req->seed, config_.drafter);
 
   auto group = std::make_unique<SequenceGroup>();
   group->request_id = req->id;
@@ -102,6 +102,13 @@ Result<StepResult> EngineCore::StepInner(Executor& executor) {
   ReapCancelled();
   // Drafts first: the scheduler runs them with their sequence's next token.
   for (auto& [id, req] : requests_) req->strategy->BeforeStep(*this, *req);
+  if (!draft_jobs_.empty()) {
+    for (DraftJob* job : draft_jobs_) job->block_table = blocks_.BlockTable(job->seq->id);
+    config_.drafter->Propose(draft_jobs_);
+    for (size_t i = 0; i < draft_jobs_.size(); ++i) draft_seqs_[i]->draft_tokens = draft_jobs_[i]->drafts;
+    draft_jobs_.clear();
+    draft_seqs_.clear();
+  }
   SchedulerOutput sched = scheduler_.Schedule();
   for (auto& [id, why] : sched.rejected) FailRequest(id, why, /*in_scheduler=*/false);
   if (supervisor_) {

@@ -25,7 +25,7 @@
 #include "sched/length_supervisor.h"
 #include "sched/policy.h"
 #include "sched/scheduler.h"
-#include "spec/ngram_drafter.h"
+#include "spec/drafter.h"
 
 namespace kvflow {
 
@@ -38,8 +38,9 @@ struct EngineCoreConfig {
   // Say (rate-limited) when preemptions show the KV cache is too small for the load; the serving
   // simulator preempts by design.
   bool warn_on_preemption = true;
-  // Speculative decoding with n-gram drafts for requests that keep SamplingParams::speculative on.
-  std::optional<NgramDrafterConfig> speculative;
+  // Speculative decoding for requests that keep SamplingParams::speculative on: the drafter (n-gram
+  // lookup or a draft model), null for none. Not owned; it must outlive the core.
+  Drafter* drafter = nullptr;
 };
 
 // Watches the core from outside (the serving simulator's measurements).
@@ -107,6 +108,14 @@ class EngineCore {
   // After a speculative sequence's tokens were appended (AppendTokens): counts the drafts and, if
   // the sequence goes on, keeps the accepted drafts' KV and frees the rejected drafts' slots.
   Status CommitDrafts(RequestState& req, SeqState& seq, const ScheduledSeq& step, int64_t drafted, int64_t accepted);
+  // Has the drafter fill `job` for `seq` before the coming step is scheduled, batched with the step's other
+  // jobs (call from BeforeStep; `job` must stay put until then). The drafts become the sequence's
+  // draft_tokens.
+  void QueueDraft(DraftJob& job, SchedSequence& seq) {
+    job.seq = &seq;
+    draft_jobs_.push_back(&job);
+    draft_seqs_.push_back(&seq);
+  }
   // The request's prompt logprobs go out once, with its first event.
   static void AttachPromptLogprobs(RequestState& req, StreamEvent& event);
 
@@ -153,6 +162,8 @@ class EngineCore {
   std::mt19937_64 seed_rng_;
   std::unordered_map<RequestId, std::unique_ptr<RequestState>> requests_;
   std::vector<RequestId> cancelled_;  // asked to stop during a step, in the order asked
+  std::vector<DraftJob*> draft_jobs_;  // queued by BeforeStep for the coming step
+  std::vector<SchedSequence*> draft_seqs_;
   EngineStats stats_;
   RequestId next_id_ = 1;
   bool in_step_ = false;

@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include <spdlog/spdlog.h>
+
 namespace kvflow {
 
 ForwardBatch BuildForwardBatch(const SchedulerOutput& sched, const BlockManager& blocks,
@@ -24,10 +26,27 @@ ForwardBatch BuildForwardBatch(const SchedulerOutput& sched, const BlockManager&
   return batch;
 }
 
+void ModelExecutor::AddFollower(Backend& follower) { followers_.emplace_back(follower); }
+
 Status ModelExecutor::MoveBlocks(const SchedulerOutput& sched) {
-  KVFLOW_RETURN_IF_ERROR(backend_.CopyBlocks(sched.swap_out, BlockCopyKind::kDeviceToHost));
-  KVFLOW_RETURN_IF_ERROR(backend_.CopyBlocks(sched.swap_in, BlockCopyKind::kHostToDevice));
-  return backend_.CopyBlocks(sched.copies, BlockCopyKind::kDeviceToDevice);
+  auto move = [&](Backend& backend) -> Status {
+    KVFLOW_RETURN_IF_ERROR(backend.CopyBlocks(sched.swap_out, BlockCopyKind::kDeviceToHost));
+    KVFLOW_RETURN_IF_ERROR(backend.CopyBlocks(sched.swap_in, BlockCopyKind::kHostToDevice));
+    return backend.CopyBlocks(sched.copies, BlockCopyKind::kDeviceToDevice);
+  };
+  KVFLOW_RETURN_IF_ERROR(move(backend_));
+  for (LlamaModel& follower : followers_) KVFLOW_RETURN_IF_ERROR(move(follower.backend()));
+  return Status::Ok();
+}
+
+void ModelExecutor::RunFollowers(ForwardBatch batch) {
+  if (followers_.empty()) return;
+  for (SequenceSlice& s : batch.seqs) s.logits = LogitsMode::kNone;
+  for (LlamaModel& follower : followers_) {
+    if (Status st = follower.Forward(batch, follower_logits_); !st.ok()) {
+      if (follower_failures_++ == 0) spdlog::error("follower KV cache ({}): {}", follower.backend().Describe(), st.ToString());
+    }
+  }
 }
 
 Status ModelExecutor::Run(const SchedulerOutput& sched, std::span<const LogitsMode> logits,
@@ -38,9 +57,11 @@ Status ModelExecutor::Run(const SchedulerOutput& sched, std::span<const LogitsMo
     sampled_.clear();
     KVFLOW_RETURN_IF_ERROR(model_.ForwardAndSample(batch, *sample_rows, sampled_));
     for (SampledToken& t : sampled_) out.sampled.push_back({std::move(t)});
+    RunFollowers(batch);
     return Status::Ok();
   }
   KVFLOW_RETURN_IF_ERROR(model_.Forward(batch, logits_));
+  RunFollowers(batch);
   out.vocab_size = backend_.model_config().vocab_size;
   out.logits = std::span<float>(logits_.data(), static_cast<size_t>(batch.num_logit_rows() * out.vocab_size));
   return Status::Ok();

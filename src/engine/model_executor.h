@@ -21,6 +21,15 @@ class ModelExecutor final : public Executor {
   // `backend` and `blocks` (the block tables the scheduler keeps) must outlive the executor.
   ModelExecutor(Backend& backend, const BlockManager& blocks) : backend_(backend), model_(backend), blocks_(blocks) {}
 
+  // Several KV caches in one engine: `follower` holds a second model (a draft model) whose KV pool
+  // follows the target's block tables. Every block move is applied to its pool too, and every
+  // step's tokens run through it after the target's pass (no logits), so each computed position
+  // has the follower's K/V in the same slot. Its pool must have at least the target's device and
+  // host blocks; blocks past those are its own (spec/draft_model.h's scratch). A follower's failed
+  // pass is logged and leaves its cache stale there, never fails the step: a draft model only
+  // proposes.
+  void AddFollower(Backend& follower);
+
   bool SupportsSampling() const override { return backend_.SupportsDeviceSampling(); }
   Status MoveBlocks(const SchedulerOutput& sched) override;
   Status Run(const SchedulerOutput& sched, std::span<const LogitsMode> logits,
@@ -29,9 +38,15 @@ class ModelExecutor final : public Executor {
  private:
   Backend& backend_;
   LlamaModel model_;
+  std::vector<LlamaModel> followers_;
   const BlockManager& blocks_;
+  // Runs the step's batch through every follower (no logits).
+  void RunFollowers(ForwardBatch batch);
+
   std::vector<float> logits_;
   std::vector<SampledToken> sampled_;
+  std::vector<float> follower_logits_;
+  int64_t follower_failures_ = 0;
 };
 
 }  // namespace kvflow

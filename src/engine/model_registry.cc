@@ -40,7 +40,7 @@ std::vector<std::string> ModelSearchDirs() {
 }
 
 Result<std::string> ResolveModel(const std::string& path_or_name) {
-  if (path_or_name == kTinyRandomName) return path_or_name;
+  if (IsBuiltInModel(path_or_name)) return path_or_name;
   std::error_code ec;
   if (fs::exists(path_or_name, ec)) return path_or_name;
   const auto& known = KnownModels();
@@ -55,7 +55,7 @@ Result<std::string> ResolveModel(const std::string& path_or_name) {
   std::string names;
   for (const auto& [name, _] : known) names += name + ", ";
   return Status::NotFound("model '" + path_or_name + "' is neither a path nor found in the model directories:" +
-                          looked + "\nknown short names: " + names + "tiny-random (built in)" +
+                          looked + "\nknown short names: " + names + "tiny-random, tiny-random-draft (built in)" +
                           "\nrun tools/fetch-model to download SmolLM2-135M-Instruct");
 }
 

@@ -9,6 +9,7 @@
 #include "model/model_config.h"
 #include "model/safetensors.h"
 #include "model/tensor_source.h"
+#include "model/tiny_random.h"
 
 namespace kvflow {
 
@@ -139,6 +140,7 @@ Result<ModelFiles> OpenByKind(const std::string& path) {
 }  // namespace
 
 Result<ModelFiles> OpenModelFiles(const std::string& path) {
+  if (IsBuiltInModel(path)) return MakeBuiltInModel(path);
   KVFLOW_ASSIGN_OR_RETURN(ModelFiles files, OpenByKind(path));
   KVFLOW_RETURN_IF_ERROR(files.config.Validate());
   const uint64_t bytes = TotalTensorBytes(*files.tensors);

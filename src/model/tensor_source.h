@@ -67,7 +67,8 @@ class LoadProgress {
 };
 
 // `path` is a .gguf file, a .safetensors file, a `model.safetensors.index.json`, or a directory
-// holding config.json plus one of those. Progress is logged for big files.
+// holding config.json plus one of those, or a built-in model's name (model/tiny_random.h).
+// Progress is logged for big files.
 Result<ModelFiles> OpenModelFiles(const std::string& path);
 
 }  // namespace kvflow

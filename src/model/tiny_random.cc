@@ -60,13 +60,20 @@ class PortableNormal {
 
 }  // namespace
 
-Result<ModelFiles> MakeTinyRandomModel(uint64_t seed) {
+Result<ModelFiles> MakeBuiltInModel(const std::string& name) {
+  if (name == kTinyRandomDraftName) return MakeTinyRandomModel(0x6b76666c6f77, 2);
+  if (name == kTinyRandomName) return MakeTinyRandomModel();
+  return Status::NotFound("no built-in model named " + name);
+}
+
+Result<ModelFiles> MakeTinyRandomModel(uint64_t seed, int num_layers) {
+  if (num_layers < 1 || num_layers > 4) return Status::InvalidArgument("tiny-random has 1 to 4 layers");
   ModelConfig c;
-  c.name = kTinyRandomName;
+  c.name = num_layers == 4 ? kTinyRandomName : kTinyRandomDraftName;
   c.vocab_size = 259;  // 256 bytes + <|endoftext|>, <|im_start|>, <|im_end|>
   c.hidden_size = 128;
   c.intermediate_size = 344;
-  c.num_layers = 4;
+  c.num_layers = num_layers;
   // head_dim 64, as in SmolLM2, so that the CUDA kernels (head_dim 64 / 128) run this model too.
   c.num_heads = 2;
   c.num_kv_heads = 1;

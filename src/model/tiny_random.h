@@ -10,7 +10,14 @@
 namespace kvflow {
 
 inline constexpr const char* kTinyRandomName = "tiny-random";
+// Its first two layers, embeddings and head (a layer-skip draft of tiny-random: same tokenizer,
+// a related distribution), for testing draft-model speculative decoding.
+inline constexpr const char* kTinyRandomDraftName = "tiny-random-draft";
+inline bool IsBuiltInModel(const std::string& name) { return name == kTinyRandomName || name == kTinyRandomDraftName; }
 
-Result<ModelFiles> MakeTinyRandomModel(uint64_t seed = 0x6b76666c6f77);
+// `num_layers` < 4 keeps the first layers of the 4-layer model (the same weights).
+Result<ModelFiles> MakeTinyRandomModel(uint64_t seed = 0x6b76666c6f77, int num_layers = 4);
+// The built-in model of that name (IsBuiltInModel).
+Result<ModelFiles> MakeBuiltInModel(const std::string& name);
 
 }  // namespace kvflow

@@ -80,22 +80,57 @@ double Sampler::NextUniform() { return UniformUnit(rng_); }
 
 SampledToken Sampler::Sample(std::span<float> logits, std::span<const int32_t> prompt,
                              std::span<const int32_t> output, std::span<const int32_t> suppress) {
-  const double raw_log_normalizer = ScanRawLogits(logits);
+  raw_log_normalizer_ = ScanRawLogits(logits);
 
   for (int32_t token : suppress) {
     if (InVocab(token, logits.size())) logits[token] = kNegativeInfinity;
   }
   ApplyPenalties(logits, prompt, output);
+  return Report(logits, params_.greedy() ? Argmax(logits) : Draw(logits));
+}
 
+SampledToken Sampler::Report(std::span<const float> logits, int32_t token) const {
   SampledToken sampled;
-  sampled.token = params_.greedy() ? Argmax(logits) : Draw(logits);
-  sampled.logprob = static_cast<float>(RawLogit(logits, sampled.token) - raw_log_normalizer);
+  sampled.token = token;
+  sampled.logprob = static_cast<float>(RawLogit(logits, token) - raw_log_normalizer_);
   sampled.top_logprobs.reserve(top_raw_.size());
   for (const ScoredToken& top : top_raw_) {
-    sampled.top_logprobs.push_back(
-        {top.token, static_cast<float>(top.logit - raw_log_normalizer)});
+    sampled.top_logprobs.push_back({top.token, static_cast<float>(top.logit - raw_log_normalizer_)});
   }
   return sampled;
+}
+
+void Sampler::Distribution(std::span<float> logits, std::span<const int32_t> prompt, std::span<const int32_t> output,
+                           std::span<const int32_t> suppress, std::vector<float>& probs) {
+  raw_log_normalizer_ = ScanRawLogits(logits);
+  for (int32_t token : suppress) {
+    if (InVocab(token, logits.size())) logits[token] = kNegativeInfinity;
+  }
+  ApplyPenalties(logits, prompt, output);
+  probs.assign(logits.size(), 0.0f);
+  const double kept_weight = params_.greedy() ? 0.0 : KeepCandidates(logits);
+  if (kept_weight <= 0.0) {
+    probs[static_cast<size_t>(Argmax(logits))] = 1.0f;
+    return;
+  }
+  for (int32_t token : order_) {
+    if (Eligible(token)) probs[static_cast<size_t>(token)] = static_cast<float>(weights_[token] / kept_weight);
+  }
+}
+
+int32_t Sampler::DrawFrom(std::span<const float> probs) {
+  double total = 0.0;
+  for (float p : probs) total += p;
+  const double threshold = UniformUnit(rng_) * total;
+  double cumulative = 0.0;
+  int32_t chosen = -1;
+  for (size_t i = 0; i < probs.size(); ++i) {
+    if (probs[i] <= 0.0f) continue;
+    chosen = static_cast<int32_t>(i);
+    cumulative += probs[i];
+    if (threshold < cumulative) break;
+  }
+  return chosen >= 0 ? chosen : Argmax(probs);
 }
 
 void Sampler::SelectLargest(std::span<const float> logits, size_t count,
@@ -171,9 +206,27 @@ void Sampler::ApplyPenalties(std::span<float> logits, std::span<const int32_t> p
 }
 
 int32_t Sampler::Draw(std::span<const float> logits) {
-  const float max_logit = *std::max_element(logits.begin(), logits.end());
+  const double kept_weight = KeepCandidates(logits);
   // Everything is masked: there is nothing to draw from, so answer as greedy would.
-  if (max_logit == kNegativeInfinity) return Argmax(logits);
+  if (kept_weight <= 0.0) return Argmax(logits);
+  // Inverse CDF over the kept tokens in ascending id order: the first token whose cumulative
+  // weight exceeds the threshold. The canonical order makes the token a function of the uniform
+  // draw alone, so the CUDA sampler (kernels/sampling.cu) picks the same token from the same draw.
+  const double threshold = UniformUnit(rng_) * kept_weight;
+  double cumulative = 0.0;
+  int32_t chosen = -1;
+  for (int32_t token : order_) {
+    if (!Eligible(token)) continue;
+    chosen = token;
+    cumulative += weights_[token];
+    if (threshold < cumulative) break;
+  }
+  return chosen;
+}
+
+double Sampler::KeepCandidates(std::span<const float> logits) {
+  const float max_logit = *std::max_element(logits.begin(), logits.end());
+  if (max_logit == kNegativeInfinity) return 0.0;
 
   // The one softmax pass. The top token's weight is exactly 1, so min-p's threshold is min_p.
   const double all_weight =
@@ -195,26 +248,11 @@ int32_t Sampler::Draw(std::span<const float> logits) {
   // Top-k leaves order_ best-first and top-p partitioned; the draw below walks ascending ids.
   if (order_.size() < logits.size() || params_.top_p < 1.0f) SortByTokenId();
 
-  auto eligible = [&](int32_t token) {
-    return weights_[token] > 0.0f && weights_[token] >= params_.min_p;
-  };
   double kept_weight = 0.0;
   for (int32_t token : order_) {
-    if (eligible(token)) kept_weight += weights_[token];
+    if (Eligible(token)) kept_weight += weights_[token];
   }
-  // Inverse CDF over the kept tokens in ascending id order: the first token whose cumulative
-  // weight exceeds the threshold. The canonical order makes the token a function of the uniform
-  // draw alone, so the CUDA sampler (kernels/sampling.cu) picks the same token from the same draw.
-  const double threshold = UniformUnit(rng_) * kept_weight;
-  double cumulative = 0.0;
-  int32_t chosen = -1;
-  for (int32_t token : order_) {
-    if (!eligible(token)) continue;
-    chosen = token;
-    cumulative += weights_[token];
-    if (threshold < cumulative) break;
-  }
-  return chosen;
+  return kept_weight;
 }
 
 // Bucketing the weights by binary exponent settles all but one bucket in a single pass, and halving

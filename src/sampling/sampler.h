@@ -23,6 +23,19 @@ class Sampler {
   SampledToken Sample(std::span<float> logits, std::span<const int32_t> prompt,
                       std::span<const int32_t> output, std::span<const int32_t> suppress = {});
 
+  // For speculative decoding against a drafter that samples (spec/rejection_sampler.h): the
+  // distribution Sample would draw from for this row, with suppression, penalties, temperature,
+  // top-k, top-p and min-p applied, as probabilities by token id (greedy, or every token masked:
+  // one-hot at the argmax). `logits` is scratch, as for Sample; Report may follow.
+  void Distribution(std::span<float> logits, std::span<const int32_t> prompt, std::span<const int32_t> output,
+                    std::span<const int32_t> suppress, std::vector<float>& probs);
+  // What Sample would return had it chosen `token` from the row the last Sample or Distribution
+  // processed (same `logits` span): its logprob on the raw logits and the top logprobs.
+  SampledToken Report(std::span<const float> logits, int32_t token) const;
+  // A token drawn from `probs` (by token id, summing to about 1) with this sampler's next uniform:
+  // the inverse CDF in ascending id order, as Sample draws.
+  int32_t DrawFrom(std::span<const float> probs);
+
   // The uniform draw Sample would take for its next token (non-greedy params), for a device
   // sampler: taking it here keeps the sequence's RNG in step with the CPU path. (The CPU path
   // skips the draw when every token is masked; a device row always takes it.)
@@ -48,6 +61,10 @@ class Sampler {
   // the kept tokens in ascending id order, so that a uniform draw maps to the same token whatever
   // the backend.
   int32_t Draw(std::span<const float> logits);
+  // Draw's candidates: fills order_ (ascending ids) and weights_, returns the weight of the
+  // eligible ones; 0 when every token is masked.
+  double KeepCandidates(std::span<const float> logits);
+  bool Eligible(int32_t token) const { return weights_[token] > 0.0f && weights_[token] >= params_.min_p; }
   // Trims order_ to the smallest set of heaviest tokens that weighs at least nucleus_weight
   // (always one token at least).
   void KeepNucleus(double nucleus_weight);
@@ -65,6 +82,7 @@ class Sampler {
   std::vector<ScoredToken> penalized_;  // raw logits of the tokens the penalties changed
   std::vector<ScoredToken> top_raw_;    // the largest raw logits, for top_logprobs
   std::vector<ScoredToken> top_k_;      // the largest sampling logits, for top-k
+  double raw_log_normalizer_ = 0.0;     // of the row last scanned, for Report
 };
 
 }  // namespace kvflow

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <string>
 
+#include "sched/sequence_group.h"
+
 namespace kvflow {
 
 Status NgramDrafterConfig::Validate() const {
@@ -32,6 +34,13 @@ std::vector<int32_t> NgramDrafter::Propose(std::span<const int32_t> tokens, int 
     }
   }
   return {};
+}
+
+void NgramDrafter::Propose(std::span<DraftJob* const> jobs) {
+  for (DraftJob* job : jobs) {
+    job->drafts = Propose(job->seq->tokens, job->max_drafts);
+    job->probs.clear();
+  }
 }
 
 }  // namespace kvflow

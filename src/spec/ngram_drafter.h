@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kvflow/status.h"
+#include "spec/drafter.h"
 
 namespace kvflow {
 
@@ -20,9 +21,13 @@ struct NgramDrafterConfig {
   Status Validate() const;
 };
 
-class NgramDrafter {
+class NgramDrafter final : public Drafter {
  public:
   explicit NgramDrafter(const NgramDrafterConfig& config) : config_(config) {}
+
+  int num_speculative_tokens() const override { return config_.num_speculative_tokens; }
+  // Deterministic drafts (no probs).
+  void Propose(std::span<DraftJob* const> jobs) override;
 
   // Up to `max_tokens` (<= num_speculative_tokens) drafts to follow `tokens`: for n from ngram_max
   // down to ngram_min, the tokens after the latest earlier occurrence of the last n tokens. Empty

@@ -665,6 +665,24 @@ TEST(CudaEngine, SpeculativeDecodingKeepsGreedyOutputs) {
   EXPECT_GT(stats.spec.num_draft_tokens, 0);
 }
 
+// Two KV caches on the device: a draft model whose pool follows the target's block tables, its
+// drafts written to scratch slots and read through gathered-slot views. The target drafting for
+// itself keeps the greedy outputs and has nearly every draft accepted (fp16: a near-tie may flip).
+TEST(CudaEngine, DraftModelKeepsGreedyOutputs) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  const int kTokens = 40;
+  const Outputs reference = RunEngine(CudaConfig("tiny-random"), kTokens);
+  EngineConfig spec = CudaConfig("tiny-random");
+  spec.speculative_model = "tiny-random";
+  spec.num_speculative_tokens = 3;
+  EngineStats stats;
+  EXPECT_EQ(RunEngine(spec, kTokens, &stats), reference);
+  std::printf("  draft tokens %lld, accepted %lld\n", (long long)stats.spec.num_draft_tokens,
+              (long long)stats.spec.num_accepted_tokens);
+  EXPECT_GT(stats.spec.num_draft_tokens, 0);
+  EXPECT_GE(stats.spec.num_accepted_tokens, stats.spec.num_draft_tokens * 9 / 10);
+}
+
 TEST(CudaEngine, PreemptionPrefixCachingAndGraphsKeepGreedyOutputs) {
   KVFLOW_SKIP_WITHOUT_GPU();
   const int kTokens = 24;

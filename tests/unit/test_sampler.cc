@@ -583,5 +583,73 @@ TEST(SamplerTest, SuppressedTokensAreNeverSampled) {
   EXPECT_EQ(greedy.Sample(scratch, {}, {}, suppress).token, ranked[2]);
 }
 
+// Distribution() is what Sample() draws from: for random rows under temperature, top-k, top-p,
+// min-p, penalties and suppression, its probabilities sum to 1, a token Sample can never produce
+// has probability 0, the sampled frequencies over 40000 draws are within total variation 0.02 of
+// it, DrawFrom() draws from it alike, and Report() gives Sample's logprobs for a token.
+TEST(Sampler, DistributionIsWhatSampleDrawsFrom) {
+  SamplingParams p;
+  p.temperature = 0.8f;
+  p.top_k = 12;
+  p.top_p = 0.9f;
+  p.min_p = 0.02f;
+  p.repetition_penalty = 1.3f;
+  p.logprobs = 3;
+  const std::vector<int32_t> prompt = {1, 2, 3};
+  const std::vector<int32_t> output = {4, 4};
+  const std::vector<int32_t> suppress = {5};
+  for (uint64_t seed : {1u, 2u, 3u}) {
+    const std::vector<float> logits = RandomLogits(64, seed, 3.0);
+    Sampler sampler(p, seed);
+    std::vector<float> scratch = logits;
+    std::vector<float> probs;
+    sampler.Distribution(scratch, prompt, output, suppress, probs);
+    ASSERT_EQ(probs.size(), logits.size());
+    EXPECT_NEAR(std::accumulate(probs.begin(), probs.end(), 0.0), 1.0, 1e-5);
+    EXPECT_EQ(probs[5], 0.0f) << "suppressed";
+    EXPECT_LE(std::count_if(probs.begin(), probs.end(), [](float x) { return x > 0.0f; }), 12) << "top-k";
+
+    const int kDraws = 40000;
+    std::vector<double> sampled(logits.size()), drawn(logits.size());
+    Sampler drawer(p, seed + 100);
+    for (int i = 0; i < kDraws; ++i) {
+      std::vector<float> row = logits;
+      const SampledToken t = sampler.Sample(row, prompt, output, suppress);
+      ASSERT_GT(probs[static_cast<size_t>(t.token)], 0.0f) << "Sample drew a token outside Distribution";
+      sampled[static_cast<size_t>(t.token)] += 1.0 / kDraws;
+      drawn[static_cast<size_t>(drawer.DrawFrom(probs))] += 1.0 / kDraws;
+    }
+    double tv_sampled = 0.0, tv_drawn = 0.0;
+    for (size_t i = 0; i < probs.size(); ++i) {
+      tv_sampled += 0.5 * std::fabs(sampled[i] - probs[i]);
+      tv_drawn += 0.5 * std::fabs(drawn[i] - probs[i]);
+    }
+    EXPECT_LT(tv_sampled, 0.02) << "seed " << seed;
+    EXPECT_LT(tv_drawn, 0.02) << "seed " << seed;
+
+    // Report after Distribution equals what Sample reports for the same token.
+    std::vector<float> a = logits, b = logits;
+    Sampler reporter(p, seed), plain(p, seed);
+    const SampledToken want = plain.Sample(a, prompt, output, suppress);
+    reporter.Distribution(b, prompt, output, suppress, probs);
+    const SampledToken got = reporter.Report(b, want.token);
+    EXPECT_EQ(got.token, want.token);
+    EXPECT_FLOAT_EQ(got.logprob, want.logprob);
+    ASSERT_EQ(got.top_logprobs.size(), want.top_logprobs.size());
+    for (size_t i = 0; i < got.top_logprobs.size(); ++i) {
+      EXPECT_EQ(got.top_logprobs[i].token, want.top_logprobs[i].token);
+      EXPECT_FLOAT_EQ(got.top_logprobs[i].logprob, want.top_logprobs[i].logprob);
+    }
+  }
+  // Greedy: one-hot at the argmax.
+  Sampler greedy(SamplingParams{.temperature = 0.0f}, 7);
+  std::vector<float> row = RandomLogits(64, 9, 3.0);
+  const auto best = std::max_element(row.begin(), row.end()) - row.begin();
+  std::vector<float> probs;
+  greedy.Distribution(row, {}, {}, {}, probs);
+  EXPECT_EQ(probs[static_cast<size_t>(best)], 1.0f);
+  EXPECT_EQ(std::accumulate(probs.begin(), probs.end(), 0.0), 1.0);
+}
+
 }  // namespace
 }  // namespace kvflow

@@ -158,7 +158,7 @@ Status CpuBackend::Embed() {
 }
 
 Status CpuBackend::RmsNorm(int layer, LayerWeight norm, bool add_delta) {
-  if (add_delta) AddDelta();
+  if (add_delta) KVFLOW_RETURN_IF_ERROR(AddDelta());
   cpu::RmsNorm(residual_.data(), Weight(layer, norm).data(), hidden_.data(), num_tokens_, config_.hidden_size,
                config_.rms_norm_eps);
   return Status::Ok();

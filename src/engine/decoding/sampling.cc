@@ -37,7 +37,7 @@ void ParallelSampling::OnLogits(EngineCore& core, RequestState& req, std::span<c
       fork_logits.emplace_back(first.logits.begin(), first.logits.end());
     }
     for (int i = 1; i < candidates; ++i) {
-      all.push_back({req.seqs[static_cast<size_t>(i)].get(), fork_logits[static_cast<size_t>(i - 1)]});
+      all.push_back({req.seqs[static_cast<size_t>(i)].get(), fork_logits[static_cast<size_t>(i - 1)], {}, nullptr});
     }
   }
   for (const SeqLogits& r : all) SampleAndAppend(core, req, *r.seq, r.logits);

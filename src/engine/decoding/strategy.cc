@@ -19,11 +19,13 @@ bool DecodingStrategy::Finished(const RequestState& req) const {
   return true;
 }
 
-std::unique_ptr<DecodingStrategy> MakeDecodingStrategy(const SamplingParams& params,
-                                                       const NgramDrafterConfig* speculative) {
+std::unique_ptr<DecodingStrategy> MakeDecodingStrategy(const SamplingParams& params, uint64_t seed,
+                                                       const Drafter* drafter) {
   if (params.use_beam_search) return std::make_unique<BeamSearch>();
   if (params.num_candidates() > 1) return std::make_unique<ParallelSampling>();
-  if (speculative && params.speculative && params.max_tokens > 1) return std::make_unique<SpeculativeSampling>(*speculative);
+  if (drafter && params.speculative && params.max_tokens > 1) {
+    return std::make_unique<SpeculativeSampling>(drafter->num_speculative_tokens(), params, seed);
+  }
   return std::make_unique<PlainSampling>();
 }
 

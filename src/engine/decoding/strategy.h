@@ -15,8 +15,8 @@
 
 namespace kvflow {
 
+class Drafter;
 class EngineCore;
-struct NgramDrafterConfig;
 struct RequestState;
 struct ScheduledSeq;
 struct SeqState;
@@ -50,9 +50,9 @@ class DecodingStrategy {
   virtual void Deliver(EngineCore& core, RequestState& req) {}
 };
 
-// The strategy `params` ask for; `speculative` (may be null): the engine's speculative decoding,
-// used by plain requests that keep SamplingParams::speculative on.
-std::unique_ptr<DecodingStrategy> MakeDecodingStrategy(const SamplingParams& params,
-                                                       const NgramDrafterConfig* speculative);
+// The strategy `params` ask for; `drafter` (may be null): the engine's speculative decoding, used
+// by plain requests that keep SamplingParams::speculative on. `seed`: the request's.
+std::unique_ptr<DecodingStrategy> MakeDecodingStrategy(const SamplingParams& params, uint64_t seed,
+                                                       const Drafter* drafter);
 
 }  // namespace kvflow

@@ -1,0 +1,100 @@
+#include "spec/draft_model.h"
+
+#include <algorithm>
+
+#include <spdlog/spdlog.h>
+
+#include "model/llama_model.h"
+#include "sampling/sampler.h"
+#include "sched/sequence_group.h"
+
+namespace kvflow {
+
+DraftModel::DraftModel(Backend& backend, int num_table_blocks, int num_speculative_tokens, int max_num_seqs)
+    : backend_(backend),
+      num_table_blocks_(num_table_blocks),
+      k_(num_speculative_tokens),
+      max_num_seqs_(max_num_seqs),
+      blocks_per_seq_(BlocksForTokens(num_speculative_tokens, backend.kv_layout().block_size)) {}
+
+int DraftModel::ScratchBlocks(int num_speculative_tokens, int max_num_seqs, int block_size) {
+  return max_num_seqs * BlocksForTokens(num_speculative_tokens, block_size);
+}
+
+int64_t DraftModel::ScratchSlot(int b, int step) const {
+  const int bs = backend_.kv_layout().block_size;
+  const int64_t block = num_table_blocks_ + static_cast<int64_t>(b) * blocks_per_seq_ + step / bs;
+  return block * bs + step % bs;
+}
+
+void DraftModel::Propose(std::span<DraftJob* const> jobs) {
+  for (DraftJob* job : jobs) {
+    job->drafts.clear();
+    job->probs.clear();
+  }
+  // The scratch space holds max_num_seqs sequences; the scheduler never runs more, but stay safe.
+  for (size_t begin = 0; begin < jobs.size(); begin += static_cast<size_t>(max_num_seqs_)) {
+    const auto chunk = jobs.subspan(begin, std::min(jobs.size() - begin, static_cast<size_t>(max_num_seqs_)));
+    if (Status st = ProposeChunk(chunk); !st.ok()) {
+      if (failed_batches_++ == 0) spdlog::error("draft model: {} (these steps run without drafts)", st.ToString());
+      for (DraftJob* job : chunk) {
+        job->drafts.clear();
+        job->probs.clear();
+      }
+    }
+  }
+}
+
+Status DraftModel::ProposeChunk(std::span<DraftJob* const> jobs) {
+  const int bs = backend_.kv_layout().block_size;
+  const int64_t V = backend_.model_config().vocab_size;
+  LlamaModel model(backend_);
+  std::vector<float> probs;
+  std::vector<int32_t> history;
+  for (int step = 0;; ++step) {
+    ForwardBatch batch;
+    std::vector<DraftJob*> rows;
+    for (size_t b = 0; b < jobs.size(); ++b) {
+      DraftJob& job = *jobs[b];
+      if (step >= std::min(job.max_drafts, k_)) continue;
+      const SchedSequence& seq = *job.seq;
+      // Every token but the last is cached, at the positions the table maps.
+      const int64_t cached = seq.num_tokens() - 1;
+      if (cached != seq.num_computed || static_cast<int64_t>(job.block_table.size()) * bs < cached) {
+        return Status::Internal("draft job for a sequence that is not decoding");
+      }
+      SequenceSlice slice;
+      slice.token_offset = static_cast<int32_t>(batch.tokens.size());
+      slice.num_tokens = 1;
+      slice.context_len = static_cast<int32_t>(cached + step + 1);
+      slice.logits = LogitsMode::kLast;
+      std::vector<int64_t> slots;
+      slots.reserve(static_cast<size_t>(slice.context_len));
+      for (int64_t t = 0; t < cached; ++t) {
+        slots.push_back(static_cast<int64_t>(job.block_table[static_cast<size_t>(t / bs)]) * bs + t % bs);
+      }
+      for (int j = 0; j <= step; ++j) slots.push_back(ScratchSlot(static_cast<int>(b), j));
+      slice.view = KvView::Slots(std::move(slots));
+      batch.tokens.push_back(step == 0 ? seq.tokens.back() : job.drafts.back());
+      batch.positions.push_back(static_cast<int32_t>(cached + step));
+      batch.slot_mapping.push_back(ScratchSlot(static_cast<int>(b), step));
+      batch.seqs.push_back(std::move(slice));
+      rows.push_back(&job);
+    }
+    if (rows.empty()) return Status::Ok();
+    KVFLOW_RETURN_IF_ERROR(model.Forward(batch, logits_));
+    for (size_t r = 0; r < rows.size(); ++r) {
+      DraftJob& job = *rows[r];
+      const SchedSequence& seq = *job.seq;
+      const std::span<const int32_t> prompt(seq.tokens.data(), static_cast<size_t>(seq.prompt_len));
+      history.assign(seq.tokens.begin() + seq.prompt_len, seq.tokens.end());
+      history.insert(history.end(), job.drafts.begin(), job.drafts.end());
+      std::span<float> row(logits_.data() + r * V, static_cast<size_t>(V));
+      job.sampler->Distribution(row, prompt, history, {}, probs);
+      job.drafts.push_back(job.sampler->DrawFrom(probs));
+      job.probs.insert(job.probs.end(), probs.begin(), probs.end());
+    }
+  }
+}
+
+}  // namespace kvflow

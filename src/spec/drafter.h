@@ -1,0 +1,43 @@
+// What proposes draft tokens for speculative decoding (spec/speculative_sampling.h): the n-gram
+// lookup (spec/ngram_drafter.h) or a draft model (spec/draft_model.h). Once per step, before the
+// step is scheduled, the engine hands the drafter every sequence that drafts, in one batch.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kv/block_allocator.h"
+
+namespace kvflow {
+
+class Sampler;
+struct SamplingParams;
+struct SchedSequence;
+
+// One sequence's drafts for the coming step. The sequence is decoding: all its tokens but the last
+// are in the KV cache.
+struct DraftJob {
+  const SchedSequence* seq = nullptr;
+  std::span<const BlockId> block_table;  // the sequence's KV blocks (the engine fills it in)
+  const SamplingParams* params = nullptr;
+  int max_drafts = 0;
+  // The drafter's own sampler for this sequence (a drafter that samples draws its drafts with it).
+  Sampler* sampler = nullptr;
+  // Out: at most max_drafts tokens to follow the sequence (none is a valid answer) and, from a
+  // drafter that samples, the distribution each was drawn from (drafts.size() rows of vocab
+  // floats); empty probs: each draft was chosen deterministically (one-hot).
+  std::vector<int32_t> drafts;
+  std::vector<float> probs;
+};
+
+class Drafter {
+ public:
+  virtual ~Drafter() = default;
+  // The most drafts it proposes per sequence and step (k).
+  virtual int num_speculative_tokens() const = 0;
+  // Fills every job's drafts, as one batch.
+  virtual void Propose(std::span<DraftJob* const> jobs) = 0;
+};
+
+}  // namespace kvflow
