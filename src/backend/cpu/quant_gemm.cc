@@ -1,0 +1,574 @@
+// Products of GGUF block-quantized weights with 8-bit block-quantized activations, after ggml's
+// ggml_vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0 and llamafile's tiled tinyBLAS_Q0 kernels.
+//
+// The whole library is compiled for x86-64-v3, but the AVX-512 kernels are built with function
+// target attributes and only reached through the run-time dispatch below, so a CPU without AVX-512
+// never executes one of their instructions.
+#include "backend/cpu/quant_gemm.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cassert>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+// GCC 12's AVX-512 intrinsics build "undefined" vectors from self-initialized locals, which its
+// uninitialized-use warnings flag once inlined into target functions (GCC bug 105593).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#define KVFLOW_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define KVFLOW_TARGET_AVX512 \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define KVFLOW_ALWAYS_INLINE inline __attribute__((always_inline))
+
+namespace kvflow::cpu {
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+// ggml block layouts. Weights:
+//   Q4_0 {f16 d; uint8 qs[16]}         element j < 16: low nibble of qs[j], j >= 16: high nibble of
+//                                      qs[j - 16]; value (nibble - 8) * d
+//   Q4_1 {f16 d; f16 m; uint8 qs[16]}  same nibble order; value nibble * d + m
+//   Q8_0 {f16 d; int8 qs[32]}          value q * d
+// Activations: Q8_0 (as above) for Q4_0 and Q8_0 weights, Q8_1 {float d; float s; int8 qs[32]} with
+// s = d * sum(qs) for Q4_1 weights.
+constexpr size_t kQ4_0Bytes = 18;
+constexpr size_t kQ4_1Bytes = 20;
+constexpr size_t kQ8_0Bytes = 34;
+constexpr size_t kQ8_1Bytes = 40;
+constexpr float kQ8Max = 127.0f;
+
+constexpr size_t WeightBlockBytes(DType w) {
+  return w == DType::kQ4_0 ? kQ4_0Bytes : w == DType::kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+}
+constexpr size_t ActBlockBytes(DType w) { return w == DType::kQ4_1 ? kQ8_1Bytes : kQ8_0Bytes; }
+// Where the quants start inside a block.
+constexpr size_t WeightQuantOffset(DType w) { return w == DType::kQ4_1 ? 4 : 2; }
+constexpr size_t ActQuantOffset(DType w) { return w == DType::kQ4_1 ? 8 : 2; }
+
+constexpr bool IsQuantWeightType(DType t) {
+  return t == DType::kQ4_0 || t == DType::kQ4_1 || t == DType::kQ8_0;
+}
+
+inline uint16_t LoadU16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline float LoadF32(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void StoreU16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, sizeof(v)); }
+inline void StoreF32(uint8_t* p, float v) { std::memcpy(p, &v, sizeof(v)); }
+
+// ---- portable half conversions (bit-exact with F16C's vcvtph2ps / vcvtps2ph round-to-nearest) ----
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f;
+  const uint32_t mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000 | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {
+    float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;  // mantissa * 2^-24
+    std::memcpy(&bits, &magnitude, sizeof(bits));
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+uint16_t FloatToHalf(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000);
+  const uint32_t magnitude = bits & 0x7fffffff;
+  if (magnitude >= 0x7f800000) return sign | 0x7c00 | (magnitude > 0x7f800000 ? 0x200 : 0);
+  if (magnitude >= 0x477ff000) return sign | 0x7c00;  // >= 65520 rounds to infinity
+  if (magnitude < 0x38800000) {                       // below 2^-14: a subnormal half
+    if (magnitude <= 0x33000000) return sign;         // <= 2^-25 rounds (to even) to zero
+    const uint32_t significand = (magnitude & 0x7fffff) | 0x800000;
+    const int shift = 126 - static_cast<int>(magnitude >> 23);  // to units of 2^-24: 14..24
+    uint32_t half = significand >> shift;
+    const uint32_t rest = significand & ((1u << shift) - 1), midpoint = 1u << (shift - 1);
+    if (rest > midpoint || (rest == midpoint && (half & 1))) ++half;
+    return static_cast<uint16_t>(sign | half);
+  }
+  uint32_t half = (magnitude >> 13) - (112u << 10);  // rebias the exponent from 127 to 15
+  const uint32_t rest = magnitude & 0x1fff;
+  if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) ++half;  // a carry bumps the exponent
+  return static_cast<uint16_t>(sign | half);
+}
+
+// ---- activation quantization ------------------------------------------------------------------
+// d = amax / 127 and q = round(x * (1 / d)) with round-half-even, as ggml's SIMD quantize_row_q8_0:
+// both paths compute the same float operations, so they agree bit for bit.
+
+void QuantizeBlockPortable(const float* x, uint8_t* out, bool q8_1) {
+  float amax = 0.0f;
+  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float d = amax / kQ8Max;
+  const float inv_d = d != 0.0f ? 1.0f / d : 0.0f;
+  int8_t* qs = reinterpret_cast<int8_t*>(out + (q8_1 ? 8 : 2));
+  int sum = 0;
+  for (int j = 0; j < kBlock; ++j) {
+    const int q = static_cast<int>(std::nearbyint(x[j] * inv_d));
+    qs[j] = static_cast<int8_t>(q);
+    sum += q;
+  }
+  if (q8_1) {
+    StoreF32(out, d);
+    StoreF32(out + 4, d * static_cast<float>(sum));
+  } else {
+    StoreU16(out, FloatToHalf(d));
+  }
+}
+
+KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE int HorizontalSumI32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
+}
+
+KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE float HorizontalSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+KVFLOW_TARGET_AVX2 void QuantizeBlockAvx2(const float* x, uint8_t* out, bool q8_1) {
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign_bit, v[0]), _mm256_andnot_ps(sign_bit, v[1])),
+                               _mm256_max_ps(_mm256_andnot_ps(sign_bit, v[2]), _mm256_andnot_ps(sign_bit, v[3])));
+  __m128 amax4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  amax4 = _mm_max_ps(amax4, _mm_movehl_ps(amax4, amax4));
+  amax4 = _mm_max_ss(amax4, _mm_movehdup_ps(amax4));
+  const float d = _mm_cvtss_f32(amax4) / kQ8Max;
+  const __m256 inv_d = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv_d));  // round half even
+  // Pack to int8: the packs interleave 128-bit lanes, the permute restores element order.
+  __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (q8_1 ? 8 : 2)), packed);
+  if (q8_1) {
+    const int sum = HorizontalSumI32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    StoreF32(out, d);
+    StoreF32(out + 4, d * static_cast<float>(sum));
+  } else {
+    StoreU16(out, static_cast<uint16_t>(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT)));
+  }
+}
+
+KVFLOW_TARGET_AVX2 void QuantizeRowAvx2(const float* x, int64_t blocks, uint8_t* out, bool q8_1, size_t block_bytes) {
+  for (int64_t b = 0; b < blocks; ++b) QuantizeBlockAvx2(x + b * kBlock, out + b * block_bytes, q8_1);
+}
+
+void QuantizeRowPortable(const float* x, int64_t blocks, uint8_t* out, bool q8_1, size_t block_bytes) {
+  for (int64_t b = 0; b < blocks; ++b) QuantizeBlockPortable(x + b * kBlock, out + b * block_bytes, q8_1);
+}
+
+// ---- tiles --------------------------------------------------------------------------------------
+// A tile computes RW weight rows x RA activation rows over all blocks of the rows and writes
+// y[a * ldy + r]. The weight blocks of a tile stay in L1 while the driver walks the activation rows.
+
+struct TileArgs {
+  const uint8_t* w;  // first weight row of the tile
+  size_t w_stride;   // bytes per weight row
+  const uint8_t* x;  // first activation row of the tile
+  size_t x_stride;   // bytes per activation row
+  int64_t blocks;    // blocks per row
+  float* y;          // y[a * ldy + r] for the tile's rows
+  int64_t ldy;
+  bool accumulate;
+};
+
+template <int RW, int RA>
+KVFLOW_ALWAYS_INLINE void StoreTile(const TileArgs& t, const float (&sums)[RW][RA]) {
+  for (int a = 0; a < RA; ++a) {
+    float* out = t.y + a * t.ldy;
+    for (int r = 0; r < RW; ++r) out[r] = t.accumulate ? out[r] + sums[r][a] : sums[r][a];
+  }
+}
+
+// Portable: one block's integer dot product, then scaled in float as the SIMD paths do.
+template <DType W>
+KVFLOW_ALWAYS_INLINE int32_t BlockDotPortable(const uint8_t* wq, const int8_t* xq) {
+  int32_t sum = 0;
+  if constexpr (W == DType::kQ8_0) {
+    const int8_t* w = reinterpret_cast<const int8_t*>(wq);
+    for (int j = 0; j < kBlock; ++j) sum += w[j] * xq[j];
+  } else {
+    constexpr int kOffset = W == DType::kQ4_0 ? 8 : 0;
+    for (int j = 0; j < kBlock / 2; ++j) {
+      sum += ((wq[j] & 0x0f) - kOffset) * xq[j] + ((wq[j] >> 4) - kOffset) * xq[j + kBlock / 2];
+    }
+  }
+  return sum;
+}
+
+template <DType W, int RW, int RA>
+void TilePortable(const TileArgs& t) {
+  constexpr size_t kWB = WeightBlockBytes(W), kXB = ActBlockBytes(W);
+  float sums[RW][RA] = {};
+  for (int64_t b = 0; b < t.blocks; ++b) {
+    for (int a = 0; a < RA; ++a) {
+      const uint8_t* xb = t.x + a * t.x_stride + b * kXB;
+      const int8_t* xq = reinterpret_cast<const int8_t*>(xb + ActQuantOffset(W));
+      const float xd = W == DType::kQ4_1 ? LoadF32(xb) : HalfToFloat(LoadU16(xb));
+      for (int r = 0; r < RW; ++r) {
+        const uint8_t* wb = t.w + r * t.w_stride + b * kWB;
+        const int32_t dot = BlockDotPortable<W>(wb + WeightQuantOffset(W), xq);
+        sums[r][a] += HalfToFloat(LoadU16(wb)) * xd * static_cast<float>(dot);
+        if constexpr (W == DType::kQ4_1) sums[r][a] += HalfToFloat(LoadU16(wb + 2)) * LoadF32(xb + 4);
+      }
+    }
+  }
+  StoreTile<RW, RA>(t, sums);
+}
+
+// AVX2, one block (32 elements, one ymm) per step, as ggml's AVX2 vec_dot kernels:
+//   Q4_0: maddubs(nibbles, x) - maddubs(8, x) (the -8 of the nibbles, once per activation block)
+//   Q4_1: maddubs(nibbles, x), plus m * s in float
+//   Q8_0: maddubs(|w|, sign(x, w)) (maddubs wants one unsigned operand)
+// then madd with ones to int32, to float, fma with d_w * d_x. No int16 saturation: pairs stay
+// below 2 * 128 * 127.
+template <DType W>
+KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE __m256i LoadWeightQuantsAvx2(const uint8_t* block) {
+  if constexpr (W == DType::kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+  } else {
+    // Both halves hold the 16 bytes; shifting the upper half by 4 puts high nibbles there.
+    const __m256i both = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + WeightQuantOffset(W))));
+    return _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
+  }
+}
+
+template <DType W, int RW, int RA>
+KVFLOW_TARGET_AVX2 void TileAvx2(const TileArgs& t) {
+  constexpr size_t kWB = WeightBlockBytes(W), kXB = ActBlockBytes(W);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  __m256 acc[RW][RA];
+  for (int r = 0; r < RW; ++r)
+    for (int a = 0; a < RA; ++a) acc[r][a] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < t.blocks; ++b) {
+    __m256i wq[RW], w_abs[RW];
+    __m256 wd[RW], wm[RW];
+#pragma GCC unroll 4
+    for (int r = 0; r < RW; ++r) {
+      const uint8_t* wb = t.w + r * t.w_stride + b * kWB;
+      wq[r] = LoadWeightQuantsAvx2<W>(wb);
+      if constexpr (W == DType::kQ8_0) w_abs[r] = _mm256_abs_epi8(wq[r]);
+      wd[r] = _mm256_set1_ps(_cvtsh_ss(LoadU16(wb)));
+      // m in lane 0 only: the final lane sum then adds m * s once per block.
+      if constexpr (W == DType::kQ4_1) wm[r] = _mm256_zextps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(LoadU16(wb + 2))));
+    }
+#pragma GCC unroll 4
+    for (int a = 0; a < RA; ++a) {
+      const uint8_t* xb = t.x + a * t.x_stride + b * kXB;
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + ActQuantOffset(W)));
+      const __m256 xd = W == DType::kQ4_1 ? _mm256_set1_ps(LoadF32(xb)) : _mm256_set1_ps(_cvtsh_ss(LoadU16(xb)));
+      __m256i x_offset;
+      if constexpr (W == DType::kQ4_0) x_offset = _mm256_maddubs_epi16(_mm256_set1_epi8(8), xq);
+#pragma GCC unroll 4
+      for (int r = 0; r < RW; ++r) {
+        __m256i pairs;
+        if constexpr (W == DType::kQ8_0) {
+          pairs = _mm256_maddubs_epi16(w_abs[r], _mm256_sign_epi8(xq, wq[r]));
+        } else {
+          pairs = _mm256_maddubs_epi16(wq[r], xq);
+          if constexpr (W == DType::kQ4_0) pairs = _mm256_sub_epi16(pairs, x_offset);
+        }
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones16));
+        acc[r][a] = _mm256_fmadd_ps(dot, _mm256_mul_ps(wd[r], xd), acc[r][a]);
+        if constexpr (W == DType::kQ4_1) acc[r][a] = _mm256_fmadd_ps(wm[r], _mm256_set1_ps(LoadF32(xb + 4)), acc[r][a]);
+      }
+    }
+  }
+  float sums[RW][RA];
+  for (int r = 0; r < RW; ++r)
+    for (int a = 0; a < RA; ++a) sums[r][a] = HorizontalSum(acc[r][a]);
+  StoreTile<RW, RA>(t, sums);
+}
+
+// AVX-512 VNNI, two blocks per zmm (one per 256-bit half). vpdpbusd multiplies unsigned by signed
+// bytes and sums groups of four into int32 without saturation, so the weights go in unsigned:
+// nibbles for Q4_0 / Q4_1, w + 128 (w ^ 0x80) for Q8_0, and the offset (8 or 128) times the sum
+// of x, computed once per activation block, is subtracted by starting the accumulation from it.
+template <bool kPair>
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE __m512 BroadcastHalves(const uint8_t* first, const uint8_t* second) {
+  const __m128i lo = _mm_set1_epi16(static_cast<short>(LoadU16(first)));
+  const __m128i hi = kPair ? _mm_set1_epi16(static_cast<short>(LoadU16(second))) : _mm_setzero_si128();
+  return _mm512_cvtph_ps(_mm256_set_m128i(hi, lo));
+}
+
+template <bool kPair>
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE __m512 BroadcastFloats(const uint8_t* first, const uint8_t* second) {
+  const __m256 lo = _mm256_set1_ps(LoadF32(first));
+  const __m256 hi = kPair ? _mm256_set1_ps(LoadF32(second)) : _mm256_setzero_ps();
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+
+// The halves in lanes 0 and 8 only, zeros elsewhere (Q4_1's m: added once per block by the lane sum).
+template <bool kPair>
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE __m512 FirstLaneHalves(const uint8_t* first, const uint8_t* second) {
+  const __m128i lo = _mm_cvtsi32_si128(LoadU16(first));
+  const __m128i hi = kPair ? _mm_cvtsi32_si128(LoadU16(second)) : _mm_setzero_si128();
+  return _mm512_cvtph_ps(_mm256_set_m128i(hi, lo));
+}
+
+template <DType W, bool kPair>
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE __m512i LoadWeightQuantsAvx512(const uint8_t* block) {
+  constexpr size_t kWB = WeightBlockBytes(W), kOff = WeightQuantOffset(W);
+  if constexpr (W == DType::kQ8_0) {
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kOff));
+    const __m256i hi = kPair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kWB + kOff))
+                             : _mm256_setzero_si256();
+    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8(-128));
+  } else {
+    // Each block's 16 bytes in both 128-bit lanes of its half; the upper lane shifted by 4 holds
+    // the high nibbles, so each half is the block's elements in order.
+    const __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kOff)));
+    const __m256i hi = kPair ? _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kWB + kOff)))
+                             : _mm256_setzero_si256();
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    return _mm512_and_si512(_mm512_srlv_epi64(both, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(0x0f));
+  }
+}
+
+template <DType W, int RW, int RA, bool kPair>
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void StepAvx512(const TileArgs& t, int64_t b, __m512 (&acc)[RW][RA]) {
+  constexpr size_t kWB = WeightBlockBytes(W), kXB = ActBlockBytes(W), kXOff = ActQuantOffset(W);
+  __m512i wq[RW];
+  __m512 wd[RW], wm[RW];
+#pragma GCC unroll 4
+  for (int r = 0; r < RW; ++r) {
+    const uint8_t* wb = t.w + r * t.w_stride + b * kWB;
+    wq[r] = LoadWeightQuantsAvx512<W, kPair>(wb);
+    wd[r] = BroadcastHalves<kPair>(wb, wb + kWB);
+    if constexpr (W == DType::kQ4_1) wm[r] = FirstLaneHalves<kPair>(wb + 2, wb + kWB + 2);
+  }
+#pragma GCC unroll 4
+  for (int a = 0; a < RA; ++a) {
+    const uint8_t* xb = t.x + a * t.x_stride + b * kXB;
+    const __m256i xq_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + kXOff));
+    const __m256i xq_hi = kPair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + kXB + kXOff))
+                                : _mm256_setzero_si256();
+    const __m512i xq = _mm512_inserti64x4(_mm512_castsi256_si512(xq_lo), xq_hi, 1);
+    const __m512 xd = W == DType::kQ4_1 ? BroadcastFloats<kPair>(xb, xb + kXB) : BroadcastHalves<kPair>(xb, xb + kXB);
+    __m512i start = _mm512_setzero_si512();
+    if constexpr (W != DType::kQ4_1) {
+      const __m512i offset = _mm512_set1_epi8(static_cast<char>(W == DType::kQ8_0 ? 128 : 8));
+      start = _mm512_sub_epi32(start, _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, xq));
+    }
+    __m512 xs;
+    if constexpr (W == DType::kQ4_1) xs = BroadcastFloats<kPair>(xb + 4, xb + kXB + 4);
+#pragma GCC unroll 4
+    for (int r = 0; r < RW; ++r) {
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, wq[r], xq));
+      acc[r][a] = _mm512_fmadd_ps(dot, _mm512_mul_ps(wd[r], xd), acc[r][a]);
+      if constexpr (W == DType::kQ4_1) acc[r][a] = _mm512_fmadd_ps(wm[r], xs, acc[r][a]);
+    }
+  }
+}
+
+template <DType W, int RW, int RA>
+KVFLOW_TARGET_AVX512 void TileAvx512(const TileArgs& t) {
+  __m512 acc[RW][RA];
+  for (int r = 0; r < RW; ++r)
+    for (int a = 0; a < RA; ++a) acc[r][a] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= t.blocks; b += 2) StepAvx512<W, RW, RA, true>(t, b, acc);
+  if (b < t.blocks) StepAvx512<W, RW, RA, false>(t, b, acc);  // odd block count: upper half zero
+  float sums[RW][RA];
+  for (int r = 0; r < RW; ++r)
+    for (int a = 0; a < RA; ++a) sums[r][a] = _mm512_reduce_add_ps(acc[r][a]);
+  StoreTile<RW, RA>(t, sums);
+}
+
+// ---- dispatch -----------------------------------------------------------------------------------
+
+enum class Isa { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };
+constexpr const char* kIsaNames[] = {"portable", "avx2", "avx512vnni"};
+
+// Tile shapes (weight rows x activation rows), sized to the vector registers: 16 AVX2 ymm, 32 zmm.
+constexpr int kMaxTile = 4;
+constexpr int TileRowsW(Isa) { return 4; }
+constexpr int TileRowsA(Isa isa) { return isa == Isa::kAvx2 ? 2 : 4; }
+
+using TileFn = void (*)(const TileArgs&);
+struct TileTable {
+  int rows_w, rows_a;
+  std::array<std::array<TileFn, kMaxTile>, kMaxTile> tiles;  // [rw - 1][ra - 1]
+};
+
+template <Isa I, DType W, int RW, int RA>
+constexpr TileFn TileFor() {
+  if constexpr (RW > TileRowsW(I) || RA > TileRowsA(I)) {
+    return nullptr;
+  } else if constexpr (I == Isa::kAvx512Vnni) {
+    return &TileAvx512<W, RW, RA>;
+  } else if constexpr (I == Isa::kAvx2) {
+    return &TileAvx2<W, RW, RA>;
+  } else {
+    return &TilePortable<W, RW, RA>;
+  }
+}
+
+template <Isa I, DType W, int RW, size_t... A>
+constexpr std::array<TileFn, kMaxTile> TileRow(std::index_sequence<A...>) {
+  return {TileFor<I, W, RW, static_cast<int>(A) + 1>()...};
+}
+
+template <Isa I, DType W, size_t... R>
+constexpr TileTable MakeTable(std::index_sequence<R...>) {
+  return {TileRowsW(I), TileRowsA(I), {TileRow<I, W, static_cast<int>(R) + 1>(std::make_index_sequence<kMaxTile>())...}};
+}
+
+template <Isa I>
+constexpr std::array<TileTable, 3> MakeTables() {
+  constexpr auto seq = std::make_index_sequence<kMaxTile>();
+  return {MakeTable<I, DType::kQ4_0>(seq), MakeTable<I, DType::kQ4_1>(seq), MakeTable<I, DType::kQ8_0>(seq)};
+}
+
+constexpr std::array<std::array<TileTable, 3>, 3> kTables = {
+    MakeTables<Isa::kPortable>(), MakeTables<Isa::kAvx2>(), MakeTables<Isa::kAvx512Vnni>()};
+
+constexpr int TypeIndex(DType t) { return t == DType::kQ4_0 ? 0 : t == DType::kQ4_1 ? 1 : 2; }
+
+Isa DetectIsa() {
+  __builtin_cpu_init();
+  // libgcc's feature bits include the OS check (XCR0) that the vector state is enabled.
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c")) {
+    return Isa::kPortable;
+  }
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
+    return Isa::kAvx512Vnni;
+  }
+  return Isa::kAvx2;
+}
+
+Isa DetectedIsa() {
+  static const Isa detected = DetectIsa();
+  return detected;
+}
+
+std::atomic<bool> force_portable{false};
+std::atomic<int> isa_cap{static_cast<int>(Isa::kAvx512Vnni)};
+
+Isa ActiveIsa() {
+  if (force_portable.load(std::memory_order_relaxed)) return Isa::kPortable;
+  return static_cast<Isa>(std::min(static_cast<int>(DetectedIsa()), isa_cap.load(std::memory_order_relaxed)));
+}
+
+const TileTable& TableFor(DType w) { return kTables[static_cast<int>(ActiveIsa())][TypeIndex(w)]; }
+
+// Below this many block products per call a parallel region costs more than it saves.
+constexpr int64_t kMinParallelBlockProducts = 4096;
+constexpr int64_t kMinParallelQuantizeBlocks = 1024;
+
+}  // namespace
+
+size_t QuantizedActivations::row_bytes() const {
+  return static_cast<size_t>(cols / kBlock) * ActBlockBytes(weight_type);
+}
+
+void QuantizeActivations(const float* x, int64_t rows, int64_t cols, DType weight_type, QuantizedActivations& out) {
+  assert(IsQuantWeightType(weight_type) && "QuantizeActivations: weight type is not Q4_0, Q4_1 or Q8_0");
+  assert(cols % kBlock == 0 && "QuantizeActivations: cols must be a multiple of 32");
+  out.weight_type = weight_type;
+  out.rows = rows;
+  out.cols = cols;
+  const size_t row_bytes = out.row_bytes();
+  if (out.data.size() < rows * row_bytes) out.data.resize(rows * row_bytes);
+  const int64_t blocks = cols / kBlock;
+  const bool q8_1 = weight_type == DType::kQ4_1;
+  const size_t block_bytes = ActBlockBytes(weight_type);
+  const bool simd = ActiveIsa() != Isa::kPortable;
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * blocks >= kMinParallelQuantizeBlocks)
+  for (int64_t r = 0; r < rows; ++r) {
+    uint8_t* dst = out.data.data() + r * row_bytes;
+    if (simd) {
+      QuantizeRowAvx2(x + r * cols, blocks, dst, q8_1, block_bytes);
+    } else {
+      QuantizeRowPortable(x + r * cols, blocks, dst, q8_1, block_bytes);
+    }
+  }
+}
+
+void QuantizedMatmul(const QuantizedActivations& x, const uint8_t* w, int64_t n_rows, float* y, int64_t ldy,
+                     bool accumulate) {
+  assert(IsQuantWeightType(x.weight_type));
+  const int64_t m_rows = x.rows, blocks = x.cols / kBlock;
+  if (m_rows <= 0 || n_rows <= 0) return;
+  const TileTable& table = TableFor(x.weight_type);
+  const size_t w_stride = static_cast<size_t>(blocks) * WeightBlockBytes(x.weight_type);
+  const size_t x_stride = x.row_bytes();
+  // Each thread takes a contiguous run of weight rows (whole tiles), so it streams its part of
+  // the weights once; within it, a tile of weight rows meets every tile of activation rows.
+  const int64_t threads = omp_get_max_threads();
+  const int64_t rows_per_thread = (n_rows + threads - 1) / threads;
+  const int64_t chunk = (rows_per_thread + table.rows_w - 1) / table.rows_w * table.rows_w;
+  const bool parallel = threads > 1 && n_rows > table.rows_w && n_rows * m_rows * blocks >= kMinParallelBlockProducts;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t n_begin = 0; n_begin < n_rows; n_begin += chunk) {
+    const int64_t n_end = std::min(n_rows, n_begin + chunk);
+    for (int64_t n = n_begin; n < n_end; n += table.rows_w) {
+      const int64_t tile_w = std::min<int64_t>(table.rows_w, n_end - n);
+      for (int64_t m = 0; m < m_rows; m += table.rows_a) {
+        const int64_t tile_a = std::min<int64_t>(table.rows_a, m_rows - m);
+        const TileArgs args{w + n * w_stride, w_stride, x.row(m), x_stride, blocks, y + m * ldy + n, ldy, accumulate};
+        table.tiles[tile_w - 1][tile_a - 1](args);
+      }
+    }
+  }
+}
+
+float QuantizedDot(DType w_type, const uint8_t* w_row, const uint8_t* x_row, int64_t cols) {
+  assert(IsQuantWeightType(w_type) && cols % kBlock == 0);
+  float result = 0.0f;
+  const int64_t blocks = cols / kBlock;
+  const TileArgs args{w_row, 0, x_row, 0, blocks, &result, 1, false};
+  TableFor(w_type).tiles[0][0](args);
+  return result;
+}
+
+const char* QuantKernelIsa() { return kIsaNames[static_cast<int>(ActiveIsa())]; }
+
+bool ForcePortableQuantKernels(bool on) { return force_portable.exchange(on); }
+
+const char* LimitQuantKernelIsa(const char* isa) {
+  int cap = static_cast<int>(Isa::kAvx512Vnni);
+  if (isa != nullptr) {
+    for (int i = 0; i < 3; ++i) {
+      if (std::strcmp(isa, kIsaNames[i]) == 0) cap = i;
+    }
+  }
+  const int previous = isa_cap.exchange(cap);
+  return previous == static_cast<int>(Isa::kAvx512Vnni) ? nullptr : kIsaNames[previous];
+}
+
+}  // namespace kvflow::cpu
