@@ -202,7 +202,23 @@ struct TileArgs {
   float* y;          // y[a * ldy + r] for the tile's rows
   int64_t ldy;
   bool accumulate;
+  // Weight bytes to prefetch while the tile runs (the tiles ahead), nullptr for none: the tile
+  // touches its rows in parallel streams, which the hardware prefetchers follow poorly.
+  const uint8_t* prefetch;
 };
+
+// While a tile works on blocks [b, b + kBlocks), prefetches as many bytes of the weights ahead as
+// it consumes, so the prefetch keeps pace. The addresses may run past the last row (prefetches
+// never fault), hence integer arithmetic rather than pointers past the end.
+template <DType W, int RW, int kBlocks>
+KVFLOW_ALWAYS_INLINE void PrefetchAhead(const TileArgs& t, int64_t b) {
+  if (t.prefetch == nullptr) return;
+  constexpr uintptr_t kBytes = kBlocks * RW * WeightBlockBytes(W);
+  const uintptr_t start = reinterpret_cast<uintptr_t>(t.prefetch) + b * RW * WeightBlockBytes(W);
+  for (uintptr_t offset = 0; offset < kBytes + 64; offset += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(start + offset), 0, 3);
+  }
+}
 
 template <int RW, int RA>
 KVFLOW_ALWAYS_INLINE void StoreTile(const TileArgs& t, const float (&sums)[RW][RA]) {
@@ -233,6 +249,7 @@ void TilePortable(const TileArgs& t) {
   constexpr size_t kWB = WeightBlockBytes(W), kXB = ActBlockBytes(W);
   float sums[RW][RA] = {};
   for (int64_t b = 0; b < t.blocks; ++b) {
+    PrefetchAhead<W, RW, 1>(t, b);
     for (int a = 0; a < RA; ++a) {
       const uint8_t* xb = t.x + a * t.x_stride + b * kXB;
       const int8_t* xq = reinterpret_cast<const int8_t*>(xb + ActQuantOffset(W));
@@ -274,6 +291,7 @@ KVFLOW_TARGET_AVX2 void TileAvx2(const TileArgs& t) {
   for (int r = 0; r < RW; ++r)
     for (int a = 0; a < RA; ++a) acc[r][a] = _mm256_setzero_ps();
   for (int64_t b = 0; b < t.blocks; ++b) {
+    PrefetchAhead<W, RW, 1>(t, b);
     __m256i wq[RW], w_abs[RW];
     __m256 wd[RW], wm[RW];
 #pragma GCC unroll 4
@@ -361,6 +379,7 @@ KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE __m512i LoadWeightQuantsAvx512(const u
 template <DType W, int RW, int RA, bool kPair>
 KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void StepAvx512(const TileArgs& t, int64_t b, __m512 (&acc)[RW][RA]) {
   constexpr size_t kWB = WeightBlockBytes(W), kXB = ActBlockBytes(W), kXOff = ActQuantOffset(W);
+  PrefetchAhead<W, RW, 2>(t, b);
   __m512i wq[RW];
   __m512 wd[RW], wm[RW];
 #pragma GCC unroll 4
@@ -489,6 +508,8 @@ const TileTable& TableFor(DType w) { return kTables[static_cast<int>(ActiveIsa()
 // Below this many block products per call a parallel region costs more than it saves.
 constexpr int64_t kMinParallelBlockProducts = 4096;
 constexpr int64_t kMinParallelQuantizeBlocks = 1024;
+// How far ahead (in tiles of weight rows) the tiles prefetch.
+constexpr int64_t kPrefetchTiles = 1;
 
 }  // namespace
 
@@ -540,7 +561,11 @@ void QuantizedMatmul(const QuantizedActivations& x, const uint8_t* w, int64_t n_
       const int64_t tile_w = std::min<int64_t>(table.rows_w, n_end - n);
       for (int64_t m = 0; m < m_rows; m += table.rows_a) {
         const int64_t tile_a = std::min<int64_t>(table.rows_a, m_rows - m);
-        const TileArgs args{w + n * w_stride, w_stride, x.row(m), x_stride, blocks, y + m * ldy + n, ldy, accumulate};
+        // The first activation tile brings the weights in; the others find them in L1.
+        const int64_t ahead = n + kPrefetchTiles * table.rows_w;
+        const uint8_t* prefetch = m == 0 && ahead < n_rows ? w + ahead * w_stride : nullptr;
+        const TileArgs args{w + n * w_stride, w_stride, x.row(m),   x_stride,  blocks,
+                            y + m * ldy + n,  ldy,      accumulate, prefetch};
         table.tiles[tile_w - 1][tile_a - 1](args);
       }
     }
@@ -551,7 +576,7 @@ float QuantizedDot(DType w_type, const uint8_t* w_row, const uint8_t* x_row, int
   assert(IsQuantWeightType(w_type) && cols % kBlock == 0);
   float result = 0.0f;
   const int64_t blocks = cols / kBlock;
-  const TileArgs args{w_row, 0, x_row, 0, blocks, &result, 1, false};
+  const TileArgs args{w_row, 0, x_row, 0, blocks, &result, 1, false, nullptr};
   TableFor(w_type).tiles[0][0](args);
   return result;
 }
