@@ -1,0 +1,220 @@
+// Quantized-weight matmuls (backend/cpu/quant_gemm.h) against the fp32 sgemm path, on SmolLM2-135M
+// shapes, next to the machine's measured memory read bandwidth.
+//
+//   kvflow_bench_quant_gemm [--json out.json] [--isa dispatched|avx2|portable] [--threads 1,2]
+//
+// Decode (M = 1) streams every weight once per token, so its roofline is weight bytes / read
+// bandwidth: the weights rotate through copies larger than the last-level cache, as a whole model
+// does. Prefill (M = 128, 512) is compute-bound; its rate is GFLOP/s (2 * M * N * K per call). The
+// quantized times include quantizing the activations, which the fp32 path does not need.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/quant_gemm.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using kvflow::DType;
+
+constexpr size_t kPoolBytes = size_t{256} << 20;  // > the last-level cache (32 MiB here) many times over
+
+double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Runs `call(i)` until at least `min_seconds` have passed and `min_reps` calls are done (at most
+// `max_reps`), after one warm-up call; returns the median seconds per call.
+template <typename Call>
+double MedianSeconds(Call&& call, double min_seconds = 0.3, int min_reps = 5, int max_reps = 400) {
+  call(0);
+  std::vector<double> times;
+  const auto start = Clock::now();
+  for (int i = 1; i <= max_reps; ++i) {
+    const auto t0 = Clock::now();
+    call(i);
+    const auto t1 = Clock::now();
+    times.push_back(Seconds(t0, t1));
+    if (static_cast<int>(times.size()) >= min_reps && Seconds(start, t1) >= min_seconds) break;
+  }
+  return Median(times);
+}
+
+// Read bandwidth: all threads sum their share of a 256 MiB buffer (integer adds vectorize without
+// reassociation concerns). Median of repeated passes, GB/s.
+double MeasureReadBandwidth(int threads) {
+  static std::vector<uint64_t> buffer;
+  if (buffer.empty()) {
+    buffer.resize(kPoolBytes / sizeof(uint64_t));
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = i * 0x9E3779B97F4A7C15ull;
+  }
+  kvflow::cpu::SetNumThreads(threads);
+  volatile uint64_t sink = 0;
+  const double seconds = MedianSeconds(
+      [&](int) {
+        uint64_t total = 0;
+#pragma omp parallel for schedule(static) reduction(+ : total)
+        for (size_t i = 0; i < buffer.size(); ++i) total += buffer[i];
+        sink = sink + total;
+      },
+      1.0, 5, 50);
+  return static_cast<double>(kPoolBytes) / seconds / 1e9;
+}
+
+// A pool of weight rows of one type, filled with valid blocks (random quants, scales ~ 0.01), that
+// the measurements cut into copies of a matrix.
+struct WeightPool {
+  DType type;
+  std::vector<uint8_t> bytes;
+  std::vector<float> floats;  // for kF32
+};
+
+WeightPool MakePool(DType type, std::mt19937& rng) {
+  WeightPool pool{type, {}, {}};
+  if (type == DType::kF32) {
+    pool.floats.resize(kPoolBytes / sizeof(float));
+    std::uniform_real_distribution<float> dist(-0.05f, 0.05f);
+    for (float& v : pool.floats) v = dist(rng);
+    return pool;
+  }
+  const size_t block_bytes = kvflow::DTypeBlockBytes(type);
+  pool.bytes.resize(kPoolBytes / block_bytes * block_bytes);
+  std::uniform_int_distribution<uint32_t> dist;
+  for (size_t i = 0; i + 4 <= pool.bytes.size(); i += 4) {
+    const uint32_t v = dist(rng);
+    std::memcpy(&pool.bytes[i], &v, 4);
+  }
+  const uint16_t scale = 0x2120;  // f16 ~0.0102: finite, normal
+  for (size_t b = 0; b < pool.bytes.size(); b += block_bytes) {
+    std::memcpy(&pool.bytes[b], &scale, 2);
+    if (type == DType::kQ4_1) std::memcpy(&pool.bytes[b + 2], &scale, 2);
+  }
+  return pool;
+}
+
+struct Shape {
+  const char* name;
+  int64_t k, n;
+};
+
+struct Result {
+  std::string type;
+  const char* shape;
+  int64_t k, n, m;
+  int threads;
+  double seconds, quantize_seconds, weight_gbps, gflops, bandwidth_ratio;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Quantized-weight matmul kernels vs fp32 sgemm"};
+  std::string json_path, isa = "dispatched";
+  std::vector<int> thread_counts = {1, 2};
+  std::vector<int64_t> ms = {1, 4, 16, 128, 512};
+  bool warm = false;
+  app.add_option("--json", json_path, "Write the results as JSON here");
+  app.add_option("--isa", isa, "Kernel path: dispatched, avx2 or portable")
+      ->check(CLI::IsMember({"dispatched", "avx2", "portable"}));
+  app.add_option("--threads", thread_counts, "Thread counts")->delimiter(',');
+  app.add_option("--m", ms, "Activation rows (tokens)")->delimiter(',');
+  app.add_flag("--warm", warm, "Reuse one copy of each matrix (cache-resident weights: the compute ceiling)");
+  CLI11_PARSE(app, argc, argv);
+
+  if (isa == "portable") kvflow::cpu::ForcePortableQuantKernels(true);
+  if (isa == "avx2") kvflow::cpu::LimitQuantKernelIsa("avx2");
+  std::printf("quant kernels: %s, OpenMP max threads %d\n", kvflow::cpu::QuantKernelIsa(), omp_get_max_threads());
+
+  std::vector<double> read_gbps(*std::max_element(thread_counts.begin(), thread_counts.end()) + 1, 0.0);
+  for (int t : thread_counts) {
+    read_gbps[t] = MeasureReadBandwidth(t);
+    std::printf("memory read bandwidth, %d thread(s): %.1f GB/s (sum over 256 MiB)\n", t, read_gbps[t]);
+  }
+
+  const Shape shapes[] = {{"q/o proj", 576, 576}, {"k/v proj", 576, 192}, {"gate/up", 576, 1536},
+                          {"lm head", 576, 49152}, {"down", 1536, 576}};
+  const DType types[] = {DType::kF32, DType::kQ4_0, DType::kQ4_1, DType::kQ8_0};
+  std::mt19937 rng(42);
+  std::vector<Result> results;
+
+  std::printf("\n%-5s %-9s %5s %6s %4s %3s %11s %9s %9s %9s %7s\n", "type", "shape", "K", "N", "M", "thr",
+              "median_us", "quant_us", "wGB/s", "GFLOP/s", "%readBW");
+  for (DType type : types) {
+    const WeightPool pool = MakePool(type, rng);
+    const bool fp32 = type == DType::kF32;
+    const size_t row_bytes_per_32 = fp32 ? 32 * sizeof(float) : kvflow::DTypeBlockBytes(type);
+    for (const Shape& shape : shapes) {
+      const size_t weight_bytes = static_cast<size_t>(shape.n) * (shape.k / 32) * row_bytes_per_32;
+      const size_t copies = warm ? 1 : std::max<size_t>(1, kPoolBytes / weight_bytes);
+      for (int64_t m : ms) {
+        std::vector<float> x(static_cast<size_t>(m * shape.k)), y(static_cast<size_t>(m * shape.n));
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        for (float& v : x) v = normal(rng);
+        kvflow::cpu::QuantizedActivations qx;
+        for (int threads : thread_counts) {
+          kvflow::cpu::SetNumThreads(threads);
+          double quantize_seconds = 0.0;
+          double seconds;
+          if (fp32) {
+            seconds = MedianSeconds([&](int i) {
+              const float* w = pool.floats.data() + (i % copies) * weight_bytes / sizeof(float);
+              kvflow::cpu::MatmulTransposedB(x.data(), w, y.data(), m, shape.n, shape.k);
+            });
+          } else {
+            quantize_seconds = MedianSeconds(
+                [&](int) { kvflow::cpu::QuantizeActivations(x.data(), m, shape.k, type, qx); }, 0.05, 5, 200);
+            seconds = MedianSeconds([&](int i) {
+              kvflow::cpu::QuantizeActivations(x.data(), m, shape.k, type, qx);
+              kvflow::cpu::QuantizedMatmul(qx, pool.bytes.data() + (i % copies) * weight_bytes, shape.n, y.data(),
+                                           shape.n, false);
+            });
+          }
+          Result r{kvflow::DTypeName(type), shape.name, shape.k, shape.n, m, threads, seconds, quantize_seconds,
+                   static_cast<double>(weight_bytes) / seconds / 1e9,
+                   2.0 * static_cast<double>(m) * shape.n * shape.k / seconds / 1e9, 0.0};
+          r.bandwidth_ratio = r.weight_gbps / read_gbps[threads];
+          results.push_back(r);
+          std::printf("%-5s %-9s %5ld %6ld %4ld %3d %11.1f %9.1f %9.1f %9.1f %6.0f%%\n", r.type.c_str(), r.shape,
+                      static_cast<long>(r.k), static_cast<long>(r.n), static_cast<long>(r.m), r.threads, r.seconds * 1e6,
+                      r.quantize_seconds * 1e6, r.weight_gbps, r.gflops, 100.0 * r.bandwidth_ratio);
+          std::fflush(stdout);
+        }
+      }
+    }
+  }
+
+  if (!json_path.empty()) {
+    nlohmann::json out;
+    out["isa"] = kvflow::cpu::QuantKernelIsa();
+    out["warm"] = warm;
+    for (int t : thread_counts) out["read_bandwidth_gbps"][std::to_string(t)] = read_gbps[t];
+    out["note"] = "median seconds per call; quantized times include QuantizeActivations; weight_gbps = weight bytes / time";
+    for (const Result& r : results) {
+      out["results"].push_back({{"type", r.type}, {"shape", r.shape}, {"K", r.k}, {"N", r.n}, {"M", r.m},
+                                {"threads", r.threads}, {"median_seconds", r.seconds},
+                                {"quantize_seconds", r.quantize_seconds}, {"weight_gbps", r.weight_gbps},
+                                {"gflops", r.gflops}, {"read_bandwidth_ratio", r.bandwidth_ratio}});
+    }
+    std::ofstream(json_path) << out.dump(2) << "\n";
+    std::printf("\nwrote %s\n", json_path.c_str());
+  }
+  return 0;
+}
