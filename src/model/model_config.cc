@@ -203,11 +203,21 @@ Result<ModelConfig> ModelConfigFromHfJson(const std::string& path) {
     KVFLOW_RETURN_IF_ERROR(fields.Int("bos_token_id", &c.bos_token_id));
     KVFLOW_RETURN_IF_ERROR(fields.IntList("eos_token_id", &c.eos_token_ids));
 
+    // Biases kvflow's Llama would not add: refuse rather than compute without them.
+    for (const char* flag : {"attention_bias", "mlp_bias"}) {
+      bool on = false;
+      KVFLOW_RETURN_IF_ERROR(fields.Bool(flag, &on));
+      if (on) return Status::Unsupported(path + ": " + flag + " is true; biases are not supported yet");
+    }
     int sliding_window = 0;
     KVFLOW_RETURN_IF_ERROR(fields.Int("sliding_window", &sliding_window));
     if (sliding_window > 0 && sliding_window < c.max_position_embeddings) {
-      spdlog::warn("{}: sliding_window {} is ignored; attention spans the whole context", path,
-                   sliding_window);
+      // Attention spans the whole context, which equals the window's attention only up to the
+      // window: lower the context so the model never runs where it would be wrong.
+      spdlog::warn("{}: sliding_window {}: kvflow attends over the whole context, which is exact only within the "
+                   "window; the context is limited to {} tokens",
+                   path, sliding_window, sliding_window);
+      c.max_position_embeddings = sliding_window;
     }
     return c;
   } catch (const json::exception& e) {
@@ -272,8 +282,10 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& gguf) {
   KVFLOW_RETURN_IF_ERROR(read_float(arch + "rope.scaling.yarn_beta_fast", &rope.beta_fast));
   KVFLOW_RETURN_IF_ERROR(read_float(arch + "rope.scaling.yarn_beta_slow", &rope.beta_slow));
   if (gguf.Find("rope_freqs.weight") != nullptr) {
-    // llama.cpp bakes Llama-3.1 scaling into per-dimension factors that ModelConfig cannot carry.
-    spdlog::warn("{}: rope_freqs.weight (Llama-3.1 RoPE scaling) is ignored", gguf.path());
+    // llama.cpp bakes Llama-3.1 scaling into per-dimension factors that ModelConfig cannot carry;
+    // ignoring them would rotate every position wrong.
+    return Status::Unsupported(gguf.path() + ": rope_freqs.weight (per-dimension RoPE factors, Llama-3.1 scaling) "
+                               "is not supported yet; the safetensors checkpoint with rope_scaling llama3 is");
   }
 
   if (gguf.Has(arch + "vocab_size")) {

@@ -318,6 +318,24 @@ TEST_F(ModelConfigTest, AppliesDefaultsAndVariants) {
   EXPECT_EQ(Parse(config).status().code(), StatusCode::kUnsupported);
 }
 
+// What kvflow's Llama would compute wrong is refused or limited to where it is exact.
+TEST_F(ModelConfigTest, BiasesAreRefusedAndASlidingWindowLimitsTheContext) {
+  for (const char* flag : {"attention_bias", "mlp_bias"}) {
+    json config = LlamaConfigJson();
+    config[flag] = true;
+    const Status st = Parse(config).status();
+    EXPECT_EQ(st.code(), StatusCode::kUnsupported) << flag;
+    EXPECT_NE(st.message().find(flag), std::string::npos) << st.message();
+    config[flag] = false;
+    EXPECT_TRUE(Parse(config).ok()) << flag;
+  }
+  json mistral = LlamaConfigJson();
+  mistral["sliding_window"] = 4096;
+  Result<ModelConfig> c = Parse(mistral);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->max_position_embeddings, 4096) << "attention over the whole context is exact only within the window";
+}
+
 TEST_F(ModelConfigTest, RejectsBadConfigs) {
   json other = LlamaConfigJson();
   other["architectures"] = {"GPT2LMHeadModel"};
