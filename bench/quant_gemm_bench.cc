@@ -9,9 +9,9 @@
 // quantized times include quantizing the activations, which the fp32 path does not need.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
-#include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -24,6 +24,7 @@
 
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/quant_gemm.h"
+#include "util/thread_pool.h"
 
 namespace {
 
@@ -63,17 +64,20 @@ double MeasureReadBandwidth(int threads) {
   static std::vector<uint64_t> buffer;
   if (buffer.empty()) {
     buffer.resize(kPoolBytes / sizeof(uint64_t));
-#pragma omp parallel for schedule(static)
     for (size_t i = 0; i < buffer.size(); ++i) buffer[i] = i * 0x9E3779B97F4A7C15ull;
   }
-  kvflow::cpu::SetNumThreads(threads);
+  kvflow::ThreadPool pool(threads);
+  kvflow::ScopedThreadPool use(&pool);
   volatile uint64_t sink = 0;
   const double seconds = MedianSeconds(
       [&](int) {
-        uint64_t total = 0;
-#pragma omp parallel for schedule(static) reduction(+ : total)
-        for (size_t i = 0; i < buffer.size(); ++i) total += buffer[i];
-        sink = sink + total;
+        std::atomic<uint64_t> total{0};
+        kvflow::ParallelFor(static_cast<int64_t>(buffer.size()), [&](int64_t first, int64_t last) {
+          uint64_t part = 0;
+          for (int64_t i = first; i < last; ++i) part += buffer[static_cast<size_t>(i)];
+          total += part;
+        });
+        sink = sink + total.load();
       },
       1.0, 5, 50);
   return static_cast<double>(kPoolBytes) / seconds / 1e9;
@@ -141,7 +145,7 @@ int main(int argc, char** argv) {
 
   if (isa == "portable") kvflow::cpu::ForcePortableQuantKernels(true);
   if (isa == "avx2") kvflow::cpu::LimitQuantKernelIsa("avx2");
-  std::printf("quant kernels: %s, OpenMP max threads %d\n", kvflow::cpu::QuantKernelIsa(), omp_get_max_threads());
+  std::printf("quant kernels: %s\n", kvflow::cpu::QuantKernelIsa());
 
   std::vector<double> read_gbps(*std::max_element(thread_counts.begin(), thread_counts.end()) + 1, 0.0);
   for (int t : thread_counts) {
@@ -170,7 +174,8 @@ int main(int argc, char** argv) {
         for (float& v : x) v = normal(rng);
         kvflow::cpu::QuantizedActivations qx;
         for (int threads : thread_counts) {
-          kvflow::cpu::SetNumThreads(threads);
+          kvflow::ThreadPool thread_pool(threads);
+          kvflow::ScopedThreadPool use_pool(&thread_pool);
           double quantize_seconds = 0.0;
           double seconds;
           if (fp32) {

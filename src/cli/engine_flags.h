@@ -16,7 +16,10 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
   app->add_option("-m,--model", c.model, "Model path or short name (tiny-random, smollm2-135m)")
       ->default_val("smollm2-135m");
   app->add_option("--device", c.device, "cpu, cuda or cuda:N")->default_val("cpu");
-  app->add_option("--dtype", c.dtype, "CUDA: fp16, bf16 or auto")->default_val("auto");
+  app->add_option("--dtype", c.dtype,
+                  "CPU: auto (keep a GGUF's Q4_0/Q4_1/Q8_0 weights quantized) or f32 (exact fp32 reference); "
+                  "CUDA: fp16, bf16 or auto (bf16)")
+      ->default_val("auto");
   app->add_option("--gpu-memory-utilization", c.gpu_memory_utilization,
                   "CUDA: share of GPU memory for weights, activations and KV cache")->default_val(0.9);
   app->add_flag("--enforce-eager", c.enforce_eager, "CUDA: no CUDA graphs for decode steps");

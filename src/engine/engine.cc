@@ -3,6 +3,7 @@
 #include <chrono>
 #include <memory>
 #include <optional>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -16,6 +17,7 @@
 #include "sched/policy.h"
 #include "spec/draft_model.h"
 #include "spec/ngram_drafter.h"
+#include "util/thread_pool.h"
 
 namespace kvflow {
 
@@ -220,7 +222,20 @@ Status ValidateEngineConfig(const EngineConfig& c) {
       return Status::InvalidArgument("speculative_model is for speculative_method draft_model, not ngram");
     }
   }
-  return ParseDevice(c.device).status();
+  KVFLOW_ASSIGN_OR_RETURN(int device, ParseDevice(c.device));
+  if (device < 0 && c.dtype != "auto" && c.dtype != "f32" && c.dtype != "fp32") {
+    return Status::InvalidArgument("the CPU backend computes with dtype auto (weights kept in the file's Q4_0/Q4_1/"
+                                   "Q8_0 blocks, else fp32) or f32 (every weight fp32: exact), not '" + c.dtype + "'");
+  }
+  return Status::Ok();
+}
+
+// The CPU keeps quantized weights quantized unless asked for exact fp32; the CUDA backend converts
+// fp32 weights to its own dtype.
+WeightFormat WeightFormatFor(const EngineConfig& c) {
+  const Result<int> device = ParseDevice(c.device);
+  const bool cpu = !device.ok() || device.value() < 0;
+  return cpu && c.dtype == "auto" ? WeightFormat::kKeepQuantized : WeightFormat::kF32;
 }
 
 // S3: the length predictor (loaded, or untrained with buckets over max_model_len) and its
@@ -260,6 +275,16 @@ Result<std::unique_ptr<LengthSupervisor>> CreateLengthSupervisor(const EngineCon
   return supervisor;
 }
 
+// The model's weights in the format the engine's device computes with; conversions run on a pool
+// of the engine's threads.
+Result<LlamaWeights> LoadWeights(const ModelFiles& files, const EngineConfig& config) {
+  const int threads = config.num_threads > 0 ? config.num_threads
+                                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  ThreadPool pool(threads);
+  ScopedThreadPool use_pool(&pool);
+  return LoadLlamaWeights(*files.tensors, files.config, files.gguf_rope_permuted, WeightFormatFor(config));
+}
+
 // The draft model's backend: same device, a pool with the target's blocks (which it mirrors) and
 // the drafter's scratch. The draft must read and write the same token ids as the target.
 Result<std::unique_ptr<Backend>> CreateDraftBackend(const EngineConfig& config, const Backend& target,
@@ -281,7 +306,7 @@ Result<std::unique_ptr<Backend>> CreateDraftBackend(const EngineConfig& config, 
                                    " tokens, less than max_model_len " + std::to_string(config.max_model_len) +
                                    "; lower max_model_len");
   }
-  KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadLlamaWeights(*files.tensors, mc, files.gguf_rope_permuted));
+  KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadWeights(files, config));
   files.tensors.reset();
   EngineConfig draft = config;
   draft.num_kv_blocks = target.kv_layout().num_blocks +
@@ -320,8 +345,8 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEvaluationEngine(const EngineCon
     config.max_model_len = mc.max_position_embeddings;
   }
 
-  KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadLlamaWeights(*files.tensors, mc, files.gguf_rope_permuted));
-  files.tensors.reset();  // weights are now fp32 copies; drop the mapping
+  KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadWeights(files, config));
+  files.tensors.reset();  // the weights are copies now; drop the mapping
   KVFLOW_ASSIGN_OR_RETURN(auto backend, CreateBackend(config, input.max_model_len > 0, mc, std::move(weights)));
   std::unique_ptr<Backend> draft_backend;
   if (config.speculative_method == "draft_model") {

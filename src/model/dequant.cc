@@ -1,5 +1,6 @@
 // Conversion of every stored dtype to fp32, following ggml's block layouts.
 #include <cstring>
+#include <functional>
 #include <string>
 
 #if defined(__F16C__)
@@ -7,6 +8,7 @@
 #endif
 
 #include "model/tensor_source.h"
+#include "util/thread_pool.h"
 
 namespace kvflow {
 
@@ -49,61 +51,72 @@ inline uint16_t LoadU16(const uint8_t* p) {
   return v;
 }
 
+// Parallel on the current thread pool when there is one (util/thread_pool.h), else serial; below
+// this many elements threads cost more than they save.
+void ForChunks(int64_t n, int64_t elements_per_item, const std::function<void(int64_t, int64_t)>& fn) {
+  ParallelFor(n, fn, 0, n * elements_per_item > kParallelThreshold ? 2 : n + 1);
+}
+
 void ConvertF16(const uint8_t* src, int64_t n, float* out) {
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
-  for (int64_t i = 0; i < n; ++i) out[i] = HalfToFloat(LoadU16(src + 2 * i));
+  ForChunks(n, 1, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) out[i] = HalfToFloat(LoadU16(src + 2 * i));
+  });
 }
 
 void ConvertBF16(const uint8_t* src, int64_t n, float* out) {
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits = static_cast<uint32_t>(LoadU16(src + 2 * i)) << 16;
-    std::memcpy(&out[i], &bits, sizeof(float));
-  }
+  ForChunks(n, 1, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      uint32_t bits = static_cast<uint32_t>(LoadU16(src + 2 * i)) << 16;
+      std::memcpy(&out[i], &bits, sizeof(float));
+    }
+  });
 }
 
 // block_q8_0 {f16 d; int8 qs[32]}: x = q * d.
 void DequantQ8_0(const uint8_t* src, int64_t blocks, float* out) {
-#pragma omp parallel for schedule(static) if (blocks > kParallelThreshold / kQuantBlock)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = src + b * 34;
-    const float d = HalfToFloat(LoadU16(block));
-    const int8_t* qs = reinterpret_cast<const int8_t*>(block + 2);
-    float* y = out + b * kQuantBlock;
-    for (int j = 0; j < kQuantBlock; ++j) y[j] = qs[j] * d;
-  }
+  ForChunks(blocks, kQuantBlock, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const uint8_t* block = src + b * 34;
+      const float d = HalfToFloat(LoadU16(block));
+      const int8_t* qs = reinterpret_cast<const int8_t*>(block + 2);
+      float* y = out + b * kQuantBlock;
+      for (int j = 0; j < kQuantBlock; ++j) y[j] = qs[j] * d;
+    }
+  });
 }
 
 // block_q4_0 {f16 d; uint8 qs[16]}: low nibbles are elements 0..15, high nibbles 16..31;
 // x = (nibble - 8) * d.
 void DequantQ4_0(const uint8_t* src, int64_t blocks, float* out) {
-#pragma omp parallel for schedule(static) if (blocks > kParallelThreshold / kQuantBlock)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = src + b * 18;
-    const float d = HalfToFloat(LoadU16(block));
-    const uint8_t* qs = block + 2;
-    float* y = out + b * kQuantBlock;
-    for (int j = 0; j < 16; ++j) {
-      y[j] = (static_cast<int>(qs[j] & 0x0f) - 8) * d;
-      y[j + 16] = (static_cast<int>(qs[j] >> 4) - 8) * d;
+  ForChunks(blocks, kQuantBlock, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const uint8_t* block = src + b * 18;
+      const float d = HalfToFloat(LoadU16(block));
+      const uint8_t* qs = block + 2;
+      float* y = out + b * kQuantBlock;
+      for (int j = 0; j < 16; ++j) {
+        y[j] = (static_cast<int>(qs[j] & 0x0f) - 8) * d;
+        y[j + 16] = (static_cast<int>(qs[j] >> 4) - 8) * d;
+      }
     }
-  }
+  });
 }
 
 // block_q4_1 {f16 d; f16 m; uint8 qs[16]}: same nibble order; x = nibble * d + m.
 void DequantQ4_1(const uint8_t* src, int64_t blocks, float* out) {
-#pragma omp parallel for schedule(static) if (blocks > kParallelThreshold / kQuantBlock)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = src + b * 20;
-    const float d = HalfToFloat(LoadU16(block));
-    const float m = HalfToFloat(LoadU16(block + 2));
-    const uint8_t* qs = block + 4;
-    float* y = out + b * kQuantBlock;
-    for (int j = 0; j < 16; ++j) {
-      y[j] = (qs[j] & 0x0f) * d + m;
-      y[j + 16] = (qs[j] >> 4) * d + m;
+  ForChunks(blocks, kQuantBlock, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const uint8_t* block = src + b * 20;
+      const float d = HalfToFloat(LoadU16(block));
+      const float m = HalfToFloat(LoadU16(block + 2));
+      const uint8_t* qs = block + 4;
+      float* y = out + b * kQuantBlock;
+      for (int j = 0; j < 16; ++j) {
+        y[j] = (qs[j] & 0x0f) * d + m;
+        y[j + 16] = (qs[j] >> 4) * d + m;
+      }
     }
-  }
+  });
 }
 
 }  // namespace

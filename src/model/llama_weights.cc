@@ -2,7 +2,9 @@
 
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <string>
+#include <unordered_set>
 
 #include <spdlog/spdlog.h>
 
@@ -17,12 +19,26 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 
 class WeightReader {
  public:
-  WeightReader(const TensorSource& source, bool gguf)
-      : source_(source), gguf_(gguf), progress_("dequantizing weights", TotalBytes(source)) {}
+  WeightReader(const TensorSource& source, bool gguf, bool keep_quantized)
+      : source_(source),
+        gguf_(gguf),
+        keep_quantized_(keep_quantized),
+        progress_(keep_quantized ? "loading weights" : "dequantizing weights", TotalBytes(source)) {}
 
-  // Appends the tensor named `hf_name` (or its GGUF twin) to `out`, checking its shape.
-  Status Read(const std::string& hf_name, const std::string& gguf_name,
-              const std::vector<int64_t>& shape, std::vector<float>& out) const {
+  // Tensors of the source that no Read* took and that kvflow's Llama does not need: a model that
+  // has them (biases, extra projections) would compute something else than kvflow does.
+  std::vector<std::string> Unused() const {
+    std::vector<std::string> unused;
+    for (const std::string& name : source_.Names()) {
+      const bool harmless = name.ends_with("rotary_emb.inv_freq");  // recomputed from the config
+      if (!used_.contains(name) && !harmless) unused.push_back(name);
+    }
+    return unused;
+  }
+
+  // The tensor named `hf_name` (or its GGUF twin), its shape checked.
+  Result<const TensorInfo*> Find(const std::string& hf_name, const std::string& gguf_name,
+                                 const std::vector<int64_t>& shape) const {
     const TensorInfo* info = source_.Find(gguf_ ? gguf_name : hf_name);
     if (info == nullptr) info = source_.Find(gguf_ ? hf_name : gguf_name);
     if (info == nullptr) {
@@ -37,9 +53,27 @@ class WeightReader {
                                      ShapeString(info->shape) + ", the config implies " +
                                      ShapeString(shape));
     }
-    const size_t offset = out.size();
-    out.resize(offset + static_cast<size_t>(info->numel()));
-    KVFLOW_RETURN_IF_ERROR(DequantizeToF32(*info, out.data() + offset));
+    used_.insert(info->name);
+    return info;
+  }
+
+  // A 1-D tensor (norm weights) as fp32.
+  Status ReadVector(const std::string& hf_name, const std::string& gguf_name, int64_t n, std::vector<float>& out) const {
+    KVFLOW_ASSIGN_OR_RETURN(const TensorInfo* info, Find(hf_name, gguf_name, {n}));
+    out.resize(static_cast<size_t>(n));
+    KVFLOW_RETURN_IF_ERROR(DequantizeToF32(*info, out.data()));
+    progress_.Advance(info->nbytes);
+    return Status::Ok();
+  }
+
+  // Appends the rows of a [rows, cols] tensor to `out`; `fix_rows` may reorder them first.
+  Status ReadRows(const std::string& hf_name, const std::string& gguf_name, int64_t rows, int64_t cols,
+                  WeightMatrix& out, const std::function<void(WeightPart&)>& fix_rows = {}) const {
+    KVFLOW_ASSIGN_OR_RETURN(const TensorInfo* info, Find(hf_name, gguf_name, {rows, cols}));
+    KVFLOW_ASSIGN_OR_RETURN(WeightPart part, ReadWeightPart(*info, keep_quantized_));
+    if (fix_rows) fix_rows(part);
+    out.cols = cols;
+    out.Append(std::move(part));
     progress_.Advance(info->nbytes);
     return Status::Ok();
   }
@@ -57,77 +91,119 @@ class WeightReader {
 
   const TensorSource& source_;
   bool gguf_;
+  bool keep_quantized_;
   mutable LoadProgress progress_;
+  mutable std::unordered_set<std::string> used_;
 };
 
 // llama.cpp stores each head's rows as interleaved pairs (2j, 2j+1); HF keeps halves (j, j+d/2).
-void UnpermuteRopeRows(float* rows, int num_heads, int head_dim, int64_t cols) {
+// Rows move whole, so this works on fp32 and on block-quantized rows alike.
+void UnpermuteRopeRows(uint8_t* rows, int num_heads, int head_dim, size_t row_bytes) {
   const int half = head_dim / 2;
-  std::vector<float> head(static_cast<size_t>(head_dim) * cols);
+  std::vector<uint8_t> head(static_cast<size_t>(head_dim) * row_bytes);
   for (int h = 0; h < num_heads; ++h) {
-    float* base = rows + static_cast<int64_t>(h) * head_dim * cols;
-    std::memcpy(head.data(), base, head.size() * sizeof(float));
+    uint8_t* base = rows + static_cast<size_t>(h) * head_dim * row_bytes;
+    std::memcpy(head.data(), base, head.size());
     for (int j = 0; j < half; ++j) {
       for (int s = 0; s < 2; ++s) {
-        std::memcpy(base + static_cast<int64_t>(s * half + j) * cols,
-                    head.data() + static_cast<int64_t>(2 * j + s) * cols, cols * sizeof(float));
+        std::memcpy(base + static_cast<size_t>(s * half + j) * row_bytes,
+                    head.data() + static_cast<size_t>(2 * j + s) * row_bytes, row_bytes);
       }
     }
+  }
+}
+
+void UnpermuteRopeRows(WeightPart& part, int num_heads, int head_dim, int64_t cols) {
+  if (part.dtype == DType::kF32) {
+    UnpermuteRopeRows(reinterpret_cast<uint8_t*>(part.f32.data()), num_heads, head_dim, sizeof(float) * cols);
+  } else {
+    UnpermuteRopeRows(part.blocks.data(), num_heads, head_dim, part.row_bytes(cols));
   }
 }
 
 }  // namespace
 
 size_t LlamaWeights::num_parameters() const {
-  size_t n = embed.size() + final_norm.size() + lm_head.size();
+  size_t n = embed.num_parameters() + final_norm.size() + lm_head.num_parameters();
   for (const auto& l : layers) {
-    n += l.attn_norm.size() + l.wqkv.size() + l.wo.size() + l.ffn_norm.size() + l.w_gate_up.size() +
-         l.w_down.size();
+    n += l.attn_norm.size() + l.wqkv.num_parameters() + l.wo.num_parameters() + l.ffn_norm.size() +
+         l.w_gate_up.num_parameters() + l.w_down.num_parameters();
   }
   return n;
 }
 
-Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelConfig& c,
-                                      bool gguf_rope_permuted) {
+size_t LlamaWeights::bytes() const {
+  size_t n = embed.bytes() + lm_head.bytes() + final_norm.size() * sizeof(float);
+  for (const auto& l : layers) {
+    n += (l.attn_norm.size() + l.ffn_norm.size()) * sizeof(float) + l.wqkv.bytes() + l.wo.bytes() +
+         l.w_gate_up.bytes() + l.w_down.bytes();
+  }
+  return n;
+}
+
+bool LlamaWeights::all_f32() const {
+  auto f32 = [](const WeightMatrix& m) { return m.empty() || m.is_f32(); };
+  if (!f32(embed) || !f32(lm_head)) return false;
+  for (const auto& l : layers) {
+    if (!f32(l.wqkv) || !f32(l.wo) || !f32(l.w_gate_up) || !f32(l.w_down)) return false;
+  }
+  return true;
+}
+
+Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelConfig& c, bool gguf_rope_permuted,
+                                      WeightFormat format) {
   KVFLOW_RETURN_IF_ERROR(c.Validate());
   const bool gguf = source.Find("token_embd.weight") != nullptr;
-  WeightReader r(source, gguf);
+  WeightReader r(source, gguf, format == WeightFormat::kKeepQuantized);
   const int64_t H = c.hidden_size, D = c.head_dim, F = c.intermediate_size, V = c.vocab_size;
   const int64_t q_rows = static_cast<int64_t>(c.num_heads) * D;
   const int64_t kv_rows = static_cast<int64_t>(c.num_kv_heads) * D;
 
+  const auto start = std::chrono::steady_clock::now();
   LlamaWeights w;
-  KVFLOW_RETURN_IF_ERROR(r.Read("model.embed_tokens.weight", "token_embd.weight", {V, H}, w.embed));
-  KVFLOW_RETURN_IF_ERROR(r.Read("model.norm.weight", "output_norm.weight", {H}, w.final_norm));
+  KVFLOW_RETURN_IF_ERROR(r.ReadRows("model.embed_tokens.weight", "token_embd.weight", V, H, w.embed));
+  KVFLOW_RETURN_IF_ERROR(r.ReadVector("model.norm.weight", "output_norm.weight", H, w.final_norm));
   if (r.Has("lm_head.weight", "output.weight")) {
-    KVFLOW_RETURN_IF_ERROR(r.Read("lm_head.weight", "output.weight", {V, H}, w.lm_head));
+    KVFLOW_RETURN_IF_ERROR(r.ReadRows("lm_head.weight", "output.weight", V, H, w.lm_head));
   } else if (!c.tie_word_embeddings) {
     return Status::NotFound("the config says embeddings are untied but there is no lm_head.weight in " +
                             source.Describe());
   }
 
-  const auto start = std::chrono::steady_clock::now();
+  auto unpermute = [&](int heads) -> std::function<void(WeightPart&)> {
+    if (!gguf_rope_permuted) return {};
+    return [&c, heads, H](WeightPart& part) { UnpermuteRopeRows(part, heads, c.head_dim, H); };
+  };
   w.layers.resize(static_cast<size_t>(c.num_layers));
   for (int i = 0; i < c.num_layers; ++i) {
     const std::string hf = "model.layers." + std::to_string(i) + ".";
     const std::string gg = "blk." + std::to_string(i) + ".";
     LlamaLayerWeights& l = w.layers[static_cast<size_t>(i)];
-    KVFLOW_RETURN_IF_ERROR(r.Read(hf + "input_layernorm.weight", gg + "attn_norm.weight", {H}, l.attn_norm));
-    KVFLOW_RETURN_IF_ERROR(r.Read(hf + "self_attn.q_proj.weight", gg + "attn_q.weight", {q_rows, H}, l.wqkv));
-    KVFLOW_RETURN_IF_ERROR(r.Read(hf + "self_attn.k_proj.weight", gg + "attn_k.weight", {kv_rows, H}, l.wqkv));
-    KVFLOW_RETURN_IF_ERROR(r.Read(hf + "self_attn.v_proj.weight", gg + "attn_v.weight", {kv_rows, H}, l.wqkv));
-    if (gguf_rope_permuted) {
-      UnpermuteRopeRows(l.wqkv.data(), c.num_heads, c.head_dim, H);
-      UnpermuteRopeRows(l.wqkv.data() + q_rows * H, c.num_kv_heads, c.head_dim, H);
-    }
-    KVFLOW_RETURN_IF_ERROR(r.Read(hf + "self_attn.o_proj.weight", gg + "attn_output.weight", {H, q_rows}, l.wo));
-    KVFLOW_RETURN_IF_ERROR(r.Read(hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight", {H}, l.ffn_norm));
-    KVFLOW_RETURN_IF_ERROR(r.Read(hf + "mlp.gate_proj.weight", gg + "ffn_gate.weight", {F, H}, l.w_gate_up));
-    KVFLOW_RETURN_IF_ERROR(r.Read(hf + "mlp.up_proj.weight", gg + "ffn_up.weight", {F, H}, l.w_gate_up));
-    KVFLOW_RETURN_IF_ERROR(r.Read(hf + "mlp.down_proj.weight", gg + "ffn_down.weight", {H, F}, l.w_down));
+    KVFLOW_RETURN_IF_ERROR(r.ReadVector(hf + "input_layernorm.weight", gg + "attn_norm.weight", H, l.attn_norm));
+    KVFLOW_RETURN_IF_ERROR(
+        r.ReadRows(hf + "self_attn.q_proj.weight", gg + "attn_q.weight", q_rows, H, l.wqkv, unpermute(c.num_heads)));
+    KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "self_attn.k_proj.weight", gg + "attn_k.weight", kv_rows, H, l.wqkv,
+                                      unpermute(c.num_kv_heads)));
+    KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "self_attn.v_proj.weight", gg + "attn_v.weight", kv_rows, H, l.wqkv));
+    KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "self_attn.o_proj.weight", gg + "attn_output.weight", H, q_rows, l.wo));
+    KVFLOW_RETURN_IF_ERROR(
+        r.ReadVector(hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight", H, l.ffn_norm));
+    KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.gate_proj.weight", gg + "ffn_gate.weight", F, H, l.w_gate_up));
+    KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.up_proj.weight", gg + "ffn_up.weight", F, H, l.w_gate_up));
+    KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.down_proj.weight", gg + "ffn_down.weight", H, F, l.w_down));
   }
-  spdlog::info("loaded {:.1f}M parameters as fp32 ({:.0f} MiB) in {:.2f} s", w.num_parameters() / 1e6,
-               w.num_parameters() * 4.0 / (1 << 20),
+  if (const std::vector<std::string> unused = r.Unused(); !unused.empty()) {
+    std::string names;
+    for (size_t i = 0; i < unused.size() && i < 4; ++i) names += (i ? ", " : "") + unused[i];
+    if (unused.size() > 4) names += ", ... (" + std::to_string(unused.size()) + " in all)";
+    return Status::Unsupported(source.Describe() + " has tensors kvflow's Llama does not use (" + names +
+                               "); running without them would give wrong logits (attention and MLP biases are "
+                               "not supported yet)");
+  }
+  spdlog::info("loaded {:.1f}M parameters as {} ({:.0f} MiB) in {:.2f} s", w.num_parameters() / 1e6,
+               w.all_f32() ? std::string("fp32") : "quantized " + w.layers.front().wqkv.FormatName() + " (embeddings " +
+                                                       w.embed.FormatName() + ")",
+               w.bytes() / double(1 << 20),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   return w;
 }

@@ -1,4 +1,5 @@
-// fp32 weights of a Llama-architecture decoder, dequantized from any supported file format.
+// Weights of a Llama-architecture decoder: fp32 (dequantized from any supported file format), or
+// with the matrices kept in the file's block quantization where the CPU kernels compute with it.
 #pragma once
 
 #include <vector>
@@ -6,6 +7,7 @@
 #include "kvflow/config.h"
 #include "kvflow/status.h"
 #include "model/tensor_source.h"
+#include "model/weight_matrix.h"
 
 namespace kvflow {
 
@@ -13,27 +15,35 @@ namespace kvflow {
 // concatenated along the output dimension at load so each becomes one GEMM.
 struct LlamaLayerWeights {
   std::vector<float> attn_norm;  // [hidden]
-  std::vector<float> wqkv;       // [(heads + 2 * kv_heads) * head_dim, hidden]
-  std::vector<float> wo;         // [hidden, heads * head_dim]
+  WeightMatrix wqkv;             // [(heads + 2 * kv_heads) * head_dim, hidden]
+  WeightMatrix wo;               // [hidden, heads * head_dim]
   std::vector<float> ffn_norm;   // [hidden]
-  std::vector<float> w_gate_up;  // [2 * intermediate, hidden]: gate rows, then up rows
-  std::vector<float> w_down;     // [hidden, intermediate]
+  WeightMatrix w_gate_up;        // [2 * intermediate, hidden]: gate rows, then up rows
+  WeightMatrix w_down;           // [hidden, intermediate]
 };
 
 struct LlamaWeights {
-  std::vector<float> embed;       // [vocab, hidden]
+  WeightMatrix embed;             // [vocab, hidden]
   std::vector<float> final_norm;  // [hidden]
-  std::vector<float> lm_head;     // [vocab, hidden]; empty when tied to `embed`
+  WeightMatrix lm_head;           // [vocab, hidden]; empty when tied to `embed`
   std::vector<LlamaLayerWeights> layers;
 
-  const std::vector<float>& output_matrix() const { return lm_head.empty() ? embed : lm_head; }
+  const WeightMatrix& output_matrix() const { return lm_head.empty() ? embed : lm_head; }
   size_t num_parameters() const;
+  // Bytes of the matrices and norms in memory.
+  size_t bytes() const;
+  // Whether every matrix is fp32 (what the CUDA backend needs).
+  bool all_f32() const;
 };
+
+// How the matrices are kept: fp32 (exact; the reference and the CUDA backend's input), or in the
+// file's block quantization where CPU kernels exist for it (others become fp32).
+enum class WeightFormat { kF32, kKeepQuantized };
 
 // Accepts HF names (model.layers.N.self_attn.q_proj.weight) and GGUF names (blk.N.attn_q.weight).
 // `gguf_rope_permuted`: undo llama.cpp's reordering of Q/K rows so that RoPE uses HF's
 // rotate_half pairing everywhere. Every tensor's shape is checked against the config.
 Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelConfig& config,
-                                      bool gguf_rope_permuted);
+                                      bool gguf_rope_permuted, WeightFormat format = WeightFormat::kF32);
 
 }  // namespace kvflow

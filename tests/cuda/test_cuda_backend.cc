@@ -41,16 +41,19 @@ LlamaWeights TinyWeights(ModelConfig* config) {
 // Rounds every weight to the device dtype, so the CPU reference computes with the same weights.
 void RoundWeights(LlamaWeights& w, cuda::DType t) {
   auto round = [t](std::vector<float>& v) { test::ToDeviceBytes(v, t); };
-  round(w.embed);
+  auto round_matrix = [&](WeightMatrix& m) {
+    if (!m.empty()) round(m.f32());
+  };
+  round_matrix(w.embed);
   round(w.final_norm);
-  round(w.lm_head);
+  round_matrix(w.lm_head);
   for (auto& l : w.layers) {
     round(l.attn_norm);
-    round(l.wqkv);
-    round(l.wo);
+    round_matrix(l.wqkv);
+    round_matrix(l.wo);
     round(l.ffn_norm);
-    round(l.w_gate_up);
-    round(l.w_down);
+    round_matrix(l.w_gate_up);
+    round_matrix(l.w_down);
   }
 }
 

@@ -3,11 +3,13 @@
 #include <cmath>
 #include <cstring>
 #include <new>
+#include <stdexcept>
 
 #include <spdlog/fmt/fmt.h>
 
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/paged_attention.h"
+#include "util/thread_pool.h"
 
 namespace kvflow {
 
@@ -23,9 +25,9 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config
       num_host_blocks < 0) {
     return Status::InvalidArgument("KV cache layout does not match the model config");
   }
-  cpu::SetNumThreads(num_threads);
+  cpu::InitBlas();
   std::unique_ptr<CpuBackend> backend(new CpuBackend(config, std::move(weights), layout));
-  backend->num_threads_ = num_threads;
+  backend->pool_ = std::make_unique<ThreadPool>(std::max(1, num_threads));
   const size_t elements = layout.layer_stride() * static_cast<size_t>(layout.num_layers);
   try {
     backend->key_cache_.assign(elements, 0.0f);
@@ -45,7 +47,10 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config
 }
 
 std::string CpuBackend::Describe() const {
-  return fmt::format("cpu (fp32, {} threads, KV pool {} blocks x {} tokens = {:.1f} MiB)", cpu::NumThreads(),
+  const std::string weights = weights_.all_f32() ? std::string("fp32")
+                                                 : "weights " + weights_.layers.front().wqkv.FormatName() + " (" +
+                                                       cpu::QuantKernelIsa() + ")";
+  return fmt::format("cpu ({}, {} threads, KV pool {} blocks x {} tokens = {:.1f} MiB)", weights, pool_->size(),
                      layout_.num_blocks, layout_.block_size,
                      2.0 * layout_.layer_stride() * layout_.num_layers * 4 / (1 << 20));
 }
@@ -99,7 +104,7 @@ Status CpuBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink,
                            const std::function<Status()>& layers, bool capturable) {
   KVFLOW_RETURN_IF_ERROR(ValidateForwardBatch(batch, config_, layout_));
   if (sink.sampled) return Status::Unsupported("the CPU backend samples on the host");
-  if (num_threads_ > 0 && cpu::NumThreads() != num_threads_) cpu::SetNumThreads(num_threads_);
+  ScopedThreadPool use_pool(pool_.get());
   const int64_t T = static_cast<int64_t>(batch.tokens.size());
   try {
     for (Activation a : {Activation::kHidden, Activation::kQkv, Activation::kAttention, Activation::kDelta,
@@ -136,49 +141,77 @@ std::vector<float>& CpuBackend::Storage(Activation which) {
 
 int64_t CpuBackend::Width(Activation which) const { return ActivationWidth(config_, which); }
 
-const std::vector<float>& CpuBackend::Weight(int layer, LayerWeight which) const {
+const std::vector<float>& CpuBackend::Norm(int layer, LayerWeight which) const {
+  const LlamaLayerWeights& w = weights_.layers[static_cast<size_t>(layer)];
+  return which == LayerWeight::kFfnNorm ? w.ffn_norm : w.attn_norm;
+}
+
+const WeightMatrix& CpuBackend::Matrix(int layer, LayerWeight which) const {
   const LlamaLayerWeights& w = weights_.layers[static_cast<size_t>(layer)];
   switch (which) {
-    case LayerWeight::kAttnNorm: return w.attn_norm;
     case LayerWeight::kQkv: return w.wqkv;
     case LayerWeight::kO: return w.wo;
-    case LayerWeight::kFfnNorm: return w.ffn_norm;
     case LayerWeight::kGateUp: return w.w_gate_up;
     case LayerWeight::kDown: return w.w_down;
+    case LayerWeight::kAttnNorm:
+    case LayerWeight::kFfnNorm: break;
   }
-  return w.attn_norm;
+  throw std::logic_error("CpuBackend::Matrix: a norm is not a matrix");
+}
+
+void CpuBackend::Matmul(const WeightMatrix& matrix, const float* x, int64_t M, float* y) {
+  const int64_t K = matrix.cols;
+  int64_t first_row = 0;
+  bool quantized_for_any = false;
+  DType quantized_for = DType::kF32;
+  for (const WeightPart& part : matrix.parts) {
+    if (part.dtype == DType::kF32) {
+      cpu::MatmulTransposedB(x, part.f32.data(), y + first_row, M, part.rows, K, false, matrix.rows);
+    } else {
+      // Formats that share an activation format (Q4_0 and Q8_0 both take Q8_0) could share this;
+      // mixed parts are rare enough that re-quantizing per format is fine.
+      if (!quantized_for_any || quantized_for != part.dtype) {
+        cpu::QuantizeActivations(x, M, K, part.dtype, quantized_input_);
+        quantized_for_any = true;
+        quantized_for = part.dtype;
+      }
+      cpu::QuantizedMatmul(quantized_input_, part.blocks.data(), part.rows, y + first_row, matrix.rows, false);
+    }
+    first_row += part.rows;
+  }
 }
 
 Status CpuBackend::Embed() {
   const int64_t H = config_.hidden_size;
   for (int64_t t = 0; t < num_tokens_; ++t) {
-    std::memcpy(&residual_[t * H], &weights_.embed[static_cast<size_t>(batch_->tokens[t]) * H], H * sizeof(float));
+    weights_.embed.DequantizeRow(batch_->tokens[static_cast<size_t>(t)], &residual_[t * H]);
   }
   return Status::Ok();
 }
 
 Status CpuBackend::RmsNorm(int layer, LayerWeight norm, bool add_delta) {
   if (add_delta) KVFLOW_RETURN_IF_ERROR(AddDelta());
-  cpu::RmsNorm(residual_.data(), Weight(layer, norm).data(), hidden_.data(), num_tokens_, config_.hidden_size,
+  cpu::RmsNorm(residual_.data(), Norm(layer, norm).data(), hidden_.data(), num_tokens_, config_.hidden_size,
                config_.rms_norm_eps);
   return Status::Ok();
 }
 
 Status CpuBackend::Linear(int layer, LayerWeight weight, Activation in, Activation out) {
-  cpu::MatmulTransposedB(Buffer(in), Weight(layer, weight).data(), Buffer(out), num_tokens_, Width(out), Width(in));
+  Matmul(Matrix(layer, weight), Buffer(in), num_tokens_, Buffer(out));
   return Status::Ok();
 }
 
 Status CpuBackend::Rotary() {
   const int64_t D = config_.head_dim, NH = config_.num_heads, KV = config_.num_kv_heads;
   const int64_t row = Width(Activation::kQkv);
-#pragma omp parallel for schedule(static) if (num_tokens_ > 1)
-  for (int64_t t = 0; t < num_tokens_; ++t) {
-    float* qk = &qkv_[t * row];
-    const int pos = batch_->positions[static_cast<size_t>(t)];
-    // Q heads, then K heads: one run of NH + KV heads.
-    for (int64_t h = 0; h < NH + KV; ++h) ApplyRope(qk + h * D, static_cast<int>(D), pos, rope_);
-  }
+  ParallelFor(num_tokens_, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      float* qk = &qkv_[t * row];
+      const int pos = batch_->positions[static_cast<size_t>(t)];
+      // Q heads, then K heads: one run of NH + KV heads.
+      for (int64_t h = 0; h < NH + KV; ++h) ApplyRope(qk + h * D, static_cast<int>(D), pos, rope_);
+    }
+  });
   return Status::Ok();
 }
 
@@ -229,8 +262,7 @@ Status CpuBackend::Head(const LogitsSink& sink) {
     row += count;
   }
   cpu::RmsNorm(final_rows_.data(), weights_.final_norm.data(), final_rows_.data(), rows, H, config_.rms_norm_eps);
-  cpu::MatmulTransposedB(final_rows_.data(), weights_.output_matrix().data(), sink.host->data(), rows,
-                         config_.vocab_size, H);
+  Matmul(weights_.output_matrix(), final_rows_.data(), rows, sink.host->data());
   return Status::Ok();
 }
 

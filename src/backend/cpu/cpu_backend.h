@@ -1,12 +1,15 @@
-// The CPU reference backend: fp32 weights, activations and paged KV cache in host memory, and the
-// decoder's primitives over them (model/llama_model.h runs the layer loop).
+// The CPU backend: weights (fp32, the exact reference mode, or kept in the file's block
+// quantization), fp32 activations and paged KV cache in host memory, and the decoder's primitives
+// over them (model/llama_model.h runs the layer loop).
 #pragma once
 
 #include <memory>
 
 #include "backend/backend.h"
+#include "backend/cpu/quant_gemm.h"
 #include "model/llama_weights.h"
 #include "model/rope.h"
+#include "util/thread_pool.h"
 
 namespace kvflow {
 
@@ -14,7 +17,7 @@ class CpuBackend final : public Backend {
  public:
   // Allocates the KV pool described by `layout` and a swap pool of `num_host_blocks` blocks
   // (its pages are only touched when something is swapped out); OutOfMemory if the host cannot
-  // hold them.
+  // hold them. `num_threads` (>= 1) workers, the stepping thread included, run each step.
   static Result<std::unique_ptr<CpuBackend>> Create(const ModelConfig& config, LlamaWeights weights,
                                                     const KvCacheLayout& layout, int num_host_blocks,
                                                     int num_threads);
@@ -48,16 +51,18 @@ class CpuBackend final : public Backend {
   std::vector<float>& Storage(Activation which);
   float* Buffer(Activation which) { return Storage(which).data(); }
   int64_t Width(Activation which) const;
-  const std::vector<float>& Weight(int layer, LayerWeight which) const;
+  const std::vector<float>& Norm(int layer, LayerWeight which) const;
+  const WeightMatrix& Matrix(int layer, LayerWeight which) const;
+  // y[M, matrix.rows] = x[M, matrix.cols] * matrix^T, part by part (each in its own format).
+  void Matmul(const WeightMatrix& matrix, const float* x, int64_t M, float* y);
   Status Head(const LogitsSink& sink);
 
   ModelConfig config_;
   LlamaWeights weights_;
   KvCacheLayout layout_;
   KvCacheLayout host_layout_;  // same shape, num_blocks = swap blocks
-  // OpenMP's thread count is per calling thread: it is applied on the thread that runs the step
-  // (an AsyncEngine steps on a thread of its own). 0: OpenMP's default.
-  int num_threads_ = 0;
+  // The step's parallel loops run here (made current on the stepping thread for the step).
+  std::unique_ptr<ThreadPool> pool_;
   RopeFrequencies rope_;
   std::vector<float> key_cache_;
   std::vector<float> value_cache_;
@@ -70,6 +75,8 @@ class CpuBackend final : public Backend {
   std::vector<std::vector<int64_t>> view_slots_;
   // Activations, reused across steps.
   std::vector<float> residual_, hidden_, qkv_, attention_, delta_, gate_up_, mlp_, final_rows_;
+  // The input rows of the current product, quantized for a weight format (reused across calls).
+  cpu::QuantizedActivations quantized_input_;
 };
 
 }  // namespace kvflow

@@ -1,13 +1,14 @@
-// fp32 building blocks of the CPU reference backend. Multithreaded with OpenMP / OpenBLAS.
+// fp32 building blocks of the CPU backend, parallel on the current thread pool (util/thread_pool.h).
 #pragma once
 
 #include <cstdint>
 
 namespace kvflow::cpu {
 
-// y[M, N] = x[M, K] * w[N, K]^T (+ y when accumulate). w is row-major [out, in] as HF stores it.
+// y[M, N] = x[M, K] * w[N, K]^T (+ y when accumulate). w is row-major [out, in] as HF stores it;
+// y's rows are ldy apart (0: N).
 void MatmulTransposedB(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
-                       bool accumulate = false);
+                       bool accumulate = false, int64_t ldy = 0);
 
 // out[r] = x[r] / rms(x[r]) * weight, for each of `rows` rows of length n.
 void RmsNorm(const float* x, const float* weight, float* out, int64_t rows, int64_t n, float eps);
@@ -15,7 +16,7 @@ void RmsNorm(const float* x, const float* weight, float* out, int64_t rows, int6
 // out[r, i] = silu(gate_up[r, i]) * gate_up[r, n + i]: gate and up halves side by side per row.
 void SiluMul(const float* gate_up, float* out, int64_t rows, int64_t n);
 
-void SetNumThreads(int n);
-int NumThreads();
+// OpenBLAS runs single-threaded inside our pool's threads (its own threads would compete).
+void InitBlas();
 
 }  // namespace kvflow::cpu

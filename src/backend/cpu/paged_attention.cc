@@ -5,6 +5,8 @@
 #include <cstring>
 #include <vector>
 
+#include "util/thread_pool.h"
+
 namespace kvflow::cpu {
 
 void WriteKvCache(std::span<const int64_t> slots, const KvCacheLayout& layout, const float* key,
@@ -66,12 +68,11 @@ void PagedAttention(const ForwardBatch& batch, std::span<const std::vector<int64
     return layout.offset(static_cast<int>(slot / bs), kv_head, static_cast<int>(slot % bs));
   };
 
-#pragma omp parallel
-  {
-    std::vector<float> scores;
-#pragma omp for schedule(dynamic, 4)
-    for (size_t n = 0; n < tasks.size(); ++n) {
-      const AttentionTask& task = tasks[n];
+  // Dynamic chunks: tasks differ in length (context lengths, causal prefill rows).
+  ParallelFor(static_cast<int64_t>(tasks.size()), [&](int64_t first, int64_t last) {
+    thread_local std::vector<float> scores;
+    for (int64_t n = first; n < last; ++n) {
+      const AttentionTask& task = tasks[static_cast<size_t>(n)];
       const int kv_head = task.head / group;
       const std::vector<int64_t>& slots = view_slots[static_cast<size_t>(task.seq)];
       const float* q = io.query + task.token * io.query_row_stride + static_cast<int64_t>(task.head) * D;
@@ -102,7 +103,7 @@ void PagedAttention(const ForwardBatch& batch, std::span<const std::vector<int64
       }
       if (io.lse) io.lse[static_cast<int64_t>(task.token) * num_heads + task.head] = max_score + std::log(denom);
     }
-  }
+  }, 4);
 }
 
 void PagedAttention(const ForwardBatch& batch, const KvCacheLayout& layout, int num_heads,

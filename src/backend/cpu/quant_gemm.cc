@@ -6,8 +6,9 @@
 // never executes one of their instructions.
 #include "backend/cpu/quant_gemm.h"
 
+#include "util/thread_pool.h"
+
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <array>
@@ -529,15 +530,20 @@ void QuantizeActivations(const float* x, int64_t rows, int64_t cols, DType weigh
   const bool q8_1 = weight_type == DType::kQ4_1;
   const size_t block_bytes = ActBlockBytes(weight_type);
   const bool simd = ActiveIsa() != Isa::kPortable;
-#pragma omp parallel for schedule(static) if (rows > 1 && rows * blocks >= kMinParallelQuantizeBlocks)
-  for (int64_t r = 0; r < rows; ++r) {
-    uint8_t* dst = out.data.data() + r * row_bytes;
-    if (simd) {
-      QuantizeRowAvx2(x + r * cols, blocks, dst, q8_1, block_bytes);
-    } else {
-      QuantizeRowPortable(x + r * cols, blocks, dst, q8_1, block_bytes);
-    }
-  }
+  const bool parallel = rows > 1 && rows * blocks >= kMinParallelQuantizeBlocks;
+  ParallelFor(
+      rows,
+      [&](int64_t first, int64_t last) {
+        for (int64_t r = first; r < last; ++r) {
+          uint8_t* dst = out.data.data() + r * row_bytes;
+          if (simd) {
+            QuantizeRowAvx2(x + r * cols, blocks, dst, q8_1, block_bytes);
+          } else {
+            QuantizeRowPortable(x + r * cols, blocks, dst, q8_1, block_bytes);
+          }
+        }
+      },
+      0, parallel ? 2 : rows + 1);
 }
 
 void QuantizedMatmul(const QuantizedActivations& x, const uint8_t* w, int64_t n_rows, float* y, int64_t ldy,
@@ -550,13 +556,13 @@ void QuantizedMatmul(const QuantizedActivations& x, const uint8_t* w, int64_t n_
   const size_t x_stride = x.row_bytes();
   // Each thread takes a contiguous run of weight rows (whole tiles), so it streams its part of
   // the weights once; within it, a tile of weight rows meets every tile of activation rows.
-  const int64_t threads = omp_get_max_threads();
+  const int64_t threads = CurrentThreads();
   const int64_t rows_per_thread = (n_rows + threads - 1) / threads;
   const int64_t chunk = (rows_per_thread + table.rows_w - 1) / table.rows_w * table.rows_w;
   const bool parallel = threads > 1 && n_rows > table.rows_w && n_rows * m_rows * blocks >= kMinParallelBlockProducts;
-#pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t n_begin = 0; n_begin < n_rows; n_begin += chunk) {
-    const int64_t n_end = std::min(n_rows, n_begin + chunk);
+  ParallelFor(
+      n_rows,
+      [&](int64_t n_begin, int64_t n_end) {
     for (int64_t n = n_begin; n < n_end; n += table.rows_w) {
       const int64_t tile_w = std::min<int64_t>(table.rows_w, n_end - n);
       for (int64_t m = 0; m < m_rows; m += table.rows_a) {
@@ -569,7 +575,8 @@ void QuantizedMatmul(const QuantizedActivations& x, const uint8_t* w, int64_t n_
         table.tiles[tile_w - 1][tile_a - 1](args);
       }
     }
-  }
+      },
+      chunk, parallel ? 2 : n_rows + 1);
 }
 
 float QuantizedDot(DType w_type, const uint8_t* w_row, const uint8_t* x_row, int64_t cols) {

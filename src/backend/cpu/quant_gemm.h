@@ -36,7 +36,7 @@ void QuantizeActivations(const float* x, int64_t rows, int64_t cols, DType weigh
 
 // y[m * ldy + n] = (accumulate ? y[m * ldy + n] : 0) + dot(w row n, x row m) for m < x.rows,
 // n < n_rows: `w` holds n_rows rows of x.cols elements each in x.weight_type's ggml block layout
-// (row after row). OpenMP threads split the weight rows; each walks tiles of a few weight rows
+// (row after row). The current thread pool's threads (util/thread_pool.h) split the weight rows; each walks tiles of a few weight rows
 // across all activation rows, so a weight block is read from memory once per call.
 void QuantizedMatmul(const QuantizedActivations& x, const uint8_t* w, int64_t n_rows, float* y,
                      int64_t ldy, bool accumulate);

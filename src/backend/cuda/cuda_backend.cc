@@ -463,19 +463,25 @@ Status CudaBackend::UploadWeights(const LlamaWeights& w) {
     }
     return Status::Ok();
   };
-  KVFLOW_RETURN_IF_ERROR(upload(w.embed, embed_));
+  auto upload_matrix = [&](const WeightMatrix& m, void* dst) -> Status {
+    if (!m.is_f32()) {
+      return Status::Unsupported("the CUDA backend takes fp32 weights to convert; got " + m.FormatName());
+    }
+    return upload(m.f32(), dst);
+  };
+  KVFLOW_RETURN_IF_ERROR(upload_matrix(w.embed, embed_));
   KVFLOW_RETURN_IF_ERROR(upload(w.final_norm, final_norm_));
-  if (!w.lm_head.empty()) KVFLOW_RETURN_IF_ERROR(upload(w.lm_head, lm_head_));
+  if (!w.lm_head.empty()) KVFLOW_RETURN_IF_ERROR(upload_matrix(w.lm_head, lm_head_));
   if (w.layers.size() != layers_.size()) return Status::InvalidArgument("weights have the wrong number of layers");
   for (size_t i = 0; i < layers_.size(); ++i) {
     const LlamaLayerWeights& src = w.layers[i];
     DeviceLayer& dst = layers_[i];
     KVFLOW_RETURN_IF_ERROR(upload(src.attn_norm, dst.attn_norm));
-    KVFLOW_RETURN_IF_ERROR(upload(src.wqkv, dst.wqkv));
-    KVFLOW_RETURN_IF_ERROR(upload(src.wo, dst.wo));
+    KVFLOW_RETURN_IF_ERROR(upload_matrix(src.wqkv, dst.wqkv));
+    KVFLOW_RETURN_IF_ERROR(upload_matrix(src.wo, dst.wo));
     KVFLOW_RETURN_IF_ERROR(upload(src.ffn_norm, dst.ffn_norm));
-    KVFLOW_RETURN_IF_ERROR(upload(src.w_gate_up, dst.w_gate_up));
-    KVFLOW_RETURN_IF_ERROR(upload(src.w_down, dst.w_down));
+    KVFLOW_RETURN_IF_ERROR(upload_matrix(src.w_gate_up, dst.w_gate_up));
+    KVFLOW_RETURN_IF_ERROR(upload_matrix(src.w_down, dst.w_down));
   }
   return Status::Ok();
 }
