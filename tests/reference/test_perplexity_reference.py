@@ -32,7 +32,9 @@ TOLERANCE = 1e-3
 def run_kvflow(cli, model, text_path, workdir, ctx, stride, method, max_windows=0):
     out = os.path.join(workdir, f"ppl_{method}_{ctx}_{stride}.json")
     cmd = [cli, "perplexity", "--model", model, "--file", text_path, "--ctx", str(ctx), "--stride", str(stride),
-           "--method", method, "--json", out, "--dump-tokens", "--threads", "2"]
+           "--method", method, "--json", out, "--dump-tokens", "--threads", "2",
+           # transformers dequantizes the GGUF to fp32 weights: compare with kvflow's exact mode.
+           "--dtype", "f32"]
     if max_windows:
         cmd += ["--max-windows", str(max_windows)]
     subprocess.run(cmd, check=True)
