@@ -1,6 +1,7 @@
 // The CPU paged attention (the reference for the CUDA kernels) against plain contiguous attention
 // computed in double, with shuffled block placement and a cache poisoned with NaN outside the
-// written slots.
+// written slots, on a 2-thread pool: grouped query heads, and long decode contexts split across
+// threads and merged (flash-decoding), outputs and log-sum-exp alike.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -9,6 +10,7 @@
 #include <random>
 
 #include "backend/cpu/paged_attention.h"
+#include "util/thread_pool.h"
 
 namespace kvflow {
 namespace {
@@ -20,6 +22,8 @@ struct Case {
 };
 
 void RunCase(const Case& c, uint32_t seed) {
+  ThreadPool threads(2);
+  ScopedThreadPool use_threads(&threads);
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const int S = static_cast<int>(c.past.size());
@@ -79,12 +83,20 @@ void RunCase(const Case& c, uint32_t seed) {
 
   const ForwardBatch& batch = step[1];
   const size_t T = batch.tokens.size();
-  std::vector<float> q(T * c.num_heads * c.head_dim), out(q.size(), NAN);
+  std::vector<float> q(T * c.num_heads * c.head_dim), out(q.size(), NAN), lse(T * c.num_heads, NAN);
   for (float& x : q) x = normal(rng);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  cpu::PagedAttention(batch, layout, c.num_heads, q.data(), kc.data(), vc.data(), scale, out.data());
+  std::vector<std::vector<int64_t>> views(batch.seqs.size());
+  for (size_t s = 0; s < batch.seqs.size(); ++s) ViewSlots(batch.seqs[s], layout.block_size, views[s]);
+  cpu::AttentionIo io;
+  io.query = q.data();
+  io.query_row_stride = static_cast<int64_t>(c.num_heads) * c.head_dim;
+  io.out = out.data();
+  io.out_row_stride = io.query_row_stride;
+  io.lse = lse.data();
+  cpu::PagedAttention(batch, views, layout, c.num_heads, io, kc.data(), vc.data(), scale);
 
-  double max_err = 0.0;
+  double max_err = 0.0, max_lse_err = 0.0;
   const int group = c.num_heads / c.num_kv_heads;
   size_t seq_index = 0;
   for (int s = 0; s < S; ++s) {
@@ -106,6 +118,7 @@ void RunCase(const Case& c, uint32_t seed) {
           mx = std::max(mx, p[j]);
         }
         for (double& x : p) denom += (x = std::exp(x - mx));
+        max_lse_err = std::max(max_lse_err, std::abs(lse[static_cast<size_t>(t) * c.num_heads + h] - (mx + std::log(denom))));
         for (int d = 0; d < c.head_dim; ++d) {
           double ref = 0.0;
           for (int j = 0; j <= pos; ++j) ref += p[j] / denom * dense_v[s][(static_cast<size_t>(j) * c.num_kv_heads + kvh) * c.head_dim + d];
@@ -117,8 +130,9 @@ void RunCase(const Case& c, uint32_t seed) {
     }
   }
   ::testing::Test::RecordProperty("max_abs_error", std::to_string(max_err));
-  std::printf("  paged attention max |err| = %.2e\n", max_err);
+  std::printf("  paged attention max |err| = %.2e, log-sum-exp max |err| = %.2e\n", max_err, max_lse_err);
   EXPECT_LT(max_err, 2e-5) << "heads " << c.num_heads << "/" << c.num_kv_heads << " block " << c.block_size;
+  EXPECT_LT(max_lse_err, 2e-5);
 }
 
 TEST(PagedAttention, PrefillMatchesContiguousAttention) {
@@ -129,6 +143,14 @@ TEST(PagedAttention, PrefillMatchesContiguousAttention) {
 TEST(PagedAttention, DecodeOverCachedContextMatches) {
   RunCase({8, 2, 16, 16, {31, 1, 100}, {1, 1, 1}}, 3);
   RunCase({6, 1, 32, 32, {64, 7}, {1, 1}}, 4);  // MQA, block size 32
+}
+
+// One or two sequences decoding over thousands of cached tokens: few (token, KV head) units, so each
+// context is split into partitions computed apart and merged.
+TEST(PagedAttention, LongDecodeSplitAcrossThreadsMatches) {
+  RunCase({9, 3, 64, 16, {3000}, {1}}, 7);          // SmolLM2's head layout, 6 partitions
+  RunCase({8, 2, 64, 16, {1030, 700}, {1, 1}}, 8);  // a partition boundary inside a block
+  RunCase({4, 4, 128, 32, {5000}, {4}}, 9);         // a few rows (drafts) at long context
 }
 
 TEST(PagedAttention, ChunkedPrefillAfterCachedPrefixMatches) {

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "util/thread_pool.h"
@@ -35,12 +37,95 @@ void WriteKvCache(const ForwardBatch& batch, const KvCacheLayout& layout, const 
 
 namespace {
 
+// Keys per partition when one query's context is split across threads (flash-decoding): a decode
+// step of one sequence has only num_kv_heads units of work, fewer than the threads at long context.
+constexpr int32_t kPartitionKeys = 512;
+// Split only when the step has fewer (token, KV head) units than this; the choice depends on the
+// batch alone, so results do not depend on the thread count.
+constexpr int64_t kSplitBelowUnits = 16;
+
+// One (token, KV head) of the batch: its `group` query heads attend together, so each key and value
+// row is read once for the whole group (grouped-query attention), over view entries
+// [begin, end) of the `visible` ones.
 struct AttentionTask {
-  int32_t seq;    // slice index
-  int32_t token;  // index into the batch
+  int32_t seq;      // slice index
+  int32_t token;    // index into the batch
   int32_t visible;  // view entries this query sees
-  int32_t head;
+  int32_t kv_head;
+  int32_t begin, end;
+  int32_t partial;  // index of its partial result when the context is split, else -1
 };
+
+// Partial softmax state of one task's query heads: running max, sum of exponentials and the
+// unnormalized output, per query head of the group.
+struct PartialState {
+  float* max;
+  float* sum;
+  float* out;  // group x D
+};
+
+// Attention of the task's query heads over its key range; with `partial` null it writes the
+// normalized outputs (and lse) to io, else the unnormalized state.
+void AttendRange(const AttentionTask& task, std::span<const int64_t> slots, const KvCacheLayout& layout, int group,
+                 const AttentionIo& io, int num_heads, const float* key_cache, const float* value_cache, float scale,
+                 std::vector<float>& scores, const PartialState* partial) {
+  const int D = layout.head_dim;
+  const int bs = layout.block_size;
+  const int32_t n = task.end - task.begin;
+  scores.resize(static_cast<size_t>(group) * static_cast<size_t>(n));
+  auto row = [&](const float* cache, int64_t slot) {
+    return cache + layout.offset(static_cast<int>(slot / bs), task.kv_head, static_cast<int>(slot % bs));
+  };
+  const float* q0 = io.query + task.token * io.query_row_stride + static_cast<int64_t>(task.kv_head) * group * D;
+  float max_score[16], denom[16];  // group <= 16 is checked by the caller
+  for (int g = 0; g < group; ++g) max_score[g] = -INFINITY;
+  for (int32_t j = 0; j < n; ++j) {
+    const float* k = row(key_cache, slots[static_cast<size_t>(task.begin + j)]);
+    for (int g = 0; g < group; ++g) {
+      const float* q = q0 + g * D;
+      float dot = 0.0f;
+      // simd reduction: lets the compiler keep several partial sums (a vectorized dot product).
+#pragma omp simd reduction(+ : dot)
+      for (int d = 0; d < D; ++d) dot += q[d] * k[d];
+      const float score = dot * scale;
+      scores[static_cast<size_t>(g) * n + j] = score;
+      max_score[g] = std::max(max_score[g], score);
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    float* sg = &scores[static_cast<size_t>(g) * n];
+    float sum = 0.0f;
+    for (int32_t j = 0; j < n; ++j) sum += (sg[j] = std::exp(sg[j] - max_score[g]));
+    denom[g] = sum;
+  }
+  float* out_rows[16];
+  for (int g = 0; g < group; ++g) {
+    out_rows[g] = partial ? partial->out + static_cast<size_t>(g) * D
+                          : io.out + task.token * io.out_row_stride + static_cast<int64_t>(task.kv_head * group + g) * D;
+    std::fill(out_rows[g], out_rows[g] + D, 0.0f);
+  }
+  for (int32_t j = 0; j < n; ++j) {
+    const float* v = row(value_cache, slots[static_cast<size_t>(task.begin + j)]);
+    for (int g = 0; g < group; ++g) {
+      const float p = scores[static_cast<size_t>(g) * n + j];
+      float* o = out_rows[g];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) o[d] += p * v[d];
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    if (partial) {
+      partial->max[g] = max_score[g];
+      partial->sum[g] = denom[g];
+      continue;
+    }
+    const float inv = 1.0f / denom[g];
+    for (int d = 0; d < D; ++d) out_rows[g][d] *= inv;
+    if (io.lse) {
+      io.lse[static_cast<int64_t>(task.token) * num_heads + task.kv_head * group + g] = max_score[g] + std::log(denom[g]);
+    }
+  }
+}
 
 }  // namespace
 
@@ -48,24 +133,41 @@ void PagedAttention(const ForwardBatch& batch, std::span<const std::vector<int64
                     const KvCacheLayout& layout, int num_heads, const AttentionIo& io, const float* key_cache,
                     const float* value_cache, float scale) {
   const int D = layout.head_dim;
-  const int group = num_heads / layout.num_kv_heads;
-  const int bs = layout.block_size;
+  const int KV = layout.num_kv_heads;
+  const int group = num_heads / KV;
+  if (group > 16) throw std::invalid_argument("PagedAttention: more than 16 query heads per KV head");
+
+  int64_t units = 0;
+  for (const SequenceSlice& slice : batch.seqs) units += static_cast<int64_t>(slice.num_tokens) * KV;
+  const bool split = units < kSplitBelowUnits;
   std::vector<AttentionTask> tasks;
-  tasks.reserve(batch.tokens.size() * static_cast<size_t>(num_heads));
+  tasks.reserve(static_cast<size_t>(units));
+  // Split units: (first task, number of partitions), for the merge.
+  std::vector<std::pair<int32_t, int32_t>> split_units;
+  int32_t partials = 0;
   for (size_t s = 0; s < batch.seqs.size(); ++s) {
     const SequenceSlice& slice = batch.seqs[s];
     const int32_t size = static_cast<int32_t>(view_slots[s].size());
     for (int32_t i = 0; i < slice.num_tokens; ++i) {
       // Causal in view order: the slice's tokens are the view's last entries.
       const int32_t visible = size - slice.num_tokens + i + 1;
-      for (int h = 0; h < num_heads; ++h) {
-        tasks.push_back({static_cast<int32_t>(s), slice.token_offset + i, visible, h});
+      const int32_t parts = split ? std::max(1, visible / kPartitionKeys) : 1;
+      for (int h = 0; h < KV; ++h) {
+        if (parts > 1) split_units.push_back({static_cast<int32_t>(tasks.size()), parts});
+        for (int32_t p = 0; p < parts; ++p) {
+          const int32_t begin = static_cast<int32_t>(static_cast<int64_t>(visible) * p / parts);
+          const int32_t end = static_cast<int32_t>(static_cast<int64_t>(visible) * (p + 1) / parts);
+          tasks.push_back({static_cast<int32_t>(s), slice.token_offset + i, visible, h, begin, end,
+                           parts > 1 ? partials++ : -1});
+        }
       }
     }
   }
-  // Offset of a slot's head row within one layer's pool.
-  auto at = [&](int64_t slot, int kv_head) {
-    return layout.offset(static_cast<int>(slot / bs), kv_head, static_cast<int>(slot % bs));
+  // Per partial: group maxima, group sums, group x D outputs.
+  std::vector<float> partial_store(static_cast<size_t>(partials) * group * (D + 2));
+  auto partial_of = [&](int32_t index) {
+    float* base = partial_store.data() + static_cast<size_t>(index) * group * (D + 2);
+    return PartialState{base, base + group, base + 2 * group};
   };
 
   // Dynamic chunks: tasks differ in length (context lengths, causal prefill rows).
@@ -73,37 +175,37 @@ void PagedAttention(const ForwardBatch& batch, std::span<const std::vector<int64
     thread_local std::vector<float> scores;
     for (int64_t n = first; n < last; ++n) {
       const AttentionTask& task = tasks[static_cast<size_t>(n)];
-      const int kv_head = task.head / group;
       const std::vector<int64_t>& slots = view_slots[static_cast<size_t>(task.seq)];
-      const float* q = io.query + task.token * io.query_row_stride + static_cast<int64_t>(task.head) * D;
-      scores.resize(static_cast<size_t>(task.visible));
-
-      float max_score = -INFINITY;
-      for (int32_t j = 0; j < task.visible; ++j) {
-        const float* k = key_cache + at(slots[static_cast<size_t>(j)], kv_head);
-        float dot = 0.0f;
-        // simd reduction: lets the compiler keep several partial sums (a vectorized dot product).
-#pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < D; ++d) dot += q[d] * k[d];
-        scores[static_cast<size_t>(j)] = dot * scale;
-        max_score = std::max(max_score, scores[static_cast<size_t>(j)]);
+      if (task.partial < 0) {
+        AttendRange(task, slots, layout, group, io, num_heads, key_cache, value_cache, scale, scores, nullptr);
+      } else {
+        const PartialState state = partial_of(task.partial);
+        AttendRange(task, slots, layout, group, io, num_heads, key_cache, value_cache, scale, scores, &state);
       }
-      float denom = 0.0f;
-      for (int32_t j = 0; j < task.visible; ++j) {
-        scores[static_cast<size_t>(j)] = std::exp(scores[static_cast<size_t>(j)] - max_score);
-        denom += scores[static_cast<size_t>(j)];
-      }
-      float* o = io.out + task.token * io.out_row_stride + static_cast<int64_t>(task.head) * D;
-      std::fill(o, o + D, 0.0f);
-      for (int32_t j = 0; j < task.visible; ++j) {
-        const float p = scores[static_cast<size_t>(j)] / denom;
-        const float* v = value_cache + at(slots[static_cast<size_t>(j)], kv_head);
-#pragma omp simd
-        for (int d = 0; d < D; ++d) o[d] += p * v[d];
-      }
-      if (io.lse) io.lse[static_cast<int64_t>(task.token) * num_heads + task.head] = max_score + std::log(denom);
     }
   }, 4);
+
+  // Merge each split unit's partitions: rescale every partition to the global max.
+  for (const auto& [first, parts] : split_units) {
+    const AttentionTask& task = tasks[static_cast<size_t>(first)];
+    for (int g = 0; g < group; ++g) {
+      float m = -INFINITY;
+      for (int32_t p = 0; p < parts; ++p) m = std::max(m, partial_of(tasks[static_cast<size_t>(first + p)].partial).max[g]);
+      float* o = io.out + task.token * io.out_row_stride + static_cast<int64_t>(task.kv_head * group + g) * D;
+      std::fill(o, o + D, 0.0f);
+      float sum = 0.0f;
+      for (int32_t p = 0; p < parts; ++p) {
+        const PartialState st = partial_of(tasks[static_cast<size_t>(first + p)].partial);
+        const float w = std::exp(st.max[g] - m);
+        sum += w * st.sum[g];
+        const float* po = st.out + static_cast<size_t>(g) * D;
+        for (int d = 0; d < D; ++d) o[d] += w * po[d];
+      }
+      const float inv = 1.0f / sum;
+      for (int d = 0; d < D; ++d) o[d] *= inv;
+      if (io.lse) io.lse[static_cast<int64_t>(task.token) * num_heads + task.kv_head * group + g] = m + std::log(sum);
+    }
+  }
 }
 
 void PagedAttention(const ForwardBatch& batch, const KvCacheLayout& layout, int num_heads,
