@@ -627,6 +627,7 @@ size_t CommonPrefix(const std::vector<int32_t>& a, const std::vector<int32_t>& b
 void ExpectGreedyMatchesCpu(const std::string& model, int tokens) {
   EngineConfig cpu = CudaConfig(model);
   cpu.device = "cpu";
+  cpu.dtype = "f32";  // the exact reference
   const Outputs ref = RunEngine(cpu, tokens);
   const Outputs got = RunEngine(CudaConfig(model, "fp16"), tokens);
   ASSERT_EQ(ref.size(), got.size());
