@@ -41,7 +41,12 @@ Result<std::unique_ptr<Backend>> MakeCpuBackend(EngineConfig& config, bool reque
   layout.num_kv_heads = mc.num_kv_heads;
   layout.head_dim = mc.head_dim;
   layout.block_size = config.block_size;
-  const int64_t block_bytes = static_cast<int64_t>(layout.elements_per_block_all_layers() * sizeof(float));
+  // fp16 elements unless asked otherwise, except in the exact fp32 mode.
+  const bool f16 = config.kv_cache_dtype == "f16" || config.kv_cache_dtype == "fp16" ||
+                   (config.kv_cache_dtype == "auto" && config.dtype == "auto");
+  const cpu::KvElement element = f16 ? cpu::KvElement::kF16 : cpu::KvElement::kF32;
+  const int64_t block_bytes =
+      static_cast<int64_t>(layout.elements_per_block_all_layers() * cpu::KvElementBytes(element));
   if (config.num_kv_blocks > 0) {
     layout.num_blocks = config.num_kv_blocks;
   } else {
@@ -61,7 +66,8 @@ Result<std::unique_ptr<Backend>> MakeCpuBackend(EngineConfig& config, bool reque
 
   const int threads = config.num_threads > 0 ? config.num_threads
                                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  KVFLOW_ASSIGN_OR_RETURN(auto backend, CpuBackend::Create(mc, std::move(weights), layout, num_host_blocks, threads));
+  KVFLOW_ASSIGN_OR_RETURN(auto backend,
+                          CpuBackend::Create(mc, std::move(weights), layout, num_host_blocks, threads, element));
   return std::unique_ptr<Backend>(std::move(backend));
 }
 

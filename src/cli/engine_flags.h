@@ -20,6 +20,9 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
                   "CPU: auto (keep a GGUF's Q4_0/Q4_1/Q8_0 weights quantized) or f32 (exact fp32 reference); "
                   "CUDA: fp16, bf16 or auto (bf16)")
       ->default_val("auto");
+  app->add_option("--kv-cache-dtype", c.kv_cache_dtype,
+                  "CPU: auto (f16 with quantized weights, f32 with --dtype f32), f16 or f32; CUDA: auto")
+      ->default_val("auto");
   app->add_option("--gpu-memory-utilization", c.gpu_memory_utilization,
                   "CUDA: share of GPU memory for weights, activations and KV cache")->default_val(0.9);
   app->add_flag("--enforce-eager", c.enforce_eager, "CUDA: no CUDA graphs for decode steps");

@@ -223,6 +223,13 @@ Status ValidateEngineConfig(const EngineConfig& c) {
     }
   }
   KVFLOW_ASSIGN_OR_RETURN(int device, ParseDevice(c.device));
+  const std::string& kv = c.kv_cache_dtype;
+  if (device < 0 && kv != "auto" && kv != "f16" && kv != "fp16" && kv != "f32" && kv != "fp32") {
+    return Status::InvalidArgument("kv_cache_dtype on the CPU is auto, f16 or f32, not '" + kv + "'");
+  }
+  if (device >= 0 && kv != "auto") {
+    return Status::InvalidArgument("kv_cache_dtype on CUDA is auto (the dtype's 16-bit type), not '" + kv + "'");
+  }
   if (device < 0 && c.dtype != "auto" && c.dtype != "f32" && c.dtype != "fp32") {
     return Status::InvalidArgument("the CPU backend computes with dtype auto (weights kept in the file's Q4_0/Q4_1/"
                                    "Q8_0 blocks, else fp32) or f32 (every weight fp32: exact), not '" + c.dtype + "'");

@@ -21,7 +21,7 @@ struct Case {
   std::vector<int> fresh; // new tokens per sequence this step
 };
 
-void RunCase(const Case& c, uint32_t seed) {
+void RunCase(const Case& c, uint32_t seed, cpu::KvElement element = cpu::KvElement::kF32) {
   ThreadPool threads(2);
   ScopedThreadPool use_threads(&threads);
   std::mt19937 rng(seed);
@@ -39,7 +39,12 @@ void RunCase(const Case& c, uint32_t seed) {
   std::shuffle(pool.begin(), pool.end(), rng);
 
   const size_t cache_elems = layout.layer_stride();
+  // Poisoned with NaN (fp32 0x7fc00000, fp16 0x7e00) outside the written slots.
+  const bool f16 = element == cpu::KvElement::kF16;
   std::vector<float> kc(cache_elems, NAN), vc(cache_elems, NAN);
+  std::vector<uint16_t> kc16(cache_elems, 0x7e00), vc16(cache_elems, 0x7e00);
+  void* key_pool = f16 ? static_cast<void*>(kc16.data()) : kc.data();
+  void* value_pool = f16 ? static_cast<void*>(vc16.data()) : vc.data();
   // Dense K/V of every sequence: [ctx][kv_heads][head_dim].
   std::vector<std::vector<float>> dense_k(S), dense_v(S);
   std::vector<std::vector<BlockId>> tables(S);
@@ -52,6 +57,11 @@ void RunCase(const Case& c, uint32_t seed) {
     dense_v[s].resize(dense_k[s].size());
     for (float& x : dense_k[s]) x = normal(rng);
     for (float& x : dense_v[s]) x = normal(rng);
+    if (f16) {  // the reference attends over what an fp16 cache holds
+      for (auto* dense : {&dense_k[s], &dense_v[s]}) {
+        for (float& x : *dense) x = static_cast<float>(static_cast<_Float16>(x));
+      }
+    }
   }
 
   // Two writes, as the engine does: the past in one batch, then the fresh tokens with attention.
@@ -78,7 +88,9 @@ void RunCase(const Case& c, uint32_t seed) {
       }
       step[phase].seqs.push_back(slice);
     }
-    cpu::WriteKvCache(step[phase], layout, k_rows[phase].data(), v_rows[phase].data(), kc.data(), vc.data());
+    cpu::WriteKvCache(ResolveSlotMapping(step[phase], layout.block_size), layout, k_rows[phase].data(),
+                      v_rows[phase].data(), static_cast<int64_t>(c.num_kv_heads) * c.head_dim, element, key_pool,
+                      value_pool);
   }
 
   const ForwardBatch& batch = step[1];
@@ -94,7 +106,7 @@ void RunCase(const Case& c, uint32_t seed) {
   io.out = out.data();
   io.out_row_stride = io.query_row_stride;
   io.lse = lse.data();
-  cpu::PagedAttention(batch, views, layout, c.num_heads, io, kc.data(), vc.data(), scale);
+  cpu::PagedAttention(batch, views, layout, c.num_heads, io, element, key_pool, value_pool, scale);
 
   double max_err = 0.0, max_lse_err = 0.0;
   const int group = c.num_heads / c.num_kv_heads;
@@ -151,6 +163,14 @@ TEST(PagedAttention, LongDecodeSplitAcrossThreadsMatches) {
   RunCase({9, 3, 64, 16, {3000}, {1}}, 7);          // SmolLM2's head layout, 6 partitions
   RunCase({8, 2, 64, 16, {1030, 700}, {1, 1}}, 8);  // a partition boundary inside a block
   RunCase({4, 4, 128, 32, {5000}, {4}}, 9);         // a few rows (drafts) at long context
+}
+
+// An fp16 pool: rows rounded once when written, converted back when read; against attention over
+// the same rounded values.
+TEST(PagedAttention, Fp16CacheMatchesAttentionOverRoundedValues) {
+  RunCase({9, 3, 64, 16, {16, 23, 5}, {16, 9, 30}}, 10, cpu::KvElement::kF16);
+  RunCase({9, 3, 64, 16, {3000}, {1}}, 11, cpu::KvElement::kF16);
+  RunCase({4, 2, 128, 8, {13}, {19}}, 12, cpu::KvElement::kF16);
 }
 
 TEST(PagedAttention, ChunkedPrefillAfterCachedPrefixMatches) {

@@ -67,6 +67,7 @@ double MaxError(const std::vector<SampledToken>& got, const std::vector<double>&
 
 TEST(PromptLogprobs, EqualAFullForwardThroughChunksPrefixHitsAndGeneration) {
   EngineConfig c;
+  c.dtype = "f32";  // compared with the fp32 reference forward (fp32 KV cache)
   c.max_num_batched_tokens = 16;  // a 53-token prompt prefills in 4 chunks
   c.enable_prefix_caching = true;
   auto engine = test::MakeEngine(c);
@@ -117,6 +118,7 @@ TEST(PromptLogprobs, EqualAFullForwardThroughChunksPrefixHitsAndGeneration) {
 
 TEST(PromptLogprobs, SurviveRecomputePreemptionWithoutDuplicates) {
   EngineConfig c;
+  c.dtype = "f32";  // compared with the fp32 reference forward (fp32 KV cache)
   c.num_kv_blocks = 10;  // 160 tokens: two requests growing to 100 tokens each cannot both stay
   c.max_num_batched_tokens = 32;
   c.max_model_len = 128;
@@ -138,6 +140,7 @@ TEST(PromptLogprobs, SurviveRecomputePreemptionWithoutDuplicates) {
 
 TEST(PromptLogprobs, ScoringOnlyNeedsPromptLogprobsAndFitsMaxModelLen) {
   EngineConfig c;
+  c.dtype = "f32";  // compared with the fp32 reference forward (fp32 KV cache)
   c.max_model_len = 64;
   auto engine = test::MakeEngine(c);
   SamplingParams p = test::Greedy(0);
@@ -181,6 +184,7 @@ TEST(PerplexityWindows, SlidingWindowScoresEveryTokenOnceAndSecondHalfAsLlamaCpp
 
 TEST(Perplexity, OverTheEngineEqualsTheReferenceLogprobs) {
   EngineConfig c;
+  c.dtype = "f32";  // compared with the fp32 reference forward (fp32 KV cache)
   c.max_num_batched_tokens = 24;
   c.max_model_len = 32;
   auto engine = test::MakeEngine(c);

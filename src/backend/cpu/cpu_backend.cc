@@ -18,7 +18,7 @@ CpuBackend::CpuBackend(const ModelConfig& config, LlamaWeights weights, const Kv
 
 Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config, LlamaWeights weights,
                                                        const KvCacheLayout& layout, int num_host_blocks,
-                                                       int num_threads) {
+                                                       int num_threads, cpu::KvElement kv_element) {
   KVFLOW_RETURN_IF_ERROR(config.Validate());
   if (layout.num_layers != config.num_layers || layout.num_kv_heads != config.num_kv_heads ||
       layout.head_dim != config.head_dim || layout.num_blocks <= 0 || layout.block_size <= 0 ||
@@ -28,31 +28,44 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config
   cpu::InitBlas();
   std::unique_ptr<CpuBackend> backend(new CpuBackend(config, std::move(weights), layout));
   backend->pool_ = std::make_unique<ThreadPool>(std::max(1, num_threads));
-  const size_t elements = layout.layer_stride() * static_cast<size_t>(layout.num_layers);
+  backend->kv_element_ = kv_element;
+  const size_t bytes = layout.layer_stride() * static_cast<size_t>(layout.num_layers) * cpu::KvElementBytes(kv_element);
   try {
-    backend->key_cache_.assign(elements, 0.0f);
-    backend->value_cache_.assign(elements, 0.0f);
+    // Zeroed: a slot read before it is written (a bug) gives finite garbage, never NaN from stale memory.
+    backend->key_cache_.reset(new uint8_t[bytes]());
+    backend->value_cache_.reset(new uint8_t[bytes]());
     backend->host_layout_ = layout;
     backend->host_layout_.num_blocks = num_host_blocks;
-    const size_t host_elements = backend->host_layout_.layer_stride() * static_cast<size_t>(layout.num_layers);
-    if (host_elements > 0) {
-      backend->host_key_cache_.reset(new float[host_elements]);
-      backend->host_value_cache_.reset(new float[host_elements]);
+    const size_t host_bytes = backend->host_layout_.layer_stride() * static_cast<size_t>(layout.num_layers) *
+                              cpu::KvElementBytes(kv_element);
+    if (host_bytes > 0) {
+      backend->host_key_cache_.reset(new uint8_t[host_bytes]);
+      backend->host_value_cache_.reset(new uint8_t[host_bytes]);
     }
   } catch (const std::bad_alloc&) {
     return Status::OutOfMemory(fmt::format("cannot allocate a KV cache of {} blocks ({:.1f} MiB)",
-                                           layout.num_blocks, 2.0 * elements * 4 / (1 << 20)));
+                                           layout.num_blocks, 2.0 * bytes / (1 << 20)));
   }
   return backend;
+}
+
+uint8_t* CpuBackend::Pool(KvTier tier, int kv, int layer) const {
+  const size_t element = cpu::KvElementBytes(kv_element_);
+  if (tier == KvTier::kHost) {
+    uint8_t* base = kv == 0 ? host_key_cache_.get() : host_value_cache_.get();
+    return base + static_cast<size_t>(layer) * host_layout_.layer_stride() * element;
+  }
+  uint8_t* base = kv == 0 ? key_cache_.get() : value_cache_.get();
+  return base + static_cast<size_t>(layer) * layout_.layer_stride() * element;
 }
 
 std::string CpuBackend::Describe() const {
   const std::string weights = weights_.all_f32() ? std::string("fp32")
                                                  : "weights " + weights_.layers.front().wqkv.FormatName() + " (" +
                                                        cpu::QuantKernelIsa() + ")";
-  return fmt::format("cpu ({}, {} threads, KV pool {} blocks x {} tokens = {:.1f} MiB)", weights, pool_->size(),
-                     layout_.num_blocks, layout_.block_size,
-                     2.0 * layout_.layer_stride() * layout_.num_layers * 4 / (1 << 20));
+  return fmt::format("cpu ({}, {} threads, {} KV pool {} blocks x {} tokens = {:.1f} MiB)", weights, pool_->size(),
+                     cpu::KvElementName(kv_element_), layout_.num_blocks, layout_.block_size,
+                     2.0 * layout_.layer_stride() * layout_.num_layers * cpu::KvElementBytes(kv_element_) / (1 << 20));
 }
 
 Status CpuBackend::CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) {
@@ -74,24 +87,18 @@ Status CpuBackend::CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind ki
 
 Status CpuBackend::TransferKv(std::span<const KvTransfer> transfers) {
   KVFLOW_RETURN_IF_ERROR(ValidateKvTransfers(transfers, layout_, host_layout_.num_blocks));
-  // Both tiers share the layout but not the number of blocks, hence their own layer strides.
-  auto pool = [&](KvTier tier, int kv, int layer) -> float* {
-    if (tier == KvTier::kHost) {
-      float* base = kv == 0 ? host_key_cache_.get() : host_value_cache_.get();
-      return base + static_cast<size_t>(layer) * host_layout_.layer_stride();
-    }
-    float* base = kv == 0 ? key_cache_.data() : value_cache_.data();
-    return base + static_cast<size_t>(layer) * layout_.layer_stride();
-  };
-  const size_t run = sizeof(float) * layout_.head_dim;
+  // Both tiers share the layout but not the number of blocks, hence Pool's own layer strides.
+  const size_t element = cpu::KvElementBytes(kv_element_);
+  const size_t run = element * layout_.head_dim;
   for (const KvTransfer& t : transfers) {
     for (int layer = t.layer_begin; layer < t.layer_end; ++layer) {
       for (int kv = 0; kv < 2; ++kv) {
-        const float* src = pool(t.src_tier, kv, layer);
-        float* dst = pool(t.dst_tier, kv, layer);
+        const uint8_t* src = Pool(t.src_tier, kv, layer);
+        uint8_t* dst = Pool(t.dst_tier, kv, layer);
         // One kv head's tokens are contiguous inside a block (kv/kv_cache_layout.h).
         for (int h = 0; h < layout_.num_kv_heads; ++h) {
-          std::memmove(dst + layout_.offset(t.dst_block, h, t.dst_offset), src + layout_.offset(t.src_block, h, t.src_offset),
+          std::memmove(dst + layout_.offset(t.dst_block, h, t.dst_offset) * element,
+                       src + layout_.offset(t.src_block, h, t.src_offset) * element,
                        run * static_cast<size_t>(t.num_tokens));
         }
       }
@@ -217,10 +224,8 @@ Status CpuBackend::Rotary() {
 
 Status CpuBackend::WriteKv(int layer) {
   const int64_t D = config_.head_dim, NH = config_.num_heads, KV = config_.num_kv_heads;
-  float* kc = key_cache_.data() + layer * layout_.layer_stride();
-  float* vc = value_cache_.data() + layer * layout_.layer_stride();
   cpu::WriteKvCache(slots_, layout_, qkv_.data() + NH * D, qkv_.data() + (NH + KV) * D, Width(Activation::kQkv),
-                    kc, vc);
+                    kv_element_, Pool(KvTier::kDevice, 0, layer), Pool(KvTier::kDevice, 1, layer));
   return Status::Ok();
 }
 
@@ -231,8 +236,8 @@ Status CpuBackend::Attention(int layer) {
   io.out = attention_.data();
   io.out_row_stride = Width(Activation::kAttention);
   const float scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
-  cpu::PagedAttention(*batch_, view_slots_, layout_, config_.num_heads, io, key_cache(layer), value_cache(layer),
-                      scale);
+  cpu::PagedAttention(*batch_, view_slots_, layout_, config_.num_heads, io, kv_element_,
+                      Pool(KvTier::kDevice, 0, layer), Pool(KvTier::kDevice, 1, layer), scale);
   return Status::Ok();
 }
 

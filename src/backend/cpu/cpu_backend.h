@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "backend/backend.h"
+#include "backend/cpu/paged_attention.h"
 #include "backend/cpu/quant_gemm.h"
 #include "model/llama_weights.h"
 #include "model/rope.h"
@@ -20,7 +21,7 @@ class CpuBackend final : public Backend {
   // hold them. `num_threads` (>= 1) workers, the stepping thread included, run each step.
   static Result<std::unique_ptr<CpuBackend>> Create(const ModelConfig& config, LlamaWeights weights,
                                                     const KvCacheLayout& layout, int num_host_blocks,
-                                                    int num_threads);
+                                                    int num_threads, cpu::KvElement kv_element = cpu::KvElement::kF32);
 
   Status RunStep(const ForwardBatch& batch, const LogitsSink& sink, const std::function<Status()>& layers,
                  bool capturable) override;
@@ -40,9 +41,7 @@ class CpuBackend final : public Backend {
   const ModelConfig& model_config() const override { return config_; }
   std::string Describe() const override;
 
-  // Direct access to one layer's pools, for tests that compare against contiguous attention.
-  const float* key_cache(int layer) const { return key_cache_.data() + layer * layout_.layer_stride(); }
-  const float* value_cache(int layer) const { return value_cache_.data() + layer * layout_.layer_stride(); }
+  cpu::KvElement kv_element() const { return kv_element_; }
   // A row of the step's activations (valid inside and right after a step), for hooks and tests.
   const float* activation(Activation which) { return Buffer(which); }
 
@@ -64,10 +63,14 @@ class CpuBackend final : public Backend {
   // The step's parallel loops run here (made current on the stepping thread for the step).
   std::unique_ptr<ThreadPool> pool_;
   RopeFrequencies rope_;
-  std::vector<float> key_cache_;
-  std::vector<float> value_cache_;
-  std::unique_ptr<float[]> host_key_cache_;
-  std::unique_ptr<float[]> host_value_cache_;
+  // K (kv 0) or V (kv 1) pool of one layer in a tier.
+  uint8_t* Pool(KvTier tier, int kv, int layer) const;
+
+  cpu::KvElement kv_element_ = cpu::KvElement::kF32;
+  std::unique_ptr<uint8_t[]> key_cache_;
+  std::unique_ptr<uint8_t[]> value_cache_;
+  std::unique_ptr<uint8_t[]> host_key_cache_;
+  std::unique_ptr<uint8_t[]> host_value_cache_;
   // The step being run, its slots and the slots each sequence's view reads.
   const ForwardBatch* batch_ = nullptr;
   int64_t num_tokens_ = 0;

@@ -1,7 +1,10 @@
 #include "backend/cpu/paged_attention.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <cstring>
 #include <stdexcept>
 #include <utility>
@@ -11,8 +14,32 @@
 
 namespace kvflow::cpu {
 
-void WriteKvCache(std::span<const int64_t> slots, const KvCacheLayout& layout, const float* key,
-                  const float* value, int64_t row_stride, float* key_cache, float* value_cache) {
+size_t KvElementBytes(KvElement e) { return e == KvElement::kF16 ? sizeof(uint16_t) : sizeof(float); }
+const char* KvElementName(KvElement e) { return e == KvElement::kF16 ? "fp16" : "fp32"; }
+
+namespace {
+
+// fp32 <-> fp16 rows (F16C: the library targets x86-64-v3), rounding to nearest even.
+void ToHalf(const float* src, uint16_t* dst, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+  for (; i < n; ++i) dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
+void FromHalf(const uint16_t* src, float* dst, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
+}
+
+template <typename T>
+void WriteRows(std::span<const int64_t> slots, const KvCacheLayout& layout, const float* key, const float* value,
+               int64_t row_stride, T* key_cache, T* value_cache) {
   const int D = layout.head_dim;
   const int KV = layout.num_kv_heads;
   const int bs = layout.block_size;
@@ -22,9 +49,33 @@ void WriteKvCache(std::span<const int64_t> slots, const KvCacheLayout& layout, c
     const int offset = static_cast<int>(slots[t] % bs);
     for (int h = 0; h < KV; ++h) {
       const size_t dst = layout.offset(block, h, offset);
-      std::memcpy(key_cache + dst, key + static_cast<int64_t>(t) * row_stride + h * D, sizeof(float) * D);
-      std::memcpy(value_cache + dst, value + static_cast<int64_t>(t) * row_stride + h * D, sizeof(float) * D);
+      const float* k = key + static_cast<int64_t>(t) * row_stride + h * D;
+      const float* v = value + static_cast<int64_t>(t) * row_stride + h * D;
+      if constexpr (std::is_same_v<T, float>) {
+        std::memcpy(key_cache + dst, k, sizeof(float) * D);
+        std::memcpy(value_cache + dst, v, sizeof(float) * D);
+      } else {
+        ToHalf(k, key_cache + dst, D);
+        ToHalf(v, value_cache + dst, D);
+      }
     }
+  }
+}
+
+}  // namespace
+
+void WriteKvCache(std::span<const int64_t> slots, const KvCacheLayout& layout, const float* key,
+                  const float* value, int64_t row_stride, float* key_cache, float* value_cache) {
+  WriteRows(slots, layout, key, value, row_stride, key_cache, value_cache);
+}
+
+void WriteKvCache(std::span<const int64_t> slots, const KvCacheLayout& layout, const float* key,
+                  const float* value, int64_t row_stride, KvElement element, void* key_cache, void* value_cache) {
+  if (element == KvElement::kF16) {
+    WriteRows(slots, layout, key, value, row_stride, static_cast<uint16_t*>(key_cache),
+              static_cast<uint16_t*>(value_cache));
+  } else {
+    WriteRows(slots, layout, key, value, row_stride, static_cast<float*>(key_cache), static_cast<float*>(value_cache));
   }
 }
 
@@ -43,6 +94,8 @@ constexpr int32_t kPartitionKeys = 512;
 // Split only when the step has fewer (token, KV head) units than this; the choice depends on the
 // batch alone, so results do not depend on the thread count.
 constexpr int64_t kSplitBelowUnits = 16;
+// Largest head_dim the fp16 row buffer holds.
+constexpr int kMaxHeadDim = 512;
 
 // One (token, KV head) of the batch: its `group` query heads attend together, so each key and value
 // row is read once for the whole group (grouped-query attention), over view entries
@@ -66,21 +119,35 @@ struct PartialState {
 
 // Attention of the task's query heads over its key range; with `partial` null it writes the
 // normalized outputs (and lse) to io, else the unnormalized state.
+// A K or V row as fp32: in place for an fp32 pool, converted into `buffer` for fp16 (once per row
+// for the whole query group).
+template <typename T>
+const float* RowAsFloat(const T* row, float* buffer, int D) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    FromHalf(row, buffer, D);
+    return buffer;
+  }
+}
+
+template <typename T>
 void AttendRange(const AttentionTask& task, std::span<const int64_t> slots, const KvCacheLayout& layout, int group,
-                 const AttentionIo& io, int num_heads, const float* key_cache, const float* value_cache, float scale,
+                 const AttentionIo& io, int num_heads, const T* key_cache, const T* value_cache, float scale,
                  std::vector<float>& scores, const PartialState* partial) {
   const int D = layout.head_dim;
   const int bs = layout.block_size;
   const int32_t n = task.end - task.begin;
   scores.resize(static_cast<size_t>(group) * static_cast<size_t>(n));
-  auto row = [&](const float* cache, int64_t slot) {
+  auto row = [&](const T* cache, int64_t slot) {
     return cache + layout.offset(static_cast<int>(slot / bs), task.kv_head, static_cast<int>(slot % bs));
   };
+  float converted[kMaxHeadDim];
   const float* q0 = io.query + task.token * io.query_row_stride + static_cast<int64_t>(task.kv_head) * group * D;
   float max_score[16], denom[16];  // group <= 16 is checked by the caller
   for (int g = 0; g < group; ++g) max_score[g] = -INFINITY;
   for (int32_t j = 0; j < n; ++j) {
-    const float* k = row(key_cache, slots[static_cast<size_t>(task.begin + j)]);
+    const float* k = RowAsFloat(row(key_cache, slots[static_cast<size_t>(task.begin + j)]), converted, D);
     for (int g = 0; g < group; ++g) {
       const float* q = q0 + g * D;
       float dot = 0.0f;
@@ -105,7 +172,7 @@ void AttendRange(const AttentionTask& task, std::span<const int64_t> slots, cons
     std::fill(out_rows[g], out_rows[g] + D, 0.0f);
   }
   for (int32_t j = 0; j < n; ++j) {
-    const float* v = row(value_cache, slots[static_cast<size_t>(task.begin + j)]);
+    const float* v = RowAsFloat(row(value_cache, slots[static_cast<size_t>(task.begin + j)]), converted, D);
     for (int g = 0; g < group; ++g) {
       const float p = scores[static_cast<size_t>(g) * n + j];
       float* o = out_rows[g];
@@ -127,15 +194,15 @@ void AttendRange(const AttentionTask& task, std::span<const int64_t> slots, cons
   }
 }
 
-}  // namespace
-
-void PagedAttention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> view_slots,
-                    const KvCacheLayout& layout, int num_heads, const AttentionIo& io, const float* key_cache,
-                    const float* value_cache, float scale) {
+template <typename T>
+void Attention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> view_slots,
+               const KvCacheLayout& layout, int num_heads, const AttentionIo& io, const T* key_cache,
+               const T* value_cache, float scale) {
   const int D = layout.head_dim;
   const int KV = layout.num_kv_heads;
   const int group = num_heads / KV;
   if (group > 16) throw std::invalid_argument("PagedAttention: more than 16 query heads per KV head");
+  if (D > kMaxHeadDim) throw std::invalid_argument("PagedAttention: head_dim above 512");
 
   int64_t units = 0;
   for (const SequenceSlice& slice : batch.seqs) units += static_cast<int64_t>(slice.num_tokens) * KV;
@@ -205,6 +272,26 @@ void PagedAttention(const ForwardBatch& batch, std::span<const std::vector<int64
       for (int d = 0; d < D; ++d) o[d] *= inv;
       if (io.lse) io.lse[static_cast<int64_t>(task.token) * num_heads + task.kv_head * group + g] = m + std::log(sum);
     }
+  }
+}
+
+}  // namespace
+
+void PagedAttention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> view_slots,
+                    const KvCacheLayout& layout, int num_heads, const AttentionIo& io, const float* key_cache,
+                    const float* value_cache, float scale) {
+  Attention(batch, view_slots, layout, num_heads, io, key_cache, value_cache, scale);
+}
+
+void PagedAttention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> view_slots,
+                    const KvCacheLayout& layout, int num_heads, const AttentionIo& io, KvElement element,
+                    const void* key_cache, const void* value_cache, float scale) {
+  if (element == KvElement::kF16) {
+    Attention(batch, view_slots, layout, num_heads, io, static_cast<const uint16_t*>(key_cache),
+              static_cast<const uint16_t*>(value_cache), scale);
+  } else {
+    Attention(batch, view_slots, layout, num_heads, io, static_cast<const float*>(key_cache),
+              static_cast<const float*>(value_cache), scale);
   }
 }
 

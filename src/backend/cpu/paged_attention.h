@@ -10,10 +10,19 @@
 
 namespace kvflow::cpu {
 
+// The element type of a KV pool: fp32 (exact) or fp16 (half the bytes a long context reads per
+// step; llama.cpp's default). Values are rounded to nearest even when written.
+enum class KvElement { kF32, kF16 };
+size_t KvElementBytes(KvElement e);
+const char* KvElementName(KvElement e);
+
 // Writes K and V row t (num_kv_heads x head_dim at key + t * row_stride, likewise value) into
 // physical slot slots[t] (block * block_size + offset); -1 skips the token (reshape_and_cache).
 void WriteKvCache(std::span<const int64_t> slots, const KvCacheLayout& layout, const float* key,
                   const float* value, int64_t row_stride, float* key_cache, float* value_cache);
+// The same into a pool of `element`s (key_cache / value_cache point at that layer's pool).
+void WriteKvCache(std::span<const int64_t> slots, const KvCacheLayout& layout, const float* key,
+                  const float* value, int64_t row_stride, KvElement element, void* key_cache, void* value_cache);
 // The same for dense rows ([num_tokens, num_kv_heads, head_dim]) at the batch's slots.
 void WriteKvCache(const ForwardBatch& batch, const KvCacheLayout& layout, const float* key,
                   const float* value, float* key_cache, float* value_cache);
@@ -36,6 +45,10 @@ struct AttentionIo {
 void PagedAttention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> view_slots,
                     const KvCacheLayout& layout, int num_heads, const AttentionIo& io, const float* key_cache,
                     const float* value_cache, float scale);
+// The same over a pool of `element`s.
+void PagedAttention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> view_slots,
+                    const KvCacheLayout& layout, int num_heads, const AttentionIo& io, KvElement element,
+                    const void* key_cache, const void* value_cache, float scale);
 // The same with dense queries and outputs ([num_tokens, num_heads, head_dim]) and each slice's view.
 void PagedAttention(const ForwardBatch& batch, const KvCacheLayout& layout, int num_heads,
                     const float* query, const float* key_cache, const float* value_cache, float scale,
