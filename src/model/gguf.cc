@@ -85,6 +85,11 @@ bool DTypeFromGgml(uint32_t type, DType* out) {
     case GgmlType::kQ8_0: *out = DType::kQ8_0; return true;
     case GgmlType::kQ4_0: *out = DType::kQ4_0; return true;
     case GgmlType::kQ4_1: *out = DType::kQ4_1; return true;
+    case GgmlType::kQ2_K: *out = DType::kQ2_K; return true;
+    case GgmlType::kQ3_K: *out = DType::kQ3_K; return true;
+    case GgmlType::kQ4_K: *out = DType::kQ4_K; return true;
+    case GgmlType::kQ5_K: *out = DType::kQ5_K; return true;
+    case GgmlType::kQ6_K: *out = DType::kQ6_K; return true;
   }
   return false;
 }
@@ -290,14 +295,15 @@ Status GgufFile::ParseTensorInfos(GgufCursor& cursor, uint64_t tensor_count) {
       if (unsupported.ok()) {
         unsupported = Status::Unsupported(path() + ": " + where + " has ggml type " +
                                           GgmlTypeName(type) + " (" + std::to_string(type) +
-                                          "); supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1");
+                                          "); supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K");
       }
       continue;
     }
     int64_t block = DTypeBlockElements(info.dtype);
     if (info.shape.back() % block != 0) {
       return Corrupt(where + " innermost dimension " + std::to_string(info.shape.back()) +
-                     " is not a multiple of the " + DTypeName(info.dtype) + " block size");
+                     " is not a multiple of the " + DTypeName(info.dtype) + " block size (" +
+                     std::to_string(block) + ")");
     }
     info.nbytes = static_cast<size_t>(numel / block * DTypeBlockBytes(info.dtype));
     info.file = path();
