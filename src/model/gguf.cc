@@ -274,13 +274,15 @@ Status GgufFile::ParseTensorInfos(GgufCursor& cursor, uint64_t tensor_count) {
       return Corrupt(where + " has " + std::to_string(n_dims) + " dimensions");
     }
     info.shape.resize(n_dims);
-    uint64_t numel = 1;
+    uint64_t numel = 1, nonzero_numel = 1;
     for (uint32_t d = 0; d < n_dims; ++d) {
       uint64_t extent;
       if (!cursor.Read(&extent)) return Corrupt("truncated " + where);
-      // No ggml type packs an element into less than a bit, so anything larger cannot fit.
-      if (extent != 0 && numel > file_->size() * 8 / extent) {
-        return Corrupt(where + " has a shape larger than the file");
+      // No ggml type packs an element into less than a bit, so anything larger cannot fit. A zero
+      // extent does not exempt the others: TensorInfo::numel multiplies them in another order.
+      if (extent != 0) {
+        if (nonzero_numel > file_->size() * 8 / extent) return Corrupt(where + " has a shape larger than the file");
+        nonzero_numel *= extent;
       }
       numel *= extent;
       info.shape[n_dims - 1 - d] = static_cast<int64_t>(extent);  // GGUF lists innermost first

@@ -336,6 +336,11 @@ TEST_F(GgufTest, RejectsBadTensorInfos) {
     ExpectFailure(w.Build(), StatusCode::kCorruptFile);
   }
   {
+    GgufWriter w;  // no elements, but extents whose product overflows when multiplied outermost first
+    w.AddTensor("empty_but_huge", test::kGgmlF32, {int64_t{1} << 40, int64_t{1} << 40, 0}, Bytes{});
+    ExpectFailure(w.Build(), StatusCode::kCorruptFile);
+  }
+  {
     GgufWriter w;
     w.AddTensor("twice", test::kGgmlQ8_0, {64}, q8);
     w.AddTensor("twice", test::kGgmlQ8_0, {64}, q8);
