@@ -85,6 +85,11 @@ bool DTypeFromGgml(uint32_t type, DType* out) {
     case GgmlType::kQ8_0: *out = DType::kQ8_0; return true;
     case GgmlType::kQ4_0: *out = DType::kQ4_0; return true;
     case GgmlType::kQ4_1: *out = DType::kQ4_1; return true;
+    case GgmlType::kQ2_K: *out = DType::kQ2_K; return true;
+    case GgmlType::kQ3_K: *out = DType::kQ3_K; return true;
+    case GgmlType::kQ4_K: *out = DType::kQ4_K; return true;
+    case GgmlType::kQ5_K: *out = DType::kQ5_K; return true;
+    case GgmlType::kQ6_K: *out = DType::kQ6_K; return true;
   }
   return false;
 }
@@ -269,13 +274,15 @@ Status GgufFile::ParseTensorInfos(GgufCursor& cursor, uint64_t tensor_count) {
       return Corrupt(where + " has " + std::to_string(n_dims) + " dimensions");
     }
     info.shape.resize(n_dims);
-    uint64_t numel = 1;
+    uint64_t numel = 1, nonzero_numel = 1;
     for (uint32_t d = 0; d < n_dims; ++d) {
       uint64_t extent;
       if (!cursor.Read(&extent)) return Corrupt("truncated " + where);
-      // No ggml type packs an element into less than a bit, so anything larger cannot fit.
-      if (extent != 0 && numel > file_->size() * 8 / extent) {
-        return Corrupt(where + " has a shape larger than the file");
+      // No ggml type packs an element into less than a bit, so anything larger cannot fit. A zero
+      // extent does not exempt the others: TensorInfo::numel multiplies them in another order.
+      if (extent != 0) {
+        if (nonzero_numel > file_->size() * 8 / extent) return Corrupt(where + " has a shape larger than the file");
+        nonzero_numel *= extent;
       }
       numel *= extent;
       info.shape[n_dims - 1 - d] = static_cast<int64_t>(extent);  // GGUF lists innermost first
@@ -290,14 +297,15 @@ Status GgufFile::ParseTensorInfos(GgufCursor& cursor, uint64_t tensor_count) {
       if (unsupported.ok()) {
         unsupported = Status::Unsupported(path() + ": " + where + " has ggml type " +
                                           GgmlTypeName(type) + " (" + std::to_string(type) +
-                                          "); supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1");
+                                          "); supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K");
       }
       continue;
     }
     int64_t block = DTypeBlockElements(info.dtype);
     if (info.shape.back() % block != 0) {
       return Corrupt(where + " innermost dimension " + std::to_string(info.shape.back()) +
-                     " is not a multiple of the " + DTypeName(info.dtype) + " block size");
+                     " is not a multiple of the " + DTypeName(info.dtype) + " block size (" +
+                     std::to_string(block) + ")");
     }
     info.nbytes = static_cast<size_t>(numel / block * DTypeBlockBytes(info.dtype));
     info.file = path();

@@ -35,7 +35,19 @@ enum class GgufType : uint32_t {
 const char* GgufTypeName(GgufType t);
 
 // ggml tensor type ids this reader can hand out (the rest are refused as Unsupported).
-enum class GgmlType : uint32_t { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kBF16 = 30 };
+enum class GgmlType : uint32_t {
+  kF32 = 0,
+  kF16 = 1,
+  kQ4_0 = 2,
+  kQ4_1 = 3,
+  kQ8_0 = 8,
+  kQ2_K = 10,
+  kQ3_K = 11,
+  kQ4_K = 12,
+  kQ5_K = 13,
+  kQ6_K = 14,
+  kBF16 = 30
+};
 
 class GgufFile : public TensorSource {
  public:

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <set>
 #include <string>
 #include <unordered_set>
 
@@ -71,12 +72,19 @@ class WeightReader {
                   WeightMatrix& out, const std::function<void(WeightPart&)>& fix_rows = {}) const {
     KVFLOW_ASSIGN_OR_RETURN(const TensorInfo* info, Find(hf_name, gguf_name, {rows, cols}));
     KVFLOW_ASSIGN_OR_RETURN(WeightPart part, ReadWeightPart(*info, keep_quantized_));
+    if (keep_quantized_ && part.dtype == DType::kF32 && DTypeBlockElements(info->dtype) > 1) {
+      dequantized_formats_.insert(DTypeName(info->dtype));
+    }
     if (fix_rows) fix_rows(part);
     out.cols = cols;
     out.Append(std::move(part));
     progress_.Advance(info->nbytes);
     return Status::Ok();
   }
+
+  // Block formats that were asked to stay quantized but have no kernels (the K-quants): they are
+  // held as fp32, several times their size in the file.
+  const std::set<std::string>& dequantized_formats() const { return dequantized_formats_; }
 
   bool Has(const std::string& hf_name, const std::string& gguf_name) const {
     return source_.Find(hf_name) != nullptr || source_.Find(gguf_name) != nullptr;
@@ -94,6 +102,7 @@ class WeightReader {
   bool keep_quantized_;
   mutable LoadProgress progress_;
   mutable std::unordered_set<std::string> used_;
+  mutable std::set<std::string> dequantized_formats_;
 };
 
 // llama.cpp stores each head's rows as interleaved pairs (2j, 2j+1); HF keeps halves (j, j+d/2).
@@ -199,6 +208,11 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
     return Status::Unsupported(source.Describe() + " has tensors kvflow's Llama does not use (" + names +
                                "); running without them would give wrong logits (attention and MLP biases are "
                                "not supported yet)");
+  }
+  if (!r.dequantized_formats().empty()) {
+    std::string formats;
+    for (const std::string& f : r.dequantized_formats()) formats += (formats.empty() ? "" : ", ") + f;
+    spdlog::warn("{} matrices have no quantized kernels yet and were dequantized to fp32", formats);
   }
   spdlog::info("loaded {:.1f}M parameters as {} ({:.0f} MiB) in {:.2f} s", w.num_parameters() / 1e6,
                w.all_f32() ? std::string("fp32") : "quantized " + w.layers.front().wqkv.FormatName() + " (embeddings " +

@@ -13,10 +13,12 @@
 
 namespace kvflow {
 
-enum class DType { kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1 };
+// kQ2_K..kQ6_K are llama.cpp's K-quants: super-blocks of 256 elements (QK_K) with per-16 or per-32
+// sub-block scales. kvflow dequantizes them to fp32 on load (no quantized kernels for them yet).
+enum class DType { kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_1, kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K };
 const char* DTypeName(DType t);
-// Storage is in blocks: 1 element for the float types, 32 for the ggml quantizations, whose blocks
-// run along the innermost dimension (so it must be a multiple of 32).
+// Storage is in blocks: 1 element for the float types, 32 for the ggml quantizations and 256 for
+// the K-quants, whose blocks run along the innermost dimension (so it must be a multiple of that).
 int64_t DTypeBlockElements(DType t);
 size_t DTypeBlockBytes(DType t);
 

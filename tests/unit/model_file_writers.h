@@ -132,6 +132,165 @@ inline Bytes QuantizeQ4_1(const std::vector<float>& x) {
   return out;
 }
 
+// ---- K-quants (super-blocks of 256) ------------------------------------------------------------
+
+inline constexpr int kQK_K = 256;
+inline constexpr size_t kQ2_KBytes = 84, kQ3_KBytes = 110, kQ4_KBytes = 144, kQ5_KBytes = 176, kQ6_KBytes = 210;
+
+// Byte offsets of the f16 super-block scales (d, and dmin where the type has one) in each block.
+struct KQuantLayout {
+  size_t block_bytes;
+  std::vector<size_t> f16_fields;
+};
+inline KQuantLayout KQuantLayoutOf(uint32_t ggml_type) {
+  switch (ggml_type) {
+    case 10: return {kQ2_KBytes, {80, 82}};
+    case 11: return {kQ3_KBytes, {108}};
+    case 12: return {kQ4_KBytes, {0, 2}};
+    case 13: return {kQ5_KBytes, {0, 2}};
+    case 14: return {kQ6_KBytes, {208}};
+  }
+  ADD_FAILURE() << "not a K-quant ggml type: " << ggml_type;
+  return {0, {}};
+}
+
+// `blocks` random K-quant blocks: random quants and sub-block scales, finite f16 super-block scales
+// (what a real file holds: NaN or infinite scales would make every comparison meaningless).
+inline Bytes RandomKQuantBlocks(uint32_t ggml_type, size_t blocks, uint32_t seed) {
+  const KQuantLayout layout = KQuantLayoutOf(ggml_type);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> scale(-0.05f, 0.05f);
+  Bytes out(blocks * layout.block_bytes);
+  for (uint8_t& b : out) b = static_cast<uint8_t>(rng());
+  for (size_t b = 0; b < blocks; ++b) {
+    for (size_t field : layout.f16_fields) {
+      const uint16_t bits = FloatToHalfBits(scale(rng));
+      std::memcpy(&out[b * layout.block_bytes + field], &bits, 2);
+    }
+  }
+  return out;
+}
+
+// ggml's 12-byte packing of eight 6-bit (scale, min) pairs (Q4_K, Q5_K), written from the layout
+// rather than from ggml's code: the low 6 bits of scales/mins 0..3 in bytes 0..3/4..7; the low 4 bits
+// of scales/mins 4..7 in the nibbles of bytes 8..11, their top 2 bits in the top of bytes 0..7.
+inline void PackScaleMin6(const int scale[8], const int min[8], uint8_t packed[12]) {
+  std::memset(packed, 0, 12);
+  for (int j = 0; j < 8; ++j) {
+    if (j < 4) {
+      packed[j] |= static_cast<uint8_t>(scale[j]);
+      packed[j + 4] |= static_cast<uint8_t>(min[j]);
+    } else {
+      packed[j + 4] = static_cast<uint8_t>((scale[j] & 0x0f) | ((min[j] & 0x0f) << 4));
+      packed[j - 4] |= static_cast<uint8_t>((scale[j] >> 4) << 6);
+      packed[j] |= static_cast<uint8_t>((min[j] >> 4) << 6);
+    }
+  }
+}
+
+// A simple Q4_K (levels 15) or Q5_K (levels 31) quantizer: per 32-element sub-block an affine map
+// from its range (which always includes 0), 6-bit sub-scales relative to the largest. Less careful
+// than llama.cpp's search, which does not matter to the tests: they compare against what the blocks
+// dequantize to.
+inline Bytes QuantizeQ4_KOrQ5_K(const std::vector<float>& x, bool five_bits) {
+  const int levels = five_bits ? 31 : 15;
+  Bytes out;
+  for (size_t b = 0; b < x.size() / kQK_K; ++b) {
+    const float* v = &x[b * kQK_K];
+    float sub_scale[8], sub_min[8], max_scale = 0, max_min = 0;
+    for (int j = 0; j < 8; ++j) {
+      float lo = 0, hi = 0;
+      for (int l = 0; l < 32; ++l) {
+        lo = std::min(lo, v[32 * j + l]);
+        hi = std::max(hi, v[32 * j + l]);
+      }
+      sub_scale[j] = (hi - lo) / levels;
+      sub_min[j] = -lo;
+      max_scale = std::max(max_scale, sub_scale[j]);
+      max_min = std::max(max_min, sub_min[j]);
+    }
+    const uint16_t d_bits = FloatToHalfBits(max_scale / 63), dmin_bits = FloatToHalfBits(max_min / 63);
+    const float d = HalfBitsToFloat(d_bits), dmin = HalfBitsToFloat(dmin_bits);
+    int scale[8], min[8];
+    uint8_t q[kQK_K];
+    for (int j = 0; j < 8; ++j) {
+      // Round the scale up so the sub-block's range still fits in `levels` steps.
+      scale[j] = d > 0 ? std::min(63, static_cast<int>(std::ceil(sub_scale[j] / d))) : 0;
+      min[j] = dmin > 0 ? std::min(63, static_cast<int>(std::lround(sub_min[j] / dmin))) : 0;
+      const float dl = d * scale[j], ml = dmin * min[j];
+      for (int l = 0; l < 32; ++l) {
+        const long level = dl > 0 ? std::lround((v[32 * j + l] + ml) / dl) : 0;
+        q[32 * j + l] = static_cast<uint8_t>(std::clamp<long>(level, 0, levels));
+      }
+    }
+    uint8_t packed[12];
+    PackScaleMin6(scale, min, packed);
+    Append(&out, d_bits);
+    Append(&out, dmin_bits);
+    out.insert(out.end(), packed, packed + 12);
+    if (five_bits) {  // qh[l]: bit j is the 16s bit of element 32j + l
+      for (int l = 0; l < 32; ++l) {
+        uint8_t bits = 0;
+        for (int j = 0; j < 8; ++j) bits |= static_cast<uint8_t>(((q[32 * j + l] >> 4) & 1) << j);
+        out.push_back(bits);
+      }
+    }
+    for (int c = 0; c < 4; ++c) {  // nibble t of byte 32c + l holds element 64c + 32t + l
+      for (int l = 0; l < 32; ++l) {
+        out.push_back(static_cast<uint8_t>((q[64 * c + l] & 0x0f) | ((q[64 * c + 32 + l] & 0x0f) << 4)));
+      }
+    }
+  }
+  return out;
+}
+inline Bytes QuantizeQ4_K(const std::vector<float>& x) { return QuantizeQ4_KOrQ5_K(x, false); }
+inline Bytes QuantizeQ5_K(const std::vector<float>& x) { return QuantizeQ4_KOrQ5_K(x, true); }
+
+// A simple Q6_K quantizer: per 16-element sub-block a symmetric scale (levels -31..31), 8-bit signed
+// sub-scales relative to the largest.
+inline Bytes QuantizeQ6_K(const std::vector<float>& x) {
+  Bytes out;
+  for (size_t b = 0; b < x.size() / kQK_K; ++b) {
+    const float* v = &x[b * kQK_K];
+    float sub_scale[16], max_scale = 0;
+    for (int j = 0; j < 16; ++j) {
+      float amax = 0;
+      for (int l = 0; l < 16; ++l) amax = std::max(amax, std::fabs(v[16 * j + l]));
+      sub_scale[j] = amax / 31;
+      max_scale = std::max(max_scale, sub_scale[j]);
+    }
+    const uint16_t d_bits = FloatToHalfBits(max_scale / 127);
+    const float d = HalfBitsToFloat(d_bits);
+    int8_t scale[16];
+    uint8_t q[kQK_K];  // biased by 32
+    for (int j = 0; j < 16; ++j) {
+      scale[j] = static_cast<int8_t>(d > 0 ? std::min(127, static_cast<int>(std::ceil(sub_scale[j] / d))) : 0);
+      const float dl = d * scale[j];
+      for (int l = 0; l < 16; ++l) {
+        const long level = dl > 0 ? std::lround(v[16 * j + l] / dl) : 0;
+        q[16 * j + l] = static_cast<uint8_t>(std::clamp<long>(level, -32, 31) + 32);
+      }
+    }
+    // Element 128h + 32k + l: low nibble in nibble k/2 of ql[64h + 32(k%2) + l], top 2 bits at
+    // bits 2k of qh[32h + l].
+    uint8_t ql[128] = {}, qh[64] = {};
+    for (int h = 0; h < 2; ++h) {
+      for (int k = 0; k < 4; ++k) {
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t level = q[128 * h + 32 * k + l];
+          ql[64 * h + 32 * (k % 2) + l] |= static_cast<uint8_t>((level & 0x0f) << (4 * (k / 2)));
+          qh[32 * h + l] |= static_cast<uint8_t>((level >> 4) << (2 * k));
+        }
+      }
+    }
+    out.insert(out.end(), ql, ql + 128);
+    out.insert(out.end(), qh, qh + 64);
+    for (int8_t s : scale) Append(&out, s);
+    Append(&out, d_bits);
+  }
+  return out;
+}
+
 // ---- files ------------------------------------------------------------------------------------
 
 inline void WriteFile(const std::string& path, const Bytes& bytes) {
@@ -186,7 +345,13 @@ enum GgmlTypeId : uint32_t {
   kGgmlQ4_0 = 2,
   kGgmlQ4_1 = 3,
   kGgmlQ8_0 = 8,
+  kGgmlQ2_K = 10,
+  kGgmlQ3_K = 11,
+  kGgmlQ4_K = 12,
+  kGgmlQ5_K = 13,
   kGgmlQ6_K = 14,
+  kGgmlQ8_K = 15,  // not supported: only an activation format in ggml
+  kGgmlIQ4_XS = 23,
   kGgmlBF16 = 30
 };
 

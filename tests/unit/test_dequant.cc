@@ -1,7 +1,10 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <utility>
 
 #include "model/tensor_source.h"
 #include "model_file_writers.h"
@@ -142,6 +145,172 @@ TEST(Dequant, LargeQuantizedTensorMatchesBlockByBlock) {
     std::vector<float> block = Dequantize(MakeInfo(DType::kQ4_1, {32}, one));
     for (int j = 0; j < 32; ++j) ASSERT_EQ(whole[b * 32 + j], block[j]) << "block " << b;
   }
+}
+
+// ---- K-quants: blocks built by hand, with the value of every element worked out from the format --
+
+void PutHalf(Bytes* block, size_t offset, float value) {
+  const uint16_t bits = test::FloatToHalfBits(value);
+  std::memcpy(block->data() + offset, &bits, 2);
+}
+
+// Q2_K: sub-block g (16 elements) has scale 1 + g % 15 and min g % 4; every qs byte is 0b11100100,
+// so the 2-bit quant of element e is its shift index (e % 128) / 32. x = 0.5 * scale * q - 0.25 * min.
+TEST(Dequant, Q2_KHandBuiltBlock) {
+  Bytes block(test::kQ2_KBytes, 0);
+  for (int g = 0; g < 16; ++g) block[g] = static_cast<uint8_t>((1 + g % 15) | ((g % 4) << 4));
+  for (int i = 16; i < 80; ++i) block[i] = 0xE4;
+  PutHalf(&block, 80, 0.5f);
+  PutHalf(&block, 82, 0.25f);
+  std::vector<float> got = Dequantize(MakeInfo(DType::kQ2_K, {256}, block));
+  for (int e = 0; e < 256; ++e) {
+    const int g = e / 16, q = (e % 128) / 32;
+    EXPECT_EQ(got[e], 0.5f * (1 + g % 15) * q - 0.25f * (g % 4)) << e;
+  }
+}
+
+// Q3_K: sub-block g has the 6-bit scale 4g (biased by 32: -32..28); the low 2 bits of element e's
+// quant are its shift index s = (e % 128) / 32; hmask[l] is 0x0f for l < 16 and 0xf0 above, so the
+// high bit (bit 4h + s) is set for the first half's l < 16 and the second half's l >= 16, and a clear
+// high bit subtracts 4. x = 0.25 * (4g - 32) * q.
+TEST(Dequant, Q3_KHandBuiltBlock) {
+  Bytes block(test::kQ3_KBytes, 0);
+  for (int l = 0; l < 32; ++l) block[l] = l < 16 ? 0x0f : 0xf0;
+  for (int i = 32; i < 96; ++i) block[i] = 0xE4;
+  uint8_t* scales = &block[96];
+  for (int g = 0; g < 16; ++g) {
+    const int sc = 4 * g;
+    scales[g % 8] |= static_cast<uint8_t>((sc & 0x0f) << (g < 8 ? 0 : 4));
+    scales[8 + g % 4] |= static_cast<uint8_t>((sc >> 4) << (2 * (g / 4)));
+  }
+  PutHalf(&block, 108, 0.25f);
+  std::vector<float> got = Dequantize(MakeInfo(DType::kQ3_K, {256}, block));
+  for (int e = 0; e < 256; ++e) {
+    const int g = e / 16, h = e / 128, s = (e % 128) / 32, l = e % 32;
+    const bool high = h == 0 ? l < 16 : l >= 16;
+    const int q = s - (high ? 0 : 4);
+    EXPECT_EQ(got[e], 0.25f * (4 * g - 32) * q) << e;
+  }
+}
+
+// Q4_K/Q5_K share the 6-bit scale/min packing: sub-block j (32 elements) has scale 10 + 7j and min
+// 63 - 5j, so sub-blocks 4..7 and most values need the top bits. Every qs byte is 0x5A: low-nibble
+// elements (the first 32 of each 64) are 10, high-nibble ones 5.
+constexpr int kScale6[8] = {10, 17, 24, 31, 38, 45, 52, 59};
+constexpr int kMin6[8] = {63, 58, 53, 48, 43, 38, 33, 28};
+
+TEST(Dequant, Q4_KHandBuiltBlock) {
+  Bytes block(test::kQ4_KBytes, 0);
+  PutHalf(&block, 0, 0.125f);
+  PutHalf(&block, 2, 0.0625f);
+  test::PackScaleMin6(kScale6, kMin6, &block[4]);
+  for (int i = 16; i < 144; ++i) block[i] = 0x5A;
+  std::vector<float> got = Dequantize(MakeInfo(DType::kQ4_K, {256}, block));
+  for (int e = 0; e < 256; ++e) {
+    const int j = e / 32, q = (e % 64) < 32 ? 10 : 5;
+    EXPECT_EQ(got[e], 0.125f * kScale6[j] * q - 0.0625f * kMin6[j]) << e;
+  }
+}
+
+// As Q4_K, plus qh bytes 0xAA: bit j of qh[l] set for odd sub-blocks j, adding 16 to their quants.
+TEST(Dequant, Q5_KHandBuiltBlock) {
+  Bytes block(test::kQ5_KBytes, 0);
+  PutHalf(&block, 0, 0.125f);
+  PutHalf(&block, 2, 0.0625f);
+  test::PackScaleMin6(kScale6, kMin6, &block[4]);
+  for (int i = 16; i < 48; ++i) block[i] = 0xAA;
+  for (int i = 48; i < 176; ++i) block[i] = 0x5A;
+  std::vector<float> got = Dequantize(MakeInfo(DType::kQ5_K, {256}, block));
+  for (int e = 0; e < 256; ++e) {
+    const int j = e / 32, q = ((e % 64) < 32 ? 10 : 5) + (j % 2 ? 16 : 0);
+    EXPECT_EQ(got[e], 0.125f * kScale6[j] * q - 0.0625f * kMin6[j]) << e;
+  }
+}
+
+// Q6_K: sub-block g has the signed scale 9g - 70; every ql byte is 0x3C (low nibble 12, high 3) and
+// every qh byte 0b11100100, so element e with k = (e % 128) / 32 has low bits 12 (k < 2) or 3 and
+// top bits k. x = 0.5 * (9g - 70) * (q - 32).
+TEST(Dequant, Q6_KHandBuiltBlock) {
+  Bytes block(test::kQ6_KBytes, 0);
+  for (int i = 0; i < 128; ++i) block[i] = 0x3C;
+  for (int i = 128; i < 192; ++i) block[i] = 0xE4;
+  for (int g = 0; g < 16; ++g) block[192 + g] = static_cast<uint8_t>(static_cast<int8_t>(9 * g - 70));
+  PutHalf(&block, 208, 0.5f);
+  std::vector<float> got = Dequantize(MakeInfo(DType::kQ6_K, {256}, block));
+  for (int e = 0; e < 256; ++e) {
+    const int g = e / 16, k = (e % 128) / 32, q = ((k < 2 ? 12 : 3) | (k << 4)) - 32;
+    EXPECT_EQ(got[e], 0.5f * (9 * g - 70) * q) << e;
+  }
+}
+
+TEST(Dequant, KQuantNamesAndBlockSizes) {
+  const std::pair<DType, size_t> types[] = {{DType::kQ2_K, 84}, {DType::kQ3_K, 110}, {DType::kQ4_K, 144},
+                                            {DType::kQ5_K, 176}, {DType::kQ6_K, 210}};
+  for (auto [type, bytes] : types) {
+    EXPECT_EQ(DTypeBlockElements(type), 256) << DTypeName(type);
+    EXPECT_EQ(DTypeBlockBytes(type), bytes) << DTypeName(type);
+  }
+  EXPECT_STREQ(DTypeName(DType::kQ2_K), "Q2_K");
+  EXPECT_STREQ(DTypeName(DType::kQ6_K), "Q6_K");
+}
+
+// The test's own quantizers (written from the layout) round-trip through kvflow's dequantization
+// within a step of each sub-block.
+TEST(Dequant, KQuantRoundTripsWithinAStep) {
+  std::vector<float> x = test::RandomFloats(4 * 512, 8);
+  struct Case {
+    DType type;
+    Bytes bytes;
+    float relative_error;  // of the largest |x| of the super-block
+  };
+  const Case cases[] = {{DType::kQ4_K, test::QuantizeQ4_K(x), 0.1f},
+                        {DType::kQ5_K, test::QuantizeQ5_K(x), 0.05f},
+                        {DType::kQ6_K, test::QuantizeQ6_K(x), 0.03f}};
+  for (const Case& c : cases) {
+    ASSERT_EQ(c.bytes.size(), x.size() / 256 * DTypeBlockBytes(c.type)) << DTypeName(c.type);
+    std::vector<float> got = Dequantize(MakeInfo(c.type, {4, 512}, c.bytes));
+    for (size_t b = 0; b < x.size() / 256; ++b) {
+      float amax = 0;
+      for (int j = 0; j < 256; ++j) amax = std::max(amax, std::fabs(x[b * 256 + j]));
+      for (int j = 0; j < 256; ++j) {
+        const size_t i = b * 256 + j;
+        EXPECT_LE(std::fabs(got[i] - x[i]), c.relative_error * amax) << DTypeName(c.type) << " " << i;
+      }
+    }
+  }
+}
+
+// Big enough for the parallel path; every super-block must land in its own place.
+TEST(Dequant, LargeKQuantTensorsMatchBlockByBlock) {
+  const std::pair<DType, uint32_t> types[] = {{DType::kQ2_K, test::kGgmlQ2_K}, {DType::kQ3_K, test::kGgmlQ3_K},
+                                              {DType::kQ4_K, test::kGgmlQ4_K}, {DType::kQ5_K, test::kGgmlQ5_K},
+                                              {DType::kQ6_K, test::kGgmlQ6_K}};
+  const int64_t rows = 64, cols = 1024, blocks = rows * cols / 256;
+  for (auto [type, ggml_type] : types) {
+    const size_t block_bytes = DTypeBlockBytes(type);
+    Bytes bytes = test::RandomKQuantBlocks(ggml_type, blocks, 9);
+    std::vector<float> whole = Dequantize(MakeInfo(type, {rows, cols}, bytes));
+    for (int64_t b = 0; b < blocks; b += 7) {
+      Bytes one(bytes.begin() + b * block_bytes, bytes.begin() + (b + 1) * block_bytes);
+      std::vector<float> block = Dequantize(MakeInfo(type, {256}, one));
+      for (int j = 0; j < 256; ++j) {
+        ASSERT_TRUE(std::isfinite(block[j])) << DTypeName(type);
+        ASSERT_EQ(whole[b * 256 + j], block[j]) << DTypeName(type) << " block " << b;
+      }
+    }
+  }
+}
+
+TEST(Dequant, RejectsKQuantTensorsThatDoNotHoldWholeSuperBlocks) {
+  Bytes bytes(2 * 144, 0);
+  std::vector<float> out(512);
+  // 128 columns: whole 32-blocks but no whole super-block.
+  EXPECT_EQ(DequantizeToF32(MakeInfo(DType::kQ4_K, {4, 128}, bytes), out.data()).code(), StatusCode::kInvalidArgument);
+  TensorInfo short_data = MakeInfo(DType::kQ4_K, {512}, bytes);
+  short_data.nbytes = 144;
+  EXPECT_EQ(DequantizeToF32(short_data, out.data()).code(), StatusCode::kInvalidArgument);
+  TensorInfo wrong_type = MakeInfo(DType::kQ6_K, {512}, bytes);  // 288 bytes are not two Q6_K blocks
+  EXPECT_EQ(DequantizeToF32(wrong_type, out.data()).code(), StatusCode::kInvalidArgument);
 }
 
 TEST(Dequant, RejectsInconsistentTensors) {

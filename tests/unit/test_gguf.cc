@@ -5,6 +5,7 @@
 #include <fstream>
 #include <iterator>
 #include <random>
+#include <tuple>
 
 #include "model/gguf.h"
 #include "model/model_config.h"
@@ -55,6 +56,12 @@ struct SampleModel {
   std::vector<float> q8 = test::RandomFloats(2 * 64, 13);
   std::vector<float> q40 = test::RandomFloats(3 * 32, 14);
   std::vector<float> q41 = test::RandomFloats(96, 15);
+  // K-quants: Q4_K/Q5_K/Q6_K from the test's quantizers, Q2_K/Q3_K as random blocks.
+  std::vector<float> q4k = test::RandomFloats(2 * 256, 16);
+  std::vector<float> q5k = test::RandomFloats(512, 17);
+  std::vector<float> q6k = test::RandomFloats(256, 18);
+  Bytes q2k = test::RandomKQuantBlocks(test::kGgmlQ2_K, 2, 19);
+  Bytes q3k = test::RandomKQuantBlocks(test::kGgmlQ3_K, 1, 20);
 
   GgufWriter Writer() const {
     GgufWriter w;
@@ -92,6 +99,11 @@ struct SampleModel {
     w.AddTensor("q8_0", test::kGgmlQ8_0, {2, 64}, test::QuantizeQ8_0(q8));
     w.AddTensor("q4_0", test::kGgmlQ4_0, {3, 1, 32}, test::QuantizeQ4_0(q40));
     w.AddTensor("q4_1", test::kGgmlQ4_1, {96}, test::QuantizeQ4_1(q41));
+    w.AddTensor("q4_k", test::kGgmlQ4_K, {2, 256}, test::QuantizeQ4_K(q4k));
+    w.AddTensor("q5_k", test::kGgmlQ5_K, {1, 512}, test::QuantizeQ5_K(q5k));
+    w.AddTensor("q6_k", test::kGgmlQ6_K, {256}, test::QuantizeQ6_K(q6k));
+    w.AddTensor("q2_k", test::kGgmlQ2_K, {2, 1, 256}, q2k);
+    w.AddTensor("q3_k", test::kGgmlQ3_K, {256}, q3k);
     return w;
   }
 };
@@ -140,9 +152,10 @@ TEST_F(GgufTest, RoundTripsTensors) {
   Result<std::unique_ptr<GgufFile>> opened = GgufFile::Open(path);
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
   const GgufFile& g = **opened;
-  EXPECT_EQ(g.Names(), (std::vector<std::string>{"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"}));
+  EXPECT_EQ(g.Names(), (std::vector<std::string>{"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k",
+                                                 "q6_k", "q2_k", "q3_k"}));
   EXPECT_EQ(g.Find("absent"), nullptr);
-  EXPECT_NE(g.Describe().find("6 tensors"), std::string::npos) << g.Describe();
+  EXPECT_NE(g.Describe().find("11 tensors"), std::string::npos) << g.Describe();
   EXPECT_EQ(g.data_offset() % 32, 0u);
 
   const TensorInfo* f32 = g.Find("f32");
@@ -169,12 +182,15 @@ TEST_F(GgufTest, RoundTripsTensors) {
   };
   for (const Quantized& q : {Quantized{"q8_0", DType::kQ8_0, {2, 64}, &sample.q8, 0.02f},
                              Quantized{"q4_0", DType::kQ4_0, {3, 1, 32}, &sample.q40, 0.26f},
-                             Quantized{"q4_1", DType::kQ4_1, {96}, &sample.q41, 0.14f}}) {
+                             Quantized{"q4_1", DType::kQ4_1, {96}, &sample.q41, 0.14f},
+                             Quantized{"q4_k", DType::kQ4_K, {2, 256}, &sample.q4k, 0.2f},
+                             Quantized{"q5_k", DType::kQ5_K, {1, 512}, &sample.q5k, 0.1f},
+                             Quantized{"q6_k", DType::kQ6_K, {256}, &sample.q6k, 0.06f}}) {
     const TensorInfo* info = g.Find(q.name);
     ASSERT_NE(info, nullptr) << q.name;
     EXPECT_EQ(info->dtype, q.dtype);
     EXPECT_EQ(info->shape, q.shape);
-    EXPECT_EQ(info->nbytes, q.x->size() / 32 * DTypeBlockBytes(q.dtype));
+    EXPECT_EQ(info->nbytes, q.x->size() / DTypeBlockElements(q.dtype) * DTypeBlockBytes(q.dtype));
     std::vector<float> got = Dequantize(*info);
     for (size_t i = 0; i < got.size(); ++i) {
       EXPECT_NEAR(got[i], (*q.x)[i], q.tolerance) << q.name << " " << i;
@@ -320,6 +336,11 @@ TEST_F(GgufTest, RejectsBadTensorInfos) {
     ExpectFailure(w.Build(), StatusCode::kCorruptFile);
   }
   {
+    GgufWriter w;  // no elements, but extents whose product overflows when multiplied outermost first
+    w.AddTensor("empty_but_huge", test::kGgmlF32, {int64_t{1} << 40, int64_t{1} << 40, 0}, Bytes{});
+    ExpectFailure(w.Build(), StatusCode::kCorruptFile);
+  }
+  {
     GgufWriter w;
     w.AddTensor("twice", test::kGgmlQ8_0, {64}, q8);
     w.AddTensor("twice", test::kGgmlQ8_0, {64}, q8);
@@ -339,11 +360,52 @@ TEST_F(GgufTest, RejectsBadTensorInfos) {
 }
 
 TEST_F(GgufTest, RefusesUnsupportedTensorTypes) {
-  GgufWriter w;
-  w.AddTensor("blk.0.ffn_down.weight", test::kGgmlQ6_K, {256}, Bytes(210, 7));
-  std::string message = ExpectFailure(w.Build(), StatusCode::kUnsupported);
-  EXPECT_NE(message.find("blk.0.ffn_down.weight"), std::string::npos) << message;
-  EXPECT_NE(message.find("Q6_K"), std::string::npos) << message;
+  // Q8_K (292-byte blocks) and IQ4_XS (136) are types kvflow cannot dequantize.
+  for (auto [type, name, block_bytes] : {std::tuple<uint32_t, const char*, size_t>{test::kGgmlQ8_K, "Q8_K", 292},
+                                         {test::kGgmlIQ4_XS, "IQ4_XS", 136}}) {
+    GgufWriter w;
+    w.AddTensor("blk.0.attn_q.weight", test::kGgmlQ6_K, {256}, test::RandomKQuantBlocks(test::kGgmlQ6_K, 1, 1));
+    w.AddTensor("blk.0.ffn_down.weight", type, {256}, Bytes(block_bytes, 7));
+    std::string message = ExpectFailure(w.Build(), StatusCode::kUnsupported);
+    EXPECT_NE(message.find("blk.0.ffn_down.weight"), std::string::npos) << message;
+    EXPECT_NE(message.find(name), std::string::npos) << message;
+    EXPECT_NE(message.find("supported: "), std::string::npos) << message;
+  }
+}
+
+// K-quant tensors get the same checks as the others, with 256-element blocks.
+TEST_F(GgufTest, RejectsBadKQuantTensors) {
+  const Bytes two_blocks = test::RandomKQuantBlocks(test::kGgmlQ4_K, 2, 3);
+  {
+    GgufWriter w;
+    w.AddTensor("ok", test::kGgmlQ4_K, {2, 256}, two_blocks);
+    Result<std::unique_ptr<GgufFile>> g = GgufFile::Open(Write(w.Build()));
+    ASSERT_TRUE(g.ok()) << g.status().ToString();
+    EXPECT_EQ((*g)->Find("ok")->nbytes, 288u);
+  }
+  {
+    GgufWriter w;  // whole 32-blocks, but not whole super-blocks
+    w.AddTensor("ragged", test::kGgmlQ4_K, {4, 128}, two_blocks);
+    std::string message = ExpectFailure(w.Build(), StatusCode::kCorruptFile);
+    EXPECT_NE(message.find("Q4_K block size (256)"), std::string::npos) << message;
+  }
+  {
+    GgufWriter w;  // the shape claims three blocks, the file holds two
+    w.AddTensor("short", test::kGgmlQ6_K, {768}, test::RandomKQuantBlocks(test::kGgmlQ6_K, 2, 4));
+    EXPECT_NE(ExpectFailure(w.Build(), StatusCode::kCorruptFile).find("past the end"), std::string::npos);
+  }
+  {
+    GgufWriter w;  // an offset that lies: the second tensor starts inside the first
+    w.AddTensor("a", test::kGgmlQ4_K, {2, 256}, two_blocks);
+    w.AddTensor("b", test::kGgmlQ4_K, {2, 256}, two_blocks, /*offset=*/256);
+    EXPECT_NE(ExpectFailure(w.Build(), StatusCode::kCorruptFile).find("overlaps"), std::string::npos);
+  }
+  {
+    GgufWriter w;  // an offset past the end of the file
+    w.AddTensor("a", test::kGgmlQ5_K, {256}, test::RandomKQuantBlocks(test::kGgmlQ5_K, 1, 5),
+                /*offset=*/uint64_t{1} << 32);
+    ExpectFailure(w.Build(), StatusCode::kCorruptFile);
+  }
 }
 
 // ---- tokenizer metadata -----------------------------------------------------------------------
