@@ -122,12 +122,6 @@ int Serve(Options& opt) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // The CPU backend's OpenMP workers would spin between steps on the cores the HTTP threads need.
-  // libgomp reads its settings when it loads, so the default is set by re-executing once.
-  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
-    setenv("OMP_WAIT_POLICY", "passive", 1);
-    execv("/proc/self/exe", argv);  // returns only on failure: then run on as we are
-  }
   Options opt;
   opt.async.max_queue_len = 256;
   CLI::App app{
