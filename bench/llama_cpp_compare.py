@@ -26,11 +26,13 @@ Run it from the repository root after building kvflow (`make -C build kvflow_cli
 on a quiet machine (the numbers are only as good as the machine is idle; the report flags a load
 average over 0.5):
 
-  .venv/bin/python bench/llama_cpp_compare.py                       # everything, ~20-30 min on 2 cores
+  .venv/bin/python bench/llama_cpp_compare.py                       # everything, ~40 min on 2 cores
   .venv/bin/python bench/llama_cpp_compare.py --quick --out-prefix /tmp/cmp    # smoke test, a few min
   .venv/bin/python bench/llama_cpp_compare.py --sections decode,prefill --skip-build
 
-The first run also downloads llama-cpp-python's sdist with pip and builds llama.cpp (~15 min on 2
+Most of the time goes to prefilling the deep decode depths (every repeat prefills again, untimed
+in llama-bench, timed as prefill in kvflow bench); --depths, --repeats and --concurrency shorten it.
+The first run also downloads llama-cpp-python's sdist with pip and builds llama.cpp (~20 min on 2
 cores, under `nice`); later runs reuse the build when the version and flags match. Writes
 OUT.json, OUT.md and OUT.png (the plot needs matplotlib; skipped with a message without it), where
 OUT is --out-prefix (default bench/results/llama_cpp_compare). Not part of CI.
@@ -184,7 +186,7 @@ def ensure_llama_cpp(version, skip_build):
     log(f"llama.cpp: configuring {rel(p['src'])} -> {rel(p['build'])}")
     cmake = shutil.which("cmake") or "cmake"
     run(["nice", cmake, "-S", p["src"], "-B", p["build"]] + flags, what="cmake configure (llama.cpp)")
-    log(f"llama.cpp: building {', '.join(LLAMA_TARGETS)} (-j2 under nice; ~15 min on 2 cores)")
+    log(f"llama.cpp: building {', '.join(LLAMA_TARGETS)} (-j2 under nice; ~20 min on 2 cores)")
     run(["nice", cmake, "--build", p["build"], "--config", "Release", "-j2", "--target", *LLAMA_TARGETS],
         what="cmake build (llama.cpp)")
     missing = [b for b in binaries if not os.access(b, os.X_OK)]
@@ -912,18 +914,26 @@ def parse_int_list(s):
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except where the help text states them itself (default None: full vs --quick)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def main():
     ap = argparse.ArgumentParser(
         description="Compare kvflow's CPU backend with llama.cpp on the same GGUF file and thread count: "
                     "decode at several KV depths, prefill, WikiText-2 perplexity, and both OpenAI servers under "
-                    "closed-loop load. Run from the repository root after building kvflow.",
+                    "closed-loop load. Relative paths are taken from the repository root; build kvflow first.",
         epilog="Example: .venv/bin/python bench/llama_cpp_compare.py --quick --out-prefix /tmp/cmp  (smoke test)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     ap.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf", help="GGUF file both engines load")
     ap.add_argument("--threads", type=int, default=2, help="threads for both engines")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke test: shallow depths, short prompts, 2 perplexity chunks, 1 and 4 streams for a few s")
+                    help="smoke test (noisy numbers): depths 0,256, 16 decode tokens, 1 repeat, prefill 128, 2 "
+                         "perplexity chunks, 1 and 4 streams for 6 s with max_tokens 16; a few minutes")
     ap.add_argument("--skip-build", action="store_true", help="use the cached llama.cpp build as it is")
     ap.add_argument("--out-prefix", default="bench/results/llama_cpp_compare",
                     help="writes PREFIX.json, PREFIX.md and PREFIX.png")
