@@ -1,4 +1,5 @@
-// `kvflow` command line: generate text, inspect a model.
+// `kvflow` command line: generate text, measure perplexity or speed, inspect a model.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -13,6 +14,7 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include "cli/decode_bench.h"
 #include "cli/engine_flags.h"
 #include "engine/chat_template.h"
 #include "eval/perplexity.h"
@@ -183,6 +185,62 @@ int RunPerplexity(PerplexityCliOptions& opt) {
   return 0;
 }
 
+struct BenchCliOptions {
+  kvflow::EngineConfig engine;
+  std::vector<int> depths = {0};
+  int decode_tokens = 64;
+  int repeats = 3;
+  std::string json_out;
+};
+
+// Prefill and decode speed of one sequence at each depth (see cli/decode_bench.h), as a table on
+// stdout and optionally JSON.
+int RunBench(BenchCliOptions& opt) {
+  const int deepest = *std::max_element(opt.depths.begin(), opt.depths.end());
+  if (opt.engine.max_model_len == 0) opt.engine.max_model_len = std::max(1, deepest) + opt.decode_tokens + 1;
+  auto engine_or = kvflow::Engine::Create(opt.engine);
+  if (!engine_or.ok()) {
+    spdlog::error("{}", engine_or.status().ToString());
+    return 1;
+  }
+  auto& engine = *engine_or.value();
+  spdlog::info("bench: {}, {} decode tokens, {} repeats (medians)", engine.Describe(), opt.decode_tokens, opt.repeats);
+  std::printf("%8s %8s %14s %14s\n", "depth", "decode", "prefill tok/s", "decode tok/s");
+  nlohmann::json runs = nlohmann::json::array();
+  for (const int depth : opt.depths) {
+    kvflow::DecodeBenchOptions b;
+    b.depth = depth;
+    b.decode_tokens = opt.decode_tokens;
+    b.repeats = opt.repeats;
+    auto r = kvflow::RunDecodeBench(engine, b);
+    if (!r.ok()) {
+      spdlog::error("depth {}: {}", depth, r.status().ToString());
+      return 1;
+    }
+    std::printf("%8d %8d %14.1f %14.2f\n", depth, opt.decode_tokens, r->prefill_tok_s, r->decode_tok_s);
+    std::fflush(stdout);
+    nlohmann::json samples = nlohmann::json::array();
+    for (const auto& run : r->runs) {
+      samples.push_back({{"prompt_tokens", run.prompt_tokens}, {"prefill_s", run.prefill_s},
+                         {"decode_steps", run.decode_steps}, {"decode_s", run.decode_s}});
+    }
+    runs.push_back({{"depth", depth}, {"decode_tokens", opt.decode_tokens}, {"prefill_tok_s", r->prefill_tok_s},
+                    {"decode_tok_s", r->decode_tok_s}, {"runs", samples}});
+  }
+  if (!opt.json_out.empty()) {
+    nlohmann::json j = {{"model", engine.model_config().name}, {"engine", engine.Describe()},
+                        {"dtype", opt.engine.dtype}, {"threads", opt.engine.num_threads},
+                        {"repeats", opt.repeats}, {"results", runs}};
+    std::ofstream out(opt.json_out);
+    out << j.dump(1) << "\n";
+    if (!out) {
+      spdlog::error("cannot write {}", opt.json_out);
+      return 1;
+    }
+  }
+  return 0;
+}
+
 int RunInfo(const std::string& model) {
   auto path = kvflow::ResolveModel(model);
   if (!path.ok()) {
@@ -217,6 +275,7 @@ int main(int argc, char** argv) {
       "kvflow: LLM inference with a paged KV cache.\n\n"
       "  kvflow generate --model smollm2-135m --prompt \"Tell me about cats\" --chat\n"
       "  kvflow perplexity --model smollm2-135m --file wiki.test.raw --ctx 2048\n"
+      "  kvflow bench --model smollm2-135m --depth 0,1024,4096 --decode-tokens 64\n"
       "  kvflow info --model smollm2-135m\n\n"
       "Models: a .gguf file, a .safetensors file or HF directory, or a short name: tiny-random\n"
       "(built in, random weights) or smollm2-135m (run tools/fetch-model first)."};
@@ -269,6 +328,22 @@ int main(int argc, char** argv) {
   perplexity->get_option("--max-num-batched-tokens")->default_val(512);
   perplexity->get_option("--swap-space")->default_val(0.0);
 
+  BenchCliOptions bench_opt;
+  CLI::App* bench = app.add_subcommand(
+      "bench", "Prefill and decode speed of one sequence: prefill DEPTH synthetic tokens, then time N one-token "
+               "decode steps (llama-bench -p 0 -n N -d DEPTH; prefill speed as llama-bench -p DEPTH -n 0)");
+  bench->add_option("-d,--depth", bench_opt.depths, "Prompt tokens before decoding, comma-separated (0: one token)")
+      ->delimiter(',')
+      ->default_str("0");
+  bench->add_option("-n,--decode-tokens", bench_opt.decode_tokens, "Timed decode steps (0: prefill only)")
+      ->default_val(64);
+  bench->add_option("-r,--repeats", bench_opt.repeats, "Timed runs per depth; medians are reported")->default_val(3);
+  bench->add_option("--json", bench_opt.json_out, "Write the results (and every run) as JSON here");
+  double bench_swap_gib = 0.0;
+  kvflow::AddEngineFlags(bench, &bench_opt.engine, &bench_swap_gib);
+  bench->get_option("--swap-space")->default_val(0.0);
+  bench->get_option("--max-model-len")->description("Context limit (0 = deepest depth + decode tokens + 1)");
+
   std::string info_model = "smollm2-135m";
   CLI::App* info = app.add_subcommand("info", "Print a model's configuration and tokenizer");
   info->add_option("-m,--model", info_model, "Model path or short name")->default_val("smollm2-135m");
@@ -285,6 +360,10 @@ int main(int argc, char** argv) {
   if (*perplexity) {
     kvflow::ApplySwapSpace(&ppl.engine, ppl_swap_gib);
     return RunPerplexity(ppl);
+  }
+  if (*bench) {
+    kvflow::ApplySwapSpace(&bench_opt.engine, bench_swap_gib);
+    return RunBench(bench_opt);
   }
   return RunInfo(info_model);
 }
