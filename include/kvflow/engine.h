@@ -71,8 +71,8 @@ struct EngineConfig {
   // quantized weights with 8-bit activations, as llama.cpp computes), "f32" dequantizes every
   // weight to fp32 (exact: the reference). CUDA weights/activations/KV: "fp16", "bf16" or "auto" (bf16).
   std::string dtype = "auto";
-  // KV cache elements. CPU: "auto" (fp16 with quantized weights, as llama.cpp keeps it; fp32 in the
-  // exact f32 mode), "f16" or "f32". CUDA: "auto" (the dtype's 16-bit type).
+  // KV cache elements. CPU: "auto" (fp16 when weights stay quantized, as llama.cpp pairs them;
+  // fp32 with fp32 weights), "f16" or "f32". CUDA: "auto" (the dtype's 16-bit type).
   std::string kv_cache_dtype = "auto";
   bool enforce_eager = false;  // CUDA: no CUDA graphs for decode steps
 };

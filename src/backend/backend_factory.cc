@@ -41,9 +41,9 @@ Result<std::unique_ptr<Backend>> MakeCpuBackend(EngineConfig& config, bool reque
   layout.num_kv_heads = mc.num_kv_heads;
   layout.head_dim = mc.head_dim;
   layout.block_size = config.block_size;
-  // fp16 elements unless asked otherwise, except in the exact fp32 mode.
+  // auto: fp16 elements when the weights stay quantized (llama.cpp's pairing), fp32 otherwise.
   const bool f16 = config.kv_cache_dtype == "f16" || config.kv_cache_dtype == "fp16" ||
-                   (config.kv_cache_dtype == "auto" && config.dtype == "auto");
+                   (config.kv_cache_dtype == "auto" && !weights.all_f32());
   const cpu::KvElement element = f16 ? cpu::KvElement::kF16 : cpu::KvElement::kF32;
   const int64_t block_bytes =
       static_cast<int64_t>(layout.elements_per_block_all_layers() * cpu::KvElementBytes(element));

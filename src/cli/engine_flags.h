@@ -21,7 +21,7 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
                   "CUDA: fp16, bf16 or auto (bf16)")
       ->default_val("auto");
   app->add_option("--kv-cache-dtype", c.kv_cache_dtype,
-                  "CPU: auto (f16 with quantized weights, f32 with --dtype f32), f16 or f32; CUDA: auto")
+                  "CPU: auto (f16 when weights stay quantized, else f32), f16 or f32; CUDA: auto")
       ->default_val("auto");
   app->add_option("--gpu-memory-utilization", c.gpu_memory_utilization,
                   "CUDA: share of GPU memory for weights, activations and KV cache")->default_val(0.9);

@@ -163,7 +163,9 @@ int main(int argc, char** argv) {
     kvflow::EngineConfig ec;
     ec.model = model;
     ec.device = device;
-    if (cuda) ec.dtype = dtype;
+    // On the CPU the exact fp32 mode, as transformers computes (the default keeps Q4 weights
+    // quantized and the KV cache in fp16).
+    ec.dtype = cuda ? dtype : "f32";
     ec.block_size = block_size;
     ec.max_model_len = 4096;
     auto engine = kvflow::Engine::Create(ec);

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <cstdio>
 #include <random>
@@ -157,8 +158,8 @@ TEST(PagedAttention, DecodeOverCachedContextMatches) {
   RunCase({6, 1, 32, 32, {64, 7}, {1, 1}}, 4);  // MQA, block size 32
 }
 
-// One or two sequences decoding over thousands of cached tokens: few (token, KV head) units, so each
-// context is split into partitions computed apart and merged.
+// Sequences decoding over thousands of cached tokens: each context is split into 512-key partitions
+// computed apart and merged.
 TEST(PagedAttention, LongDecodeSplitAcrossThreadsMatches) {
   RunCase({9, 3, 64, 16, {3000}, {1}}, 7);          // SmolLM2's head layout, 6 partitions
   RunCase({8, 2, 64, 16, {1030, 700}, {1, 1}}, 8);  // a partition boundary inside a block
@@ -171,6 +172,54 @@ TEST(PagedAttention, Fp16CacheMatchesAttentionOverRoundedValues) {
   RunCase({9, 3, 64, 16, {16, 23, 5}, {16, 9, 30}}, 10, cpu::KvElement::kF16);
   RunCase({9, 3, 64, 16, {3000}, {1}}, 11, cpu::KvElement::kF16);
   RunCase({4, 2, 128, 8, {13}, {19}}, 12, cpu::KvElement::kF16);
+}
+
+// A row's attention does not depend on the batch around it (a preempted and resumed request, or
+// one whose neighbours finish, samples from the same numbers): one decoding sequence alone and
+// next to others gives bit-identical outputs, short and split-long contexts alike.
+TEST(PagedAttention, ARowsResultDoesNotDependOnItsBatch) {
+  ThreadPool threads(2);
+  ScopedThreadPool use_threads(&threads);
+  const int H = 9, KV = 3, D = 64, bs = 16;
+  KvCacheLayout layout{1, 400, KV, bs, D};
+  std::mt19937 rng(21);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<uint16_t> kc(layout.layer_stride()), vc(layout.layer_stride());
+  for (auto* pool : {&kc, &vc}) {
+    for (uint16_t& x : *pool) {
+      const _Float16 h = static_cast<_Float16>(normal(rng));
+      std::memcpy(&x, &h, sizeof(x));
+    }
+  }
+  for (int context : {40, 3000}) {
+    auto make_slice = [&](int first_block, int offset) {
+      SequenceSlice slice;
+      slice.token_offset = offset;
+      slice.num_tokens = 1;
+      slice.context_len = context;
+      for (int b = 0; b < (context + bs - 1) / bs; ++b) slice.block_table.push_back(first_block + b);
+      return slice;
+    };
+    std::vector<float> q(3 * H * D);
+    for (float& x : q) x = normal(rng);
+    auto run = [&](std::vector<SequenceSlice> slices) {
+      ForwardBatch batch;
+      batch.seqs = slices;
+      std::vector<std::vector<int64_t>> views(slices.size());
+      for (size_t s = 0; s < slices.size(); ++s) {
+        batch.tokens.push_back(0);
+        batch.positions.push_back(context - 1);
+        ViewSlots(slices[s], bs, views[s]);
+      }
+      std::vector<float> out(slices.size() * H * D);
+      cpu::AttentionIo io{q.data(), H * D, out.data(), H * D, nullptr};
+      cpu::PagedAttention(batch, views, layout, H, io, cpu::KvElement::kF16, kc.data(), vc.data(), 0.125f);
+      return out;
+    };
+    const std::vector<float> alone = run({make_slice(0, 0)});
+    const std::vector<float> batched = run({make_slice(0, 0), make_slice(200, 1), make_slice(100, 2)});
+    EXPECT_EQ(0, std::memcmp(alone.data(), batched.data(), alone.size() * sizeof(float))) << "context " << context;
+  }
 }
 
 TEST(PagedAttention, ChunkedPrefillAfterCachedPrefixMatches) {

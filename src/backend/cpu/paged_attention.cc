@@ -88,12 +88,12 @@ void WriteKvCache(const ForwardBatch& batch, const KvCacheLayout& layout, const 
 
 namespace {
 
-// Keys per partition when one query's context is split across threads (flash-decoding): a decode
-// step of one sequence has only num_kv_heads units of work, fewer than the threads at long context.
+// Keys per partition when a query's context is split (flash-decoding): a decode step of one sequence
+// has only num_kv_heads units of work, fewer than the threads at long context. A context of
+// 2 * kPartitionKeys or more is split into visible / kPartitionKeys partitions; the choice depends
+// on the query's own context only, so a row's result does not depend on the batch it is in or on
+// the thread count.
 constexpr int32_t kPartitionKeys = 512;
-// Split only when the step has fewer (token, KV head) units than this; the choice depends on the
-// batch alone, so results do not depend on the thread count.
-constexpr int64_t kSplitBelowUnits = 16;
 // Largest head_dim the fp16 row buffer holds.
 constexpr int kMaxHeadDim = 512;
 
@@ -206,7 +206,6 @@ void Attention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> 
 
   int64_t units = 0;
   for (const SequenceSlice& slice : batch.seqs) units += static_cast<int64_t>(slice.num_tokens) * KV;
-  const bool split = units < kSplitBelowUnits;
   std::vector<AttentionTask> tasks;
   tasks.reserve(static_cast<size_t>(units));
   // Split units: (first task, number of partitions), for the merge.
@@ -218,7 +217,7 @@ void Attention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> 
     for (int32_t i = 0; i < slice.num_tokens; ++i) {
       // Causal in view order: the slice's tokens are the view's last entries.
       const int32_t visible = size - slice.num_tokens + i + 1;
-      const int32_t parts = split ? std::max(1, visible / kPartitionKeys) : 1;
+      const int32_t parts = std::max(1, visible / kPartitionKeys);
       for (int h = 0; h < KV; ++h) {
         if (parts > 1) split_units.push_back({static_cast<int32_t>(tasks.size()), parts});
         for (int32_t p = 0; p < parts; ++p) {
