@@ -20,7 +20,8 @@ into an ignored cache (.cache/llama-cpp/), then measures both engines back to ba
 
 Every decode number is also put against the memory roofline: the measured read bandwidth of this
 machine (numpy sums over 512 MiB, median of repeats) over the bytes a decode step reads per token
-(the GGUF's weight matrices + the KV cache at that depth: fp32 in kvflow, f16 in llama.cpp).
+(the GGUF's weight matrices + the KV cache at that depth: f16 in both by default; fp32 in kvflow's
+exact f32 mode).
 
 Run it from the repository root after building kvflow (`make -C build kvflow_cli kvflow_server_bin`),
 on a quiet machine (the numbers are only as good as the machine is idle; the report flags a load
@@ -440,9 +441,13 @@ def section_decode(cfg, llama, info, bw):
         log(f"  1 thread: kvflow {k1:.1f} tok/s, llama.cpp {one_thread['llama_tok_s']:.1f} tok/s")
 
     gbps = bw["gbps"]
+    # kvflow's KV element: fp16 when its weights stay quantized (its engine line says which).
+    kvflow_kv_per_token = (info["kv_bytes_per_token_f16"] if "fp16 KV" in (kv.get("engine") or "")
+                           else info["kv_bytes_per_token_f32"])
+    info["kvflow_kv_bytes_per_token"] = kvflow_kv_per_token
     for d, row in rows.items():
         ctx = d + n / 2  # the mean KV length over the timed decode steps
-        kv_b = info["decode_weight_bytes"] + info["kv_bytes_per_token_f32"] * ctx
+        kv_b = info["decode_weight_bytes"] + kvflow_kv_per_token * ctx
         ll_b = info["decode_weight_bytes"] + info["kv_bytes_per_token_f16"] * ctx
         if "kvflow_tok_s" in row:
             row["kvflow_roofline"] = roofline(row["kvflow_tok_s"], kv_b, gbps)
@@ -761,7 +766,8 @@ def write_markdown(path, res):
         L.append(f"Memory read bandwidth (measured): {bw['gbps']:.1f} GB/s on {bw['threads']} threads "
                  f"({bw['gbps_1_thread']:.1f} GB/s on one; {bw['method']}). Bytes per decode token (modeled): "
                  f"{info['decode_weight_bytes'] / 1e6:.1f} MB of GGUF weight matrices + KV at the mean depth "
-                 f"({info['kv_bytes_per_token_f32']} B/token fp32 in kvflow, {info['kv_bytes_per_token_f16']} "
+                 f"({info.get('kvflow_kv_bytes_per_token', info['kv_bytes_per_token_f32'])} B/token in kvflow "
+                 f"(its fp16 KV cache with quantized weights; fp32 in the f32 row), {info['kv_bytes_per_token_f16']} "
                  f"B/token f16 in llama.cpp). Roofline tok/s = bandwidth / bytes per token.\n")
     sec = res["sections"]
     if "decode" in sec:
