@@ -8,6 +8,7 @@
 #endif
 
 #include "model/tensor_source.h"
+#include "util/half.h"
 #include "util/thread_pool.h"
 
 namespace kvflow {
@@ -23,25 +24,7 @@ inline float HalfToFloat(uint16_t h) {
 #if defined(__F16C__)
   return _cvtsh_ss(h);  // one instruction where the build targets x86-64-v3
 #else
-  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exponent = (h >> 10) & 0x1f;
-  uint32_t mantissa = h & 0x3ff;
-  uint32_t bits;
-  if (exponent == 0x1f) {
-    bits = sign | 0x7f800000 | (mantissa << 13);
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {
-    bits = sign;
-  } else {
-    // Subnormal: value = mantissa * 2^-24, exact in float.
-    float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
-    std::memcpy(&bits, &magnitude, sizeof(bits));
-    bits |= sign;
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
+  return HalfBitsToFloat(h);
 #endif
 }
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <vector>
 
 #include "engine/evaluation.h"
 #include "kvflow/engine.h"
@@ -30,6 +31,50 @@ inline SamplingParams Greedy(int max_tokens) {
   p.max_tokens = max_tokens;
   p.ignore_eos = true;
   return p;
+}
+
+// Runs every prompt to completion in one batch and returns each one's tokens; with vary_seed,
+// request i gets seed 1000 + i.
+inline std::vector<std::vector<int32_t>> GenerateAll(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
+                                                     const SamplingParams& base, bool vary_seed) {
+  std::vector<std::vector<int32_t>> out(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    SamplingParams p = base;
+    if (vary_seed) p.seed = 1000 + i;
+    auto id = engine.AddRequest(prompts[i], p, [&out, i](const StreamEvent& e) {
+      for (const auto& t : e.tokens) out[i].push_back(t.token);
+    });
+    EXPECT_TRUE(id.ok()) << id.status().ToString();
+  }
+  while (engine.HasUnfinishedRequests()) {
+    auto st = engine.Step();
+    EXPECT_TRUE(st.ok()) << st.status().ToString();
+    if (!st.ok()) break;
+  }
+  return out;
+}
+
+struct EngineSetup {
+  const char* name;
+  EngineConfig config;
+};
+
+// The memory setups a lossless feature must keep outputs under: plain, prefix caching, and a pool
+// small enough that 6 sequences growing to ~110 tokens are preempted by swap or by recompute.
+inline std::vector<EngineSetup> EngineSetups() {
+  std::vector<EngineSetup> s;
+  s.push_back({"default", {}});
+  EngineConfig prefix;
+  prefix.enable_prefix_caching = true;
+  s.push_back({"prefix caching", prefix});
+  for (const char* mode : {"swap", "recompute"}) {
+    EngineConfig small;
+    small.num_kv_blocks = 24;  // 384 tokens for 6 sequences growing to ~110: preemption
+    small.max_model_len = 256;
+    small.preemption_mode = mode;
+    s.push_back({mode, small});
+  }
+  return s;
 }
 
 }  // namespace kvflow::test

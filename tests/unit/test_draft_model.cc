@@ -28,45 +28,6 @@ std::vector<std::vector<int32_t>> RandomPrompts(int n, uint64_t seed) {
   return prompts;
 }
 
-std::vector<std::vector<int32_t>> GenerateAll(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
-                                              const SamplingParams& base) {
-  std::vector<std::vector<int32_t>> out(prompts.size());
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    SamplingParams p = base;
-    if (!p.greedy()) p.seed = 1000 + i;
-    auto id = engine.AddRequest(prompts[i], p, [&out, i](const StreamEvent& e) {
-      for (const auto& t : e.tokens) out[i].push_back(t.token);
-    });
-    EXPECT_TRUE(id.ok()) << id.status().ToString();
-  }
-  while (engine.HasUnfinishedRequests()) {
-    auto st = engine.Step();
-    EXPECT_TRUE(st.ok()) << st.status().ToString();
-    if (!st.ok()) break;
-  }
-  return out;
-}
-
-struct EngineSetup {
-  const char* name;
-  EngineConfig config;
-};
-
-std::vector<EngineSetup> EngineSetups() {
-  std::vector<EngineSetup> s;
-  s.push_back({"default", {}});
-  EngineConfig prefix;
-  prefix.enable_prefix_caching = true;
-  s.push_back({"prefix caching", prefix});
-  for (const char* mode : {"swap", "recompute"}) {
-    EngineConfig small;
-    small.num_kv_blocks = 24;  // 384 tokens for 6 sequences growing to ~110: preemption
-    small.max_model_len = 256;
-    small.preemption_mode = mode;
-    s.push_back({mode, small});
-  }
-  return s;
-}
 
 TEST(DraftModelSpeculation, GreedyOutputsEqualPlainDecoding) {
   auto prompts = RandomPrompts(6, 11);
@@ -74,17 +35,17 @@ TEST(DraftModelSpeculation, GreedyOutputsEqualPlainDecoding) {
   prompts[1] = prompts[0];
   prompts[1].insert(prompts[1].end(), {7, 8, 9});
   const SamplingParams p = test::Greedy(64);
-  for (const EngineSetup& setup : EngineSetups()) {
+  for (const test::EngineSetup& setup : test::EngineSetups()) {
     auto plain = test::MakeEngine(setup.config);
     ASSERT_TRUE(plain);
-    const auto want = GenerateAll(*plain, prompts, p);
+    const auto want = test::GenerateAll(*plain, prompts, p, !p.greedy());
     for (const char* draft : {"tiny-random-draft", "tiny-random"}) {
       EngineConfig c = setup.config;
       c.speculative_model = draft;
       c.num_speculative_tokens = 3;
       auto spec = test::MakeEngine(c);
       ASSERT_TRUE(spec);
-      const auto got = GenerateAll(*spec, prompts, p);
+      const auto got = test::GenerateAll(*spec, prompts, p, !p.greedy());
       for (size_t i = 0; i < prompts.size(); ++i) {
         EXPECT_EQ(got[i], want[i]) << setup.name << ", draft " << draft << ", prompt " << i;
       }
@@ -196,8 +157,8 @@ TEST(DraftModelSpeculation, SeededRunsRepeatAndCancelFreesEverything) {
   p.top_p = 0.95f;
   p.repetition_penalty = 1.2f;
   p.min_tokens = 5;
-  const auto first = GenerateAll(*engine, prompts, p);
-  EXPECT_EQ(GenerateAll(*engine, prompts, p), first) << "a seed gives the same tokens";
+  const auto first = test::GenerateAll(*engine, prompts, p, !p.greedy());
+  EXPECT_EQ(test::GenerateAll(*engine, prompts, p, !p.greedy()), first) << "a seed gives the same tokens";
   EXPECT_GT(engine->stats().spec.num_draft_tokens, 0);
 
   std::vector<RequestId> ids;

@@ -32,50 +32,11 @@ std::vector<std::vector<int32_t>> RepetitivePrompts() {
   return prompts;
 }
 
-std::vector<std::vector<int32_t>> GenerateAll(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
-                                              const SamplingParams& base, bool vary_seed) {
-  std::vector<std::vector<int32_t>> out(prompts.size());
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    SamplingParams p = base;
-    if (vary_seed) p.seed = 1000 + i;
-    auto id = engine.AddRequest(prompts[i], p, [&out, i](const StreamEvent& e) {
-      for (const auto& t : e.tokens) out[i].push_back(t.token);
-    });
-    EXPECT_TRUE(id.ok()) << id.status().ToString();
-  }
-  while (engine.HasUnfinishedRequests()) {
-    auto st = engine.Step();
-    EXPECT_TRUE(st.ok()) << st.status().ToString();
-    if (!st.ok()) break;
-  }
-  return out;
-}
-
-struct EngineSetup {
-  const char* name;
-  EngineConfig config;
-};
-
-std::vector<EngineSetup> EngineSetups() {
-  std::vector<EngineSetup> s;
-  s.push_back({"default", {}});
-  EngineConfig prefix;
-  prefix.enable_prefix_caching = true;
-  s.push_back({"prefix caching", prefix});
-  for (const char* mode : {"swap", "recompute"}) {
-    EngineConfig small;
-    small.num_kv_blocks = 24;  // 384 tokens for 6 sequences growing to ~110: preemption
-    small.max_model_len = 256;
-    small.preemption_mode = mode;
-    s.push_back({mode, small});
-  }
-  return s;
-}
 
 TEST(SpeculativeDecoding, GreedyOutputsEqualPlainDecoding) {
   const auto prompts = RepetitivePrompts();
   SamplingParams p = test::Greedy(96);
-  for (const EngineSetup& setup : EngineSetups()) {
+  for (const test::EngineSetup& setup : test::EngineSetups()) {
     EngineConfig spec_config = setup.config;
     spec_config.speculative_method = "ngram";
     spec_config.num_speculative_tokens = 5;
@@ -83,8 +44,8 @@ TEST(SpeculativeDecoding, GreedyOutputsEqualPlainDecoding) {
     auto plain = test::MakeEngine(setup.config);
     auto spec = test::MakeEngine(spec_config);
     ASSERT_TRUE(plain && spec);
-    const auto want = GenerateAll(*plain, prompts, p, false);
-    const auto got = GenerateAll(*spec, prompts, p, false);
+    const auto want = test::GenerateAll(*plain, prompts, p, false);
+    const auto got = test::GenerateAll(*spec, prompts, p, false);
     for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(got[i], want[i]) << setup.name << ", prompt " << i;
     const EngineStats s = spec->stats();
     std::printf("  %-14s drafts %lld, draft tokens %lld, accepted %lld (%.0f%%; by position", setup.name,
@@ -114,13 +75,13 @@ TEST(SpeculativeDecoding, SeededSamplingGivesThePlainTokensAndOptOutWorks) {
   spec_config.speculative_method = "ngram";
   auto plain = test::MakeEngine({});
   auto spec = test::MakeEngine(spec_config);
-  const auto want = GenerateAll(*plain, prompts, p, true);
-  const auto got = GenerateAll(*spec, prompts, p, true);
+  const auto want = test::GenerateAll(*plain, prompts, p, true);
+  const auto got = test::GenerateAll(*spec, prompts, p, true);
   for (size_t i = 0; i < prompts.size(); ++i) EXPECT_EQ(got[i], want[i]) << "prompt " << i;
   EXPECT_GT(spec->stats().spec.num_draft_tokens, 0);
   const int64_t before = spec->stats().spec.num_draft_tokens;
   p.speculative = false;
-  EXPECT_EQ(GenerateAll(*spec, prompts, p, true), want);
+  EXPECT_EQ(test::GenerateAll(*spec, prompts, p, true), want);
   EXPECT_EQ(spec->stats().spec.num_draft_tokens, before) << "an opted-out request drafts nothing";
 }
 
