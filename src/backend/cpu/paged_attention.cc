@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "util/half.h"
 #include "util/thread_pool.h"
 
 namespace kvflow::cpu {
@@ -19,22 +20,27 @@ const char* KvElementName(KvElement e) { return e == KvElement::kF16 ? "fp16" : 
 
 namespace {
 
-// fp32 <-> fp16 rows (F16C: the library targets x86-64-v3), rounding to nearest even.
+// fp32 <-> fp16 rows, rounding to nearest even: F16C where the build targets it (Release builds
+// x86-64-v3), else the bit-exact portable conversions (sanitizer and debug builds).
 void ToHalf(const float* src, uint16_t* dst, int n) {
   int i = 0;
+#if defined(__F16C__) && defined(__AVX__)
   for (; i + 8 <= n; i += 8) {
     const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
   }
-  for (; i < n; ++i) dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+#endif
+  for (; i < n; ++i) dst[i] = FloatToHalfBits(src[i]);
 }
 
 void FromHalf(const uint16_t* src, float* dst, int n) {
   int i = 0;
+#if defined(__F16C__) && defined(__AVX__)
   for (; i + 8 <= n; i += 8) {
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
   }
-  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
+#endif
+  for (; i < n; ++i) dst[i] = HalfBitsToFloat(src[i]);
 }
 
 template <typename T>
