@@ -9,6 +9,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
 #include "kv/block_manager.h"
+#include "util/thread_pool.h"
 
 namespace kvflow {
 namespace {
@@ -110,6 +111,17 @@ Result<std::unique_ptr<Backend>> MakeCudaBackend(EngineConfig& config, bool requ
 }
 
 }  // namespace
+
+Result<LlamaWeights> LoadWeightsFor(const ModelFiles& files, const EngineConfig& config) {
+  const Result<int> device = ParseDevice(config.device);
+  const bool cpu = !device.ok() || device.value() < 0;
+  const WeightFormat format = cpu && config.dtype == "auto" ? WeightFormat::kKeepQuantized : WeightFormat::kF32;
+  const int threads = config.num_threads > 0 ? config.num_threads
+                                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  ThreadPool pool(threads);
+  ScopedThreadPool use_pool(&pool);
+  return LoadLlamaWeights(*files.tensors, files.config, files.gguf_rope_permuted, format);
+}
 
 Result<int> ParseDevice(const std::string& device) {
   if (device == "cpu") return -1;

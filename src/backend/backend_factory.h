@@ -16,6 +16,11 @@ namespace kvflow {
 // "cpu" -> -1; "cuda" -> 0; "cuda:N" -> N.
 Result<int> ParseDevice(const std::string& device);
 
+// The model's weights in the format config.device computes with: the CPU keeps a GGUF's quantized
+// matrices as they are unless config.dtype is f32; the CUDA backend takes fp32 and converts them to
+// its dtype. Conversions run on a pool of config.num_threads threads.
+Result<LlamaWeights> LoadWeightsFor(const ModelFiles& files, const EngineConfig& config);
+
 // The backend for config.device. A sequence must fit the pool alone: a max_model_len the user asked
 // for (`max_model_len_requested`) that the pool cannot hold is refused, a defaulted one is lowered
 // in `config` to what the pool holds.

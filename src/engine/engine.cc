@@ -3,7 +3,6 @@
 #include <chrono>
 #include <memory>
 #include <optional>
-#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -17,7 +16,6 @@
 #include "sched/policy.h"
 #include "spec/draft_model.h"
 #include "spec/ngram_drafter.h"
-#include "util/thread_pool.h"
 
 namespace kvflow {
 
@@ -237,14 +235,6 @@ Status ValidateEngineConfig(const EngineConfig& c) {
   return Status::Ok();
 }
 
-// The CPU keeps quantized weights quantized unless asked for exact fp32; the CUDA backend converts
-// fp32 weights to its own dtype.
-WeightFormat WeightFormatFor(const EngineConfig& c) {
-  const Result<int> device = ParseDevice(c.device);
-  const bool cpu = !device.ok() || device.value() < 0;
-  return cpu && c.dtype == "auto" ? WeightFormat::kKeepQuantized : WeightFormat::kF32;
-}
-
 // S3: the length predictor (loaded, or untrained with buckets over max_model_len) and its
 // supervisor; none for other policies.
 Result<std::unique_ptr<LengthSupervisor>> CreateLengthSupervisor(const EngineConfig& config,
@@ -282,52 +272,6 @@ Result<std::unique_ptr<LengthSupervisor>> CreateLengthSupervisor(const EngineCon
   return supervisor;
 }
 
-// The model's weights in the format the engine's device computes with; conversions run on a pool
-// of the engine's threads.
-Result<LlamaWeights> LoadWeights(const ModelFiles& files, const EngineConfig& config) {
-  const int threads = config.num_threads > 0 ? config.num_threads
-                                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  ThreadPool pool(threads);
-  ScopedThreadPool use_pool(&pool);
-  return LoadLlamaWeights(*files.tensors, files.config, files.gguf_rope_permuted, WeightFormatFor(config));
-}
-
-// The draft model's backend: same device, a pool with the target's blocks (which it mirrors) and
-// the drafter's scratch. The draft must read and write the same token ids as the target.
-Result<std::unique_ptr<Backend>> CreateDraftBackend(const EngineConfig& config, const Backend& target,
-                                                    const ModelConfig& target_model, const Tokenizer& tokenizer) {
-  KVFLOW_ASSIGN_OR_RETURN(std::string path, ResolveModel(config.speculative_model));
-  KVFLOW_ASSIGN_OR_RETURN(ModelFiles files, OpenModelFiles(path));
-  const ModelConfig& mc = files.config;
-  KVFLOW_RETURN_IF_ERROR(mc.Validate());
-  const std::string what = "draft model " + config.speculative_model;
-  if (!files.tokenizer) return Status::InvalidArgument(what + " has no tokenizer; it must share the target's");
-  if (mc.vocab_size != target_model.vocab_size ||
-      TokenizerFingerprint(*files.tokenizer) != TokenizerFingerprint(tokenizer)) {
-    return Status::InvalidArgument(what + " has another tokenizer than " + target_model.name + " (vocab " +
-                                   std::to_string(mc.vocab_size) + " vs " + std::to_string(target_model.vocab_size) +
-                                   "); draft and target must share one");
-  }
-  if (mc.max_position_embeddings < config.max_model_len) {
-    return Status::InvalidArgument(what + " has a context of " + std::to_string(mc.max_position_embeddings) +
-                                   " tokens, less than max_model_len " + std::to_string(config.max_model_len) +
-                                   "; lower max_model_len");
-  }
-  KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadWeights(files, config));
-  files.tensors.reset();
-  EngineConfig draft = config;
-  draft.num_kv_blocks = target.kv_layout().num_blocks +
-                        DraftModel::ScratchBlocks(config.num_speculative_tokens, config.max_num_seqs, config.block_size);
-  draft.num_host_kv_blocks = target.num_host_blocks();
-  KVFLOW_ASSIGN_OR_RETURN(auto backend, CreateBackend(draft, /*max_model_len_requested=*/true, mc, std::move(weights)));
-  if (backend->kv_layout().num_blocks < draft.num_kv_blocks || backend->num_host_blocks() != target.num_host_blocks()) {
-    return Status::Internal(what + ": its KV pool could not be sized to follow the target's");
-  }
-  spdlog::info("{}: {} layers, KV pool of {} blocks following the target's {}", what, mc.num_layers,
-               backend->kv_layout().num_blocks, target.kv_layout().num_blocks);
-  return backend;
-}
-
 }  // namespace
 
 Result<std::unique_ptr<EvaluationEngine>> CreateEvaluationEngine(const EngineConfig& input,
@@ -352,12 +296,12 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEvaluationEngine(const EngineCon
     config.max_model_len = mc.max_position_embeddings;
   }
 
-  KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadWeights(files, config));
+  KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadWeightsFor(files, config));
   files.tensors.reset();  // the weights are copies now; drop the mapping
   KVFLOW_ASSIGN_OR_RETURN(auto backend, CreateBackend(config, input.max_model_len > 0, mc, std::move(weights)));
   std::unique_ptr<Backend> draft_backend;
   if (config.speculative_method == "draft_model") {
-    KVFLOW_ASSIGN_OR_RETURN(draft_backend, CreateDraftBackend(config, *backend, mc, *files.tokenizer));
+    KVFLOW_ASSIGN_OR_RETURN(draft_backend, CreateDraftModelBackend(config, *backend, mc, *files.tokenizer));
   }
   KVFLOW_ASSIGN_OR_RETURN(auto supervisor, CreateLengthSupervisor(config, evaluation, *files.tokenizer));
   auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(draft_backend),

@@ -4,11 +4,48 @@
 
 #include <spdlog/spdlog.h>
 
+#include "backend/backend_factory.h"
 #include "model/llama_model.h"
+#include "model/tensor_source.h"
+#include "sched/length_predictor.h"
 #include "sampling/sampler.h"
 #include "sched/sequence_group.h"
 
 namespace kvflow {
+
+Result<std::unique_ptr<Backend>> CreateDraftModelBackend(const EngineConfig& config, const Backend& target,
+                                                         const ModelConfig& target_model, const Tokenizer& tokenizer) {
+  KVFLOW_ASSIGN_OR_RETURN(std::string path, ResolveModel(config.speculative_model));
+  KVFLOW_ASSIGN_OR_RETURN(ModelFiles files, OpenModelFiles(path));
+  const ModelConfig& mc = files.config;
+  KVFLOW_RETURN_IF_ERROR(mc.Validate());
+  const std::string what = "draft model " + config.speculative_model;
+  if (!files.tokenizer) return Status::InvalidArgument(what + " has no tokenizer; it must share the target's");
+  if (mc.vocab_size != target_model.vocab_size ||
+      TokenizerFingerprint(*files.tokenizer) != TokenizerFingerprint(tokenizer)) {
+    return Status::InvalidArgument(what + " has another tokenizer than " + target_model.name + " (vocab " +
+                                   std::to_string(mc.vocab_size) + " vs " + std::to_string(target_model.vocab_size) +
+                                   "); draft and target must share one");
+  }
+  if (mc.max_position_embeddings < config.max_model_len) {
+    return Status::InvalidArgument(what + " has a context of " + std::to_string(mc.max_position_embeddings) +
+                                   " tokens, less than max_model_len " + std::to_string(config.max_model_len) +
+                                   "; lower max_model_len");
+  }
+  KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadWeightsFor(files, config));
+  files.tensors.reset();
+  EngineConfig draft = config;
+  draft.num_kv_blocks = target.kv_layout().num_blocks +
+                        DraftModel::ScratchBlocks(config.num_speculative_tokens, config.max_num_seqs, config.block_size);
+  draft.num_host_kv_blocks = target.num_host_blocks();
+  KVFLOW_ASSIGN_OR_RETURN(auto backend, CreateBackend(draft, /*max_model_len_requested=*/true, mc, std::move(weights)));
+  if (backend->kv_layout().num_blocks < draft.num_kv_blocks || backend->num_host_blocks() != target.num_host_blocks()) {
+    return Status::Internal(what + ": its KV pool could not be sized to follow the target's");
+  }
+  spdlog::info("{}: {} layers, KV pool of {} blocks following the target's {}", what, mc.num_layers,
+               backend->kv_layout().num_blocks, target.kv_layout().num_blocks);
+  return backend;
+}
 
 DraftModel::DraftModel(Backend& backend, int num_table_blocks, int num_speculative_tokens, int max_num_seqs)
     : backend_(backend),

@@ -15,13 +15,22 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
 #include "backend/backend.h"
+#include "kvflow/engine.h"
+#include "kvflow/tokenizer.h"
 #include "spec/drafter.h"
 
 namespace kvflow {
+
+// The draft model's backend for an engine on `target`: config.speculative_model on the same
+// device, its pool the target's blocks (which it follows) plus the drafter's scratch. Refused with a
+// clear error when its tokenizer is not the target's or its context is shorter than max_model_len.
+Result<std::unique_ptr<Backend>> CreateDraftModelBackend(const EngineConfig& config, const Backend& target,
+                                                         const ModelConfig& target_model, const Tokenizer& tokenizer);
 
 class DraftModel final : public Drafter {
  public:
