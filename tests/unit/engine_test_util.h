@@ -3,6 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdio>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -75,6 +78,51 @@ inline std::vector<EngineSetup> EngineSetups() {
     s.push_back({mode, small});
   }
   return s;
+}
+
+// For each first token drawn at least 300 times, whether the second tokens drawn after it follow the
+// target's distribution: the top-4 of the engine's own prompt logprobs after prompt + first,
+// renormalized (temperature 1, top-k 4), within total variation 0.07 (the sampling noise of a few
+// hundred draws over 4 outcomes is about 0.03), and nothing outside that support. `pairs[first]`
+// counts the second tokens. Returns how many first tokens were checked.
+inline int ExpectSecondTokensFollowTheTarget(Engine& engine, const std::vector<int32_t>& prompt,
+                                             const std::map<int32_t, int>& firsts,
+                                             std::map<int32_t, std::map<int32_t, int>>& pairs) {
+  int checked = 0;
+  for (const auto& [first, count] : firsts) {
+    if (count < 300) continue;
+    std::vector<int32_t> scored = prompt;
+    scored.push_back(first);
+    scored.push_back(3);
+    SamplingParams s = Greedy(0);
+    s.prompt_logprobs = 4;
+    std::vector<SampledToken> lp;
+    EXPECT_TRUE(engine.AddRequest(scored, s, [&](const StreamEvent& e) {
+                        if (!e.prompt_logprobs.empty()) lp = e.prompt_logprobs;
+                      }).ok());
+    while (engine.HasUnfinishedRequests()) EXPECT_TRUE(engine.Step().ok());
+    EXPECT_EQ(lp.size(), scored.size() - 1);
+    if (lp.size() != scored.size() - 1 || lp.back().top_logprobs.size() != 4u) {
+      ADD_FAILURE() << "no top-4 prompt logprobs after first token " << first;
+      continue;
+    }
+    const auto& top = lp.back().top_logprobs;
+    double z = 0.0;
+    for (const auto& t : top) z += std::exp(double(t.logprob));
+    double tv = 0.0;
+    int in_top = 0;
+    for (const auto& t : top) {
+      const auto it = pairs[first].find(t.token);
+      const int n = it == pairs[first].end() ? 0 : it->second;
+      in_top += n;
+      tv += 0.5 * std::fabs(double(n) / count - std::exp(double(t.logprob)) / z);
+    }
+    std::printf("  after first token %d (%d draws): total variation to the target %.3f\n", first, count, tv);
+    EXPECT_EQ(in_top, count) << "top-k 4: nothing outside the target's support";
+    EXPECT_LT(tv, 0.07);
+    ++checked;
+  }
+  return checked;
 }
 
 }  // namespace kvflow::test
