@@ -39,8 +39,9 @@ Status ModelExecutor::MoveBlocks(const SchedulerOutput& sched) {
   return Status::Ok();
 }
 
-void ModelExecutor::RunFollowers(ForwardBatch batch) {
-  if (followers_.empty()) return;
+void ModelExecutor::RunFollowers(const ForwardBatch& target_batch) {
+  if (followers_.empty()) return;  // the usual case: no copy of the batch
+  ForwardBatch batch = target_batch;
   for (SequenceSlice& s : batch.seqs) s.logits = LogitsMode::kNone;
   for (LlamaModel& follower : followers_) {
     if (Status st = follower.Forward(batch, follower_logits_); !st.ok()) {

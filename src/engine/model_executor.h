@@ -41,7 +41,7 @@ class ModelExecutor final : public Executor {
   std::vector<LlamaModel> followers_;
   const BlockManager& blocks_;
   // Runs the step's batch through every follower (no logits).
-  void RunFollowers(ForwardBatch batch);
+  void RunFollowers(const ForwardBatch& target_batch);
 
   std::vector<float> logits_;
   std::vector<SampledToken> sampled_;

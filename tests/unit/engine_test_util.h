@@ -80,6 +80,36 @@ inline std::vector<EngineSetup> EngineSetups() {
   return s;
 }
 
+// The first two tokens of `draws` completions of `prompt` (seeds 0, 1, ...; 100 in flight at a
+// time): how often each first token came, and the second tokens after each. Every completion must
+// have params.max_tokens tokens.
+struct FirstTwoTokens {
+  std::map<int32_t, int> firsts;
+  std::map<int32_t, std::map<int32_t, int>> pairs;
+};
+inline FirstTwoTokens DrawFirstTwoTokens(Engine& engine, const std::vector<int32_t>& prompt,
+                                         const SamplingParams& params, int draws) {
+  FirstTwoTokens drawn;
+  for (int base = 0; base < draws; base += 100) {
+    std::vector<std::vector<int32_t>> out(100);
+    for (int i = 0; i < 100; ++i) {
+      SamplingParams q = params;
+      q.seed = static_cast<uint64_t>(base + i);
+      EXPECT_TRUE(engine.AddRequest(prompt, q, [&out, i](const StreamEvent& e) {
+                          for (const auto& t : e.tokens) out[size_t(i)].push_back(t.token);
+                        }).ok());
+    }
+    while (engine.HasUnfinishedRequests()) EXPECT_TRUE(engine.Step().ok());
+    for (const auto& o : out) {
+      EXPECT_EQ(o.size(), static_cast<size_t>(params.max_tokens));
+      if (o.size() < 2) continue;
+      ++drawn.firsts[o[0]];
+      ++drawn.pairs[o[0]][o[1]];
+    }
+  }
+  return drawn;
+}
+
 // For each first token drawn at least 300 times, whether the second tokens drawn after it follow the
 // target's distribution: the top-4 of the engine's own prompt logprobs after prompt + first,
 // renormalized (temperature 1, top-k 4), within total variation 0.07 (the sampling noise of a few

@@ -104,26 +104,9 @@ TEST(SpeculativeDecoding, SampledTokensFollowTheTargetDistribution) {
   p.max_tokens = 3;  // the drafter drafts only where a token is still to come
   p.ignore_eos = true;
   const int kDraws = 2000;
-  std::map<int32_t, std::map<int32_t, int>> pairs;
-  std::map<int32_t, int> firsts;
-  for (int base = 0; base < kDraws; base += 100) {
-    std::vector<std::vector<int32_t>> out(100);
-    for (int i = 0; i < 100; ++i) {
-      SamplingParams q = p;
-      q.seed = static_cast<uint64_t>(base + i);
-      ASSERT_TRUE(engine->AddRequest(prompt, q, [&out, i](const StreamEvent& e) {
-                          for (const auto& t : e.tokens) out[size_t(i)].push_back(t.token);
-                        }).ok());
-    }
-    while (engine->HasUnfinishedRequests()) ASSERT_TRUE(engine->Step().ok());
-    for (const auto& o : out) {
-      ASSERT_EQ(o.size(), 3u);
-      ++firsts[o[0]];
-      ++pairs[o[0]][o[1]];
-    }
-  }
+  test::FirstTwoTokens drawn = test::DrawFirstTwoTokens(*engine, prompt, p, kDraws);
   EXPECT_GT(engine->stats().spec.num_draft_tokens, kDraws / 2) << "the second tokens were verified against drafts";
-  EXPECT_GE(test::ExpectSecondTokensFollowTheTarget(*engine, prompt, firsts, pairs), 1);
+  EXPECT_GE(test::ExpectSecondTokensFollowTheTarget(*engine, prompt, drawn.firsts, drawn.pairs), 1);
 }
 
 TEST(SpeculativeDecoding, BadConfigurationsAreRefused) {
