@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <random>
 
+#include "backend/cpu/attention_kernels.h"
 #include "backend/cpu/paged_attention.h"
 #include "util/thread_pool.h"
 
@@ -219,6 +220,75 @@ TEST(PagedAttention, ARowsResultDoesNotDependOnItsBatch) {
     const std::vector<float> alone = run({make_slice(0, 0)});
     const std::vector<float> batched = run({make_slice(0, 0), make_slice(200, 1), make_slice(100, 2)});
     EXPECT_EQ(0, std::memcmp(alone.data(), batched.data(), alone.size() * sizeof(float))) << "context " << context;
+  }
+}
+
+// Drafted tokens verified in one pass must see exactly the numbers plain decoding would (lossless
+// speculative decoding): each row of a multi-token slice equals, bit for bit, the same query decoded
+// alone over the same cache; short contexts, contexts split into partitions, and a long prefill
+// whose rows fall into several tiles.
+TEST(PagedAttention, ARowsResultDoesNotDependOnItsQueryTile) {
+  ThreadPool threads(2);
+  ScopedThreadPool use_threads(&threads);
+  const int H = 9, KV = 3, D = 64, bs = 16;
+  std::mt19937 rng(31);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const char* isa : {static_cast<const char*>(nullptr), "avx2", "portable"}) {
+  const char* previous = cpu::LimitAttentionIsa(isa);
+  for (const auto& [context, fresh] : std::vector<std::pair<int, int>>{{40, 5}, {1500, 5}, {100, 130}}) {
+    KvCacheLayout layout{1, (context + fresh + bs - 1) / bs + 1, KV, bs, D};
+    std::vector<uint16_t> kc(layout.layer_stride()), vc(layout.layer_stride());
+    for (auto* pool : {&kc, &vc}) {
+      for (uint16_t& x : *pool) {
+        const _Float16 h = static_cast<_Float16>(normal(rng));
+        std::memcpy(&x, &h, sizeof(x));
+      }
+    }
+    std::vector<float> q(static_cast<size_t>(fresh) * H * D);
+    for (float& x : q) x = normal(rng);
+    auto run = [&](int first, int tokens) {
+      SequenceSlice slice;
+      slice.token_offset = 0;
+      slice.num_tokens = tokens;
+      slice.context_len = context + first + tokens;
+      for (int b = 0; b < layout.num_blocks; ++b) slice.block_table.push_back(layout.num_blocks - 1 - b);
+      slice.block_table.resize(static_cast<size_t>((slice.context_len + bs - 1) / bs));
+      ForwardBatch batch;
+      batch.seqs = {slice};
+      std::vector<std::vector<int64_t>> views(1);
+      for (int i = 0; i < tokens; ++i) {
+        batch.tokens.push_back(0);
+        batch.positions.push_back(context + first + i);
+      }
+      ViewSlots(slice, bs, views[0]);
+      std::vector<float> out(static_cast<size_t>(tokens) * H * D);
+      cpu::AttentionIo io{q.data() + static_cast<size_t>(first) * H * D, H * D, out.data(), H * D, nullptr};
+      cpu::PagedAttention(batch, views, layout, H, io, cpu::KvElement::kF16, kc.data(), vc.data(), 0.125f);
+      return out;
+    };
+    const std::vector<float> together = run(0, fresh);
+    for (int i = 0; i < fresh; ++i) {
+      const std::vector<float> alone = run(i, 1);
+      ASSERT_EQ(0, std::memcmp(alone.data(), together.data() + static_cast<size_t>(i) * H * D, alone.size() * sizeof(float)))
+          << cpu::SelectAttentionKernels(D).isa << " context " << context << " row " << i;
+    }
+  }
+  cpu::LimitAttentionIsa(previous);
+  }
+}
+
+// The AVX-512, AVX2 and portable kernel sets each against the double-precision reference (the
+// machine runs those it has), with a head size the 16-lane kernels cannot take (40: AVX2 or
+// portable) and one neither vector set takes (36: portable).
+TEST(PagedAttention, EveryKernelPathMatches) {
+  for (const char* isa : {static_cast<const char*>(nullptr), "avx2", "portable"}) {
+    const char* previous = cpu::LimitAttentionIsa(isa);
+    std::printf("  kernels %s (head_dim 64)\n", cpu::SelectAttentionKernels(64).isa);
+    RunCase({9, 3, 64, 16, {700, 5}, {1, 60}}, 13, cpu::KvElement::kF16);
+    RunCase({8, 2, 128, 16, {1030}, {3}}, 14);
+    RunCase({4, 2, 40, 8, {33, 0}, {2, 70}}, 15);
+    RunCase({4, 1, 36, 16, {20}, {9}}, 16);
+    cpu::LimitAttentionIsa(previous);
   }
 }
 

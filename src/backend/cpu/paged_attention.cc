@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/cpu/attention_kernels.h"
 #include "util/half.h"
 #include "util/thread_pool.h"
 
@@ -20,7 +21,7 @@ const char* KvElementName(KvElement e) { return e == KvElement::kF16 ? "fp16" : 
 
 namespace {
 
-// fp32 <-> fp16 rows, rounding to nearest even: F16C where the build targets it (Release builds
+// fp32 -> fp16 rows, rounding to nearest even: F16C where the build targets it (Release builds
 // x86-64-v3), else the bit-exact portable conversions (sanitizer and debug builds).
 void ToHalf(const float* src, uint16_t* dst, int n) {
   int i = 0;
@@ -31,16 +32,6 @@ void ToHalf(const float* src, uint16_t* dst, int n) {
   }
 #endif
   for (; i < n; ++i) dst[i] = FloatToHalfBits(src[i]);
-}
-
-void FromHalf(const uint16_t* src, float* dst, int n) {
-  int i = 0;
-#if defined(__F16C__) && defined(__AVX__)
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = HalfBitsToFloat(src[i]);
 }
 
 template <typename T>
@@ -94,109 +85,206 @@ void WriteKvCache(const ForwardBatch& batch, const KvCacheLayout& layout, const 
 
 namespace {
 
-// Keys per partition when a query's context is split (flash-decoding): a decode step of one sequence
-// has only num_kv_heads units of work, fewer than the threads at long context. A context of
-// 2 * kPartitionKeys or more is split into visible / kPartitionKeys partitions; the choice depends
-// on the query's own context only, so a row's result does not depend on the batch it is in or on
-// the thread count.
+// Tiled attention (flash-attention on the CPU). A tile is up to kTileRows query rows of one
+// sequence and one KV head: consecutive new tokens x the query heads of the group, so each key and
+// value row is read once for all of them. Keys are taken in chunks of kAttentionChunkKeys view
+// entries (gathered from their blocks into fp32 buffers), scored against the whole tile, and folded
+// into a running softmax. Chunks are grouped into partitions of kPartitionKeys entries; each row's
+// partitions are folded in order at the end. With few tiles (decode of one long sequence) the
+// partitions of a tile run on different threads (flash-decoding), else one thread takes a tile's
+// partitions in turn. Chunk and partition boundaries sit at fixed view positions and every kernel
+// computes a row from its own inputs (attention_kernels.h), so a row's result is bit-identical
+// however it is tiled, split or batched.
 constexpr int32_t kPartitionKeys = 512;
-// Largest head_dim the fp16 row buffer holds.
+constexpr int kTileRows = 96;
 constexpr int kMaxHeadDim = 512;
+constexpr int kChunk = kAttentionChunkKeys;
+static_assert(kPartitionKeys % kChunk == 0);
 
-// One (token, KV head) of the batch: its `group` query heads attend together, so each key and value
-// row is read once for the whole group (grouped-query attention), over view entries
-// [begin, end) of the `visible` ones.
-struct AttentionTask {
-  int32_t seq;      // slice index
-  int32_t token;    // index into the batch
-  int32_t visible;  // view entries this query sees
-  int32_t kv_head;
-  int32_t begin, end;
-  int32_t partial;  // index of its partial result when the context is split, else -1
+struct Tile {
+  int32_t seq;            // slice index
+  int32_t first_token;    // batch index of its first token
+  int32_t tokens;
+  int32_t first_visible;  // view entries its first token sees; each next token sees one more
+  int32_t partitions;     // partitions its last token reaches
+  int64_t first_state;    // split mode: index of its (kv_head 0, partition 0) state
+  int32_t last_visible() const { return first_visible + tokens - 1; }
 };
 
-// Partial softmax state of one task's query heads: running max, sum of exponentials and the
-// unnormalized output, per query head of the group.
-struct PartialState {
+// One work item: a tile's KV head, over one partition (split mode) or all of them (-1).
+struct Unit {
+  int32_t tile;
+  int32_t kv_head;
+  int32_t partition;
+};
+
+// Softmax state of a tile's rows over some keys: running max, sum of exponentials, unnormalized
+// output (rows x head_dim).
+struct RowStates {
   float* max;
   float* sum;
-  float* out;  // group x D
+  float* out;
 };
 
-// Attention of the task's query heads over its key range; with `partial` null it writes the
-// normalized outputs (and lse) to io, else the unnormalized state.
-// A K or V row as fp32: in place for an fp32 pool, converted into `buffer` for fp16 (once per row
-// for the whole query group).
-template <typename T>
-const float* RowAsFloat(const T* row, float* buffer, int D) {
-  if constexpr (std::is_same_v<T, float>) {
-    return row;
-  } else {
-    FromHalf(row, buffer, D);
-    return buffer;
+// Per-thread buffers, grown on demand. The key buffer stays initialized: the score kernel reads up
+// to 3 rows past a chunk's last key (their scores are dropped).
+struct Scratch {
+  std::vector<float> query, scores, keys, values, state, total;
+  void Reserve(size_t rows, int D) {
+    auto grow = [](std::vector<float>& v, size_t n) {
+      if (v.size() < n) v.resize(n, 0.0f);
+    };
+    grow(query, rows * D);
+    grow(scores, rows * kChunk);
+    grow(keys, static_cast<size_t>(kChunk) * D);
+    grow(values, static_cast<size_t>(kChunk) * D);
+    grow(state, rows * (D + 2));
+    grow(total, rows * (D + 2));
   }
+};
+
+RowStates StatesAt(float* base, int rows, int D) { return {base, base + rows, base + 2 * rows}; }
+
+// Folds one partition's state of a row into the row's total (in partition order): rescale both to
+// the larger max. A partition the row saw nothing of (sum 0) is skipped.
+void Fold(const RowStates& part, int r, const RowStates& total, int D) {
+  const float m = part.max[r], l = part.sum[r];
+  if (l == 0.0f) return;
+  float* o = total.out + static_cast<size_t>(r) * D;
+  const float* po = part.out + static_cast<size_t>(r) * D;
+  if (total.sum[r] == 0.0f) {
+    total.max[r] = m;
+    total.sum[r] = l;
+    std::memcpy(o, po, sizeof(float) * D);
+    return;
+  }
+  const float new_max = std::max(total.max[r], m);
+  const float a = std::exp(total.max[r] - new_max), b = std::exp(m - new_max);
+  for (int d = 0; d < D; ++d) o[d] = o[d] * a + po[d] * b;
+  total.sum[r] = total.sum[r] * a + l * b;
+  total.max[r] = new_max;
 }
 
 template <typename T>
-void AttendRange(const AttentionTask& task, std::span<const int64_t> slots, const KvCacheLayout& layout, int group,
-                 const AttentionIo& io, int num_heads, const T* key_cache, const T* value_cache, float scale,
-                 std::vector<float>& scores, const PartialState* partial) {
-  const int D = layout.head_dim;
-  const int bs = layout.block_size;
-  const int32_t n = task.end - task.begin;
-  scores.resize(static_cast<size_t>(group) * static_cast<size_t>(n));
-  auto row = [&](const T* cache, int64_t slot) {
-    return cache + layout.offset(static_cast<int>(slot / bs), task.kv_head, static_cast<int>(slot % bs));
-  };
-  float converted[kMaxHeadDim];
-  const float* q0 = io.query + task.token * io.query_row_stride + static_cast<int64_t>(task.kv_head) * group * D;
-  float max_score[16], denom[16];  // group <= 16 is checked by the caller
-  for (int g = 0; g < group; ++g) max_score[g] = -INFINITY;
-  for (int32_t j = 0; j < n; ++j) {
-    const float* k = RowAsFloat(row(key_cache, slots[static_cast<size_t>(task.begin + j)]), converted, D);
-    for (int g = 0; g < group; ++g) {
-      const float* q = q0 + g * D;
-      float dot = 0.0f;
-      // simd reduction: lets the compiler keep several partial sums (a vectorized dot product).
-#pragma omp simd reduction(+ : dot)
-      for (int d = 0; d < D; ++d) dot += q[d] * k[d];
-      const float score = dot * scale;
-      scores[static_cast<size_t>(g) * n + j] = score;
-      max_score[g] = std::max(max_score[g], score);
+struct AttentionContext {
+  const ForwardBatch& batch;
+  std::span<const std::vector<int64_t>> view_slots;
+  const KvCacheLayout& layout;
+  int num_heads, group;
+  const AttentionIo& io;
+  const T* key_cache;
+  const T* value_cache;
+  float scale;
+  const AttentionKernels& kernels;
+};
+
+// Rows [0, n) of a chunk's K or V (view entries first .. first + n of one KV head) as fp32, one
+// copy or conversion per contiguous run of slots inside a block.
+template <typename T>
+void GatherRows(const AttentionContext<T>& c, const T* cache, int kv_head, const int64_t* slots, int n, float* dst) {
+  const int D = c.layout.head_dim;
+  const int bs = c.layout.block_size;
+  for (int j = 0; j < n;) {
+    const int64_t slot = slots[j];
+    const int offset = static_cast<int>(slot % bs);
+    int run = 1;
+    while (j + run < n && offset + run < bs && slots[j + run] == slot + run) ++run;
+    const T* src = cache + c.layout.offset(static_cast<int>(slot / bs), kv_head, offset);
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(dst + static_cast<size_t>(j) * D, src, sizeof(float) * static_cast<size_t>(run) * D);
+    } else {
+      c.kernels.half_to_float(src, dst + static_cast<size_t>(j) * D, static_cast<int64_t>(run) * D);
     }
+    j += run;
   }
-  for (int g = 0; g < group; ++g) {
-    float* sg = &scores[static_cast<size_t>(g) * n];
-    float sum = 0.0f;
-    for (int32_t j = 0; j < n; ++j) sum += (sg[j] = std::exp(sg[j] - max_score[g]));
-    denom[g] = sum;
+}
+
+// Asks for a chunk's K or V rows ahead of use: a chunk's runs sit in blocks anywhere in the pool,
+// which the hardware prefetchers cannot guess, and a long decode step is bound by this latency.
+template <typename T>
+void PrefetchRows(const AttentionContext<T>& c, const T* cache, int kv_head, const int64_t* slots, int n) {
+  const int bs = c.layout.block_size;
+  const size_t row_bytes = sizeof(T) * c.layout.head_dim;
+  for (int j = 0; j < n;) {
+    const int64_t slot = slots[j];
+    const int offset = static_cast<int>(slot % bs);
+    const int run = std::min(n - j, bs - offset);  // the rest of the block; a shorter run costs a few lines
+    const char* src = reinterpret_cast<const char*>(cache + c.layout.offset(static_cast<int>(slot / bs), kv_head, offset));
+    for (size_t line = 0; line < run * row_bytes; line += 64) __builtin_prefetch(src + line, 0, 3);
+    j += run;
   }
-  float* out_rows[16];
-  for (int g = 0; g < group; ++g) {
-    out_rows[g] = partial ? partial->out + static_cast<size_t>(g) * D
-                          : io.out + task.token * io.out_row_stride + static_cast<int64_t>(task.kv_head * group + g) * D;
-    std::fill(out_rows[g], out_rows[g] + D, 0.0f);
+}
+
+// The tile's query rows (token-major, then the group's heads) into a dense buffer.
+template <typename T>
+void GatherQueries(const AttentionContext<T>& c, const Tile& tile, int kv_head, float* dst) {
+  const int D = c.layout.head_dim;
+  for (int i = 0; i < tile.tokens; ++i) {
+    const float* src = c.io.query + static_cast<int64_t>(tile.first_token + i) * c.io.query_row_stride +
+                       static_cast<int64_t>(kv_head) * c.group * D;
+    std::memcpy(dst + static_cast<size_t>(i) * c.group * D, src, sizeof(float) * c.group * D);
   }
-  for (int32_t j = 0; j < n; ++j) {
-    const float* v = RowAsFloat(row(value_cache, slots[static_cast<size_t>(task.begin + j)]), converted, D);
-    for (int g = 0; g < group; ++g) {
-      const float p = scores[static_cast<size_t>(g) * n + j];
-      float* o = out_rows[g];
-#pragma omp simd
-      for (int d = 0; d < D; ++d) o[d] += p * v[d];
+}
+
+// Online softmax of the tile's rows over partition p's keys, into `state`.
+template <typename T>
+void AttendPartition(const AttentionContext<T>& c, const Tile& tile, int kv_head, int32_t p, Scratch& scratch,
+                     const RowStates& state) {
+  const int D = c.layout.head_dim;
+  const int rows = tile.tokens * c.group;
+  const int32_t begin = p * kPartitionKeys;
+  const int32_t end = std::min(begin + kPartitionKeys, tile.last_visible());
+  std::fill(state.max, state.max + rows, -INFINITY);
+  std::fill(state.sum, state.sum + rows, 0.0f);
+  std::fill(state.out, state.out + static_cast<size_t>(rows) * D, 0.0f);
+  const int64_t* slots = c.view_slots[static_cast<size_t>(tile.seq)].data();
+  float* scores = scratch.scores.data();
+  for (int32_t start = begin; start < end; start += kChunk) {
+    const int n = std::min(kChunk, end - start);
+    if (start + kChunk < end) {
+      const int next = std::min(kChunk, end - start - kChunk);
+      PrefetchRows(c, c.key_cache, kv_head, slots + start + kChunk, next);
+      PrefetchRows(c, c.value_cache, kv_head, slots + start + kChunk, next);
     }
+    GatherRows(c, c.key_cache, kv_head, slots + start, n, scratch.keys.data());
+    GatherRows(c, c.value_cache, kv_head, slots + start, n, scratch.values.data());
+    c.kernels.scores(scratch.query.data(), rows, scratch.keys.data(), n, D, c.scale, scores, kChunk);
+    for (int r = 0; r < rows; ++r) {
+      float* s = scores + static_cast<size_t>(r) * kChunk;
+      // Causal in view order: the row's token sees first_visible + its index entries.
+      const int32_t visible = tile.first_visible + r / c.group - start;
+      if (visible <= 0) {
+        std::fill(s, s + kChunk, 0.0f);  // sees nothing here: adds nothing
+        continue;
+      }
+      std::fill(s + std::min<int32_t>(visible, n), s + kChunk, -INFINITY);
+      const float new_max = std::max(state.max[r], c.kernels.row_max(s, kChunk));
+      const float sum = c.kernels.exp_and_sum(s, kChunk, new_max);
+      if (state.sum[r] != 0.0f && new_max != state.max[r]) {
+        const float alpha = std::exp(state.max[r] - new_max);
+        state.sum[r] *= alpha;
+        float* o = state.out + static_cast<size_t>(r) * D;
+        for (int d = 0; d < D; ++d) o[d] *= alpha;
+      }
+      state.sum[r] += sum;
+      state.max[r] = new_max;
+    }
+    c.kernels.accumulate(scores, rows, kChunk, scratch.values.data(), n, D, state.out);
   }
-  for (int g = 0; g < group; ++g) {
-    if (partial) {
-      partial->max[g] = max_score[g];
-      partial->sum[g] = denom[g];
-      continue;
-    }
-    const float inv = 1.0f / denom[g];
-    for (int d = 0; d < D; ++d) out_rows[g][d] *= inv;
-    if (io.lse) {
-      io.lse[static_cast<int64_t>(task.token) * num_heads + task.kv_head * group + g] = max_score[g] + std::log(denom[g]);
-    }
+}
+
+// Normalized outputs (and log-sum-exp) of a tile's rows from their folded totals.
+template <typename T>
+void WriteOutputs(const AttentionContext<T>& c, const Tile& tile, int kv_head, const RowStates& total) {
+  const int D = c.layout.head_dim;
+  for (int r = 0; r < tile.tokens * c.group; ++r) {
+    const int64_t token = tile.first_token + r / c.group;
+    const int head = kv_head * c.group + r % c.group;
+    float* o = c.io.out + token * c.io.out_row_stride + static_cast<int64_t>(head) * D;
+    const float* src = total.out + static_cast<size_t>(r) * D;
+    const float inv = 1.0f / total.sum[r];
+    for (int d = 0; d < D; ++d) o[d] = src[d] * inv;
+    if (c.io.lse) c.io.lse[token * c.num_heads + head] = total.max[r] + std::log(total.sum[r]);
   }
 }
 
@@ -207,77 +295,93 @@ void Attention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> 
   const int D = layout.head_dim;
   const int KV = layout.num_kv_heads;
   const int group = num_heads / KV;
-  if (group > 16) throw std::invalid_argument("PagedAttention: more than 16 query heads per KV head");
+  if (group > kTileRows) throw std::invalid_argument("PagedAttention: more than 96 query heads per KV head");
   if (D > kMaxHeadDim) throw std::invalid_argument("PagedAttention: head_dim above 512");
+  const AttentionContext<T> c{batch, view_slots, layout, num_heads, group, io, key_cache, value_cache, scale,
+                              SelectAttentionKernels(D)};
 
-  int64_t units = 0;
-  for (const SequenceSlice& slice : batch.seqs) units += static_cast<int64_t>(slice.num_tokens) * KV;
-  std::vector<AttentionTask> tasks;
-  tasks.reserve(static_cast<size_t>(units));
-  // Split units: (first task, number of partitions), for the merge.
-  std::vector<std::pair<int32_t, int32_t>> split_units;
-  int32_t partials = 0;
+  const int tile_tokens = kTileRows / group;
+  std::vector<Tile> tiles;
   for (size_t s = 0; s < batch.seqs.size(); ++s) {
     const SequenceSlice& slice = batch.seqs[s];
     const int32_t size = static_cast<int32_t>(view_slots[s].size());
-    for (int32_t i = 0; i < slice.num_tokens; ++i) {
-      // Causal in view order: the slice's tokens are the view's last entries.
-      const int32_t visible = size - slice.num_tokens + i + 1;
-      const int32_t parts = std::max(1, visible / kPartitionKeys);
-      for (int h = 0; h < KV; ++h) {
-        if (parts > 1) split_units.push_back({static_cast<int32_t>(tasks.size()), parts});
-        for (int32_t p = 0; p < parts; ++p) {
-          const int32_t begin = static_cast<int32_t>(static_cast<int64_t>(visible) * p / parts);
-          const int32_t end = static_cast<int32_t>(static_cast<int64_t>(visible) * (p + 1) / parts);
-          tasks.push_back({static_cast<int32_t>(s), slice.token_offset + i, visible, h, begin, end,
-                           parts > 1 ? partials++ : -1});
-        }
-      }
+    // Latest tokens first: they see the most keys, so the long tiles start early.
+    for (int32_t end = slice.num_tokens; end > 0; end -= tile_tokens) {
+      const int32_t first = std::max(0, end - tile_tokens);
+      Tile tile{static_cast<int32_t>(s), slice.token_offset + first, end - first, size - slice.num_tokens + first + 1, 0,
+                0};
+      tile.partitions = (tile.last_visible() + kPartitionKeys - 1) / kPartitionKeys;
+      tiles.push_back(tile);
     }
   }
-  // Per partial: group maxima, group sums, group x D outputs.
-  std::vector<float> partial_store(static_cast<size_t>(partials) * group * (D + 2));
-  auto partial_of = [&](int32_t index) {
-    float* base = partial_store.data() + static_cast<size_t>(index) * group * (D + 2);
-    return PartialState{base, base + group, base + 2 * group};
+  // Split the partitions across threads only when the tiles alone would leave threads idle.
+  int64_t split_units = 0;
+  for (const Tile& tile : tiles) split_units += static_cast<int64_t>(tile.partitions) * KV;
+  const bool split = static_cast<int64_t>(tiles.size()) * KV < 4 * CurrentThreads() &&
+                     split_units > static_cast<int64_t>(tiles.size()) * KV;
+  std::vector<Unit> units;
+  int64_t states = 0;
+  for (size_t t = 0; t < tiles.size(); ++t) {
+    Tile& tile = tiles[t];
+    tile.first_state = states;
+    for (int h = 0; h < KV; ++h) {
+      if (!split) {
+        units.push_back({static_cast<int32_t>(t), h, -1});
+        continue;
+      }
+      for (int32_t p = 0; p < tile.partitions; ++p) units.push_back({static_cast<int32_t>(t), h, p});
+    }
+    if (split) states += static_cast<int64_t>(tile.partitions) * KV;
+  }
+  // Split mode: one state block (rows x (D + 2)) per (tile, KV head, partition).
+  const size_t state_floats = static_cast<size_t>(kTileRows) * (D + 2);
+  std::vector<float> split_states(split ? static_cast<size_t>(states) * state_floats : 0);
+  auto split_state = [&](const Tile& tile, int h, int32_t p) {
+    return split_states.data() + static_cast<size_t>(tile.first_state + static_cast<int64_t>(h) * tile.partitions + p) *
+                                     state_floats;
   };
 
-  // Dynamic chunks: tasks differ in length (context lengths, causal prefill rows).
-  ParallelFor(static_cast<int64_t>(tasks.size()), [&](int64_t first, int64_t last) {
-    thread_local std::vector<float> scores;
-    for (int64_t n = first; n < last; ++n) {
-      const AttentionTask& task = tasks[static_cast<size_t>(n)];
-      const std::vector<int64_t>& slots = view_slots[static_cast<size_t>(task.seq)];
-      if (task.partial < 0) {
-        AttendRange(task, slots, layout, group, io, num_heads, key_cache, value_cache, scale, scores, nullptr);
-      } else {
-        const PartialState state = partial_of(task.partial);
-        AttendRange(task, slots, layout, group, io, num_heads, key_cache, value_cache, scale, scores, &state);
+  ParallelFor(static_cast<int64_t>(units.size()), [&](int64_t first, int64_t last) {
+    thread_local Scratch scratch;
+    scratch.Reserve(kTileRows, D);
+    for (int64_t u = first; u < last; ++u) {
+      const Unit& unit = units[static_cast<size_t>(u)];
+      const Tile& tile = tiles[static_cast<size_t>(unit.tile)];
+      const int rows = tile.tokens * group;
+      GatherQueries(c, tile, unit.kv_head, scratch.query.data());
+      if (unit.partition >= 0) {
+        AttendPartition(c, tile, unit.kv_head, unit.partition, scratch,
+                        StatesAt(split_state(tile, unit.kv_head, unit.partition), rows, D));
+        continue;
       }
+      const RowStates state = StatesAt(scratch.state.data(), rows, D);
+      const RowStates total = StatesAt(scratch.total.data(), rows, D);
+      std::fill(total.sum, total.sum + rows, 0.0f);
+      for (int32_t p = 0; p < tile.partitions; ++p) {
+        AttendPartition(c, tile, unit.kv_head, p, scratch, state);
+        for (int r = 0; r < rows; ++r) Fold(state, r, total, D);
+      }
+      WriteOutputs(c, tile, unit.kv_head, total);
     }
-  }, 4);
+  }, 1);
 
-  // Merge each split unit's partitions: rescale every partition to the global max.
-  for (const auto& [first, parts] : split_units) {
-    const AttentionTask& task = tasks[static_cast<size_t>(first)];
-    for (int g = 0; g < group; ++g) {
-      float m = -INFINITY;
-      for (int32_t p = 0; p < parts; ++p) m = std::max(m, partial_of(tasks[static_cast<size_t>(first + p)].partial).max[g]);
-      float* o = io.out + task.token * io.out_row_stride + static_cast<int64_t>(task.kv_head * group + g) * D;
-      std::fill(o, o + D, 0.0f);
-      float sum = 0.0f;
-      for (int32_t p = 0; p < parts; ++p) {
-        const PartialState st = partial_of(tasks[static_cast<size_t>(first + p)].partial);
-        const float w = std::exp(st.max[g] - m);
-        sum += w * st.sum[g];
-        const float* po = st.out + static_cast<size_t>(g) * D;
-        for (int d = 0; d < D; ++d) o[d] += w * po[d];
+  if (!split) return;
+  ParallelFor(static_cast<int64_t>(tiles.size()) * KV, [&](int64_t first, int64_t last) {
+    thread_local std::vector<float> total_buffer;
+    total_buffer.resize(state_floats);
+    for (int64_t i = first; i < last; ++i) {
+      const Tile& tile = tiles[static_cast<size_t>(i / KV)];
+      const int h = static_cast<int>(i % KV);
+      const int rows = tile.tokens * group;
+      const RowStates total = StatesAt(total_buffer.data(), rows, D);
+      std::fill(total.sum, total.sum + rows, 0.0f);
+      for (int32_t p = 0; p < tile.partitions; ++p) {
+        const RowStates part = StatesAt(split_state(tile, h, p), rows, D);
+        for (int r = 0; r < rows; ++r) Fold(part, r, total, D);
       }
-      const float inv = 1.0f / sum;
-      for (int d = 0; d < D; ++d) o[d] *= inv;
-      if (io.lse) io.lse[static_cast<int64_t>(task.token) * num_heads + task.kv_head * group + g] = m + std::log(sum);
+      WriteOutputs(c, tile, h, total);
     }
-  }
+  }, 1);
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
-// Reference paged attention on the CPU. The CUDA kernels are tested against these functions, so
-// they read and write the cache exactly as described in kv/kv_cache_layout.h.
+// Paged attention on the CPU: the reference the CUDA kernels are tested against (it reads and writes
+// the cache exactly as described in kv/kv_cache_layout.h) and the CPU backend's fast path. Tiled
+// like flash-attention (paged_attention.cc, kernels in attention_kernels.h); its own tests compare
+// it with plain attention in double precision.
 #pragma once
 
 #include <span>

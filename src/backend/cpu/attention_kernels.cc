@@ -1,0 +1,435 @@
+// The library is compiled for x86-64-v3 (the sanitizer build for plain x86-64), so every vector
+// kernel carries a target attribute and is only reached through the run-time choice below.
+#include "backend/cpu/attention_kernels.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+
+#include "util/half.h"
+
+// GCC 12's AVX-512 intrinsics build "undefined" vectors from self-initialized locals, which its
+// uninitialized-use warnings flag once inlined into target functions (GCC bug 105593).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#define KVFLOW_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define KVFLOW_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512vl")))
+#define KVFLOW_ALWAYS_INLINE inline __attribute__((always_inline))
+
+namespace kvflow::cpu {
+
+namespace {
+
+// exp(x) for x <= 0 (softmax arguments), Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6
+// polynomial for e^r, scaled by 2^n; within 2 ulp. Below ln(FLT_MIN) the result is 0 (masked keys).
+constexpr float kExpLow = -87.33654f;  // ln(FLT_MIN): 2^n stays a normal number above it
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;  // ln2 split so n * kLn2Hi is exact
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,
+                kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+
+// ---- portable ----
+
+void ScoresPortable(const float* q, int rows, const float* k, int n, int D, float scale, float* s, int ld) {
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < n; ++j) {
+      float dot = 0.0f;
+      for (int d = 0; d < D; ++d) dot += q[r * D + d] * k[j * D + d];
+      s[r * ld + j] = dot * scale;
+    }
+  }
+}
+
+float RowMaxPortable(const float* s, int n) {
+  float m = -INFINITY;
+  for (int j = 0; j < n; ++j) m = std::max(m, s[j]);
+  return m;
+}
+
+float ExpAndSumPortable(float* s, int n, float max) {
+  float sum = 0.0f;
+  for (int j = 0; j < n; ++j) {
+    const float x = s[j] - max;
+    s[j] = x < kExpLow ? 0.0f : std::exp(x);
+    sum += s[j];
+  }
+  return sum;
+}
+
+void AccumulatePortable(const float* p, int rows, int ld, const float* v, int n, int D, float* o) {
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < n; ++j) {
+      const float w = p[r * ld + j];
+      for (int d = 0; d < D; ++d) o[r * D + d] += w * v[j * D + d];
+    }
+  }
+}
+
+void HalfToFloatPortable(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = HalfBitsToFloat(src[i]);
+}
+
+// ---- AVX2 (8 lanes) ----
+
+// Sums of four vectors, lane i of the result = sum of vector i: the same operations for each
+// vector, so a key's score does not depend on the keys beside it.
+KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE __m128 Sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE float HorizontalSum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE void StoreScores(__m128 sums, float scale, float* s, int count) {
+  sums = _mm_mul_ps(sums, _mm_set1_ps(scale));
+  if (count >= 4) {
+    _mm_storeu_ps(s, sums);
+  } else {
+    float tmp[4];
+    _mm_storeu_ps(tmp, sums);
+    for (int i = 0; i < count; ++i) s[i] = tmp[i];
+  }
+}
+
+// Two query rows against four keys per step (8 accumulators): each key row loaded once for both.
+KVFLOW_TARGET_AVX2 void ScoresAvx2(const float* q, int rows, const float* k, int n, int D, float scale, float* s,
+                                   int ld) {
+  int r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    const float* q0 = q + r * D;
+    const float* q1 = q0 + D;
+    for (int j = 0; j < n; j += 4) {
+      const float* k0 = k + j * D;
+      __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+      __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+      for (int d = 0; d < D; d += 8) {
+        const __m256 x0 = _mm256_loadu_ps(q0 + d), x1 = _mm256_loadu_ps(q1 + d);
+        const __m256 y0 = _mm256_loadu_ps(k0 + d), y1 = _mm256_loadu_ps(k0 + D + d);
+        const __m256 y2 = _mm256_loadu_ps(k0 + 2 * D + d), y3 = _mm256_loadu_ps(k0 + 3 * D + d);
+        a00 = _mm256_fmadd_ps(x0, y0, a00);
+        a01 = _mm256_fmadd_ps(x0, y1, a01);
+        a02 = _mm256_fmadd_ps(x0, y2, a02);
+        a03 = _mm256_fmadd_ps(x0, y3, a03);
+        a10 = _mm256_fmadd_ps(x1, y0, a10);
+        a11 = _mm256_fmadd_ps(x1, y1, a11);
+        a12 = _mm256_fmadd_ps(x1, y2, a12);
+        a13 = _mm256_fmadd_ps(x1, y3, a13);
+      }
+      StoreScores(Sum4(a00, a01, a02, a03), scale, s + r * ld + j, n - j);
+      StoreScores(Sum4(a10, a11, a12, a13), scale, s + (r + 1) * ld + j, n - j);
+    }
+  }
+  for (; r < rows; ++r) {
+    const float* q0 = q + r * D;
+    for (int j = 0; j < n; j += 4) {
+      const float* k0 = k + j * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int d = 0; d < D; d += 8) {
+        const __m256 x0 = _mm256_loadu_ps(q0 + d);
+        a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k0 + D + d), a1);
+        a2 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k0 + 2 * D + d), a2);
+        a3 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k0 + 3 * D + d), a3);
+      }
+      StoreScores(Sum4(a0, a1, a2, a3), scale, s + r * ld + j, n - j);
+    }
+  }
+}
+
+KVFLOW_TARGET_AVX2 float RowMaxAvx2(const float* s, int n) {
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  int j = 0;
+  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, m);
+  float result = *std::max_element(lanes, lanes + 8);
+  for (; j < n; ++j) result = std::max(result, s[j]);
+  return result;
+}
+
+KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE __m256 ExpAvx2(__m256 x) {
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(kExpLow), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(kExpLow));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 y = _mm256_set1_ps(kP0);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP1));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP2));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP3));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP4));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP5));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)), keep);
+}
+
+KVFLOW_TARGET_AVX2 float ExpAndSumAvx2(float* s, int n, float max) {
+  const __m256 m = _mm256_set1_ps(max);
+  __m256 acc = _mm256_setzero_ps();
+  for (int j = 0; j < n; j += 8) {
+    const __m256 e = ExpAvx2(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  return HorizontalSum(acc);
+}
+
+// RB rows x 16 columns of the output in registers per pass over the keys: RB * 2 independent FMA
+// chains, so a decode tile (one token's group of query heads) is not bound by FMA latency.
+template <int RB>
+KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE void AccumulateRowsAvx2(const float* p, int ld, const float* v, int n, int D,
+                                                                float* o) {
+  for (int d = 0; d < D; d += 16) {
+    const bool two = d + 16 <= D;
+    __m256 c[RB][2];
+    for (int i = 0; i < RB; ++i) {
+      c[i][0] = _mm256_loadu_ps(o + i * D + d);
+      c[i][1] = two ? _mm256_loadu_ps(o + i * D + d + 8) : _mm256_setzero_ps();
+    }
+    for (int j = 0; j < n; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(v + j * D + d);
+      const __m256 v1 = two ? _mm256_loadu_ps(v + j * D + d + 8) : _mm256_setzero_ps();
+      for (int i = 0; i < RB; ++i) {
+        const __m256 w = _mm256_broadcast_ss(p + i * ld + j);
+        c[i][0] = _mm256_fmadd_ps(w, v0, c[i][0]);
+        c[i][1] = _mm256_fmadd_ps(w, v1, c[i][1]);
+      }
+    }
+    for (int i = 0; i < RB; ++i) {
+      _mm256_storeu_ps(o + i * D + d, c[i][0]);
+      if (two) _mm256_storeu_ps(o + i * D + d + 8, c[i][1]);
+    }
+  }
+}
+
+KVFLOW_TARGET_AVX2 void AccumulateAvx2(const float* p, int rows, int ld, const float* v, int n, int D, float* o) {
+  for (int r = 0; r < rows; r += 4) {
+    const float* pr = p + r * ld;
+    float* orow = o + r * D;
+    switch (std::min(4, rows - r)) {
+      case 4: AccumulateRowsAvx2<4>(pr, ld, v, n, D, orow); break;
+      case 3: AccumulateRowsAvx2<3>(pr, ld, v, n, D, orow); break;
+      case 2: AccumulateRowsAvx2<2>(pr, ld, v, n, D, orow); break;
+      default: AccumulateRowsAvx2<1>(pr, ld, v, n, D, orow); break;
+    }
+  }
+}
+
+KVFLOW_TARGET_AVX2 void HalfToFloatAvx2(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+  for (; i < n; ++i) dst[i] = HalfBitsToFloat(src[i]);
+}
+
+// ---- AVX-512 (16 lanes) ----
+
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE __m256 Fold256(__m512 a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE __m128 Sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m256 b0 = Fold256(a0), b1 = Fold256(a1), b2 = Fold256(a2), b3 = Fold256(a3);
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void StoreScores512(__m128 sums, float scale, float* s, int count) {
+  sums = _mm_mul_ps(sums, _mm_set1_ps(scale));
+  _mm_mask_storeu_ps(s, static_cast<__mmask8>((1u << std::min(count, 4)) - 1), sums);
+}
+
+KVFLOW_TARGET_AVX512 void ScoresAvx512(const float* q, int rows, const float* k, int n, int D, float scale, float* s,
+                                       int ld) {
+  int r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    const float* q0 = q + r * D;
+    const float* q1 = q0 + D;
+    for (int j = 0; j < n; j += 4) {
+      const float* k0 = k + j * D;
+      __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+      __m512 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+      for (int d = 0; d < D; d += 16) {
+        const __m512 x0 = _mm512_loadu_ps(q0 + d), x1 = _mm512_loadu_ps(q1 + d);
+        const __m512 y0 = _mm512_loadu_ps(k0 + d), y1 = _mm512_loadu_ps(k0 + D + d);
+        const __m512 y2 = _mm512_loadu_ps(k0 + 2 * D + d), y3 = _mm512_loadu_ps(k0 + 3 * D + d);
+        a00 = _mm512_fmadd_ps(x0, y0, a00);
+        a01 = _mm512_fmadd_ps(x0, y1, a01);
+        a02 = _mm512_fmadd_ps(x0, y2, a02);
+        a03 = _mm512_fmadd_ps(x0, y3, a03);
+        a10 = _mm512_fmadd_ps(x1, y0, a10);
+        a11 = _mm512_fmadd_ps(x1, y1, a11);
+        a12 = _mm512_fmadd_ps(x1, y2, a12);
+        a13 = _mm512_fmadd_ps(x1, y3, a13);
+      }
+      StoreScores512(Sum4(a00, a01, a02, a03), scale, s + r * ld + j, n - j);
+      StoreScores512(Sum4(a10, a11, a12, a13), scale, s + (r + 1) * ld + j, n - j);
+    }
+  }
+  for (; r < rows; ++r) {
+    const float* q0 = q + r * D;
+    for (int j = 0; j < n; j += 4) {
+      const float* k0 = k + j * D;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int d = 0; d < D; d += 16) {
+        const __m512 x0 = _mm512_loadu_ps(q0 + d);
+        a0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k0 + d), a0);
+        a1 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k0 + D + d), a1);
+        a2 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k0 + 2 * D + d), a2);
+        a3 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k0 + 3 * D + d), a3);
+      }
+      StoreScores512(Sum4(a0, a1, a2, a3), scale, s + r * ld + j, n - j);
+    }
+  }
+}
+
+KVFLOW_TARGET_AVX512 float RowMaxAvx512(const float* s, int n) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  int j = 0;
+  for (; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+  float result = _mm512_reduce_max_ps(m);
+  for (; j < n; ++j) result = std::max(result, s[j]);
+  return result;
+}
+
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE __m512 ExpAvx512(__m512 x) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpLow), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpLow));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 y = _mm512_set1_ps(kP0);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP1));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP2));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP3));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP4));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kP5));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_scalef_ps(keep, y, n);
+}
+
+KVFLOW_TARGET_AVX512 float ExpAndSumAvx512(float* s, int n, float max) {
+  const __m512 m = _mm512_set1_ps(max);
+  __m512 acc = _mm512_setzero_ps();
+  for (int j = 0; j < n; j += 16) {
+    const __m512 e = ExpAvx512(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+    _mm512_storeu_ps(s + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// RB rows x 64 columns of the output in registers (RB * 4 accumulators, independent FMA chains)
+// per pass over the keys.
+template <int RB>
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void AccumulateRowsAvx512(const float* p, int ld, const float* v, int n,
+                                                                    int D, float* o) {
+  for (int d = 0; d < D; d += 64) {
+    const int width = std::min(4, (D - d) / 16);
+    __m512 c[RB][4];
+    for (int i = 0; i < RB; ++i) {
+      for (int w = 0; w < 4; ++w) c[i][w] = w < width ? _mm512_loadu_ps(o + i * D + d + 16 * w) : _mm512_setzero_ps();
+    }
+    if (width == 4) {
+      for (int j = 0; j < n; ++j) {
+        const float* vj = v + j * D + d;
+        const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
+        const __m512 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
+        for (int i = 0; i < RB; ++i) {
+          const __m512 w = _mm512_set1_ps(p[i * ld + j]);
+          c[i][0] = _mm512_fmadd_ps(w, v0, c[i][0]);
+          c[i][1] = _mm512_fmadd_ps(w, v1, c[i][1]);
+          c[i][2] = _mm512_fmadd_ps(w, v2, c[i][2]);
+          c[i][3] = _mm512_fmadd_ps(w, v3, c[i][3]);
+        }
+      }
+    } else {
+      for (int j = 0; j < n; ++j) {
+        for (int w = 0; w < width; ++w) {
+          const __m512 vw = _mm512_loadu_ps(v + j * D + d + 16 * w);
+          for (int i = 0; i < RB; ++i) c[i][w] = _mm512_fmadd_ps(_mm512_set1_ps(p[i * ld + j]), vw, c[i][w]);
+        }
+      }
+    }
+    for (int i = 0; i < RB; ++i) {
+      for (int w = 0; w < width; ++w) _mm512_storeu_ps(o + i * D + d + 16 * w, c[i][w]);
+    }
+  }
+}
+
+KVFLOW_TARGET_AVX512 void AccumulateAvx512(const float* p, int rows, int ld, const float* v, int n, int D, float* o) {
+  for (int r = 0; r < rows; r += 4) {
+    const float* pr = p + r * ld;
+    float* orow = o + r * D;
+    switch (std::min(4, rows - r)) {
+      case 4: AccumulateRowsAvx512<4>(pr, ld, v, n, D, orow); break;
+      case 3: AccumulateRowsAvx512<3>(pr, ld, v, n, D, orow); break;
+      case 2: AccumulateRowsAvx512<2>(pr, ld, v, n, D, orow); break;
+      default: AccumulateRowsAvx512<1>(pr, ld, v, n, D, orow); break;
+    }
+  }
+}
+
+KVFLOW_TARGET_AVX512 void HalfToFloatAvx512(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  }
+  for (; i < n; ++i) dst[i] = HalfBitsToFloat(src[i]);
+}
+
+constexpr AttentionKernels kPortable{"portable", ScoresPortable, RowMaxPortable, ExpAndSumPortable,
+                                     AccumulatePortable, HalfToFloatPortable};
+constexpr AttentionKernels kAvx2{"avx2", ScoresAvx2, RowMaxAvx2, ExpAndSumAvx2, AccumulateAvx2, HalfToFloatAvx2};
+constexpr AttentionKernels kAvx512{"avx512", ScoresAvx512, RowMaxAvx512, ExpAndSumAvx512, AccumulateAvx512,
+                                   HalfToFloatAvx512};
+
+enum class Level { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+Level DetectLevel() {
+  __builtin_cpu_init();
+  // libgcc's feature bits include the OS check (XCR0) that the vector state is enabled.
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c")) {
+    return Level::kPortable;
+  }
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") ? Level::kAvx512 : Level::kAvx2;
+}
+
+std::atomic<int> level_cap{static_cast<int>(Level::kAvx512)};
+
+}  // namespace
+
+const AttentionKernels& SelectAttentionKernels(int head_dim) {
+  static const Level detected = DetectLevel();
+  const int level = std::min(static_cast<int>(detected), level_cap.load(std::memory_order_relaxed));
+  if (level >= static_cast<int>(Level::kAvx512) && head_dim % 16 == 0) return kAvx512;
+  if (level >= static_cast<int>(Level::kAvx2) && head_dim % 8 == 0) return kAvx2;
+  return kPortable;
+}
+
+const char* LimitAttentionIsa(const char* isa) {
+  const Level cap = isa == nullptr                              ? Level::kAvx512
+                    : std::strcmp(isa, "portable") == 0         ? Level::kPortable
+                    : std::strcmp(isa, "avx2") == 0             ? Level::kAvx2
+                                                                : Level::kAvx512;
+  const int previous = level_cap.exchange(static_cast<int>(cap));
+  return previous == static_cast<int>(Level::kAvx512)   ? nullptr
+         : previous == static_cast<int>(Level::kAvx2) ? "avx2"
+                                                        : "portable";
+}
+
+}  // namespace kvflow::cpu
