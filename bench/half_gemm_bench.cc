@@ -2,7 +2,7 @@
 // machine's measured memory read bandwidth.
 //
 //   kvflow_bench_half_gemm [--isa dispatched|avx2|portable] [--threads 1,2] [--m 1,64,256]
-//                          [--sgemm-min-rows N] [--warm]
+//                          [--sgemm-min-rows N] [--bf16-dot] [--warm]
 //
 // Decode (M = 1) streams every weight once per token: its figure of merit is GB/s of weight bytes
 // read, with the weights rotating through copies larger than the last-level cache, as a whole model
@@ -91,18 +91,21 @@ int main(int argc, char** argv) {
   std::vector<int> thread_counts = {1, 2};
   std::vector<int64_t> ms = {1, 64, 256};
   int64_t sgemm_min_rows = -1;
-  bool warm = false;
+  bool warm = false, bf16_dot = false;
   app.add_option("--isa", isa, "Kernel path: dispatched, avx2 or portable")
       ->check(CLI::IsMember({"dispatched", "avx2", "portable"}));
   app.add_option("--threads", thread_counts, "Thread counts")->delimiter(',');
   app.add_option("--m", ms, "Activation rows (tokens)")->delimiter(',');
   app.add_option("--sgemm-min-rows", sgemm_min_rows, "Widen-then-sgemm from this many rows on (0: never; default: the library's)");
+  app.add_flag("--bf16-dot", bf16_dot, "bf16: activations rounded to bf16 and AVX512_BF16 vdpbf16ps (llama.cpp's way)");
   app.add_flag("--warm", warm, "Reuse one copy of each matrix (cache-resident weights)");
   CLI11_PARSE(app, argc, argv);
 
   if (isa != "dispatched") kvflow::cpu::LimitHalfKernelIsa(isa.c_str());
   if (sgemm_min_rows >= 0) kvflow::cpu::SetHalfSgemmMinRows(sgemm_min_rows);
-  std::printf("half kernels: %s\n", kvflow::cpu::HalfKernelIsa());
+  kvflow::cpu::SetHalfBf16DotProducts(bf16_dot);
+  std::printf("half kernels: %s%s\n", kvflow::cpu::HalfKernelIsa(),
+              bf16_dot && kvflow::cpu::HalfBf16DotAvailable() ? " (bf16: vdpbf16ps)" : "");
   std::vector<double> read_gbps(*std::max_element(thread_counts.begin(), thread_counts.end()) + 1, 0.0);
   for (int t : thread_counts) {
     read_gbps[t] = MeasureReadBandwidth(t);

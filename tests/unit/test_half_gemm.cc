@@ -59,6 +59,10 @@ std::vector<uint16_t> RandomWeights(DType t, size_t n, uint32_t seed) {
 struct PathCase {
   const char* cap;  // LimitHalfKernelIsa argument
   int64_t sgemm_min_rows;
+  bool bf16_dot = false;  // SetHalfBf16DotProducts (bf16 weights only)
+  std::string Name() const {
+    return std::string(cap ? cap : "best") + (sgemm_min_rows ? "+sgemm" : "") + (bf16_dot ? "+bf16dot" : "");
+  }
 };
 
 // The paths this CPU can run: each kernel ISA with the direct tiles, and the widen-then-sgemm path.
@@ -72,6 +76,7 @@ std::vector<PathCase> Paths() {
   if (avx2) paths.push_back({"avx2", 0});
   if (avx512) paths.push_back({"avx512", 0});
   paths.push_back({nullptr, 1});  // sgemm for every M, widening on the best path
+  if (cpu::HalfBf16DotAvailable()) paths.push_back({"avx512", 0, true});
   return paths;
 }
 
@@ -79,6 +84,7 @@ class HalfGemmPaths : public ::testing::Test {
  protected:
   void TearDown() override {
     cpu::LimitHalfKernelIsa(nullptr);
+    cpu::SetHalfBf16DotProducts(false);
     cpu::SetHalfSgemmMinRows(saved_sgemm_rows_);
   }
   int64_t saved_sgemm_rows_ = cpu::SetHalfSgemmMinRows(32);
@@ -87,7 +93,7 @@ class HalfGemmPaths : public ::testing::Test {
 TEST_F(HalfGemmPaths, MatchTheWidenedWeightsInDouble) {
   const std::vector<PathCase> paths = Paths();
   std::printf("  paths:");
-  for (const PathCase& p : paths) std::printf(" %s%s", p.cap ? p.cap : "best", p.sgemm_min_rows ? "+sgemm" : "");
+  for (const PathCase& p : paths) std::printf(" %s", p.Name().c_str());
   std::printf("\n");
   // (N, K): K below, at and above the vector widths and not a multiple of them; N not a multiple of
   // the 4-row tiles.
@@ -95,8 +101,10 @@ TEST_F(HalfGemmPaths, MatchTheWidenedWeightsInDouble) {
   ThreadPool pool(2);
   for (DType t : {DType::kF16, DType::kBF16}) {
     for (const PathCase& path : paths) {
+      if (path.bf16_dot && t != DType::kBF16) continue;
       cpu::LimitHalfKernelIsa(path.cap);
       cpu::SetHalfSgemmMinRows(path.sgemm_min_rows);
+      cpu::SetHalfBf16DotProducts(path.bf16_dot);
       double worst_ratio = 0.0, worst_rel = 0.0;
       for (const auto& [N, K] : shapes) {
         const std::vector<uint16_t> w = RandomWeights(t, static_cast<size_t>(N * K), static_cast<uint32_t>(N * 131 + K));
@@ -116,14 +124,15 @@ TEST_F(HalfGemmPaths, MatchTheWidenedWeightsInDouble) {
                   magnitude += std::fabs(p);
                 }
                 const double got = y[m * ldy + n];
-                // fp32 summation of K exact products: |error| <= K * 2^-24 * sum |products| (loose
+                // fp32 products and their summation: |error| <= (K + 1) * 2^-24 * sum |products| (loose
                 // worst case; the ratio to it is reported).
-                const double bound = std::max(1e-30, double(K) * 0x1p-24 * magnitude);
+                // bf16 dot products round each activation to bf16 first (relative error <= 2^-8).
+                const double bound =
+                    std::max(1e-30, (double(K + 1) * 0x1p-24 + (path.bf16_dot ? 0x1p-8 : 0.0)) * magnitude);
                 const double err = std::fabs(got - want);
                 worst_ratio = std::max(worst_ratio, err / bound);
                 if (magnitude > 0) worst_rel = std::max(worst_rel, err / magnitude);
-                ASSERT_LE(err, bound) << DTypeName(t) << " " << (path.cap ? path.cap : "best") << " sgemm "
-                                      << path.sgemm_min_rows << " M " << M << " N " << N << " K " << K << " m " << m
+                ASSERT_LE(err, bound) << DTypeName(t) << " " << path.Name() << " M " << M << " N " << N << " K " << K << " m " << m
                                       << " n " << n << " got " << got << " want " << want;
               }
               for (int64_t n = N; n < ldy; ++n) ASSERT_EQ(y[m * ldy + n], -7.0f);
@@ -131,8 +140,8 @@ TEST_F(HalfGemmPaths, MatchTheWidenedWeightsInDouble) {
           }
         }
       }
-      std::printf("  %-4s %-8s%s: max |error| / sum|w*x| = %.2e (%.3f of the K * 2^-24 bound)\n", DTypeName(t),
-                  path.cap ? path.cap : "best", path.sgemm_min_rows ? "+sgemm" : "      ", worst_rel, worst_ratio);
+      std::printf("  %-4s %-15s: max |error| / sum|w*x| = %.2e (%.3f of the bound)\n", DTypeName(t),
+                  path.Name().c_str(), worst_rel, worst_ratio);
     }
   }
 }
@@ -288,8 +297,8 @@ std::vector<float> RunLogits(const ModelConfig& config, LlamaWeights w, const st
   return logits;
 }
 
-// Loads `files` both ways, checks the formats, and compares the logits of a 41-token prefill (one
-// part of it on the direct kernels, M < 32; the sgemm path from 32 rows) and a decode step.
+// Loads `files` both ways, checks the formats, and compares the logits of a 40-token prefill and
+// a decode step (M = 1).
 void ExpectSixteenBitMatchesF32(const ModelFiles& files, DType want, const char* what) {
   const ModelConfig& c = files.config;
   auto half = LoadLlamaWeights(*files.tensors, c, files.gguf_rope_permuted, WeightFormat::kKeepQuantized);

@@ -3,6 +3,17 @@
 // The whole library is compiled for x86-64-v3 (the sanitizer build for plain x86-64), so every
 // intrinsic lives in a function with a target attribute and is only reached through the run-time
 // dispatch below: a CPU without AVX-512 (or AVX2) never executes one of those instructions.
+//
+// Choices, measured with bench/half_gemm_bench.cc on a 2-core AMD EPYC (AVX-512) VM shared with other
+// jobs, one thread (rough figures):
+//  - Decode (M = 1) is bound by memory: ~16 GB/s of weights on 4096 x 4096 (the machine's read
+//    bandwidth), ~10 on 576 x 1536. Software prefetch of the next tile's rows helps short rows only.
+//  - Prefill: the direct 4 x 4 AVX-512 tiles run at 50-105 GFLOP/s for M = 64..256; widening tiles
+//    of weights to fp32 for OpenBLAS sgemm got 20-57 and fp32 sgemm itself 40-83, so sgemm is off
+//    by default (SetHalfSgemmMinRows).
+//  - bf16: exact widening (a 16-bit shift, then fp32 FMA) at 51-105 GFLOP/s vs AVX512_BF16
+//    vdpbf16ps on activations rounded to bf16 at 33-78, and the same GB/s at M = 1: widening is the
+//    default, vdpbf16ps opt-in (SetHalfBf16DotProducts).
 #include "backend/cpu/half_gemm.h"
 
 #include <cblas.h>
@@ -28,6 +39,8 @@
 
 #define KVFLOW_HALF_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define KVFLOW_HALF_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
+#define KVFLOW_HALF_AVX512BF16 \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16")))
 #define KVFLOW_HALF_INLINE inline __attribute__((always_inline))
 
 namespace kvflow::cpu {
@@ -58,10 +71,24 @@ struct TileArgs {
   size_t w_stride;   // bytes per weight row (2 * K)
   const float* x;    // first activation row of the tile
   int64_t ldx;       // floats per activation row
+  const uint16_t* xh;  // the bf16-dot path: x rounded to bf16, rows of ldxh (a multiple of 32, zero-padded)
+  int64_t ldxh;
   int64_t K;
   float* y;
   int64_t ldy;
+  // Prefetch the weight rows this far (bytes) past the tile's while it runs, 0: none (a GEMV tile's
+  // rows are parallel streams, which the hardware prefetchers follow poorly).
+  size_t prefetch_distance;
 };
+
+// Prefetches the 64-byte line at byte `offset` of each of the tile's rows, `distance` bytes ahead.
+// The addresses may run past the last row (prefetches never fault), hence integer arithmetic.
+template <int RW>
+KVFLOW_HALF_INLINE void PrefetchRows(const TileArgs& t, int64_t offset) {
+  if (t.prefetch_distance == 0) return;
+  const uintptr_t base = reinterpret_cast<uintptr_t>(t.w) + t.prefetch_distance + static_cast<uintptr_t>(offset);
+  for (int r = 0; r < RW; ++r) __builtin_prefetch(reinterpret_cast<const void*>(base + r * t.w_stride), 0, 3);
+}
 
 template <int RW, int RA>
 KVFLOW_HALF_INLINE void StoreTile(const TileArgs& t, const float (&sums)[RW][RA]) {
@@ -115,6 +142,7 @@ KVFLOW_HALF_AVX2 void TileAvx2(const TileArgs& t) {
     for (int a = 0; a < RA; ++a) acc[r][a] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 8 <= t.K; k += 8) {
+    if ((k & 31) == 0) PrefetchRows<RW>(t, 2 * k);
     __m256 xv[RA];
 #pragma GCC unroll 4
     for (int a = 0; a < RA; ++a) xv[a] = _mm256_loadu_ps(t.x + a * t.ldx + k);
@@ -174,6 +202,7 @@ KVFLOW_HALF_AVX512 void TileAvx512(const TileArgs& t) {
     for (int a = 0; a < RA; ++a) acc[r][a] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= t.K; k += 16) {
+    if ((k & 31) == 0) PrefetchRows<RW>(t, 2 * k);
     __m512 xv[RA];
 #pragma GCC unroll 4
     for (int a = 0; a < RA; ++a) xv[a] = _mm512_loadu_ps(t.x + a * t.ldx + k);
@@ -207,6 +236,48 @@ KVFLOW_HALF_AVX512 void WidenRowAvx512(bool bf16, const uint8_t* src, int64_t n,
     _mm512_storeu_ps(out + i, bf16 ? Widen16<true>(h) : Widen16<false>(h));
   }
   WidenRowPortable(bf16, src + 2 * i, n - i, out + i);
+}
+
+// ---- AVX512_BF16 (opt-in, SetHalfBf16DotProducts): activations rounded to bf16, vdpbf16ps ------------
+// llama.cpp's way: 32 elements per instruction, pairs of bf16 products summed into fp32. The
+// products lose the activations' low mantissa bits (bf16 keeps 8), so this is not the default.
+
+KVFLOW_HALF_AVX512BF16 void RoundRowsToBf16(const float* x, int64_t rows, int64_t K, uint16_t* out, int64_t ldo) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = x + r * K;
+    uint16_t* dst = out + r * ldo;
+    for (int64_t k = 0; k < ldo; k += 16) {
+      const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, K - k));
+      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src + k));  // zeros past K
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), (__m256i)h);
+    }
+  }
+}
+
+template <int RW, int RA>
+KVFLOW_HALF_AVX512BF16 void TileAvx512Bf16Dot(const TileArgs& t) {
+  __m512 acc[RW][RA];
+  for (int r = 0; r < RW; ++r)
+    for (int a = 0; a < RA; ++a) acc[r][a] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < t.K; k += 32) {
+    PrefetchRows<RW>(t, 2 * k);
+    const int64_t n = std::min<int64_t>(32, t.K - k);
+    const __mmask32 mask = n == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << n) - 1);
+    __m512i xv[RA];
+#pragma GCC unroll 4
+    for (int a = 0; a < RA; ++a) xv[a] = _mm512_loadu_si512(t.xh + a * t.ldxh + k);
+#pragma GCC unroll 4
+    for (int r = 0; r < RW; ++r) {
+      const __m512i wv = _mm512_maskz_loadu_epi16(mask, t.w + r * t.w_stride + 2 * k);
+#pragma GCC unroll 4
+      for (int a = 0; a < RA; ++a) acc[r][a] = _mm512_dpbf16_ps(acc[r][a], (__m512bh)wv, (__m512bh)xv[a]);
+    }
+  }
+  float sums[RW][RA];
+  for (int r = 0; r < RW; ++r)
+    for (int a = 0; a < RA; ++a) sums[r][a] = _mm512_reduce_add_ps(acc[r][a]);
+  StoreTile<RW, RA>(t, sums);
 }
 
 // ---- dispatch -----------------------------------------------------------------------------------
@@ -259,6 +330,16 @@ constexpr std::array<TileTable, 2> MakeTables() {
 constexpr std::array<std::array<TileTable, 2>, 3> kTables = {MakeTables<Isa::kPortable>(), MakeTables<Isa::kAvx2>(),
                                                              MakeTables<Isa::kAvx512>()};
 
+template <int RW, size_t... A>
+constexpr std::array<TileFn, kMaxTile> Bf16DotRow(std::index_sequence<A...>) {
+  return {&TileAvx512Bf16Dot<RW, static_cast<int>(A) + 1>...};
+}
+template <size_t... R>
+constexpr TileTable MakeBf16DotTable(std::index_sequence<R...>) {
+  return {kMaxTile, kMaxTile, {Bf16DotRow<static_cast<int>(R) + 1>(std::make_index_sequence<kMaxTile>())...}};
+}
+constexpr TileTable kBf16DotTable = MakeBf16DotTable(std::make_index_sequence<kMaxTile>());
+
 Isa DetectIsa() {
   __builtin_cpu_init();
   // libgcc's feature bits include the OS check (XCR0) that the vector state is enabled.
@@ -276,18 +357,29 @@ Isa DetectedIsa() {
   return detected;
 }
 
+bool HasAvx512Bf16() {
+  static const bool has = DetectedIsa() == Isa::kAvx512 && __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+std::atomic<bool> bf16_dot{false};
+
 std::atomic<int> isa_cap{static_cast<int>(Isa::kAvx512)};
 
 Isa ActiveIsa() {
   return static_cast<Isa>(std::min(static_cast<int>(DetectedIsa()), isa_cap.load(std::memory_order_relaxed)));
 }
 
+// Rows up to this long (bytes) get software prefetches (see HalfMatmul).
+constexpr size_t kMaxPrefetchRowBytes = 4096;
 // Below this many multiply-adds per call a parallel region costs more than it saves.
 constexpr int64_t kMinParallelMacs = 1 << 15;
-// sgemm from this many activation rows on (see bench/half_gemm_bench.cc for the measurements).
-std::atomic<int64_t> sgemm_min_rows{32};
-// Floats of widened weights per sgemm tile: a quarter of a 1 MiB L2.
-constexpr int64_t kSgemmTileFloats = 64 * 1024;
+// sgemm from this many activation rows on; 0: never, the default. Measured (bench/half_gemm_bench.cc,
+// one thread, shared machine, rough): the direct AVX-512 tiles reach 50-95 GFLOP/s at M = 64..256,
+// widen-then-sgemm 20-57 (tiles of 64 K floats) or 23-57 (1 M floats), fp32 sgemm itself 40-83.
+std::atomic<int64_t> sgemm_min_rows{0};
+// Floats of widened weights per sgemm tile (4 MiB; 64 K floats, a quarter of L2, was no faster).
+constexpr int64_t kSgemmTileFloats = 1024 * 1024;
 
 void WidenRow(Isa isa, bool bf16, const uint8_t* src, int64_t n, float* out) {
   switch (isa) {
@@ -339,7 +431,19 @@ void HalfMatmul(DType w_type, const float* x, int64_t M, int64_t K, const uint8_
     SgemmMatmul(isa, bf16, x, M, K, w, N, y, ldy);
     return;
   }
-  const TileTable& table = kTables[static_cast<int>(isa)][bf16 ? 1 : 0];
+  const TileTable* table_ptr = &kTables[static_cast<int>(isa)][bf16 ? 1 : 0];
+  // The opt-in bf16 dot-product path: x rounded to bf16 once per call, rows padded to 32 elements.
+  // (The buffer is the calling thread's; the workers get its address.)
+  thread_local std::vector<uint16_t> x_bf16;
+  const int64_t ldxh = (K + 31) / 32 * 32;
+  const uint16_t* xh = nullptr;
+  if (bf16 && isa == Isa::kAvx512 && HasAvx512Bf16() && bf16_dot.load(std::memory_order_relaxed)) {
+    if (x_bf16.size() < static_cast<size_t>(M * ldxh)) x_bf16.resize(static_cast<size_t>(M * ldxh));
+    RoundRowsToBf16(x, M, K, x_bf16.data(), ldxh);
+    xh = x_bf16.data();
+    table_ptr = &kBf16DotTable;
+  }
+  const TileTable& table = *table_ptr;
   const size_t w_stride = static_cast<size_t>(2 * K);
   // Each thread takes a contiguous run of weight rows (whole tiles), so it streams its part of the
   // weights once; within it, a tile of weight rows meets every tile of activation rows.
@@ -347,6 +451,10 @@ void HalfMatmul(DType w_type, const float* x, int64_t M, int64_t K, const uint8_
   const int64_t rows_per_thread = (N + threads - 1) / threads;
   const int64_t chunk = (rows_per_thread + table.rows_w - 1) / table.rows_w * table.rows_w;
   const bool parallel = threads > 1 && N > table.rows_w && N * M * K >= kMinParallelMacs;
+  // Software prefetch of the next tile's rows pays on short rows (GEMV on 576 x 1536: ~+12%, on
+  // 1536 x 576: ~+3%) and costs on long ones (4096 x 4096: ~-5%), where the hardware prefetchers
+  // keep up with the streams (bench/half_gemm_bench.cc, one thread, rough).
+  const bool prefetch_rows = w_stride <= kMaxPrefetchRowBytes;
   ParallelFor(
       N,
       [&](int64_t n_begin, int64_t n_end) {
@@ -354,7 +462,10 @@ void HalfMatmul(DType w_type, const float* x, int64_t M, int64_t K, const uint8_
           const int64_t tile_w = std::min<int64_t>(table.rows_w, n_end - n);
           for (int64_t m = 0; m < M; m += table.rows_a) {
             const int64_t tile_a = std::min<int64_t>(table.rows_a, M - m);
-            const TileArgs args{w + n * w_stride, w_stride, x + m * K, K, K, y + m * ldy + n, ldy};
+            // The first activation tile brings the weights in; the others find them in cache.
+            const size_t prefetch = prefetch_rows && m == 0 && n + table.rows_w < n_end ? table.rows_w * w_stride : 0;
+            const TileArgs args{w + n * w_stride, w_stride, x + m * K, K,   xh ? xh + m * ldxh : nullptr,
+                                ldxh,             K,        y + m * ldy + n, ldy, prefetch};
             table.tiles[tile_w - 1][tile_a - 1](args);
           }
         }
@@ -381,5 +492,9 @@ const char* LimitHalfKernelIsa(const char* isa) {
 }
 
 int64_t SetHalfSgemmMinRows(int64_t rows) { return sgemm_min_rows.exchange(rows); }
+
+bool HalfBf16DotAvailable() { return HasAvx512Bf16(); }
+
+bool SetHalfBf16DotProducts(bool on) { return bf16_dot.exchange(on); }
 
 }  // namespace kvflow::cpu

@@ -7,8 +7,10 @@
 // result differs from fp32 sgemm on the widened weights only by the order of the float sums.
 //
 // Three kernel paths, chosen at run time from the CPU's features: AVX-512 (F, BW, VL), AVX2 (+FMA,
-// F16C) and portable C++. For many activation rows (prefill) tiles of weight rows are widened to
-// fp32 and handed to OpenBLAS's sgemm, which is faster there than the direct kernels.
+// F16C) and portable C++. Two alternatives, off by default (measured slower, or inexact, on the
+// machine this was written on; see half_gemm.cc): widening tiles of weight rows to fp32 for
+// OpenBLAS's sgemm when there are many activation rows, and for bf16 weights llama.cpp's AVX512_BF16
+// dot products (vdpbf16ps) on activations rounded to bf16.
 #pragma once
 
 #include <cstdint>
@@ -43,5 +45,13 @@ const char* LimitHalfKernelIsa(const char* isa);
 // sgemm instead of its own kernels (0: never). Returns the previous setting. For tests and the
 // benchmark.
 int64_t SetHalfSgemmMinRows(int64_t rows);
+
+// Whether this CPU has AVX512_BF16 (the bf16 dot-product path below can run).
+bool HalfBf16DotAvailable();
+
+// bf16 weights: round the activations to bf16 and use vdpbf16ps (as llama.cpp does) where
+// HalfBf16DotAvailable() and the AVX-512 path is active; off by default (the exact widening).
+// Returns the previous setting. For tests and the benchmark.
+bool SetHalfBf16DotProducts(bool on);
 
 }  // namespace kvflow::cpu
