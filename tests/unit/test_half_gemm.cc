@@ -87,7 +87,7 @@ class HalfGemmPaths : public ::testing::Test {
     cpu::SetHalfBf16DotProducts(false);
     cpu::SetHalfSgemmMinRows(saved_sgemm_rows_);
   }
-  int64_t saved_sgemm_rows_ = cpu::SetHalfSgemmMinRows(32);
+  int64_t saved_sgemm_rows_ = cpu::SetHalfSgemmMinRows(0);
 };
 
 TEST_F(HalfGemmPaths, MatchTheWidenedWeightsInDouble) {
