@@ -68,10 +68,11 @@ struct EngineConfig {
   // rest, unless kv_cache_bytes / num_kv_blocks fix it).
   double gpu_memory_utilization = 0.9;
   // CPU: "auto" keeps a GGUF's Q4_0/Q4_1/Q8_0 matrices in their blocks (dot products on the
-  // quantized weights with 8-bit activations, as llama.cpp computes), "f32" dequantizes every
+  // quantized weights with 8-bit activations, as llama.cpp computes) and F16/BF16 matrices 16-bit
+  // (widened in registers: exact fp32 products), "f32" dequantizes every
   // weight to fp32 (exact: the reference). CUDA weights/activations/KV: "fp16", "bf16" or "auto" (bf16).
   std::string dtype = "auto";
-  // KV cache elements. CPU: "auto" (fp16 when weights stay quantized, as llama.cpp pairs them;
+  // KV cache elements. CPU: "auto" (fp16 when weights stay quantized or 16-bit, as llama.cpp pairs them;
   // fp32 with fp32 weights), "f16" or "f32". CUDA: "auto" (the dtype's 16-bit type).
   std::string kv_cache_dtype = "auto";
   bool enforce_eager = false;  // CUDA: no CUDA graphs for decode steps

@@ -42,7 +42,8 @@ Result<std::unique_ptr<Backend>> MakeCpuBackend(EngineConfig& config, bool reque
   layout.num_kv_heads = mc.num_kv_heads;
   layout.head_dim = mc.head_dim;
   layout.block_size = config.block_size;
-  // auto: fp16 elements when the weights stay quantized (llama.cpp's pairing), fp32 otherwise.
+  // auto: fp16 elements when the weights stay quantized or 16-bit (llama.cpp's pairing: its f16 KV
+  // default), fp32 when every weight is fp32 (the exact mode, or an fp32 checkpoint).
   const bool f16 = config.kv_cache_dtype == "f16" || config.kv_cache_dtype == "fp16" ||
                    (config.kv_cache_dtype == "auto" && !weights.all_f32());
   const cpu::KvElement element = f16 ? cpu::KvElement::kF16 : cpu::KvElement::kF32;

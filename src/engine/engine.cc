@@ -230,7 +230,7 @@ Status ValidateEngineConfig(const EngineConfig& c) {
   }
   if (device < 0 && c.dtype != "auto" && c.dtype != "f32" && c.dtype != "fp32") {
     return Status::InvalidArgument("the CPU backend computes with dtype auto (weights kept in the file's Q4_0/Q4_1/"
-                                   "Q8_0 blocks, else fp32) or f32 (every weight fp32: exact), not '" + c.dtype + "'");
+                                   "Q8_0 blocks or F16/BF16, else fp32) or f32 (every weight fp32: exact), not '" + c.dtype + "'");
   }
   return Status::Ok();
 }

@@ -215,7 +215,7 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
     spdlog::warn("{} matrices have no quantized kernels yet and were dequantized to fp32", formats);
   }
   spdlog::info("loaded {:.1f}M parameters as {} ({:.0f} MiB) in {:.2f} s", w.num_parameters() / 1e6,
-               w.all_f32() ? std::string("fp32") : "quantized " + w.layers.front().wqkv.FormatName() + " (embeddings " +
+               w.all_f32() ? std::string("fp32") : "kept " + w.layers.front().wqkv.FormatName() + " (embeddings " +
                                                        w.embed.FormatName() + ")",
                w.bytes() / double(1 << 20),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());

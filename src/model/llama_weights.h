@@ -37,7 +37,8 @@ struct LlamaWeights {
 };
 
 // How the matrices are kept: fp32 (exact; the reference and the CUDA backend's input), or in the
-// file's block quantization where CPU kernels exist for it (others become fp32).
+// file's block quantization where CPU kernels exist for it and F16 / BF16 as 16-bit (others become
+// fp32).
 enum class WeightFormat { kF32, kKeepQuantized };
 
 // Accepts HF names (model.layers.N.self_attn.q_proj.weight) and GGUF names (blk.N.attn_q.weight).

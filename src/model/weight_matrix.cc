@@ -60,7 +60,8 @@ bool IsComputableQuantization(DType t) { return t == DType::kQ4_0 || t == DType:
 Result<WeightPart> ReadWeightPart(const TensorInfo& info, bool keep_quantized) {
   WeightPart part;
   part.rows = info.shape.size() >= 2 ? info.numel() / info.shape.back() : 1;
-  if (keep_quantized && IsComputableQuantization(info.dtype)) {
+  const bool half = info.dtype == DType::kF16 || info.dtype == DType::kBF16;  // backend/cpu/half_gemm.h
+  if (keep_quantized && (IsComputableQuantization(info.dtype) || half)) {
     const int64_t block = DTypeBlockElements(info.dtype);
     if (info.shape.empty() || info.shape.back() % block != 0 ||
         info.nbytes != static_cast<size_t>(info.numel() / block) * DTypeBlockBytes(info.dtype) || !info.data) {

@@ -15,7 +15,8 @@ struct WeightPart {
   DType dtype = DType::kF32;
   int64_t rows = 0;
   std::vector<float> f32;       // dtype kF32: rows x cols floats
-  std::vector<uint8_t> blocks;  // quantized: rows x row_bytes(cols), ggml blocks along each row
+  std::vector<uint8_t> blocks;  // quantized: rows x row_bytes(cols), ggml blocks along each row;
+                                // kF16 / kBF16: rows x cols 2-byte elements
 
   size_t row_bytes(int64_t cols) const;
 };
@@ -41,12 +42,12 @@ struct WeightMatrix {
   void DequantizeRow(int64_t r, float* out) const;
   // Appends the rows of `part` (cols wide), merging with the last part when the format matches.
   void Append(WeightPart part);
-  // "Q4_1" or "Q4_1+Q6_K" or "F32".
+  // "Q4_1" or "Q4_1+Q6_K" or "F32" or "BF16".
   std::string FormatName() const;
 };
 
-// Converts one tensor to a part: quantized formats the CPU kernels compute with stay as they are
-// when `keep_quantized`, everything else becomes fp32.
+// Converts one tensor to a part: quantized formats the CPU kernels compute with, and F16 / BF16,
+// stay as they are when `keep_quantized`, everything else becomes fp32.
 Result<WeightPart> ReadWeightPart(const TensorInfo& info, bool keep_quantized);
 // Whether a format can be computed with in its blocks (CPU kernels exist).
 bool IsComputableQuantization(DType t);

@@ -8,6 +8,7 @@
 #include <spdlog/fmt/fmt.h>
 
 #include "backend/cpu/cpu_ops.h"
+#include "backend/cpu/half_gemm.h"
 #include "backend/cpu/paged_attention.h"
 #include "util/thread_pool.h"
 
@@ -60,9 +61,11 @@ uint8_t* CpuBackend::Pool(KvTier tier, int kv, int layer) const {
 }
 
 std::string CpuBackend::Describe() const {
+  const WeightMatrix& wqkv = weights_.layers.front().wqkv;
+  const bool half = !wqkv.parts.empty() && cpu::IsHalfWeightType(wqkv.parts.front().dtype);
   const std::string weights = weights_.all_f32() ? std::string("fp32")
-                                                 : "weights " + weights_.layers.front().wqkv.FormatName() + " (" +
-                                                       cpu::QuantKernelIsa() + ")";
+                                                 : "weights " + wqkv.FormatName() + " (" +
+                                                       (half ? cpu::HalfKernelIsa() : cpu::QuantKernelIsa()) + ")";
   return fmt::format("cpu ({}, {} threads, {} KV pool {} blocks x {} tokens = {:.1f} MiB)", weights, pool_->size(),
                      cpu::KvElementName(kv_element_), layout_.num_blocks, layout_.block_size,
                      2.0 * layout_.layer_stride() * layout_.num_layers * cpu::KvElementBytes(kv_element_) / (1 << 20));
@@ -174,6 +177,8 @@ void CpuBackend::Matmul(const WeightMatrix& matrix, const float* x, int64_t M, f
   for (const WeightPart& part : matrix.parts) {
     if (part.dtype == DType::kF32) {
       cpu::MatmulTransposedB(x, part.f32.data(), y + first_row, M, part.rows, K, false, matrix.rows);
+    } else if (cpu::IsHalfWeightType(part.dtype)) {
+      cpu::HalfMatmul(part.dtype, x, M, K, part.blocks.data(), part.rows, y + first_row, matrix.rows);
     } else {
       // Formats that share an activation format (Q4_0 and Q8_0 both take Q8_0) could share this;
       // mixed parts are rare enough that re-quantizing per format is fine.
