@@ -253,46 +253,42 @@ KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void StoreScores512(__m128 sums, float
   _mm_mask_storeu_ps(s, static_cast<__mmask8>((1u << std::min(count, 4)) - 1), sums);
 }
 
+// RB query rows against four keys per step (RB * 4 accumulators): each key vector loaded once for
+// all RB rows. Every score is the same chain of FMAs and the same Sum4 whatever RB is.
+template <int RB>
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void ScoreRowsAvx512(const float* q, const float* k, int n, int D,
+                                                               float scale, float* s, int ld) {
+  for (int j = 0; j < n; j += 4) {
+    const float* k0 = k + j * D;
+    __m512 a[RB][4];
+    for (int i = 0; i < RB; ++i) {
+      for (int t = 0; t < 4; ++t) a[i][t] = _mm512_setzero_ps();
+    }
+    for (int d = 0; d < D; d += 16) {
+      const __m512 y0 = _mm512_loadu_ps(k0 + d), y1 = _mm512_loadu_ps(k0 + D + d);
+      const __m512 y2 = _mm512_loadu_ps(k0 + 2 * D + d), y3 = _mm512_loadu_ps(k0 + 3 * D + d);
+      for (int i = 0; i < RB; ++i) {
+        const __m512 x = _mm512_loadu_ps(q + i * D + d);
+        a[i][0] = _mm512_fmadd_ps(x, y0, a[i][0]);
+        a[i][1] = _mm512_fmadd_ps(x, y1, a[i][1]);
+        a[i][2] = _mm512_fmadd_ps(x, y2, a[i][2]);
+        a[i][3] = _mm512_fmadd_ps(x, y3, a[i][3]);
+      }
+    }
+    for (int i = 0; i < RB; ++i) StoreScores512(Sum4(a[i][0], a[i][1], a[i][2], a[i][3]), scale, s + i * ld + j, n - j);
+  }
+}
+
 KVFLOW_TARGET_AVX512 void ScoresAvx512(const float* q, int rows, const float* k, int n, int D, float scale, float* s,
                                        int ld) {
-  int r = 0;
-  for (; r + 2 <= rows; r += 2) {
-    const float* q0 = q + r * D;
-    const float* q1 = q0 + D;
-    for (int j = 0; j < n; j += 4) {
-      const float* k0 = k + j * D;
-      __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-      __m512 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-      for (int d = 0; d < D; d += 16) {
-        const __m512 x0 = _mm512_loadu_ps(q0 + d), x1 = _mm512_loadu_ps(q1 + d);
-        const __m512 y0 = _mm512_loadu_ps(k0 + d), y1 = _mm512_loadu_ps(k0 + D + d);
-        const __m512 y2 = _mm512_loadu_ps(k0 + 2 * D + d), y3 = _mm512_loadu_ps(k0 + 3 * D + d);
-        a00 = _mm512_fmadd_ps(x0, y0, a00);
-        a01 = _mm512_fmadd_ps(x0, y1, a01);
-        a02 = _mm512_fmadd_ps(x0, y2, a02);
-        a03 = _mm512_fmadd_ps(x0, y3, a03);
-        a10 = _mm512_fmadd_ps(x1, y0, a10);
-        a11 = _mm512_fmadd_ps(x1, y1, a11);
-        a12 = _mm512_fmadd_ps(x1, y2, a12);
-        a13 = _mm512_fmadd_ps(x1, y3, a13);
-      }
-      StoreScores512(Sum4(a00, a01, a02, a03), scale, s + r * ld + j, n - j);
-      StoreScores512(Sum4(a10, a11, a12, a13), scale, s + (r + 1) * ld + j, n - j);
-    }
-  }
-  for (; r < rows; ++r) {
-    const float* q0 = q + r * D;
-    for (int j = 0; j < n; j += 4) {
-      const float* k0 = k + j * D;
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int d = 0; d < D; d += 16) {
-        const __m512 x0 = _mm512_loadu_ps(q0 + d);
-        a0 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k0 + d), a0);
-        a1 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k0 + D + d), a1);
-        a2 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k0 + 2 * D + d), a2);
-        a3 = _mm512_fmadd_ps(x0, _mm512_loadu_ps(k0 + 3 * D + d), a3);
-      }
-      StoreScores512(Sum4(a0, a1, a2, a3), scale, s + r * ld + j, n - j);
+  for (int r = 0; r < rows; r += 4) {
+    const float* qr = q + r * D;
+    float* sr = s + r * ld;
+    switch (std::min(4, rows - r)) {
+      case 4: ScoreRowsAvx512<4>(qr, k, n, D, scale, sr, ld); break;
+      case 3: ScoreRowsAvx512<3>(qr, k, n, D, scale, sr, ld); break;
+      case 2: ScoreRowsAvx512<2>(qr, k, n, D, scale, sr, ld); break;
+      default: ScoreRowsAvx512<1>(qr, k, n, D, scale, sr, ld); break;
     }
   }
 }
