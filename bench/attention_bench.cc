@@ -2,13 +2,15 @@
 // (9 query heads, 3 KV heads, head_dim 64, 16-token blocks, fp16 cache) for one layer:
 //   BM_Decode/CONTEXT/THREADS        one sequence decoding one token over CONTEXT cached tokens
 //   BM_Prefill/PAST/THREADS          a 512-token prefill chunk after PAST cached tokens
-// Reported: KV bytes read per second (decode reads every cached K and V row once per step, so this
+// The KV pools rotate through copies larger than the last-level cache, as a model's layers do, so
+// decode reads them from memory. Reported: KV bytes read per second (decode reads every cached K and V row once per step, so this
 // is its roofline measure) and GFLOP/s (4 * query heads * head_dim per query-key pair: the two
 // products). Kernel set: $KVFLOW_ATTENTION_ISA (avx2, portable; default: the best this CPU has).
 //
 //   kvflow_bench_attention --benchmark_min_time=1
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
@@ -26,9 +28,12 @@ using namespace kvflow;
 
 constexpr int kHeads = 9, kKvHeads = 3, kHeadDim = 64, kBlock = 16;
 
+constexpr size_t kRotateBytes = size_t{128} << 20;  // several times the last-level cache
+
 struct Setup {
   KvCacheLayout layout;
   std::vector<uint16_t> keys, values;
+  int copies = 1, next = 0;
   std::vector<float> query, out;
   ForwardBatch batch;
   std::vector<std::vector<int64_t>> views;
@@ -39,8 +44,9 @@ struct Setup {
     layout = {1, (context + kBlock - 1) / kBlock, kKvHeads, kBlock, kHeadDim};
     std::mt19937 rng(7);
     std::normal_distribution<float> normal(0.0f, 1.0f);
-    keys.resize(layout.layer_stride());
-    values.resize(layout.layer_stride());
+    copies = static_cast<int>(std::max<size_t>(1, kRotateBytes / (4 * layout.layer_stride())));
+    keys.resize(layout.layer_stride() * copies);
+    values.resize(layout.layer_stride() * copies);
     for (auto* pool : {&keys, &values}) {
       for (uint16_t& x : *pool) x = FloatToHalfBits(normal(rng));
     }
@@ -65,7 +71,10 @@ struct Setup {
 
   void Run() {
     cpu::AttentionIo io{query.data(), kHeads * kHeadDim, out.data(), kHeads * kHeadDim, nullptr};
-    cpu::PagedAttention(batch, views, layout, kHeads, io, cpu::KvElement::kF16, keys.data(), values.data(), 0.125f);
+    const size_t layer = layout.layer_stride() * static_cast<size_t>(next);
+    next = (next + 1) % copies;
+    cpu::PagedAttention(batch, views, layout, kHeads, io, cpu::KvElement::kF16, keys.data() + layer,
+                        values.data() + layer, 0.125f);
   }
 };
 

@@ -199,22 +199,6 @@ void GatherRows(const AttentionContext<T>& c, const T* cache, int kv_head, const
   }
 }
 
-// Asks for a chunk's K or V rows ahead of use: a chunk's runs sit in blocks anywhere in the pool,
-// which the hardware prefetchers cannot guess, and a long decode step is bound by this latency.
-template <typename T>
-void PrefetchRows(const AttentionContext<T>& c, const T* cache, int kv_head, const int64_t* slots, int n) {
-  const int bs = c.layout.block_size;
-  const size_t row_bytes = sizeof(T) * c.layout.head_dim;
-  for (int j = 0; j < n;) {
-    const int64_t slot = slots[j];
-    const int offset = static_cast<int>(slot % bs);
-    const int run = std::min(n - j, bs - offset);  // the rest of the block; a shorter run costs a few lines
-    const char* src = reinterpret_cast<const char*>(cache + c.layout.offset(static_cast<int>(slot / bs), kv_head, offset));
-    for (size_t line = 0; line < run * row_bytes; line += 64) __builtin_prefetch(src + line, 0, 3);
-    j += run;
-  }
-}
-
 // The tile's query rows (token-major, then the group's heads) into a dense buffer.
 template <typename T>
 void GatherQueries(const AttentionContext<T>& c, const Tile& tile, int kv_head, float* dst) {
@@ -241,11 +225,6 @@ void AttendPartition(const AttentionContext<T>& c, const Tile& tile, int kv_head
   float* scores = scratch.scores.data();
   for (int32_t start = begin; start < end; start += kChunk) {
     const int n = std::min(kChunk, end - start);
-    if (start + kChunk < end) {
-      const int next = std::min(kChunk, end - start - kChunk);
-      PrefetchRows(c, c.key_cache, kv_head, slots + start + kChunk, next);
-      PrefetchRows(c, c.value_cache, kv_head, slots + start + kChunk, next);
-    }
     GatherRows(c, c.key_cache, kv_head, slots + start, n, scratch.keys.data());
     GatherRows(c, c.value_cache, kv_head, slots + start, n, scratch.values.data());
     c.kernels.scores(scratch.query.data(), rows, scratch.keys.data(), n, D, c.scale, scores, kChunk);
