@@ -14,6 +14,8 @@ into an ignored cache (.cache/llama-cpp/), then measures both engines back to ba
             llama-bench -p 512,4096 -n 0; kvflow bench -d 512,4096 -n 0
   ppl       WikiText-2 test perplexity, llama.cpp's way (score the second half of each 512-token chunk)
             llama-perplexity -c 512 --chunks N; kvflow perplexity --method second-half --ctx 512 --max-windows N
+  greedy    the same prompts through both servers at temperature 0 (up to 32 tokens, one at a time): how many
+            continuations are identical and how long the agreeing prefixes are
   server    both OpenAI servers under the same closed-loop load: 1, 4, 16 and 64 streams, each sending
             streamed /v1/completions (Alpaca prompts, max_tokens 64, temperature 0, ignore_eos) back to
             back for a fixed time; output tok/s, time to first token and latency (median, p90)
@@ -60,7 +62,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(REPO, ".cache", "llama-cpp")
 DEFAULT_LLAMA_CPP_PYTHON = "0.3.36"  # vendors ggml-org/llama.cpp@0c1e57098 (its CHANGELOG says)
-SECTIONS = ("decode", "prefill", "ppl", "server")
+SECTIONS = ("decode", "prefill", "ppl", "greedy", "server")
 
 # The build: portable x86-64 with the AVX-512 family this VM has; AMX off (the CPU reports it, the VM
 # traps it, so GGML_NATIVE=ON dies with an illegal instruction).
@@ -728,6 +730,57 @@ def section_server(cfg, llama):
             "duration_s": cfg["server_duration"], "levels": levels}
 
 
+def completion_text(port, body):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise BenchError(f"HTTP {resp.status}: {data[:500]!r}")
+        return json.loads(data)["choices"][0]["text"]
+    finally:
+        conn.close()
+
+
+def section_greedy(cfg, llama, count=16, max_tokens=32):
+    """Greedy continuations of the same prompts from both servers: the two engines quantize activations
+    alike but sum in different orders, so continuations agree until a near-tie flips an argmax."""
+    prompts = load_prompts(cfg["prompts"], count=count)
+    t = str(cfg["threads"])
+    log_dir = tempfile.mkdtemp(prefix="llama_cpp_compare_logs_")
+    commands = {
+        "kvflow": lambda port: [cfg["server"], "--model", cfg["model"], "--host", "127.0.0.1", "--port", str(port),
+                                "--threads", t, "--max-model-len", str(cfg["server_ctx"]), "--max-num-seqs", "1"],
+        "llama": lambda port: [os.path.join(llama["bin"], "llama-server"), "-m", cfg["model"], "--host", "127.0.0.1",
+                               "--port", str(port), "-t", t, "-tb", t, "-c", str(cfg["server_ctx"]), "--parallel", "1",
+                               "--cache-ram", "0", "--no-webui"],
+    }
+    texts = {}
+    for name, cmd in commands.items():
+        label = "kvflow-server" if name == "kvflow" else "llama-server"
+        log(f"greedy: {label}, {len(prompts)} prompts x {max_tokens} tokens at temperature 0")
+        srv = Server(label, cmd, log_dir)
+        try:
+            srv.wait_ready()
+            model_id = srv.model_id()
+            texts[name] = [completion_text(srv.port, {"model": model_id, "prompt": p, "max_tokens": max_tokens,
+                                                      "temperature": 0}) for p in prompts]
+        finally:
+            srv.stop()
+    shutil.rmtree(log_dir, ignore_errors=True)
+    rows = []
+    for k, l in zip(texts["kvflow"], texts["llama"]):
+        agree = next((i for i, (a, b) in enumerate(zip(k, l)) if a != b), min(len(k), len(l)))
+        rows.append({"identical": k == l, "agreeing_chars": agree, "kvflow_chars": len(k), "llama_chars": len(l),
+                     "kvflow": k, "llama": l})
+    identical = sum(r["identical"] for r in rows)
+    frac = statistics.mean(r["agreeing_chars"] / max(1, max(r["kvflow_chars"], r["llama_chars"])) for r in rows)
+    log(f"  identical continuations: {identical} of {len(rows)}; agreeing prefix {100 * frac:.0f}% of the text")
+    return {"prompts": len(rows), "max_tokens": max_tokens, "identical": identical,
+            "mean_agreeing_fraction": frac, "rows": rows}
+
+
 # ---------------------------------------------------------------------------------------------------
 # Report
 
@@ -825,6 +878,21 @@ def write_markdown(path, res):
             L.append(f"| {s['ctx']} | {s['chunks']} | {s['kvflow_ppl']:.4f} | {s['llama_ppl']:.4f} "
                      f"± {s['llama_ppl_stderr']:.4f} | {s['ratio']:.4f} | {s['kvflow_seconds']:.1f} | "
                      f"{s['llama_wall_s']:.1f} (incl. load) |")
+            L.append("")
+    if "greedy" in sec:
+        s = sec["greedy"]
+        L.append("## Greedy continuations, the same prompts through both servers\n")
+        if "error" in s:
+            L.append(f"Failed: `{s['error']}`\n")
+        else:
+            L.append(f"{s['prompts']} Alpaca prompts, {s['max_tokens']} tokens at most at temperature 0 (stopping at "
+                     f"the end-of-sequence token: llama.cpp's ignore_eos masks it, vLLM's and kvflow's do not), one "
+                     f"request at a time: **{s['identical']} of {s['prompts']} continuations identical**; the "
+                     f"agreeing prefix is {100 * s['mean_agreeing_fraction']:.0f}% of the text on average (characters "
+                     "up to the first difference). Both engines quantize the activations to 8 bits per block as "
+                     "ggml does but sum in different orders, so a continuation can part at a near-tie.\n")
+            for i, r in enumerate(s["rows"][:3]):
+                L.append(f"- prompt {i}: kvflow `{r['kvflow'][:80]!r}` / llama.cpp `{r['llama'][:80]!r}`")
             L.append("")
     if "server" in sec:
         s = sec["server"]
@@ -1027,6 +1095,8 @@ def main():
                 results[name] = section_prefill(cfg, llama)
             elif name == "ppl":
                 results[name] = section_ppl(cfg, llama)
+            elif name == "greedy":
+                results[name] = section_greedy(cfg, llama)
             else:
                 results[name] = section_server(cfg, llama)
         except BenchError as e:
