@@ -147,10 +147,10 @@ Status ReadBiases(const WeightReader& r, const ModelConfig& c, const std::string
   const int64_t kv_rows = static_cast<int64_t>(c.num_kv_heads) * D;
   auto declared = [](Status st, const char* flag) {
     if (st.code() != StatusCode::kNotFound) return st;
-    return Status::NotFound(st.message() + " (the config declares " + flag + ")");
+    return Status::NotFound(st.message() + "; the config declares " + flag);
   };
-  const char* attention_flag = "attention biases (attention_bias, or blk.0's bias tensors in a GGUF file)";
-  const char* mlp_flag = "MLP biases (mlp_bias, or blk.0.ffn_gate.bias in a GGUF file)";
+  const char* attention_flag = "attention_bias (in a GGUF file: blk.0 has attention biases)";
+  const char* mlp_flag = "mlp_bias (in a GGUF file: blk.0 has ffn_gate.bias)";
   if (c.qkv_bias) {
     l.bqkv.clear();
     KVFLOW_RETURN_IF_ERROR(
