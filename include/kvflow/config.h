@@ -40,6 +40,12 @@ struct ModelConfig {
   float rope_theta = 10000.0f;
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
+  // Biases of the projections, each an fp32 vector added to the product (HF's nn.Linear(bias=True)).
+  // HF Llama's attention_bias sets qkv_bias and o_bias, mlp_bias sets mlp_bias; a GGUF file has no
+  // flags, so they follow the bias tensors it holds (llama.cpp adds each one it finds).
+  bool qkv_bias = false;  // q_proj, k_proj, v_proj
+  bool o_bias = false;    // o_proj
+  bool mlp_bias = false;  // gate_proj, up_proj, down_proj
   int bos_token_id = -1;
   std::vector<int> eos_token_ids;
 

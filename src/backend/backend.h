@@ -154,7 +154,7 @@ class Backend {
   virtual Status Embed() = 0;
   // hidden = RMSNorm(residual) * weight; with add_delta, residual += delta first.
   virtual Status RmsNorm(int layer, LayerWeight norm, bool add_delta) = 0;
-  // out = in x weight^T.
+  // out = in x weight^T (+ the weight's bias, fp32, where the model has one: HF's nn.Linear).
   virtual Status Linear(int layer, LayerWeight weight, Activation in, Activation out) = 0;
   // Rotates the Q and K heads of kQkv at the step's positions.
   virtual Status Rotary() = 0;

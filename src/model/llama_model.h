@@ -4,6 +4,9 @@
 //            -> O -> [add + ffn norm] -> gate_up -> SiLU*mul -> down -> next layer's [add + norm]
 //   -> add -> head (final norm, LM head) over the rows that want logits
 //
+// Each projection (QKV, O, gate_up, down) is one Linear, which adds the projection's bias when the
+// model has one, so q/k get theirs before RoPE, as in HF.
+//
 // Features that act inside the layer loop (speculative prefetch, KV send/recv, KV selection) plug
 // in through LayerHooks, not through a copy of this loop.
 #pragma once

@@ -1,5 +1,6 @@
 #include "model/llama_weights.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -58,11 +59,13 @@ class WeightReader {
     return info;
   }
 
-  // A 1-D tensor (norm weights) as fp32.
-  Status ReadVector(const std::string& hf_name, const std::string& gguf_name, int64_t n, std::vector<float>& out) const {
+  // A 1-D tensor (norm weights, biases) as fp32, appended to `out` when `append`.
+  Status ReadVector(const std::string& hf_name, const std::string& gguf_name, int64_t n, std::vector<float>& out,
+                    bool append = false) const {
     KVFLOW_ASSIGN_OR_RETURN(const TensorInfo* info, Find(hf_name, gguf_name, {n}));
-    out.resize(static_cast<size_t>(n));
-    KVFLOW_RETURN_IF_ERROR(DequantizeToF32(*info, out.data()));
+    const size_t first = append ? out.size() : 0;
+    out.resize(first + static_cast<size_t>(n));
+    KVFLOW_RETURN_IF_ERROR(DequantizeToF32(*info, out.data() + first));
     progress_.Advance(info->nbytes);
     return Status::Ok();
   }
@@ -122,6 +125,11 @@ void UnpermuteRopeRows(uint8_t* rows, int num_heads, int head_dim, size_t row_by
   }
 }
 
+// A bias of permuted rows: one float per row.
+void UnpermuteRopeBias(float* bias, int num_heads, int head_dim) {
+  UnpermuteRopeRows(reinterpret_cast<uint8_t*>(bias), num_heads, head_dim, sizeof(float));
+}
+
 void UnpermuteRopeRows(WeightPart& part, int num_heads, int head_dim, int64_t cols) {
   if (part.dtype == DType::kF32) {
     UnpermuteRopeRows(reinterpret_cast<uint8_t*>(part.f32.data()), num_heads, head_dim, sizeof(float) * cols);
@@ -130,13 +138,56 @@ void UnpermuteRopeRows(WeightPart& part, int num_heads, int head_dim, int64_t co
   }
 }
 
+// The biases the config declares, fused as the matrices are (q|k|v, gate|up). A declared bias the
+// source lacks is an error that says which flag asked for it.
+Status ReadBiases(const WeightReader& r, const ModelConfig& c, const std::string& hf, const std::string& gg,
+                  bool gguf_rope_permuted, LlamaLayerWeights& l) {
+  const int64_t H = c.hidden_size, D = c.head_dim, F = c.intermediate_size;
+  const int64_t q_rows = static_cast<int64_t>(c.num_heads) * D;
+  const int64_t kv_rows = static_cast<int64_t>(c.num_kv_heads) * D;
+  auto declared = [](Status st, const char* flag) {
+    if (st.code() != StatusCode::kNotFound) return st;
+    return Status::NotFound(st.message() + "; the config declares " + flag);
+  };
+  const char* attention_flag = "attention_bias (in a GGUF file: blk.0 has attention biases)";
+  const char* mlp_flag = "mlp_bias (in a GGUF file: blk.0 has ffn_gate.bias)";
+  if (c.qkv_bias) {
+    l.bqkv.clear();
+    KVFLOW_RETURN_IF_ERROR(
+        declared(r.ReadVector(hf + "self_attn.q_proj.bias", gg + "attn_q.bias", q_rows, l.bqkv, true), attention_flag));
+    KVFLOW_RETURN_IF_ERROR(
+        declared(r.ReadVector(hf + "self_attn.k_proj.bias", gg + "attn_k.bias", kv_rows, l.bqkv, true), attention_flag));
+    KVFLOW_RETURN_IF_ERROR(
+        declared(r.ReadVector(hf + "self_attn.v_proj.bias", gg + "attn_v.bias", kv_rows, l.bqkv, true), attention_flag));
+    if (gguf_rope_permuted) {  // llama.cpp's converter permutes the q and k biases with their rows
+      UnpermuteRopeBias(l.bqkv.data(), c.num_heads, c.head_dim);
+      UnpermuteRopeBias(l.bqkv.data() + q_rows, c.num_kv_heads, c.head_dim);
+    }
+  }
+  if (c.o_bias) {
+    KVFLOW_RETURN_IF_ERROR(
+        declared(r.ReadVector(hf + "self_attn.o_proj.bias", gg + "attn_output.bias", H, l.bo), attention_flag));
+  }
+  if (c.mlp_bias) {
+    l.b_gate_up.clear();
+    KVFLOW_RETURN_IF_ERROR(
+        declared(r.ReadVector(hf + "mlp.gate_proj.bias", gg + "ffn_gate.bias", F, l.b_gate_up, true), mlp_flag));
+    KVFLOW_RETURN_IF_ERROR(
+        declared(r.ReadVector(hf + "mlp.up_proj.bias", gg + "ffn_up.bias", F, l.b_gate_up, true), mlp_flag));
+    KVFLOW_RETURN_IF_ERROR(
+        declared(r.ReadVector(hf + "mlp.down_proj.bias", gg + "ffn_down.bias", H, l.b_down), mlp_flag));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 size_t LlamaWeights::num_parameters() const {
   size_t n = embed.num_parameters() + final_norm.size() + lm_head.num_parameters();
   for (const auto& l : layers) {
     n += l.attn_norm.size() + l.wqkv.num_parameters() + l.wo.num_parameters() + l.ffn_norm.size() +
-         l.w_gate_up.num_parameters() + l.w_down.num_parameters();
+         l.w_gate_up.num_parameters() + l.w_down.num_parameters() + l.bqkv.size() + l.bo.size() +
+         l.b_gate_up.size() + l.b_down.size();
   }
   return n;
 }
@@ -144,7 +195,8 @@ size_t LlamaWeights::num_parameters() const {
 size_t LlamaWeights::bytes() const {
   size_t n = embed.bytes() + lm_head.bytes() + final_norm.size() * sizeof(float);
   for (const auto& l : layers) {
-    n += (l.attn_norm.size() + l.ffn_norm.size()) * sizeof(float) + l.wqkv.bytes() + l.wo.bytes() +
+    n += (l.attn_norm.size() + l.ffn_norm.size() + l.bqkv.size() + l.bo.size() + l.b_gate_up.size() +
+          l.b_down.size()) * sizeof(float) + l.wqkv.bytes() + l.wo.bytes() +
          l.w_gate_up.bytes() + l.w_down.bytes();
   }
   return n;
@@ -157,6 +209,32 @@ bool LlamaWeights::all_f32() const {
     if (!f32(l.wqkv) || !f32(l.wo) || !f32(l.w_gate_up) || !f32(l.w_down)) return false;
   }
   return true;
+}
+
+Status CheckBiases(const ModelConfig& c, const LlamaWeights& w) {
+  const int64_t D = c.head_dim;
+  const int64_t qkv = (static_cast<int64_t>(c.num_heads) + 2 * c.num_kv_heads) * D;
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    const LlamaLayerWeights& l = w.layers[i];
+    const struct {
+      const char* name;
+      const std::vector<float>& bias;
+      bool declared;
+      int64_t size;
+    } biases[] = {{"q/k/v", l.bqkv, c.qkv_bias, qkv},
+                  {"o", l.bo, c.o_bias, c.hidden_size},
+                  {"gate/up", l.b_gate_up, c.mlp_bias, 2 * static_cast<int64_t>(c.intermediate_size)},
+                  {"down", l.b_down, c.mlp_bias, c.hidden_size}};
+    for (const auto& b : biases) {
+      const int64_t want = b.declared ? b.size : 0;
+      if (static_cast<int64_t>(b.bias.size()) != want) {
+        return Status::InvalidArgument("layer " + std::to_string(i) + "'s " + b.name + " bias has " +
+                                       std::to_string(b.bias.size()) + " elements, the config implies " +
+                                       std::to_string(want));
+      }
+    }
+  }
+  return Status::Ok();
 }
 
 Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelConfig& c, bool gguf_rope_permuted,
@@ -200,14 +278,20 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
     KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.gate_proj.weight", gg + "ffn_gate.weight", F, H, l.w_gate_up));
     KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.up_proj.weight", gg + "ffn_up.weight", F, H, l.w_gate_up));
     KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.down_proj.weight", gg + "ffn_down.weight", H, F, l.w_down));
+    KVFLOW_RETURN_IF_ERROR(ReadBiases(r, c, hf, gg, gguf_rope_permuted, l));
   }
   if (const std::vector<std::string> unused = r.Unused(); !unused.empty()) {
     std::string names;
     for (size_t i = 0; i < unused.size() && i < 4; ++i) names += (i ? ", " : "") + unused[i];
     if (unused.size() > 4) names += ", ... (" + std::to_string(unused.size()) + " in all)";
-    return Status::Unsupported(source.Describe() + " has tensors kvflow's Llama does not use (" + names +
-                               "); running without them would give wrong logits (attention and MLP biases are "
-                               "not supported yet)");
+    const bool biases = std::any_of(unused.begin(), unused.end(), [](const std::string& n) { return n.ends_with(".bias"); });
+    return Status::Unsupported(
+        source.Describe() + " has tensors kvflow's Llama does not use (" + names +
+        "); running without them would give wrong logits" +
+        (biases ? std::string(". Biases are used only where the config declares them (HF attention_bias: q, k, v "
+                              "and o_proj together; mlp_bias: gate, up and down_proj together; a GGUF file: "
+                              "attn_q/k/v, attn_output or ffn_gate/up/down biases as groups, in every layer)")
+                : std::string()));
   }
   if (!r.dequantized_formats().empty()) {
     std::string formats;

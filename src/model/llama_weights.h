@@ -20,6 +20,12 @@ struct LlamaLayerWeights {
   std::vector<float> ffn_norm;   // [hidden]
   WeightMatrix w_gate_up;        // [2 * intermediate, hidden]: gate rows, then up rows
   WeightMatrix w_down;           // [hidden, intermediate]
+  // Biases (fp32, whatever the file stores), fused like the matrices; empty when the config has
+  // none (ModelConfig::qkv_bias, o_bias, mlp_bias).
+  std::vector<float> bqkv;       // [(heads + 2 * kv_heads) * head_dim]: q, then k, then v
+  std::vector<float> bo;         // [hidden]
+  std::vector<float> b_gate_up;  // [2 * intermediate]: gate, then up
+  std::vector<float> b_down;     // [hidden]
 };
 
 struct LlamaWeights {
@@ -36,14 +42,21 @@ struct LlamaWeights {
   bool all_f32() const;
 };
 
+// Whether the biases of `w` are exactly those `config` declares, of the sizes it implies (what a
+// backend checks before computing with them).
+Status CheckBiases(const ModelConfig& config, const LlamaWeights& w);
+
 // How the matrices are kept: fp32 (exact; the reference and the CUDA backend's input), or in the
 // file's block quantization where CPU kernels exist for it and F16 / BF16 as 16-bit (others become
 // fp32).
 enum class WeightFormat { kF32, kKeepQuantized };
 
 // Accepts HF names (model.layers.N.self_attn.q_proj.weight) and GGUF names (blk.N.attn_q.weight).
-// `gguf_rope_permuted`: undo llama.cpp's reordering of Q/K rows so that RoPE uses HF's
-// rotate_half pairing everywhere. Every tensor's shape is checked against the config.
+// `gguf_rope_permuted`: undo llama.cpp's reordering of Q/K rows (and of their biases) so that RoPE
+// uses HF's rotate_half pairing everywhere. Every tensor's shape is checked against the config.
+// Biases are read exactly when the config declares them: one it declares but the source lacks is
+// NotFound, one the source has but the config does not declare is Unsupported (as is every other
+// tensor the model would not use).
 Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelConfig& config,
                                       bool gguf_rope_permuted, WeightFormat format = WeightFormat::kF32);
 

@@ -203,11 +203,15 @@ Result<ModelConfig> ModelConfigFromHfJson(const std::string& path) {
     KVFLOW_RETURN_IF_ERROR(fields.Int("bos_token_id", &c.bos_token_id));
     KVFLOW_RETURN_IF_ERROR(fields.IntList("eos_token_id", &c.eos_token_ids));
 
-    // Biases kvflow's Llama would not add: refuse rather than compute without them.
-    for (const char* flag : {"attention_bias", "mlp_bias"}) {
-      bool on = false;
-      KVFLOW_RETURN_IF_ERROR(fields.Bool(flag, &on));
-      if (on) return Status::Unsupported(path + ": " + flag + " is true; biases are not supported yet");
+    // HF Llama: attention_bias puts biases on q, k, v and o_proj, mlp_bias on gate, up and down_proj.
+    // Mistral's modeling code has no biases whatever its config says: refuse rather than guess.
+    bool attention_bias = false;
+    KVFLOW_RETURN_IF_ERROR(fields.Bool("attention_bias", &attention_bias));
+    KVFLOW_RETURN_IF_ERROR(fields.Bool("mlp_bias", &c.mlp_bias));
+    c.qkv_bias = c.o_bias = attention_bias;
+    if (c.architecture == "mistral" && (attention_bias || c.mlp_bias)) {
+      return Status::Unsupported(path + ": " + (attention_bias ? "attention_bias" : "mlp_bias") +
+                                 " is true, but Mistral's projections have no biases");
     }
     int sliding_window = 0;
     KVFLOW_RETURN_IF_ERROR(fields.Int("sliding_window", &sliding_window));
@@ -297,6 +301,11 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& gguf) {
     c.vocab_size = static_cast<int>(embedding->shape.front());
   }
   c.tie_word_embeddings = gguf.Find("output.weight") == nullptr;
+  // No metadata declares biases: llama.cpp adds each bias tensor it finds. Layer 0 decides for every
+  // layer; the weight loader then needs them in all layers (and refuses any it was not told of).
+  c.qkv_bias = gguf.Find("blk.0.attn_q.bias") != nullptr;
+  c.o_bias = gguf.Find("blk.0.attn_output.bias") != nullptr;
+  c.mlp_bias = gguf.Find("blk.0.ffn_gate.bias") != nullptr;
 
   KVFLOW_RETURN_IF_ERROR(read_int("tokenizer.ggml.bos_token_id", &c.bos_token_id, false));
   for (const char* key : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"}) {
@@ -395,6 +404,13 @@ std::string ModelConfig::Describe() const {
           << "/" << rope_scaling.beta_slow << ", original context "
           << rope_scaling.original_max_position_embeddings;
       break;
+  }
+  if (qkv_bias || o_bias || mlp_bias) {
+    std::string biases;
+    if (qkv_bias) biases += " q/k/v";
+    if (o_bias) biases += " o";
+    if (mlp_bias) biases += " gate/up/down";
+    out << "\nbiases:        " << biases;
   }
   out << "\nbos/eos:        " << bos_token_id << " /";
   for (int eos : eos_token_ids) out << " " << eos;

@@ -66,7 +66,7 @@ Result<ModelFiles> MakeBuiltInModel(const std::string& name) {
   return Status::NotFound("no built-in model named " + name);
 }
 
-Result<ModelFiles> MakeTinyRandomModel(uint64_t seed, int num_layers) {
+Result<ModelFiles> MakeTinyRandomModel(uint64_t seed, int num_layers, bool biases) {
   if (num_layers < 1 || num_layers > 4) return Status::InvalidArgument("tiny-random has 1 to 4 layers");
   ModelConfig c;
   c.name = num_layers == 4 ? kTinyRandomName : kTinyRandomDraftName;
@@ -115,6 +115,25 @@ Result<ModelFiles> MakeTinyRandomModel(uint64_t seed, int num_layers) {
     source->Add(p + "mlp.gate_proj.weight", {F, H}, random({F, H}, s));
     source->Add(p + "mlp.up_proj.weight", {F, H}, random({F, H}, s));
     source->Add(p + "mlp.down_proj.weight", {H, F}, random({H, F}, 1.0f / std::sqrt(static_cast<float>(F))));
+  }
+  if (biases) {
+    c.qkv_bias = c.o_bias = c.mlp_bias = true;
+    PortableNormal bias_normal(seed ^ 0x62696173);  // "bias"
+    auto random_bias = [&](int64_t n, float stddev) {
+      std::vector<float> v(static_cast<size_t>(n));
+      for (float& x : v) x = bias_normal(stddev);
+      return v;
+    };
+    for (int i = 0; i < c.num_layers; ++i) {
+      const std::string p = "model.layers." + std::to_string(i) + ".";
+      source->Add(p + "self_attn.q_proj.bias", {c.num_heads * D}, random_bias(c.num_heads * D, 0.5f));
+      source->Add(p + "self_attn.k_proj.bias", {c.num_kv_heads * D}, random_bias(c.num_kv_heads * D, 0.5f));
+      source->Add(p + "self_attn.v_proj.bias", {c.num_kv_heads * D}, random_bias(c.num_kv_heads * D, 0.5f));
+      source->Add(p + "self_attn.o_proj.bias", {H}, random_bias(H, 0.2f));
+      source->Add(p + "mlp.gate_proj.bias", {F}, random_bias(F, 0.5f));
+      source->Add(p + "mlp.up_proj.bias", {F}, random_bias(F, 0.5f));
+      source->Add(p + "mlp.down_proj.bias", {H}, random_bias(H, 0.2f));
+    }
   }
 
   TokenizerSpec spec;

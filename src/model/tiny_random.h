@@ -15,8 +15,10 @@ inline constexpr const char* kTinyRandomName = "tiny-random";
 inline constexpr const char* kTinyRandomDraftName = "tiny-random-draft";
 inline bool IsBuiltInModel(const std::string& name) { return name == kTinyRandomName || name == kTinyRandomDraftName; }
 
-// `num_layers` < 4 keeps the first layers of the 4-layer model (the same weights).
-Result<ModelFiles> MakeTinyRandomModel(uint64_t seed = 0x6b76666c6f77, int num_layers = 4);
+// `num_layers` < 4 keeps the first layers of the 4-layer model (the same weights). `biases`: the
+// same model with random biases on every projection (HF attention_bias and mlp_bias), drawn from a
+// stream of their own so that every other weight is unchanged.
+Result<ModelFiles> MakeTinyRandomModel(uint64_t seed = 0x6b76666c6f77, int num_layers = 4, bool biases = false);
 // The built-in model of that name (IsBuiltInModel).
 Result<ModelFiles> MakeBuiltInModel(const std::string& name);
 

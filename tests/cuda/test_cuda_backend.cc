@@ -32,8 +32,9 @@ namespace {
 
 using test::Greedy;
 
-LlamaWeights TinyWeights(ModelConfig* config) {
-  auto files = MakeTinyRandomModel().value();
+// tiny-random, or with `biases` the same model with random biases on every projection.
+LlamaWeights TinyWeights(ModelConfig* config, bool biases = false) {
+  auto files = MakeTinyRandomModel(0x6b76666c6f77, 4, biases).value();
   *config = files.config;
   return LoadLlamaWeights(*files.tensors, files.config, files.gguf_rope_permuted).value();
 }
@@ -110,13 +111,15 @@ std::vector<int32_t> ArgmaxRows(const std::vector<float>& logits, int vocab) {
   return out;
 }
 
-class CudaBackendLogits : public ::testing::TestWithParam<std::tuple<cuda::DType, bool>> {};
+// (dtype, CUDA graphs, biases): biases stay fp32 on the device, added after each GEMM.
+class CudaBackendLogits : public ::testing::TestWithParam<std::tuple<cuda::DType, bool, bool>> {};
 
 TEST_P(CudaBackendLogits, MatchCpuBackendOnTinyRandom) {
   KVFLOW_SKIP_WITHOUT_GPU();
-  const auto [dtype, graphs] = GetParam();
+  const auto [dtype, graphs, biases] = GetParam();
   ModelConfig config;
-  LlamaWeights weights = TinyWeights(&config);
+  LlamaWeights weights = TinyWeights(&config, biases);
+  ASSERT_EQ(config.qkv_bias && config.o_bias && config.mlp_bias, biases);
   RoundWeights(weights, dtype);
   const int kBlocks = 64, kBlockSize = 16;
   KvCacheLayout layout{config.num_layers, kBlocks, config.num_kv_heads, kBlockSize, config.head_dim};
@@ -188,12 +191,15 @@ TEST_P(CudaBackendLogits, MatchCpuBackendOnTinyRandom) {
 }
 
 INSTANTIATE_TEST_SUITE_P(DtypesAndGraphs, CudaBackendLogits,
-                         ::testing::Values(std::make_tuple(cuda::DType::kF16, true),
-                                           std::make_tuple(cuda::DType::kBF16, true),
-                                           std::make_tuple(cuda::DType::kF16, false)),
+                         ::testing::Values(std::make_tuple(cuda::DType::kF16, true, false),
+                                           std::make_tuple(cuda::DType::kBF16, true, false),
+                                           std::make_tuple(cuda::DType::kF16, false, false),
+                                           std::make_tuple(cuda::DType::kF16, true, true),
+                                           std::make_tuple(cuda::DType::kBF16, false, true)),
                          [](const auto& info) {
                            return std::string(cuda::DTypeName(std::get<0>(info.param))) +
-                                  (std::get<1>(info.param) ? "_graphs" : "_eager");
+                                  (std::get<1>(info.param) ? "_graphs" : "_eager") +
+                                  (std::get<2>(info.param) ? "_biases" : "");
                          });
 
 // KV views (issue 13): a block subset of each sequence's table, for decode and prefill slices,

@@ -2,8 +2,8 @@
 """Compares kvflow's CPU forward pass with Hugging Face transformers' LlamaForCausalLM.
 
   tiny:    random Llamas written as safetensors here (GQA, tied and untied embeddings, odd
-           sizes, a sharded checkpoint, Llama-3 rope scaling): max |dlogit| <= 1e-3 over every
-           position of several prompts.
+           sizes, a sharded checkpoint, Llama-3 rope scaling, attention and MLP biases): max
+           |dlogit| <= 1e-3 over every position of several prompts.
   smollm2: SmolLM2-135M-Instruct from its Q4_1 GGUF, dequantized by transformers (gguf-py) on
            the reference side and by kvflow on ours: logits within tolerance and the first 32
            greedy tokens identical.
@@ -222,7 +222,9 @@ def randomize(model, seed):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:
+            if name.endswith(".bias"):  # attention_bias / mlp_bias: random, non-zero, either sign
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 1:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=g))
@@ -243,6 +245,14 @@ TINY_CONFIGS = {
     "linear_rope_headdim": dict(hidden_size=64, intermediate_size=100, num_hidden_layers=2, num_attention_heads=4,
                                 num_key_value_heads=2, head_dim=32, vocab_size=199, tie_word_embeddings=False,
                                 rope_scaling=dict(rope_type="linear", factor=2.0)),
+    # HF Llama's biases: attention_bias on q, k, v and o_proj (q/k before RoPE), mlp_bias on gate,
+    # up and down_proj.
+    "biases": dict(hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=211, tie_word_embeddings=False, attention_bias=True,
+                   mlp_bias=True),
+    "attention_bias_only_mqa": dict(hidden_size=64, intermediate_size=120, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=1, head_dim=32, vocab_size=181, tie_word_embeddings=True,
+                                    attention_bias=True),
 }
 
 
@@ -250,7 +260,8 @@ TINY_CONFIGS = {
 # GPU the tiny models get such head sizes (projections wider than hidden_size / heads, as in
 # linear_rope_headdim) and each a block size, so every kernel variant runs. name: (head_dim, block)
 GPU_TINY = {"gqa_untied": (64, 16), "mha_tied": (128, 8), "mqa_llama3_rope_sharded": (64, 32),
-            "linear_rope_headdim": (128, 16)}
+            "linear_rope_headdim": (128, 16), "biases": (64, 16),
+            "attention_bias_only_mqa": (128, 32)}
 
 
 def tiny_config_kwargs(name, args):
@@ -330,8 +341,19 @@ def check_tiny(args):
         worst = max(worst, err)
         status = "ok" if err <= 1e-3 else "FAIL"
         ok &= err <= 1e-3
+        biases = ""
+        if config.attention_bias or config.mlp_bias:
+            # The biases must matter far beyond the tolerance, or the comparison proves nothing.
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if pname.endswith(".bias"):
+                        p.zero_()
+            moved = max(float(np.abs(a - b).max()) for a, b in zip(hf_logits(model, prompts), ref))
+            biases = f" (without its biases hf's logits move by {moved:.2f})"
+            if moved < 100 * 1e-3:
+                status, ok = "FAIL (the biases barely matter)", False
         print(f"tiny {name:28s} sharded={sharded!s:5s} positions={sum(map(len, prompts)):4d} "
-              f"max|dlogit|={err:.2e} (max|logit| {scale:.1f})  {status}")
+              f"max|dlogit|={err:.2e} (max|logit| {scale:.1f}){biases}  {status}")
     print(f"tiny-random models: worst max|dlogit| = {worst:.2e} (tolerance 1e-3)")
     ok &= check_beam_search(args)
     return 0 if ok else 1

@@ -318,16 +318,32 @@ TEST_F(ModelConfigTest, AppliesDefaultsAndVariants) {
   EXPECT_EQ(Parse(config).status().code(), StatusCode::kUnsupported);
 }
 
-// What kvflow's Llama would compute wrong is refused or limited to where it is exact.
-TEST_F(ModelConfigTest, BiasesAreRefusedAndASlidingWindowLimitsTheContext) {
+// HF Llama's bias flags: attention_bias puts biases on q, k, v and o_proj, mlp_bias on gate, up and
+// down_proj. What kvflow's Llama would compute wrong is refused or limited to where it is exact.
+TEST_F(ModelConfigTest, BiasFlagsAndASlidingWindowLimitsTheContext) {
+  Result<ModelConfig> plain = Parse(LlamaConfigJson());
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE(plain->qkv_bias || plain->o_bias || plain->mlp_bias);
   for (const char* flag : {"attention_bias", "mlp_bias"}) {
     json config = LlamaConfigJson();
     config[flag] = true;
+    Result<ModelConfig> c = Parse(config);
+    ASSERT_TRUE(c.ok()) << flag << ": " << c.status().ToString();
+    const bool attention = std::string(flag) == "attention_bias";
+    EXPECT_EQ(c->qkv_bias, attention) << flag;
+    EXPECT_EQ(c->o_bias, attention) << flag;
+    EXPECT_EQ(c->mlp_bias, !attention) << flag;
+    EXPECT_NE(c->Describe().find(attention ? "biases:         q/k/v o" : "biases:         gate/up/down"),
+              std::string::npos)
+        << c->Describe();
+    config[flag] = "yes";
+    EXPECT_EQ(Parse(config).status().code(), StatusCode::kCorruptFile) << flag;
+    // Mistral's modeling code has no biases: a config that asks for them is refused, not guessed.
+    config[flag] = true;
+    config["architectures"] = {"MistralForCausalLM"};
     const Status st = Parse(config).status();
     EXPECT_EQ(st.code(), StatusCode::kUnsupported) << flag;
     EXPECT_NE(st.message().find(flag), std::string::npos) << st.message();
-    config[flag] = false;
-    EXPECT_TRUE(Parse(config).ok()) << flag;
   }
   json mistral = LlamaConfigJson();
   mistral["sliding_window"] = 4096;

@@ -26,6 +26,11 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config
       num_host_blocks < 0) {
     return Status::InvalidArgument("KV cache layout does not match the model config");
   }
+  if (weights.layers.size() != static_cast<size_t>(config.num_layers)) {
+    return Status::InvalidArgument("the weights have " + std::to_string(weights.layers.size()) +
+                                   " layers, the config " + std::to_string(config.num_layers));
+  }
+  KVFLOW_RETURN_IF_ERROR(CheckBiases(config, weights));
   cpu::InitBlas();
   std::unique_ptr<CpuBackend> backend(new CpuBackend(config, std::move(weights), layout));
   backend->pool_ = std::make_unique<ThreadPool>(std::max(1, num_threads));
@@ -169,6 +174,19 @@ const WeightMatrix& CpuBackend::Matrix(int layer, LayerWeight which) const {
   throw std::logic_error("CpuBackend::Matrix: a norm is not a matrix");
 }
 
+const std::vector<float>& CpuBackend::Bias(int layer, LayerWeight which) const {
+  const LlamaLayerWeights& w = weights_.layers[static_cast<size_t>(layer)];
+  switch (which) {
+    case LayerWeight::kQkv: return w.bqkv;
+    case LayerWeight::kO: return w.bo;
+    case LayerWeight::kGateUp: return w.b_gate_up;
+    case LayerWeight::kDown: return w.b_down;
+    case LayerWeight::kAttnNorm:
+    case LayerWeight::kFfnNorm: break;
+  }
+  throw std::logic_error("CpuBackend::Bias: a norm has no bias");
+}
+
 void CpuBackend::Matmul(const WeightMatrix& matrix, const float* x, int64_t M, float* y) {
   const int64_t K = matrix.cols;
   int64_t first_row = 0;
@@ -209,7 +227,11 @@ Status CpuBackend::RmsNorm(int layer, LayerWeight norm, bool add_delta) {
 }
 
 Status CpuBackend::Linear(int layer, LayerWeight weight, Activation in, Activation out) {
-  Matmul(Matrix(layer, weight), Buffer(in), num_tokens_, Buffer(out));
+  const WeightMatrix& matrix = Matrix(layer, weight);
+  Matmul(matrix, Buffer(in), num_tokens_, Buffer(out));
+  // The bias joins after the product, whatever format the matrix is in (HF's Linear: x W^T + b).
+  const std::vector<float>& bias = Bias(layer, weight);
+  if (!bias.empty()) cpu::AddBias(Buffer(out), bias.data(), num_tokens_, matrix.rows);
   return Status::Ok();
 }
 

@@ -52,6 +52,8 @@ class CpuBackend final : public Backend {
   int64_t Width(Activation which) const;
   const std::vector<float>& Norm(int layer, LayerWeight which) const;
   const WeightMatrix& Matrix(int layer, LayerWeight which) const;
+  // The bias of a matrix (empty when it has none).
+  const std::vector<float>& Bias(int layer, LayerWeight which) const;
   // y[M, matrix.rows] = x[M, matrix.cols] * matrix^T, part by part (each in its own format).
   void Matmul(const WeightMatrix& matrix, const float* x, int64_t M, float* y);
   Status Head(const LogitsSink& sink);

@@ -33,6 +33,15 @@ void MatmulTransposedB(const float* x, const float* w, float* y, int64_t M, int6
       chunk, N >= 64 ? 2 : N + 1);
 }
 
+void AddBias(float* y, const float* bias, int64_t rows, int64_t n) {
+  ParallelFor(rows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* yr = y + r * n;
+      for (int64_t i = 0; i < n; ++i) yr[i] += bias[i];
+    }
+  }, 0, rows * n > 16384 ? 2 : rows + 1);
+}
+
 void RmsNorm(const float* x, const float* weight, float* out, int64_t rows, int64_t n, float eps) {
   ParallelFor(rows, [&](int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {

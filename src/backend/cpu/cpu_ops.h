@@ -10,6 +10,9 @@ namespace kvflow::cpu {
 void MatmulTransposedB(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K,
                        bool accumulate = false, int64_t ldy = 0);
 
+// y[r, i] += bias[i] for each of `rows` rows of n (a Linear layer's bias, after its product).
+void AddBias(float* y, const float* bias, int64_t rows, int64_t n);
+
 // out[r] = x[r] / rms(x[r]) * weight, for each of `rows` rows of length n.
 void RmsNorm(const float* x, const float* weight, float* out, int64_t rows, int64_t n, float eps);
 

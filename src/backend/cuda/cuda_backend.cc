@@ -3,6 +3,7 @@
 //   embedding gather -> per layer: RMSNorm, QKV GEMM, RoPE, reshape_and_cache, paged attention
 //   (decode kernel for one-token slices, prefill kernel for the rest), O GEMM, add + RMSNorm,
 //   gate_up GEMM, SiLU*mul, down GEMM -> gather logit rows, final norm, LM-head GEMM (fp32 out).
+//   A model with biases adds each one (fp32) right after its GEMM (kernels/bias.cu).
 //
 // GEMMs run in cuBLAS (fp16/bf16 inputs, fp32 compute); the residual stream stays fp32 so the
 // backend tracks the fp32 CPU reference closely. Step metadata (tokens, positions, slots, block
@@ -29,6 +30,7 @@
 #include "activation.h"
 #include "attention_decode.h"
 #include "attention_prefill.h"
+#include "bias.h"
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_device.h"
 #include "cache_ops.h"
@@ -155,6 +157,11 @@ struct DeviceLayer {
   void* ffn_norm = nullptr;
   void* w_gate_up = nullptr;
   void* w_down = nullptr;
+  // fp32 biases, nullptr where the model has none (ModelConfig::qkv_bias, o_bias, mlp_bias).
+  float* bqkv = nullptr;
+  float* bo = nullptr;
+  float* b_gate_up = nullptr;
+  float* b_down = nullptr;
 };
 
 // Step metadata, laid out identically in pinned staging memory and on the device so that one copy
@@ -254,6 +261,7 @@ class CudaBackend final : public Backend {
   void* ActivationBuffer(Activation which) const;
   int ActivationWidth(Activation which) const;
   const void* LayerWeightPtr(int layer, LayerWeight which) const;
+  const float* LayerBiasPtr(int layer, LayerWeight which) const;
   Status Drain(int first_row, int rows, const LogitsSink& sink);
   Status CopyLogitsToHost(int rows, float* dst);
   Status SampleOnDevice(std::span<const DeviceSampleRow> rows, std::vector<SampledToken>& sampled);
@@ -431,6 +439,12 @@ Status CudaBackend::AllocateWeights() {
       l.ffn_norm = c.TakeBytes(H * es);
       l.w_gate_up = c.TakeBytes(2 * F * H * es);
       l.w_down = c.TakeBytes(H * F * es);
+      if (config_.qkv_bias) l.bqkv = c.Take<float>((NH + 2 * KV) * D);
+      if (config_.o_bias) l.bo = c.Take<float>(H);
+      if (config_.mlp_bias) {
+        l.b_gate_up = c.Take<float>(2 * F);
+        l.b_down = c.Take<float>(H);
+      }
     }
     inv_freq_ = c.Take<float>(D / 2);
   };
@@ -473,6 +487,12 @@ Status CudaBackend::UploadWeights(const LlamaWeights& w) {
   KVFLOW_RETURN_IF_ERROR(upload(w.final_norm, final_norm_));
   if (!w.lm_head.empty()) KVFLOW_RETURN_IF_ERROR(upload_matrix(w.lm_head, lm_head_));
   if (w.layers.size() != layers_.size()) return Status::InvalidArgument("weights have the wrong number of layers");
+  KVFLOW_RETURN_IF_ERROR(CheckBiases(config_, w));
+  auto upload_bias = [&](const std::vector<float>& src, float* dst) -> Status {
+    if (dst == nullptr) return Status::Ok();  // CheckBiases: src is empty too
+    KVFLOW_CUDA_RETURN(cudaMemcpy(dst, src.data(), src.size() * sizeof(float), cudaMemcpyHostToDevice));
+    return Status::Ok();
+  };
   for (size_t i = 0; i < layers_.size(); ++i) {
     const LlamaLayerWeights& src = w.layers[i];
     DeviceLayer& dst = layers_[i];
@@ -482,6 +502,10 @@ Status CudaBackend::UploadWeights(const LlamaWeights& w) {
     KVFLOW_RETURN_IF_ERROR(upload(src.ffn_norm, dst.ffn_norm));
     KVFLOW_RETURN_IF_ERROR(upload_matrix(src.w_gate_up, dst.w_gate_up));
     KVFLOW_RETURN_IF_ERROR(upload_matrix(src.w_down, dst.w_down));
+    KVFLOW_RETURN_IF_ERROR(upload_bias(src.bqkv, dst.bqkv));
+    KVFLOW_RETURN_IF_ERROR(upload_bias(src.bo, dst.bo));
+    KVFLOW_RETURN_IF_ERROR(upload_bias(src.b_gate_up, dst.b_gate_up));
+    KVFLOW_RETURN_IF_ERROR(upload_bias(src.b_down, dst.b_down));
   }
   return Status::Ok();
 }
@@ -506,6 +530,15 @@ Status CudaBackend::FillRandomWeights(uint64_t seed) {
     KVFLOW_RETURN_IF_ERROR(fill(l.ffn_norm, H, 0.1f, 1.0f));
     KVFLOW_RETURN_IF_ERROR(fill(l.w_gate_up, 2 * F * H, matrix_scale(H), 0.0f));
     KVFLOW_RETURN_IF_ERROR(fill(l.w_down, H * F, matrix_scale(F), 0.0f));
+    auto fill_bias = [&](float* p, int64_t count) -> Status {
+      if (p == nullptr) return Status::Ok();
+      KVFLOW_KERNEL_RETURN(cuda::FillUniform(DType::kF32, p, count, seed * 1000003 + tensor++, 0.1f, 0.0f, stream_));
+      return Status::Ok();
+    };
+    KVFLOW_RETURN_IF_ERROR(fill_bias(l.bqkv, (NH + 2 * KV) * D));
+    KVFLOW_RETURN_IF_ERROR(fill_bias(l.bo, H));
+    KVFLOW_RETURN_IF_ERROR(fill_bias(l.b_gate_up, 2 * F));
+    KVFLOW_RETURN_IF_ERROR(fill_bias(l.b_down, H));
   }
   KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
   return Status::Ok();
@@ -781,6 +814,19 @@ const void* CudaBackend::LayerWeightPtr(int layer, LayerWeight which) const {
   return nullptr;
 }
 
+const float* CudaBackend::LayerBiasPtr(int layer, LayerWeight which) const {
+  const DeviceLayer& w = layers_[static_cast<size_t>(layer)];
+  switch (which) {
+    case LayerWeight::kQkv: return w.bqkv;
+    case LayerWeight::kO: return w.bo;
+    case LayerWeight::kGateUp: return w.b_gate_up;
+    case LayerWeight::kDown: return w.b_down;
+    case LayerWeight::kAttnNorm:
+    case LayerWeight::kFfnNorm: break;
+  }
+  return nullptr;
+}
+
 Status CudaBackend::Embed() {
   const int H = config_.hidden_size;
   KVFLOW_KERNEL_RETURN(cuda::GatherRowsToF32(dtype_, embed_, H, config_.vocab_size, device_meta_.tokens,
@@ -801,8 +847,14 @@ Status CudaBackend::RmsNorm(int layer, LayerWeight norm, bool add_delta) {
 }
 
 Status CudaBackend::Linear(int layer, LayerWeight weight, Activation in, Activation out) {
-  return Gemm(ActivationBuffer(in), LayerWeightPtr(layer, weight), ActivationBuffer(out), step_.num_tokens,
-              ActivationWidth(out), ActivationWidth(in), dtype_);
+  KVFLOW_RETURN_IF_ERROR(Gemm(ActivationBuffer(in), LayerWeightPtr(layer, weight), ActivationBuffer(out),
+                              step_.num_tokens, ActivationWidth(out), ActivationWidth(in), dtype_));
+  // HF's Linear adds its bias after the product (before RoPE for q/k): one fp32 add per element.
+  if (const float* bias = LayerBiasPtr(layer, weight)) {
+    KVFLOW_KERNEL_RETURN(cuda::AddBias(dtype_, ActivationBuffer(out), bias, step_.num_tokens, ActivationWidth(out),
+                                       stream_));
+  }
+  return Status::Ok();
 }
 
 Status CudaBackend::Rotary() {
