@@ -55,7 +55,19 @@ std::string WeightMatrix::FormatName() const {
   return name;
 }
 
-bool IsComputableQuantization(DType t) { return t == DType::kQ4_0 || t == DType::kQ4_1 || t == DType::kQ8_0; }
+bool IsComputableQuantization(DType t) {
+  switch (t) {
+    case DType::kQ4_0:
+    case DType::kQ4_1:
+    case DType::kQ8_0:
+    case DType::kQ2_K:
+    case DType::kQ3_K:
+    case DType::kQ4_K:
+    case DType::kQ5_K:
+    case DType::kQ6_K: return true;
+    default: return false;
+  }
+}
 
 Result<WeightPart> ReadWeightPart(const TensorInfo& info, bool keep_quantized) {
   WeightPart part;
