@@ -244,15 +244,28 @@ void QuantizeRowQ8K(const float* x, int64_t blocks, uint8_t* out) {
   }
 }
 
-DotRowFn DotRowFor(DType w, int isa) {
+namespace {
+
+// The portable kernels take one activation row at a time.
+template <float (*Row)(const uint8_t*, const uint8_t*, int64_t)>
+void RowsPortable(const uint8_t* w, const uint8_t* x, size_t x_stride, int nx, int64_t blocks, float* out) {
+  for (int a = 0; a < nx; ++a) out[a] = Row(w, x + a * x_stride, blocks);
+}
+
+}  // namespace
+
+DotRowsFn DotRowsFor(DType w, int isa) {
   switch (w) {
-    case DType::kQ2_K: return isa == 2 ? &avx512::DotRowQ2_K : isa == 1 ? &avx2::DotRowQ2_K : &DotRowQ2_KPortable;
-    case DType::kQ3_K: return isa == 2 ? &avx512::DotRowQ3_K : isa == 1 ? &avx2::DotRowQ3_K : &DotRowQ3_KPortable;
+    case DType::kQ2_K:
+      return isa == 2 ? &avx512::DotRowsQ2_K : isa == 1 ? &avx2::DotRowsQ2_K : &RowsPortable<DotRowQ2_KPortable>;
+    case DType::kQ3_K:
+      return isa == 2 ? &avx512::DotRowsQ3_K : isa == 1 ? &avx2::DotRowsQ3_K : &RowsPortable<DotRowQ3_KPortable>;
     case DType::kQ4_K:
-      return isa == 2 ? &avx512::DotRowQ4_K : isa == 1 ? &avx2::DotRowQ4_K : &DotRowQ45_KPortable<false>;
+      return isa == 2 ? &avx512::DotRowsQ4_K : isa == 1 ? &avx2::DotRowsQ4_K : &RowsPortable<DotRowQ45_KPortable<false>>;
     case DType::kQ5_K:
-      return isa == 2 ? &avx512::DotRowQ5_K : isa == 1 ? &avx2::DotRowQ5_K : &DotRowQ45_KPortable<true>;
-    case DType::kQ6_K: return isa == 2 ? &avx512::DotRowQ6_K : isa == 1 ? &avx2::DotRowQ6_K : &DotRowQ6_KPortable;
+      return isa == 2 ? &avx512::DotRowsQ5_K : isa == 1 ? &avx2::DotRowsQ5_K : &RowsPortable<DotRowQ45_KPortable<true>>;
+    case DType::kQ6_K:
+      return isa == 2 ? &avx512::DotRowsQ6_K : isa == 1 ? &avx2::DotRowsQ6_K : &RowsPortable<DotRowQ6_KPortable>;
     default: return nullptr;
   }
 }

@@ -28,11 +28,13 @@ constexpr bool IsKQuant(DType t) {
 // capped at 127, d = 1 / (-127 / m) (so d is negative when m is positive); all-zero blocks give d = 0.
 void QuantizeRowQ8K(const float* x, int64_t blocks, uint8_t* out);
 
-// sum over `blocks` super-blocks of dot(weight row w, Q8_K row x) for weight type W.
-using DotRowFn = float (*)(const uint8_t* w, const uint8_t* x, int64_t blocks);
+// out[a] = dot(weight row w, Q8_K row x + a * x_stride) over `blocks` super-blocks, for a < nx
+// (1..kMaxDotRows): the SIMD kernels unpack each weight super-block once for all nx rows.
+constexpr int kMaxDotRows = 4;
+using DotRowsFn = void (*)(const uint8_t* w, const uint8_t* x, size_t x_stride, int nx, int64_t blocks, float* out);
 
-// The row kernel for `w` on one instruction set: 0 portable, 1 AVX2 (+FMA, F16C), 2 AVX-512 VL with
+// The kernel for `w` on one instruction set: 0 portable, 1 AVX2 (+FMA, F16C), 2 AVX-512 VL with
 // VNNI (vpdpwssd fuses the scale multiply-add). Callers pick an ISA the CPU has.
-DotRowFn DotRowFor(DType w, int isa);
+DotRowsFn DotRowsFor(DType w, int isa);
 
 }  // namespace kvflow::cpu::kquant

@@ -12,6 +12,7 @@
 #include "util/half.h"
 #include "util/thread_pool.h"
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -407,19 +408,23 @@ KVFLOW_TARGET_AVX512 void TileAvx512(const TileArgs& t) {
   StoreTile<RW, RA>(t, sums);
 }
 
-// K-quants: the row kernels (kquant_dot.cc) over chunks of a few super-blocks, so the tile's
-// weight chunk (at most 4 rows x 8 x 210 bytes) stays in L1 while every activation row meets it.
+// K-quants: the kernels (kquant_dot.cc) over chunks of a few super-blocks, each weight row's chunk
+// unpacked once for all the tile's activation rows; the tile's weight chunk (at most 4 rows x 8 x
+// 210 bytes) and activation chunk (4 x 8 x 292) stay in L1.
 template <int I, DType W, int RW, int RA>
 void TileKQuant(const TileArgs& t) {
+  static_assert(RA <= kquant::kMaxDotRows);
   constexpr int64_t kChunk = 8;
   constexpr size_t kWB = WeightBlockBytes(W), kXB = kquant::kQ8_KBytes;
-  const kquant::DotRowFn dot = kquant::DotRowFor(W, I);
+  const kquant::DotRowsFn dot = kquant::DotRowsFor(W, I);
   float sums[RW][RA] = {};
   for (int64_t b = 0; b < t.blocks; b += kChunk) {
     const int64_t n = std::min(kChunk, t.blocks - b);
     PrefetchAhead<W, RW, kChunk>(t, b);
-    for (int a = 0; a < RA; ++a) {
-      for (int r = 0; r < RW; ++r) sums[r][a] += dot(t.w + r * t.w_stride + b * kWB, t.x + a * t.x_stride + b * kXB, n);
+    for (int r = 0; r < RW; ++r) {
+      float part[RA];
+      dot(t.w + r * t.w_stride + b * kWB, t.x + b * kXB, t.x_stride, RA, n, part);
+      for (int a = 0; a < RA; ++a) sums[r][a] += part[a];
     }
   }
   StoreTile<RW, RA>(t, sums);
@@ -487,10 +492,17 @@ constexpr int TypeIndex(DType t) {
   return 0;
 }
 
+// CPUID.1:ECX.F16C, read directly: clang's __builtin_cpu_supports has no "f16c" (the GGUF fuzz
+// target builds this file with clang). The AVX2 check below covers the OS's ymm state.
+bool HasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+
 Isa DetectIsa() {
   __builtin_cpu_init();
   // libgcc's feature bits include the OS check (XCR0) that the vector state is enabled.
-  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c")) {
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !HasF16c()) {
     return Isa::kPortable;
   }
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
