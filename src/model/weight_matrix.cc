@@ -71,7 +71,9 @@ bool IsComputableQuantization(DType t) {
 
 Result<WeightPart> ReadWeightPart(const TensorInfo& info, bool keep_quantized) {
   WeightPart part;
-  part.rows = info.shape.size() >= 2 ? info.numel() / info.shape.back() : 1;
+  // Rows: the product of every extent but the last (no division: a file may give a zero extent).
+  part.rows = 1;
+  for (size_t i = 0; i + 1 < info.shape.size(); ++i) part.rows *= info.shape[i];
   if (keep_quantized && IsComputableQuantization(info.dtype)) {
     const int64_t block = DTypeBlockElements(info.dtype);
     if (info.shape.empty() || info.shape.back() % block != 0 ||

@@ -11,12 +11,15 @@
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "engine_test_util.h"
 #include "kvflow/engine.h"
 #include "model/byte_level.h"
 #include "model/llama_weights.h"
 #include "model/tensor_source.h"
+#include "model/weight_matrix.h"
 #include "model_file_writers.h"
 
 namespace kvflow {
@@ -183,6 +186,43 @@ TEST(KQuantModel, LoadsAsTheFp32WeightsItsBlocksHold) {
     // A quarter of fp32's bytes or less (Q4_K is 4.5 bits per weight, Q6_K 6.6).
     EXPECT_LT(a->layers[0].w_gate_up.bytes() * 4, b->layers[0].w_gate_up.bytes());
   }
+}
+
+// The load path that keeps blocks checks that a tensor's bytes hold whole super-blocks for every
+// row, so a corrupt file is refused with a message instead of sending the kernels past its end.
+TEST(KQuantModel, KeptBlocksAreSizeChecked) {
+  std::vector<uint8_t> bytes(2 * 144, 0);
+  auto part_of = [&](std::vector<int64_t> shape, size_t nbytes) {
+    TensorInfo info;
+    info.name = "blk.0.attn_q.weight";
+    info.file = "corrupt.gguf";
+    info.dtype = DType::kQ4_K;
+    info.shape = std::move(shape);
+    info.data = bytes.data();
+    info.nbytes = nbytes;
+    return ReadWeightPart(info, true);
+  };
+  Result<WeightPart> ok = part_of({2, 256}, 288);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->dtype, DType::kQ4_K);
+  EXPECT_EQ(ok->rows, 2);
+  EXPECT_EQ(ok->blocks.size(), 288u);
+  for (auto [shape, nbytes] : {std::pair<std::vector<int64_t>, size_t>{{2, 256}, 287},
+                               {{2, 256}, 144},
+                               {{2, 128}, 144},
+                               {{1, 300}, 288}}) {
+    Result<WeightPart> bad = part_of(shape, nbytes);
+    ASSERT_FALSE(bad.ok()) << shape[1] << " " << nbytes;
+    EXPECT_NE(bad.status().ToString().find("do not hold its Q4_K blocks"), std::string::npos) << bad.status().ToString();
+  }
+  // Zero extents (the fuzzer's find: rows came from dividing by the last extent).
+  Result<WeightPart> no_cols = part_of({3, 0}, 0);
+  ASSERT_TRUE(no_cols.ok()) << no_cols.status().ToString();
+  EXPECT_EQ(no_cols->rows, 3);
+  EXPECT_TRUE(no_cols->blocks.empty());
+  Result<WeightPart> no_rows = part_of({0, 256}, 0);
+  ASSERT_TRUE(no_rows.ok()) << no_rows.status().ToString();
+  EXPECT_EQ(no_rows->rows, 0);
 }
 
 RequestOutput Generate(const std::string& path, const std::string& dtype, const std::string& prompt,
