@@ -33,8 +33,9 @@ void QuantizeRowQ8K(const float* x, int64_t blocks, uint8_t* out);
 constexpr int kMaxDotRows = 4;
 using DotRowsFn = void (*)(const uint8_t* w, const uint8_t* x, size_t x_stride, int nx, int64_t blocks, float* out);
 
-// The kernel for `w` on one instruction set: 0 portable, 1 AVX2 (+FMA, F16C), 2 AVX-512 VL with
-// VNNI (vpdpwssd fuses the scale multiply-add). Callers pick an ISA the CPU has.
+// The kernel for `w` on one instruction set: 0 portable, 1 AVX2 (+FMA, F16C), 2 AVX-512 BW/VL with
+// VNNI (vpdpwssd fuses the scale multiply-add; zmm for Q4_K/Q5_K/Q6_K, ymm for Q2_K/Q3_K). Callers
+// pick an ISA the CPU has.
 DotRowsFn DotRowsFor(DType w, int isa);
 
 }  // namespace kvflow::cpu::kquant

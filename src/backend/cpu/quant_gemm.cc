@@ -420,8 +420,19 @@ void TileKQuant(const TileArgs& t) {
   float sums[RW][RA] = {};
   for (int64_t b = 0; b < t.blocks; b += kChunk) {
     const int64_t n = std::min(kChunk, t.blocks - b);
-    PrefetchAhead<W, RW, kChunk>(t, b);
     for (int r = 0; r < RW; ++r) {
+      // On the tile's first activation rows (t.prefetch set), prefetch what this row needs next: its
+      // next chunk, or after its last one the first chunk of the matching row of the tile ahead; a
+      // row at a time, so the prefetches spread over the work instead of coming in one burst.
+      const bool last = b + kChunk >= t.blocks;
+      if (t.prefetch != nullptr) {
+        const uintptr_t start = last ? reinterpret_cast<uintptr_t>(t.prefetch) + r * t.w_stride
+                                     : reinterpret_cast<uintptr_t>(t.w) + r * t.w_stride + (b + kChunk) * kWB;
+        const int64_t next = last ? std::min(kChunk, t.blocks) : std::min(kChunk, t.blocks - b - kChunk);
+        for (uintptr_t offset = 0; offset < next * kWB + 64; offset += 64) {
+          __builtin_prefetch(reinterpret_cast<const void*>(start + offset), 0, 3);
+        }
+      }
       float part[RA];
       dot(t.w + r * t.w_stride + b * kWB, t.x + b * kXB, t.x_stride, RA, n, part);
       for (int a = 0; a < RA; ++a) sums[r][a] += part[a];

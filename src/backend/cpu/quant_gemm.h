@@ -3,8 +3,9 @@
 // quantized per block to 8 bits (the weight type's "vec_dot_type") and each block's dot product
 // runs in integer arithmetic, scaled by the two blocks' scales in float.
 //
-// Three kernel paths, chosen at run time from the CPU's features: AVX-512 with VNNI (vpdpbusd;
-// vpdpwssd on ymm for the K-quants), AVX2 (+FMA, F16C) and portable C++. All of them produce the
+// Three kernel paths, chosen at run time from the CPU's features: AVX-512 with VNNI (vpdpbusd; for
+// the K-quants vpdpwssd, on zmm for Q4_K/Q5_K/Q6_K, on ymm for Q2_K/Q3_K), AVX2 (+FMA, F16C) and
+// portable C++. All of them produce the
 // same quantized activations bit for bit; the products differ only by float summation order.
 #pragma once
 
