@@ -704,6 +704,24 @@ TEST(KQuantGemm, Q8KQuantizationMatchesGgml) {
   }
 }
 
+// One Q8_K quantization serves every K-quant (the backend reuses it across a matrix's parts).
+TEST(KQuantGemm, ActivationsAreSharedAcrossKQuants) {
+  EXPECT_TRUE(SameActivationFormat(DType::kQ4_K, DType::kQ6_K));
+  EXPECT_TRUE(SameActivationFormat(DType::kQ2_K, DType::kQ5_K));
+  EXPECT_TRUE(SameActivationFormat(DType::kQ4_0, DType::kQ8_0));
+  EXPECT_FALSE(SameActivationFormat(DType::kQ4_0, DType::kQ4_1));
+  EXPECT_FALSE(SameActivationFormat(DType::kQ8_0, DType::kQ4_K));
+  std::mt19937 rng(8);
+  const std::vector<float> x = RandomActivations(3, 512, rng);
+  QuantizedActivations first;
+  QuantizeActivations(x.data(), 3, 512, DType::kQ4_K, first);
+  for (DType type : kKQuantTypes) {
+    QuantizedActivations own;
+    QuantizeActivations(x.data(), 3, 512, type, own);
+    EXPECT_EQ(own.data, first.data) << DTypeName(type);
+  }
+}
+
 TEST(KQuantGemm, MatchesDequantizedOnRandomBlocks) {
   std::mt19937 rng(4321);
   std::vector<Shape> shapes;

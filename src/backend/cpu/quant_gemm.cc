@@ -550,6 +550,11 @@ size_t QuantizedActivations::row_bytes() const {
   return static_cast<size_t>(cols / BlockElements(weight_type)) * ActBlockBytes(weight_type);
 }
 
+bool SameActivationFormat(DType a, DType b) {
+  if (IsKQuant(a) || IsKQuant(b)) return IsKQuant(a) && IsKQuant(b);
+  return ActBlockBytes(a) == ActBlockBytes(b);  // Q8_0 (34 bytes) or Q8_1 (40)
+}
+
 void QuantizeActivations(const float* x, int64_t rows, int64_t cols, DType weight_type, QuantizedActivations& out) {
   assert(IsQuantWeightType(weight_type) && "QuantizeActivations: weight type has no kernels");
   assert(cols % BlockElements(weight_type) == 0 && "QuantizeActivations: cols must be a multiple of the block");

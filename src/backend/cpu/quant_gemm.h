@@ -30,6 +30,11 @@ struct QuantizedActivations {
   const uint8_t* row(int64_t r) const { return data.data() + static_cast<size_t>(r) * row_bytes(); }
 };
 
+// Whether activations quantized for `a` weights serve `b` weights as they are (the same ggml
+// vec_dot_type: Q4_0 and Q8_0 take Q8_0, the K-quants all take Q8_K); then setting
+// x.weight_type = b reuses them (a Q4_K_M matrix mixes Q4_K, Q5_K and Q6_K rows).
+bool SameActivationFormat(DType a, DType b);
+
 // Quantizes x [rows, cols] (row-major, row stride cols) for products with `weight_type` weights:
 // per 32-element block d = amax / 127, q = round-to-nearest-even(x / d) (as ggml's SIMD
 // quantize_row_q8_0 / q8_1); for the K-quants per 256 elements as ggml's quantize_row_q8_K_ref
