@@ -14,6 +14,7 @@
 #include "backend/cpu/quant_gemm.h"
 #include "model/ggml_kquant.h"
 #include "model/tensor_source.h"
+#include "util/thread_pool.h"
 
 namespace kvflow::cpu {
 namespace {
@@ -719,6 +720,27 @@ TEST(KQuantGemm, ActivationsAreSharedAcrossKQuants) {
     QuantizedActivations own;
     QuantizeActivations(x.data(), 3, 512, type, own);
     EXPECT_EQ(own.data, first.data) << DTypeName(type);
+  }
+}
+
+// Threads split the weight rows; each output's arithmetic is the same as on one thread.
+TEST(KQuantGemm, ThreadsGiveTheSameOutputs) {
+  std::mt19937 rng(77);
+  for (DType type : kKQuantTypes) {
+    const int64_t rows = 5, cols = 1024, n_rows = 203;
+    const std::vector<uint8_t> weights = RandomKQuantBytes(type, n_rows, cols, rng);
+    const std::vector<float> x = RandomActivations(rows, cols, rng);
+    QuantizedActivations qx;
+    QuantizeActivations(x.data(), rows, cols, type, qx);
+    std::vector<float> serial(static_cast<size_t>(rows * n_rows)), parallel(serial.size());
+    QuantizedMatmul(qx, weights.data(), n_rows, serial.data(), n_rows, false);
+    ThreadPool pool(2);
+    ScopedThreadPool use(&pool);
+    QuantizedActivations px;
+    QuantizeActivations(x.data(), rows, cols, type, px);
+    EXPECT_EQ(px.data, qx.data) << DTypeName(type);
+    QuantizedMatmul(px, weights.data(), n_rows, parallel.data(), n_rows, false);
+    EXPECT_EQ(parallel, serial) << DTypeName(type);
   }
 }
 
