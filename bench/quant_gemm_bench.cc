@@ -1,7 +1,9 @@
 // Quantized-weight matmuls (backend/cpu/quant_gemm.h) against the fp32 sgemm path, on SmolLM2-135M
-// shapes, next to the machine's measured memory read bandwidth.
+// shapes and (for the K-quants, whose rows must hold whole 256-element super-blocks, and the
+// others alike) Llama-3.2-1B shapes, next to the machine's measured memory read bandwidth.
 //
 //   kvflow_bench_quant_gemm [--json out.json] [--isa dispatched|avx2|portable] [--threads 1,2]
+//                           [--types F32,Q4_0,Q4_K,...] [--m 1,4,16]
 //
 // Decode (M = 1) streams every weight once per token, so its roofline is weight bytes / read
 // bandwidth: the weights rotate through copies larger than the last-level cache, as a whole model
@@ -107,9 +109,20 @@ WeightPool MakePool(DType type, std::mt19937& rng) {
     std::memcpy(&pool.bytes[i], &v, 4);
   }
   const uint16_t scale = 0x2120;  // f16 ~0.0102: finite, normal
+  // Where each block keeps its f16 scale and, if it has one, its f16 min / dmin.
+  size_t d_at = 0, min_at = SIZE_MAX;
+  switch (type) {
+    case DType::kQ4_1: min_at = 2; break;
+    case DType::kQ2_K: d_at = 80; min_at = 82; break;
+    case DType::kQ3_K: d_at = 108; break;
+    case DType::kQ4_K:
+    case DType::kQ5_K: min_at = 2; break;
+    case DType::kQ6_K: d_at = 208; break;
+    default: break;
+  }
   for (size_t b = 0; b < pool.bytes.size(); b += block_bytes) {
-    std::memcpy(&pool.bytes[b], &scale, 2);
-    if (type == DType::kQ4_1) std::memcpy(&pool.bytes[b + 2], &scale, 2);
+    std::memcpy(&pool.bytes[b + d_at], &scale, 2);
+    if (min_at != SIZE_MAX) std::memcpy(&pool.bytes[b + min_at], &scale, 2);
   }
   return pool;
 }
@@ -140,6 +153,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"dispatched", "avx2", "portable"}));
   app.add_option("--threads", thread_counts, "Thread counts")->delimiter(',');
   app.add_option("--m", ms, "Activation rows (tokens)")->delimiter(',');
+  std::vector<std::string> type_names = {"F32", "Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"};
+  app.add_option("--types", type_names, "Weight types")->delimiter(',');
   app.add_flag("--warm", warm, "Reuse one copy of each matrix (cache-resident weights: the compute ceiling)");
   CLI11_PARSE(app, argc, argv);
 
@@ -153,20 +168,38 @@ int main(int argc, char** argv) {
     std::printf("memory read bandwidth, %d thread(s): %.1f GB/s (sum over 256 MiB)\n", t, read_gbps[t]);
   }
 
-  const Shape shapes[] = {{"q/o proj", 576, 576}, {"k/v proj", 576, 192}, {"gate/up", 576, 1536},
-                          {"lm head", 576, 49152}, {"down", 1536, 576}};
-  const DType types[] = {DType::kF32, DType::kQ4_0, DType::kQ4_1, DType::kQ8_0};
+  // SmolLM2-135M, then Llama-3.2-1B (K a multiple of 256).
+  const Shape shapes[] = {{"q/o proj", 576, 576},   {"k/v proj", 576, 192},    {"gate/up", 576, 1536},
+                          {"lm head", 576, 49152},  {"down", 1536, 576},       {"1B q/o", 2048, 2048},
+                          {"1B k/v", 2048, 512},    {"1B gate/up", 2048, 8192}, {"1B down", 8192, 2048}};
+  std::vector<DType> types;
+  for (const std::string& name : type_names) {
+    bool known = false;
+    for (DType t : {DType::kF32, DType::kQ4_0, DType::kQ4_1, DType::kQ8_0, DType::kQ2_K, DType::kQ3_K, DType::kQ4_K,
+                    DType::kQ5_K, DType::kQ6_K}) {
+      if (name == kvflow::DTypeName(t)) {
+        types.push_back(t);
+        known = true;
+      }
+    }
+    if (!known) {
+      std::fprintf(stderr, "unknown type %s\n", name.c_str());
+      return 2;
+    }
+  }
   std::mt19937 rng(42);
   std::vector<Result> results;
 
-  std::printf("\n%-5s %-9s %5s %6s %4s %3s %11s %9s %9s %9s %7s\n", "type", "shape", "K", "N", "M", "thr",
+  std::printf("\n%-5s %-10s %5s %6s %4s %3s %11s %9s %9s %9s %7s\n", "type", "shape", "K", "N", "M", "thr",
               "median_us", "quant_us", "wGB/s", "GFLOP/s", "%readBW");
   for (DType type : types) {
     const WeightPool pool = MakePool(type, rng);
     const bool fp32 = type == DType::kF32;
-    const size_t row_bytes_per_32 = fp32 ? 32 * sizeof(float) : kvflow::DTypeBlockBytes(type);
+    const int64_t block = fp32 ? 1 : kvflow::DTypeBlockElements(type);
+    const size_t block_bytes = fp32 ? sizeof(float) : kvflow::DTypeBlockBytes(type);
     for (const Shape& shape : shapes) {
-      const size_t weight_bytes = static_cast<size_t>(shape.n) * (shape.k / 32) * row_bytes_per_32;
+      if (shape.k % block != 0) continue;  // the K-quants need whole super-blocks per row
+      const size_t weight_bytes = static_cast<size_t>(shape.n) * static_cast<size_t>(shape.k / block) * block_bytes;
       const size_t copies = warm ? 1 : std::max<size_t>(1, kPoolBytes / weight_bytes);
       for (int64_t m : ms) {
         std::vector<float> x(static_cast<size_t>(m * shape.k)), y(static_cast<size_t>(m * shape.n));
@@ -197,7 +230,7 @@ int main(int argc, char** argv) {
                    2.0 * static_cast<double>(m) * shape.n * shape.k / seconds / 1e9, 0.0};
           r.bandwidth_ratio = r.weight_gbps / read_gbps[threads];
           results.push_back(r);
-          std::printf("%-5s %-9s %5ld %6ld %4ld %3d %11.1f %9.1f %9.1f %9.1f %6.0f%%\n", r.type.c_str(), r.shape,
+          std::printf("%-5s %-10s %5ld %6ld %4ld %3d %11.1f %9.1f %9.1f %9.1f %6.0f%%\n", r.type.c_str(), r.shape,
                       static_cast<long>(r.k), static_cast<long>(r.n), static_cast<long>(r.m), r.threads, r.seconds * 1e6,
                       r.quantize_seconds * 1e6, r.weight_gbps, r.gflops, 100.0 * r.bandwidth_ratio);
           std::fflush(stdout);

@@ -67,9 +67,9 @@ struct EngineConfig {
   // CUDA only. Share of the GPU's memory for weights, activations and the KV pool (which gets the
   // rest, unless kv_cache_bytes / num_kv_blocks fix it).
   double gpu_memory_utilization = 0.9;
-  // CPU: "auto" keeps a GGUF's Q4_0/Q4_1/Q8_0 matrices in their blocks (dot products on the
-  // quantized weights with 8-bit activations, as llama.cpp computes) and F16/BF16 matrices 16-bit
-  // (widened in registers: exact fp32 products), "f32" dequantizes every
+  // CPU: "auto" keeps a GGUF's Q4_0/Q4_1/Q8_0 and K-quant (Q2_K..Q6_K) matrices in their blocks
+  // (dot products on the quantized weights with 8-bit activations, as llama.cpp computes) and
+  // F16/BF16 matrices 16-bit (widened in registers: exact fp32 products), "f32" dequantizes every
   // weight to fp32 (exact: the reference). CUDA weights/activations/KV: "fp16", "bf16" or "auto" (bf16).
   std::string dtype = "auto";
   // KV cache elements. CPU: "auto" (fp16 when weights stay quantized or 16-bit, as llama.cpp pairs them;

@@ -17,8 +17,8 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
       ->default_val("smollm2-135m");
   app->add_option("--device", c.device, "cpu, cuda or cuda:N")->default_val("cpu");
   app->add_option("--dtype", c.dtype,
-                  "CPU: auto (keep a GGUF's Q4_0/Q4_1/Q8_0 weights quantized, F16/BF16 weights 16-bit) or f32 (exact "
-                  "fp32 reference); "
+                  "CPU: auto (keep a GGUF's Q4_0/Q4_1/Q8_0/K-quant weights quantized, F16/BF16 weights 16-bit) or "
+                  "f32 (exact fp32 reference); "
                   "CUDA: fp16, bf16 or auto (bf16)")
       ->default_val("auto");
   app->add_option("--kv-cache-dtype", c.kv_cache_dtype,

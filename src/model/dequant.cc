@@ -7,6 +7,7 @@
 #include <immintrin.h>
 #endif
 
+#include "model/ggml_kquant.h"
 #include "model/tensor_source.h"
 #include "util/half.h"
 #include "util/thread_pool.h"
@@ -112,19 +113,6 @@ void DequantQ4_1(const uint8_t* src, int64_t blocks, float* out) {
 constexpr int64_t kSuperBlock = 256;
 constexpr size_t kQ2_KBytes = 84, kQ3_KBytes = 110, kQ4_KBytes = 144, kQ5_KBytes = 176, kQ6_KBytes = 210;
 
-// ggml's get_scale_min_k4: Q4_K/Q5_K pack 8 (scale, min) pairs of 6 bits into 12 bytes. Bytes 0..3
-// hold scales 0..3 in their low 6 bits, bytes 4..7 mins 0..3; scales/mins 4..7 keep their low 4
-// bits in the nibbles of bytes 8..11 and their top 2 bits in the top bits of bytes 0..7.
-inline void UnpackScaleMin6(const uint8_t* packed, int j, int* scale, int* min) {
-  if (j < 4) {
-    *scale = packed[j] & 63;
-    *min = packed[j + 4] & 63;
-  } else {
-    *scale = (packed[j + 4] & 0x0f) | ((packed[j - 4] >> 6) << 4);
-    *min = (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4);
-  }
-}
-
 // block_q2_K {uint8 scales[16]; uint8 qs[64]; f16 d; f16 dmin}: 16 sub-blocks of 16, each with a
 // 4-bit scale (low nibble) and 4-bit min (high nibble). Element 128h + 32s + l is bits 2s..2s+1 of
 // qs[32h + l] and lies in sub-block 8h + 2s + l/16; x = (d * scale) * q - dmin * min.
@@ -164,9 +152,7 @@ void DequantQ3_K(const uint8_t* src, int64_t blocks, float* out) {
       const float d = HalfToFloat(LoadU16(block + 108));
       float* y = out + b * kSuperBlock;
       for (int sub = 0; sub < 16; ++sub) {
-        const int low = sub < 8 ? scales[sub] & 0x0f : scales[sub - 8] >> 4;
-        const int high = (scales[8 + sub % 4] >> (2 * (sub / 4))) & 3;
-        const float dl = d * static_cast<float>((low | (high << 4)) - 32);
+        const float dl = d * static_cast<float>(UnpackQ3Scale(scales, sub));
         const int half = sub / 8, s = (sub % 8) / 2, l0 = 16 * (sub % 2);
         const uint8_t high_bit = static_cast<uint8_t>(1u << (4 * half + s));
         for (int l = l0; l < l0 + 16; ++l) {
@@ -179,8 +165,8 @@ void DequantQ3_K(const uint8_t* src, int64_t blocks, float* out) {
 }
 
 // block_q4_K {f16 d; f16 dmin; uint8 scales[12]; uint8 qs[128]}: 8 sub-blocks of 32 with 6-bit
-// scales and mins (UnpackScaleMin6). Element 64c + 32t + l is nibble t of qs[32c + l], in
-// sub-block 2c + t; x = (d * scale) * q - dmin * min.
+// scales and mins (UnpackScaleMin6, model/ggml_kquant.h). Element 64c + 32t + l is nibble t of
+// qs[32c + l], in sub-block 2c + t; x = (d * scale) * q - dmin * min.
 void DequantQ4_K(const uint8_t* src, int64_t blocks, float* out) {
   ForChunks(blocks, kSuperBlock, [&](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {

@@ -85,8 +85,8 @@ class WeightReader {
     return Status::Ok();
   }
 
-  // Block formats that were asked to stay quantized but have no kernels (the K-quants): they are
-  // held as fp32, several times their size in the file.
+  // Block formats that were asked to stay quantized but have no kernels (none today: every GGUF
+  // block format the loader reads has CPU kernels): they are held as fp32, several times their size.
   const std::set<std::string>& dequantized_formats() const { return dequantized_formats_; }
 
   bool Has(const std::string& hf_name, const std::string& gguf_name) const {

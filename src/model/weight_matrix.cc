@@ -55,11 +55,25 @@ std::string WeightMatrix::FormatName() const {
   return name;
 }
 
-bool IsComputableQuantization(DType t) { return t == DType::kQ4_0 || t == DType::kQ4_1 || t == DType::kQ8_0; }
+bool IsComputableQuantization(DType t) {
+  switch (t) {
+    case DType::kQ4_0:
+    case DType::kQ4_1:
+    case DType::kQ8_0:
+    case DType::kQ2_K:
+    case DType::kQ3_K:
+    case DType::kQ4_K:
+    case DType::kQ5_K:
+    case DType::kQ6_K: return true;
+    default: return false;
+  }
+}
 
 Result<WeightPart> ReadWeightPart(const TensorInfo& info, bool keep_quantized) {
   WeightPart part;
-  part.rows = info.shape.size() >= 2 ? info.numel() / info.shape.back() : 1;
+  // Rows: the product of every extent but the last (no division: a file may give a zero extent).
+  part.rows = 1;
+  for (size_t i = 0; i + 1 < info.shape.size(); ++i) part.rows *= info.shape[i];
   const bool half = info.dtype == DType::kF16 || info.dtype == DType::kBF16;  // backend/cpu/half_gemm.h
   if (keep_quantized && (IsComputableQuantization(info.dtype) || half)) {
     const int64_t block = DTypeBlockElements(info.dtype);

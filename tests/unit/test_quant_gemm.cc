@@ -6,12 +6,15 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "backend/cpu/quant_gemm.h"
+#include "model/ggml_kquant.h"
 #include "model/tensor_source.h"
+#include "util/thread_pool.h"
 
 namespace kvflow::cpu {
 namespace {
@@ -453,6 +456,315 @@ TEST(QuantGemm, QuantizeReusesActivationStorage) {
   QuantizeActivations(x.data(), 8, 576, DType::kQ8_0, qx);
   EXPECT_EQ(qx.row_bytes(), 576 / 32 * 34u);
   EXPECT_EQ(qx.weight_type, DType::kQ8_0);
+}
+
+// ---- K-quants (Q2_K..Q6_K with Q8_K activations) --------------------------------------------------
+
+constexpr int64_t kSuperBlock = 256;
+constexpr size_t kQ8_KBytes = 292;
+constexpr DType kKQuantTypes[] = {DType::kQ4_K, DType::kQ6_K, DType::kQ5_K, DType::kQ2_K, DType::kQ3_K};
+
+// ggml's quantize_row_q8_K_ref, written out independently: the element m of largest magnitude
+// (first on ties) maps to -127; q = round-half-even(x * (-127 / m)) capped at 127, d = 1 / (-127 / m).
+std::vector<uint8_t> ReferenceQ8K(const std::vector<float>& x, int64_t rows, int64_t cols) {
+  std::vector<uint8_t> out(static_cast<size_t>(rows * cols / kSuperBlock) * kQ8_KBytes, 0);
+  for (int64_t b = 0; b < rows * cols / kSuperBlock; ++b) {
+    const float* xb = &x[b * kSuperBlock];
+    uint8_t* block = &out[b * kQ8_KBytes];
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < kSuperBlock; ++j) {
+      if (std::fabs(xb[j]) > amax) {
+        amax = std::fabs(xb[j]);
+        max = xb[j];
+      }
+    }
+    if (amax == 0.0f) continue;  // d = 0, q = 0, bsums = 0
+    const float iscale = -127.0f / max;
+    for (int g = 0; g < 16; ++g) {
+      int sum = 0;
+      for (int l = 0; l < 16; ++l) {
+        const int q = std::min(127, static_cast<int>(std::nearbyint(iscale * xb[16 * g + l])));
+        block[4 + 16 * g + l] = static_cast<uint8_t>(static_cast<int8_t>(q));
+        sum += q;
+      }
+      const int16_t bsum = static_cast<int16_t>(sum);
+      std::memcpy(block + 260 + 2 * g, &bsum, 2);
+    }
+    PutF32(block, 1.0f / iscale);
+  }
+  return out;
+}
+
+std::vector<float> DequantizeQ8K(const QuantizedActivations& x) {
+  std::vector<float> out(static_cast<size_t>(x.rows * x.cols));
+  for (int64_t r = 0; r < x.rows; ++r) {
+    for (int64_t b = 0; b < x.cols / kSuperBlock; ++b) {
+      const uint8_t* block = x.row(r) + b * kQ8_KBytes;
+      const float d = GetF32(block);
+      for (int j = 0; j < kSuperBlock; ++j) {
+        out[r * x.cols + b * kSuperBlock + j] = static_cast<int8_t>(block[4 + j]) * d;
+      }
+    }
+  }
+  return out;
+}
+
+// Random valid K-quant blocks: every quant and scale byte random (all scales, mins and quant
+// values occur, none forced to zero), the f16 super-block scales random in [2^-10, 2^-6) of
+// either sign for d, positive for dmin (ggml's quantizers make d of either sign, dmin >= 0).
+std::vector<uint8_t> RandomKQuantBytes(DType type, int64_t n_rows, int64_t cols, std::mt19937& rng) {
+  const size_t block_bytes = DTypeBlockBytes(type);
+  std::vector<uint8_t> out(static_cast<size_t>(n_rows * cols / kSuperBlock) * block_bytes);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> scale(1.0f / 1024, 1.0f / 64);
+  std::bernoulli_distribution negative(0.5);
+  for (size_t b = 0; b < out.size() / block_bytes; ++b) {
+    uint8_t* block = &out[b * block_bytes];
+    for (size_t i = 0; i < block_bytes; ++i) block[i] = static_cast<uint8_t>(byte(rng));
+    const uint16_t d = FloatToHalf(negative(rng) ? -scale(rng) : scale(rng));
+    const uint16_t dmin = FloatToHalf(scale(rng));
+    switch (type) {
+      case DType::kQ2_K: PutU16(block + 80, d); PutU16(block + 82, dmin); break;
+      case DType::kQ3_K: PutU16(block + 108, d); break;
+      case DType::kQ4_K:
+      case DType::kQ5_K: PutU16(block, d); PutU16(block + 2, dmin); break;
+      default: PutU16(block + 208, d); break;  // Q6_K
+    }
+  }
+  return out;
+}
+
+// |dmin * min| of the sub-block holding element k of a row (0 for the types without mins): the
+// kernels subtract the min term separately, so float rounding scales with it as well as with |w|.
+double MinMagnitude(DType type, const uint8_t* row, int64_t k) {
+  const uint8_t* block = row + (k / kSuperBlock) * DTypeBlockBytes(type);
+  const int e = static_cast<int>(k % kSuperBlock);
+  if (type == DType::kQ2_K) return std::fabs(HalfToFloat(GetU16(block + 82))) * (block[e / 16] >> 4);
+  if (type == DType::kQ4_K || type == DType::kQ5_K) {
+    int scale, min;
+    UnpackScaleMin6(block + 4, e / 32, &scale, &min);
+    return std::fabs(HalfToFloat(GetU16(block + 2))) * min;
+  }
+  return 0.0;
+}
+
+// Relative to sum |x_q| * (|w| + |min term|) of the output; the integer sums are exact, the float
+// scaling of a super-block's int32 lanes and the lane / chunk sums round.
+constexpr double kKQuantVsDequantizedTolerance = 1e-5;
+constexpr double kKQuantPathTolerance = 2e-6;
+
+struct KQuantStats {
+  std::map<std::string, ErrorStats> vs_dequantized;  // per path
+  ErrorStats vs_fp32_activations, between_paths;
+};
+
+void CheckKQuantShape(DType type, const Shape& s, std::mt19937& rng, KQuantStats& stats) {
+  SCOPED_TRACE(Describe(type, s));
+  const std::vector<uint8_t> weights = RandomKQuantBytes(type, s.n_rows, s.cols, rng);
+  const std::vector<float> w = Dequantize(type, weights, s.n_rows, s.cols);
+  const std::vector<float> x = RandomActivations(s.rows, s.cols, rng);
+  const size_t w_row_bytes = static_cast<size_t>(s.cols / kSuperBlock) * DTypeBlockBytes(type);
+
+  QuantizedActivations qx;
+  QuantizeActivations(x.data(), s.rows, s.cols, type, qx);
+  ASSERT_EQ(qx.row_bytes(), static_cast<size_t>(s.cols / kSuperBlock) * kQ8_KBytes);
+  ASSERT_EQ(qx.data, ReferenceQ8K(x, s.rows, s.cols));
+  const std::vector<float> xq = DequantizeQ8K(qx);
+
+  const size_t outputs = static_cast<size_t>(s.rows * s.n_rows);
+  std::vector<double> ref(outputs), magnitude(outputs), ref_fp32(outputs), fp32_bound(outputs);
+  for (int64_t m = 0; m < s.rows; ++m) {
+    for (int64_t n = 0; n < s.n_rows; ++n) {
+      double dot = 0, mag = 0, dot32 = 0, bound = 0;
+      for (int64_t b = 0; b < s.cols / kSuperBlock; ++b) {
+        double amax = 0;
+        for (int j = 0; j < kSuperBlock; ++j) {
+          amax = std::max(amax, std::fabs(static_cast<double>(x[m * s.cols + b * kSuperBlock + j])));
+        }
+        for (int j = 0; j < kSuperBlock; ++j) {
+          const int64_t k = b * kSuperBlock + j;
+          const double wk = w[n * s.cols + k], xk = xq[m * s.cols + k];
+          dot += wk * xk;
+          mag += std::fabs(xk) * (std::fabs(wk) + MinMagnitude(type, weights.data() + n * w_row_bytes, k));
+          dot32 += wk * x[m * s.cols + k];
+          // |x - q d| <= |d| / 2 with |d| = amax / 127 (float-rounded, hence the 1e-6).
+          bound += std::fabs(wk) * amax / 127.0 * 0.5 * (1 + 1e-6);
+        }
+      }
+      const size_t i = static_cast<size_t>(m * s.n_rows + n);
+      ref[i] = dot;
+      magnitude[i] = mag;
+      ref_fp32[i] = dot32;
+      fp32_bound[i] = bound;
+    }
+  }
+
+  const int64_t ldy = s.n_rows + 3;
+  std::uniform_real_distribution<float> initial(-2.0f, 2.0f);
+  std::vector<float> y0(static_cast<size_t>(s.rows * ldy));
+  for (float& v : y0) v = initial(rng);
+  for (bool accumulate : {false, true}) {
+    std::vector<float> dispatched_y;
+    for (Path path : kPaths) {
+      ScopedPath scoped(path);
+      const std::string isa = QuantKernelIsa();
+      SCOPED_TRACE("isa=" + isa + (accumulate ? " accumulate" : ""));
+      QuantizedActivations px;
+      QuantizeActivations(x.data(), s.rows, s.cols, type, px);
+      ASSERT_EQ(px.data, qx.data) << "activation quantization differs between paths";
+      std::vector<float> y = y0;
+      QuantizedMatmul(px, weights.data(), s.n_rows, y.data(), ldy, accumulate);
+      for (int64_t m = 0; m < s.rows; ++m) {
+        for (int64_t n = 0; n < ldy; ++n) {
+          const size_t at = static_cast<size_t>(m * ldy + n);
+          if (n >= s.n_rows) {
+            ASSERT_EQ(y[at], y0[at]) << "padding written at m=" << m << " n=" << n;
+            continue;
+          }
+          const size_t i = static_cast<size_t>(m * s.n_rows + n);
+          const double base = accumulate ? y0[at] : 0.0;
+          const double scale = magnitude[i] + std::fabs(base);
+          const double error = std::fabs(y[at] - (base + ref[i]));
+          stats.vs_dequantized[isa].Add(error, scale);
+          ASSERT_LE(error, kKQuantVsDequantizedTolerance * scale + 1e-30) << "m=" << m << " n=" << n;
+          const double error32 = std::fabs(y[at] - (base + ref_fp32[i]));
+          const double bound32 = fp32_bound[i] + kKQuantVsDequantizedTolerance * scale;
+          stats.vs_fp32_activations.Add(error32, bound32);
+          ASSERT_LE(error32, bound32) << "m=" << m << " n=" << n;
+          if (!dispatched_y.empty()) {
+            const double between = std::fabs(static_cast<double>(y[at]) - dispatched_y[at]);
+            stats.between_paths.Add(between, scale);
+            ASSERT_LE(between, kKQuantPathTolerance * scale + 1e-30) << "m=" << m << " n=" << n;
+          }
+        }
+      }
+      if (path == Path::kDispatched) dispatched_y = y;
+      if (!accumulate) {
+        const int64_t m = s.rows - 1, n = s.n_rows / 2;
+        EXPECT_EQ(QuantizedDot(type, weights.data() + n * w_row_bytes, px.row(m), s.cols), y[m * ldy + n]);
+      }
+    }
+  }
+}
+
+TEST(KQuantGemm, Q8KQuantizationMatchesGgml) {
+  std::mt19937 rng(21);
+  for (int64_t cols : {256, 1024}) {
+    std::vector<float> x = RandomActivations(3, cols, rng);
+    std::fill(x.begin() + 256, x.begin() + 512, 0.0f);  // an all-zero super-block (row 0 or 1)
+    // A super-block where -127 / max = -1 exactly: ties go to even (62.5 -> -62, -3.5 -> 4).
+    for (int j = 0; j < 256; ++j) x[j] = std::clamp(x[j], -100.0f, 100.0f);
+    x[7] = 127.0f;
+    x[8] = 62.5f;
+    x[9] = -3.5f;
+    x[10] = -127.0f;  // same magnitude as the max, later: the first one sets the sign
+    const std::vector<uint8_t> expected = ReferenceQ8K(x, 3, cols);
+    for (DType type : kKQuantTypes) {
+      for (Path path : kPaths) {
+        ScopedPath scoped(path);
+        QuantizedActivations qx;
+        QuantizeActivations(x.data(), 3, cols, type, qx);
+        ASSERT_EQ(qx.data, expected) << DTypeName(type) << " cols=" << cols << " isa=" << QuantKernelIsa();
+      }
+    }
+    QuantizedActivations qx;
+    QuantizeActivations(x.data(), 3, cols, DType::kQ4_K, qx);
+    EXPECT_EQ(GetF32(qx.row(0)), -1.0f);
+    EXPECT_EQ(static_cast<int8_t>(qx.row(0)[4 + 8]), -62);
+    EXPECT_EQ(static_cast<int8_t>(qx.row(0)[4 + 9]), 4);
+    EXPECT_EQ(static_cast<int8_t>(qx.row(0)[4 + 10]), 127);
+    // bsums are the sums of 16 quants; round trip within |d| / 2 per element.
+    const std::vector<float> back = DequantizeQ8K(qx);
+    double max_error_over_d = 0;
+    for (int64_t r = 0; r < 3; ++r) {
+      for (int64_t b = 0; b < cols / kSuperBlock; ++b) {
+        const uint8_t* block = qx.row(r) + b * kQ8_KBytes;
+        const float d = GetF32(block);
+        for (int g = 0; g < 16; ++g) {
+          int sum = 0;
+          for (int l = 0; l < 16; ++l) sum += static_cast<int8_t>(block[4 + 16 * g + l]);
+          int16_t bsum;
+          std::memcpy(&bsum, block + 260 + 2 * g, 2);
+          EXPECT_EQ(bsum, sum);
+        }
+        for (int j = 0; j < kSuperBlock; ++j) {
+          const int64_t k = r * cols + b * kSuperBlock + j;
+          const double error = std::fabs(static_cast<double>(x[k]) - back[k]);
+          if (d == 0.0f) {
+            EXPECT_EQ(x[k], 0.0f);
+            EXPECT_EQ(back[k], 0.0f);
+          } else {
+            max_error_over_d = std::max(max_error_over_d, error / std::fabs(d));
+            EXPECT_LE(error, std::fabs(d) * 0.5 * (1 + 1e-5)) << "k=" << k;
+          }
+        }
+      }
+    }
+    std::printf("[quant_gemm] Q8_K cols=%lld round trip: max |x - q d| / |d| = %.4f\n", static_cast<long long>(cols),
+                max_error_over_d);
+  }
+}
+
+// One Q8_K quantization serves every K-quant (the backend reuses it across a matrix's parts).
+TEST(KQuantGemm, ActivationsAreSharedAcrossKQuants) {
+  EXPECT_TRUE(SameActivationFormat(DType::kQ4_K, DType::kQ6_K));
+  EXPECT_TRUE(SameActivationFormat(DType::kQ2_K, DType::kQ5_K));
+  EXPECT_TRUE(SameActivationFormat(DType::kQ4_0, DType::kQ8_0));
+  EXPECT_FALSE(SameActivationFormat(DType::kQ4_0, DType::kQ4_1));
+  EXPECT_FALSE(SameActivationFormat(DType::kQ8_0, DType::kQ4_K));
+  std::mt19937 rng(8);
+  const std::vector<float> x = RandomActivations(3, 512, rng);
+  QuantizedActivations first;
+  QuantizeActivations(x.data(), 3, 512, DType::kQ4_K, first);
+  for (DType type : kKQuantTypes) {
+    QuantizedActivations own;
+    QuantizeActivations(x.data(), 3, 512, type, own);
+    EXPECT_EQ(own.data, first.data) << DTypeName(type);
+  }
+}
+
+// Threads split the weight rows; each output's arithmetic is the same as on one thread.
+TEST(KQuantGemm, ThreadsGiveTheSameOutputs) {
+  std::mt19937 rng(77);
+  for (DType type : kKQuantTypes) {
+    const int64_t rows = 5, cols = 1024, n_rows = 203;
+    const std::vector<uint8_t> weights = RandomKQuantBytes(type, n_rows, cols, rng);
+    const std::vector<float> x = RandomActivations(rows, cols, rng);
+    QuantizedActivations qx;
+    QuantizeActivations(x.data(), rows, cols, type, qx);
+    std::vector<float> serial(static_cast<size_t>(rows * n_rows)), parallel(serial.size());
+    QuantizedMatmul(qx, weights.data(), n_rows, serial.data(), n_rows, false);
+    ThreadPool pool(2);
+    ScopedThreadPool use(&pool);
+    QuantizedActivations px;
+    QuantizeActivations(x.data(), rows, cols, type, px);
+    EXPECT_EQ(px.data, qx.data) << DTypeName(type);
+    QuantizedMatmul(px, weights.data(), n_rows, parallel.data(), n_rows, false);
+    EXPECT_EQ(parallel, serial) << DTypeName(type);
+  }
+}
+
+TEST(KQuantGemm, MatchesDequantizedOnRandomBlocks) {
+  std::mt19937 rng(4321);
+  std::vector<Shape> shapes;
+  for (int64_t rows : {1, 3, 17})
+    for (int64_t cols : {256, 768, 2048})
+      for (int64_t n_rows : {1, 5, 64, 133}) shapes.push_back({rows, cols, n_rows});
+  for (DType type : kKQuantTypes) {
+    KQuantStats stats;
+    for (const Shape& s : shapes) {
+      CheckKQuantShape(type, s, rng, stats);
+      if (HasFatalFailure()) return;
+    }
+    for (const auto& [isa, e] : stats.vs_dequantized) {
+      std::printf("[quant_gemm] %s %-10s vs dequantized weights x Q8_K activations: max abs %.3g, max rel %.3g\n",
+                  DTypeName(type), isa.c_str(), e.max_abs, e.max_rel);
+    }
+    std::printf("[quant_gemm] %s vs fp32 activations: max abs %.3g, max error / bound %.3g | between paths: max abs "
+                "%.3g, max rel %.3g\n",
+                DTypeName(type), stats.vs_fp32_activations.max_abs, stats.vs_fp32_activations.max_rel,
+                stats.between_paths.max_abs, stats.between_paths.max_rel);
+  }
 }
 
 }  // namespace

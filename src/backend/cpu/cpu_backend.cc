@@ -198,13 +198,15 @@ void CpuBackend::Matmul(const WeightMatrix& matrix, const float* x, int64_t M, f
     } else if (cpu::IsHalfWeightType(part.dtype)) {
       cpu::HalfMatmul(part.dtype, x, M, K, part.blocks.data(), part.rows, y + first_row, matrix.rows);
     } else {
-      // Formats that share an activation format (Q4_0 and Q8_0 both take Q8_0) could share this;
-      // mixed parts are rare enough that re-quantizing per format is fine.
-      if (!quantized_for_any || quantized_for != part.dtype) {
+      // Parts whose formats share an activation format (a Q4_K_M matrix's Q4_K, Q5_K and Q6_K rows
+      // all take Q8_K) reuse one quantization of x.
+      if (quantized_for_any && cpu::SameActivationFormat(quantized_for, part.dtype)) {
+        quantized_input_.weight_type = part.dtype;
+      } else {
         cpu::QuantizeActivations(x, M, K, part.dtype, quantized_input_);
         quantized_for_any = true;
-        quantized_for = part.dtype;
       }
+      quantized_for = part.dtype;
       cpu::QuantizedMatmul(quantized_input_, part.blocks.data(), part.rows, y + first_row, matrix.rows, false);
     }
     first_row += part.rows;

@@ -1,14 +1,18 @@
 // Products of GGUF block-quantized weights with 8-bit block-quantized activations, after ggml's
-// ggml_vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0 and llamafile's tiled tinyBLAS_Q0 kernels.
+// ggml_vec_dot_q4_0_q8_0 / q4_1_q8_1 / q8_0_q8_0 and llamafile's tiled tinyBLAS_Q0 kernels; the
+// K-quants' row kernels (Q8_K activations) are in kquant_dot.cc and share the tiling here.
 //
 // The whole library is compiled for x86-64-v3, but the AVX-512 kernels are built with function
 // target attributes and only reached through the run-time dispatch below, so a CPU without AVX-512
 // never executes one of their instructions.
 #include "backend/cpu/quant_gemm.h"
 
+#include "backend/cpu/kquant_dot.h"
+
 #include "util/half.h"
 #include "util/thread_pool.h"
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -17,6 +21,7 @@
 #include <cassert>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <utility>
 
 // GCC 12's AVX-512 intrinsics build "undefined" vectors from self-initialized locals, which its
@@ -49,16 +54,31 @@ constexpr size_t kQ8_0Bytes = 34;
 constexpr size_t kQ8_1Bytes = 40;
 constexpr float kQ8Max = 127.0f;
 
+using kquant::IsKQuant;
+
 constexpr size_t WeightBlockBytes(DType w) {
-  return w == DType::kQ4_0 ? kQ4_0Bytes : w == DType::kQ4_1 ? kQ4_1Bytes : kQ8_0Bytes;
+  switch (w) {
+    case DType::kQ4_0: return kQ4_0Bytes;
+    case DType::kQ4_1: return kQ4_1Bytes;
+    case DType::kQ2_K: return 84;
+    case DType::kQ3_K: return 110;
+    case DType::kQ4_K: return 144;
+    case DType::kQ5_K: return 176;
+    case DType::kQ6_K: return 210;
+    default: return kQ8_0Bytes;
+  }
 }
-constexpr size_t ActBlockBytes(DType w) { return w == DType::kQ4_1 ? kQ8_1Bytes : kQ8_0Bytes; }
+// Elements per weight block and per activation block (the same for each type).
+constexpr int64_t BlockElements(DType w) { return IsKQuant(w) ? kquant::kSuperBlock : kBlock; }
+constexpr size_t ActBlockBytes(DType w) {
+  return IsKQuant(w) ? kquant::kQ8_KBytes : w == DType::kQ4_1 ? kQ8_1Bytes : kQ8_0Bytes;
+}
 // Where the quants start inside a block.
 constexpr size_t WeightQuantOffset(DType w) { return w == DType::kQ4_1 ? 4 : 2; }
 constexpr size_t ActQuantOffset(DType w) { return w == DType::kQ4_1 ? 8 : 2; }
 
 constexpr bool IsQuantWeightType(DType t) {
-  return t == DType::kQ4_0 || t == DType::kQ4_1 || t == DType::kQ8_0;
+  return t == DType::kQ4_0 || t == DType::kQ4_1 || t == DType::kQ8_0 || IsKQuant(t);
 }
 
 inline uint16_t LoadU16(const uint8_t* p) {
@@ -388,6 +408,39 @@ KVFLOW_TARGET_AVX512 void TileAvx512(const TileArgs& t) {
   StoreTile<RW, RA>(t, sums);
 }
 
+// K-quants: the kernels (kquant_dot.cc) over chunks of a few super-blocks, each weight row's chunk
+// unpacked once for all the tile's activation rows; the tile's weight chunk (at most 4 rows x 8 x
+// 210 bytes) and activation chunk (4 x 8 x 292) stay in L1.
+template <int I, DType W, int RW, int RA>
+void TileKQuant(const TileArgs& t) {
+  static_assert(RA <= kquant::kMaxDotRows);
+  constexpr int64_t kChunk = 8;
+  constexpr size_t kWB = WeightBlockBytes(W), kXB = kquant::kQ8_KBytes;
+  const kquant::DotRowsFn dot = kquant::DotRowsFor(W, I);
+  float sums[RW][RA] = {};
+  for (int64_t b = 0; b < t.blocks; b += kChunk) {
+    const int64_t n = std::min(kChunk, t.blocks - b);
+    for (int r = 0; r < RW; ++r) {
+      // On the tile's first activation rows (t.prefetch set), prefetch what this row needs next: its
+      // next chunk, or after its last one the first chunk of the matching row of the tile ahead; a
+      // row at a time, so the prefetches spread over the work instead of coming in one burst.
+      const bool last = b + kChunk >= t.blocks;
+      if (t.prefetch != nullptr) {
+        const uintptr_t start = last ? reinterpret_cast<uintptr_t>(t.prefetch) + r * t.w_stride
+                                     : reinterpret_cast<uintptr_t>(t.w) + r * t.w_stride + (b + kChunk) * kWB;
+        const int64_t next = last ? std::min(kChunk, t.blocks) : std::min(kChunk, t.blocks - b - kChunk);
+        for (uintptr_t offset = 0; offset < next * kWB + 64; offset += 64) {
+          __builtin_prefetch(reinterpret_cast<const void*>(start + offset), 0, 3);
+        }
+      }
+      float part[RA];
+      dot(t.w + r * t.w_stride + b * kWB, t.x + b * kXB, t.x_stride, RA, n, part);
+      for (int a = 0; a < RA; ++a) sums[r][a] += part[a];
+    }
+  }
+  StoreTile<RW, RA>(t, sums);
+}
+
 // ---- dispatch -----------------------------------------------------------------------------------
 
 enum class Isa { kPortable = 0, kAvx2 = 1, kAvx512Vnni = 2 };
@@ -408,6 +461,8 @@ template <Isa I, DType W, int RW, int RA>
 constexpr TileFn TileFor() {
   if constexpr (RW > TileRowsW(I) || RA > TileRowsA(I)) {
     return nullptr;
+  } else if constexpr (IsKQuant(W)) {
+    return &TileKQuant<static_cast<int>(I), W, RW, RA>;
   } else if constexpr (I == Isa::kAvx512Vnni) {
     return &TileAvx512<W, RW, RA>;
   } else if constexpr (I == Isa::kAvx2) {
@@ -427,21 +482,38 @@ constexpr TileTable MakeTable(std::index_sequence<R...>) {
   return {TileRowsW(I), TileRowsA(I), {TileRow<I, W, static_cast<int>(R) + 1>(std::make_index_sequence<kMaxTile>())...}};
 }
 
-template <Isa I>
-constexpr std::array<TileTable, 3> MakeTables() {
-  constexpr auto seq = std::make_index_sequence<kMaxTile>();
-  return {MakeTable<I, DType::kQ4_0>(seq), MakeTable<I, DType::kQ4_1>(seq), MakeTable<I, DType::kQ8_0>(seq)};
+// Weight types in table order.
+constexpr DType kWeightTypes[] = {DType::kQ4_0, DType::kQ4_1, DType::kQ8_0, DType::kQ2_K,
+                                  DType::kQ3_K, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K};
+constexpr size_t kNumWeightTypes = std::size(kWeightTypes);
+
+template <Isa I, size_t... T>
+constexpr std::array<TileTable, kNumWeightTypes> MakeTables(std::index_sequence<T...>) {
+  return {MakeTable<I, kWeightTypes[T]>(std::make_index_sequence<kMaxTile>())...};
 }
 
-constexpr std::array<std::array<TileTable, 3>, 3> kTables = {
-    MakeTables<Isa::kPortable>(), MakeTables<Isa::kAvx2>(), MakeTables<Isa::kAvx512Vnni>()};
+constexpr auto kTypeSeq = std::make_index_sequence<kNumWeightTypes>();
+constexpr std::array<std::array<TileTable, kNumWeightTypes>, 3> kTables = {
+    MakeTables<Isa::kPortable>(kTypeSeq), MakeTables<Isa::kAvx2>(kTypeSeq), MakeTables<Isa::kAvx512Vnni>(kTypeSeq)};
 
-constexpr int TypeIndex(DType t) { return t == DType::kQ4_0 ? 0 : t == DType::kQ4_1 ? 1 : 2; }
+constexpr int TypeIndex(DType t) {
+  for (size_t i = 0; i < kNumWeightTypes; ++i) {
+    if (kWeightTypes[i] == t) return static_cast<int>(i);
+  }
+  return 0;
+}
+
+// CPUID.1:ECX.F16C, read directly: clang's __builtin_cpu_supports has no "f16c" (the GGUF fuzz
+// target builds this file with clang). The AVX2 check below covers the OS's ymm state.
+bool HasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
 
 Isa DetectIsa() {
   __builtin_cpu_init();
   // libgcc's feature bits include the OS check (XCR0) that the vector state is enabled.
-  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c")) {
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !HasF16c()) {
     return Isa::kPortable;
   }
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -475,28 +547,38 @@ constexpr int64_t kPrefetchTiles = 1;
 }  // namespace
 
 size_t QuantizedActivations::row_bytes() const {
-  return static_cast<size_t>(cols / kBlock) * ActBlockBytes(weight_type);
+  return static_cast<size_t>(cols / BlockElements(weight_type)) * ActBlockBytes(weight_type);
+}
+
+bool SameActivationFormat(DType a, DType b) {
+  if (IsKQuant(a) || IsKQuant(b)) return IsKQuant(a) && IsKQuant(b);
+  return ActBlockBytes(a) == ActBlockBytes(b);  // Q8_0 (34 bytes) or Q8_1 (40)
 }
 
 void QuantizeActivations(const float* x, int64_t rows, int64_t cols, DType weight_type, QuantizedActivations& out) {
-  assert(IsQuantWeightType(weight_type) && "QuantizeActivations: weight type is not Q4_0, Q4_1 or Q8_0");
-  assert(cols % kBlock == 0 && "QuantizeActivations: cols must be a multiple of 32");
+  assert(IsQuantWeightType(weight_type) && "QuantizeActivations: weight type has no kernels");
+  assert(cols % BlockElements(weight_type) == 0 && "QuantizeActivations: cols must be a multiple of the block");
   out.weight_type = weight_type;
   out.rows = rows;
   out.cols = cols;
   const size_t row_bytes = out.row_bytes();
   if (out.data.size() < rows * row_bytes) out.data.resize(rows * row_bytes);
-  const int64_t blocks = cols / kBlock;
+  const int64_t blocks = cols / BlockElements(weight_type);
+  const bool q8_k = IsKQuant(weight_type);
   const bool q8_1 = weight_type == DType::kQ4_1;
   const size_t block_bytes = ActBlockBytes(weight_type);
   const bool simd = ActiveIsa() != Isa::kPortable;
-  const bool parallel = rows > 1 && rows * blocks >= kMinParallelQuantizeBlocks;
+  // Thresholds count 32-element blocks (a K-quant super-block is 8 of them).
+  const int64_t blocks32 = blocks * (BlockElements(weight_type) / kBlock);
+  const bool parallel = rows > 1 && rows * blocks32 >= kMinParallelQuantizeBlocks;
   ParallelFor(
       rows,
       [&](int64_t first, int64_t last) {
         for (int64_t r = first; r < last; ++r) {
           uint8_t* dst = out.data.data() + r * row_bytes;
-          if (simd) {
+          if (q8_k) {
+            kquant::QuantizeRowQ8K(x + r * cols, blocks, dst);
+          } else if (simd) {
             QuantizeRowAvx2(x + r * cols, blocks, dst, q8_1, block_bytes);
           } else {
             QuantizeRowPortable(x + r * cols, blocks, dst, q8_1, block_bytes);
@@ -509,7 +591,7 @@ void QuantizeActivations(const float* x, int64_t rows, int64_t cols, DType weigh
 void QuantizedMatmul(const QuantizedActivations& x, const uint8_t* w, int64_t n_rows, float* y, int64_t ldy,
                      bool accumulate) {
   assert(IsQuantWeightType(x.weight_type));
-  const int64_t m_rows = x.rows, blocks = x.cols / kBlock;
+  const int64_t m_rows = x.rows, blocks = x.cols / BlockElements(x.weight_type);
   if (m_rows <= 0 || n_rows <= 0) return;
   const TileTable& table = TableFor(x.weight_type);
   const size_t w_stride = static_cast<size_t>(blocks) * WeightBlockBytes(x.weight_type);
@@ -519,7 +601,8 @@ void QuantizedMatmul(const QuantizedActivations& x, const uint8_t* w, int64_t n_
   const int64_t threads = CurrentThreads();
   const int64_t rows_per_thread = (n_rows + threads - 1) / threads;
   const int64_t chunk = (rows_per_thread + table.rows_w - 1) / table.rows_w * table.rows_w;
-  const bool parallel = threads > 1 && n_rows > table.rows_w && n_rows * m_rows * blocks >= kMinParallelBlockProducts;
+  const int64_t blocks32 = blocks * (BlockElements(x.weight_type) / kBlock);
+  const bool parallel = threads > 1 && n_rows > table.rows_w && n_rows * m_rows * blocks32 >= kMinParallelBlockProducts;
   ParallelFor(
       n_rows,
       [&](int64_t n_begin, int64_t n_end) {
@@ -540,9 +623,9 @@ void QuantizedMatmul(const QuantizedActivations& x, const uint8_t* w, int64_t n_
 }
 
 float QuantizedDot(DType w_type, const uint8_t* w_row, const uint8_t* x_row, int64_t cols) {
-  assert(IsQuantWeightType(w_type) && cols % kBlock == 0);
+  assert(IsQuantWeightType(w_type) && cols % BlockElements(w_type) == 0);
   float result = 0.0f;
-  const int64_t blocks = cols / kBlock;
+  const int64_t blocks = cols / BlockElements(w_type);
   const TileArgs args{w_row, 0, x_row, 0, blocks, &result, 1, false, nullptr};
   TableFor(w_type).tiles[0][0](args);
   return result;
