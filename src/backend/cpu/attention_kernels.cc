@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "backend/cpu/cpu_features.h"
 #include "util/half.h"
 
 // GCC 12's AVX-512 intrinsics build "undefined" vectors from self-initialized locals, which its
@@ -397,12 +398,8 @@ constexpr AttentionKernels kAvx512{"avx512", ScoresAvx512, RowMaxAvx512, ExpAndS
 enum class Level { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 
 Level DetectLevel() {
-  __builtin_cpu_init();
-  // libgcc's feature bits include the OS check (XCR0) that the vector state is enabled.
-  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c")) {
-    return Level::kPortable;
-  }
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") ? Level::kAvx512 : Level::kAvx2;
+  const CpuFeatures& f = DetectedCpuFeatures();
+  return f.avx512 ? Level::kAvx512 : f.avx2 ? Level::kAvx2 : Level::kPortable;
 }
 
 std::atomic<int> level_cap{static_cast<int>(Level::kAvx512)};

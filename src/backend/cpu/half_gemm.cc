@@ -16,6 +16,8 @@
 //    default, vdpbf16ps opt-in (SetHalfBf16DotProducts).
 #include "backend/cpu/half_gemm.h"
 
+#include "backend/cpu/cpu_features.h"
+
 #include <cblas.h>
 #include <immintrin.h>
 
@@ -341,15 +343,8 @@ constexpr TileTable MakeBf16DotTable(std::index_sequence<R...>) {
 constexpr TileTable kBf16DotTable = MakeBf16DotTable(std::make_index_sequence<kMaxTile>());
 
 Isa DetectIsa() {
-  __builtin_cpu_init();
-  // libgcc's feature bits include the OS check (XCR0) that the vector state is enabled.
-  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !__builtin_cpu_supports("f16c")) {
-    return Isa::kPortable;
-  }
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
-    return Isa::kAvx512;
-  }
-  return Isa::kAvx2;
+  const CpuFeatures& f = DetectedCpuFeatures();
+  return f.avx512 ? Isa::kAvx512 : f.avx2 ? Isa::kAvx2 : Isa::kPortable;
 }
 
 Isa DetectedIsa() {
@@ -358,7 +353,7 @@ Isa DetectedIsa() {
 }
 
 bool HasAvx512Bf16() {
-  static const bool has = DetectedIsa() == Isa::kAvx512 && __builtin_cpu_supports("avx512bf16");
+  static const bool has = DetectedCpuFeatures().avx512_bf16;
   return has;
 }
 

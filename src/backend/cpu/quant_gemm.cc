@@ -7,12 +7,11 @@
 // never executes one of their instructions.
 #include "backend/cpu/quant_gemm.h"
 
+#include "backend/cpu/cpu_features.h"
 #include "backend/cpu/kquant_dot.h"
-
 #include "util/half.h"
 #include "util/thread_pool.h"
 
-#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -503,24 +502,9 @@ constexpr int TypeIndex(DType t) {
   return 0;
 }
 
-// CPUID.1:ECX.F16C, read directly: clang's __builtin_cpu_supports has no "f16c" (the GGUF fuzz
-// target builds this file with clang). The AVX2 check below covers the OS's ymm state.
-bool HasF16c() {
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
-}
-
 Isa DetectIsa() {
-  __builtin_cpu_init();
-  // libgcc's feature bits include the OS check (XCR0) that the vector state is enabled.
-  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !HasF16c()) {
-    return Isa::kPortable;
-  }
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
-    return Isa::kAvx512Vnni;
-  }
-  return Isa::kAvx2;
+  const CpuFeatures& f = DetectedCpuFeatures();
+  return f.avx512_vnni ? Isa::kAvx512Vnni : f.avx2 ? Isa::kAvx2 : Isa::kPortable;
 }
 
 Isa DetectedIsa() {
