@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kvflow/status.h"
+#include "model/byte_level.h"
 
 namespace kvflow::test {
 
@@ -515,5 +516,35 @@ class SafetensorsWriter {
   nlohmann::json header_ = nlohmann::json::object();
   Bytes data_;
 };
+
+// A GGUF writer holding a small Llama's metadata and a byte-level tokenizer (256 byte tokens, then
+// <|endoftext|> <|im_start|> <|im_end|>; BOS = EOS = 256), so the engine can run the file once the
+// caller adds tensors.
+inline GgufWriter TinyLlamaGgufMetadata(const std::string& name, int layers, int hidden, int ffn, int heads,
+                                        int kv_heads, float rope_theta = 10000.0f, float rms_norm_eps = 1e-5f) {
+  GgufWriter w;
+  w.AddString("general.architecture", "llama");
+  w.AddString("general.name", name);
+  w.Add("llama.block_count", kU32, static_cast<uint32_t>(layers));
+  w.Add("llama.context_length", kU32, uint32_t{256});
+  w.Add("llama.embedding_length", kU32, static_cast<uint32_t>(hidden));
+  w.Add("llama.feed_forward_length", kU32, static_cast<uint32_t>(ffn));
+  w.Add("llama.attention.head_count", kU32, static_cast<uint32_t>(heads));
+  w.Add("llama.attention.head_count_kv", kU32, static_cast<uint32_t>(kv_heads));
+  w.Add("llama.rope.freq_base", kF32, rope_theta);
+  w.Add("llama.attention.layer_norm_rms_epsilon", kF32, rms_norm_eps);
+  std::vector<std::string> tokens;
+  for (int b = 0; b < 256; ++b) tokens.push_back(ByteLevelSpelling(static_cast<uint8_t>(b)));
+  for (const char* special : {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}) tokens.push_back(special);
+  std::vector<int32_t> types(256, 1);
+  types.insert(types.end(), 3, 3);
+  w.AddString("tokenizer.ggml.model", "gpt2");
+  w.AddString("tokenizer.ggml.pre", "gpt2");
+  w.AddStringArray("tokenizer.ggml.tokens", tokens);
+  w.AddRaw("tokenizer.ggml.token_type", kArray, GgufWriter::ArrayOf<int32_t>(kI32, types));
+  w.Add("tokenizer.ggml.bos_token_id", kU32, uint32_t{256});
+  w.Add("tokenizer.ggml.eos_token_id", kU32, uint32_t{256});
+  return w;
+}
 
 }  // namespace kvflow::test

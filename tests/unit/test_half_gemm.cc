@@ -18,7 +18,6 @@
 #include "backend/cpu/half_gemm.h"
 #include "engine_test_util.h"
 #include "kvflow/engine.h"
-#include "model/byte_level.h"
 #include "model/llama_model.h"
 #include "model/llama_weights.h"
 #include "model/tiny_random.h"
@@ -29,6 +28,7 @@ namespace kvflow {
 namespace {
 
 using test::Bytes;
+using test::RunLogits;
 
 // The test's own conversions (model_file_writers.h: _Float16 and a shift), not the code under test.
 float Widen(DType t, uint16_t bits) { return t == DType::kBF16 ? test::Bf16BitsToFloat(bits) : test::HalfBitsToFloat(bits); }
@@ -234,28 +234,8 @@ std::string GgufName(const std::string& hf) {
 // engine can run it.
 void WriteF16Gguf(const ModelFiles& tiny, const std::string& path) {
   const ModelConfig& c = tiny.config;
-  test::GgufWriter w;
-  w.AddString("general.architecture", "llama");
-  w.AddString("general.name", "tiny-f16");
-  w.Add("llama.block_count", test::kU32, uint32_t(c.num_layers));
-  w.Add("llama.context_length", test::kU32, uint32_t{256});
-  w.Add("llama.embedding_length", test::kU32, uint32_t(c.hidden_size));
-  w.Add("llama.feed_forward_length", test::kU32, uint32_t(c.intermediate_size));
-  w.Add("llama.attention.head_count", test::kU32, uint32_t(c.num_heads));
-  w.Add("llama.attention.head_count_kv", test::kU32, uint32_t(c.num_kv_heads));
-  w.Add("llama.rope.freq_base", test::kF32, c.rope_theta);
-  w.Add("llama.attention.layer_norm_rms_epsilon", test::kF32, c.rms_norm_eps);
-  std::vector<std::string> tokens;
-  for (int b = 0; b < 256; ++b) tokens.push_back(ByteLevelSpelling(static_cast<uint8_t>(b)));
-  for (const char* special : {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}) tokens.push_back(special);
-  std::vector<int32_t> types(256, 1);
-  types.insert(types.end(), 3, 3);
-  w.AddString("tokenizer.ggml.model", "gpt2");
-  w.AddString("tokenizer.ggml.pre", "gpt2");
-  w.AddStringArray("tokenizer.ggml.tokens", tokens);
-  w.AddRaw("tokenizer.ggml.token_type", test::kArray, test::GgufWriter::ArrayOf<int32_t>(test::kI32, types));
-  w.Add("tokenizer.ggml.bos_token_id", test::kU32, uint32_t{256});
-  w.Add("tokenizer.ggml.eos_token_id", test::kU32, uint32_t{256});
+  test::GgufWriter w = test::TinyLlamaGgufMetadata("tiny-f16", c.num_layers, c.hidden_size, c.intermediate_size,
+                                                   c.num_heads, c.num_kv_heads, c.rope_theta, c.rms_norm_eps);
   for (const std::string& name : tiny.tensors->Names()) {
     const TensorInfo& info = *tiny.tensors->Find(name);
     if (info.shape.size() == 1) {
@@ -266,35 +246,6 @@ void WriteF16Gguf(const ModelFiles& tiny, const std::string& path) {
     }
   }
   test::WriteFile(path, w.Build());
-}
-
-// Prefill of `tokens` with every row's logits, then one decode step, through a fresh backend (fp32 KV).
-std::vector<float> RunLogits(const ModelConfig& config, LlamaWeights w, const std::vector<int32_t>& tokens) {
-  KvCacheLayout layout{config.num_layers, 8, config.num_kv_heads, 16, config.head_dim};
-  auto backend = CpuBackend::Create(config, std::move(w), layout, 0, 2).value();
-  LlamaModel model(*backend);
-  std::vector<BlockId> table = {3, 1, 6, 0};
-  ForwardBatch prefill;
-  prefill.tokens.assign(tokens.begin(), tokens.end() - 1);
-  SequenceSlice s;
-  s.num_tokens = static_cast<int32_t>(prefill.tokens.size());
-  s.context_len = s.num_tokens;
-  s.block_table = table;
-  s.logits = LogitsMode::kAll;
-  for (int32_t i = 0; i < s.num_tokens; ++i) prefill.positions.push_back(i);
-  prefill.seqs.push_back(s);
-  std::vector<float> logits, step;
-  EXPECT_TRUE(model.Forward(prefill, logits).ok());
-  ForwardBatch decode;
-  decode.tokens = {tokens.back()};
-  decode.positions = {s.num_tokens};
-  s.num_tokens = 1;
-  s.context_len += 1;
-  s.logits = LogitsMode::kLast;
-  decode.seqs.push_back(s);
-  EXPECT_TRUE(model.Forward(decode, step).ok());
-  logits.insert(logits.end(), step.begin(), step.end());
-  return logits;
 }
 
 // Loads `files` both ways, checks the formats, and compares the logits of a 40-token prefill and

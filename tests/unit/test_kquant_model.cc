@@ -16,7 +16,6 @@
 
 #include "engine_test_util.h"
 #include "kvflow/engine.h"
-#include "model/byte_level.h"
 #include "model/llama_weights.h"
 #include "model/tensor_source.h"
 #include "model/weight_matrix.h"
@@ -31,29 +30,7 @@ constexpr int kHidden = 256, kHeads = 4, kKvHeads = 2, kHeadDim = 64, kFfn = 512
 constexpr int kVocab = 259;  // 256 bytes + 3 specials
 
 test::GgufWriter TinyLlamaMetadata() {
-  test::GgufWriter w;
-  w.AddString("general.architecture", "llama");
-  w.AddString("general.name", "tiny-kquant");
-  w.Add("llama.block_count", test::kU32, uint32_t{kLayers});
-  w.Add("llama.context_length", test::kU32, uint32_t{256});
-  w.Add("llama.embedding_length", test::kU32, uint32_t{kHidden});
-  w.Add("llama.feed_forward_length", test::kU32, uint32_t{kFfn});
-  w.Add("llama.attention.head_count", test::kU32, uint32_t{kHeads});
-  w.Add("llama.attention.head_count_kv", test::kU32, uint32_t{kKvHeads});
-  w.Add("llama.rope.freq_base", test::kF32, 10000.0f);
-  w.Add("llama.attention.layer_norm_rms_epsilon", test::kF32, 1e-5f);
-  std::vector<std::string> tokens;
-  for (int b = 0; b < 256; ++b) tokens.push_back(ByteLevelSpelling(static_cast<uint8_t>(b)));
-  for (const char* special : {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}) tokens.push_back(special);
-  std::vector<int32_t> types(256, 1);
-  types.insert(types.end(), 3, 3);
-  w.AddString("tokenizer.ggml.model", "gpt2");
-  w.AddString("tokenizer.ggml.pre", "gpt2");
-  w.AddStringArray("tokenizer.ggml.tokens", tokens);
-  w.AddRaw("tokenizer.ggml.token_type", test::kArray, test::GgufWriter::ArrayOf<int32_t>(test::kI32, types));
-  w.Add("tokenizer.ggml.bos_token_id", test::kU32, uint32_t{256});
-  w.Add("tokenizer.ggml.eos_token_id", test::kU32, uint32_t{256});
-  return w;
+  return test::TinyLlamaGgufMetadata("tiny-kquant", kLayers, kHidden, kFfn, kHeads, kKvHeads);
 }
 
 // Writes the same model twice: K-quant matrices, and fp32 matrices holding what those blocks

@@ -13,7 +13,6 @@
 #include <set>
 
 #include "backend/cpu/cpu_backend.h"
-#include "model/byte_level.h"
 #include "model/llama_model.h"
 #include "model/llama_weights.h"
 #include "model/tiny_random.h"
@@ -254,28 +253,8 @@ struct GgufOptions {
 // tiny-random with biases as llama.cpp would write it: GGUF names, permuted q/k rows and biases.
 void WriteTinyGguf(const ModelFiles& hf, const std::string& path, const GgufOptions& o) {
   const ModelConfig& c = hf.config;
-  test::GgufWriter w;
-  w.AddString("general.architecture", "llama");
-  w.AddString("general.name", "tiny-biases");
-  w.Add("llama.block_count", test::kU32, static_cast<uint32_t>(c.num_layers));
-  w.Add("llama.context_length", test::kU32, uint32_t{256});
-  w.Add("llama.embedding_length", test::kU32, static_cast<uint32_t>(c.hidden_size));
-  w.Add("llama.feed_forward_length", test::kU32, static_cast<uint32_t>(c.intermediate_size));
-  w.Add("llama.attention.head_count", test::kU32, static_cast<uint32_t>(c.num_heads));
-  w.Add("llama.attention.head_count_kv", test::kU32, static_cast<uint32_t>(c.num_kv_heads));
-  w.Add("llama.rope.freq_base", test::kF32, c.rope_theta);
-  w.Add("llama.attention.layer_norm_rms_epsilon", test::kF32, c.rms_norm_eps);
-  std::vector<std::string> tokens;
-  for (int b = 0; b < 256; ++b) tokens.push_back(ByteLevelSpelling(static_cast<uint8_t>(b)));
-  for (const char* special : {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}) tokens.push_back(special);
-  std::vector<int32_t> types(256, 1);
-  types.insert(types.end(), 3, 3);
-  w.AddString("tokenizer.ggml.model", "gpt2");
-  w.AddString("tokenizer.ggml.pre", "gpt2");
-  w.AddStringArray("tokenizer.ggml.tokens", tokens);
-  w.AddRaw("tokenizer.ggml.token_type", test::kArray, test::GgufWriter::ArrayOf<int32_t>(test::kI32, types));
-  w.Add("tokenizer.ggml.bos_token_id", test::kU32, uint32_t{256});
-  w.Add("tokenizer.ggml.eos_token_id", test::kU32, uint32_t{256});
+  test::GgufWriter w = test::TinyLlamaGgufMetadata("tiny-biases", c.num_layers, c.hidden_size, c.intermediate_size,
+                                                   c.num_heads, c.num_kv_heads, c.rope_theta, c.rms_norm_eps);
 
   const TensorSource& src = *hf.tensors;
   auto add = [&](const std::string& gguf_name, const std::string& hf_name, std::vector<float> values,

@@ -22,6 +22,8 @@
 namespace kvflow {
 namespace {
 
+using test::RunLogits;
+
 test::Bytes Quantize(DType t, const std::vector<float>& x) {
   switch (t) {
     case DType::kQ8_0: return test::QuantizeQ8_0(x);
@@ -88,35 +90,6 @@ WeightPair QuantizeAll(const LlamaWeights& w, DType t, bool layers) {
     p.dequantized.layers.push_back(std::move(f));
   }
   return p;
-}
-
-// Prefill of `tokens` with every row's logits, then one decode step (a GEMV), through a fresh backend.
-std::vector<float> RunLogits(const ModelConfig& config, LlamaWeights w, const std::vector<int32_t>& tokens) {
-  KvCacheLayout layout{config.num_layers, 8, config.num_kv_heads, 16, config.head_dim};
-  auto backend = CpuBackend::Create(config, std::move(w), layout, 0, 2).value();
-  LlamaModel model(*backend);
-  std::vector<BlockId> table = {3, 1, 6, 0};
-  ForwardBatch prefill;
-  prefill.tokens.assign(tokens.begin(), tokens.end() - 1);
-  SequenceSlice s;
-  s.num_tokens = static_cast<int32_t>(prefill.tokens.size());
-  s.context_len = s.num_tokens;
-  s.block_table = table;
-  s.logits = LogitsMode::kAll;
-  for (int32_t i = 0; i < s.num_tokens; ++i) prefill.positions.push_back(i);
-  prefill.seqs.push_back(s);
-  std::vector<float> logits, step;
-  EXPECT_TRUE(model.Forward(prefill, logits).ok());
-  ForwardBatch decode;
-  decode.tokens = {tokens.back()};
-  decode.positions = {s.num_tokens};
-  s.num_tokens = 1;
-  s.context_len += 1;
-  s.logits = LogitsMode::kLast;
-  decode.seqs.push_back(s);
-  EXPECT_TRUE(model.Forward(decode, step).ok());
-  logits.insert(logits.end(), step.begin(), step.end());
-  return logits;
 }
 
 TEST(QuantizedWeights, LogitsMatchTheFp32ModeOnTheSameWeights) {
