@@ -90,6 +90,32 @@ struct DeviceSampleRow {
 // Top alternatives a device sampler returns at most per token.
 constexpr int kMaxDeviceTopLogprobs = 20;
 
+// TriForce's retrieval scoring (triforce/retrieval_cache.h): a KV block is a chunk, scored by its
+// mean key. One sequence's share: the query heads of token row `row` of the step (kQkv, rotated)
+// score each of `blocks`; per query head h, p_h = softmax over the blocks of
+// q_h . mean_key(block, kv_head(h)) / sqrt(head_dim), the mean over the block's tokens (every block
+// is full but the last, which holds num_tokens - (blocks - 1) * block_size); each block's score in
+// the backend's score buffer, at score_offset + its index, gains the sum of p_h over all query heads
+// (the attention mass the chunk would draw, summed over heads: with grouped-query attention every
+// query head of a group counts, so a chunk one head needs is not averaged away).
+struct KvBlockScoreJob {
+  int32_t row = 0;
+  std::vector<BlockId> blocks;
+  int32_t num_tokens = 0;
+  int64_t score_offset = 0;
+};
+
+// Top-k chunk selection over accumulated scores: the first keep_first and the last keep_last of the
+// job's num_blocks are always chosen, the rest by highest score (ties: the lower index), min(k,
+// num_blocks) in all, returned as ascending indices.
+struct KvBlockSelectJob {
+  int64_t score_offset = 0;
+  int32_t num_blocks = 0;
+  int32_t keep_first = 0;
+  int32_t keep_last = 0;
+  int32_t k = 0;
+};
+
 // Where a batch of block moves (planned by the block manager) copies from and to.
 enum class BlockCopyKind { kDeviceToHost, kHostToDevice, kDeviceToDevice };
 
@@ -167,6 +193,19 @@ class Backend {
   // residual += delta (after the last layer).
   virtual Status AddDelta() = 0;
 
+  // ---- retrieval scoring (TriForce) -------------------------------------------------------------
+  // Zeroes the first `size` floats of the backend's block-score buffer (growing it); outside steps.
+  virtual Status ResetKvBlockScores(int64_t size) { return NotSupported("chunk scoring"); }
+  // Adds this layer's scores of every job (KvBlockScoreJob); valid inside `layers`, after WriteKv.
+  virtual Status ScoreKvBlocks(int layer, std::span<const KvBlockScoreJob> jobs) { return NotSupported("chunk scoring"); }
+  // Chooses each job's blocks (KvBlockSelectJob) on the backend; `chosen` receives every job's
+  // ascending indices, one job after the other. Outside steps.
+  virtual Status SelectTopKvBlocks(std::span<const KvBlockSelectJob> jobs, std::vector<int32_t>& chosen) {
+    return NotSupported("chunk selection");
+  }
+  // Copies scores [offset, offset + out.size()) of the buffer to the host (tests, diagnostics).
+  virtual Status ReadKvBlockScores(int64_t offset, std::span<float> out) { return NotSupported("chunk scoring"); }
+
   // Backends that sample on the device accept a sink with sample_rows: only tokens and logprobs
   // cross to the host; same semantics as the CPU Sampler given the same uniforms. Every row's
   // params.logprobs <= kMaxDeviceTopLogprobs.
@@ -184,6 +223,9 @@ class Backend {
   virtual int num_host_blocks() const = 0;
   virtual const ModelConfig& model_config() const = 0;
   virtual std::string Describe() const = 0;
+
+ protected:
+  Status NotSupported(const char* what) const { return Status::Unsupported(Describe() + " has no " + what); }
 };
 
 // Checks a batch against the layout and the config (token ids, positions, block tables, slots,

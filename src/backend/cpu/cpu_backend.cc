@@ -9,6 +9,7 @@
 
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/half_gemm.h"
+#include "backend/cpu/kv_block_select.h"
 #include "backend/cpu/paged_attention.h"
 #include "util/thread_pool.h"
 
@@ -267,6 +268,38 @@ Status CpuBackend::Attention(int layer) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
   cpu::PagedAttention(*batch_, view_slots_, layout_, config_.num_heads, io, kv_element_,
                       Pool(KvTier::kDevice, 0, layer), Pool(KvTier::kDevice, 1, layer), scale);
+  return Status::Ok();
+}
+
+Status CpuBackend::ResetKvBlockScores(int64_t size) {
+  if (size < 0) return Status::InvalidArgument("chunk scoring: negative buffer size");
+  if (static_cast<int64_t>(block_scores_.size()) < size) block_scores_.resize(static_cast<size_t>(size));
+  std::fill(block_scores_.begin(), block_scores_.begin() + size, 0.0f);
+  return Status::Ok();
+}
+
+Status CpuBackend::ScoreKvBlocks(int layer, std::span<const KvBlockScoreJob> jobs) {
+  if (batch_ == nullptr) return Status::Internal("chunk scoring outside a step");
+  if (layer < 0 || layer >= config_.num_layers) return Status::InvalidArgument("chunk scoring: layer out of range");
+  KVFLOW_RETURN_IF_ERROR(cpu::ValidateKvBlockScoreJobs(jobs, layout_, num_tokens_,
+                                                       static_cast<int64_t>(block_scores_.size())));
+  cpu::ScoreKvBlocks(jobs, layout_, config_.num_heads, qkv_.data(), Width(Activation::kQkv), kv_element_,
+                     Pool(KvTier::kDevice, 0, layer), block_scores_);
+  return Status::Ok();
+}
+
+Status CpuBackend::SelectTopKvBlocks(std::span<const KvBlockSelectJob> jobs, std::vector<int32_t>& chosen) {
+  chosen.clear();
+  KVFLOW_RETURN_IF_ERROR(cpu::ValidateKvBlockSelectJobs(jobs, static_cast<int64_t>(block_scores_.size())));
+  cpu::SelectTopKvBlocks(jobs, block_scores_, chosen);
+  return Status::Ok();
+}
+
+Status CpuBackend::ReadKvBlockScores(int64_t offset, std::span<float> out) {
+  if (offset < 0 || offset + static_cast<int64_t>(out.size()) > static_cast<int64_t>(block_scores_.size())) {
+    return Status::InvalidArgument("chunk scores: read outside the buffer");
+  }
+  std::copy_n(block_scores_.begin() + offset, out.size(), out.begin());
   return Status::Ok();
 }
 

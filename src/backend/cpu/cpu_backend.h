@@ -34,6 +34,11 @@ class CpuBackend final : public Backend {
   Status SiluMul() override;
   Status AddDelta() override;
 
+  Status ResetKvBlockScores(int64_t size) override;
+  Status ScoreKvBlocks(int layer, std::span<const KvBlockScoreJob> jobs) override;
+  Status SelectTopKvBlocks(std::span<const KvBlockSelectJob> jobs, std::vector<int32_t>& chosen) override;
+  Status ReadKvBlockScores(int64_t offset, std::span<float> out) override;
+
   Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) override;
   Status TransferKv(std::span<const KvTransfer> transfers) override;
   const KvCacheLayout& kv_layout() const override { return layout_; }
@@ -78,6 +83,7 @@ class CpuBackend final : public Backend {
   int64_t num_tokens_ = 0;
   std::vector<int64_t> slots_;
   std::vector<std::vector<int64_t>> view_slots_;
+  std::vector<float> block_scores_;  // chunk scores (ScoreKvBlocks)
   // Activations, reused across steps.
   std::vector<float> residual_, hidden_, qkv_, attention_, delta_, gate_up_, mlp_, final_rows_;
   // The input rows of the current product, quantized for a weight format (reused across calls).
