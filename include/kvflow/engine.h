@@ -63,6 +63,20 @@ struct EngineConfig {
   int num_speculative_tokens = 4;
   int ngram_max = 4;
   int ngram_min = 1;
+  // "triforce" (TriForce, hierarchical speculation for long contexts): the target over a retrieval
+  // cache (the top chunks of its own KV, a chunk being a KV block) drafts num_speculative_tokens
+  // (gamma2) tokens for the target with its full cache to verify; a bottom drafter proposes
+  // triforce_draft_tokens (gamma1) tokens at a time for the middle to verify. Exact rejection
+  // sampling at both levels: greedy outputs are plain decoding's, sampled ones follow the target's
+  // distribution. Sequences below triforce_min_context decode plainly.
+  std::string triforce_draft = "ngram";  // bottom: "ngram", "streaming" (the target over sinks + window) or "draft_model" (speculative_model, sinks + window)
+  int triforce_draft_tokens = 3;          // gamma1
+  int triforce_budget = 0;                // retrieval cache tokens; 0: context/8 within [256, 4096]
+  int triforce_rebuild_stride = 1024;     // tokens appended before the cache is rebuilt; 0: on low acceptance only
+  double triforce_rebuild_acceptance = 0.5;  // rolling acceptance below which it is rebuilt
+  int triforce_min_context = 2048;        // shorter contexts decode plainly (it would not pay)
+  int triforce_sinks = 16;                // streaming bottom: attention-sink tokens
+  int triforce_window = 256;              // streaming bottom: recent tokens
 
   // CUDA only. Share of the GPU's memory for weights, activations and the KV pool (which gets the
   // rest, unless kv_cache_bytes / num_kv_blocks fix it).
@@ -98,6 +112,17 @@ struct SpecDecodeStats {
   int64_t num_draft_tokens = 0;
   int64_t num_accepted_tokens = 0;
   std::vector<int64_t> accepted_per_position;  // drafts accepted at position 0, 1, ...
+  // TriForce (speculative_method "triforce"): its middle level (the target over a retrieval cache)
+  // verifying the bottom drafter's tokens, per sequence pass.
+  int64_t middle_passes = 0;
+  int64_t middle_draft_tokens = 0;     // bottom drafts the middle verified
+  int64_t middle_accepted_tokens = 0;  // of those, kept
+  int64_t bottom_passes = 0;           // model passes of a bottom drafter (none for n-gram)
+  int64_t retrieval_builds = 0;        // retrieval caches built or rebuilt (full-cache middle passes)
+  int64_t plain_steps = 0;             // sequence steps decoded without drafts because TriForce would not pay
+  int64_t retrieval_caches = 0;        // sequences holding a retrieval cache now (a gauge)
+  double middle_seconds = 0;           // wall time in middle passes (builds included)
+  double bottom_seconds = 0;           // wall time in the bottom drafter
 };
 
 struct EngineStats {

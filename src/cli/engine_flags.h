@@ -49,11 +49,39 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
                 "s3: do not retrain the predictor on completed requests");
   app->add_option("--speculative-method", c.speculative_method,
                   "Speculative decoding, lossless: ngram (draft by looking the last tokens up earlier in the "
-                  "sequence) or draft_model (sample drafts from --speculative-model). Default: off, or draft_model "
-                  "when --speculative-model is given");
+                  "sequence), draft_model (sample drafts from --speculative-model) or triforce (long contexts: the "
+                  "model over a retrieval cache of its own KV drafts for the model with its full cache). Default: "
+                  "off, or draft_model when --speculative-model is given");
   app->add_option("--speculative-model", c.speculative_model,
-                  "draft_model: a smaller model with the same tokenizer (path or short name), on the same device");
-  app->add_option("--num-speculative-tokens", c.num_speculative_tokens, "Drafts per step at most")->default_val(4);
+                  "draft_model (or triforce with --triforce-draft draft_model): a smaller model with the same "
+                  "tokenizer (path or short name), on the same device");
+  app->add_option("--num-speculative-tokens", c.num_speculative_tokens,
+                  "Drafts per step at most (triforce: gamma2, the tokens the middle level drafts per full-cache pass)")
+      ->default_val(4);
+  app->add_option("--triforce-draft", c.triforce_draft,
+                  "triforce: the bottom drafter proposing to the retrieval level: ngram, streaming (the model over "
+                  "attention sinks + a recent window) or draft_model (--speculative-model over sinks + window)")
+      ->default_val("ngram");
+  app->add_option("--triforce-draft-tokens", c.triforce_draft_tokens,
+                  "triforce: gamma1, tokens the bottom drafter proposes per retrieval-level pass")
+      ->default_val(3);
+  app->add_option("--triforce-budget", c.triforce_budget,
+                  "triforce: tokens in the retrieval cache (top KV blocks by their mean key's attention); 0 = "
+                  "context/8 within [256, 4096]")
+      ->default_val(0);
+  app->add_option("--triforce-rebuild-stride", c.triforce_rebuild_stride,
+                  "triforce: rebuild the retrieval cache after this many new tokens (0 = on low acceptance only)")
+      ->default_val(1024);
+  app->add_option("--triforce-rebuild-acceptance", c.triforce_rebuild_acceptance,
+                  "triforce: rebuild it when the rolling acceptance falls below this")
+      ->default_val(0.5);
+  app->add_option("--triforce-min-context", c.triforce_min_context,
+                  "triforce: sequences with a shorter context decode plainly (it would not pay)")
+      ->default_val(2048);
+  app->add_option("--triforce-sinks", c.triforce_sinks, "triforce streaming/draft_model bottom: attention sinks")
+      ->default_val(16);
+  app->add_option("--triforce-window", c.triforce_window, "triforce streaming/draft_model bottom: recent window")
+      ->default_val(256);
   app->add_option("--ngram-max,--prompt-lookup-max", c.ngram_max, "ngram: longest suffix looked up")->default_val(4);
   app->add_option("--ngram-min,--prompt-lookup-min", c.ngram_min, "ngram: shortest suffix looked up")->default_val(1);
   app->add_option("--threads", c.num_threads, "CPU threads (0 = all cores)")->default_val(0);

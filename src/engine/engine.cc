@@ -16,6 +16,7 @@
 #include "sched/policy.h"
 #include "spec/draft_model.h"
 #include "spec/ngram_drafter.h"
+#include "triforce/triforce_drafter.h"
 
 namespace kvflow {
 
@@ -50,9 +51,24 @@ EngineCoreConfig CoreConfig(const EngineConfig& c, const ModelConfig& model, con
   return core;
 }
 
-// The engine's drafter for speculative decoding: none, n-gram lookup, or the draft model on
-// `draft_backend` (whose pool holds the target's `num_table_blocks` and the drafter's scratch).
-std::unique_ptr<Drafter> MakeDrafter(const EngineConfig& c, Backend* draft_backend, int num_table_blocks) {
+// Blocks of the target's pool the engine's drafter keeps for itself (TriForce's lanes), past those
+// the block manager owns.
+int DrafterScratchBlocks(const EngineConfig& c) {
+  return c.speculative_method == "triforce"
+             ? TriForceDrafter::TargetScratchBlocks(TriForceConfig::FromEngine(c), c.block_size)
+             : 0;
+}
+
+// The engine's drafter for speculative decoding: none, n-gram lookup, the draft model on
+// `draft_backend` (whose pool holds the target's `num_table_blocks` and the drafter's scratch), or
+// TriForce over the target's own backend (and the draft model as its bottom level).
+std::unique_ptr<Drafter> MakeDrafter(const EngineConfig& c, Backend& target, Backend* draft_backend,
+                                     int num_table_blocks) {
+  if (c.speculative_method == "triforce") {
+    return std::make_unique<TriForceDrafter>(TriForceConfig::FromEngine(c), target,
+                                             target.kv_layout().num_blocks - DrafterScratchBlocks(c), draft_backend,
+                                             target.kv_layout().num_blocks);
+  }
   if (c.speculative_method == "ngram") {
     return std::make_unique<NgramDrafter>(NgramDrafterConfig{c.num_speculative_tokens, c.ngram_max, c.ngram_min});
   }
@@ -74,8 +90,9 @@ class EngineImpl final : public EvaluationEngine {
         tokenizer_(std::move(files.tokenizer)),
         backend_(std::move(backend)),
         draft_backend_(std::move(draft_backend)),
-        drafter_(MakeDrafter(config_, draft_backend_.get(), backend_->kv_layout().num_blocks)),
-        core_(CoreConfig(config_, model_config_, *tokenizer_, backend_->kv_layout().num_blocks,
+        drafter_(MakeDrafter(config_, *backend_, draft_backend_.get(), backend_->kv_layout().num_blocks)),
+        core_(CoreConfig(config_, model_config_, *tokenizer_,
+                         backend_->kv_layout().num_blocks - DrafterScratchBlocks(config_),
                          backend_->num_host_blocks(), preemption, drafter_.get()),
               std::move(policy), std::move(supervisor), tokenizer_.get()),
         executor_(*backend_, core_.block_manager()) {
@@ -208,16 +225,24 @@ Status ValidateEngineConfig(const EngineConfig& c) {
   if (c.kv_cache_bytes < 0 || c.num_kv_blocks < 0) return Status::InvalidArgument("KV cache size must be >= 0");
   if (c.swap_space_bytes < 0) return Status::InvalidArgument("swap_space must be >= 0");
   if (!c.speculative_method.empty()) {
-    if (c.speculative_method != "ngram" && c.speculative_method != "draft_model") {
-      return Status::InvalidArgument("speculative_method must be ngram or draft_model (or empty: off), not '" +
+    if (c.speculative_method != "ngram" && c.speculative_method != "draft_model" && c.speculative_method != "triforce") {
+      return Status::InvalidArgument("speculative_method must be ngram, draft_model or triforce (or empty: off), not '" +
                                      c.speculative_method + "'");
+    }
+    if (c.speculative_method == "triforce") {
+      KVFLOW_RETURN_IF_ERROR(TriForceConfig::FromEngine(c).Validate());
+      if (c.triforce_draft == "draft_model" && c.speculative_model.empty()) {
+        return Status::InvalidArgument("triforce_draft draft_model needs speculative_model (--speculative-model)");
+      }
     }
     KVFLOW_RETURN_IF_ERROR((NgramDrafterConfig{c.num_speculative_tokens, c.ngram_max, c.ngram_min}).Validate());
     if (c.speculative_method == "draft_model" && c.speculative_model.empty()) {
       return Status::InvalidArgument("speculative_method draft_model needs speculative_model (--speculative-model)");
     }
-    if (c.speculative_method == "ngram" && !c.speculative_model.empty()) {
-      return Status::InvalidArgument("speculative_model is for speculative_method draft_model, not ngram");
+    if ((c.speculative_method == "ngram" || (c.speculative_method == "triforce" && c.triforce_draft != "draft_model")) &&
+        !c.speculative_model.empty()) {
+      return Status::InvalidArgument("speculative_model is for speculative_method draft_model (or triforce with "
+                                     "triforce_draft draft_model), not " + c.speculative_method);
     }
   }
   KVFLOW_ASSIGN_OR_RETURN(int device, ParseDevice(c.device));
@@ -300,8 +325,21 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEvaluationEngine(const EngineCon
   files.tensors.reset();  // the weights are copies now; drop the mapping
   KVFLOW_ASSIGN_OR_RETURN(auto backend, CreateBackend(config, input.max_model_len > 0, mc, std::move(weights)));
   std::unique_ptr<Backend> draft_backend;
-  if (config.speculative_method == "draft_model") {
-    KVFLOW_ASSIGN_OR_RETURN(draft_backend, CreateDraftModelBackend(config, *backend, mc, *files.tokenizer));
+  const bool triforce = config.speculative_method == "triforce";
+  if (config.speculative_method == "draft_model" || (triforce && config.triforce_draft == "draft_model")) {
+    const int scratch =
+        triforce ? TriForceDrafter::DraftScratchBlocks(TriForceConfig::FromEngine(config), config.block_size)
+                 : DraftModel::ScratchBlocks(config.num_speculative_tokens, config.max_num_seqs, config.block_size);
+    KVFLOW_ASSIGN_OR_RETURN(draft_backend, CreateDraftModelBackend(config, *backend, mc, *files.tokenizer, scratch));
+  }
+  if (triforce) {
+    const int scratch = DrafterScratchBlocks(config);
+    if (backend->kv_layout().num_blocks - scratch < BlocksForTokens(config.max_model_len, config.block_size)) {
+      return Status::InvalidArgument(
+          "triforce: the KV pool of " + std::to_string(backend->kv_layout().num_blocks) + " blocks cannot hold " +
+          std::to_string(scratch) + " blocks of drafting lanes and one max_model_len sequence; raise kv_cache_bytes or "
+          "lower max_num_seqs / max_model_len");
+    }
   }
   KVFLOW_ASSIGN_OR_RETURN(auto supervisor, CreateLengthSupervisor(config, evaluation, *files.tokenizer));
   auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(draft_backend),

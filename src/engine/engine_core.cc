@@ -328,6 +328,7 @@ Status EngineCore::CommitDrafts(RequestState& req, SeqState& seq, const Schedule
     stats_.spec.accepted_per_position.resize(static_cast<size_t>(drafted), 0);
   }
   for (int64_t i = 0; i < accepted; ++i) ++stats_.spec.accepted_per_position[static_cast<size_t>(i)];
+  if (config_.drafter) config_.drafter->OnVerified(seq.seq->id, drafted, accepted);
   if (seq.finish != FinishReason::kNone) return Status::Ok();  // finished: its blocks are free already
   return scheduler_.CommitDrafts(step, accepted);
 }
@@ -387,6 +388,7 @@ FinishReason EngineCore::AppendTokens(RequestState& req, SeqState& st, std::span
 
 void EngineCore::FinishSequence(SeqState& seq, FinishReason why) {
   seq.finish = why;
+  if (config_.drafter) config_.drafter->Forget(seq.seq->id);
   scheduler_.FinishSequence(*seq.seq);
 }
 
@@ -451,11 +453,19 @@ void EngineCore::FailRequest(RequestId id, const Status& error, bool in_schedule
   event.finish_reason = error.code() == StatusCode::kCancelled ? FinishReason::kCancelled : FinishReason::kError;
   event.error = error;
   if (req->on_event) req->on_event(event);
+  if (config_.drafter) {
+    for (const auto& st : req->seqs) config_.drafter->Forget(st->seq->id);
+  }
   if (in_scheduler) scheduler_.RemoveGroup(id);
   requests_.erase(it);
 }
 
 void EngineCore::Forget(RequestId id) {
+  if (config_.drafter) {
+    if (auto it = requests_.find(id); it != requests_.end()) {
+      for (const auto& st : it->second->seqs) config_.drafter->Forget(st->seq->id);
+    }
+  }
   scheduler_.RemoveGroup(id);
   requests_.erase(id);
 }
@@ -499,6 +509,7 @@ EngineStats EngineCore::stats() const {
     s.s3.predict_seconds = l.predict_seconds;
     s.s3.update_seconds = l.update_seconds;
   }
+  if (config_.drafter) config_.drafter->AddStats(s.spec);
   return s;
 }
 

@@ -117,6 +117,22 @@ std::string ServerMetrics::Render(const EngineStats& s) const {
     out += "kvflow:spec_decode_num_accepted_tokens_per_pos_total{position=\"" + std::to_string(i) + "\"} " +
            Num(static_cast<double>(s.spec.accepted_per_position[i])) + "\n";
   }
+  // TriForce's middle level (the target over its retrieval cache) and its bottom drafter.
+  Metric(&out, "kvflow:triforce_middle_passes_total", "counter", "Sequence passes of the target over a retrieval cache.",
+         static_cast<double>(s.spec.middle_passes));
+  Metric(&out, "kvflow:triforce_middle_draft_tokens_total", "counter", "Bottom drafts the retrieval level verified.",
+         static_cast<double>(s.spec.middle_draft_tokens));
+  Metric(&out, "kvflow:triforce_middle_accepted_tokens_total", "counter", "Bottom drafts the retrieval level kept.",
+         static_cast<double>(s.spec.middle_accepted_tokens));
+  Metric(&out, "kvflow:triforce_bottom_passes_total", "counter", "Sequence passes of a model-based bottom drafter.",
+         static_cast<double>(s.spec.bottom_passes));
+  Metric(&out, "kvflow:triforce_retrieval_builds_total", "counter", "Retrieval caches built or rebuilt.",
+         static_cast<double>(s.spec.retrieval_builds));
+  Metric(&out, "kvflow:triforce_plain_steps_total", "counter",
+         "Sequence steps decoded without drafts because TriForce would not pay (short context, low acceptance).",
+         static_cast<double>(s.spec.plain_steps));
+  Metric(&out, "kvflow:triforce_retrieval_caches", "gauge", "Sequences holding a retrieval cache.",
+         static_cast<double>(s.spec.retrieval_caches));
   Metric(&out, "kvflow:request_cancelled_total", "counter", "Requests cancelled (client gone or shutdown).",
          static_cast<double>(cancelled_.load()));
   Metric(&out, "kvflow:request_failure_total", "counter", "Requests that failed in the engine.",

@@ -14,7 +14,8 @@
 namespace kvflow {
 
 Result<std::unique_ptr<Backend>> CreateDraftModelBackend(const EngineConfig& config, const Backend& target,
-                                                         const ModelConfig& target_model, const Tokenizer& tokenizer) {
+                                                         const ModelConfig& target_model, const Tokenizer& tokenizer,
+                                                         int scratch_blocks) {
   KVFLOW_ASSIGN_OR_RETURN(std::string path, ResolveModel(config.speculative_model));
   KVFLOW_ASSIGN_OR_RETURN(ModelFiles files, OpenModelFiles(path));
   const ModelConfig& mc = files.config;
@@ -35,8 +36,7 @@ Result<std::unique_ptr<Backend>> CreateDraftModelBackend(const EngineConfig& con
   KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadWeightsFor(files, config));
   files.tensors.reset();
   EngineConfig draft = config;
-  draft.num_kv_blocks = target.kv_layout().num_blocks +
-                        DraftModel::ScratchBlocks(config.num_speculative_tokens, config.max_num_seqs, config.block_size);
+  draft.num_kv_blocks = target.kv_layout().num_blocks + scratch_blocks;
   draft.num_host_kv_blocks = target.num_host_blocks();
   KVFLOW_ASSIGN_OR_RETURN(auto backend, CreateBackend(draft, /*max_model_len_requested=*/true, mc, std::move(weights)));
   if (backend->kv_layout().num_blocks < draft.num_kv_blocks || backend->num_host_blocks() != target.num_host_blocks()) {

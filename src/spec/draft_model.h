@@ -27,10 +27,12 @@
 namespace kvflow {
 
 // The draft model's backend for an engine on `target`: config.speculative_model on the same
-// device, its pool the target's blocks (which it follows) plus the drafter's scratch. Refused with a
-// clear error when its tokenizer is not the target's or its context is shorter than max_model_len.
+// device, its pool the target's blocks (which it follows) plus `scratch_blocks` of the drafter's.
+// Refused with a clear error when its tokenizer is not the target's or its context is shorter than
+// max_model_len.
 Result<std::unique_ptr<Backend>> CreateDraftModelBackend(const EngineConfig& config, const Backend& target,
-                                                         const ModelConfig& target_model, const Tokenizer& tokenizer);
+                                                         const ModelConfig& target_model, const Tokenizer& tokenizer,
+                                                         int scratch_blocks);
 
 class DraftModel final : public Drafter {
  public:

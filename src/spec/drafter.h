@@ -14,6 +14,7 @@ namespace kvflow {
 class Sampler;
 struct SamplingParams;
 struct SchedSequence;
+struct SpecDecodeStats;
 
 // One sequence's drafts for the coming step. The sequence is decoding: all its tokens but the last
 // are in the KV cache.
@@ -38,6 +39,13 @@ class Drafter {
   virtual int num_speculative_tokens() const = 0;
   // Fills every job's drafts, as one batch.
   virtual void Propose(std::span<DraftJob* const> jobs) = 0;
+  // The target verified `drafted` of a sequence's drafts and kept `accepted` (a drafter that
+  // adapts, e.g. TriForce's retrieval cache, learns from it).
+  virtual void OnVerified(int64_t seq_id, int64_t drafted, int64_t accepted) {}
+  // The sequence is gone (finished, failed or cancelled): drop what the drafter keeps for it.
+  virtual void Forget(int64_t seq_id) {}
+  // Adds the drafter's own counters (its levels, passes) to the engine's.
+  virtual void AddStats(SpecDecodeStats& stats) const {}
 };
 
 }  // namespace kvflow

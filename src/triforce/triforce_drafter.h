@@ -1,0 +1,94 @@
+// TriForce (Sun et al. 2024, seed 003): lossless hierarchical speculative decoding for long
+// contexts, as the engine's Drafter. Three levels:
+//
+//   bottom  - proposes gamma1 tokens at a time: the n-gram lookup, the target over a StreamingLLM
+//             cache (attention sinks + recent window; MagicDec's self-speculation), or a small
+//             draft model over its own StreamingLLM cache;
+//   middle  - the target over its retrieval cache (triforce/retrieval_cache.h) verifies them in one
+//             pass, again and again, until gamma2 tokens are drafted;
+//   top     - the target with its full cache verifies the gamma2 tokens in the engine's step
+//             (spec/speculative_sampling.h).
+//
+// Exact at both levels: the middle keeps a bottom draft d with probability min(1, q_mid(d) /
+// q_bot(d)) and otherwise draws from the residual norm(max(0, q_mid - q_bot)) (one-hot n-gram
+// drafts: draw x ~ q_mid, keep d iff x == d), so every token it hands up is distributed as q_mid,
+// the row it hands up with it; the top then applies the same rule with p. (The published code
+// resamples rejected middle tokens from q_mid itself, which is not exact.)
+//
+// The middle and a streaming bottom run on the target's backend between the engine's steps, their
+// drafted K/V in scratch lanes past the blocks the block manager owns (triforce/lane_pass.h).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "backend/backend.h"
+#include "kvflow/engine.h"
+#include "spec/drafter.h"
+#include "spec/ngram_drafter.h"
+#include "triforce/lane_pass.h"
+#include "triforce/retrieval_cache.h"
+
+namespace kvflow {
+
+struct TriForceConfig {
+  int gamma2 = 6;  // tokens the middle drafts for each full-cache verification
+  int gamma1 = 3;  // tokens the bottom proposes to each middle pass
+  std::string bottom = "ngram";  // "ngram", "streaming" or "draft_model"
+  RetrievalPolicy retrieval;
+  int sinks = 16;    // streaming bottom (or draft model): sink tokens
+  int window = 256;  // and recent tokens
+  int ngram_max = 4;
+  int ngram_min = 1;
+  int max_num_seqs = 64;  // scratch lanes
+
+  static TriForceConfig FromEngine(const EngineConfig& config);
+  Status Validate() const;
+};
+
+class TriForceDrafter final : public Drafter {
+ public:
+  // `target`: the engine's backend; its blocks from `target_scratch` on hold the lanes
+  // (TargetScratchBlocks). `draft`: the bottom draft model's backend (bottom "draft_model", else
+  // null), following the target's tables, its blocks from `draft_scratch` on for lanes.
+  TriForceDrafter(const TriForceConfig& config, Backend& target, BlockId target_scratch, Backend* draft,
+                  BlockId draft_scratch);
+  ~TriForceDrafter() override;
+
+  // Scratch blocks past the block manager's in the target's pool, and in the draft model's.
+  static int TargetScratchBlocks(const TriForceConfig& config, int block_size);
+  static int DraftScratchBlocks(const TriForceConfig& config, int block_size);
+
+  int num_speculative_tokens() const override { return config_.gamma2; }
+  void Propose(std::span<DraftJob* const> jobs) override;
+  void OnVerified(int64_t seq_id, int64_t drafted, int64_t accepted) override;
+  void Forget(int64_t seq_id) override;
+  void AddStats(SpecDecodeStats& stats) const override;
+
+  // Sequences it keeps a retrieval cache for (tests: freed on cancel).
+  size_t num_tracked() const { return seqs_.size(); }
+  // The retrieval cache of a sequence (null when none); for tests and diagnostics.
+  const RetrievalCache* cache(int64_t seq_id) const;
+
+ private:
+  struct Work;
+  class Bottom;
+  Status ProposeChunk(std::span<DraftJob* const> jobs);
+  Status MiddlePass(std::vector<Work>& works);
+  void VerifyAtMiddle(Work& w, std::span<float> rows);
+
+  TriForceConfig config_;
+  Backend& target_;
+  int block_size_;
+  LanePool middle_;
+  std::unique_ptr<Bottom> bottom_;
+  std::unordered_map<int64_t, RetrievalCache> seqs_;
+  SpecDecodeStats stats_;
+  int64_t failed_batches_ = 0;
+  std::vector<float> logits_;
+};
+
+}  // namespace kvflow
