@@ -302,6 +302,8 @@ class ChunkScoringHooks : public LayerHooks {
  public:
   Status BeforeAttention(const LayerContext& ctx) override { return ctx.backend.ScoreKvBlocks(ctx.layer, jobs); }
   std::vector<KvBlockScoreJob> jobs;
+  bool claim_capturable = false;
+  bool capturable() const override { return claim_capturable; }
 };
 
 TEST(CudaBackendChunkScores, MatchCpuBackendAndSelectLikeTheCpuReference) {
@@ -412,6 +414,35 @@ TEST(CudaBackendChunkScores, MatchCpuBackendAndSelectLikeTheCpuReference) {
     ASSERT_TRUE(gpu->ResetKvBlockScores(size).ok());
     ASSERT_TRUE(gpu->ReadKvBlockScores(0, got).ok());
     EXPECT_EQ(*std::max_element(got.begin(), got.end()), 0.0f);
+
+    // Hooks that wrongly claim to be capturable on graph-eligible decode steps: a graph would replay
+    // the first step's jobs, so the backend refuses to capture the scoring and runs the steps
+    // eagerly; every step still scores (the same blocks: sequence 1 reaches 48 tokens, a full last block).
+    hooks.claim_capturable = true;
+    ASSERT_TRUE(cpu->ResetKvBlockScores(size).ok());
+    for (int step = 0; step < 2; ++step) {
+      ForwardBatch d;
+      planner.Add(d, 0, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+      planner.Add(d, 1, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+      for (size_t j = 0; j < hooks.jobs.size(); ++j) {
+        ASSERT_EQ(d.seqs[j].block_table, hooks.jobs[j].blocks);
+        hooks.jobs[j].num_tokens = d.seqs[j].context_len;
+      }
+      ASSERT_TRUE(LlamaModel(*cpu, &hooks).Forward(d, unused).ok());
+      const Status graph_step = LlamaModel(*gpu, &hooks).Forward(d, unused);
+      ASSERT_TRUE(graph_step.ok()) << graph_step.ToString();
+    }
+    ASSERT_TRUE(cpu->ReadKvBlockScores(0, ref).ok());
+    ASSERT_TRUE(gpu->ReadKvBlockScores(0, got).ok());
+    double graph_max_abs = 0.0, total = 0.0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      graph_max_abs = std::max(graph_max_abs, std::fabs(double(got[i]) - ref[i]));
+      total += got[i];
+    }
+    EXPECT_NEAR(total, 2.0 * hooks.jobs.size() * config.num_layers * config.num_heads, 1e-3);
+    std::printf("  chunk scores %s over 2 graph-eligible decode steps: max|gpu - cpu| = %.3g\n", cuda::DTypeName(dtype),
+                graph_max_abs);
+    EXPECT_LT(graph_max_abs, (dtype == cuda::DType::kF16 ? 6e-3 : 3e-2) * config.num_layers * config.num_heads);
   }
 }
 
