@@ -1004,17 +1004,19 @@ Status CudaBackend::StageBlockMeta(size_t bytes, char** host, char** device) {
     if (block_meta_copied_) KVFLOW_CUDA_RETURN(cudaEventSynchronize(block_meta_copied_));
     block_meta_used_ = 0;
   }
-  if (block_meta_used_ + bytes > block_meta_staging_.bytes()) {
+  // Both sides (equal unless an allocation below failed half-way).
+  const size_t capacity = std::min(block_meta_staging_.bytes(), block_meta_device_.bytes());
+  if (block_meta_used_ + bytes > capacity) {
     // Full: in the first step, or when the jobs grow. Everything queued may still read either side,
     // so wait for the stream, then start over, with room for a step's every layer of calls this
     // size so that the next steps need no wait.
     KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
     block_meta_used_ = 0;
     const size_t step_bytes = bytes * static_cast<size_t>(std::max(config_.num_layers, 1));
-    if (step_bytes > block_meta_staging_.bytes()) {
-      const size_t capacity = std::max(step_bytes, 2 * block_meta_staging_.bytes());
-      KVFLOW_RETURN_IF_ERROR(block_meta_staging_.Allocate(capacity, "chunk scoring staging"));
-      KVFLOW_RETURN_IF_ERROR(block_meta_device_.Allocate(capacity, "chunk scoring metadata"));
+    if (step_bytes > capacity) {
+      const size_t grown = std::max(step_bytes, 2 * capacity);
+      KVFLOW_RETURN_IF_ERROR(block_meta_staging_.Allocate(grown, "chunk scoring staging"));
+      KVFLOW_RETURN_IF_ERROR(block_meta_device_.Allocate(grown, "chunk scoring metadata"));
     }
   }
   if (!block_meta_copied_) KVFLOW_CUDA_RETURN(cudaEventCreateWithFlags(&block_meta_copied_, cudaEventDisableTiming));
