@@ -18,6 +18,7 @@
 
 #include "model/llama_model.h"
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/kv_block_select.h"
 #include "backend/cuda/cuda_backend.h"
 #include "engine_test_util.h"
 #include "kv_transfer_check.h"
@@ -289,6 +290,160 @@ TEST(CudaBackendViews, BlockSubsetsMatchCpuAndEqualTheirSlotViews) {
     ASSERT_TRUE(LlamaModel(*gpu, &hooks).Forward(d, got).ok());
   }
   EXPECT_EQ(hooks.calls, 3 * config.num_layers);
+}
+
+// TriForce's chunk scoring on the backends (ScoreKvBlocks / ReadKvBlockScores /
+// SelectTopKvBlocks): a hook scores every sequence's blocks before each layer's attention (after
+// WriteKv, so the step's own token counts) on the CPU and the CUDA backend. The scores agree within
+// the 16-bit activation rounding (the CUDA backend's Q and K are fp16/bf16, the CPU's fp32; the
+// kernels themselves are checked tightly in test_kv_block_select.cc); the CUDA selection equals
+// cpu::SelectTopKvBlocks on the CUDA backend's own scores, index for index.
+class ChunkScoringHooks : public LayerHooks {
+ public:
+  Status BeforeAttention(const LayerContext& ctx) override { return ctx.backend.ScoreKvBlocks(ctx.layer, jobs); }
+  std::vector<KvBlockScoreJob> jobs;
+  bool claim_capturable = false;
+  bool capturable() const override { return claim_capturable; }
+};
+
+TEST(CudaBackendChunkScores, MatchCpuBackendAndSelectLikeTheCpuReference) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  for (cuda::DType dtype : {cuda::DType::kF16, cuda::DType::kBF16}) {
+    SCOPED_TRACE(cuda::DTypeName(dtype));
+    ModelConfig config;
+    LlamaWeights weights = TinyWeights(&config);
+    RoundWeights(weights, dtype);
+    const int kBlocks = 48, kBlockSize = 16;
+    KvCacheLayout layout{config.num_layers, kBlocks, config.num_kv_heads, kBlockSize, config.head_dim};
+    auto cpu = CpuBackend::Create(config, weights, layout, 0, 2).value();
+    CudaBackendOptions o;
+    o.dtype = cuda::DTypeName(dtype);
+    o.block_size = kBlockSize;
+    o.num_kv_blocks = kBlocks;
+    o.max_num_seqs = 4;
+    o.max_num_batched_tokens = 128;
+    o.max_model_len = 256;
+    auto gpu = CreateCudaBackend(config, weights, o).value();
+    std::mt19937 rng(31);
+    BatchPlanner planner(kBlocks, kBlockSize, 23);
+    {  // Prompts of 70 and 45 tokens: the same K in both backends' pools (shuffled blocks).
+      ForwardBatch b;
+      planner.Add(b, 0, RandomTokens(rng, 70, config.vocab_size), LogitsMode::kNone);
+      planner.Add(b, 1, RandomTokens(rng, 45, config.vocab_size), LogitsMode::kNone);
+      std::vector<float> unused;
+      ASSERT_TRUE(LlamaModel(*cpu).Forward(b, unused).ok());
+      ASSERT_TRUE(LlamaModel(*gpu).Forward(b, unused).ok());
+    }
+    // Scoring needs a step: outside one it is refused.
+    ChunkScoringHooks hooks;
+    EXPECT_FALSE(gpu->ScoreKvBlocks(0, hooks.jobs).ok());
+
+    // A decode step of both sequences; each one's last row scores all its blocks (the last one
+    // partial: 71 and 46 tokens), at offsets with a gap between them.
+    ForwardBatch b;
+    planner.Add(b, 0, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+    planner.Add(b, 1, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+    int64_t size = 0;
+    for (const SequenceSlice& s : b.seqs) {
+      KvBlockScoreJob job;
+      job.row = s.token_offset + s.num_tokens - 1;
+      job.blocks = s.block_table;
+      job.num_tokens = s.context_len;
+      job.score_offset = size + 2;
+      size = job.score_offset + static_cast<int64_t>(job.blocks.size());
+      hooks.jobs.push_back(job);
+    }
+    // Reset grows the buffer and zeroes it (the GPU's fresh memory would be NaN otherwise).
+    ASSERT_TRUE(cpu->ResetKvBlockScores(size).ok());
+    ASSERT_TRUE(gpu->ResetKvBlockScores(size).ok());
+    std::vector<float> unused;
+    ASSERT_TRUE(LlamaModel(*cpu, &hooks).Forward(b, unused).ok());
+    const Status st = LlamaModel(*gpu, &hooks).Forward(b, unused);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+
+    std::vector<float> ref(static_cast<size_t>(size)), got(static_cast<size_t>(size));
+    ASSERT_TRUE(cpu->ReadKvBlockScores(0, ref).ok());
+    ASSERT_TRUE(gpu->ReadKvBlockScores(0, got).ok());
+    EXPECT_FALSE(gpu->ReadKvBlockScores(1, got).ok()) << "a read past the buffer is refused";
+    double max_abs = 0.0;
+    for (const KvBlockScoreJob& job : hooks.jobs) {
+      double mass = 0.0;
+      for (size_t i = 0; i < job.blocks.size(); ++i) {
+        const size_t at = static_cast<size_t>(job.score_offset) + i;
+        max_abs = std::max(max_abs, std::fabs(double(got[at]) - ref[at]));
+        mass += got[at];
+      }
+      // Every layer's every query head adds a softmax: num_layers x num_heads in all.
+      EXPECT_NEAR(mass, config.num_layers * config.num_heads, 1e-4);
+    }
+    for (int64_t i : {0, 1}) EXPECT_EQ(got[static_cast<size_t>(i)], 0.0f) << "score outside every job";
+    std::printf("  chunk scores %s, %d layers x %d heads, %d + %d blocks: max|gpu - cpu| = %.3g%s\n",
+                cuda::DTypeName(dtype), config.num_layers, config.num_heads,
+                static_cast<int>(hooks.jobs[0].blocks.size()), static_cast<int>(hooks.jobs[1].blocks.size()),
+                max_abs, test::IsEmulator() ? "  [emulator]" : "");
+    // Scores lie in [0, num_layers x num_heads]; 16-bit Q and K move each softmax a little.
+    // (Measured: fp16 3e-3, bf16 2e-2 of the 8 here.)
+    EXPECT_LT(max_abs, (dtype == cuda::DType::kF16 ? 2e-3 : 1e-2) * config.num_layers * config.num_heads);
+
+    // Selection on the backend: the CPU reference's indices on the same (the GPU's) scores.
+    const int64_t n0 = static_cast<int64_t>(hooks.jobs[0].blocks.size());
+    const int64_t n1 = static_cast<int64_t>(hooks.jobs[1].blocks.size());
+    const std::vector<KvBlockSelectJob> select = {
+        {hooks.jobs[0].score_offset, static_cast<int32_t>(n0), 1, 1, 3},
+        {hooks.jobs[1].score_offset, static_cast<int32_t>(n1), 0, 1, 2},
+        {hooks.jobs[0].score_offset, static_cast<int32_t>(n0), 3, 3, 4},   // forced blocks fill k
+        {hooks.jobs[1].score_offset, static_cast<int32_t>(n1), 1, 0, 10},  // k beyond the blocks
+        {0, static_cast<int32_t>(size), 0, 0, 5},                         // across both (and the zeros)
+        {0, 0, 1, 1, 2},                                                  // no blocks
+    };
+    std::vector<int32_t> want, chosen = {42};
+    cpu::SelectTopKvBlocks(select, got, want);
+    ASSERT_TRUE(gpu->SelectTopKvBlocks(select, chosen).ok());
+    EXPECT_EQ(chosen, want);
+    // Where the choice does not depend on the scores (forced blocks fill k; k covers every block)
+    // both backends choose alike.
+    std::vector<int32_t> cpu_chosen;
+    ASSERT_TRUE(cpu->SelectTopKvBlocks(std::span(select).subspan(2, 2), cpu_chosen).ok());
+    ASSERT_TRUE(gpu->SelectTopKvBlocks(std::span(select).subspan(2, 2), chosen).ok());
+    EXPECT_EQ(chosen, cpu_chosen);
+    // Jobs outside the buffer are refused.
+    const std::vector<KvBlockSelectJob> bad = {{size - 1, 2, 0, 0, 1}};
+    EXPECT_FALSE(gpu->SelectTopKvBlocks(bad, chosen).ok());
+
+    // Reset zeroes the scores again.
+    ASSERT_TRUE(gpu->ResetKvBlockScores(size).ok());
+    ASSERT_TRUE(gpu->ReadKvBlockScores(0, got).ok());
+    EXPECT_EQ(*std::max_element(got.begin(), got.end()), 0.0f);
+
+    // Hooks that wrongly claim to be capturable on graph-eligible decode steps: a graph would replay
+    // the first step's jobs, so the backend refuses to capture the scoring and runs the steps
+    // eagerly; every step still scores (the same blocks: sequence 1 reaches 48 tokens, a full last block).
+    hooks.claim_capturable = true;
+    ASSERT_TRUE(cpu->ResetKvBlockScores(size).ok());
+    for (int step = 0; step < 2; ++step) {
+      ForwardBatch d;
+      planner.Add(d, 0, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+      planner.Add(d, 1, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+      for (size_t j = 0; j < hooks.jobs.size(); ++j) {
+        ASSERT_EQ(d.seqs[j].block_table, hooks.jobs[j].blocks);
+        hooks.jobs[j].num_tokens = d.seqs[j].context_len;
+      }
+      ASSERT_TRUE(LlamaModel(*cpu, &hooks).Forward(d, unused).ok());
+      const Status graph_step = LlamaModel(*gpu, &hooks).Forward(d, unused);
+      ASSERT_TRUE(graph_step.ok()) << graph_step.ToString();
+    }
+    ASSERT_TRUE(cpu->ReadKvBlockScores(0, ref).ok());
+    ASSERT_TRUE(gpu->ReadKvBlockScores(0, got).ok());
+    double graph_max_abs = 0.0, total = 0.0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      graph_max_abs = std::max(graph_max_abs, std::fabs(double(got[i]) - ref[i]));
+      total += got[i];
+    }
+    EXPECT_NEAR(total, 2.0 * hooks.jobs.size() * config.num_layers * config.num_heads, 1e-3);
+    std::printf("  chunk scores %s over 2 graph-eligible decode steps: max|gpu - cpu| = %.3g\n", cuda::DTypeName(dtype),
+                graph_max_abs);
+    EXPECT_LT(graph_max_abs, (dtype == cuda::DType::kF16 ? 6e-3 : 3e-2) * config.num_layers * config.num_heads);
+  }
 }
 
 // Token- and layer-range transfers between the device pool and the pinned host pool (2D copies).
