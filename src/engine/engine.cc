@@ -97,6 +97,7 @@ class EngineImpl final : public EvaluationEngine {
               std::move(policy), std::move(supervisor), tokenizer_.get()),
         executor_(*backend_, core_.block_manager()) {
     if (draft_backend_) executor_.AddFollower(*draft_backend_);
+    if (drafter_) executor_.set_step_hooks(drafter_->step_hooks());
   }
 
   Result<RequestId> AddRequest(const std::string& prompt, const SamplingParams& params,

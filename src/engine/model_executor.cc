@@ -54,6 +54,20 @@ Status ModelExecutor::Run(const SchedulerOutput& sched, std::span<const LogitsMo
                           std::optional<std::span<const DeviceSampleRow>> sample_rows, ExecutorOutput& out) {
   if (sched.empty()) return Status::Ok();
   const ForwardBatch batch = BuildForwardBatch(sched, blocks_, logits);
+  LayerHooks* hooks = nullptr;
+  if (step_hooks_) {
+    seq_ids_.clear();
+    for (const ScheduledSeq& s : sched.scheduled) seq_ids_.push_back(s.seq->id);
+    hooks = step_hooks_->ForStep(batch, seq_ids_);
+  }
+  model_.set_hooks(hooks);
+  const Status st = RunTarget(batch, sample_rows, out);
+  model_.set_hooks(nullptr);
+  return st;
+}
+
+Status ModelExecutor::RunTarget(const ForwardBatch& batch, std::optional<std::span<const DeviceSampleRow>> sample_rows,
+                                ExecutorOutput& out) {
   if (sample_rows) {
     sampled_.clear();
     KVFLOW_RETURN_IF_ERROR(model_.ForwardAndSample(batch, *sample_rows, sampled_));

@@ -29,6 +29,8 @@ class ModelExecutor final : public Executor {
   // pass is logged and leaves its cache stale there, never fails the step: a draft model only
   // proposes.
   void AddFollower(Backend& follower);
+  // Hooks a feature runs inside the target's passes (null: none); must outlive the executor.
+  void set_step_hooks(StepHooks* hooks) { step_hooks_ = hooks; }
 
   bool SupportsSampling() const override { return backend_.SupportsDeviceSampling(); }
   Status MoveBlocks(const SchedulerOutput& sched) override;
@@ -39,7 +41,11 @@ class ModelExecutor final : public Executor {
   Backend& backend_;
   LlamaModel model_;
   std::vector<LlamaModel> followers_;
+  StepHooks* step_hooks_ = nullptr;
+  std::vector<int64_t> seq_ids_;
   const BlockManager& blocks_;
+  Status RunTarget(const ForwardBatch& batch, std::optional<std::span<const DeviceSampleRow>> sample_rows,
+                   ExecutorOutput& out);
   // Runs the step's batch through every follower (no logits).
   void RunFollowers(const ForwardBatch& target_batch);
 

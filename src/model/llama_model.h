@@ -41,6 +41,15 @@ class LayerHooks {
   virtual bool capturable() const { return false; }
 };
 
+// A feature that acts inside the engine's own passes (engine/model_executor.h): for each step, the
+// layer hooks to run with its batch, or null for none. seq_ids[i] is the id of the sequence of
+// batch.seqs[i]. (TriForce scores KV chunks with the queries of the target's verification pass.)
+class StepHooks {
+ public:
+  virtual ~StepHooks() = default;
+  virtual LayerHooks* ForStep(const ForwardBatch& batch, std::span<const int64_t> seq_ids) = 0;
+};
+
 class LlamaModel {
  public:
   // `backend` holds the weights and the KV pools; it must outlive the model.

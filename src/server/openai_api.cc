@@ -237,6 +237,9 @@ std::map<std::string, FieldReader> CommonReaders(GenerationRequest* r, bool* str
       {"use_beam_search", Bool(&p->use_beam_search)},
       {"length_penalty", Number(&p->length_penalty)},
       {"prompt_logprobs", prompt_logprobs},
+      // kvflow: whether this request decodes speculatively when the server was started with a
+      // --speculative-method (default true; false opts out, e.g. for a short prompt under triforce).
+      {"speculative", Bool(&p->speculative)},
   };
 }
 

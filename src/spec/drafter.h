@@ -12,6 +12,7 @@
 namespace kvflow {
 
 class Sampler;
+class StepHooks;
 struct SamplingParams;
 struct SchedSequence;
 struct SpecDecodeStats;
@@ -44,6 +45,8 @@ class Drafter {
   virtual void OnVerified(int64_t seq_id, int64_t drafted, int64_t accepted) {}
   // The sequence is gone (finished, failed or cancelled): drop what the drafter keeps for it.
   virtual void Forget(int64_t seq_id) {}
+  // What the drafter runs inside the target's own passes (null: nothing); installed in the executor.
+  virtual StepHooks* step_hooks() { return nullptr; }
   // Adds the drafter's own counters (its levels, passes) to the engine's.
   virtual void AddStats(SpecDecodeStats& stats) const {}
 };

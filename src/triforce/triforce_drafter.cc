@@ -20,16 +20,6 @@ double SecondsSince(Clock::time_point t) { return std::chrono::duration<double>(
 // gamma1 bottom drafts past them.
 int LaneTokens(const TriForceConfig& c) { return c.gamma2 + c.gamma1 + 1; }
 
-// Adds this layer's chunk scores of the build passes' sequences (Backend::ScoreKvBlocks).
-class ChunkScoring final : public LayerHooks {
- public:
-  explicit ChunkScoring(std::vector<KvBlockScoreJob> jobs) : jobs_(std::move(jobs)) {}
-  Status BeforeAttention(const LayerContext& ctx) override { return ctx.backend.ScoreKvBlocks(ctx.layer, jobs_); }
-
- private:
-  std::vector<KvBlockScoreJob> jobs_;
-};
-
 }  // namespace
 
 TriForceConfig TriForceConfig::FromEngine(const EngineConfig& c) {
@@ -74,8 +64,6 @@ struct TriForceDrafter::Work {
   RetrievalCache* cache = nullptr;
   int lane = 0;
   int64_t cached = 0;  // tokens in the KV cache (all but the sequence's last)
-  int64_t budget_tokens = 0;
-  bool build = false;  // this call's first middle pass reads the full cache and rebuilds the selection
   bool done = false;
   std::vector<BlockId> middle_blocks;  // physical full blocks the middle reads
   // The bottom's drafts for the coming middle pass and, from a sampling bottom, their rows.
@@ -258,11 +246,76 @@ TriForceDrafter::~TriForceDrafter() = default;
 
 const RetrievalCache* TriForceDrafter::cache(int64_t seq_id) const {
   auto it = seqs_.find(seq_id);
-  return it == seqs_.end() ? nullptr : &it->second;
+  return it == seqs_.end() ? nullptr : &it->second.cache;
 }
 
 void TriForceDrafter::OnVerified(int64_t seq_id, int64_t drafted, int64_t accepted) {
-  if (auto it = seqs_.find(seq_id); it != seqs_.end()) it->second.RecordVerification(drafted, accepted);
+  if (auto it = seqs_.find(seq_id); it != seqs_.end()) it->second.cache.RecordVerification(drafted, accepted);
+}
+
+LayerHooks* TriForceDrafter::ForStep(const ForwardBatch& batch, std::span<const int64_t> seq_ids) {
+  scoring_.clear();
+  scored_.clear();
+  int64_t size = 0;
+  for (size_t i = 0; i < seq_ids.size() && i < batch.seqs.size(); ++i) {
+    auto it = seqs_.find(seq_ids[i]);
+    if (it == seqs_.end() || !it->second.want_scores) continue;
+    const SequenceSlice& slice = batch.seqs[i];
+    // The slice's first token is the sequence's newest (a decode step's token, then its drafts).
+    const int64_t cached = slice.context_len - slice.num_tokens;
+    const int64_t full = cached / block_size_;
+    if (full == 0 || slice.view.kind != KvView::Kind::kFull) continue;
+    KvBlockScoreJob job;
+    job.row = slice.token_offset;
+    job.blocks.assign(slice.block_table.begin(), slice.block_table.begin() + full);
+    job.num_tokens = static_cast<int32_t>(full * block_size_);
+    job.score_offset = size;
+    scoring_.push_back(std::move(job));
+    scored_.push_back({seq_ids[i], size, static_cast<int32_t>(full), cached});
+    size += full;
+  }
+  if (scoring_.empty()) return nullptr;
+  if (Status st = target_.ResetKvBlockScores(size); !st.ok()) {
+    spdlog::error("triforce: cannot score chunks: {}", st.ToString());
+    scoring_.clear();
+    scored_.clear();
+    return nullptr;
+  }
+  return this;
+}
+
+Status TriForceDrafter::BuildScored() {
+  const std::vector<Scored> scored = std::move(scored_);
+  scored_.clear();
+  std::vector<KvBlockSelectJob> selecting;
+  std::vector<const Scored*> owners;
+  for (const Scored& sc : scored) {
+    if (!seqs_.contains(sc.seq_id)) continue;  // gone since
+    const int64_t budget_blocks =
+        std::max<int64_t>(1, RetrievalBudgetTokens(config_.retrieval.budget_tokens, sc.cached) / block_size_);
+    KvBlockSelectJob job;
+    job.score_offset = sc.score_offset;
+    job.num_blocks = sc.num_blocks;
+    job.keep_first = 1;
+    job.keep_last = RecentBlocks(budget_blocks);
+    job.k = static_cast<int32_t>(budget_blocks);
+    selecting.push_back(job);
+    owners.push_back(&sc);
+  }
+  if (selecting.empty()) return Status::Ok();
+  std::vector<int32_t> chosen;
+  KVFLOW_RETURN_IF_ERROR(target_.SelectTopKvBlocks(selecting, chosen));
+  size_t at = 0;
+  for (size_t i = 0; i < owners.size(); ++i) {
+    const size_t n = static_cast<size_t>(std::min(selecting[i].k, selecting[i].num_blocks));
+    Tracked& tracked = seqs_.at(owners[i]->seq_id);
+    tracked.cache.Build(std::vector<int32_t>(chosen.begin() + at, chosen.begin() + at + n), owners[i]->cached,
+                        block_size_);
+    tracked.want_scores = false;
+    at += n;
+    ++stats_.retrieval_builds;
+  }
+  return Status::Ok();
 }
 
 void TriForceDrafter::Forget(int64_t seq_id) { seqs_.erase(seq_id); }
@@ -283,6 +336,9 @@ void TriForceDrafter::Propose(std::span<DraftJob* const> jobs) {
   for (DraftJob* job : jobs) {
     job->drafts.clear();
     job->probs.clear();
+  }
+  if (Status st = BuildScored(); !st.ok()) {
+    spdlog::error("triforce: chunk selection failed: {} (rebuilt on a later step)", st.ToString());
   }
   const size_t lanes = static_cast<size_t>(middle_.num_lanes());
   for (size_t begin = 0; begin < jobs.size(); begin += lanes) {
@@ -307,14 +363,19 @@ Status TriForceDrafter::ProposeChunk(std::span<DraftJob* const> jobs) {
     if (w.cached != seq.num_computed || static_cast<int64_t>(job->block_table.size()) * block_size_ < w.cached) {
       return Status::Internal("draft job for a sequence that is not decoding");
     }
-    w.cache = &seqs_[seq.id];
-    w.budget_tokens = RetrievalBudgetTokens(config_.retrieval.budget_tokens, w.cached);
-    const RetrievalCache::Action action = w.cache->Decide(w.cached, w.budget_tokens, config_.retrieval);
+    Tracked& tracked = seqs_[seq.id];
+    w.cache = &tracked.cache;
+    const int64_t budget = RetrievalBudgetTokens(config_.retrieval.budget_tokens, w.cached);
+    const RetrievalCache::Action action = tracked.cache.Decide(w.cached, budget, config_.retrieval);
     if (action == RetrievalCache::Action::kPlain) {
       ++stats_.plain_steps;
       continue;
     }
-    w.build = action == RetrievalCache::Action::kBuild;
+    if (action == RetrievalCache::Action::kBuild) {
+      // Scored in this step's pass; until the selection is made the old one (if any) drafts.
+      tracked.want_scores = true;
+      if (!tracked.cache.built()) continue;
+    }
     w.lane = static_cast<int>(works.size());
     works.push_back(std::move(w));
   }
@@ -345,69 +406,22 @@ Status TriForceDrafter::MiddlePass(std::vector<Work>& works) {
   const auto start = Clock::now();
   std::vector<LaneSlice> slices;
   std::vector<Work*> rows;
-  std::vector<KvBlockScoreJob> scoring;
-  std::vector<KvBlockSelectJob> selecting;
-  std::vector<Work*> builds;
-  int64_t token_row = 0;
-  int64_t score_size = 0;
   std::vector<int32_t> logical;
   for (Work& w : works) {
     if (w.done) continue;
-    const int64_t full = w.cached / block_size_;
     LaneSlice s;
     s.lane = w.lane;
-    s.lane_origin = full * block_size_;
+    s.lane_origin = w.cached / block_size_ * block_size_;
     s.first_position = w.pending_position();
     s.tokens.push_back(w.pending());
     s.tokens.insert(s.tokens.end(), w.bottom.begin(), w.bottom.end());
-    const bool build_now = w.build;
-    if (build_now) {
-      // The full cache, scored chunk by chunk with the pending token's query at every layer.
-      s.blocks.assign(w.job->block_table.begin(), w.job->block_table.begin() + full);
-      if (full > 0) {
-        KvBlockScoreJob job;
-        job.row = static_cast<int32_t>(token_row);
-        job.blocks = s.blocks;
-        job.num_tokens = static_cast<int32_t>(full * block_size_);
-        job.score_offset = score_size;
-        scoring.push_back(std::move(job));
-        const int64_t budget_blocks = std::max<int64_t>(1, w.budget_tokens / block_size_);
-        KvBlockSelectJob select;
-        select.score_offset = score_size;
-        select.num_blocks = static_cast<int32_t>(full);
-        select.keep_first = 1;
-        select.keep_last = RecentBlocks(budget_blocks);
-        select.k = static_cast<int32_t>(budget_blocks);
-        selecting.push_back(select);
-        builds.push_back(&w);
-        score_size += full;
-      }
-    } else {
-      w.cache->ViewBlocks(w.cached, block_size_, logical);
-      for (int32_t b : logical) s.blocks.push_back(w.job->block_table[static_cast<size_t>(b)]);
-    }
-    token_row += static_cast<int64_t>(s.tokens.size());
+    w.cache->ViewBlocks(w.cached, block_size_, logical);
+    for (int32_t b : logical) s.blocks.push_back(w.job->block_table[static_cast<size_t>(b)]);
     slices.push_back(std::move(s));
     rows.push_back(&w);
   }
-  if (!scoring.empty()) KVFLOW_RETURN_IF_ERROR(target_.ResetKvBlockScores(score_size));
-  ChunkScoring hooks(std::move(scoring));
-  KVFLOW_RETURN_IF_ERROR(middle_.Forward(slices, selecting.empty() ? nullptr : &hooks, logits_));
+  KVFLOW_RETURN_IF_ERROR(middle_.Forward(slices, nullptr, logits_));
   stats_.middle_passes += static_cast<int64_t>(slices.size());
-  if (!selecting.empty()) {
-    std::vector<int32_t> chosen;
-    KVFLOW_RETURN_IF_ERROR(target_.SelectTopKvBlocks(selecting, chosen));
-    size_t at = 0;
-    for (size_t i = 0; i < builds.size(); ++i) {
-      const size_t n = static_cast<size_t>(std::min(selecting[i].k, selecting[i].num_blocks));
-      builds[i]->cache->Build(std::vector<int32_t>(chosen.begin() + at, chosen.begin() + at + n), builds[i]->cached,
-                              block_size_);
-      at += n;
-      ++stats_.retrieval_builds;
-    }
-  }
-  for (Work* w : rows) w->build = false;  // built (or nothing to score): later passes read the selection
-
   const int64_t V = target_.model_config().vocab_size;
   int64_t row = 0;
   for (size_t r = 0; r < rows.size(); ++r) {

@@ -17,6 +17,13 @@
 //
 // The middle and a streaming bottom run on the target's backend between the engine's steps, their
 // drafted K/V in scratch lanes past the blocks the block manager owns (triforce/lane_pass.h).
+//
+// The retrieval cache is built inside the engine's own passes, so building costs no pass of its
+// own: when a sequence needs a (new) selection, the drafter asks for its chunks to be scored in the
+// coming step (StepHooks: the query of the sequence's newest token, at every layer, over the full
+// cache: the first decode step after the prefill for the first build, a verification pass for a
+// rebuild), and selects the top chunks before the next step drafts. The first decode step of a
+// sequence therefore runs without drafts; a rebuild keeps drafting over the old selection meanwhile.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +34,7 @@
 
 #include "backend/backend.h"
 #include "kvflow/engine.h"
+#include "model/llama_model.h"
 #include "spec/drafter.h"
 #include "spec/ngram_drafter.h"
 #include "triforce/lane_pass.h"
@@ -49,7 +57,7 @@ struct TriForceConfig {
   Status Validate() const;
 };
 
-class TriForceDrafter final : public Drafter {
+class TriForceDrafter final : public Drafter, private StepHooks, private LayerHooks {
  public:
   // `target`: the engine's backend; its blocks from `target_scratch` on hold the lanes
   // (TargetScratchBlocks). `draft`: the bottom draft model's backend (bottom "draft_model", else
@@ -67,6 +75,7 @@ class TriForceDrafter final : public Drafter {
   void OnVerified(int64_t seq_id, int64_t drafted, int64_t accepted) override;
   void Forget(int64_t seq_id) override;
   void AddStats(SpecDecodeStats& stats) const override;
+  StepHooks* step_hooks() override { return this; }
 
   // Sequences it keeps a retrieval cache for (tests: freed on cancel).
   size_t num_tracked() const { return seqs_.size(); }
@@ -76,6 +85,24 @@ class TriForceDrafter final : public Drafter {
  private:
   struct Work;
   class Bottom;
+  struct Tracked {
+    RetrievalCache cache;
+    bool want_scores = false;  // score its chunks in the coming step
+  };
+  // A sequence whose chunks the last step scored: its scores in the backend's buffer.
+  struct Scored {
+    int64_t seq_id = 0;
+    int64_t score_offset = 0;
+    int32_t num_blocks = 0;
+    int64_t cached = 0;  // tokens cached when it was scored
+  };
+
+  // StepHooks: the scoring jobs of the step's sequences that asked for scores.
+  LayerHooks* ForStep(const ForwardBatch& batch, std::span<const int64_t> seq_ids) override;
+  // LayerHooks: scores this layer's chunks.
+  Status BeforeAttention(const LayerContext& ctx) override { return ctx.backend.ScoreKvBlocks(ctx.layer, scoring_); }
+  // Selects the top chunks of the sequences the last step scored.
+  Status BuildScored();
   Status ProposeChunk(std::span<DraftJob* const> jobs);
   Status MiddlePass(std::vector<Work>& works);
   void VerifyAtMiddle(Work& w, std::span<float> rows);
@@ -85,7 +112,9 @@ class TriForceDrafter final : public Drafter {
   int block_size_;
   LanePool middle_;
   std::unique_ptr<Bottom> bottom_;
-  std::unordered_map<int64_t, RetrievalCache> seqs_;
+  std::unordered_map<int64_t, Tracked> seqs_;
+  std::vector<KvBlockScoreJob> scoring_;
+  std::vector<Scored> scored_;
   SpecDecodeStats stats_;
   int64_t failed_batches_ = 0;
   std::vector<float> logits_;
