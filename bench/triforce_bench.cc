@@ -1,0 +1,726 @@
+// TriForce (hierarchical speculative decoding for long contexts) against plain decoding, n-gram
+// speculation and TriForce's middle level alone, on the same engine build, prompts and machine, in
+// one run. Single sequence, one request at a time; only the decode steps are timed (the steps after
+// the prompt's prefill), as `kvflow bench` (src/cli/decode_bench.h) does.
+//
+//   kvflow_bench_triforce --model smollm2-135m --contexts 2048,4096,8192 --new-tokens 128 --prompts 2 \
+//       --threads 2 --json bench/results/triforce_smollm2-135m.json --md bench/results/triforce_smollm2-135m.md
+//
+// Modes (one Engine each, created once and reused for every context):
+//   plain               no speculation (the baseline)
+//   ngram               speculative_method "ngram", num_speculative_tokens = gamma2 (prompt lookup)
+//   middle              "triforce" with triforce_draft_tokens 0: the target over its retrieval cache
+//                       drafts gamma2 tokens alone (self-speculation), the full cache verifies
+//   triforce            "triforce", n-gram bottom proposing gamma1 tokens to the middle
+//   triforce-streaming  "triforce", bottom = the target over a StreamingLLM cache (sinks + window)
+// The TriForce modes run with triforce_min_context 0, so short contexts are speculated too.
+//
+// Prompts per context C: --prompts WikiText-2 test prompts (articles concatenated, prompt i starting
+// at article 3*i, cut to C - new_tokens - 8 tokens), plus (--passkey on) the standard pass-key
+// retrieval prompt (~C - 32 tokens, the key at --passkey-depth of the filler; greedy,
+// --passkey-tokens new tokens). Every mode decodes every prompt; with temperature 0 every mode's
+// tokens must equal plain's (lossless; recorded, with the first differing position).
+//
+// Measured per context x mode: decode tok/s (median over --repeats of decode tokens / decode seconds
+// summed over the WikiText prompts), speed-up vs plain (same context, same run), the engine's
+// SpecDecodeStats deltas (before/after each request) and what follows from them: top-level
+// acceptance (accepted / drafted), middle acceptance, tokens per full-cache pass (decode tokens /
+// decode steps: with one sequence every decode step is one full-cache pass), middle passes per step.
+// Writes JSON (rows + per-request details + machine, date, command line) and a Markdown table;
+// bench/triforce_report.py plots it and adds the modeled A100 / CPU numbers. Progress goes to stderr.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "kvflow/engine.h"
+
+namespace {
+
+using Json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string CpuModel() {
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("model name", 0) == 0) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(colon + 2);
+    }
+  }
+  return "unknown";
+}
+
+std::string LoadAverage() {
+  std::string s = ReadFile("/proc/loadavg");
+  std::istringstream in(s);
+  std::string a, b, c;
+  in >> a >> b >> c;
+  return a + " " + b + " " + c;
+}
+
+std::string NowIso() {
+  const std::time_t t = std::time(nullptr);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+std::string CommandLine(int argc, char** argv) {
+  std::string out;
+  for (int i = 0; i < argc; ++i) {
+    std::string a = argv[i];
+    const bool quote = a.empty() || a.find_first_of(" \t\"'$*?;&|<>()") != std::string::npos;
+    if (i) out += ' ';
+    out += quote ? "'" + a + "'" : a;
+  }
+  return out;
+}
+
+// WikiText-2 articles: a top-level heading line " = Title = " starts one (" = = Section = = " does not).
+std::vector<std::string> Articles(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    const bool heading = line.size() > 4 && line.rfind(" = ", 0) == 0 && line.compare(0, 5, " = = ") != 0;
+    if (heading || out.empty()) out.emplace_back();
+    out.back() += line;
+    out.back() += '\n';
+  }
+  return out;
+}
+
+// `n` tokens of WikiText: articles concatenated from article `first` on (wrapping around).
+std::vector<int32_t> WikiPrompt(const kvflow::Tokenizer& tok, const std::vector<std::string>& articles, size_t first,
+                                int n) {
+  std::string text;
+  // ~4.5 characters per token in WikiText; take plenty, then cut in tokens.
+  for (size_t i = 0; text.size() < static_cast<size_t>(n) * 8 && i < articles.size(); ++i) {
+    text += articles[(first + i) % articles.size()];
+  }
+  std::vector<int32_t> ids = tok.Encode(text, tok.add_bos());
+  if (static_cast<int>(ids.size()) > n) ids.resize(static_cast<size_t>(n));
+  return ids;
+}
+
+// The pass-key retrieval prompt (Mohtashami & Jaggi 2023; TriForce and LongLoRA use it): a task
+// line, filler sentences with the key sentence at `depth` (0 = start, 1 = end), the question.
+// Filler repetitions are adjusted until the prompt is at most `target` tokens (and as close as a
+// whole filler allows).
+struct Passkey {
+  std::vector<int32_t> ids;
+  std::string key;
+  int fillers = 0;
+};
+
+Passkey PasskeyPrompt(const kvflow::Tokenizer& tok, int target, double depth, uint32_t seed) {
+  const std::string head =
+      "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz "
+      "you about the important information there.";
+  const std::string filler = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
+  const std::string question = " What is the pass key? The pass key is";
+  std::mt19937 rng(seed);
+  Passkey p;
+  p.key = std::to_string(std::uniform_int_distribution<int>(10000, 99999)(rng));
+  const std::string needle = " The pass key is " + p.key + ". Remember it. " + p.key + " is the pass key.";
+  auto build = [&](int n) {
+    const int before = static_cast<int>(n * depth + 0.5);
+    std::string text = head;
+    for (int i = 0; i < before; ++i) text += filler;
+    text += needle;
+    for (int i = before; i < n; ++i) text += filler;
+    text += question;
+    return tok.Encode(text, tok.add_bos());
+  };
+  const int per_filler = std::max<int>(1, static_cast<int>(tok.Encode(filler, false).size()));
+  const int fixed = static_cast<int>(build(0).size());
+  int n = std::max(0, (target - fixed) / per_filler);
+  std::vector<int32_t> ids = build(n);
+  while (static_cast<int>(ids.size()) > target && n > 0) ids = build(--n);
+  while (true) {  // grow while one more filler still fits
+    std::vector<int32_t> more = build(n + 1);
+    if (static_cast<int>(more.size()) > target) break;
+    ids = std::move(more);
+    ++n;
+  }
+  p.ids = std::move(ids);
+  p.fillers = n;
+  return p;
+}
+
+kvflow::SpecDecodeStats Delta(const kvflow::SpecDecodeStats& a, const kvflow::SpecDecodeStats& b) {
+  kvflow::SpecDecodeStats d;
+  d.num_drafts = b.num_drafts - a.num_drafts;
+  d.num_draft_tokens = b.num_draft_tokens - a.num_draft_tokens;
+  d.num_accepted_tokens = b.num_accepted_tokens - a.num_accepted_tokens;
+  d.middle_passes = b.middle_passes - a.middle_passes;
+  d.middle_draft_tokens = b.middle_draft_tokens - a.middle_draft_tokens;
+  d.middle_accepted_tokens = b.middle_accepted_tokens - a.middle_accepted_tokens;
+  d.bottom_passes = b.bottom_passes - a.bottom_passes;
+  d.retrieval_builds = b.retrieval_builds - a.retrieval_builds;
+  d.plain_steps = b.plain_steps - a.plain_steps;
+  d.middle_seconds = b.middle_seconds - a.middle_seconds;
+  d.bottom_seconds = b.bottom_seconds - a.bottom_seconds;
+  d.accepted_per_position = b.accepted_per_position;
+  for (size_t i = 0; i < d.accepted_per_position.size(); ++i) {
+    if (i < a.accepted_per_position.size()) d.accepted_per_position[i] -= a.accepted_per_position[i];
+  }
+  return d;
+}
+
+void Add(kvflow::SpecDecodeStats& sum, const kvflow::SpecDecodeStats& d) {
+  sum.num_drafts += d.num_drafts;
+  sum.num_draft_tokens += d.num_draft_tokens;
+  sum.num_accepted_tokens += d.num_accepted_tokens;
+  sum.middle_passes += d.middle_passes;
+  sum.middle_draft_tokens += d.middle_draft_tokens;
+  sum.middle_accepted_tokens += d.middle_accepted_tokens;
+  sum.bottom_passes += d.bottom_passes;
+  sum.retrieval_builds += d.retrieval_builds;
+  sum.plain_steps += d.plain_steps;
+  sum.middle_seconds += d.middle_seconds;
+  sum.bottom_seconds += d.bottom_seconds;
+  if (sum.accepted_per_position.size() < d.accepted_per_position.size()) {
+    sum.accepted_per_position.resize(d.accepted_per_position.size(), 0);
+  }
+  for (size_t i = 0; i < d.accepted_per_position.size(); ++i) sum.accepted_per_position[i] += d.accepted_per_position[i];
+}
+
+Json StatsJson(const kvflow::SpecDecodeStats& s) {
+  return {{"num_drafts", s.num_drafts},
+          {"num_draft_tokens", s.num_draft_tokens},
+          {"num_accepted_tokens", s.num_accepted_tokens},
+          {"accepted_per_position", s.accepted_per_position},
+          {"middle_passes", s.middle_passes},
+          {"middle_draft_tokens", s.middle_draft_tokens},
+          {"middle_accepted_tokens", s.middle_accepted_tokens},
+          {"bottom_passes", s.bottom_passes},
+          {"retrieval_builds", s.retrieval_builds},
+          {"plain_steps", s.plain_steps},
+          {"middle_seconds", s.middle_seconds},
+          {"bottom_seconds", s.bottom_seconds}};
+}
+
+// One request through an otherwise idle engine. The steps that prefill the prompt (the last one
+// samples the first token) are prefill; the steps after it are decode, timed one by one.
+struct RunResult {
+  std::vector<int32_t> tokens;  // every generated token
+  int prompt_tokens = 0;
+  int64_t decode_tokens = 0;  // tokens generated by decode steps (all but the prefill's)
+  int64_t decode_steps = 0;   // = full-cache passes of the sequence
+  double prefill_s = 0.0;
+  double decode_s = 0.0;
+  kvflow::SpecDecodeStats spec;  // the engine's counters, after minus before
+  std::string error;
+};
+
+RunResult RunRequest(kvflow::Engine& engine, const std::vector<int32_t>& prompt, const kvflow::SamplingParams& params) {
+  RunResult r;
+  r.prompt_tokens = static_cast<int>(prompt.size());
+  if (engine.HasUnfinishedRequests()) {
+    r.error = "engine not idle";
+    return r;
+  }
+  const kvflow::SpecDecodeStats before = engine.stats().spec;
+  std::string stream_error;
+  auto id = engine.AddRequest(prompt, params, [&](const kvflow::StreamEvent& e) {
+    for (const auto& t : e.tokens) r.tokens.push_back(t.token);
+    if (e.finish_reason == kvflow::FinishReason::kError) stream_error = e.error.ToString();
+  });
+  if (!id.ok()) {
+    r.error = id.status().ToString();
+    return r;
+  }
+  while (engine.HasUnfinishedRequests()) {
+    const size_t had = r.tokens.size();
+    const auto t0 = Clock::now();
+    auto step = engine.Step();
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (!step.ok()) {
+      r.error = step.status().ToString();
+      break;
+    }
+    if (step->num_seqs == 0) {
+      r.error = "the engine made no progress (KV cache too small?)";
+      break;
+    }
+    // Prefill = the steps up to and including the one that sampled the first token. (Not
+    // StepResult::num_prefill_tokens: the engine counts a speculative verification step, which
+    // carries several tokens, as prefill too.)
+    if (had == 0) {
+      r.prefill_s += s;
+    } else {
+      r.decode_s += s;
+      ++r.decode_steps;
+      r.decode_tokens += static_cast<int64_t>(r.tokens.size() - had);
+    }
+  }
+  if (r.error.empty() && !stream_error.empty()) r.error = stream_error;
+  r.spec = Delta(before, engine.stats().spec);
+  return r;
+}
+
+// First position where two token lists differ (-1: equal).
+int FirstDifference(const std::vector<int32_t>& a, const std::vector<int32_t>& b) {
+  const size_t n = std::min(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i) {
+    if (a[i] != b[i]) return static_cast<int>(i);
+  }
+  return a.size() == b.size() ? -1 : static_cast<int>(n);
+}
+
+std::vector<std::string> Split(const std::string& s) {
+  std::vector<std::string> out;
+  std::istringstream in(s);
+  for (std::string item; std::getline(in, item, ',');) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+std::string Fmt(const char* format, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, v);
+  return buf;
+}
+
+// Accumulates one (context, mode) cell over its WikiText requests.
+struct Cell {
+  std::vector<double> tokens_per_repeat, seconds_per_repeat;
+  int64_t decode_tokens = 0, decode_steps = 0;
+  double decode_s = 0.0;
+  kvflow::SpecDecodeStats spec;
+  int compared = 0, identical = 0;  // greedy requests compared with plain, equal ones
+  int errors = 0;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "TriForce vs plain decoding, n-gram speculation and TriForce's middle level alone: decode tok/s, acceptance "
+      "per level, tokens per full-cache pass and losslessness on long WikiText-2 prompts and the pass-key prompt, "
+      "one sequence at a time. Writes JSON (--json) and Markdown (--md); bench/triforce_report.py plots it and "
+      "models the paper's A100 setting."};
+  std::string model = "smollm2-135m";
+  std::string wikitext = std::string(KVFLOW_SOURCE_DIR) + "/../shared/datasets/wikitext-2/test.txt";
+  std::string contexts_arg = "2048,4096,8192", modes_arg = "plain,ngram,middle,triforce,triforce-streaming";
+  std::string json_path, md_path, passkey = "on";
+  int new_tokens = 128, num_prompts = 2, threads = 2, budget = 0, gamma1 = 3, gamma2 = 6, repeats = 1;
+  int max_model_len = 8192, passkey_tokens = 16, rebuild_stride = 1024, kv_blocks = 0;
+  double temperature = 0.0, passkey_depth = 0.5;
+  uint64_t seed = 1;
+  app.add_option("--model", model, "Model path or short name")->capture_default_str();
+  app.add_option("--contexts", contexts_arg, "Comma-separated context lengths (prompt + new tokens), each <= --max-model-len")
+      ->capture_default_str();
+  app.add_option("--new-tokens", new_tokens, "Tokens generated per WikiText prompt")->capture_default_str();
+  app.add_option("--prompts", num_prompts, "WikiText-2 prompts per context (prompt i starts at article 3*i)")
+      ->capture_default_str();
+  app.add_option("--threads", threads, "CPU threads")->capture_default_str();
+  app.add_option("--budget", budget, "TriForce retrieval cache tokens (triforce_budget); 0: auto = context/8 in [256, 4096]")
+      ->capture_default_str();
+  app.add_option("--gamma1", gamma1, "TriForce bottom draft tokens per middle pass (triforce_draft_tokens)")
+      ->capture_default_str();
+  app.add_option("--gamma2", gamma2, "Tokens per full-cache verification (num_speculative_tokens; also ngram's k)")
+      ->capture_default_str();
+  app.add_option("--rebuild-stride", rebuild_stride, "triforce_rebuild_stride")->capture_default_str();
+  app.add_option("--temperature", temperature, "Sampling temperature of the WikiText requests (0: greedy, lossless check)")
+      ->capture_default_str();
+  app.add_option("--seed", seed, "Seed of sampled requests (request seed = seed + prompt index)")->capture_default_str();
+  app.add_option("--modes", modes_arg, "Comma-separated: plain, ngram, middle, triforce, triforce-streaming")
+      ->capture_default_str();
+  app.add_option("--repeats", repeats, "Timed repeats of every request; decode tok/s is their median")->capture_default_str();
+  app.add_option("--passkey", passkey, "Also run the pass-key retrieval prompt (on/off)")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
+  app.add_option("--passkey-depth", passkey_depth, "Where the key sits in the filler (0 start .. 1 end)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  app.add_option("--passkey-tokens", passkey_tokens, "Greedy tokens generated for the pass-key prompt")->capture_default_str();
+  app.add_option("--max-model-len", max_model_len, "Engine max_model_len")->capture_default_str();
+  app.add_option("--kv-blocks", kv_blocks, "KV blocks of 16 tokens per engine; 0: max_model_len/16 + 32")
+      ->capture_default_str();
+  app.add_option("--wikitext", wikitext, "WikiText-2 test.txt")->capture_default_str();
+  app.add_option("--json", json_path, "Write the results as JSON here");
+  app.add_option("--md", md_path, "Write a Markdown report here");
+  CLI11_PARSE(app, argc, argv);
+  // The engine's log lines go to stderr with the progress; stdout carries only the result tables.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("kvflow_bench_triforce"));
+
+  std::vector<int> contexts;
+  for (const std::string& c : Split(contexts_arg)) contexts.push_back(std::stoi(c));
+  const std::vector<std::string> modes = Split(modes_arg);
+  const std::vector<std::string> known = {"plain", "ngram", "middle", "triforce", "triforce-streaming"};
+  for (const std::string& m : modes) {
+    if (std::find(known.begin(), known.end(), m) == known.end()) {
+      std::fprintf(stderr, "unknown mode '%s'\n", m.c_str());
+      return 2;
+    }
+  }
+  for (int c : contexts) {
+    if (c > max_model_len || c - new_tokens - 8 < 16) {
+      std::fprintf(stderr, "context %d: must be <= --max-model-len %d and leave room for --new-tokens\n", c, max_model_len);
+      return 2;
+    }
+  }
+  if (!std::filesystem::exists(wikitext)) {
+    std::fprintf(stderr, "WikiText-2 not found at %s (--wikitext)\n", wikitext.c_str());
+    return 77;
+  }
+  const bool greedy = temperature <= 0.0;
+  const bool have_plain = std::find(modes.begin(), modes.end(), "plain") != modes.end();
+  const std::string load_start = LoadAverage();
+
+  // One engine per mode, created once.
+  std::map<std::string, std::unique_ptr<kvflow::Engine>> engines;
+  Json engine_json = Json::object();
+  for (const std::string& mode : modes) {
+    kvflow::EngineConfig c;
+    c.model = model;
+    c.num_threads = threads;
+    c.max_model_len = max_model_len;
+    c.max_num_seqs = 1;  // one request at a time
+    // A pool for one full context plus slack (the automatic size falls a few blocks short of 8192).
+    c.num_kv_blocks = kv_blocks > 0 ? kv_blocks : (max_model_len + c.block_size - 1) / c.block_size + 32;
+    c.seed = seed;
+    if (mode == "ngram") {
+      c.speculative_method = "ngram";
+      c.num_speculative_tokens = gamma2;
+    } else if (mode != "plain") {
+      c.speculative_method = "triforce";
+      c.num_speculative_tokens = gamma2;
+      c.triforce_draft_tokens = mode == "middle" ? 0 : gamma1;
+      c.triforce_draft = mode == "triforce-streaming" ? "streaming" : "ngram";
+      c.triforce_budget = budget;
+      c.triforce_min_context = 0;
+      c.triforce_rebuild_stride = rebuild_stride;
+    }
+    auto engine = kvflow::Engine::Create(c);
+    if (!engine.ok()) {
+      std::fprintf(stderr, "mode %s: %s\n", mode.c_str(), engine.status().ToString().c_str());
+      return 1;
+    }
+    engine_json[mode] = {{"describe", engine.value()->Describe()},
+                         {"speculative_method", c.speculative_method},
+                         {"num_speculative_tokens", c.num_speculative_tokens},
+                         {"triforce_draft", c.triforce_draft},
+                         {"triforce_draft_tokens", c.triforce_draft_tokens},
+                         {"triforce_budget", c.triforce_budget},
+                         {"triforce_min_context", c.triforce_min_context},
+                         {"triforce_sinks", c.triforce_sinks},
+                         {"triforce_window", c.triforce_window}};
+    std::fprintf(stderr, "[engine] %s: %s\n", mode.c_str(), engine.value()->Describe().c_str());
+    engines[mode] = std::move(engine.value());
+  }
+  const kvflow::Tokenizer& tok = engines.begin()->second->tokenizer();
+  const std::vector<std::string> articles = Articles(ReadFile(wikitext));
+
+  kvflow::SamplingParams wiki_params;
+  wiki_params.temperature = static_cast<float>(temperature);
+  wiki_params.max_tokens = new_tokens;
+  wiki_params.ignore_eos = true;  // every request generates exactly new_tokens
+  kvflow::SamplingParams key_params;
+  key_params.temperature = 0.0f;
+  key_params.max_tokens = passkey_tokens;
+  key_params.ignore_eos = true;
+
+  // Warm-up: a short request through every engine (thread start, page faults, first allocations).
+  {
+    const std::vector<int32_t> warm = WikiPrompt(tok, articles, 0, 512);
+    kvflow::SamplingParams p = key_params;
+    p.max_tokens = 16;
+    for (const std::string& mode : modes) {
+      RunResult r = RunRequest(*engines[mode], warm, p);
+      std::fprintf(stderr, "[warmup] %s: %zu tokens%s%s\n", mode.c_str(), r.tokens.size(), r.error.empty() ? "" : ", error: ",
+                   r.error.c_str());
+    }
+  }
+
+  Json requests = Json::array();
+  Json passkeys = Json::array();
+  std::map<std::pair<int, std::string>, Cell> cells;
+  const auto bench_start = Clock::now();
+  for (int context : contexts) {
+    std::vector<std::vector<int32_t>> prompts;
+    for (int i = 0; i < num_prompts; ++i) {
+      prompts.push_back(WikiPrompt(tok, articles, static_cast<size_t>(3 * i), context - new_tokens - 8));
+    }
+    // WikiText prompts: for each repeat and prompt, every mode back to back (drift hits all alike).
+    for (int rep = 0; rep < repeats; ++rep) {
+      std::map<std::string, std::pair<int64_t, double>> rep_totals;  // mode -> decode tokens, seconds
+      for (int i = 0; i < num_prompts; ++i) {
+        std::vector<int32_t> plain_tokens;
+        bool plain_ok = false;
+        for (const std::string& mode : modes) {
+          kvflow::SamplingParams p = wiki_params;
+          if (!greedy) p.seed = seed + static_cast<uint64_t>(i);
+          RunResult r = RunRequest(*engines[mode], prompts[static_cast<size_t>(i)], p);
+          Cell& cell = cells[{context, mode}];
+          Json identical = nullptr;
+          int diff = -1;
+          if (mode == "plain") {
+            plain_tokens = r.tokens;
+            plain_ok = r.error.empty();
+          } else if (greedy && have_plain && plain_ok) {
+            diff = FirstDifference(plain_tokens, r.tokens);
+            identical = diff < 0;
+            ++cell.compared;
+            if (diff < 0) ++cell.identical;
+          }
+          if (!r.error.empty()) ++cell.errors;
+          rep_totals[mode].first += r.decode_tokens;
+          rep_totals[mode].second += r.decode_s;
+          cell.decode_tokens += r.decode_tokens;
+          cell.decode_steps += r.decode_steps;
+          cell.decode_s += r.decode_s;
+          Add(cell.spec, r.spec);
+          const double rate = r.decode_s > 0 ? r.decode_tokens / r.decode_s : 0.0;
+          std::fprintf(stderr,
+                       "[%6.0fs] ctx %d rep %d wiki#%d %-18s prompt %d: %lld decode tokens in %lld steps, %.2f s, %.1f tok/s, "
+                       "prefill %.1f s%s%s%s\n",
+                       std::chrono::duration<double>(Clock::now() - bench_start).count(), context, rep, i, mode.c_str(),
+                       r.prompt_tokens, static_cast<long long>(r.decode_tokens), static_cast<long long>(r.decode_steps),
+                       r.decode_s, rate, r.prefill_s,
+                       identical.is_boolean() ? (identical.get<bool>() ? ", identical to plain" : ", DIFFERS from plain")
+                                              : "",
+                       r.error.empty() ? "" : ", ERROR: ", r.error.c_str());
+          if (diff >= 0) std::fprintf(stderr, "          first difference at generated token %d\n", diff);
+          requests.push_back({{"context", context},
+                              {"mode", mode},
+                              {"kind", "wikitext"},
+                              {"prompt_index", i},
+                              {"repeat", rep},
+                              {"prompt_tokens", r.prompt_tokens},
+                              {"generated_tokens", r.tokens.size()},
+                              {"decode_tokens", r.decode_tokens},
+                              {"decode_steps", r.decode_steps},
+                              {"decode_s", r.decode_s},
+                              {"prefill_s", r.prefill_s},
+                              {"decode_tok_s", rate},
+                              {"identical_to_plain", identical},
+                              {"first_difference", diff >= 0 ? Json(diff) : Json(nullptr)},
+                              {"spec", StatsJson(r.spec)},
+                              {"tokens", r.tokens},
+                              {"error", r.error}});
+        }
+      }
+      for (const auto& [mode, t] : rep_totals) {
+        cells[{context, mode}].tokens_per_repeat.push_back(static_cast<double>(t.first));
+        cells[{context, mode}].seconds_per_repeat.push_back(t.second);
+      }
+    }
+    // The pass-key prompt, once per mode (greedy).
+    if (passkey == "on") {
+      const Passkey pk = PasskeyPrompt(tok, context - 32, passkey_depth, static_cast<uint32_t>(context));
+      std::vector<int32_t> plain_tokens;
+      std::string plain_text;
+      bool plain_ok = false;
+      for (const std::string& mode : modes) {
+        RunResult r = RunRequest(*engines[mode], pk.ids, key_params);
+        const std::string text = tok.Decode(r.tokens);
+        Json equals = nullptr;
+        if (mode == "plain") {
+          plain_tokens = r.tokens;
+          plain_text = text;
+          plain_ok = r.error.empty();
+        } else if (have_plain && plain_ok) {
+          equals = r.tokens == plain_tokens;
+        }
+        const bool found = text.find(pk.key) != std::string::npos;
+        std::fprintf(stderr, "[%6.0fs] ctx %d passkey %-18s prompt %d: key %s %s, answer \"%s\"%s%s%s\n",
+                     std::chrono::duration<double>(Clock::now() - bench_start).count(), context, mode.c_str(),
+                     r.prompt_tokens, pk.key.c_str(), found ? "found" : "NOT found", text.c_str(),
+                     equals.is_boolean() ? (equals.get<bool>() ? ", equals plain" : ", DIFFERS from plain") : "",
+                     r.error.empty() ? "" : ", ERROR: ", r.error.c_str());
+        passkeys.push_back({{"context", context},
+                            {"mode", mode},
+                            {"key", pk.key},
+                            {"depth", passkey_depth},
+                            {"fillers", pk.fillers},
+                            {"prompt_tokens", r.prompt_tokens},
+                            {"answer", text},
+                            {"tokens", r.tokens},
+                            {"contains_key", found},
+                            {"equals_plain", equals},
+                            {"decode_tokens", r.decode_tokens},
+                            {"decode_steps", r.decode_steps},
+                            {"decode_s", r.decode_s},
+                            {"spec", StatsJson(r.spec)},
+                            {"error", r.error}});
+      }
+    }
+  }
+
+  // Rows: one per context x mode, from the WikiText requests.
+  Json rows = Json::array();
+  std::string table =
+      "| context | mode | decode tok/s | speed-up vs plain | tokens / full pass | top acceptance | middle acceptance | "
+      "middle passes / step | retrieval builds | plain steps | identical to plain |\n"
+      "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n";
+  for (int context : contexts) {
+    double plain_rate = 0.0;
+    if (have_plain) {
+      const Cell& pc = cells[{context, "plain"}];
+      std::vector<double> rates;
+      for (size_t k = 0; k < pc.tokens_per_repeat.size(); ++k) {
+        rates.push_back(pc.seconds_per_repeat[k] > 0 ? pc.tokens_per_repeat[k] / pc.seconds_per_repeat[k] : 0.0);
+      }
+      plain_rate = Median(rates);
+    }
+    for (const std::string& mode : modes) {
+      const Cell& c = cells[{context, mode}];
+      std::vector<double> rates;
+      for (size_t k = 0; k < c.tokens_per_repeat.size(); ++k) {
+        rates.push_back(c.seconds_per_repeat[k] > 0 ? c.tokens_per_repeat[k] / c.seconds_per_repeat[k] : 0.0);
+      }
+      const double rate = Median(rates);
+      const auto& s = c.spec;
+      auto ratio = [](double a, double b) { return b > 0 ? Json(a / b) : Json(nullptr); };
+      const Json speedup = plain_rate > 0 ? Json(rate / plain_rate) : Json(nullptr);
+      const Json top_acc = ratio(static_cast<double>(s.num_accepted_tokens), static_cast<double>(s.num_draft_tokens));
+      const Json mid_acc = ratio(static_cast<double>(s.middle_accepted_tokens), static_cast<double>(s.middle_draft_tokens));
+      const Json per_pass = ratio(static_cast<double>(c.decode_tokens), static_cast<double>(c.decode_steps));
+      const Json mid_per_step = ratio(static_cast<double>(s.middle_passes), static_cast<double>(c.decode_steps));
+      const Json identical = (greedy && have_plain && mode != "plain") ? Json(c.identical == c.compared && c.compared > 0) : Json(nullptr);
+      rows.push_back({{"context", context},
+                      {"mode", mode},
+                      {"prompts", num_prompts},
+                      {"repeats", repeats},
+                      {"decode_tok_s", rate},
+                      {"decode_tok_s_per_repeat", rates},
+                      {"speedup_vs_plain", speedup},
+                      {"decode_tokens", c.decode_tokens},
+                      {"decode_steps", c.decode_steps},
+                      {"decode_s", c.decode_s},
+                      {"tokens_per_full_pass", per_pass},
+                      {"top_acceptance", top_acc},
+                      {"middle_acceptance", mid_acc},
+                      {"middle_passes_per_step", mid_per_step},
+                      {"mean_middle_pass_s", ratio(s.middle_seconds, static_cast<double>(s.middle_passes))},
+                      {"mean_decode_step_s", ratio(c.decode_s, static_cast<double>(c.decode_steps))},
+                      {"identical_to_plain", identical},
+                      {"identical_requests", c.identical},
+                      {"compared_requests", c.compared},
+                      {"errors", c.errors},
+                      {"spec", StatsJson(s)}});
+      auto num = [](const Json& j, const char* f) { return j.is_number() ? Fmt(f, j.get<double>()) : std::string("-"); };
+      table += "| " + std::to_string(context) + " | " + mode + " | " + Fmt("%.1f", rate) + " | " + num(speedup, "%.2fx") +
+               " | " + num(per_pass, "%.2f") + " | " + num(top_acc.is_number() ? Json(100 * top_acc.get<double>()) : top_acc, "%.1f%%") +
+               " | " + num(mid_acc.is_number() ? Json(100 * mid_acc.get<double>()) : mid_acc, "%.1f%%") + " | " +
+               num(mid_per_step, "%.2f") + " | " + std::to_string(s.retrieval_builds) + " | " + std::to_string(s.plain_steps) +
+               " | " +
+               (identical.is_boolean() ? (identical.get<bool>() ? "yes" : "NO (" + std::to_string(c.identical) + "/" +
+                                                                               std::to_string(c.compared) + ")")
+                                       : std::string("-")) +
+               (c.errors ? " (" + std::to_string(c.errors) + " errors)" : "") + " |\n";
+    }
+  }
+  std::string key_table;
+  if (!passkeys.empty()) {
+    key_table =
+        "| context | mode | prompt tokens | key | answer | contains key | equals plain |\n|---:|---|---:|---|---|---|---|\n";
+    for (const Json& p : passkeys) {
+      std::string answer = p["answer"].get<std::string>();
+      for (char& ch : answer) {
+        if (ch == '\n' || ch == '|') ch = ' ';
+      }
+      key_table += "| " + std::to_string(p["context"].get<int>()) + " | " + p["mode"].get<std::string>() + " | " +
+                   std::to_string(p["prompt_tokens"].get<int>()) + " | " + p["key"].get<std::string>() + " | `" + answer +
+                   "` | " + (p["contains_key"].get<bool>() ? "yes" : "no") + " | " +
+                   (p["equals_plain"].is_boolean() ? (p["equals_plain"].get<bool>() ? "yes" : "NO") : "-") + " |\n";
+    }
+  }
+  std::printf("%s\n%s", table.c_str(), key_table.c_str());
+  std::fflush(stdout);
+
+  const std::string command = CommandLine(argc, argv);
+  const std::string date = NowIso();
+  const std::string load_end = LoadAverage();
+  if (!json_path.empty()) {
+    Json doc = {{"benchmark", "TriForce vs plain / ngram / middle-only decoding, single sequence, decode steps timed"},
+                {"model", model},
+                {"cpu_model", CpuModel()},
+                {"threads", threads},
+                {"date", date},
+                {"command", command},
+                {"load_average_start", load_start},
+                {"load_average_end", load_end},
+                {"options",
+                 {{"contexts", contexts},
+                  {"modes", modes},
+                  {"new_tokens", new_tokens},
+                  {"prompts", num_prompts},
+                  {"repeats", repeats},
+                  {"budget", budget},
+                  {"gamma1", gamma1},
+                  {"gamma2", gamma2},
+                  {"rebuild_stride", rebuild_stride},
+                  {"temperature", temperature},
+                  {"seed", seed},
+                  {"passkey", passkey == "on"},
+                  {"passkey_depth", passkey_depth},
+                  {"passkey_tokens", passkey_tokens},
+                  {"max_model_len", max_model_len},
+                  {"wikitext", wikitext}}},
+                {"engines", engine_json},
+                {"rows", rows},
+                {"passkey", passkeys},
+                {"requests", requests}};
+    std::filesystem::path p(json_path);
+    if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path());
+    std::ofstream(json_path) << doc.dump(1) << "\n";
+    std::fprintf(stderr, "wrote %s\n", json_path.c_str());
+  }
+  if (!md_path.empty()) {
+    std::filesystem::path p(md_path);
+    if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path());
+    std::ofstream md(md_path);
+    md << "# TriForce vs plain decoding: " << model << ", " << threads << " threads\n\n"
+       << "- Machine: " << CpuModel() << "; load average at start " << load_start << ", at end " << load_end << "\n"
+       << "- Date: " << date << "\n- Command: `" << command << "`\n"
+       << "- " << num_prompts << " WikiText-2 test prompt(s) per context (context - " << new_tokens << " - 8 tokens), "
+       << new_tokens << " new tokens each, temperature " << temperature << ", " << repeats
+       << " repeat(s) (decode tok/s = median over repeats of decode tokens / decode seconds summed over the prompts)\n"
+       << "- gamma2 (tokens per full-cache verification, also n-gram k) = " << gamma2 << ", gamma1 (bottom tokens per middle pass) = "
+       << gamma1 << ", retrieval budget = " << (budget ? std::to_string(budget) : std::string("auto (context/8 in [256, 4096])"))
+       << ", triforce_min_context 0\n\n"
+       << "All numbers measured. Only decode steps are timed (steps after the prefill; TriForce's retrieval-cache builds "
+          "and middle / bottom passes run inside them). tokens / full pass = decode tokens / decode steps (one sequence: one "
+          "full-cache pass per step). top acceptance = accepted / drafted tokens at the full-cache verification; middle "
+          "acceptance = the middle level's accepted / bottom-drafted tokens.\n\n"
+       << table;
+    if (!key_table.empty()) {
+      md << "\n## Pass-key retrieval (greedy, " << passkey_tokens << " tokens, key at depth " << passkey_depth << ")\n\n"
+         << key_table;
+    }
+    std::fprintf(stderr, "wrote %s\n", md_path.c_str());
+  }
+  return 0;
+}
