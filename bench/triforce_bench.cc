@@ -330,10 +330,11 @@ int main(int argc, char** argv) {
       "one sequence at a time. Writes JSON (--json) and Markdown (--md); bench/triforce_report.py plots it and "
       "models the paper's A100 setting."};
   std::string model = "smollm2-135m";
+  std::string device = "cpu";
   std::string wikitext = std::string(KVFLOW_SOURCE_DIR) + "/../shared/datasets/wikitext-2/test.txt";
   std::string contexts_arg = "2048,4096,8192", modes_arg = "plain,ngram,middle,triforce,triforce-streaming";
   std::string json_path, md_path, passkey = "on";
-  int new_tokens = 128, num_prompts = 2, threads = 2, budget = 0, gamma1 = 3, gamma2 = 6, repeats = 1;
+  int new_tokens = 128, num_prompts = 2, threads = 2, budget = 0, gamma1 = 3, gamma2 = 8, repeats = 1;
   int max_model_len = 8192, passkey_tokens = 16, rebuild_stride = 1024, kv_blocks = 0;
   double temperature = 0.0, passkey_depth = 0.5;
   uint64_t seed = 1;
@@ -344,6 +345,7 @@ int main(int argc, char** argv) {
   app.add_option("--prompts", num_prompts, "WikiText-2 prompts per context (prompt i starts at article 3*i)")
       ->capture_default_str();
   app.add_option("--threads", threads, "CPU threads")->capture_default_str();
+  app.add_option("--device", device, "cpu, cuda or cuda:N (tools/gpu-check runs it on the GPU)")->capture_default_str();
   app.add_option("--budget", budget, "TriForce retrieval cache tokens (triforce_budget); 0: auto = context/8 in [256, 4096]")
       ->capture_default_str();
   app.add_option("--gamma1", gamma1, "TriForce bottom draft tokens per middle pass (triforce_draft_tokens)")
@@ -404,6 +406,7 @@ int main(int argc, char** argv) {
   for (const std::string& mode : modes) {
     kvflow::EngineConfig c;
     c.model = model;
+    c.device = device;
     c.num_threads = threads;
     c.max_model_len = max_model_len;
     c.max_num_seqs = 1;  // one request at a time
@@ -668,6 +671,7 @@ int main(int argc, char** argv) {
                 {"model", model},
                 {"cpu_model", CpuModel()},
                 {"threads", threads},
+                {"device", device},
                 {"date", date},
                 {"command", command},
                 {"load_average_start", load_start},

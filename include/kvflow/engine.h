@@ -60,7 +60,9 @@ struct EngineConfig {
   // SamplingParams::speculative.
   std::string speculative_method;
   std::string speculative_model;
-  int num_speculative_tokens = 4;
+  // Drafts per step at most (triforce: gamma2); 0: the method's default, 4 (ngram, draft_model) or
+  // 8 (triforce, whose retrieval cache drafts well enough to amortize a longer verification).
+  int num_speculative_tokens = 0;
   int ngram_max = 4;
   int ngram_min = 1;
   // "triforce" (TriForce, hierarchical speculation for long contexts): the target over a retrieval

@@ -56,8 +56,9 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
                   "draft_model (or triforce with --triforce-draft draft_model): a smaller model with the same "
                   "tokenizer (path or short name), on the same device");
   app->add_option("--num-speculative-tokens", c.num_speculative_tokens,
-                  "Drafts per step at most (triforce: gamma2, the tokens the middle level drafts per full-cache pass)")
-      ->default_val(4);
+                  "Drafts per step at most (triforce: gamma2, the tokens the middle level drafts per full-cache "
+                  "pass); 0 = the method's default: 4, triforce 8")
+      ->default_val(0);
   app->add_option("--triforce-draft", c.triforce_draft,
                   "triforce: the bottom drafter proposing to the retrieval level: ngram, streaming (the model over "
                   "attention sinks + a recent window) or draft_model (--speculative-model over sinks + window)")

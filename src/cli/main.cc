@@ -83,6 +83,22 @@ int RunGenerate(GenerateOptions& opt) {
                kvflow::FinishReasonName(out->first().finish_reason), prompt_tokens,
                prefill_s > 0 ? prompt_tokens / prefill_s : 0.0, static_cast<long long>(generated),
                decode_s > 0 && generated > 1 ? (generated - 1) / decode_s : 0.0);
+  const kvflow::SpecDecodeStats spec = engine.stats().spec;
+  if (spec.num_drafts > 0) {
+    std::fprintf(stderr, "--- speculative: %lld verification passes with drafts, %lld of %lld drafts kept (%.0f%%)\n",
+                 static_cast<long long>(spec.num_drafts), static_cast<long long>(spec.num_accepted_tokens),
+                 static_cast<long long>(spec.num_draft_tokens),
+                 100.0 * spec.num_accepted_tokens / std::max<int64_t>(1, spec.num_draft_tokens));
+  }
+  if (spec.middle_passes > 0 || spec.plain_steps > 0) {
+    std::fprintf(stderr,
+                 "--- triforce: %lld retrieval-cache passes (%.2f s) kept %lld of %lld bottom drafts; %lld bottom passes "
+                 "(%.2f s); %lld cache builds; %lld steps decoded plainly\n",
+                 static_cast<long long>(spec.middle_passes), spec.middle_seconds,
+                 static_cast<long long>(spec.middle_accepted_tokens), static_cast<long long>(spec.middle_draft_tokens),
+                 static_cast<long long>(spec.bottom_passes), spec.bottom_seconds,
+                 static_cast<long long>(spec.retrieval_builds), static_cast<long long>(spec.plain_steps));
+  }
   return 0;
 }
 

@@ -304,6 +304,7 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEvaluationEngine(const EngineCon
                                                                  const EvaluationOptions& evaluation) {
   EngineConfig config = input;
   if (config.speculative_method.empty() && !config.speculative_model.empty()) config.speculative_method = "draft_model";
+  if (config.num_speculative_tokens == 0) config.num_speculative_tokens = config.speculative_method == "triforce" ? 8 : 4;
   KVFLOW_RETURN_IF_ERROR(ValidateEngineConfig(config));
   KVFLOW_ASSIGN_OR_RETURN(auto policy, MakeSchedulingPolicy(config.scheduling_policy));
   KVFLOW_ASSIGN_OR_RETURN(PreemptionMode preemption, ParsePreemptionMode(config.preemption_mode));

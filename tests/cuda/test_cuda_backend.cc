@@ -830,6 +830,38 @@ TEST(CudaEngine, SpeculativeDecodingKeepsGreedyOutputs) {
   EXPECT_GT(stats.spec.num_draft_tokens, 0);
 }
 
+// TriForce on the device: chunks scored and selected by the kernels inside the engine's pass, the
+// middle level reading its retrieval cache as a block-table subset through the paged kernels (its
+// lane filled by a KV transfer), the bottom drafting from a StreamingLLM view: greedy outputs stay
+// those of plain CUDA decoding, for every bottom drafter.
+TEST(CudaEngine, TriForceKeepsGreedyOutputs) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  const int kTokens = 40;
+  EngineConfig base = CudaConfig("tiny-random");
+  base.block_size = 8;
+  const Outputs reference = RunEngine(base, kTokens);
+  for (const char* bottom : {"ngram", "streaming", "draft_model"}) {
+    EngineConfig tri = base;
+    tri.speculative_method = "triforce";
+    tri.num_speculative_tokens = 4;
+    tri.triforce_draft = bottom;
+    tri.triforce_draft_tokens = 2;
+    tri.triforce_budget = 8;
+    tri.triforce_min_context = 0;
+    tri.triforce_sinks = 4;
+    tri.triforce_window = 8;
+    if (std::string(bottom) == "draft_model") tri.speculative_model = "tiny-random-draft";
+    EngineStats stats;
+    EXPECT_EQ(RunEngine(tri, kTokens, &stats), reference) << bottom;
+    std::printf("  %s bottom: top kept %lld of %lld; middle passes %lld kept %lld of %lld bottom drafts; builds %lld\n",
+                bottom, (long long)stats.spec.num_accepted_tokens, (long long)stats.spec.num_draft_tokens,
+                (long long)stats.spec.middle_passes, (long long)stats.spec.middle_accepted_tokens,
+                (long long)stats.spec.middle_draft_tokens, (long long)stats.spec.retrieval_builds);
+    EXPECT_GT(stats.spec.middle_passes, 0) << bottom;
+    EXPECT_GE(stats.spec.retrieval_builds, static_cast<int64_t>(kPrompts.size())) << bottom;
+  }
+}
+
 // Two KV caches on the device: a draft model whose pool follows the target's block tables, its
 // drafts written to scratch slots and read through gathered-slot views. The target drafting for
 // itself keeps the greedy outputs and has nearly every draft accepted (fp16: a near-tie may flip).

@@ -131,7 +131,7 @@ TEST(DraftModelSpeculation, BadConfigurationsAreRefused) {
   c.speculative_model = "tiny-random-draft";
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
   c.speculative_method = "";
-  c.num_speculative_tokens = 0;
+  c.num_speculative_tokens = -1;
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
   // A draft with another tokenizer: SmolLM2 for the tiny model.
   auto smollm = ResolveModel("smollm2-135m");

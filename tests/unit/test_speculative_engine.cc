@@ -114,7 +114,7 @@ TEST(SpeculativeDecoding, BadConfigurationsAreRefused) {
   c.speculative_method = "medusa";
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
   c.speculative_method = "ngram";
-  c.num_speculative_tokens = 0;
+  c.num_speculative_tokens = -1;
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
   c.num_speculative_tokens = 4;
   c.ngram_min = 3;
