@@ -308,6 +308,40 @@ def main():
                   f"{fmt(d and d['speedup'], '{:.2f}x (modeled)')} | "
                   f"{fmt((e.get('modeled_ideal') or {}).get('speedup'), '{:.2f}x (modeled)')} | {fmt(e['measured_speedup'], '{:.2f}x')} |")
 
+    # ---- where the decode time goes (measured) ----
+    # Per decode step of a speculative mode: one full-cache verification of (drafts + 1) tokens, the
+    # middle passes and the bottom passes. The verification's cost against a plain one-token step is
+    # what the memory-bound model above leaves out: on a CPU, attention over a long context for
+    # several query rows is compute-bound, so each verified token adds to the pass.
+    md += ["", "## Measured: where the decode time goes", "",
+           "Per decode step (one full-cache verification): its time (decode time less the middle and bottom passes, per step), "
+           "the tokens it verifies (drafts + 1), the plain one-token step of the same context, and the time in each level. "
+           "`verification / plain` is what the speculative modes pay per full pass beyond plain decoding.", "",
+           "| context | mode | plain step ms | verification ms | tokens verified | verification / plain | extra ms per verified token | "
+           "middle pass ms | bottom pass ms | time in verification | in middle | in bottom |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    breakdown = []
+    for r in rows:
+        if r["mode"] == "plain" or not r.get("decode_steps"):
+            continue
+        sp, steps, ctx = r["spec"], r["decode_steps"], r["context"]
+        t_plain = plain_step.get(ctx)
+        t_ver = (r["decode_s"] - sp["middle_seconds"] - sp["bottom_seconds"]) / steps
+        verified = 1 + sp["num_draft_tokens"] / steps
+        t_mid = sp["middle_seconds"] / sp["middle_passes"] if sp["middle_passes"] else None
+        t_bot = sp["bottom_seconds"] / sp["bottom_passes"] if sp["bottom_passes"] else None
+        e = {"context": ctx, "mode": r["mode"], "plain_step_s": t_plain, "verification_s": t_ver,
+             "tokens_verified": verified, "middle_pass_s": t_mid, "bottom_pass_s": t_bot,
+             "share_verification": t_ver * steps / r["decode_s"], "share_middle": sp["middle_seconds"] / r["decode_s"],
+             "share_bottom": sp["bottom_seconds"] / r["decode_s"]}
+        e["extra_s_per_verified_token"] = (t_ver - t_plain) / (verified - 1) if t_plain and verified > 1 else None
+        breakdown.append(e)
+        md.append(f"| {ctx} | {r['mode']} | {fmt(t_plain and 1e3 * t_plain, '{:.1f}')} | {1e3 * t_ver:.1f} | {verified:.2f} | "
+                  f"{fmt(t_plain and t_ver / t_plain, '{:.2f}x')} | {fmt(e['extra_s_per_verified_token'] and 1e3 * e['extra_s_per_verified_token'], '{:.1f}')} | "
+                  f"{fmt(t_mid and 1e3 * t_mid, '{:.1f}')} | {fmt(t_bot and 1e3 * t_bot, '{:.1f}')} | "
+                  f"{100 * e['share_verification']:.0f}% | {100 * e['share_middle']:.0f}% | {100 * e['share_bottom']:.0f}% |")
+    out["measured"]["time_breakdown"] = breakdown
+
     # ---- plot ----
     png = prefix + ".png"
     try:

@@ -78,7 +78,7 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
       ->default_val(0.5);
   app->add_option("--triforce-min-context", c.triforce_min_context,
                   "triforce: sequences with a shorter context decode plainly (it would not pay)")
-      ->default_val(2048);
+      ->default_val(4096);
   app->add_option("--triforce-sinks", c.triforce_sinks, "triforce streaming/draft_model bottom: attention sinks")
       ->default_val(16);
   app->add_option("--triforce-window", c.triforce_window, "triforce streaming/draft_model bottom: recent window")

@@ -25,7 +25,7 @@ struct RetrievalPolicy {
   int rebuild_stride = 1024;        // tokens appended before a rebuild; 0: only on low acceptance
   double rebuild_acceptance = 0.5;  // rolling top-level acceptance below which the cache is rebuilt
   int acceptance_window = 8;        // verification rounds in the rolling rate
-  int64_t min_context = 2048;       // below this context a sequence decodes plainly
+  int64_t min_context = 4096;       // below this context a sequence decodes plainly
   // Rolling acceptance below which speculation does not pay (fewer than ~1.2 tokens per full
   // pass): the sequence decodes plainly for pause_steps steps, then rebuilds and tries again.
   double pause_acceptance = 0.2;
