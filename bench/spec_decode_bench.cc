@@ -20,6 +20,7 @@
 #include <spdlog/spdlog.h>
 
 #include "engine/chat_template.h"
+#include "bench_files.h"
 #include "kvflow/engine.h"
 #include "util/alpaca.h"
 
@@ -28,12 +29,7 @@ namespace {
 using Json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using kvflow::bench::ReadFile;
 
 // WikiText-2 paragraphs of 400..900 characters (the body lines of articles).
 std::vector<std::string> Passages(const std::string& path, size_t count) {

@@ -46,6 +46,7 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "bench_files.h"
 #include "kvflow/engine.h"
 
 namespace {
@@ -53,12 +54,7 @@ namespace {
 using Json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using kvflow::bench::ReadFile;
 
 double Median(std::vector<double> v) {
   if (v.empty()) return 0.0;
@@ -176,41 +172,9 @@ Passkey PasskeyPrompt(const kvflow::Tokenizer& tok, int target, double depth, ui
 }
 
 kvflow::SpecDecodeStats Delta(const kvflow::SpecDecodeStats& a, const kvflow::SpecDecodeStats& b) {
-  kvflow::SpecDecodeStats d;
-  d.num_drafts = b.num_drafts - a.num_drafts;
-  d.num_draft_tokens = b.num_draft_tokens - a.num_draft_tokens;
-  d.num_accepted_tokens = b.num_accepted_tokens - a.num_accepted_tokens;
-  d.middle_passes = b.middle_passes - a.middle_passes;
-  d.middle_draft_tokens = b.middle_draft_tokens - a.middle_draft_tokens;
-  d.middle_accepted_tokens = b.middle_accepted_tokens - a.middle_accepted_tokens;
-  d.bottom_passes = b.bottom_passes - a.bottom_passes;
-  d.retrieval_builds = b.retrieval_builds - a.retrieval_builds;
-  d.plain_steps = b.plain_steps - a.plain_steps;
-  d.middle_seconds = b.middle_seconds - a.middle_seconds;
-  d.bottom_seconds = b.bottom_seconds - a.bottom_seconds;
-  d.accepted_per_position = b.accepted_per_position;
-  for (size_t i = 0; i < d.accepted_per_position.size(); ++i) {
-    if (i < a.accepted_per_position.size()) d.accepted_per_position[i] -= a.accepted_per_position[i];
-  }
+  kvflow::SpecDecodeStats d = b;
+  d.Add(a, -1);
   return d;
-}
-
-void Add(kvflow::SpecDecodeStats& sum, const kvflow::SpecDecodeStats& d) {
-  sum.num_drafts += d.num_drafts;
-  sum.num_draft_tokens += d.num_draft_tokens;
-  sum.num_accepted_tokens += d.num_accepted_tokens;
-  sum.middle_passes += d.middle_passes;
-  sum.middle_draft_tokens += d.middle_draft_tokens;
-  sum.middle_accepted_tokens += d.middle_accepted_tokens;
-  sum.bottom_passes += d.bottom_passes;
-  sum.retrieval_builds += d.retrieval_builds;
-  sum.plain_steps += d.plain_steps;
-  sum.middle_seconds += d.middle_seconds;
-  sum.bottom_seconds += d.bottom_seconds;
-  if (sum.accepted_per_position.size() < d.accepted_per_position.size()) {
-    sum.accepted_per_position.resize(d.accepted_per_position.size(), 0);
-  }
-  for (size_t i = 0; i < d.accepted_per_position.size(); ++i) sum.accepted_per_position[i] += d.accepted_per_position[i];
 }
 
 Json StatsJson(const kvflow::SpecDecodeStats& s) {
@@ -503,7 +467,7 @@ int main(int argc, char** argv) {
           cell.decode_tokens += r.decode_tokens;
           cell.decode_steps += r.decode_steps;
           cell.decode_s += r.decode_s;
-          Add(cell.spec, r.spec);
+          cell.spec.Add(r.spec);
           const double rate = r.decode_s > 0 ? r.decode_tokens / r.decode_s : 0.0;
           std::fprintf(stderr,
                        "[%6.0fs] ctx %d rep %d wiki#%d %-18s prompt %d: %lld decode tokens in %lld steps, %.2f s, %.1f tok/s, "

@@ -123,8 +123,28 @@ struct SpecDecodeStats {
   int64_t retrieval_builds = 0;        // retrieval caches built or rebuilt (full-cache middle passes)
   int64_t plain_steps = 0;             // sequence steps decoded without drafts because TriForce would not pay
   int64_t retrieval_caches = 0;        // sequences holding a retrieval cache now (a gauge)
-  double middle_seconds = 0;           // wall time in middle passes (builds included)
+  double middle_seconds = 0;           // wall time in middle passes
   double bottom_seconds = 0;           // wall time in the bottom drafter
+
+  // Adds `sign` times every counter of `o` (sign -1: the difference of two snapshots).
+  void Add(const SpecDecodeStats& o, int sign = 1) {
+    num_drafts += sign * o.num_drafts;
+    num_draft_tokens += sign * o.num_draft_tokens;
+    num_accepted_tokens += sign * o.num_accepted_tokens;
+    if (accepted_per_position.size() < o.accepted_per_position.size()) {
+      accepted_per_position.resize(o.accepted_per_position.size(), 0);
+    }
+    for (size_t i = 0; i < o.accepted_per_position.size(); ++i) accepted_per_position[i] += sign * o.accepted_per_position[i];
+    middle_passes += sign * o.middle_passes;
+    middle_draft_tokens += sign * o.middle_draft_tokens;
+    middle_accepted_tokens += sign * o.middle_accepted_tokens;
+    bottom_passes += sign * o.bottom_passes;
+    retrieval_builds += sign * o.retrieval_builds;
+    plain_steps += sign * o.plain_steps;
+    retrieval_caches += sign * o.retrieval_caches;
+    middle_seconds += sign * o.middle_seconds;
+    bottom_seconds += sign * o.bottom_seconds;
+  }
 };
 
 struct EngineStats {

@@ -321,15 +321,8 @@ Status TriForceDrafter::BuildScored() {
 void TriForceDrafter::Forget(int64_t seq_id) { seqs_.erase(seq_id); }
 
 void TriForceDrafter::AddStats(SpecDecodeStats& s) const {
-  s.middle_passes += stats_.middle_passes;
-  s.middle_draft_tokens += stats_.middle_draft_tokens;
-  s.middle_accepted_tokens += stats_.middle_accepted_tokens;
-  s.bottom_passes += stats_.bottom_passes;
-  s.retrieval_builds += stats_.retrieval_builds;
-  s.plain_steps += stats_.plain_steps;
+  s.Add(stats_);  // the drafter counts only its own levels
   s.retrieval_caches += static_cast<int64_t>(seqs_.size());
-  s.middle_seconds += stats_.middle_seconds;
-  s.bottom_seconds += stats_.bottom_seconds;
 }
 
 void TriForceDrafter::Propose(std::span<DraftJob* const> jobs) {

@@ -203,6 +203,23 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndGraphs, CudaBackendLogits,
                                   (std::get<2>(info.param) ? "_biases" : "");
                          });
 
+// The same weights on the CPU backend and the CUDA backend, each with a pool of `blocks` blocks
+// (at most 4 sequences of 256 tokens, 128 tokens a step).
+std::pair<std::unique_ptr<CpuBackend>, std::unique_ptr<Backend>> CpuAndCudaBackends(const ModelConfig& config,
+                                                                                 const LlamaWeights& weights,
+                                                                                 cuda::DType dtype, int blocks,
+                                                                                 int block_size) {
+  KvCacheLayout layout{config.num_layers, blocks, config.num_kv_heads, block_size, config.head_dim};
+  CudaBackendOptions o;
+  o.dtype = cuda::DTypeName(dtype);
+  o.block_size = block_size;
+  o.num_kv_blocks = blocks;
+  o.max_num_seqs = 4;
+  o.max_num_batched_tokens = 128;
+  o.max_model_len = 256;
+  return {CpuBackend::Create(config, weights, layout, 0, 2).value(), CreateCudaBackend(config, weights, o).value()};
+}
+
 // KV views (issue 13): a block subset of each sequence's table, for decode and prefill slices,
 // gives the CPU backend's logits over the same subset; the same view as an explicit slot list
 // (gathered into scratch blocks) gives exactly the block subset's logits; a host hook runs on every
@@ -222,16 +239,7 @@ TEST(CudaBackendViews, BlockSubsetsMatchCpuAndEqualTheirSlotViews) {
   LlamaWeights weights = TinyWeights(&config);
   RoundWeights(weights, cuda::DType::kF16);
   const int kBlocks = 48, kBlockSize = 16;
-  KvCacheLayout layout{config.num_layers, kBlocks, config.num_kv_heads, kBlockSize, config.head_dim};
-  auto cpu = CpuBackend::Create(config, weights, layout, 0, 2).value();
-  CudaBackendOptions o;
-  o.dtype = "fp16";
-  o.block_size = kBlockSize;
-  o.num_kv_blocks = kBlocks;
-  o.max_num_seqs = 4;
-  o.max_num_batched_tokens = 128;
-  o.max_model_len = 256;
-  auto gpu = CreateCudaBackend(config, weights, o).value();
+  auto [cpu, gpu] = CpuAndCudaBackends(config, weights, cuda::DType::kF16, kBlocks, kBlockSize);
   std::mt19937 rng(8);
   BatchPlanner planner(kBlocks, kBlockSize, 17);
   std::vector<std::vector<BlockId>> tables(2);
@@ -314,16 +322,7 @@ TEST(CudaBackendChunkScores, MatchCpuBackendAndSelectLikeTheCpuReference) {
     LlamaWeights weights = TinyWeights(&config);
     RoundWeights(weights, dtype);
     const int kBlocks = 48, kBlockSize = 16;
-    KvCacheLayout layout{config.num_layers, kBlocks, config.num_kv_heads, kBlockSize, config.head_dim};
-    auto cpu = CpuBackend::Create(config, weights, layout, 0, 2).value();
-    CudaBackendOptions o;
-    o.dtype = cuda::DTypeName(dtype);
-    o.block_size = kBlockSize;
-    o.num_kv_blocks = kBlocks;
-    o.max_num_seqs = 4;
-    o.max_num_batched_tokens = 128;
-    o.max_model_len = 256;
-    auto gpu = CreateCudaBackend(config, weights, o).value();
+    auto [cpu, gpu] = CpuAndCudaBackends(config, weights, dtype, kBlocks, kBlockSize);
     std::mt19937 rng(31);
     BatchPlanner planner(kBlocks, kBlockSize, 23);
     {  // Prompts of 70 and 45 tokens: the same K in both backends' pools (shuffled blocks).
