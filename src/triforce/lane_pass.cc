@@ -11,7 +11,7 @@ LanePool::LanePool(Backend& backend, BlockId first_block, int blocks_per_lane, i
       num_lanes_(num_lanes),
       block_size_(backend.kv_layout().block_size) {}
 
-int LanePool::BlocksForLane(int64_t tokens, int block_size) {
+int LanePool::BlocksPerLane(int64_t tokens, int block_size) {
   // The partial block holds at most block_size - 1 tokens.
   return BlocksForTokens(tokens + block_size - 1, block_size);
 }

@@ -33,10 +33,8 @@ class LanePool {
   LanePool(Backend& backend, BlockId first_block, int blocks_per_lane, int num_lanes);
 
   // Blocks a lane needs to hold a partial block and `tokens` drafted tokens after it.
-  static int BlocksPerLane(int64_t tokens, int block_size) { return BlocksForLane(tokens, block_size); }
+  static int BlocksPerLane(int64_t tokens, int block_size);
   int num_lanes() const { return num_lanes_; }
-  // Positions [lane_origin, lane_origin + capacity) fit in a lane.
-  int64_t capacity() const { return static_cast<int64_t>(blocks_per_lane_) * block_size_; }
   Backend& backend() { return backend_; }
 
   // Copies each sequence's partial last block (positions [origin, cached) of `table`, all layers)
@@ -57,7 +55,6 @@ class LanePool {
   Result<ForwardBatch> Build(std::span<const LaneSlice> slices) const;
 
  private:
-  static int BlocksForLane(int64_t tokens, int block_size);
   BlockId LaneBlock(int lane, int64_t index) const { return first_block_ + lane * blocks_per_lane_ + static_cast<BlockId>(index); }
 
   Backend& backend_;

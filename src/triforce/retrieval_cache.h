@@ -48,13 +48,11 @@ class RetrievalCache {
   // The logical full blocks the middle reads with `cached` tokens cached (those of the partial
   // last block are in the lane): the selection, then every block filled since the build.
   void ViewBlocks(int64_t cached, int block_size, std::vector<int32_t>& out) const;
-  const std::vector<int32_t>& selected() const { return selected_; }
 
   // The top level verified `drafted` of the middle's tokens and kept `accepted`.
   void RecordVerification(int64_t drafted, int64_t accepted);
   // Rolling acceptance over the window (1 with no rounds yet).
   double RollingAcceptance() const;
-  int rounds_since_build() const { return rounds_since_build_; }
 
   enum class Action { kDraft, kBuild, kPlain };
   // What to do this step: draft over the cache, (re)build it first, or decode plainly. Counts down

@@ -244,11 +244,6 @@ TriForceDrafter::TriForceDrafter(const TriForceConfig& config, Backend& target, 
 
 TriForceDrafter::~TriForceDrafter() = default;
 
-const RetrievalCache* TriForceDrafter::cache(int64_t seq_id) const {
-  auto it = seqs_.find(seq_id);
-  return it == seqs_.end() ? nullptr : &it->second.cache;
-}
-
 void TriForceDrafter::OnVerified(int64_t seq_id, int64_t drafted, int64_t accepted) {
   if (auto it = seqs_.find(seq_id); it != seqs_.end()) it->second.cache.RecordVerification(drafted, accepted);
 }

@@ -77,11 +77,6 @@ class TriForceDrafter final : public Drafter, private StepHooks, private LayerHo
   void AddStats(SpecDecodeStats& stats) const override;
   StepHooks* step_hooks() override { return this; }
 
-  // Sequences it keeps a retrieval cache for (tests: freed on cancel).
-  size_t num_tracked() const { return seqs_.size(); }
-  // The retrieval cache of a sequence (null when none); for tests and diagnostics.
-  const RetrievalCache* cache(int64_t seq_id) const;
-
  private:
   struct Work;
   class Bottom;
