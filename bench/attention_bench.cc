@@ -2,6 +2,7 @@
 // (9 query heads, 3 KV heads, head_dim 64, 16-token blocks, fp16 cache) for one layer:
 //   BM_Decode/CONTEXT/THREADS        one sequence decoding one token over CONTEXT cached tokens
 //   BM_Prefill/PAST/THREADS          a 512-token prefill chunk after PAST cached tokens
+//   BM_Verify/CONTEXT/THREADS/N      N tokens (a token and its drafts) verified at the end of CONTEXT
 // The KV pools rotate through copies larger than the last-level cache, as a model's layers do, so
 // decode reads them from memory. Reported: KV bytes read per second (decode reads every cached K and V row once per step, so this
 // is its roofline measure) and GFLOP/s (4 * query heads * head_dim per query-key pair: the two
@@ -104,8 +105,17 @@ void BM_Prefill(benchmark::State& state) {
   Measure(state, past, 512, int64_t{2} * (past + 512) * kKvHeads * kHeadDim * 2);
 }
 
+// Speculative verification (TriForce's top level, n-gram, draft models): a token and its drafts
+// (range 2: 1 + drafts) at the end of a context of range 0 tokens.
+void BM_Verify(benchmark::State& state) {
+  const int context = static_cast<int>(state.range(0));
+  const int fresh = static_cast<int>(state.range(2));
+  Measure(state, context - fresh, fresh, int64_t{2} * context * kKvHeads * kHeadDim * 2);
+}
+
 BENCHMARK(BM_Decode)->ArgsProduct({{1024, 4096, 8192}, {1, 2}})->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_Prefill)->ArgsProduct({{0, 3584}, {1, 2}})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Verify)->ArgsProduct({{8192}, {2}, {1, 5, 9}})->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 }  // namespace
 
