@@ -1,0 +1,29 @@
+// InfiniGen's speculation rules (seed 000, §4.3), as plain functions over scores: which partial
+// columns a layer keeps after skewing, and which tokens a layer's speculated attention selects.
+// The engine-side parts (the skewing tool, the partial key cache, the prefetch) build on these.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace kvflow {
+
+// The partial weight index of one head: the ceil(ratio * head_dim) columns (at least 1) with the
+// largest column sums |Q~| + |K~| (q_abs_sums[d] = sum over tokens of |Q~[t][d]|, likewise k),
+// ascending. Ties: the lower column. ratio in (0, 1] (the paper keeps 30%).
+std::vector<int32_t> PartialColumns(std::span<const float> q_abs_sums, std::span<const float> k_abs_sums, double ratio);
+
+// Tokens a layer fetches, from its speculated scores ([heads][tokens], row-major, scaled logits):
+// per head, the tokens scoring above (head max - alpha) are counted; the count is averaged over the
+// heads (rounded to nearest) and capped at max_fraction of the tokens (at least 1), so every head
+// fetches the same number; each head then takes its own top `count` tokens (ties: the lower
+// index), returned ascending per head.
+struct SpeculatedTokens {
+  int32_t count = 0;
+  std::vector<std::vector<int32_t>> per_head;
+};
+SpeculatedTokens SelectSpeculatedTokens(std::span<const float> scores, int heads, int tokens, float alpha,
+                                        double max_fraction);
+
+}  // namespace kvflow
