@@ -65,21 +65,9 @@ int64_t DraftModel::ScratchSlot(int b, int step) const {
 }
 
 void DraftModel::Propose(std::span<DraftJob* const> jobs) {
-  for (DraftJob* job : jobs) {
-    job->drafts.clear();
-    job->probs.clear();
-  }
   // The scratch space holds max_num_seqs sequences; the scheduler never runs more, but stay safe.
-  for (size_t begin = 0; begin < jobs.size(); begin += static_cast<size_t>(max_num_seqs_)) {
-    const auto chunk = jobs.subspan(begin, std::min(jobs.size() - begin, static_cast<size_t>(max_num_seqs_)));
-    if (Status st = ProposeChunk(chunk); !st.ok()) {
-      if (failed_batches_++ == 0) spdlog::error("draft model: {} (these steps run without drafts)", st.ToString());
-      for (DraftJob* job : chunk) {
-        job->drafts.clear();
-        job->probs.clear();
-      }
-    }
-  }
+  ProposeInChunks(jobs, static_cast<size_t>(max_num_seqs_), [this](auto chunk) { return ProposeChunk(chunk); },
+                  "draft model", failed_batches_);
 }
 
 Status DraftModel::ProposeChunk(std::span<DraftJob* const> jobs) {

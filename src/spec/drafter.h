@@ -4,10 +4,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
 #include "kv/block_allocator.h"
+#include "kvflow/status.h"
 
 namespace kvflow {
 
@@ -50,5 +52,12 @@ class Drafter {
   // Adds the drafter's own counters (its levels, passes) to the engine's.
   virtual void AddStats(SpecDecodeStats& stats) const {}
 };
+
+// Clears every job's drafts, then runs `propose` over the jobs in chunks of at most `chunk` (a
+// drafter's scratch capacity). A chunk that fails is left without drafts (its sequences decode
+// without speculation this step); `failures` counts them and the first is logged as `who`.
+void ProposeInChunks(std::span<DraftJob* const> jobs, size_t chunk,
+                     const std::function<Status(std::span<DraftJob* const>)>& propose, const char* who,
+                     int64_t& failures);
 
 }  // namespace kvflow

@@ -50,11 +50,9 @@ class LanePool {
   // their K/V into their lanes; `hooks` may act inside the layer loop (chunk scoring).
   Status Forward(std::span<const LaneSlice> slices, LayerHooks* hooks, std::vector<float>& logits);
 
-  // The ForwardBatch Forward runs (its slices in order; slice i's first token row is
-  // seqs[i].token_offset).
-  Result<ForwardBatch> Build(std::span<const LaneSlice> slices) const;
-
  private:
+  // The ForwardBatch Forward runs (its slices in order).
+  Result<ForwardBatch> Build(std::span<const LaneSlice> slices) const;
   BlockId LaneBlock(int lane, int64_t index) const { return first_block_ + lane * blocks_per_lane_ + static_cast<BlockId>(index); }
 
   Backend& backend_;

@@ -11,10 +11,9 @@ int64_t RetrievalBudgetTokens(int configured, int64_t context) {
 
 int RecentBlocks(int64_t budget_blocks) { return static_cast<int>(std::max<int64_t>(1, budget_blocks / 8)); }
 
-void RetrievalCache::Build(std::vector<int32_t> selected, int64_t cached, int block_size) {
+void RetrievalCache::Build(std::vector<int32_t> selected, int64_t cached) {
   built_ = true;
   selected_ = std::move(selected);
-  built_full_blocks_ = cached / block_size;
   built_at_ = cached;
   rounds_.clear();
   rounds_since_build_ = 0;
@@ -26,7 +25,7 @@ void RetrievalCache::ViewBlocks(int64_t cached, int block_size, std::vector<int3
   for (int32_t b : selected_) {
     if (b < full) out.push_back(b);
   }
-  for (int64_t b = built_full_blocks_; b < full; ++b) out.push_back(static_cast<int32_t>(b));
+  for (int64_t b = built_at_ / block_size; b < full; ++b) out.push_back(static_cast<int32_t>(b));
 }
 
 void RetrievalCache::RecordVerification(int64_t drafted, int64_t accepted) {

@@ -44,7 +44,7 @@ class RetrievalCache {
  public:
   bool built() const { return built_; }
   // A new selection (ascending logical indices of full blocks) made with `cached` tokens cached.
-  void Build(std::vector<int32_t> selected, int64_t cached, int block_size);
+  void Build(std::vector<int32_t> selected, int64_t cached);
   // The logical full blocks the middle reads with `cached` tokens cached (those of the partial
   // last block are in the lane): the selection, then every block filled since the build.
   void ViewBlocks(int64_t cached, int block_size, std::vector<int32_t>& out) const;
@@ -62,8 +62,7 @@ class RetrievalCache {
  private:
   bool built_ = false;
   std::vector<int32_t> selected_;
-  int64_t built_full_blocks_ = 0;  // full blocks when built: later ones are appended
-  int64_t built_at_ = 0;
+  int64_t built_at_ = 0;  // tokens cached when built: blocks filled after it are appended
   std::deque<std::pair<int64_t, int64_t>> rounds_;  // (drafted, accepted)
   int rounds_since_build_ = 0;
   int pause_left_ = 0;

@@ -304,8 +304,7 @@ Status TriForceDrafter::BuildScored() {
   for (size_t i = 0; i < owners.size(); ++i) {
     const size_t n = static_cast<size_t>(std::min(selecting[i].k, selecting[i].num_blocks));
     Tracked& tracked = seqs_.at(owners[i]->seq_id);
-    tracked.cache.Build(std::vector<int32_t>(chosen.begin() + at, chosen.begin() + at + n), owners[i]->cached,
-                        block_size_);
+    tracked.cache.Build(std::vector<int32_t>(chosen.begin() + at, chosen.begin() + at + n), owners[i]->cached);
     tracked.want_scores = false;
     at += n;
     ++stats_.retrieval_builds;
@@ -321,24 +320,11 @@ void TriForceDrafter::AddStats(SpecDecodeStats& s) const {
 }
 
 void TriForceDrafter::Propose(std::span<DraftJob* const> jobs) {
-  for (DraftJob* job : jobs) {
-    job->drafts.clear();
-    job->probs.clear();
-  }
   if (Status st = BuildScored(); !st.ok()) {
     spdlog::error("triforce: chunk selection failed: {} (rebuilt on a later step)", st.ToString());
   }
-  const size_t lanes = static_cast<size_t>(middle_.num_lanes());
-  for (size_t begin = 0; begin < jobs.size(); begin += lanes) {
-    const auto chunk = jobs.subspan(begin, std::min(jobs.size() - begin, lanes));
-    if (Status st = ProposeChunk(chunk); !st.ok()) {
-      if (failed_batches_++ == 0) spdlog::error("triforce: {} (these steps run without drafts)", st.ToString());
-      for (DraftJob* job : chunk) {
-        job->drafts.clear();
-        job->probs.clear();
-      }
-    }
-  }
+  ProposeInChunks(jobs, static_cast<size_t>(middle_.num_lanes()), [this](auto chunk) { return ProposeChunk(chunk); },
+                  "triforce", failed_batches_);
 }
 
 Status TriForceDrafter::ProposeChunk(std::span<DraftJob* const> jobs) {

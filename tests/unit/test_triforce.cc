@@ -124,16 +124,16 @@ TEST(RetrievalCache, BudgetViewAndRebuildPolicy) {
   EXPECT_EQ(cache.Decide(99, 32, policy), A::kPlain) << "short context";
   EXPECT_EQ(cache.Decide(120, 64, policy), A::kPlain) << "the budget would be half the cache";
   EXPECT_EQ(cache.Decide(130, 32, policy), A::kBuild);
-  cache.Build({0, 3, 7}, 130, 16);  // 8 full blocks then
+  cache.Build({0, 3, 7}, 130);  // 8 full blocks then
   EXPECT_EQ(cache.Decide(131, 32, policy), A::kDraft);
   std::vector<int32_t> view;
   cache.ViewBlocks(170, 16, view);  // 10 full blocks now: 8 and 9 filled since the build
   EXPECT_EQ(view, (std::vector<int32_t>{0, 3, 7, 8, 9}));
   EXPECT_EQ(cache.Decide(194, 32, policy), A::kBuild) << "stride";
-  cache.Build({0, 5, 11}, 194, 16);
+  cache.Build({0, 5, 11}, 194);
   for (int i = 0; i < 4; ++i) cache.RecordVerification(4, 1);  // 25%: below the rebuild threshold
   EXPECT_EQ(cache.Decide(200, 32, policy), A::kBuild);
-  cache.Build({0, 5, 11}, 200, 16);
+  cache.Build({0, 5, 11}, 200);
   for (int i = 0; i < 4; ++i) cache.RecordVerification(4, 0);  // nothing kept: it does not pay
   EXPECT_EQ(cache.Decide(201, 32, policy), A::kPlain);
   for (int i = 1; i < policy.pause_steps; ++i) EXPECT_EQ(cache.Decide(202, 32, policy), A::kPlain);

@@ -6,25 +6,28 @@
 #include <numeric>
 #include <string>
 
-#include "util/half.h"
+#include "backend/cpu/attention_kernels.h"
 #include "util/thread_pool.h"
 
 namespace kvflow::cpu {
 
 namespace {
 
-// The mean of `count` keys of one (block, kv head), each head_dim long, in fp32 (fp16 widened).
-void MeanKey(const void* key_cache, KvElement element, size_t offset, int count, int head_dim, float* mean) {
+// The mean of `count` keys of one (block, kv head), each head_dim long, in fp32. An fp16 run is
+// widened first with the attention kernels' conversion (`widened`: scratch of count * head_dim).
+void MeanKey(const void* key_cache, KvElement element, size_t offset, int count, int head_dim, float* mean,
+             std::vector<float>& widened) {
+  const float* keys = static_cast<const float*>(key_cache) + offset;
+  if (element == KvElement::kF16) {
+    const size_t n = static_cast<size_t>(count) * head_dim;
+    widened.resize(n);
+    SelectAttentionKernels(head_dim).half_to_float(static_cast<const uint16_t*>(key_cache) + offset, widened.data(),
+                                                   static_cast<int64_t>(n));
+    keys = widened.data();
+  }
   std::fill(mean, mean + head_dim, 0.0f);
   for (int t = 0; t < count; ++t) {
-    const size_t base = offset + static_cast<size_t>(t) * head_dim;
-    if (element == KvElement::kF32) {
-      const float* k = static_cast<const float*>(key_cache) + base;
-      for (int d = 0; d < head_dim; ++d) mean[d] += k[d];
-    } else {
-      const uint16_t* k = static_cast<const uint16_t*>(key_cache) + base;
-      for (int d = 0; d < head_dim; ++d) mean[d] += HalfBitsToFloat(k[d]);
-    }
+    for (int d = 0; d < head_dim; ++d) mean[d] += keys[static_cast<size_t>(t) * head_dim + d];
   }
   const float inv = 1.0f / static_cast<float>(count);
   for (int d = 0; d < head_dim; ++d) mean[d] *= inv;
@@ -46,11 +49,11 @@ void ScoreKvBlocks(std::span<const KvBlockScoreJob> jobs, const KvCacheLayout& l
     // logits[h][b]: every query head's scaled score of every block.
     std::vector<float> logits(static_cast<size_t>(num_heads * n));
     ParallelFor(n, [&](int64_t begin, int64_t end) {
-      std::vector<float> mean(static_cast<size_t>(D));
+      std::vector<float> mean(static_cast<size_t>(D)), widened;
       for (int64_t b = begin; b < end; ++b) {
         const int count = b + 1 == n ? last_count : bs;
         for (int kvh = 0; kvh < layout.num_kv_heads; ++kvh) {
-          MeanKey(key_cache, element, layout.offset(job.blocks[static_cast<size_t>(b)], kvh, 0), count, D, mean.data());
+          MeanKey(key_cache, element, layout.offset(job.blocks[static_cast<size_t>(b)], kvh, 0), count, D, mean.data(), widened);
           for (int g = 0; g < group; ++g) {
             const int h = kvh * group + g;
             const float* q = query + job.row * query_row_stride + static_cast<int64_t>(h) * D;
