@@ -80,6 +80,23 @@ struct EngineConfig {
   int triforce_sinks = 16;                // streaming bottom: attention-sink tokens
   int triforce_window = 256;              // streaming bottom: recent tokens
 
+  // KV selection: which cached tokens decoding attention reads, per layer and step. "" (all of
+  // them), "infinigen" (InfiniGen: at layer i-1 speculate layer i's attention with a partial query
+  // against a partial key cache, both skewed, and read the tokens scoring within infinigen_alpha of
+  // each head's max, at most infinigen_max_fraction of the cache; layer 0 reads everything; needs
+  // the model's skewing file from `kvflow skew`) or "h2o" (H2O: keep the heavy hitters by
+  // accumulated attention plus a recent window, h2o_budget of the context, evicting the rest for
+  // good). Prefill chunks and steps of more than one token read the whole cache. Requests opt in
+  // or out with SamplingParams::kv_selection; unset means kv_selection_default.
+  std::string kv_selection;
+  bool kv_selection_default = true;
+  int kv_selection_min_context = 0;      // shorter contexts read the whole cache
+  std::string infinigen_skew_file;       // empty: <model path>.infinigen
+  double infinigen_alpha = 5.0;          // logit margin below each head's max (the paper: 4 OPT, 5 Llama-2)
+  double infinigen_max_fraction = 0.2;   // cap on the tokens a layer reads (the paper: 20%)
+  double h2o_budget = 0.2;               // fraction of the context H2O keeps
+  double h2o_recent_share = 0.5;         // of the budget, the recent window (the rest: heavy hitters)
+
   // CUDA only. Share of the GPU's memory for weights, activations and the KV pool (which gets the
   // rest, unless kv_cache_bytes / num_kv_blocks fix it).
   double gpu_memory_utilization = 0.9;
@@ -147,6 +164,23 @@ struct SpecDecodeStats {
   }
 };
 
+// KV selection (EngineConfig::kv_selection): how much of the cache attention read. A "read" is one
+// sequence step of one token at one layer; its tokens are those each KV head read.
+struct KvSelectionStats {
+  int64_t decode_tokens = 0;     // sequence steps of one token under a selection method
+  int64_t layer_reads_selected = 0;  // reads over a selection (InfiniGen: speculated layers)
+  int64_t layer_reads_full = 0;      // reads of the whole cache (InfiniGen's layer 0, short contexts)
+  int64_t tokens_selected = 0;   // cached tokens the selected reads took, per KV head (the step's own included)
+  int64_t tokens_available = 0;  // cached tokens those reads could have taken
+  int64_t bytes_read = 0;        // K and V bytes attention read at every layer (what an offloaded cache fetches)
+  int64_t bytes_full = 0;        // K and V bytes full attention would have read
+  double select_seconds = 0;     // host time speculating and selecting
+
+  double selection_fraction() const {
+    return tokens_available > 0 ? static_cast<double>(tokens_selected) / static_cast<double>(tokens_available) : 0.0;
+  }
+};
+
 struct EngineStats {
   int num_waiting = 0;  // requests
   int num_running = 0;
@@ -169,6 +203,7 @@ struct EngineStats {
   int64_t num_steps = 0;
   S3Stats s3;
   SpecDecodeStats spec;
+  KvSelectionStats kv_selection;
 };
 
 // What one Step() did.

@@ -36,6 +36,10 @@ struct SamplingParams {
   // With an engine that decodes speculatively (EngineConfig::speculative_method), whether this
   // request does; false: plain decoding.
   bool speculative = true;
+  // With an engine that selects KV (EngineConfig::kv_selection: InfiniGen, H2O), whether this
+  // request's attention reads the selection (true) or the whole cache (false); unset: the
+  // engine's kv_selection_default.
+  std::optional<bool> kv_selection;
   // Completions returned. With best_of > n, best_of are generated and the n with the highest
   // cumulative logprob are returned (at the end, not streamed). All share the prompt's KV blocks.
   int n = 1;

@@ -39,7 +39,8 @@ int64_t ActivationWidth(const ModelConfig& c, Activation which) {
   switch (which) {
     case Activation::kHidden:
     case Activation::kDelta: return c.hidden_size;
-    case Activation::kQkv: return (c.num_heads + 2 * static_cast<int64_t>(c.num_kv_heads)) * D;
+    case Activation::kQkv:
+    case Activation::kSpeculativeQkv: return (c.num_heads + 2 * static_cast<int64_t>(c.num_kv_heads)) * D;
     case Activation::kAttention: return c.num_heads * D;
     case Activation::kGateUp: return 2 * static_cast<int64_t>(c.intermediate_size);
     case Activation::kMlp: return c.intermediate_size;
@@ -118,6 +119,30 @@ Status ValidateView(const SequenceSlice& s, const KvCacheLayout& layout) {
 }
 
 }  // namespace
+
+Status ValidateKvHeadSelections(std::span<const KvHeadSelection> selection, const ForwardBatch& batch,
+                                const KvCacheLayout& layout) {
+  if (selection.size() != batch.seqs.size()) {
+    return Status::InvalidArgument("token selections: " + std::to_string(selection.size()) + " for a batch of " +
+                                   std::to_string(batch.seqs.size()) + " sequences");
+  }
+  const int64_t slots = static_cast<int64_t>(layout.num_blocks) * layout.block_size;
+  for (size_t s = 0; s < selection.size(); ++s) {
+    const KvHeadSelection& sel = selection[s];
+    if (sel.per_head == 0) continue;
+    if (sel.per_head < batch.seqs[s].num_tokens ||
+        static_cast<int64_t>(sel.slots.size()) != static_cast<int64_t>(sel.per_head) * layout.num_kv_heads) {
+      return Status::InvalidArgument("token selection of sequence " + std::to_string(s) + ": " +
+                                     std::to_string(sel.slots.size()) + " slots for " +
+                                     std::to_string(layout.num_kv_heads) + " KV heads of " + std::to_string(sel.per_head) +
+                                     " tokens (at least the step's " + std::to_string(batch.seqs[s].num_tokens) + ")");
+    }
+    for (int64_t slot : sel.slots) {
+      if (slot < 0 || slot >= slots) return Status::InvalidArgument("selected slot " + std::to_string(slot) + " outside the pool");
+    }
+  }
+  return Status::Ok();
+}
 
 Status ValidateForwardBatch(const ForwardBatch& batch, const ModelConfig& config,
                             const KvCacheLayout& layout) {

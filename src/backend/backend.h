@@ -105,6 +105,15 @@ struct KvBlockScoreJob {
   int64_t score_offset = 0;
 };
 
+// What one slice's attention reads at one layer instead of its view (InfiniGen's speculated tokens,
+// H2O's kept tokens): per KV head, `per_head` slots (block * block_size + offset), head after head
+// in `slots`; causal in list order, so the step's own tokens end every head's list. per_head 0: the
+// slice's own view.
+struct KvHeadSelection {
+  int32_t per_head = 0;
+  std::vector<int64_t> slots;  // num_kv_heads * per_head
+};
+
 // Top-k chunk selection over accumulated scores: the first keep_first and the last keep_last of the
 // job's num_blocks are always chosen, the rest by highest score (ties: the lower index), min(k,
 // num_blocks) in all, returned as ascending indices.
@@ -154,6 +163,9 @@ enum class Activation {
   kDelta,      // [hidden] output of a block, added to the residual stream by the next norm
   kGateUp,     // [2 * intermediate]
   kMlp,        // [intermediate]
+  // [(heads + 2 kv_heads) * head_dim] a second projection buffer: InfiniGen projects layer i's
+  // Q from layer i-1's attention input here to speculate on layer i's attention.
+  kSpeculativeQkv,
 };
 // Elements per row of an activation buffer, for a model of this shape.
 int64_t ActivationWidth(const ModelConfig& config, Activation which);
@@ -188,10 +200,27 @@ class Backend {
   virtual Status WriteKv(int layer) = 0;
   // kAttention = attention of the Q heads of kQkv over each sequence's KV view.
   virtual Status Attention(int layer) = 0;
+  // The same, where a slice's KvHeadSelection (one per slice of the batch) says so, over the tokens
+  // it selects for each KV head.
+  virtual Status AttentionOverSelection(int layer, std::span<const KvHeadSelection> selection) {
+    return NotSupported("attention over per-head token selections");
+  }
   // kMlp = silu(gate) * up of kGateUp.
   virtual Status SiluMul() = 0;
   // residual += delta (after the last layer).
   virtual Status AddDelta() = 0;
+
+  // ---- reads for features that compute on the host (InfiniGen's and H2O's token selection) --------
+  // Copies `rows` rows of an activation of the step, from row `first_row`, to `out` (rows x width
+  // floats); valid inside `layers`.
+  virtual Status ReadActivationRows(Activation which, int64_t first_row, int64_t rows, std::span<float> out) {
+    return NotSupported("activation reads");
+  }
+  // The cached K (kv 0) or V (kv 1) of `layer` at device `slots` as fp32, [slots][kv_heads][head_dim]
+  // into `out` (post-RoPE keys, as attention reads them); valid inside `layers`.
+  virtual Status ReadKv(int layer, int kv, std::span<const int64_t> slots, std::span<float> out) {
+    return NotSupported("KV reads");
+  }
 
   // ---- retrieval scoring (TriForce) -------------------------------------------------------------
   // Zeroes the first `size` floats of the backend's block-score buffer (growing it); outside steps.
@@ -220,6 +249,8 @@ class Backend {
   virtual Status TransferKv(std::span<const KvTransfer> transfers) = 0;
 
   virtual const KvCacheLayout& kv_layout() const = 0;
+  // Bytes one token's K and V take at one layer (what reading or fetching it moves).
+  virtual int64_t kv_token_bytes() const = 0;
   virtual int num_host_blocks() const = 0;
   virtual const ModelConfig& model_config() const = 0;
   virtual std::string Describe() const = 0;
@@ -232,6 +263,10 @@ class Backend {
 // views).
 Status ValidateForwardBatch(const ForwardBatch& batch, const ModelConfig& config,
                             const KvCacheLayout& layout);
+// Checks one selection per slice, each holding num_kv_heads lists of at least the slice's new
+// tokens, inside the pool.
+Status ValidateKvHeadSelections(std::span<const KvHeadSelection> selection, const ForwardBatch& batch,
+                                const KvCacheLayout& layout);
 // Checks that every transfer stays inside its blocks, layers and pools.
 Status ValidateKvTransfers(std::span<const KvTransfer> transfers, const KvCacheLayout& layout, int num_host_blocks);
 // Checks that every move names blocks inside the pools it reads and writes.

@@ -83,6 +83,28 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
       ->default_val(16);
   app->add_option("--triforce-window", c.triforce_window, "triforce streaming/draft_model bottom: recent window")
       ->default_val(256);
+  app->add_option("--kv-selection", c.kv_selection,
+                  "Which cached tokens decoding attention reads: infinigen (speculate each layer's important tokens "
+                  "at the layer before and read only those; needs the model's skewing file from `kvflow skew`) or "
+                  "h2o (keep heavy hitters + a recent window, evicting the rest); empty = all of them")
+      ->check(CLI::IsMember({"", "infinigen", "h2o"}));
+  app->add_option("--kv-selection-default", c.kv_selection_default,
+                  "Whether requests that do not say (the API's kv_selection field) use the selection")
+      ->default_val(true);
+  app->add_option("--kv-selection-min-context", c.kv_selection_min_context,
+                  "Contexts shorter than this read the whole cache")
+      ->default_val(0);
+  app->add_option("--infinigen-skew-file", c.infinigen_skew_file,
+                  "infinigen: the skewing file (default: <model path>.infinigen, written by `kvflow skew`)");
+  app->add_option("--infinigen-alpha", c.infinigen_alpha,
+                  "infinigen: read the tokens whose speculated score is within alpha of each head's max (logits)")
+      ->default_val(5.0);
+  app->add_option("--infinigen-max-fraction", c.infinigen_max_fraction,
+                  "infinigen: at most this fraction of the cache per layer")
+      ->default_val(0.2);
+  app->add_option("--h2o-budget", c.h2o_budget, "h2o: fraction of the context kept")->default_val(0.2);
+  app->add_option("--h2o-recent-share", c.h2o_recent_share, "h2o: share of the budget kept as the recent window")
+      ->default_val(0.5);
   app->add_option("--ngram-max,--prompt-lookup-max", c.ngram_max, "ngram: longest suffix looked up")->default_val(4);
   app->add_option("--ngram-min,--prompt-lookup-min", c.ngram_min, "ngram: shortest suffix looked up")->default_val(1);
   app->add_option("--threads", c.num_threads, "CPU threads (0 = all cores)")->default_val(0);

@@ -17,7 +17,10 @@
 #include "cli/decode_bench.h"
 #include "cli/engine_flags.h"
 #include "engine/chat_template.h"
+#include "backend/backend_factory.h"
 #include "eval/perplexity.h"
+#include "infinigen/calibration.h"
+#include "infinigen/skew_file.h"
 #include "kvflow/engine.h"
 #include "model/tensor_source.h"
 #include "model/tiny_random.h"
@@ -112,18 +115,19 @@ struct PerplexityCliOptions {
   int windows_in_flight = 2;
   std::string json_out;
   bool dump_tokens = false;
+  bool token_by_token = false;
 };
 
 // A progress bar on stderr, redrawn in place; on a pipe only every tenth.
-void DrawProgress(int64_t done, int64_t total, double seconds) {
+void DrawProgress(int64_t done, int64_t total, double seconds, const char* unit = "windows") {
   static const bool tty = isatty(fileno(stderr));
   if (!tty && done != total && done % std::max<int64_t>(1, total / 10) != 0) return;
   const int width = 30;
   const int filled = static_cast<int>(width * done / std::max<int64_t>(1, total));
   const double eta = done > 0 ? seconds / done * (total - done) : 0.0;
-  std::fprintf(stderr, "%s[%s%s] %lld/%lld windows, %.0f s, eta %.0f s%s", tty ? "\r" : "",
+  std::fprintf(stderr, "%s[%s%s] %lld/%lld %s, %.0f s, eta %.0f s%s", tty ? "\r" : "",
                std::string(static_cast<size_t>(filled), '#').c_str(), std::string(static_cast<size_t>(width - filled), '.').c_str(),
-               static_cast<long long>(done), static_cast<long long>(total), seconds, eta, tty ? "" : "\n");
+               static_cast<long long>(done), static_cast<long long>(total), unit, seconds, eta, tty ? "" : "\n");
   if (tty && done == total) std::fputs("\n", stderr);
 }
 
@@ -143,6 +147,12 @@ int RunPerplexity(PerplexityCliOptions& opt) {
   // Windows of ctx tokens need a context that long (the flag's default prefills in chunks of 512,
   // since every prompt token's logits are held per chunk).
   if (opt.engine.max_model_len == 0) opt.engine.max_model_len = opt.ctx;
+  if (opt.token_by_token) {
+    // One token per step and window: every position is scored by a decode step, so a KV selection
+    // acts at every position as it would while decoding.
+    opt.engine.max_num_batched_tokens = 1;
+    opt.windows_in_flight = 1;
+  }
   auto engine_or = kvflow::Engine::Create(opt.engine);
   if (!engine_or.ok()) {
     spdlog::error("{}", engine_or.status().ToString());
@@ -171,6 +181,14 @@ int RunPerplexity(PerplexityCliOptions& opt) {
     spdlog::error("{}", r.status().ToString());
     return 1;
   }
+  if (!engine.config().kv_selection.empty()) {
+    const kvflow::KvSelectionStats k = engine.stats().kv_selection;
+    std::printf("kv selection %s: %.2f%% of the cached tokens read at selecting layers, %.2f%% of full attention's KV bytes "
+                "(all layers), over %lld decode-mode tokens\n",
+                engine.config().kv_selection.c_str(), 100.0 * k.selection_fraction(),
+                k.bytes_full > 0 ? 100.0 * static_cast<double>(k.bytes_read) / static_cast<double>(k.bytes_full) : 0.0,
+                static_cast<long long>(k.decode_tokens));
+  }
   std::printf("perplexity %.4f (mean NLL %.5f nats over %lld tokens, %lld windows, %.1f s, %.0f tok/s)\n",
               r->perplexity, r->mean_nll, static_cast<long long>(r->scored_tokens), static_cast<long long>(r->windows),
               r->seconds, r->input_tokens / std::max(1e-9, r->seconds));
@@ -190,6 +208,24 @@ int RunPerplexity(PerplexityCliOptions& opt) {
                         {"seconds", r->seconds},
                         {"window_nll", r->window_nll}};
     if (r->first_token_bos >= 0) j["first_token_bos"] = r->first_token_bos;
+    j["token_by_token"] = opt.token_by_token;
+    const kvflow::EngineConfig& ec = engine.config();
+    if (!ec.kv_selection.empty()) {
+      const kvflow::KvSelectionStats k = engine.stats().kv_selection;
+      j["kv_selection"] = {{"method", ec.kv_selection},
+                           {"infinigen_alpha", ec.infinigen_alpha},
+                           {"infinigen_max_fraction", ec.infinigen_max_fraction},
+                           {"h2o_budget", ec.h2o_budget},
+                           {"decode_tokens", k.decode_tokens},
+                           {"layer_reads_selected", k.layer_reads_selected},
+                           {"layer_reads_full", k.layer_reads_full},
+                           {"tokens_selected", k.tokens_selected},
+                           {"tokens_available", k.tokens_available},
+                           {"selection_fraction", k.selection_fraction()},
+                           {"bytes_read", k.bytes_read},
+                           {"bytes_full", k.bytes_full},
+                           {"select_seconds", k.select_seconds}};
+    }
     if (opt.dump_tokens) j["tokens"] = tokens;
     std::ofstream out(opt.json_out);
     out << j.dump(1) << "\n";
@@ -198,6 +234,64 @@ int RunPerplexity(PerplexityCliOptions& opt) {
       return 1;
     }
   }
+  return 0;
+}
+
+struct SkewCliOptions {
+  kvflow::EngineConfig engine;
+  std::string file;
+  int tokens = 2048;
+  double partial_ratio = 0.3;
+  std::string out;
+};
+
+// `kvflow skew`: InfiniGen's offline step, once per model.
+int RunSkew(SkewCliOptions& opt) {
+  auto fail = [](const kvflow::Status& st) {
+    spdlog::error("{}", st.ToString());
+    return 1;
+  };
+  auto path = kvflow::ResolveModel(opt.engine.model);
+  if (!path.ok()) return fail(path.status());
+  auto files = kvflow::OpenModelFiles(path.value());
+  if (!files.ok()) return fail(files.status());
+  if (!files->tokenizer) return fail(kvflow::Status::NotFound("no tokenizer found for " + path.value()));
+  std::ifstream in(opt.file, std::ios::binary);
+  if (!in) return fail(kvflow::Status::NotFound("cannot read " + opt.file));
+  std::stringstream text;
+  text << in.rdbuf();
+  std::vector<int32_t> tokens = files->tokenizer->Encode(text.str(), files->tokenizer->add_bos());
+  if (opt.tokens < 16) return fail(kvflow::Status::InvalidArgument("--tokens must be >= 16"));
+  if (static_cast<int64_t>(tokens.size()) > opt.tokens) tokens.resize(static_cast<size_t>(opt.tokens));
+  tokens.resize(std::min<size_t>(tokens.size(), static_cast<size_t>(files->config.max_position_embeddings)));
+  kvflow::EngineConfig& c = opt.engine;
+  c.max_model_len = static_cast<int>(tokens.size());
+  c.num_kv_blocks = (c.max_model_len + c.block_size - 1) / c.block_size + 1;
+  c.num_host_kv_blocks = 0;
+  auto weights = kvflow::LoadWeightsFor(files.value(), c);
+  if (!weights.ok()) return fail(weights.status());
+  auto backend = kvflow::CreateBackend(c, true, files->config, std::move(weights.value()));
+  if (!backend.ok()) return fail(backend.status());
+  spdlog::info("skewing {} ({} layers, {} KV heads of {} query heads, head_dim {}) from {} tokens of {}",
+               files->config.name, files->config.num_layers, files->config.num_kv_heads, files->config.num_heads,
+               files->config.head_dim, tokens.size(), opt.file);
+  kvflow::SkewCalibrationOptions o;
+  o.partial_ratio = opt.partial_ratio;
+  o.chunk_tokens = std::max(1, std::min(c.max_num_batched_tokens, 512));
+  const auto start = Clock::now();
+  o.on_layers = [&](int done, int total) {
+    DrawProgress(done, total, std::chrono::duration<double>(Clock::now() - start).count(), "layers");
+  };
+  auto table = kvflow::CalibrateSkew(*backend.value(), tokens, o);
+  if (!table.ok()) return fail(table.status());
+  const std::string out = opt.out.empty() ? kvflow::DefaultSkewPath(path.value()) : opt.out;
+  const kvflow::Status st = kvflow::WriteSkewTable(table.value(), out);
+  if (!st.ok()) return fail(st);
+  std::printf("wrote %s: per layer and KV head an orthogonal %dx%d skewing matrix and %d partial columns (%.0f%% of "
+              "head_dim), from %lld tokens, in %.1f s\n",
+              out.c_str(), table->head_dim, table->head_dim, table->num_partial_columns, 100.0 * opt.partial_ratio,
+              static_cast<long long>(table->calibration_tokens),
+              std::chrono::duration<double>(Clock::now() - start).count());
   return 0;
 }
 
@@ -292,6 +386,8 @@ int main(int argc, char** argv) {
       "  kvflow generate --model smollm2-135m --prompt \"Tell me about cats\" --chat\n"
       "  kvflow perplexity --model smollm2-135m --file wiki.test.raw --ctx 2048\n"
       "  kvflow bench --model smollm2-135m --depth 0,1024,4096 --decode-tokens 64\n"
+      "  kvflow skew --model smollm2-135m --file wiki.valid.raw   (InfiniGen's skewing file, once)\n"
+      "  kvflow perplexity --model smollm2-135m --file wiki.test.raw --kv-selection infinigen --token-by-token\n"
       "  kvflow info --model smollm2-135m\n\n"
       "Models: a .gguf file, a .safetensors file or HF directory, or a short name: tiny-random\n"
       "(built in, random weights) or smollm2-135m (run tools/fetch-model first)."};
@@ -339,6 +435,9 @@ int main(int argc, char** argv) {
   perplexity->add_option("--windows-in-flight", ppl.windows_in_flight, "Windows batched together")->default_val(2);
   perplexity->add_option("--json", ppl.json_out, "Write the result (and per-window NLL) as JSON here");
   perplexity->add_flag("--dump-tokens", ppl.dump_tokens, "Include the token ids in the JSON (reference checks)");
+  perplexity->add_flag("--token-by-token", ppl.token_by_token,
+                       "Score one token per step (decode mode: a --kv-selection acts at every position as in "
+                       "decoding; slow, pair with --max-windows)");
   double ppl_swap_gib = 0.0;
   kvflow::AddEngineFlags(perplexity, &ppl.engine, &ppl_swap_gib);
   perplexity->get_option("--max-num-batched-tokens")->default_val(512);
@@ -360,6 +459,19 @@ int main(int argc, char** argv) {
   bench->get_option("--swap-space")->default_val(0.0);
   bench->get_option("--max-model-len")->description("Context limit (0 = deepest depth + decode tokens + 1)");
 
+  SkewCliOptions skew_opt;
+  CLI::App* skew = app.add_subcommand(
+      "skew", "InfiniGen's offline step (once per model): run the model over sample text and write, per layer and KV "
+              "head, the skewing matrix (SVD of the post-RoPE queries) and partial columns next to the model");
+  skew->add_option("-f,--file", skew_opt.file, "Sample text (e.g. WikiText-2 valid)")->required();
+  skew->add_option("--tokens", skew_opt.tokens, "Tokens of the sample to run (the paper: 2048)")->default_val(2048);
+  skew->add_option("--partial-ratio", skew_opt.partial_ratio, "Partial columns kept, a fraction of head_dim (the paper: 0.3)")
+      ->default_val(0.3)
+      ->check(CLI::Range(0.01, 1.0));
+  skew->add_option("-o,--out", skew_opt.out, "Output file (default: <model path>.infinigen, where the engine looks)");
+  double skew_swap_gib = 0.0;
+  kvflow::AddEngineFlags(skew, &skew_opt.engine, &skew_swap_gib);
+
   std::string info_model = "smollm2-135m";
   CLI::App* info = app.add_subcommand("info", "Print a model's configuration and tokenizer");
   info->add_option("-m,--model", info_model, "Model path or short name")->default_val("smollm2-135m");
@@ -377,6 +489,7 @@ int main(int argc, char** argv) {
     kvflow::ApplySwapSpace(&ppl.engine, ppl_swap_gib);
     return RunPerplexity(ppl);
   }
+  if (*skew) return RunSkew(skew_opt);
   if (*bench) {
     kvflow::ApplySwapSpace(&bench_opt.engine, bench_swap_gib);
     return RunBench(bench_opt);

@@ -10,6 +10,9 @@
 #include "engine/engine_core.h"
 #include "engine/evaluation.h"
 #include "engine/model_executor.h"
+#include "h2o/h2o_selector.h"
+#include "infinigen/infinigen_selector.h"
+#include "infinigen/skew_file.h"
 #include "model/llama_weights.h"
 #include "model/tensor_source.h"
 #include "sched/length_supervisor.h"
@@ -39,7 +42,8 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 
 // What the core needs to know of the engine's configuration and model.
 EngineCoreConfig CoreConfig(const EngineConfig& c, const ModelConfig& model, const Tokenizer& tokenizer,
-                            int num_device_blocks, int num_host_blocks, PreemptionMode preemption, Drafter* drafter) {
+                            int num_device_blocks, int num_host_blocks, PreemptionMode preemption, Drafter* drafter,
+                            KvSelector* kv_selector) {
   EngineCoreConfig core;
   core.scheduler = SchedulerConfig{c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, preemption};
   core.blocks = BlockManagerConfig{c.block_size, num_device_blocks, num_host_blocks, c.enable_prefix_caching};
@@ -48,6 +52,8 @@ EngineCoreConfig CoreConfig(const EngineConfig& c, const ModelConfig& model, con
   if (tokenizer.eos_id() >= 0) core.eos_token_ids.push_back(tokenizer.eos_id());
   core.seed = c.seed;
   core.drafter = drafter;
+  core.kv_selector = kv_selector;
+  core.kv_selection_default = c.kv_selection_default;
   return core;
 }
 
@@ -84,20 +90,23 @@ class EngineImpl final : public EvaluationEngine {
   // `draft_backend`: the draft model's, with speculative_method "draft_model" (else null).
   EngineImpl(EngineConfig config, ModelFiles files, std::unique_ptr<Backend> backend,
              std::unique_ptr<Backend> draft_backend, std::unique_ptr<SchedulingPolicy> policy,
-             PreemptionMode preemption, std::unique_ptr<LengthSupervisor> supervisor)
+             PreemptionMode preemption, std::unique_ptr<LengthSupervisor> supervisor,
+             std::unique_ptr<KvSelector> kv_selector)
       : config_(std::move(config)),
         model_config_(files.config),
         tokenizer_(std::move(files.tokenizer)),
         backend_(std::move(backend)),
         draft_backend_(std::move(draft_backend)),
         drafter_(MakeDrafter(config_, *backend_, draft_backend_.get(), backend_->kv_layout().num_blocks)),
+        kv_selector_(std::move(kv_selector)),
         core_(CoreConfig(config_, model_config_, *tokenizer_,
                          backend_->kv_layout().num_blocks - DrafterScratchBlocks(config_),
-                         backend_->num_host_blocks(), preemption, drafter_.get()),
+                         backend_->num_host_blocks(), preemption, drafter_.get(), kv_selector_.get()),
               std::move(policy), std::move(supervisor), tokenizer_.get()),
         executor_(*backend_, core_.block_manager()) {
     if (draft_backend_) executor_.AddFollower(*draft_backend_);
     if (drafter_) executor_.set_step_hooks(drafter_->step_hooks());
+    executor_.set_kv_selector(kv_selector_.get());
   }
 
   Result<RequestId> AddRequest(const std::string& prompt, const SamplingParams& params,
@@ -164,8 +173,9 @@ class EngineImpl final : public EvaluationEngine {
         : drafter_     ? ", " + config_.speculative_method + " speculation (k " +
                              std::to_string(config_.num_speculative_tokens) + ")"
                        : "";
+    const std::string selection = config_.kv_selection.empty() ? "" : ", KV selection " + config_.kv_selection;
     return model_config_.name + " on " + backend_->Describe() + draft + ", swap " + std::to_string(blocks.host().num_blocks()) +
-           " blocks, max_model_len " + std::to_string(config_.max_model_len) + ", policy " +
+           " blocks, max_model_len " + std::to_string(config_.max_model_len) + selection + ", policy " +
            std::string(scheduler.policy().name()) + ", preemption " +
            PreemptionModeName(scheduler.config().preemption_mode) +
            (blocks.prefix_caching() ? ", prefix caching" : "");
@@ -214,6 +224,7 @@ class EngineImpl final : public EvaluationEngine {
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<Backend> draft_backend_;
   std::unique_ptr<Drafter> drafter_;
+  std::unique_ptr<KvSelector> kv_selector_;
   EngineCore core_;
   ModelExecutor executor_;
 };
@@ -245,6 +256,17 @@ Status ValidateEngineConfig(const EngineConfig& c) {
       return Status::InvalidArgument("speculative_model is for speculative_method draft_model (or triforce with "
                                      "triforce_draft draft_model), not " + c.speculative_method);
     }
+  }
+  if (!c.kv_selection.empty()) {
+    if (c.kv_selection != "infinigen" && c.kv_selection != "h2o") {
+      return Status::InvalidArgument("kv_selection must be infinigen or h2o (or empty: off), not '" + c.kv_selection + "'");
+    }
+    if (!c.speculative_method.empty()) {
+      return Status::InvalidArgument("kv_selection " + c.kv_selection + " cannot be combined with speculative_method " +
+                                     c.speculative_method);
+    }
+    KVFLOW_RETURN_IF_ERROR(InfiniGenConfig::FromEngine(c).Validate());
+    KVFLOW_RETURN_IF_ERROR(H2OConfig::FromEngine(c).Validate());
   }
   KVFLOW_ASSIGN_OR_RETURN(int device, ParseDevice(c.device));
   const std::string& kv = c.kv_cache_dtype;
@@ -298,6 +320,24 @@ Result<std::unique_ptr<LengthSupervisor>> CreateLengthSupervisor(const EngineCon
   return supervisor;
 }
 
+// The engine's KV selector: none, InfiniGen (with the model's skewing file) or H2O.
+Result<std::unique_ptr<KvSelector>> CreateKvSelector(const EngineConfig& c, const std::string& model_path,
+                                                     const ModelConfig& mc, Backend& backend) {
+  if (c.kv_selection == "h2o") {
+    spdlog::info("KV selection: H2O, keeping {:.0f}% of the context ({:.0f}% of it recent)", 100 * c.h2o_budget,
+                 100 * c.h2o_recent_share);
+    return std::unique_ptr<KvSelector>(std::make_unique<H2OSelector>(H2OConfig::FromEngine(c), backend));
+  }
+  if (c.kv_selection != "infinigen") return std::unique_ptr<KvSelector>();
+  const std::string skew_path = c.infinigen_skew_file.empty() ? DefaultSkewPath(model_path) : c.infinigen_skew_file;
+  KVFLOW_ASSIGN_OR_RETURN(SkewTable skew, ReadSkewTable(skew_path, mc));
+  spdlog::info("KV selection: InfiniGen, skewing file {} ({} of {} columns per head from {} tokens), alpha {}, cap {:.0f}%",
+               skew_path, skew.num_partial_columns, skew.head_dim, skew.calibration_tokens, c.infinigen_alpha,
+               100 * c.infinigen_max_fraction);
+  return std::unique_ptr<KvSelector>(
+      std::make_unique<InfiniGenSelector>(InfiniGenConfig::FromEngine(c), std::move(skew), backend));
+}
+
 }  // namespace
 
 Result<std::unique_ptr<EvaluationEngine>> CreateEvaluationEngine(const EngineConfig& input,
@@ -344,8 +384,9 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEvaluationEngine(const EngineCon
     }
   }
   KVFLOW_ASSIGN_OR_RETURN(auto supervisor, CreateLengthSupervisor(config, evaluation, *files.tokenizer));
+  KVFLOW_ASSIGN_OR_RETURN(auto kv_selector, CreateKvSelector(config, path, mc, *backend));
   auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(draft_backend),
-                                             std::move(policy), preemption, std::move(supervisor));
+                                             std::move(policy), preemption, std::move(supervisor), std::move(kv_selector));
   spdlog::info("engine ready: {}", engine->Describe());
   return std::unique_ptr<EvaluationEngine>(std::move(engine));
 }

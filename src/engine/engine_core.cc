@@ -63,6 +63,7 @@ Result<RequestId> EngineCore::AddRequest(std::vector<int32_t> prompt, const Samp
                                  : params.max_tokens;
   group->num_candidates = params.num_candidates();
   group->compute_whole_prompt = params.prompt_logprobs.has_value();
+  group->kv_selection = config_.kv_selector != nullptr && params.kv_selection.value_or(config_.kv_selection_default);
   group->true_output_len = hints.true_output_len;
   group->predicted_output_len = hints.predicted_output_len;
   auto seq = std::make_unique<SchedSequence>();
@@ -389,6 +390,7 @@ FinishReason EngineCore::AppendTokens(RequestState& req, SeqState& st, std::span
 void EngineCore::FinishSequence(SeqState& seq, FinishReason why) {
   seq.finish = why;
   if (config_.drafter) config_.drafter->Forget(seq.seq->id);
+  if (config_.kv_selector) config_.kv_selector->Forget(seq.seq->id);
   scheduler_.FinishSequence(*seq.seq);
 }
 
@@ -453,17 +455,19 @@ void EngineCore::FailRequest(RequestId id, const Status& error, bool in_schedule
   event.finish_reason = error.code() == StatusCode::kCancelled ? FinishReason::kCancelled : FinishReason::kError;
   event.error = error;
   if (req->on_event) req->on_event(event);
-  if (config_.drafter) {
-    for (const auto& st : req->seqs) config_.drafter->Forget(st->seq->id);
+  for (const auto& st : req->seqs) {
+    if (config_.drafter) config_.drafter->Forget(st->seq->id);
+    if (config_.kv_selector) config_.kv_selector->Forget(st->seq->id);
   }
   if (in_scheduler) scheduler_.RemoveGroup(id);
   requests_.erase(it);
 }
 
 void EngineCore::Forget(RequestId id) {
-  if (config_.drafter) {
-    if (auto it = requests_.find(id); it != requests_.end()) {
-      for (const auto& st : it->second->seqs) config_.drafter->Forget(st->seq->id);
+  if (auto it = requests_.find(id); it != requests_.end()) {
+    for (const auto& st : it->second->seqs) {
+      if (config_.drafter) config_.drafter->Forget(st->seq->id);
+      if (config_.kv_selector) config_.kv_selector->Forget(st->seq->id);
     }
   }
   scheduler_.RemoveGroup(id);
@@ -510,6 +514,7 @@ EngineStats EngineCore::stats() const {
     s.s3.update_seconds = l.update_seconds;
   }
   if (config_.drafter) config_.drafter->AddStats(s.spec);
+  if (config_.kv_selector) config_.kv_selector->AddStats(s.kv_selection);
   return s;
 }
 

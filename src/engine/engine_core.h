@@ -25,6 +25,7 @@
 #include "sched/length_supervisor.h"
 #include "sched/policy.h"
 #include "sched/scheduler.h"
+#include "engine/kv_selector.h"
 #include "spec/drafter.h"
 
 namespace kvflow {
@@ -41,6 +42,10 @@ struct EngineCoreConfig {
   // Speculative decoding for requests that keep SamplingParams::speculative on: the drafter (n-gram
   // lookup or a draft model), null for none. Not owned; it must outlive the core.
   Drafter* drafter = nullptr;
+  // Chooses which cached tokens attention reads (kv_selector.h), null for none; requests use it
+  // unless SamplingParams::kv_selection says otherwise (kv_selection_default). Not owned.
+  KvSelector* kv_selector = nullptr;
+  bool kv_selection_default = true;
 };
 
 // Watches the core from outside (the serving simulator's measurements).

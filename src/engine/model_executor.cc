@@ -55,10 +55,14 @@ Status ModelExecutor::Run(const SchedulerOutput& sched, std::span<const LogitsMo
   if (sched.empty()) return Status::Ok();
   const ForwardBatch batch = BuildForwardBatch(sched, blocks_, logits);
   LayerHooks* hooks = nullptr;
-  if (step_hooks_) {
+  if (step_hooks_ || kv_selector_) {
     seq_ids_.clear();
-    for (const ScheduledSeq& s : sched.scheduled) seq_ids_.push_back(s.seq->id);
-    hooks = step_hooks_->ForStep(batch, seq_ids_);
+    selecting_.clear();
+    for (const ScheduledSeq& s : sched.scheduled) {
+      seq_ids_.push_back(s.seq->id);
+      selecting_.push_back(s.group->kv_selection ? 1 : 0);
+    }
+    hooks = kv_selector_ ? kv_selector_->ForStep(batch, seq_ids_, selecting_) : step_hooks_->ForStep(batch, seq_ids_);
   }
   model_.set_hooks(hooks);
   const Status st = RunTarget(batch, sample_rows, out);

@@ -6,6 +6,7 @@
 
 #include "backend/backend.h"
 #include "engine/executor.h"
+#include "engine/kv_selector.h"
 #include "kv/block_manager.h"
 #include "model/llama_model.h"
 
@@ -31,6 +32,9 @@ class ModelExecutor final : public Executor {
   void AddFollower(Backend& follower);
   // Hooks a feature runs inside the target's passes (null: none); must outlive the executor.
   void set_step_hooks(StepHooks* hooks) { step_hooks_ = hooks; }
+  // The feature that chooses what attention reads (null: none); must outlive the executor. Its
+  // hooks take the place of the step hooks (the engine does not combine the two).
+  void set_kv_selector(KvSelector* selector) { kv_selector_ = selector; }
 
   bool SupportsSampling() const override { return backend_.SupportsDeviceSampling(); }
   Status MoveBlocks(const SchedulerOutput& sched) override;
@@ -42,7 +46,9 @@ class ModelExecutor final : public Executor {
   LlamaModel model_;
   std::vector<LlamaModel> followers_;
   StepHooks* step_hooks_ = nullptr;
+  KvSelector* kv_selector_ = nullptr;
   std::vector<int64_t> seq_ids_;
+  std::vector<uint8_t> selecting_;
   const BlockManager& blocks_;
   Status RunTarget(const ForwardBatch& batch, std::optional<std::span<const DeviceSampleRow>> sample_rows,
                    ExecutorOutput& out);

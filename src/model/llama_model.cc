@@ -34,7 +34,9 @@ Status LlamaModel::Layers(const ForwardBatch& batch) {
     KVFLOW_RETURN_IF_ERROR(b.WriteKv(layer));
     const LayerContext ctx{layer, batch, b};
     if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->BeforeAttention(ctx));
-    KVFLOW_RETURN_IF_ERROR(b.Attention(layer));
+    const std::span<const KvHeadSelection> selection =
+        hooks_ ? hooks_->AttentionSelection(ctx) : std::span<const KvHeadSelection>{};
+    KVFLOW_RETURN_IF_ERROR(selection.empty() ? b.Attention(layer) : b.AttentionOverSelection(layer, selection));
     if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterAttention(ctx));
     KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kO, Activation::kAttention, Activation::kDelta));
     KVFLOW_RETURN_IF_ERROR(b.RmsNorm(layer, LayerWeight::kFfnNorm, /*add_delta=*/true));

@@ -20,7 +20,7 @@
 namespace kvflow {
 
 // What a hook sees at its point in the loop. The step's activations (Activation::kHidden: the
-// layer's attention input; kQkv: its Q, K and V, rotated; kAttention after attention) stay in the
+// layer's attention input, free for a hook to overwrite once the QKV projection has read it; kQkv: its Q, K and V, rotated; kAttention after attention) stay in the
 // backend's memory, reachable through `backend`.
 struct LayerContext {
   int layer = 0;
@@ -34,6 +34,9 @@ class LayerHooks {
   virtual ~LayerHooks() = default;
   // After the layer's K/V are written to the cache, before its attention reads it.
   virtual Status BeforeAttention(const LayerContext& ctx) { return Status::Ok(); }
+  // Per-slice token selections (backend.h, KvHeadSelection) the layer's attention reads instead of
+  // the batch's views; empty: the views. Called after BeforeAttention.
+  virtual std::span<const KvHeadSelection> AttentionSelection(const LayerContext& ctx) { return {}; }
   // After attention, before the output projection.
   virtual Status AfterAttention(const LayerContext& ctx) { return Status::Ok(); }
   // Whether the hooks issue the same device work on every step, so a backend may record the step

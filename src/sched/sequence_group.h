@@ -51,6 +51,8 @@ struct SequenceGroup {
   int num_candidates = 1;
   // Every prompt token must run, even with its KV in the prefix cache (prompt logprobs).
   bool compute_whole_prompt = false;
+  // Attention may read a selection of the cache (an engine KV selector: InfiniGen, H2O).
+  bool kv_selection = false;
 
   std::vector<SchedSequence*> unfinished() const {
     std::vector<SchedSequence*> out;

@@ -151,6 +151,7 @@ std::vector<float>& CpuBackend::Storage(Activation which) {
     case Activation::kDelta: return delta_;
     case Activation::kGateUp: return gate_up_;
     case Activation::kMlp: return mlp_;
+    case Activation::kSpeculativeQkv: return speculative_qkv_;
   }
   return hidden_;
 }
@@ -231,6 +232,8 @@ Status CpuBackend::RmsNorm(int layer, LayerWeight norm, bool add_delta) {
 
 Status CpuBackend::Linear(int layer, LayerWeight weight, Activation in, Activation out) {
   const WeightMatrix& matrix = Matrix(layer, weight);
+  // The speculative buffer is sized on demand: only features that speculate write it.
+  if (out == Activation::kSpeculativeQkv) Storage(out).resize(static_cast<size_t>(num_tokens_ * Width(out)));
   Matmul(matrix, Buffer(in), num_tokens_, Buffer(out));
   // The bias joins after the product, whatever format the matrix is in (HF's Linear: x W^T + b).
   const std::vector<float>& bias = Bias(layer, weight);
@@ -267,6 +270,60 @@ Status CpuBackend::Attention(int layer) {
   io.out_row_stride = Width(Activation::kAttention);
   const float scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
   cpu::PagedAttention(*batch_, view_slots_, layout_, config_.num_heads, io, kv_element_,
+                      Pool(KvTier::kDevice, 0, layer), Pool(KvTier::kDevice, 1, layer), scale);
+  return Status::Ok();
+}
+
+Status CpuBackend::ReadActivationRows(Activation which, int64_t first_row, int64_t rows, std::span<float> out) {
+  if (batch_ == nullptr) return Status::Internal("activation read outside a step");
+  const int64_t width = Width(which);
+  const std::vector<float>& buffer = Storage(which);
+  if (first_row < 0 || rows < 0 || (first_row + rows) * width > static_cast<int64_t>(buffer.size()) ||
+      static_cast<int64_t>(out.size()) < rows * width) {
+    return Status::InvalidArgument("activation read outside the step's rows");
+  }
+  std::copy_n(buffer.data() + first_row * width, rows * width, out.data());
+  return Status::Ok();
+}
+
+Status CpuBackend::ReadKv(int layer, int kv, std::span<const int64_t> slots, std::span<float> out) {
+  if (layer < 0 || layer >= config_.num_layers || kv < 0 || kv > 1) return Status::InvalidArgument("KV read: no such layer");
+  const int64_t row = static_cast<int64_t>(layout_.num_kv_heads) * layout_.head_dim;
+  if (static_cast<int64_t>(out.size()) < static_cast<int64_t>(slots.size()) * row) {
+    return Status::InvalidArgument("KV read: output too small");
+  }
+  const int64_t pool_slots = static_cast<int64_t>(layout_.num_blocks) * layout_.block_size;
+  for (int64_t slot : slots) {
+    if (slot < 0 || slot >= pool_slots) return Status::InvalidArgument("KV read: slot " + std::to_string(slot) + " outside the pool");
+  }
+  cpu::ReadKvRows(slots, layout_, kv_element_, Pool(KvTier::kDevice, kv, layer), out.data());
+  return Status::Ok();
+}
+
+Status CpuBackend::AttentionOverSelection(int layer, std::span<const KvHeadSelection> selection) {
+  if (batch_ == nullptr) return Status::Internal("attention outside a step");
+  KVFLOW_RETURN_IF_ERROR(ValidateKvHeadSelections(selection, *batch_, layout_));
+  const int KV = layout_.num_kv_heads;
+  head_view_slots_.resize(batch_->seqs.size() * static_cast<size_t>(KV));
+  for (size_t s = 0; s < batch_->seqs.size(); ++s) {
+    const KvHeadSelection& sel = selection[s];
+    for (int h = 0; h < KV; ++h) {
+      std::vector<int64_t>& list = head_view_slots_[s * KV + h];
+      if (sel.per_head == 0) {
+        list = view_slots_[s];
+      } else {
+        const auto first = sel.slots.begin() + static_cast<std::ptrdiff_t>(h) * sel.per_head;
+        list.assign(first, first + sel.per_head);
+      }
+    }
+  }
+  cpu::AttentionIo io;
+  io.query = qkv_.data();
+  io.query_row_stride = Width(Activation::kQkv);
+  io.out = attention_.data();
+  io.out_row_stride = Width(Activation::kAttention);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+  cpu::PagedAttention(*batch_, head_view_slots_, layout_, config_.num_heads, io, kv_element_,
                       Pool(KvTier::kDevice, 0, layer), Pool(KvTier::kDevice, 1, layer), scale);
   return Status::Ok();
 }

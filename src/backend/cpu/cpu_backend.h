@@ -31,8 +31,12 @@ class CpuBackend final : public Backend {
   Status Rotary() override;
   Status WriteKv(int layer) override;
   Status Attention(int layer) override;
+  Status AttentionOverSelection(int layer, std::span<const KvHeadSelection> selection) override;
   Status SiluMul() override;
   Status AddDelta() override;
+
+  Status ReadActivationRows(Activation which, int64_t first_row, int64_t rows, std::span<float> out) override;
+  Status ReadKv(int layer, int kv, std::span<const int64_t> slots, std::span<float> out) override;
 
   Status ResetKvBlockScores(int64_t size) override;
   Status ScoreKvBlocks(int layer, std::span<const KvBlockScoreJob> jobs) override;
@@ -43,6 +47,9 @@ class CpuBackend final : public Backend {
   Status TransferKv(std::span<const KvTransfer> transfers) override;
   const KvCacheLayout& kv_layout() const override { return layout_; }
   int num_host_blocks() const override { return host_layout_.num_blocks; }
+  int64_t kv_token_bytes() const override {
+    return 2 * static_cast<int64_t>(layout_.num_kv_heads) * layout_.head_dim * static_cast<int64_t>(cpu::KvElementBytes(kv_element_));
+  }
   const ModelConfig& model_config() const override { return config_; }
   std::string Describe() const override;
 
@@ -83,9 +90,11 @@ class CpuBackend final : public Backend {
   int64_t num_tokens_ = 0;
   std::vector<int64_t> slots_;
   std::vector<std::vector<int64_t>> view_slots_;
+  std::vector<std::vector<int64_t>> head_view_slots_;  // AttentionOverSelection: one per (slice, KV head)
   std::vector<float> block_scores_;  // chunk scores (ScoreKvBlocks)
   // Activations, reused across steps.
   std::vector<float> residual_, hidden_, qkv_, attention_, delta_, gate_up_, mlp_, final_rows_;
+  std::vector<float> speculative_qkv_;
   // The input rows of the current product, quantized for a weight format (reused across calls).
   cpu::QuantizedActivations quantized_input_;
 };

@@ -176,6 +176,12 @@ struct AttentionContext {
   const T* value_cache;
   float scale;
   const AttentionKernels& kernels;
+  bool per_head_views;  // view_slots holds one list per (slice, KV head)
+
+  const std::vector<int64_t>& Slots(int32_t seq, int kv_head) const {
+    return view_slots[per_head_views ? static_cast<size_t>(seq) * layout.num_kv_heads + kv_head
+                                     : static_cast<size_t>(seq)];
+  }
 };
 
 // Rows [0, n) of a chunk's K or V (view entries first .. first + n of one KV head) as fp32, one
@@ -221,7 +227,7 @@ void AttendPartition(const AttentionContext<T>& c, const Tile& tile, int kv_head
   std::fill(state.max, state.max + rows, -INFINITY);
   std::fill(state.sum, state.sum + rows, 0.0f);
   std::fill(state.out, state.out + static_cast<size_t>(rows) * D, 0.0f);
-  const int64_t* slots = c.view_slots[static_cast<size_t>(tile.seq)].data();
+  const int64_t* slots = c.Slots(tile.seq, kv_head).data();
   float* scores = scratch.scores.data();
   for (int32_t start = begin; start < end; start += kChunk) {
     const int n = std::min(kChunk, end - start);
@@ -276,14 +282,27 @@ void Attention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> 
   const int group = num_heads / KV;
   if (group > kTileRows) throw std::invalid_argument("PagedAttention: more than 96 query heads per KV head");
   if (D > kMaxHeadDim) throw std::invalid_argument("PagedAttention: head_dim above 512");
-  const AttentionContext<T> c{batch, view_slots, layout, num_heads, group, io, key_cache, value_cache, scale,
-                              SelectAttentionKernels(D)};
+  const bool per_head = view_slots.size() != batch.seqs.size();
+  if (per_head && view_slots.size() != batch.seqs.size() * KV) {
+    throw std::invalid_argument("PagedAttention: view lists are neither one per slice nor one per slice and KV head");
+  }
+  const AttentionContext<T> c{batch,       view_slots, layout, num_heads, group, io, key_cache, value_cache, scale,
+                              SelectAttentionKernels(D), per_head};
+  if (per_head) {
+    for (size_t s = 0; s < batch.seqs.size(); ++s) {
+      for (int h = 1; h < KV; ++h) {
+        if (c.Slots(static_cast<int32_t>(s), h).size() != c.Slots(static_cast<int32_t>(s), 0).size()) {
+          throw std::invalid_argument("PagedAttention: a slice's per-head views differ in length");
+        }
+      }
+    }
+  }
 
   const int tile_tokens = kTileRows / group;
   std::vector<Tile> tiles;
   for (size_t s = 0; s < batch.seqs.size(); ++s) {
     const SequenceSlice& slice = batch.seqs[s];
-    const int32_t size = static_cast<int32_t>(view_slots[s].size());
+    const int32_t size = static_cast<int32_t>(c.Slots(static_cast<int32_t>(s), 0).size());
     // Latest tokens first: they see the most keys, so the long tiles start early.
     for (int32_t end = slice.num_tokens; end > 0; end -= tile_tokens) {
       const int32_t first = std::max(0, end - tile_tokens);
@@ -364,6 +383,26 @@ void Attention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> 
 }
 
 }  // namespace
+
+void ReadKvRows(std::span<const int64_t> slots, const KvCacheLayout& layout, KvElement element, const void* cache,
+                float* out) {
+  const int D = layout.head_dim;
+  const int bs = layout.block_size;
+  for (size_t t = 0; t < slots.size(); ++t) {
+    const int block = static_cast<int>(slots[t] / bs);
+    const int offset = static_cast<int>(slots[t] % bs);
+    for (int h = 0; h < layout.num_kv_heads; ++h) {
+      float* dst = out + (t * layout.num_kv_heads + h) * D;
+      const size_t at = layout.offset(block, h, offset);
+      if (element == KvElement::kF16) {
+        const uint16_t* src = static_cast<const uint16_t*>(cache) + at;
+        for (int d = 0; d < D; ++d) dst[d] = HalfBitsToFloat(src[d]);
+      } else {
+        std::memcpy(dst, static_cast<const float*>(cache) + at, sizeof(float) * D);
+      }
+    }
+  }
+}
 
 void PagedAttention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> view_slots,
                     const KvCacheLayout& layout, int num_heads, const AttentionIo& io, const float* key_cache,

@@ -29,6 +29,10 @@ void WriteKvCache(std::span<const int64_t> slots, const KvCacheLayout& layout, c
 void WriteKvCache(const ForwardBatch& batch, const KvCacheLayout& layout, const float* key,
                   const float* value, float* key_cache, float* value_cache);
 
+// The cached rows at `slots` as fp32: out[t][kv_head][head_dim] from a K or V pool of `element`s.
+void ReadKvRows(std::span<const int64_t> slots, const KvCacheLayout& layout, KvElement element, const void* cache,
+                float* out);
+
 // Where attention reads its queries and writes its results: row t of the batch at
 // query + t * query_row_stride (num_heads x head_dim), likewise out; lse, when set, receives the
 // log-sum-exp of each (token, head)'s scaled scores, [num_tokens, num_heads], so attentions over
@@ -43,7 +47,9 @@ struct AttentionIo {
 
 // Attention of every new token over its sequence's KV view (which already holds the token's own
 // K/V); causal in view order (backend.h, KvView). view_slots[s]: the physical slots of slice s's
-// view (ViewSlots). Query head h reads KV head h / (num_heads / num_kv_heads).
+// view (ViewSlots). Query head h reads KV head h / (num_heads / num_kv_heads). With one list per
+// (slice, KV head) instead (view_slots[s * num_kv_heads + g], equal lengths within a slice: a
+// KvHeadSelection), KV head g reads its own list.
 void PagedAttention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> view_slots,
                     const KvCacheLayout& layout, int num_heads, const AttentionIo& io, const float* key_cache,
                     const float* value_cache, float scale);

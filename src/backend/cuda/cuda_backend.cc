@@ -251,6 +251,9 @@ class CudaBackend final : public Backend {
   Status TransferKv(std::span<const KvTransfer> transfers) override;
   const KvCacheLayout& kv_layout() const override { return layout_; }
   int num_host_blocks() const override { return num_host_blocks_; }
+  int64_t kv_token_bytes() const override {
+    return 2 * static_cast<int64_t>(layout_.num_kv_heads) * layout_.head_dim * static_cast<int64_t>(cuda::DTypeSize(dtype_));
+  }
   const ModelConfig& model_config() const override { return config_; }
   std::string Describe() const override;
 

@@ -1,0 +1,28 @@
+// `kvflow skew`'s work: runs the model over sample text, collects every layer's post-RoPE queries
+// and keys, and derives each KV head's skewing matrix and partial columns (skew_file.h).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+
+#include "backend/backend.h"
+#include "infinigen/skew_file.h"
+#include "kvflow/status.h"
+
+namespace kvflow {
+
+struct SkewCalibrationOptions {
+  double partial_ratio = 0.3;  // of head_dim (the paper keeps 30%)
+  int chunk_tokens = 512;      // tokens per forward pass
+  // Called after each forward pass (tokens done, total) and each layer's SVD (layers done, total).
+  std::function<void(int64_t, int64_t)> on_tokens;
+  std::function<void(int, int)> on_layers;
+};
+
+// One sequence of `tokens` (at least 16; its KV must fit the backend's pool) through the model on
+// `backend`, then per layer and KV head: A from the SVD of the group's stacked queries, partial
+// columns from the column sums of |Q A| and |K A|. Overwrites the backend's KV pool.
+Result<SkewTable> CalibrateSkew(Backend& backend, std::span<const int32_t> tokens, const SkewCalibrationOptions& options);
+
+}  // namespace kvflow

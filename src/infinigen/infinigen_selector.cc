@@ -1,0 +1,213 @@
+#include "infinigen/infinigen_selector.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "infinigen/skewing.h"
+#include "infinigen/speculation.h"
+
+namespace kvflow {
+
+InfiniGenConfig InfiniGenConfig::FromEngine(const EngineConfig& c) {
+  InfiniGenConfig g;
+  g.alpha = c.infinigen_alpha;
+  g.max_fraction = c.infinigen_max_fraction;
+  g.min_context = c.kv_selection_min_context;
+  return g;
+}
+
+Status InfiniGenConfig::Validate() const {
+  if (!(alpha > 0.0) || !std::isfinite(alpha)) return Status::InvalidArgument("infinigen_alpha must be > 0");
+  if (!(max_fraction > 0.0 && max_fraction <= 1.0)) return Status::InvalidArgument("infinigen_max_fraction must be in (0, 1]");
+  if (min_context < 0) return Status::InvalidArgument("kv_selection_min_context must be >= 0");
+  return Status::Ok();
+}
+
+InfiniGenSelector::InfiniGenSelector(const InfiniGenConfig& config, SkewTable skew, Backend& backend)
+    : config_(config),
+      skew_(std::move(skew)),
+      backend_(backend),
+      rope_(ComputeRopeFrequencies(backend.model_config())),
+      token_bytes_(backend.kv_token_bytes()) {}
+
+LayerHooks* InfiniGenSelector::ForStep(const ForwardBatch& batch, std::span<const int64_t> seq_ids,
+                                       std::span<const uint8_t> selecting) {
+  active_.clear();
+  active_states_.clear();
+  selection_layer_ = -1;
+  for (size_t s = 0; s < batch.seqs.size(); ++s) {
+    const SequenceSlice& slice = batch.seqs[s];
+    const int32_t first_new = slice.context_len - slice.num_tokens;
+    auto it = seqs_.find(seq_ids[s]);
+    if (it != seqs_.end()) {
+      // Positions this step (re)writes are stale in the partial cache (recomputation).
+      for (int32_t& rows : it->second.rows) rows = std::min(rows, first_new);
+    }
+    // One new token (a decode step), over a whole-table view, long enough to select from.
+    if (!selecting[s] || slice.num_tokens != 1 || slice.view.kind != KvView::Kind::kFull ||
+        slice.context_len < std::max(config_.min_context, 2)) {
+      continue;
+    }
+    if (it == seqs_.end()) {
+      it = seqs_.emplace(seq_ids[s], SequenceState{}).first;
+      it->second.partial_keys.resize(skew_.heads.size());
+      it->second.rows.assign(static_cast<size_t>(skew_.num_layers), 0);
+    }
+    active_.push_back(static_cast<int32_t>(s));
+    active_states_.push_back(&it->second);
+  }
+  if (active_.empty()) return nullptr;
+  stats_.decode_tokens += static_cast<int64_t>(active_.size());
+  selection_.assign(batch.seqs.size(), KvHeadSelection{});
+  next_selection_.assign(batch.seqs.size(), KvHeadSelection{});
+  return this;
+}
+
+Status InfiniGenSelector::BeforeAttention(const LayerContext& ctx) {
+  const ForwardBatch& batch = ctx.batch;
+  // The speculation at the previous layer chose this layer's reads.
+  if (ctx.layer > 0) {
+    std::swap(selection_, next_selection_);
+    selection_layer_ = ctx.layer;
+  }
+  // This layer's reads: the selection made at the previous layer, or everything (layer 0).
+  for (int32_t s : active_) {
+    const SequenceSlice& slice = batch.seqs[static_cast<size_t>(s)];
+    stats_.bytes_full += static_cast<int64_t>(slice.context_len) * token_bytes_;
+    if (selection_layer_ == ctx.layer && selection_[static_cast<size_t>(s)].per_head > 0) {
+      const int32_t read = selection_[static_cast<size_t>(s)].per_head;
+      stats_.layer_reads_selected += 1;
+      stats_.tokens_selected += read;
+      stats_.tokens_available += slice.context_len;
+      stats_.bytes_read += static_cast<int64_t>(read) * token_bytes_;
+    } else {
+      stats_.layer_reads_full += 1;
+      stats_.bytes_read += static_cast<int64_t>(slice.context_len) * token_bytes_;
+    }
+  }
+  if (ctx.layer + 1 >= skew_.num_layers) return Status::Ok();
+  const auto start = std::chrono::steady_clock::now();
+  const Status st = Speculate(ctx.layer + 1, batch);
+  stats_.select_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return st;
+}
+
+std::span<const KvHeadSelection> InfiniGenSelector::AttentionSelection(const LayerContext& ctx) {
+  if (selection_layer_ != ctx.layer) return {};
+  return selection_;
+}
+
+Status InfiniGenSelector::ExtendPartialKeys(int layer, const SequenceSlice& slice, int32_t positions,
+                                            SequenceState& state) {
+  int32_t& rows = state.rows[static_cast<size_t>(layer)];
+  if (rows >= positions) return Status::Ok();
+  const int KV = skew_.num_kv_heads, D = skew_.head_dim, P = skew_.num_partial_columns;
+  const int bs = backend_.kv_layout().block_size;
+  const int32_t n = positions - rows;
+  std::vector<int64_t> slots(static_cast<size_t>(n));
+  for (int32_t i = 0; i < n; ++i) {
+    const int32_t pos = rows + i;
+    slots[static_cast<size_t>(i)] =
+        static_cast<int64_t>(slice.block_table[static_cast<size_t>(pos / bs)]) * bs + pos % bs;
+  }
+  keys_.resize(static_cast<size_t>(n) * KV * D);
+  KVFLOW_RETURN_IF_ERROR(backend_.ReadKv(layer, 0, slots, keys_));
+  for (int g = 0; g < KV; ++g) {
+    const SkewHead& head = skew_.at(layer, g);
+    std::vector<float>& partial = state.partial_keys[static_cast<size_t>(layer) * KV + g];
+    partial.resize(static_cast<size_t>(positions) * P);
+    for (int32_t i = 0; i < n; ++i) {
+      const float* key = keys_.data() + (static_cast<size_t>(i) * KV + g) * D;
+      float* out = partial.data() + static_cast<size_t>(rows + i) * P;
+      // Only the partial columns of key . A.
+      for (int c = 0; c < P; ++c) {
+        const int col = head.columns[static_cast<size_t>(c)];
+        float acc = 0.0f;
+        for (int d = 0; d < D; ++d) acc += key[d] * head.matrix[static_cast<size_t>(d) * D + col];
+        out[c] = acc;
+      }
+    }
+  }
+  rows = positions;
+  return Status::Ok();
+}
+
+Status InfiniGenSelector::Speculate(int layer, const ForwardBatch& batch) {
+  const ModelConfig& mc = backend_.model_config();
+  const int NH = mc.num_heads, KV = skew_.num_kv_heads, D = skew_.head_dim, P = skew_.num_partial_columns;
+  const int group = NH / KV;
+  const int bs = backend_.kv_layout().block_size;
+  const int64_t width = ActivationWidth(mc, Activation::kQkv);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  // Layer `layer`'s input as far as it is known here: its own RMSNorm of the residual stream that
+  // entered the layer before (kHidden is free once that layer's QKV projection has read it), then
+  // its projection (only the selecting rows are read).
+  KVFLOW_RETURN_IF_ERROR(backend_.RmsNorm(layer, LayerWeight::kAttnNorm, /*add_delta=*/false));
+  KVFLOW_RETURN_IF_ERROR(backend_.Linear(layer, LayerWeight::kQkv, Activation::kHidden, Activation::kSpeculativeQkv));
+  qkv_rows_.resize(static_cast<size_t>(width));
+  query_.resize(static_cast<size_t>(NH) * P);
+  for (size_t a = 0; a < active_.size(); ++a) {
+    const int32_t s = active_[a];
+    const SequenceSlice& slice = batch.seqs[static_cast<size_t>(s)];
+    SequenceState& state = *active_states_[a];
+    const int32_t cached = slice.context_len - 1;  // tokens before the step's own
+    KVFLOW_RETURN_IF_ERROR(ExtendPartialKeys(layer, slice, cached, state));
+    KVFLOW_RETURN_IF_ERROR(backend_.ReadActivationRows(Activation::kSpeculativeQkv, slice.token_offset, 1, qkv_rows_));
+    const int position = batch.positions[static_cast<size_t>(slice.token_offset)];
+    // Rotate each query head at the token's position, then keep the partial columns of q . A.
+    for (int h = 0; h < NH; ++h) {
+      float* q = qkv_rows_.data() + static_cast<size_t>(h) * D;
+      ApplyRope(q, D, position, rope_);
+      const SkewHead& head = skew_.at(layer, h / group);
+      for (int c = 0; c < P; ++c) {
+        const int col = head.columns[static_cast<size_t>(c)];
+        float acc = 0.0f;
+        for (int d = 0; d < D; ++d) acc += q[d] * head.matrix[static_cast<size_t>(d) * D + col];
+        query_[static_cast<size_t>(h) * P + c] = acc * scale;
+      }
+    }
+    // Each KV head's score of each cached token: the best of its query heads.
+    scores_.assign(static_cast<size_t>(KV) * cached, -INFINITY);
+    for (int g = 0; g < KV; ++g) {
+      const float* keys = state.partial_keys[static_cast<size_t>(layer) * KV + g].data();
+      float* score = scores_.data() + static_cast<size_t>(g) * cached;
+      for (int j = 0; j < group; ++j) {
+        const float* q = query_.data() + static_cast<size_t>(g * group + j) * P;
+        for (int32_t t = 0; t < cached; ++t) {
+          const float* k = keys + static_cast<size_t>(t) * P;
+          float acc = 0.0f;
+          for (int c = 0; c < P; ++c) acc += q[c] * k[c];
+          score[t] = std::max(score[t], acc);
+        }
+      }
+    }
+    const SpeculatedTokens picked =
+        SelectSpeculatedTokens(scores_, KV, cached, static_cast<float>(config_.alpha), config_.max_fraction);
+    KvHeadSelection& sel = next_selection_[static_cast<size_t>(s)];
+    sel.per_head = picked.count + 1;
+    sel.slots.resize(static_cast<size_t>(KV) * sel.per_head);
+    auto slot = [&](int32_t pos) {
+      return static_cast<int64_t>(slice.block_table[static_cast<size_t>(pos / bs)]) * bs + pos % bs;
+    };
+    for (int g = 0; g < KV; ++g) {
+      int64_t* out = sel.slots.data() + static_cast<size_t>(g) * sel.per_head;
+      for (int32_t i = 0; i < picked.count; ++i) out[i] = slot(picked.per_head[static_cast<size_t>(g)][static_cast<size_t>(i)]);
+      out[picked.count] = slot(cached);  // the step's own token, last
+    }
+  }
+  return Status::Ok();
+}
+
+void InfiniGenSelector::AddStats(KvSelectionStats& s) const {
+  s.decode_tokens += stats_.decode_tokens;
+  s.layer_reads_selected += stats_.layer_reads_selected;
+  s.layer_reads_full += stats_.layer_reads_full;
+  s.tokens_selected += stats_.tokens_selected;
+  s.tokens_available += stats_.tokens_available;
+  s.bytes_read += stats_.bytes_read;
+  s.bytes_full += stats_.bytes_full;
+  s.select_seconds += stats_.select_seconds;
+}
+
+}  // namespace kvflow
