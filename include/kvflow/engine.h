@@ -92,6 +92,10 @@ struct EngineConfig {
   bool kv_selection_default = true;
   int kv_selection_min_context = 0;      // shorter contexts read the whole cache
   std::string infinigen_skew_file;       // empty: <model path>.infinigen
+  // Where layer i is speculated at layer i-1: "after-attention" (once its attention output joined
+  // the residual; the prefetch overlaps its MLP) or "layer-input" (the paper: from its input; the
+  // prefetch overlaps the whole layer, but on small models it speculates worse).
+  std::string infinigen_speculate_from = "after-attention";
   double infinigen_alpha = 5.0;          // logit margin below each head's max (the paper: 4 OPT, 5 Llama-2)
   double infinigen_max_fraction = 0.2;   // cap on the tokens a layer reads (the paper: 20%)
   double h2o_budget = 0.2;               // fraction of the context H2O keeps

@@ -96,6 +96,11 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
       ->default_val(0);
   app->add_option("--infinigen-skew-file", c.infinigen_skew_file,
                   "infinigen: the skewing file (default: <model path>.infinigen, written by `kvflow skew`)");
+  app->add_option("--infinigen-speculate-from", c.infinigen_speculate_from,
+                  "infinigen: speculate layer i at layer i-1's after-attention residual (default; the prefetch "
+                  "overlaps layer i-1's MLP) or at its layer-input (the paper; overlaps all of layer i-1)")
+      ->default_val("after-attention")
+      ->check(CLI::IsMember({"after-attention", "layer-input"}));
   app->add_option("--infinigen-alpha", c.infinigen_alpha,
                   "infinigen: read the tokens whose speculated score is within alpha of each head's max (logits)")
       ->default_val(5.0);

@@ -265,6 +265,7 @@ Status ValidateEngineConfig(const EngineConfig& c) {
       return Status::InvalidArgument("kv_selection " + c.kv_selection + " cannot be combined with speculative_method " +
                                      c.speculative_method);
     }
+    KVFLOW_RETURN_IF_ERROR(ParseSpeculationPoint(c.infinigen_speculate_from).status());
     KVFLOW_RETURN_IF_ERROR(InfiniGenConfig::FromEngine(c).Validate());
     KVFLOW_RETURN_IF_ERROR(H2OConfig::FromEngine(c).Validate());
   }

@@ -9,8 +9,20 @@
 
 namespace kvflow {
 
+Result<SpeculationPoint> ParseSpeculationPoint(const std::string& name) {
+  if (name == "layer-input") return SpeculationPoint::kLayerInput;
+  if (name == "after-attention") return SpeculationPoint::kAfterAttention;
+  return Status::InvalidArgument("infinigen_speculate_from must be layer-input or after-attention, not '" + name + "'");
+}
+
+const char* SpeculationPointName(SpeculationPoint p) {
+  return p == SpeculationPoint::kLayerInput ? "layer-input" : "after-attention";
+}
+
 InfiniGenConfig InfiniGenConfig::FromEngine(const EngineConfig& c) {
   InfiniGenConfig g;
+  const auto point = ParseSpeculationPoint(c.infinigen_speculate_from);
+  if (point.ok()) g.point = point.value();  // Validate() below refuses a bad name through the engine
   g.alpha = c.infinigen_alpha;
   g.max_fraction = c.infinigen_max_fraction;
   g.min_context = c.kv_selection_min_context;
@@ -86,9 +98,18 @@ Status InfiniGenSelector::BeforeAttention(const LayerContext& ctx) {
       stats_.bytes_read += static_cast<int64_t>(slice.context_len) * token_bytes_;
     }
   }
-  if (ctx.layer + 1 >= skew_.num_layers) return Status::Ok();
+  if (config_.point != SpeculationPoint::kLayerInput || ctx.layer + 1 >= skew_.num_layers) return Status::Ok();
+  return TimedSpeculate(ctx.layer + 1, batch);
+}
+
+Status InfiniGenSelector::AfterMlpInput(const LayerContext& ctx) {
+  if (config_.point != SpeculationPoint::kAfterAttention || ctx.layer + 1 >= skew_.num_layers) return Status::Ok();
+  return TimedSpeculate(ctx.layer + 1, ctx.batch);
+}
+
+Status InfiniGenSelector::TimedSpeculate(int layer, const ForwardBatch& batch) {
   const auto start = std::chrono::steady_clock::now();
-  const Status st = Speculate(ctx.layer + 1, batch);
+  const Status st = Speculate(layer, batch);
   stats_.select_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return st;
 }
@@ -140,9 +161,8 @@ Status InfiniGenSelector::Speculate(int layer, const ForwardBatch& batch) {
   const int bs = backend_.kv_layout().block_size;
   const int64_t width = ActivationWidth(mc, Activation::kQkv);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  // Layer `layer`'s input as far as it is known here: its own RMSNorm of the residual stream that
-  // entered the layer before (kHidden is free once that layer's QKV projection has read it), then
-  // its projection (only the selecting rows are read).
+  // Layer `layer`'s input as far as it is known here: its own RMSNorm of the residual stream (kHidden
+  // is free at both speculation points), then its projection (only the selecting rows are read).
   KVFLOW_RETURN_IF_ERROR(backend_.RmsNorm(layer, LayerWeight::kAttnNorm, /*add_delta=*/false));
   KVFLOW_RETURN_IF_ERROR(backend_.Linear(layer, LayerWeight::kQkv, Activation::kHidden, Activation::kSpeculativeQkv));
   qkv_rows_.resize(static_cast<size_t>(width));

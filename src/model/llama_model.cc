@@ -41,6 +41,7 @@ Status LlamaModel::Layers(const ForwardBatch& batch) {
     KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kO, Activation::kAttention, Activation::kDelta));
     KVFLOW_RETURN_IF_ERROR(b.RmsNorm(layer, LayerWeight::kFfnNorm, /*add_delta=*/true));
     KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kGateUp, Activation::kHidden, Activation::kGateUp));
+    if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterMlpInput(ctx));
     KVFLOW_RETURN_IF_ERROR(b.SiluMul());
     KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kDown, Activation::kMlp, Activation::kDelta));
   }

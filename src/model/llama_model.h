@@ -37,6 +37,9 @@ class LayerHooks {
   // Per-slice token selections (backend.h, KvHeadSelection) the layer's attention reads instead of
   // the batch's views; empty: the views. Called after BeforeAttention.
   virtual std::span<const KvHeadSelection> AttentionSelection(const LayerContext& ctx) { return {}; }
+  // Once the MLP has read its input (kGateUp holds the layer's gate and up projections; the
+  // residual stream holds the layer's input plus its attention output; kHidden is free).
+  virtual Status AfterMlpInput(const LayerContext& ctx) { return Status::Ok(); }
   // After attention, before the output projection.
   virtual Status AfterAttention(const LayerContext& ctx) { return Status::Ok(); }
   // Whether the hooks issue the same device work on every step, so a backend may record the step

@@ -346,20 +346,24 @@ std::string* KvSelectionEngine::skew_path_ = nullptr;
 
 TEST_F(KvSelectionEngine, InfiniGenSelectingEverythingIsExactlyFullAttention) {
   auto full = test::MakeEngine(Config(""));
-  EngineConfig c = Config("infinigen");
-  c.infinigen_alpha = 1e6;
-  c.infinigen_max_fraction = 1.0;
-  auto all = test::MakeEngine(c);
-  ASSERT_TRUE(full && all);
+  ASSERT_TRUE(full);
   const auto expected = Run(*full);
-  EXPECT_EQ(Run(*all), expected);
-  const KvSelectionStats s = all->stats().kv_selection;
-  const int layers = all->model_config().num_layers;
-  EXPECT_GT(s.decode_tokens, 0);
-  EXPECT_EQ(s.layer_reads_full, s.decode_tokens);  // layer 0
-  EXPECT_EQ(s.layer_reads_selected, s.decode_tokens * (layers - 1));
-  EXPECT_EQ(s.tokens_selected, s.tokens_available);
-  EXPECT_EQ(s.bytes_read, s.bytes_full);
+  for (const char* point : {"after-attention", "layer-input"}) {
+    EngineConfig c = Config("infinigen");
+    c.infinigen_alpha = 1e6;
+    c.infinigen_max_fraction = 1.0;
+    c.infinigen_speculate_from = point;
+    auto all = test::MakeEngine(c);
+    ASSERT_TRUE(all);
+    EXPECT_EQ(Run(*all), expected) << point;
+    const KvSelectionStats s = all->stats().kv_selection;
+    const int layers = all->model_config().num_layers;
+    EXPECT_GT(s.decode_tokens, 0);
+    EXPECT_EQ(s.layer_reads_full, s.decode_tokens);  // layer 0
+    EXPECT_EQ(s.layer_reads_selected, s.decode_tokens * (layers - 1));
+    EXPECT_EQ(s.tokens_selected, s.tokens_available);
+    EXPECT_EQ(s.bytes_read, s.bytes_full);
+  }
 }
 
 TEST_F(KvSelectionEngine, InfiniGenReadsWhatItsRulesAllow) {
@@ -433,6 +437,7 @@ TEST_F(KvSelectionEngine, RefusesMissingSkewFileAndBadSettings) {
   for (auto bad : std::vector<std::function<void(EngineConfig&)>>{
            [](EngineConfig& e) { e.kv_selection = "quest"; },
            [](EngineConfig& e) { e.infinigen_alpha = 0; },
+           [](EngineConfig& e) { e.infinigen_speculate_from = "layer-output"; },
            [](EngineConfig& e) { e.infinigen_max_fraction = 1.5; },
            [](EngineConfig& e) { e.h2o_budget = 0; },
            [](EngineConfig& e) { e.speculative_method = "ngram"; },
