@@ -47,6 +47,7 @@
 #include <spdlog/spdlog.h>
 
 #include "bench_files.h"
+#include "long_context.h"
 #include "kvflow/engine.h"
 
 namespace {
@@ -54,122 +55,16 @@ namespace {
 using Json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
+using kvflow::bench::Articles;
+using kvflow::bench::CommandLine;
+using kvflow::bench::CpuModel;
+using kvflow::bench::LoadAverage;
+using kvflow::bench::Median;
+using kvflow::bench::NowIso;
+using kvflow::bench::Passkey;
+using kvflow::bench::PasskeyPrompt;
 using kvflow::bench::ReadFile;
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-std::string CpuModel() {
-  std::ifstream in("/proc/cpuinfo");
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind("model name", 0) == 0) {
-      const size_t colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(colon + 2);
-    }
-  }
-  return "unknown";
-}
-
-std::string LoadAverage() {
-  std::string s = ReadFile("/proc/loadavg");
-  std::istringstream in(s);
-  std::string a, b, c;
-  in >> a >> b >> c;
-  return a + " " + b + " " + c;
-}
-
-std::string NowIso() {
-  const std::time_t t = std::time(nullptr);
-  char buf[64];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
-  return buf;
-}
-
-std::string CommandLine(int argc, char** argv) {
-  std::string out;
-  for (int i = 0; i < argc; ++i) {
-    std::string a = argv[i];
-    const bool quote = a.empty() || a.find_first_of(" \t\"'$*?;&|<>()") != std::string::npos;
-    if (i) out += ' ';
-    out += quote ? "'" + a + "'" : a;
-  }
-  return out;
-}
-
-// WikiText-2 articles: a top-level heading line " = Title = " starts one (" = = Section = = " does not).
-std::vector<std::string> Articles(const std::string& text) {
-  std::vector<std::string> out;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) {
-    const bool heading = line.size() > 4 && line.rfind(" = ", 0) == 0 && line.compare(0, 5, " = = ") != 0;
-    if (heading || out.empty()) out.emplace_back();
-    out.back() += line;
-    out.back() += '\n';
-  }
-  return out;
-}
-
-// `n` tokens of WikiText: articles concatenated from article `first` on (wrapping around).
-std::vector<int32_t> WikiPrompt(const kvflow::Tokenizer& tok, const std::vector<std::string>& articles, size_t first,
-                                int n) {
-  std::string text;
-  // ~4.5 characters per token in WikiText; take plenty, then cut in tokens.
-  for (size_t i = 0; text.size() < static_cast<size_t>(n) * 8 && i < articles.size(); ++i) {
-    text += articles[(first + i) % articles.size()];
-  }
-  std::vector<int32_t> ids = tok.Encode(text, tok.add_bos());
-  if (static_cast<int>(ids.size()) > n) ids.resize(static_cast<size_t>(n));
-  return ids;
-}
-
-// The pass-key retrieval prompt (Mohtashami & Jaggi 2023; TriForce and LongLoRA use it): a task
-// line, filler sentences with the key sentence at `depth` (0 = start, 1 = end), the question.
-// Filler repetitions are adjusted until the prompt is at most `target` tokens (and as close as a
-// whole filler allows).
-struct Passkey {
-  std::vector<int32_t> ids;
-  std::string key;
-  int fillers = 0;
-};
-
-Passkey PasskeyPrompt(const kvflow::Tokenizer& tok, int target, double depth, uint32_t seed) {
-  const std::string head =
-      "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz "
-      "you about the important information there.";
-  const std::string filler = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
-  const std::string question = " What is the pass key? The pass key is";
-  std::mt19937 rng(seed);
-  Passkey p;
-  p.key = std::to_string(std::uniform_int_distribution<int>(10000, 99999)(rng));
-  const std::string needle = " The pass key is " + p.key + ". Remember it. " + p.key + " is the pass key.";
-  auto build = [&](int n) {
-    const int before = static_cast<int>(n * depth + 0.5);
-    std::string text = head;
-    for (int i = 0; i < before; ++i) text += filler;
-    text += needle;
-    for (int i = before; i < n; ++i) text += filler;
-    text += question;
-    return tok.Encode(text, tok.add_bos());
-  };
-  const int per_filler = std::max<int>(1, static_cast<int>(tok.Encode(filler, false).size()));
-  const int fixed = static_cast<int>(build(0).size());
-  int n = std::max(0, (target - fixed) / per_filler);
-  std::vector<int32_t> ids = build(n);
-  while (static_cast<int>(ids.size()) > target && n > 0) ids = build(--n);
-  while (true) {  // grow while one more filler still fits
-    std::vector<int32_t> more = build(n + 1);
-    if (static_cast<int>(more.size()) > target) break;
-    ids = std::move(more);
-    ++n;
-  }
-  p.ids = std::move(ids);
-  p.fillers = n;
-  return p;
-}
+using kvflow::bench::WikiPrompt;
 
 kvflow::SpecDecodeStats Delta(const kvflow::SpecDecodeStats& a, const kvflow::SpecDecodeStats& b) {
   kvflow::SpecDecodeStats d = b;
@@ -192,61 +87,15 @@ Json StatsJson(const kvflow::SpecDecodeStats& s) {
           {"bottom_seconds", s.bottom_seconds}};
 }
 
-// One request through an otherwise idle engine. The steps that prefill the prompt (the last one
-// samples the first token) are prefill; the steps after it are decode, timed one by one.
-struct RunResult {
-  std::vector<int32_t> tokens;  // every generated token
-  int prompt_tokens = 0;
-  int64_t decode_tokens = 0;  // tokens generated by decode steps (all but the prefill's)
-  int64_t decode_steps = 0;   // = full-cache passes of the sequence
-  double prefill_s = 0.0;
-  double decode_s = 0.0;
-  kvflow::SpecDecodeStats spec;  // the engine's counters, after minus before
-  std::string error;
+// One request timed step by step, with the engine's speculative counters (after minus before).
+struct RunResult : kvflow::bench::TimedRun {
+  kvflow::SpecDecodeStats spec;
 };
 
 RunResult RunRequest(kvflow::Engine& engine, const std::vector<int32_t>& prompt, const kvflow::SamplingParams& params) {
-  RunResult r;
-  r.prompt_tokens = static_cast<int>(prompt.size());
-  if (engine.HasUnfinishedRequests()) {
-    r.error = "engine not idle";
-    return r;
-  }
   const kvflow::SpecDecodeStats before = engine.stats().spec;
-  std::string stream_error;
-  auto id = engine.AddRequest(prompt, params, [&](const kvflow::StreamEvent& e) {
-    for (const auto& t : e.tokens) r.tokens.push_back(t.token);
-    if (e.finish_reason == kvflow::FinishReason::kError) stream_error = e.error.ToString();
-  });
-  if (!id.ok()) {
-    r.error = id.status().ToString();
-    return r;
-  }
-  while (engine.HasUnfinishedRequests()) {
-    const size_t had = r.tokens.size();
-    const auto t0 = Clock::now();
-    auto step = engine.Step();
-    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    if (!step.ok()) {
-      r.error = step.status().ToString();
-      break;
-    }
-    if (step->num_seqs == 0) {
-      r.error = "the engine made no progress (KV cache too small?)";
-      break;
-    }
-    // Prefill = the steps up to and including the one that sampled the first token. (Not
-    // StepResult::num_prefill_tokens: the engine counts a speculative verification step, which
-    // carries several tokens, as prefill too.)
-    if (had == 0) {
-      r.prefill_s += s;
-    } else {
-      r.decode_s += s;
-      ++r.decode_steps;
-      r.decode_tokens += static_cast<int64_t>(r.tokens.size() - had);
-    }
-  }
-  if (r.error.empty() && !stream_error.empty()) r.error = stream_error;
+  RunResult r;
+  static_cast<kvflow::bench::TimedRun&>(r) = kvflow::bench::RunTimed(engine, prompt, params);
   r.spec = Delta(before, engine.stats().spec);
   return r;
 }
