@@ -133,6 +133,24 @@ std::string ServerMetrics::Render(const EngineStats& s) const {
          static_cast<double>(s.spec.plain_steps));
   Metric(&out, "kvflow:triforce_retrieval_caches", "gauge", "Sequences holding a retrieval cache.",
          static_cast<double>(s.spec.retrieval_caches));
+  const KvSelectionStats& k = s.kv_selection;
+  Metric(&out, "kvflow:kv_selection_decode_tokens_total", "counter",
+         "Decode tokens whose attention read a KV selection (--kv-selection infinigen or h2o).",
+         static_cast<double>(k.decode_tokens));
+  Metric(&out, "kvflow:kv_selection_tokens_selected_total", "counter",
+         "Cached tokens read by layers that read a selection (per KV head, the step's own included).",
+         static_cast<double>(k.tokens_selected));
+  Metric(&out, "kvflow:kv_selection_tokens_available_total", "counter",
+         "Cached tokens those layers could have read (selection fraction = selected / available).",
+         static_cast<double>(k.tokens_available));
+  Metric(&out, "kvflow:kv_selection_fraction", "gauge", "Tokens selected / available so far.", k.selection_fraction());
+  Metric(&out, "kvflow:kv_selection_bytes_read_total", "counter",
+         "K/V bytes attention read over all layers of those decode tokens (what an offloaded cache fetches).",
+         static_cast<double>(k.bytes_read));
+  Metric(&out, "kvflow:kv_selection_bytes_full_total", "counter", "K/V bytes full attention would have read.",
+         static_cast<double>(k.bytes_full));
+  Metric(&out, "kvflow:kv_selection_bytes_per_token", "gauge", "K/V bytes read per selecting decode token so far.",
+         k.decode_tokens > 0 ? static_cast<double>(k.bytes_read) / static_cast<double>(k.decode_tokens) : 0.0);
   Metric(&out, "kvflow:request_cancelled_total", "counter", "Requests cancelled (client gone or shutdown).",
          static_cast<double>(cancelled_.load()));
   Metric(&out, "kvflow:request_failure_total", "counter", "Requests that failed in the engine.",

@@ -89,6 +89,16 @@ FieldReader Number(float* target) {
   };
 }
 
+// An optional boolean: null or absent leaves it unset.
+FieldReader OptionalBool(std::optional<bool>* target) {
+  return [=](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null()) return std::nullopt;
+    if (!v.is_boolean()) return WrongType(name, "a boolean", v);
+    *target = v.get<bool>();
+    return std::nullopt;
+  };
+}
+
 FieldReader Bool(bool* target) {
   return [=](const std::string& name, const Json& v) -> std::optional<ApiError> {
     if (v.is_null()) return std::nullopt;
@@ -240,6 +250,10 @@ std::map<std::string, FieldReader> CommonReaders(GenerationRequest* r, bool* str
       // kvflow: whether this request decodes speculatively when the server was started with a
       // --speculative-method (default true; false opts out, e.g. for a short prompt under triforce).
       {"speculative", Bool(&p->speculative)},
+      // kvflow: with a server started with --kv-selection (infinigen, h2o), whether this request's
+      // attention reads the selection (true) or the whole cache (false); absent: the server's
+      // --kv-selection-default.
+      {"kv_selection", OptionalBool(&p->kv_selection)},
   };
 }
 
