@@ -6,6 +6,7 @@
 
 #include "infinigen/skewing.h"
 #include "infinigen/speculation.h"
+#include "util/thread_pool.h"
 
 namespace kvflow {
 
@@ -135,21 +136,25 @@ Status InfiniGenSelector::ExtendPartialKeys(int layer, const SequenceSlice& slic
   keys_.resize(static_cast<size_t>(n) * KV * D);
   KVFLOW_RETURN_IF_ERROR(backend_.ReadKv(layer, 0, slots, keys_));
   for (int g = 0; g < KV; ++g) {
-    const SkewHead& head = skew_.at(layer, g);
-    std::vector<float>& partial = state.partial_keys[static_cast<size_t>(layer) * KV + g];
-    partial.resize(static_cast<size_t>(positions) * P);
-    for (int32_t i = 0; i < n; ++i) {
-      const float* key = keys_.data() + (static_cast<size_t>(i) * KV + g) * D;
-      float* out = partial.data() + static_cast<size_t>(rows + i) * P;
-      // Only the partial columns of key . A.
-      for (int c = 0; c < P; ++c) {
-        const int col = head.columns[static_cast<size_t>(c)];
-        float acc = 0.0f;
-        for (int d = 0; d < D; ++d) acc += key[d] * head.matrix[static_cast<size_t>(d) * D + col];
-        out[c] = acc;
+    state.partial_keys[static_cast<size_t>(layer) * KV + g].resize(static_cast<size_t>(positions) * P);
+  }
+  // Only the partial columns of key . A (a prompt's worth on a sequence's first selecting step).
+  ParallelFor(n, [&](int64_t first, int64_t last) {
+    for (int g = 0; g < KV; ++g) {
+      const SkewHead& head = skew_.at(layer, g);
+      float* partial = state.partial_keys[static_cast<size_t>(layer) * KV + g].data();
+      for (int64_t i = first; i < last; ++i) {
+        const float* key = keys_.data() + (static_cast<size_t>(i) * KV + g) * D;
+        float* out = partial + static_cast<size_t>(rows + i) * P;
+        for (int c = 0; c < P; ++c) {
+          const int col = head.columns[static_cast<size_t>(c)];
+          float acc = 0.0f;
+          for (int d = 0; d < D; ++d) acc += key[d] * head.matrix[static_cast<size_t>(d) * D + col];
+          out[c] = acc;
+        }
       }
     }
-  }
+  }, 0, 64);
   rows = positions;
   return Status::Ok();
 }
@@ -188,20 +193,24 @@ Status InfiniGenSelector::Speculate(int layer, const ForwardBatch& batch) {
       }
     }
     // Each KV head's score of each cached token: the best of its query heads.
-    scores_.assign(static_cast<size_t>(KV) * cached, -INFINITY);
-    for (int g = 0; g < KV; ++g) {
-      const float* keys = state.partial_keys[static_cast<size_t>(layer) * KV + g].data();
-      float* score = scores_.data() + static_cast<size_t>(g) * cached;
-      for (int j = 0; j < group; ++j) {
-        const float* q = query_.data() + static_cast<size_t>(g * group + j) * P;
-        for (int32_t t = 0; t < cached; ++t) {
+    scores_.resize(static_cast<size_t>(KV) * cached);
+    ParallelFor(cached, [&](int64_t first, int64_t last) {
+      for (int g = 0; g < KV; ++g) {
+        const float* keys = state.partial_keys[static_cast<size_t>(layer) * KV + g].data();
+        float* score = scores_.data() + static_cast<size_t>(g) * cached;
+        for (int64_t t = first; t < last; ++t) {
           const float* k = keys + static_cast<size_t>(t) * P;
-          float acc = 0.0f;
-          for (int c = 0; c < P; ++c) acc += q[c] * k[c];
-          score[t] = std::max(score[t], acc);
+          float best = -INFINITY;
+          for (int j = 0; j < group; ++j) {
+            const float* q = query_.data() + static_cast<size_t>(g * group + j) * P;
+            float acc = 0.0f;
+            for (int c = 0; c < P; ++c) acc += q[c] * k[c];
+            best = std::max(best, acc);
+          }
+          score[t] = best;
         }
       }
-    }
+    }, 0, 256);
     const SpeculatedTokens picked =
         SelectSpeculatedTokens(scores_, KV, cached, static_cast<float>(config_.alpha), config_.max_fraction);
     KvHeadSelection& sel = next_selection_[static_cast<size_t>(s)];
