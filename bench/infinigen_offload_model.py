@@ -56,7 +56,11 @@ End to end = prefill (the first output token) + (gen - 1) decode steps, context 
    "partial_ratio": float in (0, 1]       -- optional, default 0.3 (paper): fraction of head_dim kept
                                              in the partial key cache,
    "h2o_budget_fraction": float in (0, 1] -- optional, default 0.2 (paper sec. 5.3),
-   "source": str                          -- optional: where the numbers come from}
+   "source": str                          -- optional: where the numbers come from,
+   "overlap": "layer" | "mlp"             -- optional, default "layer": what InfiniGen's fetch of layer i
+                                             hides behind: all of layer i-1 (the paper's speculation at
+                                             layer i-1's input) or only its MLP (kvflow's default
+                                             speculation point, after layer i-1's attention)}
 Other keys are kept verbatim under inputs.fractions_file_raw.
 
 Outputs: PREFIX.json (inputs, assumptions, results; every modeled number sits in an object with
@@ -308,6 +312,9 @@ def decode_step(m, scheme, batch, n, link_bw, p):
         return gpu_time(nb, 4 * batch * H * hd * n_att, kernels=2)
 
     linear = gpu_time(w_bytes + 4 * batch * d * FP16, w_flops, kernels=KERNELS_PER_LAYER - 2)
+    # The MLP's share of a layer's weights (and so of its memory-bound linear time): the window a
+    # fetch hides behind when it is issued after the layer's attention (overlap "mlp").
+    mlp_linear = linear * (m["ffn_mats"] * d * m["ffn"]) / lp
     woff = weight_offload_fraction(m, scheme, batch, n, p)
     x_weights = woff * w_bytes / link_bw
 
@@ -371,7 +378,8 @@ def decode_step(m, scheme, batch, n, link_bw, p):
     head = gpu_time(m["vocab"] * d * FP16, 2 * batch * m["vocab"] * d, kernels=2)
     t = xfer[0]
     for i in range(1, L):
-        t += spec[i] + max(compute[i - 1], xfer[i])
+        window = mlp_linear if scheme == "infinigen" and p.get("overlap") == "mlp" else compute[i - 1]
+        t += spec[i] + (compute[i - 1] - window) + max(window, xfer[i])
     t += compute[L - 1] + head
     uvm_bytes = 0.0
     if scheme == "uvm":
@@ -516,12 +524,14 @@ def load_inputs(args):
         r = raw.get("partial_ratio", PAPER_PARTIAL_RATIO)
         h = raw.get("h2o_budget_fraction", PAPER_H2O_BUDGET)
         src = raw.get("source", args.fractions)
+        overlap = raw.get("overlap", "layer")
         if not isinstance(src, str):
             raise InputError("--fractions: \"source\" must be a string")
         origin = "measured (--fractions)"
     elif args.fraction is not None:
         f, r, h = args.fraction, args.partial_ratio, args.h2o_budget
         src, origin = "command line (placeholder, not a measurement)", "command line"
+        overlap = args.overlap
     else:
         raise InputError("give --fractions FILE (measured) or --fraction F (placeholder)")
     if args.fractions and (args.partial_ratio is not None or args.h2o_budget is not None):
@@ -531,7 +541,9 @@ def load_inputs(args):
     p = {"selection_fraction": check_fraction("selection_fraction", f),
          "partial_ratio": check_fraction("partial_ratio", r),
          "h2o_budget": check_fraction("h2o_budget_fraction", h),
-         "source": src, "origin": origin}
+         "source": src, "origin": origin, "overlap": overlap}
+    if overlap not in ("layer", "mlp"):
+        raise InputError(f"overlap must be layer or mlp, got {overlap!r}")
     for name, lo in (("batch", 1), ("prompt", 1), ("gen", 2)):
         if getattr(args, name) < lo:
             raise InputError(f"--{name} must be >= {lo}")
@@ -691,7 +703,7 @@ def run(args):
         "note": "A model, not a measurement. Only selection_fraction, partial_ratio and "
                 "h2o_budget_fraction come from the input; every other number is an assumption below.",
         "inputs": {"selection_fraction": p["selection_fraction"], "partial_ratio": p["partial_ratio"],
-                   "h2o_budget_fraction": p["h2o_budget"], "source": p["source"], "origin": p["origin"],
+                   "h2o_budget_fraction": p["h2o_budget"], "source": p["source"], "origin": p["origin"], "overlap": p["overlap"],
                    "fractions_file": args.fractions, "fractions_file_raw": raw,
                    "batch": B, "prompt": P, "gen": G},
         "assumptions": [{"quantity": q, "value": v, "source": s} for q, v, s in ASSUMPTIONS],
@@ -768,6 +780,8 @@ def main(argv=None):
     ap.add_argument("--fraction", type=float, help="InfiniGen selection fraction (placeholder without --fractions)")
     ap.add_argument("--partial-ratio", type=float, help=f"with --fraction; default {PAPER_PARTIAL_RATIO} (paper)")
     ap.add_argument("--h2o-budget", type=float, help=f"with --fraction; default {PAPER_H2O_BUDGET} (paper)")
+    ap.add_argument("--overlap", choices=("layer", "mlp"), default="layer",
+                    help="with --fraction: InfiniGen's fetch hides behind all of layer i-1 (the paper) or its MLP only")
     ap.add_argument("--batch", type=int, default=DEFAULT_BATCH)
     ap.add_argument("--prompt", type=int, default=DEFAULT_PROMPT)
     ap.add_argument("--gen", type=int, default=DEFAULT_GEN)
