@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "infinigen/partial_keys.h"
 #include "infinigen/skewing.h"
 #include "infinigen/speculation.h"
 #include "util/thread_pool.h"
@@ -141,18 +142,9 @@ Status InfiniGenSelector::ExtendPartialKeys(int layer, const SequenceSlice& slic
   // Only the partial columns of key . A (a prompt's worth on a sequence's first selecting step).
   ParallelFor(n, [&](int64_t first, int64_t last) {
     for (int g = 0; g < KV; ++g) {
-      const SkewHead& head = skew_.at(layer, g);
       float* partial = state.partial_keys[static_cast<size_t>(layer) * KV + g].data();
-      for (int64_t i = first; i < last; ++i) {
-        const float* key = keys_.data() + (static_cast<size_t>(i) * KV + g) * D;
-        float* out = partial + static_cast<size_t>(rows + i) * P;
-        for (int c = 0; c < P; ++c) {
-          const int col = head.columns[static_cast<size_t>(c)];
-          float acc = 0.0f;
-          for (int d = 0; d < D; ++d) acc += key[d] * head.matrix[static_cast<size_t>(d) * D + col];
-          out[c] = acc;
-        }
-      }
+      SkewPartialColumns(keys_.data() + (static_cast<size_t>(first) * KV + g) * D, last - first,
+                         static_cast<int64_t>(KV) * D, skew_.at(layer, g), D, partial + static_cast<size_t>(rows + first) * P);
     }
   }, 0, 64);
   rows = positions;
@@ -184,31 +176,16 @@ Status InfiniGenSelector::Speculate(int layer, const ForwardBatch& batch) {
     for (int h = 0; h < NH; ++h) {
       float* q = qkv_rows_.data() + static_cast<size_t>(h) * D;
       ApplyRope(q, D, position, rope_);
-      const SkewHead& head = skew_.at(layer, h / group);
-      for (int c = 0; c < P; ++c) {
-        const int col = head.columns[static_cast<size_t>(c)];
-        float acc = 0.0f;
-        for (int d = 0; d < D; ++d) acc += q[d] * head.matrix[static_cast<size_t>(d) * D + col];
-        query_[static_cast<size_t>(h) * P + c] = acc * scale;
-      }
+      for (int d = 0; d < D; ++d) q[d] *= scale;
+      SkewPartialColumns(q, 1, D, skew_.at(layer, h / group), D, query_.data() + static_cast<size_t>(h) * P);
     }
     // Each KV head's score of each cached token: the best of its query heads.
     scores_.resize(static_cast<size_t>(KV) * cached);
     ParallelFor(cached, [&](int64_t first, int64_t last) {
       for (int g = 0; g < KV; ++g) {
-        const float* keys = state.partial_keys[static_cast<size_t>(layer) * KV + g].data();
-        float* score = scores_.data() + static_cast<size_t>(g) * cached;
-        for (int64_t t = first; t < last; ++t) {
-          const float* k = keys + static_cast<size_t>(t) * P;
-          float best = -INFINITY;
-          for (int j = 0; j < group; ++j) {
-            const float* q = query_.data() + static_cast<size_t>(g * group + j) * P;
-            float acc = 0.0f;
-            for (int c = 0; c < P; ++c) acc += q[c] * k[c];
-            best = std::max(best, acc);
-          }
-          score[t] = best;
-        }
+        ScorePartialKeys(query_.data() + static_cast<size_t>(g) * group * P, group,
+                         state.partial_keys[static_cast<size_t>(layer) * KV + g].data() + static_cast<size_t>(first) * P,
+                         last - first, P, scores_.data() + static_cast<size_t>(g) * cached + first);
       }
     }, 0, 256);
     const SpeculatedTokens picked =

@@ -447,6 +447,10 @@ TEST_F(KvSelectionEngine, RefusesMissingSkewFileAndBadSettings) {
     auto r = test::CreateTinyEngine(e);
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
   }
+  // Not on CUDA yet: refused before any device work.
+  EngineConfig cuda = Config("h2o");
+  cuda.device = "cuda";
+  EXPECT_EQ(test::CreateTinyEngine(cuda).status().code(), StatusCode::kUnsupported);
 }
 
 }  // namespace
