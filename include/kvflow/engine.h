@@ -110,7 +110,9 @@ struct EngineConfig {
   // weight to fp32 (exact: the reference). CUDA weights/activations/KV: "fp16", "bf16" or "auto" (bf16).
   std::string dtype = "auto";
   // KV cache elements. CPU: "auto" (fp16 when weights stay quantized or 16-bit, as llama.cpp pairs them;
-  // fp32 with fp32 weights), "f16" or "f32". CUDA: "auto" (the dtype's 16-bit type).
+  // fp32 with fp32 weights), "f16", "f32" or "q4" (also "int4": 4-bit groups of 32 along head_dim with
+  // an fp16 scale and minimum, llama.cpp's Q4_1 layout, 0.625 bytes a value; head_dim must be a
+  // multiple of 32; InfiniGen's INT4 baseline). CUDA: "auto" (the dtype's 16-bit type); q4 is refused.
   std::string kv_cache_dtype = "auto";
   bool enforce_eager = false;  // CUDA: no CUDA graphs for decode steps
 };

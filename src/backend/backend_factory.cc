@@ -12,6 +12,9 @@
 #include "util/thread_pool.h"
 
 namespace kvflow {
+
+bool IsQ4KvCacheDtype(const std::string& kv_cache_dtype) { return kv_cache_dtype == "q4" || kv_cache_dtype == "int4"; }
+
 namespace {
 
 // A sequence must fit the pool alone, or it would be preempted and fail at the end (vLLM refuses to
@@ -43,12 +46,16 @@ Result<std::unique_ptr<Backend>> MakeCpuBackend(EngineConfig& config, bool reque
   layout.head_dim = mc.head_dim;
   layout.block_size = config.block_size;
   // auto: fp16 elements when the weights stay quantized or 16-bit (llama.cpp's pairing: its f16 KV
-  // default), fp32 when every weight is fp32 (the exact mode, or an fp32 checkpoint).
+  // default), fp32 when every weight is fp32 (the exact mode, or an fp32 checkpoint). q4 only when asked.
   const bool f16 = config.kv_cache_dtype == "f16" || config.kv_cache_dtype == "fp16" ||
                    (config.kv_cache_dtype == "auto" && !weights.all_f32());
-  const cpu::KvElement element = f16 ? cpu::KvElement::kF16 : cpu::KvElement::kF32;
+  const cpu::KvElement element = IsQ4KvCacheDtype(config.kv_cache_dtype) ? cpu::KvElement::kQ4
+                                 : f16                                     ? cpu::KvElement::kF16
+                                                                           : cpu::KvElement::kF32;
+  // Before sizing: q4 block sizes only make sense for rows of whole groups.
+  KVFLOW_RETURN_IF_ERROR(cpu::CheckKvElement(element, layout.head_dim));
   const int64_t block_bytes =
-      static_cast<int64_t>(layout.elements_per_block_all_layers() * cpu::KvElementBytes(element));
+      static_cast<int64_t>(cpu::KvPoolBytes(element, layout.elements_per_block_all_layers()));
   if (config.num_kv_blocks > 0) {
     layout.num_blocks = config.num_kv_blocks;
   } else {
@@ -77,6 +84,10 @@ Result<std::unique_ptr<Backend>> MakeCpuBackend(EngineConfig& config, bool reque
 // num_kv_blocks) and refuses a max_model_len the pool cannot hold.
 Result<std::unique_ptr<Backend>> MakeCudaBackend(EngineConfig& config, bool requested, const ModelConfig& mc,
                                                    const LlamaWeights& weights, int device) {
+  if (IsQ4KvCacheDtype(config.kv_cache_dtype)) {
+    return Status::InvalidArgument("kv_cache_dtype " + config.kv_cache_dtype +
+                                   " (the 4-bit KV cache) is CPU only; CUDA keeps the KV cache in the dtype's 16-bit type");
+  }
   CudaBackendOptions o;
   o.device = device;
   o.dtype = config.dtype;

@@ -16,6 +16,9 @@ namespace kvflow {
 // "cpu" -> -1; "cuda" -> 0; "cuda:N" -> N.
 Result<int> ParseDevice(const std::string& device);
 
+// kv_cache_dtype "q4" or "int4": the CPU backend's 4-bit KV cache (cpu::KvElement::kQ4).
+bool IsQ4KvCacheDtype(const std::string& kv_cache_dtype);
+
 // The model's weights in the format config.device computes with: the CPU keeps a GGUF's quantized
 // matrices as they are unless config.dtype is f32; the CUDA backend takes fp32 and converts them to
 // its dtype. Conversions run on a pool of config.num_threads threads.

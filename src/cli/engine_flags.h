@@ -22,7 +22,8 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
                   "CUDA: fp16, bf16 or auto (bf16)")
       ->default_val("auto");
   app->add_option("--kv-cache-dtype", c.kv_cache_dtype,
-                  "CPU: auto (f16 when weights stay quantized or 16-bit, else f32), f16 or f32; CUDA: auto")
+                  "CPU: auto (f16 when weights stay quantized or 16-bit, else f32), f16, f32 or q4/int4 "
+                  "(4-bit groups of 32 with fp16 scale and min; head_dim a multiple of 32); CUDA: auto")
       ->default_val("auto");
   app->add_option("--gpu-memory-utilization", c.gpu_memory_utilization,
                   "CUDA: share of GPU memory for weights, activations and KV cache")->default_val(0.9);

@@ -275,8 +275,12 @@ Status ValidateEngineConfig(const EngineConfig& c) {
     return Status::Unsupported("kv_selection " + c.kv_selection + " runs on the CPU backend only so far");
   }
   const std::string& kv = c.kv_cache_dtype;
-  if (device < 0 && kv != "auto" && kv != "f16" && kv != "fp16" && kv != "f32" && kv != "fp32") {
-    return Status::InvalidArgument("kv_cache_dtype on the CPU is auto, f16 or f32, not '" + kv + "'");
+  if (device < 0 && kv != "auto" && kv != "f16" && kv != "fp16" && kv != "f32" && kv != "fp32" &&
+      !IsQ4KvCacheDtype(kv)) {
+    return Status::InvalidArgument("kv_cache_dtype on the CPU is auto, f16, f32 or q4 (int4), not '" + kv + "'");
+  }
+  if (device >= 0 && IsQ4KvCacheDtype(kv)) {
+    return Status::InvalidArgument("kv_cache_dtype " + kv + " (the 4-bit KV cache) is CPU only; on CUDA it is auto");
   }
   if (device >= 0 && kv != "auto") {
     return Status::InvalidArgument("kv_cache_dtype on CUDA is auto (the dtype's 16-bit type), not '" + kv + "'");

@@ -366,6 +366,29 @@ TEST_F(KvSelectionEngine, InfiniGenSelectingEverythingIsExactlyFullAttention) {
   }
 }
 
+TEST_F(KvSelectionEngine, SelectorsReadEveryKvElementType) {
+  // The selectors read keys back from the pool (partial keys, H2O's scores): fp16 and 4-bit too.
+  for (const char* dtype : {"f16", "q4"}) {
+    EngineConfig plain = Config("");
+    plain.kv_cache_dtype = dtype;
+    auto full = test::MakeEngine(plain);
+    EngineConfig c = Config("infinigen");
+    c.kv_cache_dtype = dtype;
+    c.infinigen_alpha = 1e6;
+    c.infinigen_max_fraction = 1.0;
+    auto all = test::MakeEngine(c);
+    EngineConfig h = Config("h2o");
+    h.kv_cache_dtype = dtype;
+    h.h2o_budget = 0.3;
+    auto h2o = test::MakeEngine(h);
+    ASSERT_TRUE(full && all && h2o);
+    EXPECT_EQ(Run(*all), Run(*full)) << dtype;
+    Run(*h2o);
+    EXPECT_GT(h2o->stats().kv_selection.decode_tokens, 0) << dtype;
+    EXPECT_LT(h2o->stats().kv_selection.selection_fraction(), 0.4) << dtype;
+  }
+}
+
 TEST_F(KvSelectionEngine, InfiniGenReadsWhatItsRulesAllow) {
   EngineConfig c = Config("infinigen");
   c.infinigen_alpha = 2.0;

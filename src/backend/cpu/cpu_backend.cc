@@ -22,6 +22,7 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config
                                                        const KvCacheLayout& layout, int num_host_blocks,
                                                        int num_threads, cpu::KvElement kv_element) {
   KVFLOW_RETURN_IF_ERROR(config.Validate());
+  KVFLOW_RETURN_IF_ERROR(cpu::CheckKvElement(kv_element, config.head_dim));
   if (layout.num_layers != config.num_layers || layout.num_kv_heads != config.num_kv_heads ||
       layout.head_dim != config.head_dim || layout.num_blocks <= 0 || layout.block_size <= 0 ||
       num_host_blocks < 0) {
@@ -36,15 +37,15 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config
   std::unique_ptr<CpuBackend> backend(new CpuBackend(config, std::move(weights), layout));
   backend->pool_ = std::make_unique<ThreadPool>(std::max(1, num_threads));
   backend->kv_element_ = kv_element;
-  const size_t bytes = layout.layer_stride() * static_cast<size_t>(layout.num_layers) * cpu::KvElementBytes(kv_element);
+  const size_t bytes = cpu::KvPoolBytes(kv_element, layout.layer_stride() * static_cast<size_t>(layout.num_layers));
   try {
     // Zeroed: a slot read before it is written (a bug) gives finite garbage, never NaN from stale memory.
     backend->key_cache_.reset(new uint8_t[bytes]());
     backend->value_cache_.reset(new uint8_t[bytes]());
     backend->host_layout_ = layout;
     backend->host_layout_.num_blocks = num_host_blocks;
-    const size_t host_bytes = backend->host_layout_.layer_stride() * static_cast<size_t>(layout.num_layers) *
-                              cpu::KvElementBytes(kv_element);
+    const size_t host_bytes =
+        cpu::KvPoolBytes(kv_element, backend->host_layout_.layer_stride() * static_cast<size_t>(layout.num_layers));
     if (host_bytes > 0) {
       backend->host_key_cache_.reset(new uint8_t[host_bytes]);
       backend->host_value_cache_.reset(new uint8_t[host_bytes]);
@@ -57,13 +58,12 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config
 }
 
 uint8_t* CpuBackend::Pool(KvTier tier, int kv, int layer) const {
-  const size_t element = cpu::KvElementBytes(kv_element_);
   if (tier == KvTier::kHost) {
     uint8_t* base = kv == 0 ? host_key_cache_.get() : host_value_cache_.get();
-    return base + static_cast<size_t>(layer) * host_layout_.layer_stride() * element;
+    return base + cpu::KvPoolBytes(kv_element_, static_cast<size_t>(layer) * host_layout_.layer_stride());
   }
   uint8_t* base = kv == 0 ? key_cache_.get() : value_cache_.get();
-  return base + static_cast<size_t>(layer) * layout_.layer_stride() * element;
+  return base + cpu::KvPoolBytes(kv_element_, static_cast<size_t>(layer) * layout_.layer_stride());
 }
 
 std::string CpuBackend::Describe() const {
@@ -74,7 +74,7 @@ std::string CpuBackend::Describe() const {
                                                        (half ? cpu::HalfKernelIsa() : cpu::QuantKernelIsa()) + ")";
   return fmt::format("cpu ({}, {} threads, {} KV pool {} blocks x {} tokens = {:.1f} MiB)", weights, pool_->size(),
                      cpu::KvElementName(kv_element_), layout_.num_blocks, layout_.block_size,
-                     2.0 * layout_.layer_stride() * layout_.num_layers * cpu::KvElementBytes(kv_element_) / (1 << 20));
+                     2.0 * cpu::KvPoolBytes(kv_element_, layout_.layer_stride() * layout_.num_layers) / (1 << 20));
 }
 
 Status CpuBackend::CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) {
@@ -97,8 +97,8 @@ Status CpuBackend::CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind ki
 Status CpuBackend::TransferKv(std::span<const KvTransfer> transfers) {
   KVFLOW_RETURN_IF_ERROR(ValidateKvTransfers(transfers, layout_, host_layout_.num_blocks));
   // Both tiers share the layout but not the number of blocks, hence Pool's own layer strides.
-  const size_t element = cpu::KvElementBytes(kv_element_);
-  const size_t run = element * layout_.head_dim;
+  // Token ranges are whole rows, so their byte ranges are exact for every element type (q4 too).
+  auto bytes = [this](size_t elements) { return cpu::KvPoolBytes(kv_element_, elements); };
   for (const KvTransfer& t : transfers) {
     for (int layer = t.layer_begin; layer < t.layer_end; ++layer) {
       for (int kv = 0; kv < 2; ++kv) {
@@ -106,9 +106,9 @@ Status CpuBackend::TransferKv(std::span<const KvTransfer> transfers) {
         uint8_t* dst = Pool(t.dst_tier, kv, layer);
         // One kv head's tokens are contiguous inside a block (kv/kv_cache_layout.h).
         for (int h = 0; h < layout_.num_kv_heads; ++h) {
-          std::memmove(dst + layout_.offset(t.dst_block, h, t.dst_offset) * element,
-                       src + layout_.offset(t.src_block, h, t.src_offset) * element,
-                       run * static_cast<size_t>(t.num_tokens));
+          std::memmove(dst + bytes(layout_.offset(t.dst_block, h, t.dst_offset)),
+                       src + bytes(layout_.offset(t.src_block, h, t.src_offset)),
+                       bytes(static_cast<size_t>(t.num_tokens) * layout_.head_dim));
         }
       }
     }

@@ -18,7 +18,8 @@ class CpuBackend final : public Backend {
  public:
   // Allocates the KV pool described by `layout` and a swap pool of `num_host_blocks` blocks
   // (its pages are only touched when something is swapped out); OutOfMemory if the host cannot
-  // hold them. `num_threads` (>= 1) workers, the stepping thread included, run each step.
+  // hold them. `num_threads` (>= 1) workers, the stepping thread included, run each step. A q4
+  // `kv_element` needs head_dim a multiple of 32 (InvalidArgument otherwise).
   static Result<std::unique_ptr<CpuBackend>> Create(const ModelConfig& config, LlamaWeights weights,
                                                     const KvCacheLayout& layout, int num_host_blocks,
                                                     int num_threads, cpu::KvElement kv_element = cpu::KvElement::kF32);
@@ -48,7 +49,7 @@ class CpuBackend final : public Backend {
   const KvCacheLayout& kv_layout() const override { return layout_; }
   int num_host_blocks() const override { return host_layout_.num_blocks; }
   int64_t kv_token_bytes() const override {
-    return 2 * static_cast<int64_t>(layout_.num_kv_heads) * layout_.head_dim * static_cast<int64_t>(cpu::KvElementBytes(kv_element_));
+    return 2 * static_cast<int64_t>(cpu::KvPoolBytes(kv_element_, static_cast<size_t>(layout_.num_kv_heads) * layout_.head_dim));
   }
   const ModelConfig& model_config() const override { return config_; }
   std::string Describe() const override;

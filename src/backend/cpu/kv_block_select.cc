@@ -7,6 +7,7 @@
 #include <string>
 
 #include "backend/cpu/attention_kernels.h"
+#include "backend/cpu/kv_q4.h"
 #include "util/thread_pool.h"
 
 namespace kvflow::cpu {
@@ -14,15 +15,21 @@ namespace kvflow::cpu {
 namespace {
 
 // The mean of `count` keys of one (block, kv head), each head_dim long, in fp32. An fp16 run is
-// widened first with the attention kernels' conversion (`widened`: scratch of count * head_dim).
+// widened first with the attention kernels' conversion, a q4 run dequantized as attention's gather
+// does (`widened`: scratch of count * head_dim).
 void MeanKey(const void* key_cache, KvElement element, size_t offset, int count, int head_dim, float* mean,
              std::vector<float>& widened) {
   const float* keys = static_cast<const float*>(key_cache) + offset;
+  const size_t n = static_cast<size_t>(count) * head_dim;
   if (element == KvElement::kF16) {
-    const size_t n = static_cast<size_t>(count) * head_dim;
     widened.resize(n);
     SelectAttentionKernels(head_dim).half_to_float(static_cast<const uint16_t*>(key_cache) + offset, widened.data(),
                                                    static_cast<int64_t>(n));
+    keys = widened.data();
+  } else if (element == KvElement::kQ4) {
+    widened.resize(n);
+    DequantizeQ4(static_cast<const Q4Group*>(key_cache) + offset / kQ4GroupSize, static_cast<int64_t>(n),
+                 widened.data());
     keys = widened.data();
   }
   std::fill(mean, mean + head_dim, 0.0f);

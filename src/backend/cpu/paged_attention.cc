@@ -7,17 +7,42 @@
 #include <type_traits>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "backend/cpu/attention_kernels.h"
+#include "backend/cpu/kv_q4.h"
 #include "util/half.h"
 #include "util/thread_pool.h"
 
 namespace kvflow::cpu {
 
-size_t KvElementBytes(KvElement e) { return e == KvElement::kF16 ? sizeof(uint16_t) : sizeof(float); }
-const char* KvElementName(KvElement e) { return e == KvElement::kF16 ? "fp16" : "fp32"; }
+const char* KvElementName(KvElement e) {
+  switch (e) {
+    case KvElement::kF32: return "fp32";
+    case KvElement::kF16: return "fp16";
+    case KvElement::kQ4: return "q4";
+  }
+  return "?";
+}
+
+size_t KvPoolBytes(KvElement e, size_t elements) {
+  switch (e) {
+    case KvElement::kF32: return elements * sizeof(float);
+    case KvElement::kF16: return elements * sizeof(uint16_t);
+    case KvElement::kQ4: return elements / kQ4GroupSize * sizeof(Q4Group);
+  }
+  return 0;
+}
+
+Status CheckKvElement(KvElement e, int head_dim) {
+  if (e == KvElement::kQ4 && (head_dim <= 0 || head_dim % kQ4GroupSize != 0)) {
+    return Status::InvalidArgument("a q4 KV cache quantizes head_dim in groups of 32; head_dim " +
+                                   std::to_string(head_dim) + " is not a multiple of 32 (use f16 or f32)");
+  }
+  return Status::Ok();
+}
 
 namespace {
 
@@ -51,6 +76,9 @@ void WriteRows(std::span<const int64_t> slots, const KvCacheLayout& layout, cons
       if constexpr (std::is_same_v<T, float>) {
         std::memcpy(key_cache + dst, k, sizeof(float) * D);
         std::memcpy(value_cache + dst, v, sizeof(float) * D);
+      } else if constexpr (std::is_same_v<T, Q4Group>) {
+        QuantizeQ4(k, D, key_cache + dst / kQ4GroupSize);
+        QuantizeQ4(v, D, value_cache + dst / kQ4GroupSize);
       } else {
         ToHalf(k, key_cache + dst, D);
         ToHalf(v, value_cache + dst, D);
@@ -71,6 +99,9 @@ void WriteKvCache(std::span<const int64_t> slots, const KvCacheLayout& layout, c
   if (element == KvElement::kF16) {
     WriteRows(slots, layout, key, value, row_stride, static_cast<uint16_t*>(key_cache),
               static_cast<uint16_t*>(value_cache));
+  } else if (element == KvElement::kQ4) {
+    WriteRows(slots, layout, key, value, row_stride, static_cast<Q4Group*>(key_cache),
+              static_cast<Q4Group*>(value_cache));
   } else {
     WriteRows(slots, layout, key, value, row_stride, static_cast<float*>(key_cache), static_cast<float*>(value_cache));
   }
@@ -185,7 +216,7 @@ struct AttentionContext {
 };
 
 // Rows [0, n) of a chunk's K or V (view entries first .. first + n of one KV head) as fp32, one
-// copy or conversion per contiguous run of slots inside a block.
+// copy or conversion per contiguous run of slots inside a block (q4 rows are consecutive groups too).
 template <typename T>
 void GatherRows(const AttentionContext<T>& c, const T* cache, int kv_head, const int64_t* slots, int n, float* dst) {
   const int D = c.layout.head_dim;
@@ -195,11 +226,13 @@ void GatherRows(const AttentionContext<T>& c, const T* cache, int kv_head, const
     const int offset = static_cast<int>(slot % bs);
     int run = 1;
     while (j + run < n && offset + run < bs && slots[j + run] == slot + run) ++run;
-    const T* src = cache + c.layout.offset(static_cast<int>(slot / bs), kv_head, offset);
+    const size_t element = c.layout.offset(static_cast<int>(slot / bs), kv_head, offset);
     if constexpr (std::is_same_v<T, float>) {
-      std::memcpy(dst + static_cast<size_t>(j) * D, src, sizeof(float) * static_cast<size_t>(run) * D);
+      std::memcpy(dst + static_cast<size_t>(j) * D, cache + element, sizeof(float) * static_cast<size_t>(run) * D);
+    } else if constexpr (std::is_same_v<T, Q4Group>) {
+      DequantizeQ4(cache + element / kQ4GroupSize, static_cast<int64_t>(run) * D, dst + static_cast<size_t>(j) * D);
     } else {
-      c.kernels.half_to_float(src, dst + static_cast<size_t>(j) * D, static_cast<int64_t>(run) * D);
+      c.kernels.half_to_float(cache + element, dst + static_cast<size_t>(j) * D, static_cast<int64_t>(run) * D);
     }
     j += run;
   }
@@ -394,7 +427,9 @@ void ReadKvRows(std::span<const int64_t> slots, const KvCacheLayout& layout, KvE
     for (int h = 0; h < layout.num_kv_heads; ++h) {
       float* dst = out + (t * layout.num_kv_heads + h) * D;
       const size_t at = layout.offset(block, h, offset);
-      if (element == KvElement::kF16) {
+      if (element == KvElement::kQ4) {
+        DequantizeQ4(reinterpret_cast<const Q4Group*>(static_cast<const uint8_t*>(cache) + KvPoolBytes(element, at)), D, dst);
+      } else if (element == KvElement::kF16) {
         const uint16_t* src = static_cast<const uint16_t*>(cache) + at;
         for (int d = 0; d < D; ++d) dst[d] = HalfBitsToFloat(src[d]);
       } else {
@@ -416,6 +451,10 @@ void PagedAttention(const ForwardBatch& batch, std::span<const std::vector<int64
   if (element == KvElement::kF16) {
     Attention(batch, view_slots, layout, num_heads, io, static_cast<const uint16_t*>(key_cache),
               static_cast<const uint16_t*>(value_cache), scale);
+  } else if (element == KvElement::kQ4) {
+    if (layout.head_dim % kQ4GroupSize != 0) throw std::invalid_argument("PagedAttention: q4 needs head_dim % 32 == 0");
+    Attention(batch, view_slots, layout, num_heads, io, static_cast<const Q4Group*>(key_cache),
+              static_cast<const Q4Group*>(value_cache), scale);
   } else {
     Attention(batch, view_slots, layout, num_heads, io, static_cast<const float*>(key_cache),
               static_cast<const float*>(value_cache), scale);

@@ -12,11 +12,18 @@
 
 namespace kvflow::cpu {
 
-// The element type of a KV pool: fp32 (exact) or fp16 (half the bytes a long context reads per
-// step; llama.cpp's default). Values are rounded to nearest even when written.
-enum class KvElement { kF32, kF16 };
-size_t KvElementBytes(KvElement e);
+// The element type of a KV pool: fp32 (exact), fp16 (half the bytes a long context reads per
+// step; llama.cpp's default; rounded to nearest even when written) or q4 (4-bit groups of 32 along
+// head_dim with an fp16 scale and minimum, 0.625 bytes a value: kv_q4.h; InfiniGen's INT4
+// baseline). Reads widen every type to fp32.
+enum class KvElement { kF32, kF16, kQ4 };
 const char* KvElementName(KvElement e);
+// Bytes of `elements` consecutive pool elements, which is also the byte offset of element offset
+// `elements` in a pool. kQ4 counts whole rows only (layout offsets and row counts are multiples of
+// head_dim, itself a multiple of 32: CheckKvElement).
+size_t KvPoolBytes(KvElement e, size_t elements);
+// InvalidArgument when a pool of `e` cannot hold rows of head_dim (kQ4 needs a multiple of 32).
+Status CheckKvElement(KvElement e, int head_dim);
 
 // Writes K and V row t (num_kv_heads x head_dim at key + t * row_stride, likewise value) into
 // physical slot slots[t] (block * block_size + offset); -1 skips the token (reshape_and_cache).
