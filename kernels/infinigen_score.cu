@@ -1,5 +1,6 @@
-// InfiniGen's device side (see infinigen_score.h): partial key cache growth, speculated scores,
-// token selection, the gather of the selected K/V, and the asynchronous prefetch.
+// InfiniGen's device side (see infinigen_score.h): partial key cache growth, the speculative
+// query's skew, speculated scores, token selection, the gather of the selected K/V, and the
+// asynchronous prefetch.
 //
 // Scores and skewed columns are fp32 sums in the CPU reference's order (only FMA contraction can
 // differ). The selection is exact: a token's rank only depends on comparisons of its score, so
@@ -14,6 +15,7 @@ namespace {
 
 constexpr int kSkewThreads = 256;
 constexpr int kSkewTokens = 32;  // keys per thread block
+constexpr int kQueryThreads = 64;
 constexpr int kScoreTokens = 128;  // one token per thread
 constexpr int kSelectThreads = 256;
 constexpr int kGatherThreads = 128;
@@ -54,6 +56,29 @@ __global__ void __launch_bounds__(kSkewThreads)
     float acc = 0.0f;
     for (int d = 0; d < D; ++d) acc += xt[d] * a[d * P + c];
     job.dst[(job.dst_row + first + t) * P + c] = acc;
+  }
+}
+
+// grid = (num_rows, num_heads).
+template <typename T>
+__global__ void __launch_bounds__(kQueryThreads)
+    SkewPartialQueriesKernel(const T* __restrict__ rows, int64_t row_stride, int num_heads, int group, int head_dim,
+                             int num_cols, float scale, const float* __restrict__ matrices,
+                             const int32_t* __restrict__ columns, float* __restrict__ out) {
+  __shared__ float q[kMaxHeadDim];
+  const int r = static_cast<int>(blockIdx.x), h = static_cast<int>(blockIdx.y), kvh = h / group;
+  const int D = head_dim, P = num_cols;
+  const T* row = rows + r * row_stride + static_cast<int64_t>(h) * D;
+  for (int d = threadIdx.x; d < D; d += kQueryThreads) q[d] = dev::ToFloat(row[d]) * scale;
+  __syncthreads();
+  const float* a = matrices + static_cast<int64_t>(kvh) * D * D;
+  const int32_t* cols = columns + static_cast<int64_t>(kvh) * P;
+  float* o = out + (static_cast<int64_t>(r) * num_heads + h) * P;
+  for (int c = threadIdx.x; c < P; c += kQueryThreads) {
+    const int col = cols[c];
+    float acc = 0.0f;
+    for (int d = 0; d < D; ++d) acc += q[d] * a[d * D + col];
+    o[c] = acc;
   }
 }
 
@@ -296,6 +321,27 @@ int SkewPartialKeys(const SkewPartialKeysArgs& a, void* stream) {
     return LaunchKernel(SkewPartialKeysKernel<T>, dim3(tiles, static_cast<unsigned>(a.num_jobs)), dim3(kSkewThreads),
                         smem, stream, static_cast<const T*>(a.key_cache), a.slots, a.jobs, a.num_kv_heads,
                         a.head_dim, a.block_size, a.num_partial_columns);
+  });
+  return kInvalidValue;
+}
+
+int SkewPartialQueries(const SkewPartialQueriesArgs& a, void* stream) {
+  if (a.num_rows < 0 || a.num_heads <= 0 || a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0) {
+    return kInvalidValue;
+  }
+  if (a.head_dim <= 0 || a.head_dim > kMaxHeadDim || a.num_partial_columns <= 0 ||
+      a.num_partial_columns > a.head_dim || a.num_heads > 65535) {
+    return kInvalidValue;
+  }
+  if (a.num_rows == 0) return 0;
+  if (!a.rows || !a.matrices || !a.columns || !a.out) return kInvalidValue;
+  if (a.row_stride < static_cast<int64_t>(a.num_heads) * a.head_dim) return kInvalidValue;
+  KVFLOW_DISPATCH_DTYPE(a.dtype, T, {
+    return LaunchKernel(SkewPartialQueriesKernel<T>,
+                        dim3(static_cast<unsigned>(a.num_rows), static_cast<unsigned>(a.num_heads)),
+                        dim3(kQueryThreads), 0, stream, static_cast<const T*>(a.rows), a.row_stride, a.num_heads,
+                        a.num_heads / a.num_kv_heads, a.head_dim, a.num_partial_columns, a.scale, a.matrices,
+                        a.columns, a.out);
   });
   return kInvalidValue;
 }

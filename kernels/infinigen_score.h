@@ -1,7 +1,9 @@
 // Launchers of InfiniGen's device side (kernels/infinigen_score.cu): the partial key cache's growth,
-// the speculated scores, the token selection, the gather of the selected K/V and the asynchronous
-// host-to-device prefetch. Each computes the same function as its CPU reference:
-//   SkewPartialKeys        SkewPartialColumns      (infinigen/partial_keys.h)
+// the speculative query's skew, the speculated scores, the token selection, the gather of the
+// selected K/V and the asynchronous host-to-device prefetch. Each computes the same function as
+// its CPU reference:
+//   SkewPartialKeys        SkewPartialColumns      (infinigen/partial_keys.h) on pool keys
+//   SkewPartialQueries     SkewPartialColumns      on scaled query heads
 //   ScorePartialKeys       ScorePartialKeys        (infinigen/partial_keys.h)
 //   SelectSpeculatedTokens SelectSpeculatedTokens  (infinigen/speculation.h), bit for bit
 // Layout of the K/V pools: kv/kv_cache_layout.h. Conventions: kernels/kernel_common.h.
@@ -48,6 +50,28 @@ struct SkewPartialKeysArgs {
 // CPU sums. Grid (ceil(max_job_slots / 32), num_jobs), 256 threads: a block stages A's kept
 // columns and 32 keys (widened to fp32) in shared memory, then each thread computes outputs.
 int SkewPartialKeys(const SkewPartialKeysArgs& args, void* stream);
+
+// The speculative query's side: out[r][h] = the partial columns of (scale * q_{r,h}) . A_{h / group},
+// num_partial_columns floats, for query head h of row r (rows of num_heads x head_dim at
+// rows + r * row_stride, already rotated: e.g. the Q part of the fused QKV buffer), the multiply by
+// scale in fp32 before the skew as the CPU path does. out: [num_rows][num_heads][num_partial_columns].
+struct SkewPartialQueriesArgs {
+  DType dtype = DType::kBF16;  // of the rows
+  const void* rows = nullptr;
+  int64_t row_stride = 0;
+  int num_rows = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;  // <= 256
+  int num_partial_columns = 0;
+  float scale = 1.0f;                // usually 1/sqrt(head_dim)
+  const float* matrices = nullptr;   // [num_kv_heads][head_dim][head_dim]: the layer's skews
+  const int32_t* columns = nullptr;  // [num_kv_heads][num_partial_columns]
+  float* out = nullptr;
+};
+
+// Grid (num_rows, num_heads), 64 threads: the scaled head in shared memory, a thread per column.
+int SkewPartialQueries(const SkewPartialQueriesArgs& args, void* stream);
 
 // ---- speculated scores ----------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 // InfiniGen's kernels chained as one decode step of one layer will chain them, ending in the
-// unchanged paged decode kernel (kernels/attention_decode.cu): the partial key cache grown from the
-// K pool (SkewPartialKeys), the speculated scores (ScorePartialKeys), the selection
+// unchanged paged decode kernel (kernels/attention_decode.cu): the speculative query's partial
+// columns (SkewPartialQueries), the partial key cache grown from the K pool (SkewPartialKeys), the
+// speculated scores (ScorePartialKeys), the selection
 // (SelectSpeculatedTokens), the gather of each kv head's tokens plus the step's own into scratch
 // blocks (GatherSelectedKv), and PagedAttentionDecode over those blocks with one plain block table
 // per sequence and the context lengths the gather wrote on the device. This is what shows that the
@@ -89,9 +90,8 @@ void RunPipeline(const PipelineCase& c, std::mt19937& rng) {
     return values.data() + pool.offset(tables[static_cast<size_t>(s) * max_table + pos / bs], h, pos % bs);
   };
 
-  // Skews, the step's queries (the decode kernel's input) and their skewed partial columns (what
-  // the speculation at the previous layer computes; here the query itself, so the selection is the
-  // one a perfect speculation would make).
+  // Skews and the step's queries (the decode kernel's input). The speculation scores with the
+  // query itself (SkewPartialQueries), so the selection is the one a perfect speculation would make.
   std::vector<SkewHead> skew(static_cast<size_t>(KV));
   std::vector<float> matrices;
   std::vector<int32_t> columns;
@@ -109,22 +109,26 @@ void RunPipeline(const PipelineCase& c, std::mt19937& rng) {
   std::vector<float> query(static_cast<size_t>(S) * H * D);
   FillAwayFromZero(query, rng, 1.5f);
   const std::vector<uint8_t> query_bytes = test::ToDeviceBytes(query, t);
-  std::vector<float> spec_query(static_cast<size_t>(S) * H * P);
-  for (int s = 0; s < S; ++s) {
-    for (int h = 0; h < H; ++h) {
-      std::vector<float> q(query.begin() + (static_cast<int64_t>(s) * H + h) * D,
-                           query.begin() + (static_cast<int64_t>(s) * H + h + 1) * D);
-      for (float& x : q) x *= scale;
-      SkewPartialColumns(q.data(), 1, D, skew[static_cast<size_t>(h / G)], D,
-                         spec_query.data() + (static_cast<size_t>(s) * H + h) * P);
-    }
-  }
-
   test::DeviceBuffer dkey = test::DeviceBuffer::From(key_bytes), dvalue = test::DeviceBuffer::From(value_bytes);
   test::DeviceBuffer dmatrices = test::DeviceBuffer::From(matrices), dcolumns = test::DeviceBuffer::From(columns);
   test::DeviceBuffer dtables = test::DeviceBuffer::From(tables);
   test::DeviceBuffer dquery = test::DeviceBuffer::From(query_bytes);
-  test::DeviceBuffer dspec = test::DeviceBuffer::From(spec_query);
+  // 0. The speculative query: the step's query heads scaled and skewed on the device.
+  test::DeviceBuffer dspec(static_cast<size_t>(S) * H * P * sizeof(float));
+  cuda::SkewPartialQueriesArgs qa;
+  qa.dtype = t;
+  qa.rows = dquery.get();
+  qa.row_stride = static_cast<int64_t>(H) * D;
+  qa.num_rows = S;
+  qa.num_heads = H;
+  qa.num_kv_heads = KV;
+  qa.head_dim = D;
+  qa.num_partial_columns = P;
+  qa.scale = scale;
+  qa.matrices = dmatrices.get<float>();
+  qa.columns = dcolumns.get<int32_t>();
+  qa.out = dspec.get<float>();
+  KVFLOW_CUDA_OK(cuda::SkewPartialQueries(qa, nullptr));
 
   // Per (sequence, kv head): partial key cache rows and score rows, back to back.
   std::vector<int64_t> row_offset;
@@ -342,9 +346,9 @@ TEST(InfiniGenPipeline, SelectedKvThroughThePagedDecodeKernel) {
   KVFLOW_SKIP_WITHOUT_GPU();
   std::mt19937 rng(1606);
   const std::vector<PipelineCase> cases = {
-      {DType::kF16, 3, 3, 64, 20, 16, 1.0f, 0.2},
+      {DType::kF16, 3, 3, 64, 20, 16, 3.0f, 0.2},
       {DType::kBF16, 2, 3, 128, 39, 8, 5.0f, 0.5},
-      {DType::kF16, 4, 3, 128, 39, 32, 0.5f, 0.3},
+      {DType::kF16, 4, 3, 128, 39, 32, 4.0f, 0.3},
   };
   for (const PipelineCase& c : cases) {
     RunPipeline(c, rng);

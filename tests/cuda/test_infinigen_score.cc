@@ -2,8 +2,8 @@
 // (never zeros), GQA group 3, head_dim 64 with 20 partial columns and 128 with 39, several
 // sequences of token counts that are no multiple of any block or tile size.
 //
-// Skew and scores: fp32 sums in the CPU's order on both sides (the K pool's 16-bit values widened
-// exactly), so only FMA contraction differs; bound 1e-5 x max(1, |ref|).
+// Skews (of pool keys and of query heads) and scores: fp32 sums in the CPU's order on both sides
+// (16-bit values widened exactly), so only FMA contraction differs; bound 1e-5 x max(1, |ref|).
 // Selection: count and per-head indices identical to SelectSpeculatedTokens, on heavily tied scores
 // (multiples of 0.25), all-equal rows, +0/-0 and a mean count of exactly x.5.
 // Gather: bit-exact, and every scratch element it must not write keeps its poison.
@@ -203,6 +203,66 @@ TEST(InfiniGenScore, SkewPartialKeysMatchesCpu) {
       std::printf("  skew %-4s kv %d d %3d p %2d rows %5lld: max|d| = %.3g  max rel = %.3g (bound 1e-5)%s\n",
                   DTypeName(t), KV, D, P, static_cast<long long>(rows), dev.max_abs, dev.max_rel,
                   test::IsEmulator() ? "  [emulator]" : "");
+      EXPECT_LE(dev.max_rel, 1e-5) << DTypeName(t) << " d " << D;
+    }
+  }
+}
+
+TEST(InfiniGenScore, SkewPartialQueriesMatchesCpu) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(1607);
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (const Shape& shape : kShapes) {
+      const int KV = shape.num_kv_heads, H = KV * kGroup, D = shape.head_dim, P = shape.num_cols, rows = 5;
+      const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+      // Rows as the fused QKV buffer holds them: the Q heads, then K and V (never read).
+      const int64_t stride = static_cast<int64_t>(H + 2 * KV) * D;
+      std::vector<float> qkv(static_cast<size_t>(rows * stride));
+      FillAwayFromZero(qkv, rng, 1.5f);
+      const std::vector<uint8_t> qkv_bytes = test::ToDeviceBytes(qkv, t);
+      std::vector<SkewHead> skew;
+      std::vector<float> matrices;
+      std::vector<int32_t> columns;
+      for (int h = 0; h < KV; ++h) {
+        skew.push_back(RandomSkewHead(D, P, rng));
+        matrices.insert(matrices.end(), skew.back().matrix.begin(), skew.back().matrix.end());
+        columns.insert(columns.end(), skew.back().columns.begin(), skew.back().columns.end());
+      }
+      test::DeviceBuffer dqkv = test::DeviceBuffer::From(qkv_bytes);
+      test::DeviceBuffer dmatrices = test::DeviceBuffer::From(matrices), dcolumns = test::DeviceBuffer::From(columns);
+      test::DeviceBuffer dout(static_cast<size_t>(rows) * H * P * sizeof(float));
+      dout.Poison();
+      cuda::SkewPartialQueriesArgs a;
+      a.dtype = t;
+      a.rows = dqkv.get();
+      a.row_stride = stride;
+      a.num_rows = rows;
+      a.num_heads = H;
+      a.num_kv_heads = KV;
+      a.head_dim = D;
+      a.num_partial_columns = P;
+      a.scale = scale;
+      a.matrices = dmatrices.get<float>();
+      a.columns = dcolumns.get<int32_t>();
+      a.out = dout.get<float>();
+      KVFLOW_CUDA_OK(cuda::SkewPartialQueries(a, nullptr));
+      KVFLOW_CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<float> got = dout.Download<float>();
+      Deviation dev;
+      for (int r = 0; r < rows; ++r) {
+        for (int h = 0; h < H; ++h) {
+          // The CPU path: q *= scale in fp32, then the skew of its kv head.
+          std::vector<float> q(qkv.begin() + r * stride + static_cast<int64_t>(h) * D,
+                               qkv.begin() + r * stride + static_cast<int64_t>(h + 1) * D);
+          for (float& x : q) x *= scale;
+          std::vector<float> ref(static_cast<size_t>(P));
+          SkewPartialColumns(q.data(), 1, D, skew[static_cast<size_t>(h / kGroup)], D, ref.data());
+          const float* g = got.data() + (static_cast<size_t>(r) * H + h) * P;
+          for (int c = 0; c < P; ++c) Accumulate(dev, g[c], ref[static_cast<size_t>(c)]);
+        }
+      }
+      std::printf("  query skew %-4s heads %2d/%d d %3d p %2d rows %d: max|d| = %.3g  max rel = %.3g (bound 1e-5)%s\n",
+                  DTypeName(t), H, KV, D, P, rows, dev.max_abs, dev.max_rel, test::IsEmulator() ? "  [emulator]" : "");
       EXPECT_LE(dev.max_rel, 1e-5) << DTypeName(t) << " d " << D;
     }
   }
@@ -661,6 +721,28 @@ TEST(InfiniGenScore, RejectsBadArguments) {
   b = a;
   b.max_job_slots = 0;  // nothing to skew
   EXPECT_EQ(cuda::SkewPartialKeys(b, nullptr), 0);
+
+  cuda::SkewPartialQueriesArgs q;
+  q.dtype = DType::kBF16;
+  q.rows = buf.get();
+  q.row_stride = 6 * 64;
+  q.num_rows = 1;
+  q.num_heads = 6;
+  q.num_kv_heads = 4;  // does not divide the heads
+  q.head_dim = 64;
+  q.num_partial_columns = 20;
+  q.matrices = buf.get<float>();
+  q.columns = buf.get<int32_t>();
+  q.out = buf.get<float>();
+  EXPECT_EQ(cuda::SkewPartialQueries(q, nullptr), cuda::kInvalidValue);
+  q.num_kv_heads = 2;
+  q.row_stride = 100;  // shorter than the heads
+  EXPECT_EQ(cuda::SkewPartialQueries(q, nullptr), cuda::kInvalidValue);
+  q.row_stride = 6 * 64;
+  q.out = nullptr;
+  EXPECT_EQ(cuda::SkewPartialQueries(q, nullptr), cuda::kInvalidValue);
+  q.num_rows = 0;  // nothing to skew
+  EXPECT_EQ(cuda::SkewPartialQueries(q, nullptr), 0);
 
   const auto* jobs = buf.get<cuda::PartialKeyScoreJob>();
   EXPECT_EQ(cuda::ScorePartialKeys(jobs, 1, 10, 0, 39, nullptr), cuda::kInvalidValue);
