@@ -33,14 +33,7 @@ using Json = nlohmann::json;
 namespace kb = kvflow::bench;
 
 kvflow::KvSelectionStats Minus(kvflow::KvSelectionStats a, const kvflow::KvSelectionStats& b) {
-  a.decode_tokens -= b.decode_tokens;
-  a.layer_reads_selected -= b.layer_reads_selected;
-  a.layer_reads_full -= b.layer_reads_full;
-  a.tokens_selected -= b.tokens_selected;
-  a.tokens_available -= b.tokens_available;
-  a.bytes_read -= b.bytes_read;
-  a.bytes_full -= b.bytes_full;
-  a.select_seconds -= b.select_seconds;
+  a.Add(b, -1);
   return a;
 }
 

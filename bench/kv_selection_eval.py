@@ -32,6 +32,10 @@ def parse_args():
                    help="sample text for the skewing files (kept apart from the scored text)")
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--method", default="sliding-window", choices=("sliding-window", "second-half"),
+                   help="sliding-window: every position of each window is scored (contexts from 1 token on); "
+                        "second-half (llama-perplexity): only tokens ctx/2.. of each window, each with at least "
+                        "ctx/2 tokens of context")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--alphas", default="2,3,5,8,12,1e9", help="InfiniGen alpha sweep (1e9: every layer reads its cap)")
     p.add_argument("--alpha", type=float, default=5.0, help="alpha of the partial-ratio sweep and the matched runs")
@@ -60,9 +64,11 @@ def skew_file(args, ratio):
 
 
 def run(args, name, extra):
-    out = os.path.join(args.cache, f"{name}.json")
+    out = os.path.join(args.cache, f"{name}{'' if args.method == 'sliding-window' else '_' + args.method}.json")
     cmd = [args.kvflow, "perplexity", "--model", args.model, "--file", args.test, "--ctx", str(args.ctx),
            "--max-windows", str(args.windows), "--token-by-token", "--threads", str(args.threads), "--json", out] + extra
+    if args.method != "sliding-window":
+        cmd += ["--method", args.method]
     if os.path.exists(out) and not args.fresh:
         with open(out) as f:
             r = json.load(f)
@@ -149,18 +155,28 @@ def main():
     rows.append(row(int4, full_ppl, "INT4 KV (group 32)", "baseline", {"bytes_read_fraction": 20 / 64}))
 
     result = {"benchmark": "kv_selection_accuracy", "measured": True, "model": args.model, "ctx": args.ctx,
+              "method": args.method,
               "windows": args.windows, "scored_tokens_per_run": full["scored_tokens"],
               "mode": "token by token (every position scored by a decode step)", "cap": args.cap,
               "alpha_for_ratio_sweep": args.alpha, "full_perplexity": full_ppl, "rows": rows,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     with open(args.out_prefix + ".json", "w") as f:
         json.dump(result, f, indent=1)
+    # The measured inputs of bench/infinigen_offload_model.py (--fractions): InfiniGen at args.alpha.
+    sel = base["kv_selection"]
+    fractions = {"selection_fraction": sel["selection_fraction"], "partial_ratio": 0.3,
+                 "h2o_budget_fraction": matched, "overlap": "mlp",
+                 "perplexity_full": full_ppl, "perplexity_infinigen": base["perplexity"],
+                 "source": f"kvflow perplexity --token-by-token, {args.model}, WikiText-2 test, {args.windows} x "
+                           f"{args.ctx} tokens, InfiniGen alpha {args.alpha:g}, cap {args.cap:g} (measured)"}
+    with open(args.out_prefix + "_fractions.json", "w") as f:
+        json.dump(fractions, f, indent=1)
     lines = [
         "# KV selection accuracy on WikiText-2 (measured)",
         "",
-        f"{args.model}, WikiText-2 test, {args.windows} windows of {args.ctx} tokens scored token by token "
-        f"({full['scored_tokens']} tokens per run; every position is a decode step, so the selection acts at every "
-        f"position). \"KV read\": the share of cached tokens attention read at the layers that select; \"bytes\": K/V "
+        f"{args.model}, WikiText-2 test, {args.windows} windows of {args.ctx} tokens run token by token "
+        f"({full['scored_tokens']} tokens scored per run{', second half of each window: every scored token has at least ' + str(args.ctx // 2) + ' tokens of context' if args.method == 'second-half' else ', every position of each window'}; "
+        f"every position is a decode step, so the selection acts at every position). \"KV read\": the share of cached tokens attention read at the layers that select; \"bytes\": K/V "
         f"bytes read over all layers vs the full cache (InfiniGen's layer 0 reads everything; INT4: its smaller "
         f"elements). InfiniGen cap {100 * args.cap:.0f}%.",
         "",

@@ -182,6 +182,18 @@ struct KvSelectionStats {
   int64_t bytes_full = 0;        // K and V bytes full attention would have read
   double select_seconds = 0;     // host time speculating and selecting
 
+  // Adds `sign` times every counter of `o` (sign -1: the difference of two snapshots).
+  void Add(const KvSelectionStats& o, int sign = 1) {
+    decode_tokens += sign * o.decode_tokens;
+    layer_reads_selected += sign * o.layer_reads_selected;
+    layer_reads_full += sign * o.layer_reads_full;
+    tokens_selected += sign * o.tokens_selected;
+    tokens_available += sign * o.tokens_available;
+    bytes_read += sign * o.bytes_read;
+    bytes_full += sign * o.bytes_full;
+    select_seconds += sign * o.select_seconds;
+  }
+
   double selection_fraction() const {
     return tokens_available > 0 ? static_cast<double>(tokens_selected) / static_cast<double>(tokens_available) : 0.0;
   }

@@ -208,15 +208,6 @@ void H2OSelector::Evict(int layer, int32_t budget, int32_t recent_from, Sequence
   }
 }
 
-void H2OSelector::AddStats(KvSelectionStats& s) const {
-  s.decode_tokens += stats_.decode_tokens;
-  s.layer_reads_selected += stats_.layer_reads_selected;
-  s.layer_reads_full += stats_.layer_reads_full;
-  s.tokens_selected += stats_.tokens_selected;
-  s.tokens_available += stats_.tokens_available;
-  s.bytes_read += stats_.bytes_read;
-  s.bytes_full += stats_.bytes_full;
-  s.select_seconds += stats_.select_seconds;
-}
+void H2OSelector::AddStats(KvSelectionStats& s) const { s.Add(stats_); }
 
 }  // namespace kvflow

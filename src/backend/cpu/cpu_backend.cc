@@ -263,15 +263,19 @@ Status CpuBackend::WriteKv(int layer) {
 }
 
 Status CpuBackend::Attention(int layer) {
+  RunAttention(layer, view_slots_);
+  return Status::Ok();
+}
+
+void CpuBackend::RunAttention(int layer, std::span<const std::vector<int64_t>> view_slots) {
   cpu::AttentionIo io;
   io.query = qkv_.data();
   io.query_row_stride = Width(Activation::kQkv);
   io.out = attention_.data();
   io.out_row_stride = Width(Activation::kAttention);
   const float scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
-  cpu::PagedAttention(*batch_, view_slots_, layout_, config_.num_heads, io, kv_element_,
-                      Pool(KvTier::kDevice, 0, layer), Pool(KvTier::kDevice, 1, layer), scale);
-  return Status::Ok();
+  cpu::PagedAttention(*batch_, view_slots, layout_, config_.num_heads, io, kv_element_, Pool(KvTier::kDevice, 0, layer),
+                      Pool(KvTier::kDevice, 1, layer), scale);
 }
 
 Status CpuBackend::ReadActivationRows(Activation which, int64_t first_row, int64_t rows, std::span<float> out) {
@@ -317,14 +321,7 @@ Status CpuBackend::AttentionOverSelection(int layer, std::span<const KvHeadSelec
       }
     }
   }
-  cpu::AttentionIo io;
-  io.query = qkv_.data();
-  io.query_row_stride = Width(Activation::kQkv);
-  io.out = attention_.data();
-  io.out_row_stride = Width(Activation::kAttention);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
-  cpu::PagedAttention(*batch_, head_view_slots_, layout_, config_.num_heads, io, kv_element_,
-                      Pool(KvTier::kDevice, 0, layer), Pool(KvTier::kDevice, 1, layer), scale);
+  RunAttention(layer, head_view_slots_);
   return Status::Ok();
 }
 

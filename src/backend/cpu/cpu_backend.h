@@ -70,6 +70,8 @@ class CpuBackend final : public Backend {
   // y[M, matrix.rows] = x[M, matrix.cols] * matrix^T, part by part (each in its own format).
   void Matmul(const WeightMatrix& matrix, const float* x, int64_t M, float* y);
   Status Head(const LogitsSink& sink);
+  // kAttention over the given view lists (one per slice, or one per slice and KV head).
+  void RunAttention(int layer, std::span<const std::vector<int64_t>> view_slots);
 
   ModelConfig config_;
   LlamaWeights weights_;
