@@ -15,15 +15,6 @@
 namespace kvflow::cuda {
 namespace {
 
-// Opaque copy units. Plain structs (not uint4) so the same code builds against the emulator.
-struct alignas(16) Word16 {
-  uint32_t w[4];
-};
-struct alignas(8) Word8 {
-  uint32_t w[2];
-};
-using Word4 = uint32_t;
-using Word2 = uint16_t;
 
 // Largest power of two <= 16 dividing all of `values` (byte addresses and byte counts).
 inline int CommonAlignment(std::initializer_list<uint64_t> values) {

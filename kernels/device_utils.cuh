@@ -77,6 +77,18 @@
 
 namespace kvflow::cuda {
 
+// Opaque copy units for byte-exact copies (KV rows of any dtype). Plain structs, not uint4, so the
+// same code builds against the emulator.
+struct alignas(16) Word16 {
+  uint32_t w[4];
+};
+struct alignas(8) Word8 {
+  uint32_t w[2];
+};
+using Word4 = uint32_t;
+using Word2 = uint16_t;
+
+
 // ---- launch -------------------------------------------------------------------------------------
 
 namespace detail {

@@ -257,15 +257,6 @@ __global__ void __launch_bounds__(kSelectThreads)
 
 // ---- GatherSelectedKv -----------------------------------------------------------------------------
 
-// Opaque copy units (cache_ops.cu's): plain structs, so the same code builds against the emulator.
-struct alignas(16) Word16 {
-  uint32_t w[4];
-};
-struct alignas(8) Word8 {
-  uint32_t w[2];
-};
-using Word4 = uint32_t;
-using Word2 = uint16_t;
 
 // grid = (num_jobs, num_kv_heads).
 template <typename W>
