@@ -1086,25 +1086,32 @@ Outputs RunSelectionEngine(EngineConfig c, KvSelectionStats* stats = nullptr) {
 // selectors' steps run eagerly).
 TEST(CudaEngine, KvSelectionEverythingEqualsFullAttention) {
   KVFLOW_SKIP_WITHOUT_GPU();
-  const Outputs expected = RunSelectionEngine(CudaConfig("tiny-random"));
-  ASSERT_EQ(expected.size(), 3u);
-  EngineConfig infinigen = CudaConfig("tiny-random");
-  infinigen.kv_selection = "infinigen";
-  infinigen.infinigen_alpha = 1e6;
-  infinigen.infinigen_max_fraction = 1.0;
-  KvSelectionStats s;
-  EXPECT_EQ(RunSelectionEngine(infinigen, &s), expected);
-  EXPECT_GT(s.decode_tokens, 0);
-  EXPECT_GT(s.layer_reads_selected, 0);
-  EXPECT_EQ(s.tokens_selected, s.tokens_available);
-  std::printf("  infinigen, everything: %lld decode tokens, %lld selected reads\n", (long long)s.decode_tokens,
-              (long long)s.layer_reads_selected);
-  EngineConfig h2o = CudaConfig("tiny-random");
-  h2o.kv_selection = "h2o";
-  h2o.h2o_budget = 1.0;
-  EXPECT_EQ(RunSelectionEngine(h2o, &s), expected);
-  EXPECT_GT(s.layer_reads_selected, 0);
-  EXPECT_EQ(s.tokens_selected, s.tokens_available);
+  for (const char* dtype : {"fp16", "bf16"}) {
+    const Outputs expected = RunSelectionEngine(CudaConfig("tiny-random", dtype));
+    ASSERT_EQ(expected.size(), 3u);
+    KvSelectionStats s;
+    // Both speculation points: the selector's projection runs mid-layer (after the MLP's gate_up)
+    // or before attention.
+    for (const char* point : {"after-attention", "layer-input"}) {
+      EngineConfig infinigen = CudaConfig("tiny-random", dtype);
+      infinigen.kv_selection = "infinigen";
+      infinigen.infinigen_alpha = 1e6;
+      infinigen.infinigen_max_fraction = 1.0;
+      infinigen.infinigen_speculate_from = point;
+      EXPECT_EQ(RunSelectionEngine(infinigen, &s), expected) << dtype << ", " << point;
+      EXPECT_GT(s.decode_tokens, 0);
+      EXPECT_GT(s.layer_reads_selected, 0);
+      EXPECT_EQ(s.tokens_selected, s.tokens_available);
+      std::printf("  %s, infinigen (%s), everything: %lld decode tokens, %lld selected reads\n", dtype, point,
+                  (long long)s.decode_tokens, (long long)s.layer_reads_selected);
+    }
+    EngineConfig h2o = CudaConfig("tiny-random", dtype);
+    h2o.kv_selection = "h2o";
+    h2o.h2o_budget = 1.0;
+    EXPECT_EQ(RunSelectionEngine(h2o, &s), expected) << dtype << ", h2o";
+    EXPECT_GT(s.layer_reads_selected, 0);
+    EXPECT_EQ(s.tokens_selected, s.tokens_available);
+  }
 }
 
 // The CUDA engine's selectors select like the CPU engine's: the same decode steps and selected
