@@ -408,10 +408,11 @@ class CudaBackend final : public Backend {
   float* block_scores_ = nullptr;
   int64_t block_scores_size_ = 0;
   DeviceArena block_logits_arena_;  // scratch [num_heads][blocks of one ScoreKvBlocks call]
-  // Job descriptors and block lists go up through pinned staging, appended per call: one step's
-  // layers each get their own region, so no layer waits for the previous one's copy. The regions
-  // restart at the next step, once block_meta_copied_ (the last copy) has completed -- which a
-  // finished step already guarantees, so the wait costs nothing then.
+  // Job descriptors and block lists (and AttentionOverSelection's rows and gather jobs) go up
+  // through pinned staging, appended per call: one step's layers each get their own region, so no
+  // layer waits for the previous one's copy. The regions restart at the next step, once
+  // block_meta_copied_ (the last copy) has completed -- which a finished step already guarantees,
+  // so the wait costs nothing then.
   PinnedArena block_meta_staging_;
   DeviceArena block_meta_device_;
   size_t block_meta_used_ = 0;
