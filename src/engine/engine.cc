@@ -270,10 +270,6 @@ Status ValidateEngineConfig(const EngineConfig& c) {
     KVFLOW_RETURN_IF_ERROR(H2OConfig::FromEngine(c).Validate());
   }
   KVFLOW_ASSIGN_OR_RETURN(int device, ParseDevice(c.device));
-  if (device >= 0 && !c.kv_selection.empty()) {
-    // The selectors compute on the host and the CUDA backend has no per-head selection attention yet.
-    return Status::Unsupported("kv_selection " + c.kv_selection + " runs on the CPU backend only so far");
-  }
   const std::string& kv = c.kv_cache_dtype;
   if (device < 0 && kv != "auto" && kv != "f16" && kv != "fp16" && kv != "f32" && kv != "fp32" &&
       !IsQ4KvCacheDtype(kv)) {

@@ -6,6 +6,9 @@
 //     when its GGUF is present and a real GPU runs the test);
 //   - preemption by swap and by recompute, prefix caching, and CUDA graphs vs eager steps leave the
 //     greedy outputs unchanged;
+//   - InfiniGen's and H2O's token selections: attention over per-KV-head selections and the host
+//     reads the selectors make against the CPU backend; the selectors in the CUDA engine (selecting
+//     everything is full attention; InfiniGen selects like the CPU engine's);
 //   - impossible configurations fail with clear errors.
 // In the emulator build (label emu) this runs the backend's host code, every kernel and the CUDA
 // graph path on the CPU; on a GPU (label gpu) the real thing.
@@ -16,15 +19,21 @@
 #include <numeric>
 #include <random>
 
+#include <unistd.h>
+
 #include "model/llama_model.h"
+#include "backend/backend_factory.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/kv_block_select.h"
 #include "backend/cuda/cuda_backend.h"
 #include "engine_test_util.h"
 #include "kv_transfer_check.h"
 #include "gpu_test_util.h"
+#include "infinigen/calibration.h"
+#include "infinigen/skew_file.h"
 #include "kvflow/engine.h"
 #include "model/llama_weights.h"
+#include "model/tensor_source.h"
 #include "model/tiny_random.h"
 #include "sampling/sampler.h"
 
@@ -580,6 +589,161 @@ TEST(CudaBackendViews, SlotViewsMatchCpuForDecodeAndPrefill) {
   std::printf("  slot views: worst max|d| / logit scale = %.3g\n", worst);
 }
 
+// ---- token selections (InfiniGen, H2O) ------------------------------------------------------------
+
+// Per layer: the selections attention reads, and what the step's activations held after it.
+class SelectionProbe : public LayerHooks {
+ public:
+  std::vector<KvHeadSelection> selection;
+  std::vector<std::vector<float>> attention;       // per layer: kAttention of every row
+  std::vector<std::vector<float>> speculative_qkv; // per layer: kSpeculativeQkv of every row
+
+  std::span<const KvHeadSelection> AttentionSelection(const LayerContext&) override { return selection; }
+  Status AfterAttention(const LayerContext& ctx) override {
+    const ModelConfig& mc = ctx.backend.model_config();
+    const int64_t rows = static_cast<int64_t>(ctx.batch.tokens.size());
+    auto read = [&](Activation which, std::vector<std::vector<float>>& into) -> Status {
+      into.resize(static_cast<size_t>(mc.num_layers));
+      std::vector<float>& out = into[static_cast<size_t>(ctx.layer)];
+      out.assign(static_cast<size_t>(rows * ActivationWidth(mc, which)), 0.0f);
+      return ctx.backend.ReadActivationRows(which, 0, rows, out);
+    };
+    KVFLOW_RETURN_IF_ERROR(read(Activation::kAttention, attention));
+    // InfiniGen's mid-layer projection: the layer's norm of the residual into the second QKV buffer
+    // (kHidden is free once the QKV projection has read it).
+    KVFLOW_RETURN_IF_ERROR(ctx.backend.RmsNorm(ctx.layer, LayerWeight::kAttnNorm, /*add_delta=*/false));
+    KVFLOW_RETURN_IF_ERROR(ctx.backend.Linear(ctx.layer, LayerWeight::kQkv, Activation::kHidden,
+                                              Activation::kSpeculativeQkv));
+    return read(Activation::kSpeculativeQkv, speculative_qkv);
+  }
+};
+
+// AttentionOverSelection, ReadActivationRows, ReadKv and the second QKV buffer against the CPU
+// backend on the same (fp16-rounded) weights: decode slices over random per-KV-head selections (in
+// random order, each head its own tokens), next to a prefill slice over its own view, then a prefill
+// slice over a selection of its own; each layer's attention output and the logits compared.
+TEST(CudaBackend, AttentionOverSelectionMatchesCpu) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  ModelConfig config;
+  LlamaWeights weights = TinyWeights(&config);
+  RoundWeights(weights, cuda::DType::kF16);
+  const int kBlocks = 64, kBlockSize = 16, KV = config.num_kv_heads;
+  KvCacheLayout layout{config.num_layers, kBlocks, config.num_kv_heads, kBlockSize, config.head_dim};
+  auto cpu = CpuBackend::Create(config, weights, layout, 0, 2).value();
+  CudaBackendOptions o;
+  o.dtype = "fp16";
+  o.block_size = kBlockSize;
+  o.num_kv_blocks = kBlocks;
+  o.max_num_seqs = 4;
+  o.max_num_batched_tokens = 160;
+  o.max_model_len = 256;
+  auto gpu = CreateCudaBackend(config, weights, o).value();
+  std::mt19937 rng(41);
+  BatchPlanner planner(kBlocks, kBlockSize, 29);
+  {  // Prompts of 50, 70 and 30 tokens: the same K/V in both backends.
+    ForwardBatch b;
+    planner.Add(b, 0, RandomTokens(rng, 50, config.vocab_size), LogitsMode::kNone);
+    planner.Add(b, 1, RandomTokens(rng, 70, config.vocab_size), LogitsMode::kNone);
+    planner.Add(b, 2, RandomTokens(rng, 30, config.vocab_size), LogitsMode::kNone);
+    std::vector<float> unused;
+    ASSERT_TRUE(LlamaModel(*cpu).Forward(b, unused).ok());
+    const Status st = LlamaModel(*gpu).Forward(b, unused);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+  }
+  auto slot = [&](const SequenceSlice& s, int pos) {
+    return static_cast<int64_t>(s.block_table[static_cast<size_t>(pos / kBlockSize)]) * kBlockSize + pos % kBlockSize;
+  };
+  // Per KV head `keep` of the slice's earlier tokens in random order, then its own tokens in order.
+  auto select = [&](const SequenceSlice& s, int keep) {
+    KvHeadSelection sel;
+    sel.per_head = keep + s.num_tokens;
+    for (int h = 0; h < KV; ++h) {
+      std::vector<int64_t> earlier;
+      for (int pos = 0; pos < s.context_len - s.num_tokens; ++pos) earlier.push_back(slot(s, pos));
+      std::shuffle(earlier.begin(), earlier.end(), rng);
+      sel.slots.insert(sel.slots.end(), earlier.begin(), earlier.begin() + keep);
+      for (int pos = s.context_len - s.num_tokens; pos < s.context_len; ++pos) sel.slots.push_back(slot(s, pos));
+    }
+    return sel;
+  };
+
+  double worst_attention = 0.0, worst_logits = 0.0, worst_projection = 0.0;
+  auto step = [&](const ForwardBatch& b, std::vector<KvHeadSelection> selection, const std::string& what) {
+    SelectionProbe on_cpu, on_gpu;
+    on_cpu.selection = selection;
+    on_gpu.selection = selection;
+    std::vector<float> ref, got;
+    ASSERT_TRUE(LlamaModel(*cpu, &on_cpu).Forward(b, ref).ok());
+    const Status st = LlamaModel(*gpu, &on_gpu).Forward(b, got);
+    ASSERT_TRUE(st.ok()) << what << ": " << st.ToString();
+    for (int l = 0; l < config.num_layers; ++l) {
+      const auto& r = on_cpu.attention[static_cast<size_t>(l)];
+      double scale = 0.0;
+      for (float x : r) scale = std::max(scale, static_cast<double>(std::fabs(x)));
+      const test::ErrorStats e = test::CompareArrays(on_gpu.attention[static_cast<size_t>(l)], r);
+      EXPECT_LT(e.max_abs, 2e-2 * scale) << what << ", layer " << l;
+      worst_attention = std::max(worst_attention, e.max_abs / scale);
+      const auto& pr = on_cpu.speculative_qkv[static_cast<size_t>(l)];
+      double pscale = 0.0;
+      for (float x : pr) pscale = std::max(pscale, static_cast<double>(std::fabs(x)));
+      const test::ErrorStats pe = test::CompareArrays(on_gpu.speculative_qkv[static_cast<size_t>(l)], pr);
+      EXPECT_LT(pe.max_abs, 2e-2 * pscale) << what << ", layer " << l << " (speculative QKV)";
+      worst_projection = std::max(worst_projection, pe.max_abs / pscale);
+    }
+    double scale = 0.0;
+    for (float x : ref) scale = std::max(scale, static_cast<double>(std::fabs(x)));
+    test::ExpectClose(what, got, ref, 2e-2 * scale, 1e30);
+    worst_logits = std::max(worst_logits, test::CompareArrays(got, ref).max_abs / scale);
+
+    // The selections mattered: the same step over the views gives other attention (CPU).
+    SelectionProbe plain;
+    plain.selection.assign(b.seqs.size(), KvHeadSelection{});
+    std::vector<float> unused;
+    ASSERT_TRUE(LlamaModel(*cpu, &plain).Forward(b, unused).ok());
+    const test::ErrorStats moved = test::CompareArrays(plain.attention.back(), on_cpu.attention.back());
+    EXPECT_GT(moved.max_abs, 1e-2) << what;
+  };
+
+  {  // Two decode slices over selections, a prefill slice over its whole table.
+    ForwardBatch b;
+    planner.Add(b, 0, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+    planner.Add(b, 2, RandomTokens(rng, 7, config.vocab_size), LogitsMode::kAll);
+    planner.Add(b, 1, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+    std::vector<KvHeadSelection> selection(3);
+    selection[0] = select(b.seqs[0], 20);  // 21 of 51 tokens: 2 scratch blocks
+    selection[2] = select(b.seqs[2], 33);  // 34 of 71 tokens: 3 scratch blocks
+    step(b, selection, "selections: 2 selected decodes + a prefill over its view");
+  }
+  {  // A prefill slice over a selection of its own, next to a decode over its view and a selected decode.
+    ForwardBatch b;
+    planner.Add(b, 1, RandomTokens(rng, 5, config.vocab_size), LogitsMode::kAll);
+    planner.Add(b, 2, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+    planner.Add(b, 0, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
+    std::vector<KvHeadSelection> selection(3);
+    selection[0] = select(b.seqs[0], 16);  // 21 of 76 tokens
+    selection[2] = select(b.seqs[2], 1);   // 2 of 52 tokens
+    step(b, selection, "selections: a selected prefill, a decode over its view, a selected decode");
+  }
+  {  // ReadKv: K and V rows of scattered slots, layer 1, as fp32.
+    std::vector<int64_t> slots;
+    for (int i = 0; i < 37; ++i) slots.push_back(static_cast<int64_t>(rng() % (kBlocks * kBlockSize)));
+    double worst = 0.0;
+    for (int kv = 0; kv < 2; ++kv) {
+      std::vector<float> ref(slots.size() * KV * config.head_dim), got(ref.size());
+      ASSERT_TRUE(cpu->ReadKv(1, kv, slots, ref).ok());
+      const Status st = gpu->ReadKv(1, kv, slots, got);
+      ASSERT_TRUE(st.ok()) << st.ToString();
+      double scale = 0.0;
+      for (float x : ref) scale = std::max(scale, static_cast<double>(std::fabs(x)));
+      worst = std::max(worst, test::CompareArrays(got, ref).max_abs / std::max(scale, 1e-30));
+    }
+    std::printf("  ReadKv (K and V, 37 scattered slots): worst max|d| / scale = %.3g\n", worst);
+    EXPECT_LT(worst, 1e-2);
+  }
+  std::printf("  selections: worst max|d| / scale: attention %.3g, speculative QKV %.3g, logits %.3g\n",
+              worst_attention, worst_projection, worst_logits);
+}
+
 // Copy-on-write and swap round trips move exactly the blocks asked for.
 TEST(CudaBackendBlocks, CopyAndSwapRoundTripsPreserveTheCache) {
   KVFLOW_SKIP_WITHOUT_GPU();
@@ -859,6 +1023,138 @@ TEST(CudaEngine, TriForceKeepsGreedyOutputs) {
     EXPECT_GT(stats.spec.middle_passes, 0) << bottom;
     EXPECT_GE(stats.spec.retrieval_builds, static_cast<int64_t>(kPrompts.size())) << bottom;
   }
+}
+
+// ---- InfiniGen and H2O on the device ----------------------------------------------------------------
+
+// A skewing file for tiny-random, calibrated once on the CPU backend (as `kvflow skew` would).
+const std::string& TinySkewFile() {
+  // Removed at exit.
+  struct TempFile {
+    std::string path;
+    ~TempFile() { std::filesystem::remove(path); }
+  };
+  static const TempFile file{[] {
+    const std::string p = (std::filesystem::temp_directory_path() /
+                           ("kvflow_cuda_test_" + std::to_string(::getpid()) + "_tiny.infinigen")).string();
+    auto files = OpenModelFiles("tiny-random");
+    EXPECT_TRUE(files.ok()) << files.status().ToString();
+    EngineConfig c;
+    c.model = "tiny-random";
+    c.num_threads = 2;
+    c.dtype = "f32";
+    c.max_model_len = 256;
+    c.num_kv_blocks = 256 / c.block_size + 2;
+    c.num_host_kv_blocks = 0;
+    auto weights = LoadWeightsFor(files.value(), c);
+    EXPECT_TRUE(weights.ok()) << weights.status().ToString();
+    auto backend = CreateBackend(c, true, files->config, std::move(weights.value()));
+    EXPECT_TRUE(backend.ok()) << backend.status().ToString();
+    std::mt19937 rng(9);
+    std::vector<int32_t> text(256);
+    for (int32_t& t : text) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(files->config.vocab_size - 10)) + 5;
+    auto table = CalibrateSkew(*backend.value(), text, SkewCalibrationOptions{});
+    EXPECT_TRUE(table.ok()) << table.status().ToString();
+    EXPECT_TRUE(WriteSkewTable(table.value(), p).ok());
+    return p;
+  }()};
+  return file.path;
+}
+
+// Greedy tokens of prompts of 90, 37 and 150 tokens decoded together, and the engine's selection stats.
+Outputs RunSelectionEngine(EngineConfig c, KvSelectionStats* stats = nullptr) {
+  c.infinigen_skew_file = TinySkewFile();
+  auto created = Engine::Create(c);
+  EXPECT_TRUE(created.ok()) << created.status().ToString();
+  if (!created.ok()) return {};
+  auto engine = std::move(created).value();
+  std::vector<std::vector<int32_t>> prompts;
+  for (auto [n, seed] : {std::pair{90, 1u}, {37, 2u}, {150, 3u}}) {
+    std::mt19937 rng(seed);
+    std::vector<int32_t> p(static_cast<size_t>(n));
+    for (int32_t& t : p) t = static_cast<int32_t>(rng() % 246u) + 5;
+    prompts.push_back(std::move(p));
+  }
+  const Outputs out = test::GenerateAll(*engine, prompts, Greedy(24), false);
+  if (stats) *stats = engine->stats().kv_selection;
+  EXPECT_EQ(engine->stats().kv_blocks_free, engine->stats().kv_blocks_total) << "device blocks leaked";
+  return out;
+}
+
+// Selecting every token reads exactly what full attention reads, in the same order: the same greedy
+// tokens as the same CUDA engine without selection (whose decode steps replay CUDA graphs; the
+// selectors' steps run eagerly).
+TEST(CudaEngine, KvSelectionEverythingEqualsFullAttention) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  for (const char* dtype : {"fp16", "bf16"}) {
+    const Outputs expected = RunSelectionEngine(CudaConfig("tiny-random", dtype));
+    ASSERT_EQ(expected.size(), 3u);
+    KvSelectionStats s;
+    // Both speculation points: the selector's projection runs mid-layer (after the MLP's gate_up)
+    // or before attention.
+    for (const char* point : {"after-attention", "layer-input"}) {
+      EngineConfig infinigen = CudaConfig("tiny-random", dtype);
+      infinigen.kv_selection = "infinigen";
+      infinigen.infinigen_alpha = 1e6;
+      infinigen.infinigen_max_fraction = 1.0;
+      infinigen.infinigen_speculate_from = point;
+      EXPECT_EQ(RunSelectionEngine(infinigen, &s), expected) << dtype << ", " << point;
+      EXPECT_GT(s.decode_tokens, 0);
+      EXPECT_GT(s.layer_reads_selected, 0);
+      EXPECT_EQ(s.tokens_selected, s.tokens_available);
+      std::printf("  %s, infinigen (%s), everything: %lld decode tokens, %lld selected reads\n", dtype, point,
+                  (long long)s.decode_tokens, (long long)s.layer_reads_selected);
+    }
+    EngineConfig h2o = CudaConfig("tiny-random", dtype);
+    h2o.kv_selection = "h2o";
+    h2o.h2o_budget = 1.0;
+    EXPECT_EQ(RunSelectionEngine(h2o, &s), expected) << dtype << ", h2o";
+    EXPECT_GT(s.layer_reads_selected, 0);
+    EXPECT_EQ(s.tokens_selected, s.tokens_available);
+  }
+}
+
+// The CUDA engine's selectors select like the CPU engine's: the same decode steps and selected
+// reads, and selection fractions close (16-bit arithmetic may move a score across the margin).
+TEST(CudaEngine, KvSelectionMatchesTheCpuSelector) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  EngineConfig gpu = CudaConfig("tiny-random");
+  gpu.kv_selection = "infinigen";
+  gpu.infinigen_alpha = 2.0;
+  gpu.infinigen_max_fraction = 0.3;
+  EngineConfig cpu = gpu;
+  cpu.device = "cpu";
+  cpu.dtype = "f32";
+  KvSelectionStats on_cpu, on_gpu;
+  const Outputs cpu_tokens = RunSelectionEngine(cpu, &on_cpu);
+  const Outputs gpu_tokens = RunSelectionEngine(gpu, &on_gpu);
+  for (const auto& [name, s] : {std::pair{"CPU (f32)", on_cpu}, {"CUDA (fp16)", on_gpu}}) {
+    std::printf("  %-12s decode tokens %lld, selected reads %lld, full reads %lld, %.2f%% of the tokens, "
+                "%.2f%% of the bytes\n",
+                name, (long long)s.decode_tokens, (long long)s.layer_reads_selected, (long long)s.layer_reads_full,
+                100.0 * s.selection_fraction(), 100.0 * static_cast<double>(s.bytes_read) / static_cast<double>(s.bytes_full));
+  }
+  size_t same = 0, total = 0;
+  for (size_t i = 0; i < cpu_tokens.size() && i < gpu_tokens.size(); ++i) {
+    same += CommonPrefix(cpu_tokens[i], gpu_tokens[i]);
+    total += cpu_tokens[i].size();
+  }
+  std::printf("  greedy tokens: CUDA and CPU agree on %zu of %zu (common prefixes)\n", same, total);
+  EXPECT_GT(on_gpu.decode_tokens, 0);
+  EXPECT_EQ(on_gpu.decode_tokens, on_cpu.decode_tokens);
+  EXPECT_EQ(on_gpu.layer_reads_selected, on_cpu.layer_reads_selected);
+  EXPECT_NEAR(on_gpu.selection_fraction(), on_cpu.selection_fraction(), 0.05);
+  EXPECT_LT(on_gpu.bytes_read, on_gpu.bytes_full);
+
+  // H2O keeps its budget on the device as on the CPU: every layer reads about a quarter.
+  gpu.kv_selection = cpu.kv_selection = "h2o";
+  gpu.h2o_budget = cpu.h2o_budget = 0.25;
+  RunSelectionEngine(cpu, &on_cpu);
+  RunSelectionEngine(gpu, &on_gpu);
+  std::printf("  h2o 0.25: CPU %.2f%%, CUDA %.2f%% of the tokens\n", 100.0 * on_cpu.selection_fraction(),
+              100.0 * on_gpu.selection_fraction());
+  EXPECT_EQ(on_gpu.layer_reads_selected, on_cpu.layer_reads_selected);
+  EXPECT_NEAR(on_gpu.selection_fraction(), on_cpu.selection_fraction(), 0.02);
 }
 
 // Two KV caches on the device: a draft model whose pool follows the target's block tables, its
