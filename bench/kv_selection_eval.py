@@ -215,9 +215,16 @@ def plot(args, rows, full_ppl):
                 ax.plot([x], [y], "*", markersize=12, label=lab)
         else:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
+            for d in rows:
+                if d["group"] == group and group in ("infinigen-alpha", "infinigen-ratio"):
+                    tag = (f"a={'cap' if d['alpha'] >= 1e8 else format(d['alpha'], 'g')}" if group == "infinigen-alpha"
+                           else f"r={d['partial_ratio']:g}")
+                    ax.annotate(tag, (100 * d["bytes_read_fraction"], d["perplexity"]), fontsize=7,
+                                xytext=(4, 2), textcoords="offset points")
     ax.axhline(full_ppl * 1.01, color="gray", linestyle=":", label="full + 1%")
     ax.set_xlabel("K/V bytes read, % of the full cache (all layers)")
-    ax.set_ylabel("WikiText-2 perplexity")
+    ax.set_ylabel("WikiText-2 perplexity (log scale)")
+    ax.set_yscale("log")
     ax.set_title(f"{args.model}: accuracy vs KV read ({args.windows} x {args.ctx} tokens, token by token)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
