@@ -313,6 +313,9 @@ class CudaBackend final : public Backend {
   Status StageBlockMeta(size_t bytes, char** host, char** device);
   // Paged attention of the step's Q over `count` rows of block tables (table_stride apart) into
   // kAttention: decode (one query row per table) and prefill (a run of query rows per table).
+  template <typename Args>
+  void FillAttentionArgs(Args& a, const int32_t* tables, int table_stride, const int32_t* context_lens, int count,
+                         const void* keys, const void* values) const;
   Status DecodeRows(const int32_t* tables, int table_stride, const int32_t* context_lens, const int32_t* query_rows,
                     int count, int max_context, const void* keys, const void* values);
   Status PrefillRows(const int32_t* tables, int table_stride, const int32_t* context_lens, const int32_t* query_starts,
@@ -1008,10 +1011,11 @@ Status CudaBackend::Attention(int layer) {
   return Status::Ok();
 }
 
-Status CudaBackend::DecodeRows(const int32_t* tables, int table_stride, const int32_t* context_lens,
-                               const int32_t* query_rows, int count, int max_context, const void* keys,
-                               const void* values) {
-  cuda::PagedDecodeArgs a;
+// The fields the paged decode and prefill kernels' arguments share: the step's Q/attention rows,
+// the model's heads, the pools and the block tables.
+template <typename Args>
+void CudaBackend::FillAttentionArgs(Args& a, const int32_t* tables, int table_stride, const int32_t* context_lens,
+                                    int count, const void* keys, const void* values) const {
   a.dtype = dtype_;
   a.out = attn_;
   a.out_row_stride = ActivationWidth(Activation::kAttention);
@@ -1028,6 +1032,13 @@ Status CudaBackend::DecodeRows(const int32_t* tables, int table_stride, const in
   a.block_tables = tables;
   a.context_lens = context_lens;
   a.num_seqs = count;
+}
+
+Status CudaBackend::DecodeRows(const int32_t* tables, int table_stride, const int32_t* context_lens,
+                               const int32_t* query_rows, int count, int max_context, const void* keys,
+                               const void* values) {
+  cuda::PagedDecodeArgs a;
+  FillAttentionArgs(a, tables, table_stride, context_lens, count, keys, values);
   a.query_rows = query_rows;
   a.max_context_len = max_context;
   a.workspace = decode_workspace_;
@@ -1040,22 +1051,7 @@ Status CudaBackend::PrefillRows(const int32_t* tables, int table_stride, const i
                                 const int32_t* query_starts, const int32_t* query_lens, int count, int max_query,
                                 const void* keys, const void* values) {
   cuda::PagedPrefillArgs a;
-  a.dtype = dtype_;
-  a.out = attn_;
-  a.out_row_stride = ActivationWidth(Activation::kAttention);
-  a.query = qkv_;
-  a.query_row_stride = ActivationWidth(Activation::kQkv);
-  a.block_table_stride = table_stride;
-  a.num_heads = config_.num_heads;
-  a.num_kv_heads = config_.num_kv_heads;
-  a.head_dim = config_.head_dim;
-  a.block_size = layout_.block_size;
-  a.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
-  a.key_cache = keys;
-  a.value_cache = values;
-  a.block_tables = tables;
-  a.context_lens = context_lens;
-  a.num_seqs = count;
+  FillAttentionArgs(a, tables, table_stride, context_lens, count, keys, values);
   a.query_starts = query_starts;
   a.query_lens = query_lens;
   a.max_query_len = max_query;
