@@ -49,6 +49,8 @@ LayerHooks* InfiniGenSelector::ForStep(const ForwardBatch& batch, std::span<cons
                                        std::span<const uint8_t> selecting) {
   active_.clear();
   active_states_.clear();
+  prefilling_.clear();
+  prefilling_states_.clear();
   selection_layer_ = -1;
   for (size_t s = 0; s < batch.seqs.size(); ++s) {
     const SequenceSlice& slice = batch.seqs[s];
@@ -58,20 +60,21 @@ LayerHooks* InfiniGenSelector::ForStep(const ForwardBatch& batch, std::span<cons
       // Positions this step (re)writes are stale in the partial cache (recomputation).
       for (int32_t& rows : it->second.rows) rows = std::min(rows, first_new);
     }
-    // One new token (a decode step), over a whole-table view, long enough to select from.
-    if (!selecting[s] || slice.num_tokens != 1 || slice.view.kind != KvView::Kind::kFull ||
-        slice.context_len < std::max(config_.min_context, 2)) {
-      continue;
-    }
+    if (!selecting[s] || slice.view.kind != KvView::Kind::kFull) continue;
+    // One new token (a decode step) long enough to select from; or a prefill chunk, whose keys
+    // join the partial key cache as they are written (the paper builds it at prefill, so the
+    // first decode step does not pay for the whole prompt).
+    const bool decode = slice.num_tokens == 1 && slice.context_len >= std::max(config_.min_context, 2);
+    if (!decode && slice.num_tokens == 1) continue;
     if (it == seqs_.end()) {
       it = seqs_.emplace(seq_ids[s], SequenceState{}).first;
       it->second.partial_keys.resize(skew_.heads.size());
       it->second.rows.assign(static_cast<size_t>(skew_.num_layers), 0);
     }
-    active_.push_back(static_cast<int32_t>(s));
-    active_states_.push_back(&it->second);
+    (decode ? active_ : prefilling_).push_back(static_cast<int32_t>(s));
+    (decode ? active_states_ : prefilling_states_).push_back(&it->second);
   }
-  if (active_.empty()) return nullptr;
+  if (active_.empty() && prefilling_.empty()) return nullptr;
   stats_.decode_tokens += static_cast<int64_t>(active_.size());
   selection_.assign(batch.seqs.size(), KvHeadSelection{});
   next_selection_.assign(batch.seqs.size(), KvHeadSelection{});
@@ -80,6 +83,11 @@ LayerHooks* InfiniGenSelector::ForStep(const ForwardBatch& batch, std::span<cons
 
 Status InfiniGenSelector::BeforeAttention(const LayerContext& ctx) {
   const ForwardBatch& batch = ctx.batch;
+  for (size_t p = 0; p < prefilling_.size(); ++p) {
+    const SequenceSlice& slice = batch.seqs[static_cast<size_t>(prefilling_[p])];
+    KVFLOW_RETURN_IF_ERROR(ExtendPartialKeys(ctx.layer, slice, slice.context_len, *prefilling_states_[p]));
+  }
+  if (active_.empty()) return Status::Ok();
   // The speculation at the previous layer chose this layer's reads.
   if (ctx.layer > 0) {
     std::swap(selection_, next_selection_);
@@ -100,12 +108,16 @@ Status InfiniGenSelector::BeforeAttention(const LayerContext& ctx) {
       stats_.bytes_read += static_cast<int64_t>(slice.context_len) * token_bytes_;
     }
   }
-  if (config_.point != SpeculationPoint::kLayerInput || ctx.layer + 1 >= skew_.num_layers) return Status::Ok();
+  if (config_.point != SpeculationPoint::kLayerInput || ctx.layer + 1 >= skew_.num_layers || active_.empty()) {
+    return Status::Ok();
+  }
   return TimedSpeculate(ctx.layer + 1, batch);
 }
 
 Status InfiniGenSelector::AfterMlpInput(const LayerContext& ctx) {
-  if (config_.point != SpeculationPoint::kAfterAttention || ctx.layer + 1 >= skew_.num_layers) return Status::Ok();
+  if (config_.point != SpeculationPoint::kAfterAttention || ctx.layer + 1 >= skew_.num_layers || active_.empty()) {
+    return Status::Ok();
+  }
   return TimedSpeculate(ctx.layer + 1, ctx.batch);
 }
 

@@ -21,8 +21,9 @@
 // its group (one fetch of a KV head's K/V serves every query head of the group, so a token any of
 // them needs is kept).
 //
-// The partial key cache lives here, per sequence and layer, and is extended from the KV pool as
-// the sequence grows (so prefix-cache hits, forks and swapped sequences need nothing special);
+// The partial key cache lives here, per sequence and layer; prefill chunks extend it as their keys
+// are written, and a decode step extends it from the KV pool to its context (so prefix-cache hits,
+// forks and swapped sequences need nothing special);
 // it follows recomputation by truncating to the first recomputed position.
 #pragma once
 
@@ -97,6 +98,9 @@ class InfiniGenSelector final : public KvSelector, private LayerHooks {
   // The step: selecting slices (index into the batch) and their states.
   std::vector<int32_t> active_;
   std::vector<SequenceState*> active_states_;
+  // Prefill chunks of selecting sequences: their keys extend the partial key cache.
+  std::vector<int32_t> prefilling_;
+  std::vector<SequenceState*> prefilling_states_;
   // Per slice of the batch: what layer selection_layer_ reads now, and what the speculation at it
   // chose for the next layer.
   std::vector<KvHeadSelection> selection_, next_selection_;
