@@ -71,6 +71,11 @@ struct ForwardBatch {
   int64_t num_logit_rows() const;
 };
 
+// The physical slot (block * block_size + offset) of position `pos` of a sequence with `table`.
+inline int64_t SlotOf(std::span<const BlockId> table, int32_t pos, int block_size) {
+  return static_cast<int64_t>(table[static_cast<size_t>(pos / block_size)]) * block_size + pos % block_size;
+}
+
 // The slot of every token of `batch` (its slot_mapping, or the default one).
 std::vector<int64_t> ResolveSlotMapping(const ForwardBatch& batch, int block_size);
 // The physical slots a slice's view reads, in view order.

@@ -89,9 +89,7 @@ Status H2OSelector::BeforeAttention(const LayerContext& ctx) {
     const HeadState& first = state.heads[static_cast<size_t>(ctx.layer) * KV];
     sel.per_head = static_cast<int32_t>(first.kept.size()) + 1;
     sel.slots.resize(static_cast<size_t>(KV) * sel.per_head);
-    auto slot = [&](int32_t pos) {
-      return static_cast<int64_t>(slice.block_table[static_cast<size_t>(pos / bs)]) * bs + pos % bs;
-    };
+    auto slot = [&](int32_t pos) { return SlotOf(slice.block_table, pos, bs); };
     for (int g = 0; g < KV; ++g) {
       const HeadState& head = state.heads[static_cast<size_t>(ctx.layer) * KV + g];
       // Every head keeps the same recent window and evicts the same count, so the sizes agree.
@@ -146,24 +144,34 @@ Status H2OSelector::Accumulate(int layer, const SequenceSlice& slice, SequenceSt
   const int32_t own = slice.context_len - 1;
   qkv_row_.resize(static_cast<size_t>(ActivationWidth(mc, Activation::kQkv)));
   KVFLOW_RETURN_IF_ERROR(backend_.ReadActivationRows(Activation::kQkv, slice.token_offset, 1, qkv_row_));
+  // The kept tokens of every head and the step's own, read once (ReadKv returns every KV head).
+  union_.clear();
+  for (int g = 0; g < KV; ++g) {
+    const std::vector<int32_t>& kept = state.heads[static_cast<size_t>(layer) * KV + g].kept;
+    union_.insert(union_.end(), kept.begin(), kept.end());
+  }
+  union_.push_back(own);
+  std::sort(union_.begin(), union_.end());
+  union_.erase(std::unique(union_.begin(), union_.end()), union_.end());
+  std::vector<int64_t> slots(union_.size());
+  for (size_t i = 0; i < union_.size(); ++i) slots[i] = SlotOf(slice.block_table, union_[i], bs);
+  keys_.resize(slots.size() * static_cast<size_t>(KV) * D);
+  // The step's own key is in the cache already (written before attention).
+  KVFLOW_RETURN_IF_ERROR(backend_.ReadKv(layer, 0, slots, keys_));
+  auto row_of = [&](int32_t pos) {
+    return static_cast<size_t>(std::lower_bound(union_.begin(), union_.end(), pos) - union_.begin());
+  };
   for (int g = 0; g < KV; ++g) {
     HeadState& head = state.heads[static_cast<size_t>(layer) * KV + g];
     // The kept tokens, and the step's own when it is not among them yet.
     std::vector<int32_t> positions = head.kept;
     if (positions.empty() || positions.back() != own) positions.push_back(own);
-    std::vector<int64_t> slots(positions.size());
-    for (size_t i = 0; i < positions.size(); ++i) {
-      slots[i] = static_cast<int64_t>(slice.block_table[static_cast<size_t>(positions[i] / bs)]) * bs + positions[i] % bs;
-    }
-    keys_.resize(slots.size() * static_cast<size_t>(KV) * D);
-    // The step's own key is in the cache already (written before attention).
-    KVFLOW_RETURN_IF_ERROR(backend_.ReadKv(layer, 0, slots, keys_));
-    probs_.resize(slots.size());
+    probs_.resize(positions.size());
     for (int j = 0; j < group; ++j) {
       const float* q = qkv_row_.data() + static_cast<size_t>(g * group + j) * D;
       float max = -INFINITY;
-      for (size_t i = 0; i < slots.size(); ++i) {
-        const float* k = keys_.data() + (i * KV + g) * D;
+      for (size_t i = 0; i < positions.size(); ++i) {
+        const float* k = keys_.data() + (row_of(positions[i]) * KV + g) * D;
         float acc = 0.0f;
         for (int d = 0; d < D; ++d) acc += q[d] * k[d];
         probs_[i] = acc * scale;

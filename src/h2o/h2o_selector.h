@@ -71,6 +71,7 @@ class H2OSelector final : public KvSelector, private LayerHooks {
   std::vector<KvHeadSelection> selection_;
   int selection_layer_ = -1;
   std::vector<float> qkv_row_, keys_, probs_;
+  std::vector<int32_t> union_;  // Accumulate: positions read, ascending
   KvSelectionStats stats_;
 };
 

@@ -143,8 +143,7 @@ Status InfiniGenSelector::ExtendPartialKeys(int layer, const SequenceSlice& slic
   std::vector<int64_t> slots(static_cast<size_t>(n));
   for (int32_t i = 0; i < n; ++i) {
     const int32_t pos = rows + i;
-    slots[static_cast<size_t>(i)] =
-        static_cast<int64_t>(slice.block_table[static_cast<size_t>(pos / bs)]) * bs + pos % bs;
+    slots[static_cast<size_t>(i)] = SlotOf(slice.block_table, pos, bs);
   }
   keys_.resize(static_cast<size_t>(n) * KV * D);
   KVFLOW_RETURN_IF_ERROR(backend_.ReadKv(layer, 0, slots, keys_));
@@ -205,9 +204,7 @@ Status InfiniGenSelector::Speculate(int layer, const ForwardBatch& batch) {
     KvHeadSelection& sel = next_selection_[static_cast<size_t>(s)];
     sel.per_head = picked.count + 1;
     sel.slots.resize(static_cast<size_t>(KV) * sel.per_head);
-    auto slot = [&](int32_t pos) {
-      return static_cast<int64_t>(slice.block_table[static_cast<size_t>(pos / bs)]) * bs + pos % bs;
-    };
+    auto slot = [&](int32_t pos) { return SlotOf(slice.block_table, pos, bs); };
     for (int g = 0; g < KV; ++g) {
       int64_t* out = sel.slots.data() + static_cast<size_t>(g) * sel.per_head;
       for (int32_t i = 0; i < picked.count; ++i) out[i] = slot(picked.per_head[static_cast<size_t>(g)][static_cast<size_t>(i)]);

@@ -476,6 +476,20 @@ TEST(CudaBackendBlocks, TransferredKvDecodesLikeTheOriginal) {
 // for decode and prefill slices, next to slices reading the pool (full and block-subset views) in
 // the same step, and an all-decode step that graphs would otherwise replay: the CPU backend's
 // logits. Views needing more scratch than max_gathered_tokens are refused clearly.
+
+// Prefills prompts of 50, 70 and 30 tokens (sequences 0, 1, 2) through both backends, so their
+// pools hold the same K/V.
+void PrefillSameKv(Backend& cpu, Backend& gpu, BatchPlanner& planner, std::mt19937& rng, int vocab) {
+  ForwardBatch b;
+  planner.Add(b, 0, RandomTokens(rng, 50, vocab), LogitsMode::kNone);
+  planner.Add(b, 1, RandomTokens(rng, 70, vocab), LogitsMode::kNone);
+  planner.Add(b, 2, RandomTokens(rng, 30, vocab), LogitsMode::kNone);
+  std::vector<float> unused;
+  ASSERT_TRUE(LlamaModel(cpu).Forward(b, unused).ok());
+  const Status st = LlamaModel(gpu).Forward(b, unused);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+}
+
 TEST(CudaBackendViews, SlotViewsMatchCpuForDecodeAndPrefill) {
   KVFLOW_SKIP_WITHOUT_GPU();
   ModelConfig config;
@@ -495,16 +509,8 @@ TEST(CudaBackendViews, SlotViewsMatchCpuForDecodeAndPrefill) {
   auto gpu = CreateCudaBackend(config, weights, o).value();
   std::mt19937 rng(31);
   BatchPlanner planner(kBlocks, kBlockSize, 23);
-  {  // Prompts of 50, 70 and 30 tokens, the same K/V in both backends.
-    ForwardBatch b;
-    planner.Add(b, 0, RandomTokens(rng, 50, config.vocab_size), LogitsMode::kNone);
-    planner.Add(b, 1, RandomTokens(rng, 70, config.vocab_size), LogitsMode::kNone);
-    planner.Add(b, 2, RandomTokens(rng, 30, config.vocab_size), LogitsMode::kNone);
-    std::vector<float> unused;
-    ASSERT_TRUE(LlamaModel(*cpu).Forward(b, unused).ok());
-    const Status st = LlamaModel(*gpu).Forward(b, unused);
-    ASSERT_TRUE(st.ok()) << st.ToString();
-  }
+  PrefillSameKv(*cpu, *gpu, planner, rng, config.vocab_size);  // prompts of 50, 70 and 30 tokens
+  if (::testing::Test::HasFatalFailure()) return;
   auto slot = [&](const SequenceSlice& s, int pos) {
     return static_cast<int64_t>(s.block_table[static_cast<size_t>(pos / kBlockSize)]) * kBlockSize + pos % kBlockSize;
   };
@@ -640,16 +646,8 @@ TEST(CudaBackend, AttentionOverSelectionMatchesCpu) {
   auto gpu = CreateCudaBackend(config, weights, o).value();
   std::mt19937 rng(41);
   BatchPlanner planner(kBlocks, kBlockSize, 29);
-  {  // Prompts of 50, 70 and 30 tokens: the same K/V in both backends.
-    ForwardBatch b;
-    planner.Add(b, 0, RandomTokens(rng, 50, config.vocab_size), LogitsMode::kNone);
-    planner.Add(b, 1, RandomTokens(rng, 70, config.vocab_size), LogitsMode::kNone);
-    planner.Add(b, 2, RandomTokens(rng, 30, config.vocab_size), LogitsMode::kNone);
-    std::vector<float> unused;
-    ASSERT_TRUE(LlamaModel(*cpu).Forward(b, unused).ok());
-    const Status st = LlamaModel(*gpu).Forward(b, unused);
-    ASSERT_TRUE(st.ok()) << st.ToString();
-  }
+  PrefillSameKv(*cpu, *gpu, planner, rng, config.vocab_size);  // prompts of 50, 70 and 30 tokens
+  if (::testing::Test::HasFatalFailure()) return;
   auto slot = [&](const SequenceSlice& s, int pos) {
     return static_cast<int64_t>(s.block_table[static_cast<size_t>(pos / kBlockSize)]) * kBlockSize + pos % kBlockSize;
   };
