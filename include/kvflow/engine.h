@@ -101,6 +101,14 @@ struct EngineConfig {
   double h2o_budget = 0.2;               // fraction of the context H2O keeps
   double h2o_recent_share = 0.5;         // of the budget, the recent window (the rest: heavy hitters)
 
+  // KV offload (InfiniGen's and FlexGen's setting): every sequence's KV lives in a host pool (the
+  // KV cache size is host memory then) and the device keeps only two layers' staging buffers; each
+  // layer's attention fetches what it reads from the host pool, prefetched during the previous
+  // layer where it is known by then: every cached token (FlexGen's full offload), or with
+  // kv_selection infinigen only the speculated tokens. There is no swap space (preemption
+  // recomputes); TriForce and draft models are refused.
+  bool kv_offload = false;
+
   // CUDA only. Share of the GPU's memory for weights, activations and the KV pool (which gets the
   // rest, unless kv_cache_bytes / num_kv_blocks fix it).
   double gpu_memory_utilization = 0.9;
@@ -199,6 +207,24 @@ struct KvSelectionStats {
   }
 };
 
+// KV offload (EngineConfig::kv_offload): what moved between the host pool and the device's staging
+// buffers. A fetch is one layer of one step.
+struct KvOffloadStats {
+  int64_t prefetches = 0;         // fetches issued during the previous layer (overlappable with its compute)
+  int64_t on_demand_fetches = 0;  // fetches attention issued itself (layer 0; selections known only at the layer)
+  int64_t bytes_fetched = 0;      // K and V bytes host pool -> staging
+  int64_t bytes_written = 0;      // K and V bytes of the steps' new tokens written to the host pool
+  double fetch_seconds = 0;       // time spent fetching (on the CPU backend: the copies themselves)
+
+  void Add(const KvOffloadStats& o, int sign = 1) {
+    prefetches += sign * o.prefetches;
+    on_demand_fetches += sign * o.on_demand_fetches;
+    bytes_fetched += sign * o.bytes_fetched;
+    bytes_written += sign * o.bytes_written;
+    fetch_seconds += sign * o.fetch_seconds;
+  }
+};
+
 struct EngineStats {
   int num_waiting = 0;  // requests
   int num_running = 0;
@@ -222,6 +248,7 @@ struct EngineStats {
   S3Stats s3;
   SpecDecodeStats spec;
   KvSelectionStats kv_selection;
+  KvOffloadStats kv_offload;
 };
 
 // What one Step() did.

@@ -13,6 +13,7 @@
 #include "kv/block_manager.h"
 #include "kv/kv_cache_layout.h"
 #include "kvflow/config.h"
+#include "kvflow/engine.h"
 #include "kvflow/request.h"
 #include "kvflow/sampling.h"
 #include "kvflow/status.h"
@@ -239,6 +240,19 @@ class Backend {
   }
   // Copies scores [offset, offset + out.size()) of the buffer to the host (tests, diagnostics).
   virtual Status ReadKvBlockScores(int64_t offset, std::span<float> out) { return NotSupported("chunk scoring"); }
+
+  // ---- an offloaded KV pool (EngineConfig::kv_offload) ----------------------------------------------
+  // Whether the KV pool (KvTier::kDevice to every other primitive: block moves, KV reads) lives in
+  // host memory, the device keeping staging buffers for two layers that attention reads.
+  virtual bool kv_offloaded() const { return false; }
+  // Starts fetching what layer `layer`'s attention will read into its staging buffer: each slice's
+  // view (an empty `selection`, or a slice whose per_head is 0) or, per KV head, the slots of its
+  // KvHeadSelection. Valid inside `layers`, once layer - 1's attention has run (the buffer it
+  // reuses is free); the layer's attention must then read the same selections (an error
+  // otherwise). Attention fetches by itself when nothing was prefetched. A no-op on a pool that
+  // is not offloaded.
+  virtual Status PrefetchKv(int layer, std::span<const KvHeadSelection> selection) { return Status::Ok(); }
+  virtual KvOffloadStats kv_offload_stats() const { return {}; }
 
   // Backends that sample on the device accept a sink with sample_rows: only tokens and logprobs
   // cross to the host; same semantics as the CPU Sampler given the same uniforms. Every row's

@@ -71,12 +71,14 @@ Result<std::unique_ptr<Backend>> MakeCpuBackend(EngineConfig& config, bool reque
   // Swap space beyond the device pool could never be filled (see the block manager).
   const int64_t host_blocks = config.num_host_kv_blocks >= 0 ? config.num_host_kv_blocks
                                                              : config.swap_space_bytes / block_bytes;
-  const int num_host_blocks = static_cast<int>(std::min<int64_t>(host_blocks, layout.num_blocks));
+  // An offloaded pool is in host memory already: no swap space.
+  const int num_host_blocks = config.kv_offload ? 0 : static_cast<int>(std::min<int64_t>(host_blocks, layout.num_blocks));
 
   const int threads = config.num_threads > 0 ? config.num_threads
                                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   KVFLOW_ASSIGN_OR_RETURN(auto backend,
-                          CpuBackend::Create(mc, std::move(weights), layout, num_host_blocks, threads, element));
+                          CpuBackend::Create(mc, std::move(weights), layout, num_host_blocks, threads, element,
+                                             config.kv_offload));
   return std::unique_ptr<Backend>(std::move(backend));
 }
 
@@ -87,6 +89,10 @@ Result<std::unique_ptr<Backend>> MakeCudaBackend(EngineConfig& config, bool requ
   if (IsQ4KvCacheDtype(config.kv_cache_dtype)) {
     return Status::InvalidArgument("kv_cache_dtype " + config.kv_cache_dtype +
                                    " (the 4-bit KV cache) is CPU only; CUDA keeps the KV cache in the dtype's 16-bit type");
+  }
+  if (config.kv_offload) {
+    return Status::Unsupported("kv_offload runs on the CPU backend only so far: the CUDA backend keeps the KV pool "
+                               "in device memory");
   }
   CudaBackendOptions o;
   o.device = device;

@@ -111,6 +111,11 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
   app->add_option("--h2o-budget", c.h2o_budget, "h2o: fraction of the context kept")->default_val(0.2);
   app->add_option("--h2o-recent-share", c.h2o_recent_share, "h2o: share of the budget kept as the recent window")
       ->default_val(0.5);
+  app->add_flag("--kv-offload", c.kv_offload,
+               "Keep the KV cache in host memory (InfiniGen's and FlexGen's setting): the device holds two layers' "
+               "staging buffers and each layer fetches what its attention reads, during the layer before where it "
+               "is known: every cached token, or with --kv-selection infinigen only the speculated ones. No swap "
+               "space; CPU backend only so far");
   app->add_option("--ngram-max,--prompt-lookup-max", c.ngram_max, "ngram: longest suffix looked up")->default_val(4);
   app->add_option("--ngram-min,--prompt-lookup-min", c.ngram_min, "ngram: shortest suffix looked up")->default_val(1);
   app->add_option("--threads", c.num_threads, "CPU threads (0 = all cores)")->default_val(0);

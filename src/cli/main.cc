@@ -189,6 +189,14 @@ int RunPerplexity(PerplexityCliOptions& opt) {
                 k.bytes_full > 0 ? 100.0 * static_cast<double>(k.bytes_read) / static_cast<double>(k.bytes_full) : 0.0,
                 static_cast<long long>(k.decode_tokens));
   }
+  if (engine.config().kv_offload) {
+    const kvflow::KvOffloadStats o = engine.stats().kv_offload;
+    std::printf("kv offload: %.1f MiB fetched from the host pool (%lld prefetched layers, %lld on demand, %.2f s), "
+                "%.1f MiB written to it\n",
+                static_cast<double>(o.bytes_fetched) / (1 << 20), static_cast<long long>(o.prefetches),
+                static_cast<long long>(o.on_demand_fetches), o.fetch_seconds,
+                static_cast<double>(o.bytes_written) / (1 << 20));
+  }
   std::printf("perplexity %.4f (mean NLL %.5f nats over %lld tokens, %lld windows, %.1f s, %.0f tok/s)\n",
               r->perplexity, r->mean_nll, static_cast<long long>(r->scored_tokens), static_cast<long long>(r->windows),
               r->seconds, r->input_tokens / std::max(1e-9, r->seconds));

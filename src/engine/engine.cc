@@ -162,7 +162,11 @@ class EngineImpl final : public EvaluationEngine {
   const ModelConfig& model_config() const override { return model_config_; }
   const EngineConfig& config() const override { return config_; }
   const Tokenizer& tokenizer() const override { return *tokenizer_; }
-  EngineStats stats() const override { return core_.stats(); }
+  EngineStats stats() const override {
+    EngineStats s = core_.stats();
+    s.kv_offload = backend_->kv_offload_stats();
+    return s;
+  }
 
   std::string Describe() const override {
     const BlockManager& blocks = core_.block_manager();
@@ -268,6 +272,16 @@ Status ValidateEngineConfig(const EngineConfig& c) {
     KVFLOW_RETURN_IF_ERROR(ParseSpeculationPoint(c.infinigen_speculate_from).status());
     KVFLOW_RETURN_IF_ERROR(InfiniGenConfig::FromEngine(c).Validate());
     KVFLOW_RETURN_IF_ERROR(H2OConfig::FromEngine(c).Validate());
+  }
+  if (c.kv_offload) {
+    if (!c.speculative_method.empty()) {
+      return Status::InvalidArgument("kv_offload cannot be combined with speculative_method " + c.speculative_method +
+                                     " (its passes read KV the offload tier does not fetch)");
+    }
+    if (c.preemption_mode == "swap") {
+      return Status::InvalidArgument("kv_offload keeps the KV pool in host memory already: preemption_mode swap has "
+                                     "nowhere to swap to; use recompute or auto");
+    }
   }
   KVFLOW_ASSIGN_OR_RETURN(int device, ParseDevice(c.device));
   const std::string& kv = c.kv_cache_dtype;

@@ -64,6 +64,8 @@ Status ModelExecutor::Run(const SchedulerOutput& sched, std::span<const LogitsMo
     }
     hooks = kv_selector_ ? kv_selector_->ForStep(batch, seq_ids_, selecting_) : step_hooks_->ForStep(batch, seq_ids_);
   }
+  // An offloaded pool fetches each layer's reads during the layer before.
+  if (backend_.kv_offloaded()) hooks = prefetch_hooks_.Wrap(hooks, backend_.model_config().num_layers);
   model_.set_hooks(hooks);
   const Status st = RunTarget(batch, sample_rows, out);
   model_.set_hooks(nullptr);

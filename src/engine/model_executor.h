@@ -9,6 +9,7 @@
 #include "engine/kv_selector.h"
 #include "kv/block_manager.h"
 #include "model/llama_model.h"
+#include "offload/kv_prefetch.h"
 
 namespace kvflow {
 
@@ -47,6 +48,7 @@ class ModelExecutor final : public Executor {
   std::vector<LlamaModel> followers_;
   StepHooks* step_hooks_ = nullptr;
   KvSelector* kv_selector_ = nullptr;
+  KvPrefetchHooks prefetch_hooks_;
   std::vector<int64_t> seq_ids_;
   std::vector<uint8_t> selecting_;
   const BlockManager& blocks_;

@@ -52,6 +52,7 @@ LayerHooks* InfiniGenSelector::ForStep(const ForwardBatch& batch, std::span<cons
   prefilling_.clear();
   prefilling_states_.clear();
   selection_layer_ = -1;
+  next_selection_layer_ = -1;
   for (size_t s = 0; s < batch.seqs.size(); ++s) {
     const SequenceSlice& slice = batch.seqs[s];
     const int32_t first_new = slice.context_len - slice.num_tokens;
@@ -124,6 +125,7 @@ Status InfiniGenSelector::AfterMlpInput(const LayerContext& ctx) {
 Status InfiniGenSelector::TimedSpeculate(int layer, const ForwardBatch& batch) {
   const auto start = std::chrono::steady_clock::now();
   const Status st = Speculate(layer, batch);
+  if (st.ok()) next_selection_layer_ = layer;
   stats_.select_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return st;
 }
@@ -131,6 +133,14 @@ Status InfiniGenSelector::TimedSpeculate(int layer, const ForwardBatch& batch) {
 std::span<const KvHeadSelection> InfiniGenSelector::AttentionSelection(const LayerContext& ctx) {
   if (selection_layer_ != ctx.layer) return {};
   return selection_;
+}
+
+std::optional<std::span<const KvHeadSelection>> InfiniGenSelector::UpcomingSelection(int layer) {
+  // Steps with no selecting decode (prefill chunks only) read every slice's view; layer 0 is not
+  // speculated, so nothing is known before it.
+  if (active_.empty()) return std::span<const KvHeadSelection>{};
+  if (next_selection_layer_ == layer) return std::span<const KvHeadSelection>(next_selection_);
+  return std::nullopt;
 }
 
 Status InfiniGenSelector::ExtendPartialKeys(int layer, const SequenceSlice& slice, int32_t positions,

@@ -80,6 +80,7 @@ class InfiniGenSelector final : public KvSelector, private LayerHooks {
 
   Status BeforeAttention(const LayerContext& ctx) override;
   std::span<const KvHeadSelection> AttentionSelection(const LayerContext& ctx) override;
+  std::optional<std::span<const KvHeadSelection>> UpcomingSelection(int layer) override;
   Status AfterMlpInput(const LayerContext& ctx) override;
   Status TimedSpeculate(int layer, const ForwardBatch& batch);
 
@@ -105,6 +106,7 @@ class InfiniGenSelector final : public KvSelector, private LayerHooks {
   // chose for the next layer.
   std::vector<KvHeadSelection> selection_, next_selection_;
   int selection_layer_ = -1;
+  int next_selection_layer_ = -1;  // the layer next_selection_ was speculated for
   // Scratch.
   std::vector<float> qkv_rows_, keys_, scores_, query_;
   KvSelectionStats stats_;

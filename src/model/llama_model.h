@@ -11,6 +11,7 @@
 // in through LayerHooks, not through a copy of this loop.
 #pragma once
 
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -37,6 +38,10 @@ class LayerHooks {
   // Per-slice token selections (backend.h, KvHeadSelection) the layer's attention reads instead of
   // the batch's views; empty: the views. Called after BeforeAttention.
   virtual std::span<const KvHeadSelection> AttentionSelection(const LayerContext& ctx) { return {}; }
+  // What layer `layer`'s attention will read, where the hooks know it before that layer runs (an
+  // offloaded KV pool prefetches it during the previous layer): nullopt: not known yet; an empty
+  // span: every slice's view; else one KvHeadSelection per slice, as AttentionSelection will return.
+  virtual std::optional<std::span<const KvHeadSelection>> UpcomingSelection(int layer) { return std::nullopt; }
   // Once the MLP has read its input (kGateUp holds the layer's gate and up projections; the
   // residual stream holds the layer's input plus its attention output; kHidden is free).
   virtual Status AfterMlpInput(const LayerContext& ctx) { return Status::Ok(); }

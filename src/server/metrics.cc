@@ -151,6 +151,19 @@ std::string ServerMetrics::Render(const EngineStats& s) const {
          static_cast<double>(k.bytes_full));
   Metric(&out, "kvflow:kv_selection_bytes_per_token", "gauge", "K/V bytes read per selecting decode token so far.",
          k.decode_tokens > 0 ? static_cast<double>(k.bytes_read) / static_cast<double>(k.decode_tokens) : 0.0);
+  const KvOffloadStats& o = s.kv_offload;
+  Metric(&out, "kvflow:kv_offload_prefetches_total", "counter",
+         "Layer fetches from the host KV pool issued during the layer before (--kv-offload).",
+         static_cast<double>(o.prefetches));
+  Metric(&out, "kvflow:kv_offload_on_demand_fetches_total", "counter",
+         "Layer fetches attention issued itself (layer 0; selections known only at their layer).",
+         static_cast<double>(o.on_demand_fetches));
+  Metric(&out, "kvflow:kv_offload_bytes_fetched_total", "counter", "K/V bytes fetched from the host KV pool.",
+         static_cast<double>(o.bytes_fetched));
+  Metric(&out, "kvflow:kv_offload_bytes_written_total", "counter", "K/V bytes of new tokens written to the host KV pool.",
+         static_cast<double>(o.bytes_written));
+  Metric(&out, "kvflow:kv_offload_fetch_seconds_total", "counter", "Time spent fetching from the host KV pool.",
+         o.fetch_seconds);
   Metric(&out, "kvflow:request_cancelled_total", "counter", "Requests cancelled (client gone or shutdown).",
          static_cast<double>(cancelled_.load()));
   Metric(&out, "kvflow:request_failure_total", "counter", "Requests that failed in the engine.",

@@ -1,5 +1,6 @@
 #include "backend/cpu/cpu_backend.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <new>
@@ -20,13 +21,16 @@ CpuBackend::CpuBackend(const ModelConfig& config, LlamaWeights weights, const Kv
 
 Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config, LlamaWeights weights,
                                                        const KvCacheLayout& layout, int num_host_blocks,
-                                                       int num_threads, cpu::KvElement kv_element) {
+                                                       int num_threads, cpu::KvElement kv_element, bool kv_offload) {
   KVFLOW_RETURN_IF_ERROR(config.Validate());
   KVFLOW_RETURN_IF_ERROR(cpu::CheckKvElement(kv_element, config.head_dim));
   if (layout.num_layers != config.num_layers || layout.num_kv_heads != config.num_kv_heads ||
       layout.head_dim != config.head_dim || layout.num_blocks <= 0 || layout.block_size <= 0 ||
       num_host_blocks < 0) {
     return Status::InvalidArgument("KV cache layout does not match the model config");
+  }
+  if (kv_offload && num_host_blocks > 0) {
+    return Status::InvalidArgument("an offloaded KV pool lives in host memory already: it has no swap space");
   }
   if (weights.layers.size() != static_cast<size_t>(config.num_layers)) {
     return Status::InvalidArgument("the weights have " + std::to_string(weights.layers.size()) +
@@ -42,6 +46,11 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config
     // Zeroed: a slot read before it is written (a bug) gives finite garbage, never NaN from stale memory.
     backend->key_cache_.reset(new uint8_t[bytes]());
     backend->value_cache_.reset(new uint8_t[bytes]());
+    if (kv_offload) {
+      const size_t staging = cpu::KvPoolBytes(kv_element, layout.layer_stride() * kStagingLayers);
+      backend->staging_key_.reset(new uint8_t[staging]());
+      backend->staging_value_.reset(new uint8_t[staging]());
+    }
     backend->host_layout_ = layout;
     backend->host_layout_.num_blocks = num_host_blocks;
     const size_t host_bytes =
@@ -55,6 +64,11 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config
                                            layout.num_blocks, 2.0 * bytes / (1 << 20)));
   }
   return backend;
+}
+
+uint8_t* CpuBackend::Staging(int kv, int layer) const {
+  uint8_t* base = kv == 0 ? staging_key_.get() : staging_value_.get();
+  return base + cpu::KvPoolBytes(kv_element_, static_cast<size_t>(layer % kStagingLayers) * layout_.layer_stride());
 }
 
 uint8_t* CpuBackend::Pool(KvTier tier, int kv, int layer) const {
@@ -72,9 +86,15 @@ std::string CpuBackend::Describe() const {
   const std::string weights = weights_.all_f32() ? std::string("fp32")
                                                  : "weights " + wqkv.FormatName() + " (" +
                                                        (half ? cpu::HalfKernelIsa() : cpu::QuantKernelIsa()) + ")";
+  const double pool_mib = 2.0 * cpu::KvPoolBytes(kv_element_, layout_.layer_stride() * layout_.num_layers) / (1 << 20);
+  if (kv_offloaded()) {
+    return fmt::format("cpu ({}, {} threads, {} KV offloaded: host pool {} blocks x {} tokens = {:.1f} MiB, staging "
+                       "{} layers = {:.1f} MiB)", weights, pool_->size(), cpu::KvElementName(kv_element_),
+                       layout_.num_blocks, layout_.block_size, pool_mib, kStagingLayers,
+                       pool_mib * kStagingLayers / layout_.num_layers);
+  }
   return fmt::format("cpu ({}, {} threads, {} KV pool {} blocks x {} tokens = {:.1f} MiB)", weights, pool_->size(),
-                     cpu::KvElementName(kv_element_), layout_.num_blocks, layout_.block_size,
-                     2.0 * cpu::KvPoolBytes(kv_element_, layout_.layer_stride() * layout_.num_layers) / (1 << 20));
+                     cpu::KvElementName(kv_element_), layout_.num_blocks, layout_.block_size, pool_mib);
 }
 
 Status CpuBackend::CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) {
@@ -120,6 +140,13 @@ Status CpuBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink,
                            const std::function<Status()>& layers, bool capturable) {
   KVFLOW_RETURN_IF_ERROR(ValidateForwardBatch(batch, config_, layout_));
   if (sink.sampled) return Status::Unsupported("the CPU backend samples on the host");
+  if (kv_offloaded()) {
+    // The fetch leaves each slice's own tokens to WriteKv, which needs them last in its reads.
+    for (const SequenceSlice& slice : batch.seqs) {
+      if (slice.view.kind != KvView::Kind::kFull) return Status::Unsupported("an offloaded KV pool reads whole views only");
+    }
+    std::fill(std::begin(staged_layer_), std::end(staged_layer_), -1);
+  }
   ScopedThreadPool use_pool(pool_.get());
   const int64_t T = static_cast<int64_t>(batch.tokens.size());
   try {
@@ -259,12 +286,122 @@ Status CpuBackend::WriteKv(int layer) {
   const int64_t D = config_.head_dim, NH = config_.num_heads, KV = config_.num_kv_heads;
   cpu::WriteKvCache(slots_, layout_, qkv_.data() + NH * D, qkv_.data() + (NH + KV) * D, Width(Activation::kQkv),
                     kv_element_, Pool(KvTier::kDevice, 0, layer), Pool(KvTier::kDevice, 1, layer));
+  if (kv_offloaded()) {
+    // Written through: the host pool keeps every token, the staging buffer serves this layer's attention.
+    cpu::WriteKvCache(slots_, layout_, qkv_.data() + NH * D, qkv_.data() + (NH + KV) * D, Width(Activation::kQkv),
+                      kv_element_, Staging(0, layer), Staging(1, layer));
+    offload_stats_.bytes_written += num_tokens_ * kv_token_bytes();
+  }
   return Status::Ok();
 }
 
 Status CpuBackend::Attention(int layer) {
+  if (kv_offloaded()) KVFLOW_RETURN_IF_ERROR(EnsureStaged(layer, {}));
   RunAttention(layer, view_slots_);
   return Status::Ok();
+}
+
+namespace {
+
+// Identifies the reads a layer's staging buffer was filled for: per slice, its view (per_head 0)
+// or its per-head slots (FNV-1a).
+uint64_t SelectionSignature(std::span<const KvHeadSelection> selection, size_t num_slices) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](uint64_t v) {
+    h ^= v;
+    h *= 1099511628211ull;
+  };
+  for (size_t s = 0; s < num_slices; ++s) {
+    if (selection.empty() || selection[s].per_head == 0) {
+      mix(0);
+      continue;
+    }
+    mix(static_cast<uint64_t>(selection[s].per_head));
+    for (int64_t slot : selection[s].slots) mix(static_cast<uint64_t>(slot));
+  }
+  return h;
+}
+
+}  // namespace
+
+Status CpuBackend::PrefetchKv(int layer, std::span<const KvHeadSelection> selection) {
+  if (!kv_offloaded()) return Status::Ok();
+  if (batch_ == nullptr) return Status::Internal("KV prefetch outside a step");
+  if (layer < 0 || layer >= config_.num_layers) return Status::InvalidArgument("KV prefetch: no such layer");
+  if (!selection.empty()) KVFLOW_RETURN_IF_ERROR(ValidateKvHeadSelections(selection, *batch_, layout_));
+  HeadReadLists(selection);
+  StageKv(layer);
+  staged_layer_[layer % kStagingLayers] = layer;
+  staged_signature_[layer % kStagingLayers] = SelectionSignature(selection, batch_->seqs.size());
+  offload_stats_.prefetches += 1;
+  return Status::Ok();
+}
+
+Status CpuBackend::EnsureStaged(int layer, std::span<const KvHeadSelection> selection) {
+  const int buffer = layer % kStagingLayers;
+  if (staged_layer_[buffer] == layer) {
+    if (staged_signature_[buffer] != SelectionSignature(selection, batch_->seqs.size())) {
+      return Status::Internal("layer " + std::to_string(layer) +
+                              "'s attention reads other tokens than were prefetched for it");
+    }
+    return Status::Ok();
+  }
+  HeadReadLists(selection);
+  StageKv(layer);
+  staged_layer_[buffer] = layer;
+  staged_signature_[buffer] = SelectionSignature(selection, batch_->seqs.size());
+  offload_stats_.on_demand_fetches += 1;
+  return Status::Ok();
+}
+
+void CpuBackend::HeadReadLists(std::span<const KvHeadSelection> selection) {
+  const int KV = layout_.num_kv_heads;
+  head_view_slots_.resize(batch_->seqs.size() * static_cast<size_t>(KV));
+  for (size_t s = 0; s < batch_->seqs.size(); ++s) {
+    const bool view = selection.empty() || selection[s].per_head == 0;
+    for (int h = 0; h < KV; ++h) {
+      std::vector<int64_t>& list = head_view_slots_[s * KV + h];
+      if (view) {
+        list = view_slots_[s];
+      } else {
+        const KvHeadSelection& sel = selection[s];
+        const auto first = sel.slots.begin() + static_cast<std::ptrdiff_t>(h) * sel.per_head;
+        list.assign(first, first + sel.per_head);
+      }
+    }
+  }
+}
+
+void CpuBackend::StageKv(int layer) {
+  const auto start = std::chrono::steady_clock::now();
+  const int KV = layout_.num_kv_heads, bs = layout_.block_size;
+  const size_t row_bytes = cpu::KvPoolBytes(kv_element_, static_cast<size_t>(layout_.head_dim));
+  const uint8_t* pool[2] = {Pool(KvTier::kDevice, 0, layer), Pool(KvTier::kDevice, 1, layer)};
+  uint8_t* staging[2] = {Staging(0, layer), Staging(1, layer)};
+  std::vector<int64_t> rows(head_view_slots_.size(), 0);
+  ParallelFor(static_cast<int64_t>(head_view_slots_.size()), [&](int64_t first, int64_t last) {
+    for (int64_t j = first; j < last; ++j) {
+      const std::vector<int64_t>& list = head_view_slots_[static_cast<size_t>(j)];
+      const int h = static_cast<int>(j % KV);
+      const SequenceSlice& slice = batch_->seqs[static_cast<size_t>(j / KV)];
+      // The slice's own tokens end its list; WriteKv stages them.
+      const size_t cached = list.size() - std::min(list.size(), static_cast<size_t>(slice.num_tokens));
+      // Runs of consecutive slots in one block are one copy (one KV head's rows are contiguous).
+      for (size_t i = 0; i < cached;) {
+        size_t n = 1;
+        while (i + n < cached && list[i + n] == list[i] + static_cast<int64_t>(n) && list[i + n] % bs != 0) ++n;
+        const size_t offset = cpu::KvPoolBytes(
+            kv_element_, layout_.offset(static_cast<int>(list[i] / bs), h, static_cast<int>(list[i] % bs)));
+        for (int kv = 0; kv < 2; ++kv) std::memcpy(staging[kv] + offset, pool[kv] + offset, n * row_bytes);
+        rows[static_cast<size_t>(j)] += static_cast<int64_t>(n);
+        i += n;
+      }
+    }
+  }, 0, 1);
+  int64_t total = 0;
+  for (int64_t r : rows) total += r;
+  offload_stats_.bytes_fetched += total * 2 * static_cast<int64_t>(row_bytes);
+  offload_stats_.fetch_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 void CpuBackend::RunAttention(int layer, std::span<const std::vector<int64_t>> view_slots) {
@@ -274,8 +411,11 @@ void CpuBackend::RunAttention(int layer, std::span<const std::vector<int64_t>> v
   io.out = attention_.data();
   io.out_row_stride = Width(Activation::kAttention);
   const float scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
-  cpu::PagedAttention(*batch_, view_slots, layout_, config_.num_heads, io, kv_element_, Pool(KvTier::kDevice, 0, layer),
-                      Pool(KvTier::kDevice, 1, layer), scale);
+  // An offloaded pool's attention reads the layer's staging buffer (EnsureStaged filled it).
+  const bool staged = kv_offloaded();
+  cpu::PagedAttention(*batch_, view_slots, layout_, config_.num_heads, io, kv_element_,
+                      staged ? Staging(0, layer) : Pool(KvTier::kDevice, 0, layer),
+                      staged ? Staging(1, layer) : Pool(KvTier::kDevice, 1, layer), scale);
 }
 
 Status CpuBackend::ReadActivationRows(Activation which, int64_t first_row, int64_t rows, std::span<float> out) {
@@ -307,20 +447,8 @@ Status CpuBackend::ReadKv(int layer, int kv, std::span<const int64_t> slots, std
 Status CpuBackend::AttentionOverSelection(int layer, std::span<const KvHeadSelection> selection) {
   if (batch_ == nullptr) return Status::Internal("attention outside a step");
   KVFLOW_RETURN_IF_ERROR(ValidateKvHeadSelections(selection, *batch_, layout_));
-  const int KV = layout_.num_kv_heads;
-  head_view_slots_.resize(batch_->seqs.size() * static_cast<size_t>(KV));
-  for (size_t s = 0; s < batch_->seqs.size(); ++s) {
-    const KvHeadSelection& sel = selection[s];
-    for (int h = 0; h < KV; ++h) {
-      std::vector<int64_t>& list = head_view_slots_[s * KV + h];
-      if (sel.per_head == 0) {
-        list = view_slots_[s];
-      } else {
-        const auto first = sel.slots.begin() + static_cast<std::ptrdiff_t>(h) * sel.per_head;
-        list.assign(first, first + sel.per_head);
-      }
-    }
-  }
+  if (kv_offloaded()) KVFLOW_RETURN_IF_ERROR(EnsureStaged(layer, selection));
+  HeadReadLists(selection);
   RunAttention(layer, head_view_slots_);
   return Status::Ok();
 }

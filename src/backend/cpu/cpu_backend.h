@@ -20,9 +20,16 @@ class CpuBackend final : public Backend {
   // (its pages are only touched when something is swapped out); OutOfMemory if the host cannot
   // hold them. `num_threads` (>= 1) workers, the stepping thread included, run each step. A q4
   // `kv_element` needs head_dim a multiple of 32 (InvalidArgument otherwise).
+  //
+  // With `kv_offload` the pool is the offload tier's host pool (EngineConfig::kv_offload) and two
+  // layers' staging buffers stand for the device memory attention reads; there is no swap pool
+  // then (num_host_blocks must be 0). The "device" and "host" are the same memory here, so the
+  // copies cost what they cost in RAM: this runs the mechanism and counts its bytes, it does not
+  // model a PCIe link.
   static Result<std::unique_ptr<CpuBackend>> Create(const ModelConfig& config, LlamaWeights weights,
                                                     const KvCacheLayout& layout, int num_host_blocks,
-                                                    int num_threads, cpu::KvElement kv_element = cpu::KvElement::kF32);
+                                                    int num_threads, cpu::KvElement kv_element = cpu::KvElement::kF32,
+                                                    bool kv_offload = false);
 
   Status RunStep(const ForwardBatch& batch, const LogitsSink& sink, const std::function<Status()>& layers,
                  bool capturable) override;
@@ -43,6 +50,10 @@ class CpuBackend final : public Backend {
   Status ScoreKvBlocks(int layer, std::span<const KvBlockScoreJob> jobs) override;
   Status SelectTopKvBlocks(std::span<const KvBlockSelectJob> jobs, std::vector<int32_t>& chosen) override;
   Status ReadKvBlockScores(int64_t offset, std::span<float> out) override;
+
+  bool kv_offloaded() const override { return staging_key_ != nullptr; }
+  Status PrefetchKv(int layer, std::span<const KvHeadSelection> selection) override;
+  KvOffloadStats kv_offload_stats() const override { return offload_stats_; }
 
   Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) override;
   Status TransferKv(std::span<const KvTransfer> transfers) override;
@@ -72,6 +83,16 @@ class CpuBackend final : public Backend {
   Status Head(const LogitsSink& sink);
   // kAttention over the given view lists (one per slice, or one per slice and KV head).
   void RunAttention(int layer, std::span<const std::vector<int64_t>> view_slots);
+  // Offloaded pool: the slots each (slice, KV head) reads at a layer under `selection` (views where
+  // it is empty or a slice's per_head is 0), into head_view_slots_.
+  void HeadReadLists(std::span<const KvHeadSelection> selection);
+  // Copies the cached tokens of head_view_slots_ (all but each slice's own new tokens, which
+  // WriteKv stages) of `layer` from the pool to its staging buffer.
+  void StageKv(int layer);
+  // Attention's side of the offload: the layer's staging buffer must hold `selection`'s reads
+  // (fetched now when nothing was prefetched for the layer).
+  Status EnsureStaged(int layer, std::span<const KvHeadSelection> selection);
+  uint8_t* Staging(int kv, int layer) const;
 
   ModelConfig config_;
   LlamaWeights weights_;
@@ -88,6 +109,14 @@ class CpuBackend final : public Backend {
   std::unique_ptr<uint8_t[]> value_cache_;
   std::unique_ptr<uint8_t[]> host_key_cache_;
   std::unique_ptr<uint8_t[]> host_value_cache_;
+  // Offloaded pool: the staging buffers of two layers (layer l in buffer l % 2), what each holds
+  // (the layer, -1 none; and a signature of the selections fetched) and the counters.
+  static constexpr int kStagingLayers = 2;
+  std::unique_ptr<uint8_t[]> staging_key_;
+  std::unique_ptr<uint8_t[]> staging_value_;
+  int staged_layer_[kStagingLayers] = {-1, -1};
+  uint64_t staged_signature_[kStagingLayers] = {0, 0};
+  KvOffloadStats offload_stats_;
   // The step being run, its slots and the slots each sequence's view reads.
   const ForwardBatch* batch_ = nullptr;
   int64_t num_tokens_ = 0;
