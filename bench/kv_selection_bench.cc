@@ -14,7 +14,10 @@
 //     answer is decoded (InfiniGen as in the paper; H2O keeps its budget from the first decode step).
 // Modes: full (the baseline), infinigen (--kv-selection infinigen, the model's skewing file from
 // `kvflow skew`), h2o (--h2o-budget of the context), int4 (kv_cache_dtype q4: 4-bit group-quantized
-// K/V, every token read).
+// K/V, every token read); and with the KV pool offloaded (--kv-offload), offload-full (FlexGen:
+// every layer fetches every cached token), offload-infinigen and offload-h2o, with the bytes each
+// decode token fetched from the host pool. On a CPU the host pool and the staging buffers are the
+// same RAM: the offload modes measure the mechanism's cost here, not a PCIe link.
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -35,6 +38,15 @@ namespace kb = kvflow::bench;
 kvflow::KvSelectionStats Minus(kvflow::KvSelectionStats a, const kvflow::KvSelectionStats& b) {
   a.Add(b, -1);
   return a;
+}
+
+Json OffloadJson(const kvflow::KvOffloadStats& o, int64_t decode_tokens) {
+  return {{"prefetches", o.prefetches},
+          {"on_demand_fetches", o.on_demand_fetches},
+          {"bytes_fetched", o.bytes_fetched},
+          {"bytes_written", o.bytes_written},
+          {"fetch_seconds", o.fetch_seconds},
+          {"bytes_fetched_per_token", decode_tokens > 0 ? static_cast<double>(o.bytes_fetched) / decode_tokens : 0.0}};
 }
 
 Json SelectionJson(const kvflow::KvSelectionStats& s) {
@@ -73,7 +85,9 @@ int main(int argc, char** argv) {
   app.add_option("--model", model, "Model path or short name")->capture_default_str();
   app.add_option("--device", device, "cpu, cuda or cuda:N")->capture_default_str();
   app.add_option("--contexts", contexts_arg, "Comma-separated context lengths")->capture_default_str();
-  app.add_option("--modes", modes_arg, "Comma-separated: full, infinigen, h2o, int4")->capture_default_str();
+  app.add_option("--modes", modes_arg,
+                 "Comma-separated: full, infinigen, h2o, int4, offload-full, offload-infinigen, offload-h2o")
+      ->capture_default_str();
   app.add_option("--new-tokens", new_tokens, "Decode steps timed per context")->capture_default_str();
   app.add_option("--repeats", repeats, "Timed repeats (modes interleaved); medians are reported")->capture_default_str();
   app.add_option("--threads", threads, "CPU threads")->capture_default_str();
@@ -115,18 +129,21 @@ int main(int argc, char** argv) {
     c.max_model_len = max_model_len;
     c.max_num_seqs = 1;
     c.num_kv_blocks = (max_model_len + c.block_size - 1) / c.block_size + 32;
-    if (mode == "infinigen") {
+    const bool offload = mode.rfind("offload-", 0) == 0;
+    const std::string method = offload ? mode.substr(8) : mode;
+    c.kv_offload = offload;
+    if (method == "infinigen") {
       c.kv_selection = "infinigen";
       c.infinigen_alpha = alpha;
       c.infinigen_max_fraction = max_fraction;
       c.infinigen_speculate_from = speculate_from;
       c.infinigen_skew_file = skew_file;
-    } else if (mode == "h2o") {
+    } else if (method == "h2o") {
       c.kv_selection = "h2o";
       c.h2o_budget = h2o_budget;
-    } else if (mode == "int4") {
+    } else if (method == "int4" && !offload) {
       c.kv_cache_dtype = "q4";
-    } else if (mode != "full") {
+    } else if (method != "full") {
       std::fprintf(stderr, "unknown mode '%s'\n", mode.c_str());
       return 2;
     }
@@ -138,6 +155,7 @@ int main(int argc, char** argv) {
     engine_json[mode] = {{"describe", engine.value()->Describe()},
                          {"kv_selection", c.kv_selection},
                          {"kv_cache_dtype", c.kv_cache_dtype},
+                         {"kv_offload", c.kv_offload},
                          {"infinigen_alpha", c.infinigen_alpha},
                          {"infinigen_max_fraction", c.infinigen_max_fraction},
                          {"infinigen_speculate_from", c.infinigen_speculate_from},
@@ -164,12 +182,13 @@ int main(int argc, char** argv) {
   Json rows = Json::array();
   std::string table =
       "| context | mode | decode tok/s | ms/token | vs full | KV read (selected layers) | KV bytes read (all layers) | "
-      "pass key |\n|---:|---|---:|---:|---:|---:|---:|---|\n";
+      "fetched from host / token | pass key |\n|---:|---|---:|---:|---:|---:|---:|---:|---|\n";
   for (int context : contexts) {
     const std::vector<int32_t> prompt = kb::WikiPrompt(tok, articles, 0, context - new_tokens - 8);
     const kb::Passkey key = kb::PasskeyPrompt(tok, context - 32, passkey_depth, static_cast<uint32_t>(context));
     std::map<std::string, std::vector<double>> tps;
     std::map<std::string, kvflow::KvSelectionStats> selection;
+    std::map<std::string, kb::TimedRun> first_run;
     std::map<std::string, std::string> errors;
     for (int rep = 0; rep < repeats; ++rep) {
       for (const std::string& mode : modes) {
@@ -178,7 +197,10 @@ int main(int argc, char** argv) {
         const kb::TimedRun r = kb::RunTimed(e, prompt, params);
         if (!r.error.empty()) errors[mode] = r.error;
         tps[mode].push_back(r.decode_s > 0 ? static_cast<double>(r.decode_tokens) / r.decode_s : 0.0);
-        if (rep == 0) selection[mode] = Minus(e.stats().kv_selection, before);
+        if (rep == 0) {
+          selection[mode] = Minus(e.stats().kv_selection, before);
+          first_run[mode] = r;
+        }
         std::fprintf(stderr, "ctx %d %-9s rep %d: %.1f tok/s%s%s\n", context, mode.c_str(), rep, tps[mode].back(),
                      r.error.empty() ? "" : " error: ", r.error.c_str());
       }
@@ -203,6 +225,7 @@ int main(int argc, char** argv) {
                       {"ms_per_token", median > 0 ? 1000.0 / median : 0.0},
                       {"speedup_vs_full", full_tps > 0 ? median / full_tps : 0.0},
                       {"selection", SelectionJson(s)},
+                      {"offload", OffloadJson(first_run[mode].decode_offload, first_run[mode].decode_tokens)},
                       {"error", errors[mode]},
                       {"passkey", {{"prompt_tokens", key.ids.size()},
                                    {"key", key.key},
@@ -210,12 +233,17 @@ int main(int argc, char** argv) {
                                    {"found", found},
                                    {"error", k.error},
                                    {"selection", SelectionJson(key_sel)}}}});
+      const kb::TimedRun& fr = first_run[mode];
+      const std::string fetched =
+          engine_json[mode]["kv_offload"].get<bool>() && fr.decode_tokens > 0
+              ? fmt::format("{:.2f} MiB", static_cast<double>(fr.decode_offload.bytes_fetched) / fr.decode_tokens / (1 << 20))
+              : "-";
       char line[512];
-      std::snprintf(line, sizeof line, "| %d | %s | %.1f | %.2f | %.2fx | %s | %.1f%% | %s |\n", context, mode.c_str(), median,
+      std::snprintf(line, sizeof line, "| %d | %s | %.1f | %.2f | %.2fx | %s | %.1f%% | %s | %s |\n", context, mode.c_str(), median,
                     median > 0 ? 1000.0 / median : 0.0, full_tps > 0 ? median / full_tps : 0.0,
                     s.tokens_available > 0 ? (std::to_string(static_cast<int>(100.0 * s.selection_fraction() + 0.5)) + "%").c_str()
                                            : "100%",
-                    100.0 * bytes_fraction, found ? "found" : "missed");
+                    100.0 * bytes_fraction, fetched.c_str(), found ? "found" : "missed");
       table += line;
     }
   }
@@ -241,7 +269,9 @@ int main(int argc, char** argv) {
        << ", " << kb::NowIso() << ". Decode tok/s: median of " << repeats << " runs of " << new_tokens
        << " greedy tokens after a WikiText-2 prompt; \"KV read\": the share of the cached tokens attention read at the "
           "layers that select (InfiniGen: all but layer 0; H2O: all), \"bytes read\": K/V bytes over all layers vs full "
-          "attention (what an offloaded cache would fetch). Pass key: prefilled in full, answer decoded under the mode.\n\n"
+          "attention (what an offloaded cache would fetch). offload-*: the KV pool in host memory (--kv-offload), "
+          "\"fetched\": bytes each decode token moved from it to the staging buffers (on this CPU the same RAM: the "
+          "copy cost is measured, no PCIe link). Pass key: prefilled in full, answer decoded under the mode.\n\n"
        << table;
   }
   return 0;

@@ -145,6 +145,7 @@ struct TimedRun {
   int64_t decode_steps = 0;   // = full-cache passes of the sequence
   double prefill_s = 0.0;
   double decode_s = 0.0;
+  kvflow::KvOffloadStats decode_offload;  // what the decode steps moved (--kv-offload)
   std::string error;
 };
 
@@ -182,6 +183,7 @@ inline TimedRun RunTimed(kvflow::Engine& engine, const std::vector<int32_t>& pro
     // carries several tokens, as prefill too.)
     if (had == 0) {
       r.prefill_s += s;
+      if (!r.tokens.empty()) r.decode_offload.Add(engine.stats().kv_offload, -1);  // decode starts here
     } else {
       r.decode_s += s;
       ++r.decode_steps;
@@ -189,6 +191,7 @@ inline TimedRun RunTimed(kvflow::Engine& engine, const std::vector<int32_t>& pro
     }
   }
   if (r.error.empty() && !stream_error.empty()) r.error = stream_error;
+  r.decode_offload.Add(engine.stats().kv_offload);
   return r;
 }
 

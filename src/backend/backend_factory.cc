@@ -90,12 +90,9 @@ Result<std::unique_ptr<Backend>> MakeCudaBackend(EngineConfig& config, bool requ
     return Status::InvalidArgument("kv_cache_dtype " + config.kv_cache_dtype +
                                    " (the 4-bit KV cache) is CPU only; CUDA keeps the KV cache in the dtype's 16-bit type");
   }
-  if (config.kv_offload) {
-    return Status::Unsupported("kv_offload runs on the CPU backend only so far: the CUDA backend keeps the KV pool "
-                               "in device memory");
-  }
   CudaBackendOptions o;
   o.device = device;
+  o.kv_offload = config.kv_offload;
   o.dtype = config.dtype;
   o.gpu_memory_utilization = config.gpu_memory_utilization;
   o.block_size = config.block_size;
@@ -113,6 +110,11 @@ Result<std::unique_ptr<Backend>> MakeCudaBackend(EngineConfig& config, bool requ
     o.num_kv_blocks = config.num_kv_blocks;
   } else if (config.kv_cache_bytes > 0) {
     o.num_kv_blocks = static_cast<int>(std::max<int64_t>(1, config.kv_cache_bytes / block_bytes));
+  } else if (config.kv_offload) {
+    // An offloaded pool is host memory, which the GPU budget does not size: as the CPU backend,
+    // enough for max_num_seqs full contexts, at most 1 GiB (pinned), unless kv_cache_bytes says.
+    const int64_t full = static_cast<int64_t>(config.max_num_seqs) * BlocksForTokens(config.max_model_len, config.block_size);
+    o.num_kv_blocks = static_cast<int>(std::max<int64_t>(1, std::min(full, (int64_t{1} << 30) / block_bytes)));
   }
   const int64_t host_blocks = config.num_host_kv_blocks >= 0 ? config.num_host_kv_blocks
                                                              : config.swap_space_bytes / block_bytes;

@@ -115,7 +115,7 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
                "Keep the KV cache in host memory (InfiniGen's and FlexGen's setting): the device holds two layers' "
                "staging buffers and each layer fetches what its attention reads, during the layer before where it "
                "is known: every cached token, or with --kv-selection infinigen only the speculated ones. No swap "
-               "space; CPU backend only so far");
+               "space; on CUDA the pool is pinned host memory and decode steps run without CUDA graphs");
   app->add_option("--ngram-max,--prompt-lookup-max", c.ngram_max, "ngram: longest suffix looked up")->default_val(4);
   app->add_option("--ngram-min,--prompt-lookup-min", c.ngram_min, "ngram: shortest suffix looked up")->default_val(1);
   app->add_option("--threads", c.num_threads, "CPU threads (0 = all cores)")->default_val(0);

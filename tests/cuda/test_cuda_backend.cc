@@ -1060,7 +1060,7 @@ const std::string& TinySkewFile() {
 }
 
 // Greedy tokens of prompts of 90, 37 and 150 tokens decoded together, and the engine's selection stats.
-Outputs RunSelectionEngine(EngineConfig c, KvSelectionStats* stats = nullptr) {
+Outputs RunSelectionEngine(EngineConfig c, KvSelectionStats* stats = nullptr, KvOffloadStats* offload = nullptr) {
   c.infinigen_skew_file = TinySkewFile();
   auto created = Engine::Create(c);
   EXPECT_TRUE(created.ok()) << created.status().ToString();
@@ -1075,6 +1075,7 @@ Outputs RunSelectionEngine(EngineConfig c, KvSelectionStats* stats = nullptr) {
   }
   const Outputs out = test::GenerateAll(*engine, prompts, Greedy(24), false);
   if (stats) *stats = engine->stats().kv_selection;
+  if (offload) *offload = engine->stats().kv_offload;
   EXPECT_EQ(engine->stats().kv_blocks_free, engine->stats().kv_blocks_total) << "device blocks leaked";
   return out;
 }
@@ -1153,6 +1154,34 @@ TEST(CudaEngine, KvSelectionMatchesTheCpuSelector) {
               100.0 * on_gpu.selection_fraction());
   EXPECT_EQ(on_gpu.layer_reads_selected, on_cpu.layer_reads_selected);
   EXPECT_NEAR(on_gpu.selection_fraction(), on_cpu.selection_fraction(), 0.02);
+}
+
+// The KV pool offloaded to pinned host memory: attention reads two layers' staging buffers, views
+// prefetched on the copy stream and selections gathered from the host pool. It moves bytes, never
+// changes a number: the same greedy tokens as the resident pool, for full attention (whose resident
+// decode steps replay CUDA graphs), InfiniGen and H2O.
+TEST(CudaEngine, KvOffloadKeepsGreedyOutputs) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  for (const char* selection : {"", "infinigen", "h2o"}) {
+    EngineConfig resident = CudaConfig("tiny-random");
+    resident.kv_selection = selection;
+    resident.infinigen_alpha = 2.0;
+    resident.h2o_budget = 0.3;
+    EngineConfig offloaded = resident;
+    offloaded.kv_offload = true;
+    KvSelectionStats resident_sel, offloaded_sel;
+    KvOffloadStats moved;
+    const Outputs expected = RunSelectionEngine(resident, &resident_sel);
+    ASSERT_EQ(expected.size(), 3u);
+    EXPECT_EQ(RunSelectionEngine(offloaded, &offloaded_sel, &moved), expected) << "selection '" << selection << "'";
+    EXPECT_EQ(offloaded_sel.tokens_selected, resident_sel.tokens_selected);
+    EXPECT_GT(moved.bytes_fetched, 0);
+    EXPECT_GT(moved.bytes_written, 0);
+    EXPECT_GT(moved.prefetches + moved.on_demand_fetches, 0);
+    std::printf("  offload, selection '%s': %.2f MiB fetched (%lld prefetched layers, %lld on demand), %.2f MiB written\n",
+                selection, moved.bytes_fetched / double(1 << 20), (long long)moved.prefetches,
+                (long long)moved.on_demand_fetches, moved.bytes_written / double(1 << 20));
+  }
 }
 
 // Two KV caches on the device: a draft model whose pool follows the target's block tables, its

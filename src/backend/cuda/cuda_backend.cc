@@ -276,6 +276,9 @@ class CudaBackend final : public Backend {
   bool SupportsDeviceSampling() const override { return true; }
   Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) override;
   Status TransferKv(std::span<const KvTransfer> transfers) override;
+  bool kv_offloaded() const override { return options_.kv_offload; }
+  Status PrefetchKv(int layer, std::span<const KvHeadSelection> selection) override;
+  KvOffloadStats kv_offload_stats() const override { return offload_stats_; }
   const KvCacheLayout& kv_layout() const override { return layout_; }
   int num_host_blocks() const override { return num_host_blocks_; }
   int64_t kv_token_bytes() const override {
@@ -325,6 +328,15 @@ class CudaBackend final : public Backend {
   // Grows `arena` to at least `bytes` (by half again when it grows), waiting for the stream first:
   // queued kernels may still use the old allocation.
   Status GrowScratch(DeviceArena& arena, size_t bytes, const char* what);
+  // Offloaded pool: K (kv 0) or V of `layer` in the pool (host) and in its staging buffer (device).
+  char* PoolLayer(int kv, int layer) const;
+  char* StagingLayer(int kv, int layer) const;
+  // Copies the cached blocks of every slice that reads its view at `layer` (selection empty or
+  // per_head 0) from the pool to the staging buffer on `stream`, one copy per run of blocks.
+  Status StageViews(int layer, std::span<const KvHeadSelection> selection, cudaStream_t stream);
+  // Attention's side: the layer's staging buffer holds `selection`'s views (copied now on the
+  // compute stream when nothing was prefetched for the layer).
+  Status EnsureStaged(int layer, std::span<const KvHeadSelection> selection);
 
   ModelConfig config_;
   CudaBackendOptions options_;
@@ -404,6 +416,22 @@ class CudaBackend final : public Backend {
   PinnedArena host_kv_arena_;
   char* host_key_pool_ = nullptr;
   char* host_value_pool_ = nullptr;
+  // An offloaded pool (options_.kv_offload): key_pool_ / value_pool_ point into pinned host memory
+  // (offload_pool_arena_; kernels read and write it over the bus: the write-through of new K/V,
+  // KV reads, copy-on-write) and attention reads the device staging buffers of two layers (layer l
+  // in buffer l % 2). Views are prefetched into them on copy_stream_, whole blocks (cudaMemcpyAsync
+  // per run of consecutive blocks); selections are gathered by AttentionOverSelection straight from
+  // the host pool, only the selected rows crossing the bus (zero-copy reads on the compute stream:
+  // not yet overlapped with the previous layer).
+  static constexpr int kStagingLayers = 2;
+  PinnedArena offload_pool_arena_;
+  DeviceArena staging_arena_;
+  int staged_layer_[kStagingLayers] = {-1, -1};
+  uint64_t staged_signature_[kStagingLayers] = {0, 0};
+  bool staged_async_[kStagingLayers] = {false, false};  // prefetched on copy_stream_: wait for staged_[b]
+  cudaEvent_t staged_[kStagingLayers] = {nullptr, nullptr};
+  cudaEvent_t staging_free_ = nullptr;  // the compute issued before a prefetch
+  KvOffloadStats offload_stats_;
 
   // TriForce's chunk scoring (ScoreKvBlocks). The score buffer holds block_scores_size_ floats (the
   // size Reset asked for, as the CPU backend's vector) in an allocation that only grows.
@@ -449,6 +477,10 @@ CudaBackend::~CudaBackend() {
   if (swap_done_) cudaEventDestroy(swap_done_);
   if (block_meta_copied_) cudaEventDestroy(block_meta_copied_);
   if (compute_done_) cudaEventDestroy(compute_done_);
+  for (cudaEvent_t e : staged_) {
+    if (e) cudaEventDestroy(e);
+  }
+  if (staging_free_) cudaEventDestroy(staging_free_);
   if (stream_) cudaStreamDestroy(stream_);
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
 }
@@ -495,6 +527,10 @@ Status CudaBackend::Init(const LlamaWeights* weights, uint64_t random_seed) {
   KVFLOW_CUDA_RETURN(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
   KVFLOW_CUDA_RETURN(cudaEventCreateWithFlags(&swap_done_, cudaEventDisableTiming));
   KVFLOW_CUDA_RETURN(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
+  if (options_.kv_offload) {
+    for (cudaEvent_t& e : staged_) KVFLOW_CUDA_RETURN(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    KVFLOW_CUDA_RETURN(cudaEventCreateWithFlags(&staging_free_, cudaEventDisableTiming));
+  }
   KVFLOW_CUBLAS_RETURN(cublasCreate(&cublas_));
   KVFLOW_CUBLAS_RETURN(cublasSetStream(cublas_, stream_));
 
@@ -710,7 +746,10 @@ Status CudaBackend::AllocatePools() {
   int64_t blocks = options_.num_kv_blocks > 0 ? options_.num_kv_blocks
                                               : static_cast<int64_t>(std::max(0.0, available) / block_bytes);
   blocks = std::min<int64_t>(blocks, std::numeric_limits<int32_t>::max() / 2);
-  if (blocks < max_blocks_per_seq_) {
+  if (options_.kv_offload && options_.num_kv_blocks <= 0) {
+    return Status::InvalidArgument("an offloaded KV pool lives in host memory: give its size (num_kv_blocks)");
+  }
+  if (blocks < max_blocks_per_seq_ && !options_.kv_offload) {
     return Status::OutOfMemory(fmt::format(
         "the GPU budget leaves room for {} KV blocks ({} tokens), less than one sequence of max_model_len {} "
         "needs: weights take {:.2f} GiB, activations {:.2f} GiB, other processes and the context {:.2f} GiB of "
@@ -723,9 +762,17 @@ Status CudaBackend::AllocatePools() {
   }
   layout_.num_blocks = static_cast<int>(blocks);
   const size_t pool_bytes = layout_.layer_stride() * layout_.num_layers * es;
-  KVFLOW_RETURN_IF_ERROR(kv_arena_.Allocate(2 * pool_bytes, "the KV cache"));
-  key_pool_ = kv_arena_.base();
-  value_pool_ = kv_arena_.base() + pool_bytes;
+  if (options_.kv_offload) {
+    KVFLOW_RETURN_IF_ERROR(offload_pool_arena_.Allocate(2 * pool_bytes, "the offloaded KV pool"));
+    key_pool_ = offload_pool_arena_.base();
+    value_pool_ = offload_pool_arena_.base() + pool_bytes;
+    KVFLOW_RETURN_IF_ERROR(staging_arena_.Allocate(2 * layout_.layer_stride() * es * kStagingLayers,
+                                                   "the KV staging buffers"));
+  } else {
+    KVFLOW_RETURN_IF_ERROR(kv_arena_.Allocate(2 * pool_bytes, "the KV cache"));
+    key_pool_ = kv_arena_.base();
+    value_pool_ = kv_arena_.base() + pool_bytes;
+  }
 
   // Copy-on-write pair lists and the logits staging.
   const size_t pairs_bytes = AlignUp(2 * static_cast<size_t>(layout_.num_blocks) * sizeof(int32_t));
@@ -737,7 +784,7 @@ Status CudaBackend::AllocatePools() {
   host_logits_ = reinterpret_cast<float*>(host_logits_arena_.base());
 
   // Swap pool in pinned host memory, same layout as the device pool.
-  num_host_blocks_ = std::max(0, std::min(options_.num_host_blocks, layout_.num_blocks));
+  num_host_blocks_ = options_.kv_offload ? 0 : std::max(0, std::min(options_.num_host_blocks, layout_.num_blocks));
   if (num_host_blocks_ > 0) {
     KvCacheLayout host_layout = layout_;
     host_layout.num_blocks = num_host_blocks_;
@@ -969,6 +1016,20 @@ Status CudaBackend::WriteKv(int layer) {
                                              key_pool_ + layer * layer_bytes, value_pool_ + layer * layer_bytes,
                                              device_meta_.slot_mapping, step_.num_tokens, KV, D, layout_.block_size,
                                              stream_));
+  if (options_.kv_offload) {
+    // Written through to the host pool (above) and into the layer's staging buffer, after the
+    // prefetch that fills it (whose copies of these slots are stale).
+    const int buffer = layer % kStagingLayers;
+    if (staged_layer_[buffer] == layer && staged_async_[buffer]) {
+      KVFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream_, staged_[buffer], 0));
+      staged_async_[buffer] = false;
+    }
+    KVFLOW_KERNEL_RETURN(cuda::ReshapeAndCache(dtype_, qkv + static_cast<size_t>(NH) * D * es, QKV,
+                                               qkv + static_cast<size_t>(NH + KV) * D * es, QKV, StagingLayer(0, layer),
+                                               StagingLayer(1, layer), device_meta_.slot_mapping, step_.num_tokens, KV,
+                                               D, layout_.block_size, stream_));
+    offload_stats_.bytes_written += static_cast<int64_t>(step_.num_tokens) * kv_token_bytes();
+  }
   return Status::Ok();
 }
 
@@ -977,6 +1038,11 @@ Status CudaBackend::Attention(int layer) {
   const size_t layer_bytes = layout_.layer_stride() * cuda::DTypeSize(dtype_);
   const char* key_cache = key_pool_ + layer * layer_bytes;
   const char* value_cache = value_pool_ + layer * layer_bytes;
+  if (options_.kv_offload) {
+    KVFLOW_RETURN_IF_ERROR(EnsureStaged(layer, {}));
+    key_cache = StagingLayer(0, layer);
+    value_cache = StagingLayer(1, layer);
+  }
   // Slot views read the layer's gathered copy of their slots (the K/V this step wrote included).
   if (step_.num_gathered_slots > 0) {
     KVFLOW_KERNEL_RETURN(cuda::GatherSlots(dtype_, key_cache, value_cache, m.gather_slots, step_.num_gathered_slots,
@@ -1264,6 +1330,16 @@ Status CudaBackend::AttentionOverSelection(int layer, std::span<const KvHeadSele
   const size_t layer_bytes = layout_.layer_stride() * es;
   const char* key_cache = key_pool_ + layer * layer_bytes;
   const char* value_cache = value_pool_ + layer * layer_bytes;
+  // Rows reading their views read the pool, or an offloaded pool's staging buffer; selections are
+  // gathered from the pool wherever it is (an offloaded one: only the selected rows cross the bus).
+  const char* view_key = key_cache;
+  const char* view_value = value_cache;
+  if (options_.kv_offload) {
+    KVFLOW_RETURN_IF_ERROR(EnsureStaged(layer, selection));
+    view_key = StagingLayer(0, layer);
+    view_value = StagingLayer(1, layer);
+    offload_stats_.bytes_fetched += selected_slots * 2 * layout_.head_dim * static_cast<int64_t>(es);
+  }
   if (!decode_rows[kSlotView].empty() || !prefill_rows[kSlotView].empty()) {
     KVFLOW_KERNEL_RETURN(cuda::GatherSlots(dtype_, key_cache, value_cache, device_meta_.gather_slots,
                                            step_.num_gathered_slots, gather_key_, gather_value_, KV, config_.head_dim,
@@ -1272,8 +1348,8 @@ Status CudaBackend::AttentionOverSelection(int layer, std::span<const KvHeadSele
   KVFLOW_KERNEL_RETURN(cuda::GatherSelectedKv(dtype_, key_cache, value_cache,
                                               reinterpret_cast<const cuda::SelectedKvGatherJob*>(device), job,
                                               selected_key, selected_value, KV, config_.head_dim, bs, stream_));
-  const void* keys[3] = {key_cache, gather_key_, selected_key};
-  const void* values[3] = {value_cache, gather_value_, selected_value};
+  const void* keys[3] = {view_key, gather_key_, selected_key};
+  const void* values[3] = {view_value, gather_value_, selected_value};
   for (int src = 0; src < 3; ++src) {
     const RowRange& dr = decode_ranges[src];
     if (dr.count > 0) {
@@ -1596,6 +1672,15 @@ Status CudaBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink, c
         "batch of {} tokens in {} sequences exceeds the CUDA backend's limits ({} tokens, {} sequences)", T, num_seqs,
         max_tokens_, max_seqs_));
   }
+  if (options_.kv_offload) {
+    for (const SequenceSlice& slice : batch.seqs) {
+      if (slice.view.kind != KvView::Kind::kFull) return Status::Unsupported("an offloaded KV pool reads whole views only");
+    }
+    // The prefetches are issued per step from the host (their block runs differ step to step).
+    capturable = false;
+    std::fill(std::begin(staged_layer_), std::end(staged_layer_), -1);
+    std::fill(std::begin(staged_async_), std::end(staged_async_), false);
+  }
   bool all_decode = true;
   int64_t gather_blocks = 0, gather_tokens = 0;
   for (const SequenceSlice& s : batch.seqs) {
@@ -1842,6 +1927,103 @@ Status CudaBackend::CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind k
   return Status::Ok();
 }
 
+char* CudaBackend::PoolLayer(int kv, int layer) const {
+  return (kv == 0 ? key_pool_ : value_pool_) + static_cast<size_t>(layer) * layout_.layer_stride() * cuda::DTypeSize(dtype_);
+}
+
+char* CudaBackend::StagingLayer(int kv, int layer) const {
+  const size_t layer_bytes = layout_.layer_stride() * cuda::DTypeSize(dtype_);
+  return staging_arena_.base() + (static_cast<size_t>(kv) * kStagingLayers + layer % kStagingLayers) * layer_bytes;
+}
+
+namespace {
+
+// Identifies the reads a staging buffer was filled for (as the CPU backend does): per slice, its
+// view (per_head 0) or its per-head slots (FNV-1a).
+uint64_t SelectionSignature(std::span<const KvHeadSelection> selection, size_t num_slices) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](uint64_t v) {
+    h ^= v;
+    h *= 1099511628211ull;
+  };
+  for (size_t s = 0; s < num_slices; ++s) {
+    if (selection.empty() || selection[s].per_head == 0) {
+      mix(0);
+      continue;
+    }
+    mix(static_cast<uint64_t>(selection[s].per_head));
+    for (int64_t slot : selection[s].slots) mix(static_cast<uint64_t>(slot));
+  }
+  return h;
+}
+
+}  // namespace
+
+Status CudaBackend::StageViews(int layer, std::span<const KvHeadSelection> selection, cudaStream_t stream) {
+  const int bs = layout_.block_size;
+  const size_t block_bytes = layout_.block_stride() * cuda::DTypeSize(dtype_);
+  int64_t blocks_moved = 0;
+  for (size_t s = 0; s < batch_->seqs.size(); ++s) {
+    if (!selection.empty() && selection[s].per_head > 0) continue;
+    const SequenceSlice& slice = batch_->seqs[s];
+    // The cached tokens' blocks: the step's own tokens are written into the staging buffer.
+    const int32_t cached = slice.context_len - slice.num_tokens;
+    const int32_t n = (cached + bs - 1) / bs;
+    for (int32_t b = 0; b < n;) {
+      int32_t run = 1;
+      while (b + run < n && slice.block_table[static_cast<size_t>(b + run)] == slice.block_table[static_cast<size_t>(b)] + run) ++run;
+      const size_t offset = static_cast<size_t>(slice.block_table[static_cast<size_t>(b)]) * block_bytes;
+      for (int kv = 0; kv < 2; ++kv) {
+        KVFLOW_CUDA_RETURN(cudaMemcpyAsync(StagingLayer(kv, layer) + offset, PoolLayer(kv, layer) + offset,
+                                           static_cast<size_t>(run) * block_bytes, cudaMemcpyHostToDevice, stream));
+      }
+      blocks_moved += run;
+      b += run;
+    }
+  }
+  offload_stats_.bytes_fetched += blocks_moved * 2 * static_cast<int64_t>(block_bytes);
+  return Status::Ok();
+}
+
+Status CudaBackend::PrefetchKv(int layer, std::span<const KvHeadSelection> selection) {
+  if (!options_.kv_offload) return Status::Ok();
+  if (batch_ == nullptr) return Status::Internal("KV prefetch outside a step");
+  if (layer < 0 || layer >= config_.num_layers) return Status::InvalidArgument("KV prefetch: no such layer");
+  if (!selection.empty()) KVFLOW_RETURN_IF_ERROR(ValidateKvHeadSelections(selection, *batch_, layout_));
+  // The buffer held layer - 2, whose attention is queued on the compute stream: copy after it.
+  const int buffer = layer % kStagingLayers;
+  KVFLOW_CUDA_RETURN(cudaEventRecord(staging_free_, stream_));
+  KVFLOW_CUDA_RETURN(cudaStreamWaitEvent(copy_stream_, staging_free_, 0));
+  KVFLOW_RETURN_IF_ERROR(StageViews(layer, selection, copy_stream_));
+  KVFLOW_CUDA_RETURN(cudaEventRecord(staged_[buffer], copy_stream_));
+  staged_layer_[buffer] = layer;
+  staged_async_[buffer] = true;
+  staged_signature_[buffer] = SelectionSignature(selection, batch_->seqs.size());
+  offload_stats_.prefetches += 1;
+  return Status::Ok();
+}
+
+Status CudaBackend::EnsureStaged(int layer, std::span<const KvHeadSelection> selection) {
+  const int buffer = layer % kStagingLayers;
+  if (staged_layer_[buffer] == layer) {
+    if (staged_signature_[buffer] != SelectionSignature(selection, batch_->seqs.size())) {
+      return Status::Internal("layer " + std::to_string(layer) +
+                              "'s attention reads other tokens than were prefetched for it");
+    }
+    if (staged_async_[buffer]) {  // WriteKv normally waited already
+      KVFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream_, staged_[buffer], 0));
+      staged_async_[buffer] = false;
+    }
+    return Status::Ok();
+  }
+  // Nothing prefetched: copy on the compute stream, after the write-through of this step's K/V.
+  KVFLOW_RETURN_IF_ERROR(StageViews(layer, selection, stream_));
+  staged_layer_[buffer] = layer;
+  staged_signature_[buffer] = SelectionSignature(selection, batch_->seqs.size());
+  offload_stats_.on_demand_fetches += 1;
+  return Status::Ok();
+}
+
 // General moves run on the compute stream, so they are ordered with the steps around them; each
 // (transfer, layer, K or V) is one 2D copy: a run of num_tokens slots per KV head, the heads a
 // block's head stride apart (kv/kv_cache_layout.h).
@@ -1858,7 +2040,9 @@ Status CudaBackend::TransferKv(std::span<const KvTransfer> transfers) {
   };
   for (const KvTransfer& t : transfers) {
     if (t.num_tokens == 0) continue;
-    const cudaMemcpyKind kind = t.src_tier == KvTier::kHost
+    // An offloaded pool is host memory too: let the runtime tell the kinds apart.
+    const cudaMemcpyKind kind = options_.kv_offload ? cudaMemcpyDefault
+                              : t.src_tier == KvTier::kHost
                                     ? (t.dst_tier == KvTier::kHost ? cudaMemcpyHostToHost : cudaMemcpyHostToDevice)
                                     : (t.dst_tier == KvTier::kHost ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice);
     const size_t width = static_cast<size_t>(t.num_tokens) * layout_.head_dim * es;
@@ -1877,6 +2061,14 @@ Status CudaBackend::TransferKv(std::span<const KvTransfer> transfers) {
 std::string CudaBackend::Describe() const {
   const size_t es = cuda::DTypeSize(dtype_);
   const double kv_gib = 2.0 * layout_.layer_stride() * layout_.num_layers * es / double(1 << 30);
+  if (options_.kv_offload) {
+    return fmt::format(
+        "cuda:{} {} ({}, weights {:.2f} GiB, activations {:.2f} GiB, KV offloaded: host pool {} blocks x {} tokens = "
+        "{:.2f} GiB pinned, staging {} layers = {:.2f} GiB on the device, CUDA graphs off)",
+        options_.device, device_name_, cuda::DTypeName(dtype_), weight_bytes_ / double(1 << 30),
+        work_arena_.bytes() / double(1 << 30), layout_.num_blocks, layout_.block_size, kv_gib, kStagingLayers,
+        kv_gib * kStagingLayers / layout_.num_layers);
+  }
   const double swap_gib = layout_.elements_per_block_all_layers() * es * double(num_host_blocks_) / double(1 << 30);
   return fmt::format(
       "cuda:{} {} ({}, weights {:.2f} GiB, activations {:.2f} GiB, KV pool {} blocks x {} tokens = {:.2f} GiB, "

@@ -36,6 +36,9 @@ struct CudaBackendOptions {
   // are refused). A step whose slot views need more blocks is refused with InvalidArgument.
   int max_gathered_tokens = -1;
   bool enable_cuda_graphs = true;        // capture decode steps per batch-size bucket
+  // EngineConfig::kv_offload: the pool of num_kv_blocks (required) in pinned host memory, two
+  // layers' staging buffers on the device; no swap pool; decode steps run without CUDA graphs.
+  bool kv_offload = false;
 };
 
 // Uploads `weights` (converted to the chosen dtype) and allocates the pools. Errors: Unsupported
