@@ -1,7 +1,8 @@
 """kvflow-server with --kv-selection: InfiniGen (with a skewing file written by `kvflow skew`) and H2O
 serve completions, a request opts out with "kv_selection": false (and then equals the full cache),
 /metrics counts what attention read, and a missing or corrupt skewing file stops the server at
-startup with a clear message."""
+startup with a clear message. With --kv-offload the KV pool is in host memory: completions are the
+resident pool's, /metrics counts the bytes fetched, and what offload cannot run is refused at startup."""
 
 import os
 import subprocess
@@ -75,3 +76,27 @@ def test_missing_or_corrupt_skew_file_fails_at_startup(server_bin, tmp_path):
     assert b"checksum" in r.stderr, r.stderr[-2000:]
     r = run_server(server_bin, "--kv-selection", "quest")
     assert r.returncode != 0
+
+
+def test_offloaded_pool_serves_the_same_completions_and_counts_fetches(make_server, cli_bin, tmp_path):
+    skew = write_skew_file(cli_bin, tmp_path)
+    selection = ["--kv-selection", "infinigen", "--infinigen-skew-file", str(skew), "--infinigen-alpha", "2"]
+    resident = make_server(*COMMON, *selection)
+    offloaded = make_server(*COMMON, *selection, "--kv-offload")
+    for p in PROMPTS:
+        assert complete(offloaded, p) == complete(resident, p)
+    m = offloaded.wait_idle()
+    assert m.get("kvflow:kv_offload_bytes_fetched_total") > 0
+    assert m.get("kvflow:kv_offload_bytes_written_total") > 0
+    assert m.get("kvflow:kv_offload_prefetches_total") > m.get("kvflow:kv_offload_on_demand_fetches_total") > 0
+    assert m.get("kvflow:kv_cache_blocks_free") == m.get("kvflow:kv_cache_blocks_total")
+    assert resident.wait_idle().get("kvflow:kv_offload_bytes_fetched_total") == 0
+
+
+def test_offload_refuses_what_it_cannot_run(server_bin):
+    r = run_server(server_bin, "--kv-offload", "--preemption-mode", "swap")
+    assert r.returncode != 0
+    assert b"kv_offload" in r.stderr, r.stderr[-2000:]
+    r = run_server(server_bin, "--kv-offload", "--speculative-method", "ngram")
+    assert r.returncode != 0
+    assert b"kv_offload" in r.stderr, r.stderr[-2000:]
