@@ -174,8 +174,9 @@ TEST(KvOffloadBackend, FetchesExactlyWhatAttentionReads) {
   ASSERT_TRUE(PrefillThenDecode(*backend, &Prefetched, &schedule).ok());
   const KvOffloadStats s = backend->kv_offload_stats();
   // Prefill: nothing is cached before the step, so its fetches move nothing; layers 1.. are
-  // prefetched, layer 0 fetched on demand. Decode: layer 0 reads the views (37 + 21 cached
-  // tokens, every KV head) on demand; layers 1.. read the selections, prefetched.
+  // prefetched, layer 0 fetched on demand. Decode: layer 0 reads the views on demand, whole blocks
+  // of the 37 + 21 cached tokens (3 + 2 blocks of 16); layers 1.. read the selections, prefetched,
+  // only the selected rows of each KV head.
   const ForwardBatch probe = [] {
     ForwardBatch b;
     b.seqs = {Slice(0, 1, 37, {5, 1, 7}), Slice(1, 1, 21, {2, 6})};
@@ -185,7 +186,7 @@ TEST(KvOffloadBackend, FetchesExactlyWhatAttentionReads) {
   const int64_t selected_rows = static_cast<int64_t>(mc.num_kv_heads) * ((sel[0].per_head - 1) + (sel[1].per_head - 1));
   EXPECT_EQ(s.on_demand_fetches, 2);
   EXPECT_EQ(s.prefetches, 2 * (L - 1));
-  EXPECT_EQ(s.bytes_fetched, (37 + 21) * token_bytes + (L - 1) * selected_rows * row_bytes);
+  EXPECT_EQ(s.bytes_fetched, (3 + 2) * backend->kv_layout().block_size * token_bytes + (L - 1) * selected_rows * row_bytes);
   EXPECT_EQ(s.bytes_written, (37 + 21 + 2) * L * token_bytes);
   EXPECT_GT(s.fetch_seconds, 0.0);
 }

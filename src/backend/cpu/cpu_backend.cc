@@ -329,8 +329,7 @@ Status CpuBackend::PrefetchKv(int layer, std::span<const KvHeadSelection> select
   if (batch_ == nullptr) return Status::Internal("KV prefetch outside a step");
   if (layer < 0 || layer >= config_.num_layers) return Status::InvalidArgument("KV prefetch: no such layer");
   if (!selection.empty()) KVFLOW_RETURN_IF_ERROR(ValidateKvHeadSelections(selection, *batch_, layout_));
-  HeadReadLists(selection);
-  StageKv(layer);
+  StageKv(layer, selection);
   staged_layer_[layer % kStagingLayers] = layer;
   staged_signature_[layer % kStagingLayers] = SelectionSignature(selection, batch_->seqs.size());
   offload_stats_.prefetches += 1;
@@ -346,8 +345,7 @@ Status CpuBackend::EnsureStaged(int layer, std::span<const KvHeadSelection> sele
     }
     return Status::Ok();
   }
-  HeadReadLists(selection);
-  StageKv(layer);
+  StageKv(layer, selection);
   staged_layer_[buffer] = layer;
   staged_signature_[buffer] = SelectionSignature(selection, batch_->seqs.size());
   offload_stats_.on_demand_fetches += 1;
@@ -372,35 +370,63 @@ void CpuBackend::HeadReadLists(std::span<const KvHeadSelection> selection) {
   }
 }
 
-void CpuBackend::StageKv(int layer) {
+void CpuBackend::StageKv(int layer, std::span<const KvHeadSelection> selection) {
   const auto start = std::chrono::steady_clock::now();
   const int KV = layout_.num_kv_heads, bs = layout_.block_size;
   const size_t row_bytes = cpu::KvPoolBytes(kv_element_, static_cast<size_t>(layout_.head_dim));
-  const uint8_t* pool[2] = {Pool(KvTier::kDevice, 0, layer), Pool(KvTier::kDevice, 1, layer)};
-  uint8_t* staging[2] = {Staging(0, layer), Staging(1, layer)};
-  std::vector<int64_t> rows(head_view_slots_.size(), 0);
-  ParallelFor(static_cast<int64_t>(head_view_slots_.size()), [&](int64_t first, int64_t last) {
-    for (int64_t j = first; j < last; ++j) {
-      const std::vector<int64_t>& list = head_view_slots_[static_cast<size_t>(j)];
-      const int h = static_cast<int>(j % KV);
-      const SequenceSlice& slice = batch_->seqs[static_cast<size_t>(j / KV)];
-      // The slice's own tokens end its list; WriteKv stages them.
-      const size_t cached = list.size() - std::min(list.size(), static_cast<size_t>(slice.num_tokens));
-      // Runs of consecutive slots in one block are one copy (one KV head's rows are contiguous).
-      for (size_t i = 0; i < cached;) {
-        size_t n = 1;
-        while (i + n < cached && list[i + n] == list[i] + static_cast<int64_t>(n) && list[i + n] % bs != 0) ++n;
-        const size_t offset = cpu::KvPoolBytes(
-            kv_element_, layout_.offset(static_cast<int>(list[i] / bs), h, static_cast<int>(list[i] % bs)));
-        for (int kv = 0; kv < 2; ++kv) std::memcpy(staging[kv] + offset, pool[kv] + offset, n * row_bytes);
-        rows[static_cast<size_t>(j)] += static_cast<int64_t>(n);
+  const size_t block_bytes = cpu::KvPoolBytes(kv_element_, layout_.block_stride());
+  // Byte ranges, the same in the pool and the staging buffer (one layout), of K and of V alike.
+  struct Range {
+    size_t offset, bytes;
+  };
+  std::vector<Range> ranges;
+  constexpr size_t kMaxRange = size_t{64} << 10;  // splits long runs across the threads
+  for (size_t s = 0; s < batch_->seqs.size(); ++s) {
+    const SequenceSlice& slice = batch_->seqs[s];
+    if (selection.empty() || selection[s].per_head == 0) {
+      // A view: whole blocks of the cached tokens, runs of consecutive blocks as one range. The
+      // step's own tokens in the last block come along stale; WriteKv stages them (before a
+      // prefetch's attention, and before an on-demand fetch, which then copies them fresh).
+      const int32_t cached = slice.context_len - slice.num_tokens;
+      const int32_t n = (cached + bs - 1) / bs;
+      for (int32_t b = 0; b < n;) {
+        int32_t run = 1;
+        while (b + run < n && slice.block_table[static_cast<size_t>(b + run)] == slice.block_table[static_cast<size_t>(b)] + run) ++run;
+        const size_t first = static_cast<size_t>(slice.block_table[static_cast<size_t>(b)]) * block_bytes;
+        for (size_t done = 0; done < run * block_bytes; done += kMaxRange) {
+          ranges.push_back({first + done, std::min(kMaxRange, run * block_bytes - done)});
+        }
+        b += run;
+      }
+      continue;
+    }
+    // A selection: per KV head, runs of consecutive slots in one block (a head's rows are
+    // contiguous there); the step's own token, last in each list, is WriteKv's.
+    const KvHeadSelection& sel = selection[s];
+    for (int h = 0; h < KV; ++h) {
+      const int64_t* list = sel.slots.data() + static_cast<size_t>(h) * sel.per_head;
+      const int32_t cached = sel.per_head - std::min(sel.per_head, slice.num_tokens);
+      for (int32_t i = 0; i < cached;) {
+        int32_t n = 1;
+        while (i + n < cached && list[i + n] == list[i] + n && list[i + n] % bs != 0) ++n;
+        ranges.push_back({cpu::KvPoolBytes(kv_element_, layout_.offset(static_cast<int>(list[i] / bs), h,
+                                                                       static_cast<int>(list[i] % bs))),
+                          n * row_bytes});
         i += n;
       }
     }
-  }, 0, 1);
-  int64_t total = 0;
-  for (int64_t r : rows) total += r;
-  offload_stats_.bytes_fetched += total * 2 * static_cast<int64_t>(row_bytes);
+  }
+  const uint8_t* pool[2] = {Pool(KvTier::kDevice, 0, layer), Pool(KvTier::kDevice, 1, layer)};
+  uint8_t* staging[2] = {Staging(0, layer), Staging(1, layer)};
+  ParallelFor(static_cast<int64_t>(ranges.size()), [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const Range& range = ranges[static_cast<size_t>(r)];
+      for (int kv = 0; kv < 2; ++kv) std::memcpy(staging[kv] + range.offset, pool[kv] + range.offset, range.bytes);
+    }
+  }, 0, 16);
+  size_t total = 0;
+  for (const Range& range : ranges) total += range.bytes;
+  offload_stats_.bytes_fetched += 2 * static_cast<int64_t>(total);
   offload_stats_.fetch_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 

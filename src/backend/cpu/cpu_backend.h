@@ -83,12 +83,13 @@ class CpuBackend final : public Backend {
   Status Head(const LogitsSink& sink);
   // kAttention over the given view lists (one per slice, or one per slice and KV head).
   void RunAttention(int layer, std::span<const std::vector<int64_t>> view_slots);
-  // Offloaded pool: the slots each (slice, KV head) reads at a layer under `selection` (views where
-  // it is empty or a slice's per_head is 0), into head_view_slots_.
+  // The slots each (slice, KV head) reads at a layer under `selection` (views where it is empty or
+  // a slice's per_head is 0), into head_view_slots_.
   void HeadReadLists(std::span<const KvHeadSelection> selection);
-  // Copies the cached tokens of head_view_slots_ (all but each slice's own new tokens, which
-  // WriteKv stages) of `layer` from the pool to its staging buffer.
-  void StageKv(int layer);
+  // Copies what `selection` reads of `layer` (views: whole blocks of the cached tokens; selections:
+  // each KV head's selected rows; never the step's own tokens, which WriteKv stages) from the pool
+  // to the layer's staging buffer.
+  void StageKv(int layer, std::span<const KvHeadSelection> selection);
   // Attention's side of the offload: the layer's staging buffer must hold `selection`'s reads
   // (fetched now when nothing was prefetched for the layer).
   Status EnsureStaged(int layer, std::span<const KvHeadSelection> selection);
