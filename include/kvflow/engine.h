@@ -98,6 +98,13 @@ struct EngineConfig {
   std::string infinigen_speculate_from = "after-attention";
   double infinigen_alpha = 5.0;          // logit margin below each head's max (the paper: 4 OPT, 5 Llama-2)
   double infinigen_max_fraction = 0.2;   // cap on the tokens a layer reads (the paper: 20%)
+  // InfiniGen's KV pool manager (the paper's §4.4): the most cached tokens its host pool keeps per
+  // sequence and layer (0: no cap). Past it, each new token evicts a victim chosen by
+  // infinigen_eviction: "counter" (the paper's: the fewest fetches, every count halved when one
+  // saturates), "lru" (least recently fetched) or "fifo" (oldest); an evicted token is never read
+  // again at that layer. The paged KV pool still holds it: the cap limits what attention reads.
+  int infinigen_host_kv_tokens = 0;
+  std::string infinigen_eviction = "counter";
   double h2o_budget = 0.2;               // fraction of the context H2O keeps
   double h2o_recent_share = 0.5;         // of the budget, the recent window (the rest: heavy hitters)
 
@@ -189,6 +196,7 @@ struct KvSelectionStats {
   int64_t bytes_read = 0;        // K and V bytes attention read at every layer (what an offloaded cache fetches)
   int64_t bytes_full = 0;        // K and V bytes full attention would have read
   double select_seconds = 0;     // host time speculating and selecting
+  int64_t tokens_evicted = 0;    // (token, layer) entries InfiniGen's capped host pool evicted
 
   // Adds `sign` times every counter of `o` (sign -1: the difference of two snapshots).
   void Add(const KvSelectionStats& o, int sign = 1) {
@@ -200,6 +208,7 @@ struct KvSelectionStats {
     bytes_read += sign * o.bytes_read;
     bytes_full += sign * o.bytes_full;
     select_seconds += sign * o.select_seconds;
+    tokens_evicted += sign * o.tokens_evicted;
   }
 
   double selection_fraction() const {

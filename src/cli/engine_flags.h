@@ -108,6 +108,16 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
   app->add_option("--infinigen-max-fraction", c.infinigen_max_fraction,
                   "infinigen: at most this fraction of the cache per layer")
       ->default_val(0.2);
+  app->add_option("--infinigen-host-kv-tokens", c.infinigen_host_kv_tokens,
+                  "infinigen: cap the host KV pool at this many tokens per sequence and layer (the paper's KV pool "
+                  "manager); past it each new token evicts one, chosen by --infinigen-eviction, that the layer never "
+                  "reads again (0 = no cap; e.g. 80% of a 2048-token context: 1638)")
+      ->default_val(0);
+  app->add_option("--infinigen-eviction", c.infinigen_eviction,
+                  "infinigen: which token a full host pool evicts: counter (the paper's: the one fetched least often, "
+                  "counts halved when one saturates), lru (least recently fetched) or fifo (the oldest)")
+      ->default_val("counter")
+      ->check(CLI::IsMember({"counter", "lru", "fifo"}));
   app->add_option("--h2o-budget", c.h2o_budget, "h2o: fraction of the context kept")->default_val(0.2);
   app->add_option("--h2o-recent-share", c.h2o_recent_share, "h2o: share of the budget kept as the recent window")
       ->default_val(0.5);

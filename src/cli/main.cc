@@ -188,6 +188,11 @@ int RunPerplexity(PerplexityCliOptions& opt) {
                 engine.config().kv_selection.c_str(), 100.0 * k.selection_fraction(),
                 k.bytes_full > 0 ? 100.0 * static_cast<double>(k.bytes_read) / static_cast<double>(k.bytes_full) : 0.0,
                 static_cast<long long>(k.decode_tokens));
+    if (engine.config().infinigen_host_kv_tokens > 0) {
+      std::printf("host KV pool capped at %d tokens per sequence and layer (%s eviction): %lld (token, layer) entries evicted\n",
+                  engine.config().infinigen_host_kv_tokens, engine.config().infinigen_eviction.c_str(),
+                  static_cast<long long>(k.tokens_evicted));
+    }
   }
   if (engine.config().kv_offload) {
     const kvflow::KvOffloadStats o = engine.stats().kv_offload;
@@ -223,6 +228,8 @@ int RunPerplexity(PerplexityCliOptions& opt) {
       j["kv_selection"] = {{"method", ec.kv_selection},
                            {"infinigen_alpha", ec.infinigen_alpha},
                            {"infinigen_max_fraction", ec.infinigen_max_fraction},
+                           {"infinigen_host_kv_tokens", ec.infinigen_host_kv_tokens},
+                           {"infinigen_eviction", ec.infinigen_eviction},
                            {"h2o_budget", ec.h2o_budget},
                            {"decode_tokens", k.decode_tokens},
                            {"layer_reads_selected", k.layer_reads_selected},
@@ -232,7 +239,8 @@ int RunPerplexity(PerplexityCliOptions& opt) {
                            {"selection_fraction", k.selection_fraction()},
                            {"bytes_read", k.bytes_read},
                            {"bytes_full", k.bytes_full},
-                           {"select_seconds", k.select_seconds}};
+                           {"select_seconds", k.select_seconds},
+                           {"tokens_evicted", k.tokens_evicted}};
     }
     if (opt.dump_tokens) j["tokens"] = tokens;
     std::ofstream out(opt.json_out);

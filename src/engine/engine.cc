@@ -261,6 +261,10 @@ Status ValidateEngineConfig(const EngineConfig& c) {
                                      "triforce_draft draft_model), not " + c.speculative_method);
     }
   }
+  if (c.infinigen_host_kv_tokens != 0 && c.kv_selection != "infinigen") {
+    return Status::InvalidArgument("infinigen_host_kv_tokens caps InfiniGen's host KV pool: it needs kv_selection "
+                                   "infinigen, not '" + c.kv_selection + "'");
+  }
   if (!c.kv_selection.empty()) {
     if (c.kv_selection != "infinigen" && c.kv_selection != "h2o") {
       return Status::InvalidArgument("kv_selection must be infinigen or h2o (or empty: off), not '" + c.kv_selection + "'");
@@ -270,6 +274,7 @@ Status ValidateEngineConfig(const EngineConfig& c) {
                                      c.speculative_method);
     }
     KVFLOW_RETURN_IF_ERROR(ParseSpeculationPoint(c.infinigen_speculate_from).status());
+    KVFLOW_RETURN_IF_ERROR(ParseHostEvictionPolicy(c.infinigen_eviction).status());
     KVFLOW_RETURN_IF_ERROR(InfiniGenConfig::FromEngine(c).Validate());
     KVFLOW_RETURN_IF_ERROR(H2OConfig::FromEngine(c).Validate());
   }
@@ -350,9 +355,14 @@ Result<std::unique_ptr<KvSelector>> CreateKvSelector(const EngineConfig& c, cons
   if (c.kv_selection != "infinigen") return std::unique_ptr<KvSelector>();
   const std::string skew_path = c.infinigen_skew_file.empty() ? DefaultSkewPath(model_path) : c.infinigen_skew_file;
   KVFLOW_ASSIGN_OR_RETURN(SkewTable skew, ReadSkewTable(skew_path, mc));
-  spdlog::info("KV selection: InfiniGen, skewing file {} ({} of {} columns per head from {} tokens), alpha {}, cap {:.0f}%",
+  const std::string host_pool =
+      c.infinigen_host_kv_tokens > 0
+          ? fmt::format(", host KV pool capped at {} tokens per sequence and layer ({} eviction)",
+                        c.infinigen_host_kv_tokens, c.infinigen_eviction)
+          : std::string();
+  spdlog::info("KV selection: InfiniGen, skewing file {} ({} of {} columns per head from {} tokens), alpha {}, cap {:.0f}%{}",
                skew_path, skew.num_partial_columns, skew.head_dim, skew.calibration_tokens, c.infinigen_alpha,
-               100 * c.infinigen_max_fraction);
+               100 * c.infinigen_max_fraction, host_pool);
   return std::unique_ptr<KvSelector>(
       std::make_unique<InfiniGenSelector>(InfiniGenConfig::FromEngine(c), std::move(skew), backend));
 }

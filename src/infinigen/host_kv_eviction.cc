@@ -9,7 +9,8 @@ Result<HostEvictionPolicy> ParseHostEvictionPolicy(const std::string& name) {
   if (name == "counter") return HostEvictionPolicy::kCounter;
   if (name == "lru") return HostEvictionPolicy::kLru;
   if (name == "fifo") return HostEvictionPolicy::kFifo;
-  return Status::InvalidArgument("host KV eviction policy must be counter, lru or fifo, not '" + name + "'");
+  return Status::InvalidArgument("infinigen_eviction (the host KV pool's victim policy) must be counter, lru or fifo, not '" +
+                                 name + "'");
 }
 
 const char* HostEvictionPolicyName(HostEvictionPolicy policy) {

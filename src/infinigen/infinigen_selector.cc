@@ -28,6 +28,9 @@ InfiniGenConfig InfiniGenConfig::FromEngine(const EngineConfig& c) {
   g.alpha = c.infinigen_alpha;
   g.max_fraction = c.infinigen_max_fraction;
   g.min_context = c.kv_selection_min_context;
+  g.host_kv_tokens = c.infinigen_host_kv_tokens;
+  const auto eviction = ParseHostEvictionPolicy(c.infinigen_eviction);
+  if (eviction.ok()) g.eviction = eviction.value();  // the engine's checks refuse a bad name
   return g;
 }
 
@@ -35,6 +38,9 @@ Status InfiniGenConfig::Validate() const {
   if (!(alpha > 0.0) || !std::isfinite(alpha)) return Status::InvalidArgument("infinigen_alpha must be > 0");
   if (!(max_fraction > 0.0 && max_fraction <= 1.0)) return Status::InvalidArgument("infinigen_max_fraction must be in (0, 1]");
   if (min_context < 0) return Status::InvalidArgument("kv_selection_min_context must be >= 0");
+  if (host_kv_tokens < 0) {
+    return Status::InvalidArgument("infinigen_host_kv_tokens must be >= 0 (tokens per sequence and layer; 0: no cap)");
+  }
   return Status::Ok();
 }
 
@@ -64,13 +70,20 @@ LayerHooks* InfiniGenSelector::ForStep(const ForwardBatch& batch, std::span<cons
     if (!selecting[s] || slice.view.kind != KvView::Kind::kFull) continue;
     // One new token (a decode step) long enough to select from; or a prefill chunk, whose keys
     // join the partial key cache as they are written (the paper builds it at prefill, so the
-    // first decode step does not pay for the whole prompt).
+    // first decode step does not pay for the whole prompt). With a cap, the shorter single-token
+    // steps too: their reads must skip evicted tokens.
     const bool decode = slice.num_tokens == 1 && slice.context_len >= std::max(config_.min_context, 2);
-    if (!decode && slice.num_tokens == 1) continue;
+    if (!decode && slice.num_tokens == 1 && config_.host_kv_tokens == 0) continue;
     if (it == seqs_.end()) {
       it = seqs_.emplace(seq_ids[s], SequenceState{}).first;
       it->second.partial_keys.resize(skew_.heads.size());
       it->second.rows.assign(static_cast<size_t>(skew_.num_layers), 0);
+      if (config_.host_kv_tokens > 0) {
+        it->second.pools.reserve(static_cast<size_t>(skew_.num_layers));
+        for (int l = 0; l < skew_.num_layers; ++l) {
+          it->second.pools.emplace_back(HostKvEviction(config_.eviction, config_.host_kv_tokens));
+        }
+      }
     }
     (decode ? active_ : prefilling_).push_back(static_cast<int32_t>(s));
     (decode ? active_states_ : prefilling_states_).push_back(&it->second);
@@ -84,34 +97,35 @@ LayerHooks* InfiniGenSelector::ForStep(const ForwardBatch& batch, std::span<cons
 
 Status InfiniGenSelector::BeforeAttention(const LayerContext& ctx) {
   const ForwardBatch& batch = ctx.batch;
+  // The speculation at the previous layer chose this layer's reads.
+  if (ctx.layer > 0 && !active_.empty()) std::swap(selection_, next_selection_);
+  selection_layer_ = ctx.layer;
   for (size_t p = 0; p < prefilling_.size(); ++p) {
-    const SequenceSlice& slice = batch.seqs[static_cast<size_t>(prefilling_[p])];
+    const size_t s = static_cast<size_t>(prefilling_[p]);
+    const SequenceSlice& slice = batch.seqs[s];
     KVFLOW_RETURN_IF_ERROR(ExtendPartialKeys(ctx.layer, slice, slice.context_len, *prefilling_states_[p]));
+    KVFLOW_RETURN_IF_ERROR(ReadWholePool(ctx.layer, slice, *prefilling_states_[p], selection_[s]));
   }
   if (active_.empty()) return Status::Ok();
-  // The speculation at the previous layer chose this layer's reads.
-  if (ctx.layer > 0) {
-    std::swap(selection_, next_selection_);
-    selection_layer_ = ctx.layer;
-  }
-  // This layer's reads: the selection made at the previous layer, or everything (layer 0).
-  for (int32_t s : active_) {
-    const SequenceSlice& slice = batch.seqs[static_cast<size_t>(s)];
+  // This layer's reads: the selection made at the previous layer, or everything live (layer 0).
+  for (size_t a = 0; a < active_.size(); ++a) {
+    const size_t s = static_cast<size_t>(active_[a]);
+    const SequenceSlice& slice = batch.seqs[s];
+    SequenceState& state = *active_states_[a];
+    if (ctx.layer == 0) KVFLOW_RETURN_IF_ERROR(ReadWholePool(0, slice, state, selection_[s]));
+    const int32_t evicted = state.pools.empty() ? 0 : state.pools[static_cast<size_t>(ctx.layer)].num_evicted;
     stats_.bytes_full += static_cast<int64_t>(slice.context_len) * token_bytes_;
-    if (selection_layer_ == ctx.layer && selection_[static_cast<size_t>(s)].per_head > 0) {
-      const int32_t read = selection_[static_cast<size_t>(s)].per_head;
+    const int32_t read = selection_[s].per_head > 0 ? selection_[s].per_head : slice.context_len;
+    if (ctx.layer > 0 && selection_[s].per_head > 0) {
       stats_.layer_reads_selected += 1;
       stats_.tokens_selected += read;
-      stats_.tokens_available += slice.context_len;
-      stats_.bytes_read += static_cast<int64_t>(read) * token_bytes_;
+      stats_.tokens_available += slice.context_len - evicted;
     } else {
       stats_.layer_reads_full += 1;
-      stats_.bytes_read += static_cast<int64_t>(slice.context_len) * token_bytes_;
     }
+    stats_.bytes_read += static_cast<int64_t>(read) * token_bytes_;
   }
-  if (config_.point != SpeculationPoint::kLayerInput || ctx.layer + 1 >= skew_.num_layers || active_.empty()) {
-    return Status::Ok();
-  }
+  if (config_.point != SpeculationPoint::kLayerInput || ctx.layer + 1 >= skew_.num_layers) return Status::Ok();
   return TimedSpeculate(ctx.layer + 1, batch);
 }
 
@@ -131,16 +145,76 @@ Status InfiniGenSelector::TimedSpeculate(int layer, const ForwardBatch& batch) {
 }
 
 std::span<const KvHeadSelection> InfiniGenSelector::AttentionSelection(const LayerContext& ctx) {
-  if (selection_layer_ != ctx.layer) return {};
+  if (selection_layer_ != ctx.layer ||
+      std::none_of(selection_.begin(), selection_.end(), [](const KvHeadSelection& sel) { return sel.per_head > 0; })) {
+    return {};  // every slice reads its view
+  }
   return selection_;
 }
 
 std::optional<std::span<const KvHeadSelection>> InfiniGenSelector::UpcomingSelection(int layer) {
+  // With a host pool cap, prefill chunks read their live tokens, chosen at the layer itself.
+  if (config_.host_kv_tokens > 0 && !prefilling_.empty()) return std::nullopt;
   // Steps with no selecting decode (prefill chunks only) read every slice's view; layer 0 is not
   // speculated, so nothing is known before it.
   if (active_.empty()) return std::span<const KvHeadSelection>{};
   if (next_selection_layer_ == layer) return std::span<const KvHeadSelection>(next_selection_);
   return std::nullopt;
+}
+
+Status InfiniGenSelector::SyncPool(int layer, int32_t positions, SequenceState& state) {
+  if (state.pools.empty()) return Status::Ok();
+  LayerPool& pool = state.pools[static_cast<size_t>(layer)];
+  for (; pool.admitted > positions; --pool.admitted) {  // recomputed: no longer in the cache
+    const int32_t pos = pool.admitted - 1;
+    if (pool.evicted[static_cast<size_t>(pos)]) {
+      --pool.num_evicted;
+    } else {
+      KVFLOW_RETURN_IF_ERROR(pool.entries.Erase(pos));
+    }
+  }
+  pool.evicted.resize(static_cast<size_t>(std::max(pool.admitted, positions)), 0);
+  for (; pool.admitted < positions; ++pool.admitted) {
+    if (pool.entries.full()) {
+      const int64_t victim = pool.entries.Victim().value();
+      KVFLOW_RETURN_IF_ERROR(pool.entries.Erase(victim));
+      pool.evicted[static_cast<size_t>(victim)] = 1;
+      ++pool.num_evicted;
+      ++stats_.tokens_evicted;
+    }
+    KVFLOW_RETURN_IF_ERROR(pool.entries.Insert(pool.admitted));
+  }
+  return Status::Ok();
+}
+
+void InfiniGenSelector::LivePositions(const LayerPool& pool, std::vector<int32_t>& out) {
+  out.clear();
+  for (int32_t pos = 0; pos < pool.admitted; ++pos) {
+    if (!pool.evicted[static_cast<size_t>(pos)]) out.push_back(pos);
+  }
+}
+
+Status InfiniGenSelector::ReadWholePool(int layer, const SequenceSlice& slice, SequenceState& state,
+                                        KvHeadSelection& sel) {
+  sel.per_head = 0;
+  if (state.pools.empty()) return Status::Ok();
+  const int32_t first_new = slice.context_len - slice.num_tokens;
+  KVFLOW_RETURN_IF_ERROR(SyncPool(layer, first_new, state));
+  LayerPool& pool = state.pools[static_cast<size_t>(layer)];
+  LivePositions(pool, live_);
+  for (int32_t pos : live_) KVFLOW_RETURN_IF_ERROR(pool.entries.OnFetch(pos));
+  if (pool.num_evicted == 0) return Status::Ok();
+  const int KV = skew_.num_kv_heads, bs = backend_.kv_layout().block_size;
+  sel.per_head = static_cast<int32_t>(live_.size()) + slice.num_tokens;
+  sel.slots.resize(static_cast<size_t>(KV) * sel.per_head);
+  for (size_t i = 0; i < live_.size(); ++i) sel.slots[i] = SlotOf(slice.block_table, live_[i], bs);
+  for (int32_t j = 0; j < slice.num_tokens; ++j) {  // the step's own, last (causal in list order)
+    sel.slots[live_.size() + static_cast<size_t>(j)] = SlotOf(slice.block_table, first_new + j, bs);
+  }
+  for (int g = 1; g < KV; ++g) {
+    std::copy_n(sel.slots.begin(), sel.per_head, sel.slots.begin() + static_cast<std::ptrdiff_t>(g) * sel.per_head);
+  }
+  return Status::Ok();
 }
 
 Status InfiniGenSelector::ExtendPartialKeys(int layer, const SequenceSlice& slice, int32_t positions,
@@ -191,6 +265,12 @@ Status InfiniGenSelector::Speculate(int layer, const ForwardBatch& batch) {
     SequenceState& state = *active_states_[a];
     const int32_t cached = slice.context_len - 1;  // tokens before the step's own
     KVFLOW_RETURN_IF_ERROR(ExtendPartialKeys(layer, slice, cached, state));
+    KVFLOW_RETURN_IF_ERROR(SyncPool(layer, cached, state));
+    LayerPool* pool = state.pools.empty() ? nullptr : &state.pools[static_cast<size_t>(layer)];
+    // The candidates: every cached token, or the live ones once the layer's pool evicted any.
+    const bool sparse = pool != nullptr && pool->num_evicted > 0;
+    if (sparse) LivePositions(*pool, live_);
+    const int32_t candidates = sparse ? static_cast<int32_t>(live_.size()) : cached;
     KVFLOW_RETURN_IF_ERROR(backend_.ReadActivationRows(Activation::kSpeculativeQkv, slice.token_offset, 1, qkv_rows_));
     const int position = batch.positions[static_cast<size_t>(slice.token_offset)];
     // Rotate each query head at the token's position, then keep the partial columns of q . A.
@@ -200,30 +280,67 @@ Status InfiniGenSelector::Speculate(int layer, const ForwardBatch& batch) {
       for (int d = 0; d < D; ++d) q[d] *= scale;
       SkewPartialColumns(q, 1, D, skew_.at(layer, h / group), D, query_.data() + static_cast<size_t>(h) * P);
     }
-    // Each KV head's score of each cached token: the best of its query heads.
-    scores_.resize(static_cast<size_t>(KV) * cached);
-    ParallelFor(cached, [&](int64_t first, int64_t last) {
+    // Each KV head's score of each candidate: the best of its query heads.
+    scores_.resize(static_cast<size_t>(KV) * candidates);
+    ParallelFor(candidates, [&](int64_t first, int64_t last) {
       for (int g = 0; g < KV; ++g) {
-        ScorePartialKeys(query_.data() + static_cast<size_t>(g) * group * P, group,
-                         state.partial_keys[static_cast<size_t>(layer) * KV + g].data() + static_cast<size_t>(first) * P,
-                         last - first, P, scores_.data() + static_cast<size_t>(g) * cached + first);
+        const float* queries = query_.data() + static_cast<size_t>(g) * group * P;
+        const float* partial = state.partial_keys[static_cast<size_t>(layer) * KV + g].data();
+        float* scores = scores_.data() + static_cast<size_t>(g) * candidates;
+        if (!sparse) {
+          ScorePartialKeys(queries, group, partial + static_cast<size_t>(first) * P, last - first, P, scores + first);
+          continue;
+        }
+        for (int64_t i = first; i < last; ++i) {
+          ScorePartialKeys(queries, group, partial + static_cast<size_t>(live_[static_cast<size_t>(i)]) * P, 1, P,
+                           scores + i);
+        }
       }
     }, 0, 256);
     const SpeculatedTokens picked =
-        SelectSpeculatedTokens(scores_, KV, cached, static_cast<float>(config_.alpha), config_.max_fraction);
+        SelectSpeculatedTokens(scores_, KV, candidates, static_cast<float>(config_.alpha), config_.max_fraction);
+    auto position_of = [&](int32_t i) { return sparse ? live_[static_cast<size_t>(i)] : i; };
     KvHeadSelection& sel = next_selection_[static_cast<size_t>(s)];
     sel.per_head = picked.count + 1;
     sel.slots.resize(static_cast<size_t>(KV) * sel.per_head);
     auto slot = [&](int32_t pos) { return SlotOf(slice.block_table, pos, bs); };
+    fetched_.clear();
     for (int g = 0; g < KV; ++g) {
       int64_t* out = sel.slots.data() + static_cast<size_t>(g) * sel.per_head;
-      for (int32_t i = 0; i < picked.count; ++i) out[i] = slot(picked.per_head[static_cast<size_t>(g)][static_cast<size_t>(i)]);
+      for (int32_t i = 0; i < picked.count; ++i) {
+        const int32_t pos = position_of(picked.per_head[static_cast<size_t>(g)][static_cast<size_t>(i)]);
+        out[i] = slot(pos);
+        if (pool != nullptr) fetched_.push_back(pos);
+      }
       out[picked.count] = slot(cached);  // the step's own token, last
+    }
+    if (pool != nullptr) {
+      // One prefetch per token, however many KV heads take it.
+      std::sort(fetched_.begin(), fetched_.end());
+      fetched_.erase(std::unique(fetched_.begin(), fetched_.end()), fetched_.end());
+      for (int32_t pos : fetched_) KVFLOW_RETURN_IF_ERROR(pool->entries.OnFetch(pos));
     }
   }
   return Status::Ok();
 }
 
 void InfiniGenSelector::AddStats(KvSelectionStats& s) const { s.Add(stats_); }
+
+const HostKvEviction* InfiniGenSelector::HostPool(int64_t seq_id, int layer) const {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end() || it->second.pools.empty()) return nullptr;
+  return &it->second.pools.at(static_cast<size_t>(layer)).entries;
+}
+
+std::vector<int32_t> InfiniGenSelector::EvictedPositions(int64_t seq_id, int layer) const {
+  std::vector<int32_t> out;
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end() || it->second.pools.empty()) return out;
+  const LayerPool& pool = it->second.pools.at(static_cast<size_t>(layer));
+  for (int32_t pos = 0; pos < pool.admitted; ++pos) {
+    if (pool.evicted[static_cast<size_t>(pos)]) out.push_back(pos);
+  }
+  return out;
+}
 
 }  // namespace kvflow

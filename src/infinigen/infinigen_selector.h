@@ -25,6 +25,21 @@
 // are written, and a decode step extends it from the KV pool to its context (so prefix-cache hits,
 // forks and swapped sequences need nothing special);
 // it follows recomputation by truncating to the first recomputed position.
+//
+// The host KV pool manager (§4.4), with InfiniGenConfig::host_kv_tokens > 0: per sequence and
+// layer the pool holds at most that many cached tokens, a HostKvEviction (host_kv_eviction.h:
+// counter, lru or fifo) over their positions. A token joins a layer's pool in the first step after
+// its own, before that layer reads (a decode token at the next step's speculation of the layer,
+// layer 0 and prefill chunks just before their attention), and when the pool is full the victim
+// leaves it for good: speculation scores, caps (max_fraction of the live tokens) and picks among
+// live tokens only, and a read that would take everything (layer 0, prefill chunks, contexts below
+// min_context) takes the live tokens and the step's own once the layer has evicted any. Every token
+// a layer's read took (the step's own aside) counts as fetched. Recomputation truncates the pool
+// too: entries at or past the first recomputed position leave it, without an eviction (tokens they
+// evicted stay evicted).
+// Physically the engine's paged block tables still map every position to its own slot: an evicted
+// token's slot is not reused for the new token as the paper overwrites in place, so the cap bounds
+// what attention can read (the accuracy effect the paper's Table 2 measures), not yet the bytes held.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +49,7 @@
 
 #include "backend/backend.h"
 #include "engine/kv_selector.h"
+#include "infinigen/host_kv_eviction.h"
 #include "infinigen/skew_file.h"
 #include "kvflow/engine.h"
 #include "model/rope.h"
@@ -53,6 +69,8 @@ struct InfiniGenConfig {
   double alpha = 5.0;
   double max_fraction = 0.2;
   int min_context = 0;  // shorter contexts read the whole cache
+  int host_kv_tokens = 0;  // per sequence and layer; 0: no cap
+  HostEvictionPolicy eviction = HostEvictionPolicy::kCounter;
 
   static InfiniGenConfig FromEngine(const EngineConfig& c);
   Status Validate() const;
@@ -70,12 +88,25 @@ class InfiniGenSelector final : public KvSelector, private LayerHooks {
 
   // Sequences holding a partial key cache (tests).
   size_t num_sequences() const { return seqs_.size(); }
+  // A sequence's host pool at `layer` (null without a cap or state) and the positions it evicted
+  // so far, ascending (tests).
+  const HostKvEviction* HostPool(int64_t seq_id, int layer) const;
+  std::vector<int32_t> EvictedPositions(int64_t seq_id, int layer) const;
 
  private:
+  // One layer's host pool: positions [0, admitted) have joined it, those evicted since are marked.
+  struct LayerPool {
+    explicit LayerPool(HostKvEviction e) : entries(std::move(e)) {}
+    HostKvEviction entries;
+    int32_t admitted = 0;
+    int32_t num_evicted = 0;
+    std::vector<uint8_t> evicted;  // by position
+  };
   // Partial keys of one sequence: per layer and KV head, rows x num_partial_columns floats.
   struct SequenceState {
     std::vector<std::vector<float>> partial_keys;  // layer * kv_heads + kv_head
     std::vector<int32_t> rows;                      // per layer: positions held
+    std::vector<LayerPool> pools;                   // per layer; empty without a cap
   };
 
   Status BeforeAttention(const LayerContext& ctx) override;
@@ -88,6 +119,15 @@ class InfiniGenSelector final : public KvSelector, private LayerHooks {
   Status ExtendPartialKeys(int layer, const SequenceSlice& slice, int32_t positions, SequenceState& state);
   // Speculates layer `layer`'s attention for the step's selecting slices into next_selection_.
   Status Speculate(int layer, const ForwardBatch& batch);
+  // Brings the layer's pool (if capped) to the first `positions` positions: later ones leave it
+  // (recomputation), new ones join it, each evicting the victim when it is full.
+  Status SyncPool(int layer, int32_t positions, SequenceState& state);
+  // The layer's live pooled positions, ascending, into `out`.
+  static void LivePositions(const LayerPool& pool, std::vector<int32_t>& out);
+  // A read of the whole cache by `slice` at `layer`: with a cap, its earlier tokens join the pool,
+  // the live ones count as fetched and, once any was evicted, `sel` takes them and the slice's own
+  // (otherwise per_head 0: the slice's view).
+  Status ReadWholePool(int layer, const SequenceSlice& slice, SequenceState& state, KvHeadSelection& sel);
 
   InfiniGenConfig config_;
   SkewTable skew_;
@@ -99,7 +139,8 @@ class InfiniGenSelector final : public KvSelector, private LayerHooks {
   // The step: selecting slices (index into the batch) and their states.
   std::vector<int32_t> active_;
   std::vector<SequenceState*> active_states_;
-  // Prefill chunks of selecting sequences: their keys extend the partial key cache.
+  // Prefill chunks of selecting sequences: their keys extend the partial key cache. With a cap,
+  // also single-token steps below the context that selects, which read the whole live pool.
   std::vector<int32_t> prefilling_;
   std::vector<SequenceState*> prefilling_states_;
   // Per slice of the batch: what layer selection_layer_ reads now, and what the speculation at it
@@ -109,6 +150,7 @@ class InfiniGenSelector final : public KvSelector, private LayerHooks {
   int next_selection_layer_ = -1;  // the layer next_selection_ was speculated for
   // Scratch.
   std::vector<float> qkv_rows_, keys_, scores_, query_;
+  std::vector<int32_t> live_, fetched_;
   KvSelectionStats stats_;
 };
 

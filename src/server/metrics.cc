@@ -149,6 +149,9 @@ std::string ServerMetrics::Render(const EngineStats& s) const {
          static_cast<double>(k.bytes_read));
   Metric(&out, "kvflow:kv_selection_bytes_full_total", "counter", "K/V bytes full attention would have read.",
          static_cast<double>(k.bytes_full));
+  Metric(&out, "kvflow:kv_selection_tokens_evicted_total", "counter",
+         "Cached tokens InfiniGen's capped host KV pool evicted, once per token and layer (--infinigen-host-kv-tokens).",
+         static_cast<double>(k.tokens_evicted));
   Metric(&out, "kvflow:kv_selection_bytes_per_token", "gauge", "K/V bytes read per selecting decode token so far.",
          k.decode_tokens > 0 ? static_cast<double>(k.bytes_read) / static_cast<double>(k.decode_tokens) : 0.0);
   const KvOffloadStats& o = s.kv_offload;

@@ -43,12 +43,31 @@ def test_infinigen_serves_counts_reads_and_requests_opt_out(make_server, cli_bin
     assert decoded == len(PROMPTS) * 31
     assert 0 < m.get("kvflow:kv_selection_bytes_read_total") < m.get("kvflow:kv_selection_bytes_full_total")
     assert 0 < m.get("kvflow:kv_selection_fraction") <= 1
+    assert m.get("kvflow:kv_selection_tokens_evicted_total") == 0  # no cap on the host pool
     assert m.get("kvflow:kv_cache_blocks_free") == m.get("kvflow:kv_cache_blocks_total")
     # Opted out: the full cache's completion, nothing counted.
     assert complete(srv, PROMPTS[0], kv_selection=False) == complete(full, PROMPTS[0])
     assert srv.wait_idle().get("kvflow:kv_selection_decode_tokens_total") == decoded
     r = srv.post("/v1/completions", {"model": TINY, "prompt": "x", "kv_selection": "yes"})
     assert r.status == 400, r
+
+
+def test_infinigen_host_pool_cap_counts_evictions(make_server, cli_bin, tmp_path):
+    skew = write_skew_file(cli_bin, tmp_path)
+    cap = 16
+    srv = make_server(*COMMON, "--kv-selection", "infinigen", "--infinigen-skew-file", str(skew),
+                      "--infinigen-host-kv-tokens", str(cap), "--infinigen-eviction", "lru")
+    prompt_tokens = 0
+    for p in PROMPTS:
+        r = srv.post("/v1/completions", {"model": TINY, "prompt": p, "max_tokens": 32, "temperature": 0,
+                                         "ignore_eos": True})
+        assert r.status == 200, r
+        prompt_tokens += r.json()["usage"]["prompt_tokens"]
+    m = srv.wait_idle()
+    assert m.get("kvflow:kv_selection_decode_tokens_total") == len(PROMPTS) * 31
+    # Every prompt is longer than the cap: by the last of its 31 decode steps each of the 4 layers
+    # had pooled prompt + 30 tokens and evicted all but the cap.
+    assert m.get("kvflow:kv_selection_tokens_evicted_total") == 4 * (prompt_tokens + len(PROMPTS) * (30 - cap))
 
 
 def test_h2o_serves_with_its_budget(make_server):
@@ -76,6 +95,9 @@ def test_missing_or_corrupt_skew_file_fails_at_startup(server_bin, tmp_path):
     assert b"checksum" in r.stderr, r.stderr[-2000:]
     r = run_server(server_bin, "--kv-selection", "quest")
     assert r.returncode != 0
+    r = run_server(server_bin, "--kv-selection", "h2o", "--infinigen-host-kv-tokens", "100")
+    assert r.returncode != 0
+    assert b"kv_selection infinigen" in r.stderr, r.stderr[-2000:]
 
 
 def test_offloaded_pool_serves_the_same_completions_and_counts_fetches(make_server, cli_bin, tmp_path):

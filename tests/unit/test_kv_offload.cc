@@ -269,6 +269,22 @@ TEST_F(KvOffloadEngine, OffloadedDecodingIsExactlyResidentDecoding) {
   }
 }
 
+TEST_F(KvOffloadEngine, InfiniGenWithACappedHostPoolIsExactlyResident) {
+  // The pool cap evicts tokens; prefill chunks then read their live tokens, chosen at the layer
+  // (fetched by attention), decode steps the speculated ones (prefetched).
+  EngineConfig resident = Config(false, "infinigen");
+  resident.infinigen_host_kv_tokens = 60;
+  EngineConfig offload = resident;
+  offload.kv_offload = true;
+  auto r = test::MakeEngine(resident);
+  auto o = test::MakeEngine(offload);
+  ASSERT_TRUE(r && o);
+  EXPECT_EQ(Run(*o), Run(*r));
+  EXPECT_GT(o->stats().kv_selection.tokens_evicted, 0);
+  EXPECT_EQ(o->stats().kv_selection.tokens_evicted, r->stats().kv_selection.tokens_evicted);
+  EXPECT_GT(o->stats().kv_offload.prefetches, 0);
+}
+
 TEST_F(KvOffloadEngine, InfiniGenFetchesLessThanFullOffload) {
   auto full = test::MakeEngine(Config(true));
   auto infinigen = test::MakeEngine(Config(true, "infinigen"));

@@ -1,21 +1,28 @@
 // KV selection (issue 16): attention over per-KV-head token selections against a dense reference,
 // InfiniGen's skewing file (round trip, every corruption refused) and calibration on a model, and
 // the InfiniGen and H2O selectors inside the engine: exact when they select everything, reading
-// what their rules say otherwise, per-request opt-out, clear errors.
+// what their rules say otherwise, per-request opt-out, clear errors; InfiniGen's capped host KV
+// pool: no change under a cap the context fits, evicted tokens never read again, the victims each
+// policy names.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <numeric>
 #include <random>
 
 #include "backend/backend_factory.h"
 #include "backend/cpu/paged_attention.h"
 #include "engine_test_util.h"
 #include "infinigen/calibration.h"
+#include "infinigen/infinigen_selector.h"
 #include "infinigen/skew_file.h"
 #include "infinigen/skewing.h"
+#include "model/llama_model.h"
 #include "model/tensor_source.h"
 
 namespace kvflow {
@@ -478,6 +485,361 @@ TEST_F(KvSelectionEngine, RefusesMissingSkewFileAndBadSettings) {
   if (!on_cuda.ok()) {
     EXPECT_EQ(on_cuda.status().message().find("kv_selection"), std::string::npos) << on_cuda.status().ToString();
   }
+}
+
+
+// ---- InfiniGen's capped host KV pool -----------------------------------------------------------------
+
+TEST_F(KvSelectionEngine, InfiniGenHostPoolAtLeastTheContextChangesNothing) {
+  EngineConfig plain = Config("infinigen");
+  plain.infinigen_alpha = 2.0;
+  plain.infinigen_max_fraction = 0.2;
+  auto uncapped = test::MakeEngine(plain);
+  ASSERT_TRUE(uncapped);
+  const auto expected = Run(*uncapped);
+  const KvSelectionStats want = uncapped->stats().kv_selection;
+  for (const char* policy : {"counter", "lru", "fifo"}) {
+    EngineConfig c = plain;
+    c.infinigen_host_kv_tokens = 150 + 24;  // the longest context
+    c.infinigen_eviction = policy;
+    auto capped = test::MakeEngine(c);
+    ASSERT_TRUE(capped);
+    EXPECT_EQ(Run(*capped), expected) << policy;
+    const KvSelectionStats s = capped->stats().kv_selection;
+    EXPECT_EQ(s.tokens_evicted, 0) << policy;
+    EXPECT_EQ(s.tokens_selected, want.tokens_selected) << policy;
+    EXPECT_EQ(s.tokens_available, want.tokens_available) << policy;
+    EXPECT_EQ(s.bytes_read, want.bytes_read) << policy;
+    EXPECT_EQ(s.layer_reads_full, want.layer_reads_full) << policy;
+  }
+}
+
+TEST_F(KvSelectionEngine, InfiniGenHostPoolEvictsPastItsCap) {
+  for (int cap : {64, 1}) {
+    EngineConfig c = Config("infinigen");
+    c.infinigen_alpha = 1e6;  // every speculated layer reads all it may: the live tokens
+    c.infinigen_max_fraction = 1.0;
+    c.infinigen_host_kv_tokens = cap;
+    auto engine = test::MakeEngine(c);
+    ASSERT_TRUE(engine);
+    const auto outs = Run(*engine);
+    for (const auto& o : outs) EXPECT_EQ(o.size(), 24u);
+    const KvSelectionStats s = engine->stats().kv_selection;
+    const int layers = engine->model_config().num_layers;
+    // Prompts of 90, 37 and 150 tokens and 23 decode steps: the last one's pool admitted every token
+    // before its own, P + 22, and evicted all past the cap, at every layer.
+    int64_t evicted = 0;
+    for (int prompt : {90, 37, 150}) evicted += std::max(0, prompt + 22 - cap);
+    EXPECT_EQ(s.tokens_evicted, evicted * layers) << cap;
+    // Each speculated read took the live tokens (at most the cap) and the step's own: all it could.
+    EXPECT_EQ(s.tokens_selected, s.tokens_available) << cap;
+    EXPECT_LE(s.tokens_selected, s.layer_reads_selected * (cap + 1)) << cap;
+    EXPECT_LT(s.bytes_read, s.bytes_full) << cap;
+  }
+}
+
+TEST_F(KvSelectionEngine, RefusesBadHostPoolSettings) {
+  struct Bad {
+    std::function<void(EngineConfig&)> set;
+    const char* names;
+  };
+  for (const Bad& bad : std::vector<Bad>{
+           {[](EngineConfig& e) { e.infinigen_host_kv_tokens = -1; }, "infinigen_host_kv_tokens must be >= 0"},
+           {[](EngineConfig& e) { e.infinigen_eviction = "lfu"; }, "infinigen_eviction"},
+           {[](EngineConfig& e) { e.infinigen_host_kv_tokens = 100, e.kv_selection = "h2o"; }, "kv_selection infinigen"},
+           {[](EngineConfig& e) { e.infinigen_host_kv_tokens = 100, e.kv_selection = ""; }, "kv_selection infinigen"},
+       }) {
+    EngineConfig e = Config("infinigen");
+    bad.set(e);
+    auto r = test::CreateTinyEngine(e);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+    EXPECT_NE(r.status().message().find(bad.names), std::string::npos) << r.status().message();
+  }
+}
+
+// An InfiniGenSelector driven step by step over the tiny model: one sequence (id 1) whose block table
+// is the identity (a slot is its position), and what each layer's attention read, checked at read
+// time against the selector's evicted positions.
+class HostPoolDriver : private LayerHooks {
+ public:
+  struct Read {
+    int layer = 0;
+    int32_t first_new = 0;                       // the step's first position
+    int32_t context = 0;                         // positions before the step's end
+    bool view = false;                           // the whole cache (no selection)
+    std::vector<std::vector<int32_t>> per_head;  // positions, as listed (the step's own last)
+    // The distinct earlier positions any KV head read, ascending.
+    std::vector<int32_t> Fetched() const {
+      std::vector<int32_t> out;
+      if (view) {
+        out.resize(static_cast<size_t>(first_new));
+        std::iota(out.begin(), out.end(), 0);
+        return out;
+      }
+      for (const auto& head : per_head) {
+        for (int32_t p : head) {
+          if (p < first_new) out.push_back(p);
+        }
+      }
+      std::sort(out.begin(), out.end());
+      out.erase(std::unique(out.begin(), out.end()), out.end());
+      return out;
+    }
+  };
+
+  HostPoolDriver(const InfiniGenConfig& config, const std::string& skew_path, int max_tokens)
+      : backend_(TinyBackend(max_tokens)),
+        selector_(config, ReadSkewTable(skew_path, backend_->model_config()).value(), *backend_),
+        model_(*backend_, this),
+        cap_(config.host_kv_tokens) {}
+
+  // One step of `n` new tokens at the end of the sequence (a prefill chunk, or a decode step when n
+  // is 1), or from position `from` on (recomputation).
+  void Step(int n, int from = -1) {
+    const int32_t first = from >= 0 ? from : length_;
+    const int bs = backend_->kv_layout().block_size;
+    ForwardBatch batch;
+    batch.tokens = RandomTokens(n, static_cast<uint32_t>(first + 7), backend_->model_config().vocab_size);
+    batch.positions.resize(static_cast<size_t>(n));
+    std::iota(batch.positions.begin(), batch.positions.end(), first);
+    SequenceSlice slice;
+    slice.num_tokens = n;
+    slice.context_len = first + n;
+    slice.block_table.resize(static_cast<size_t>((slice.context_len + bs - 1) / bs));
+    std::iota(slice.block_table.begin(), slice.block_table.end(), 0);
+    batch.seqs.push_back(slice);
+    const int64_t seq_id = 1;
+    const uint8_t selecting = 1;
+    inner_ = selector_.ForStep(batch, {&seq_id, 1}, {&selecting, 1});
+    ASSERT_NE(inner_, nullptr);
+    std::vector<float> logits;
+    const Status st = model_.Forward(batch, logits);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    length_ = slice.context_len;
+  }
+
+  InfiniGenSelector& selector() { return selector_; }
+  const std::vector<Read>& reads() const { return reads_; }
+  int num_layers() const { return backend_->model_config().num_layers; }
+
+ private:
+  Status BeforeAttention(const LayerContext& ctx) override { return inner_->BeforeAttention(ctx); }
+  Status AfterMlpInput(const LayerContext& ctx) override { return inner_->AfterMlpInput(ctx); }
+  Status AfterAttention(const LayerContext& ctx) override { return inner_->AfterAttention(ctx); }
+  std::span<const KvHeadSelection> AttentionSelection(const LayerContext& ctx) override {
+    const std::span<const KvHeadSelection> sel = inner_->AttentionSelection(ctx);
+    const SequenceSlice& slice = ctx.batch.seqs[0];
+    Read r;
+    r.layer = ctx.layer;
+    r.first_new = slice.context_len - slice.num_tokens;
+    r.context = slice.context_len;
+    r.view = sel.empty() || sel[0].per_head == 0;
+    const int KV = backend_->model_config().num_kv_heads;
+    for (int g = 0; !r.view && g < KV; ++g) {
+      const auto first = sel[0].slots.begin() + static_cast<std::ptrdiff_t>(g) * sel[0].per_head;
+      r.per_head.emplace_back(first, first + sel[0].per_head);
+      // The step's own tokens end every head's list.
+      for (int32_t j = 0; j < slice.num_tokens; ++j) {
+        EXPECT_EQ(r.per_head.back()[static_cast<size_t>(sel[0].per_head - slice.num_tokens + j)], r.first_new + j);
+      }
+    }
+    // Nothing read was evicted at this layer, and the layer's pool holds at most the cap.
+    const std::vector<int32_t> evicted = selector_.EvictedPositions(1, ctx.layer);
+    std::vector<int32_t> both;
+    const std::vector<int32_t> fetched = r.Fetched();
+    std::set_intersection(fetched.begin(), fetched.end(), evicted.begin(), evicted.end(), std::back_inserter(both));
+    EXPECT_TRUE(both.empty()) << "layer " << ctx.layer << " at position " << r.first_new << " read evicted position "
+                              << both.front();
+    const HostKvEviction* pool = selector_.HostPool(1, ctx.layer);
+    EXPECT_NE(pool, nullptr);
+    if (pool != nullptr) EXPECT_LE(pool->size(), cap_);
+    reads_.push_back(std::move(r));
+    return sel;
+  }
+
+  std::unique_ptr<Backend> backend_;
+  InfiniGenSelector selector_;
+  LlamaModel model_;
+  int64_t cap_;
+  LayerHooks* inner_ = nullptr;
+  int32_t length_ = 0;
+  std::vector<Read> reads_;
+};
+
+// The pool as the paper describes it, replayed from what the layers read: a token joins in the first
+// step after its own, before the layer reads (evicting the victim when full); every earlier token a
+// read took counts as fetched once. Counts never saturate here (the tests check).
+struct PoolReplay {
+  struct Entry {
+    int count = 0;
+    int64_t inserted = 0, used = 0;
+  };
+  HostEvictionPolicy policy;
+  int64_t cap;
+  std::map<int32_t, Entry> live;
+  std::vector<int32_t> evicted;
+  int32_t admitted = 0;
+  int64_t tick = 0;
+
+  void Admit(int32_t upto) {
+    for (; admitted < upto; ++admitted) {
+      if (static_cast<int64_t>(live.size()) >= cap) {
+        auto victim = live.begin();
+        for (auto it = live.begin(); it != live.end(); ++it) {
+          const Entry &e = it->second, &v = victim->second;
+          const bool earlier = policy == HostEvictionPolicy::kCounter ? std::tie(e.count, e.inserted) < std::tie(v.count, v.inserted)
+                               : policy == HostEvictionPolicy::kLru   ? e.used < v.used
+                                                                      : e.inserted < v.inserted;
+          if (earlier) victim = it;
+        }
+        evicted.push_back(victim->first);
+        live.erase(victim);
+      }
+      live[admitted] = {0, ++tick, tick};
+    }
+  }
+  void Fetch(const std::vector<int32_t>& positions) {
+    for (int32_t p : positions) {
+      Entry& e = live.at(p);
+      ++e.count;
+      e.used = ++tick;
+    }
+  }
+};
+
+class InfiniGenHostPool : public KvSelectionEngine {
+ protected:
+  static InfiniGenConfig PoolConfig(HostEvictionPolicy policy, int cap, double alpha, double max_fraction) {
+    InfiniGenConfig c;
+    c.alpha = alpha;
+    c.max_fraction = max_fraction;
+    c.host_kv_tokens = cap;
+    c.eviction = policy;
+    return c;
+  }
+};
+
+TEST_F(InfiniGenHostPool, LayersNeverReadEvictedTokensAndEvictWhatThePolicySays) {
+  const int cap = 24;
+  for (HostEvictionPolicy policy : {HostEvictionPolicy::kCounter, HostEvictionPolicy::kLru, HostEvictionPolicy::kFifo}) {
+    SCOPED_TRACE(HostEvictionPolicyName(policy));
+    HostPoolDriver driver(PoolConfig(policy, cap, 2.0, 0.5), *skew_path_, 256);
+    driver.Step(40);  // a prompt in two chunks: the second reads the first's live tokens
+    driver.Step(8);
+    for (int i = 0; i < 60; ++i) driver.Step(1);
+    const int layers = driver.num_layers();
+    std::vector<PoolReplay> replay(static_cast<size_t>(layers), PoolReplay{policy, cap, {}, {}, 0, 0});
+    int64_t capped_layer0_reads = 0;
+    for (const HostPoolDriver::Read& r : driver.reads()) {
+      PoolReplay& pool = replay[static_cast<size_t>(r.layer)];
+      pool.Admit(r.first_new);
+      const std::vector<int32_t> fetched = r.Fetched();
+      // A read takes live tokens only; one that takes everything (layer 0, prefill chunks) takes
+      // every live one.
+      for (int32_t p : fetched) ASSERT_TRUE(pool.live.contains(p)) << "layer " << r.layer << " read " << p;
+      const bool speculated = r.layer > 0 && r.context - r.first_new == 1;
+      if (!speculated) {
+        EXPECT_EQ(fetched.size(), pool.live.size()) << "layer " << r.layer << " at " << r.first_new;
+        if (r.layer == 0 && !r.view) ++capped_layer0_reads;
+      } else {
+        // At most max_fraction of the live tokens (at least 1), and the step's own.
+        const size_t most = static_cast<size_t>(std::max(1.0, std::floor(0.5 * static_cast<double>(pool.live.size()))));
+        for (const auto& head : r.per_head) EXPECT_LE(head.size(), most + 1);
+      }
+      pool.Fetch(fetched);
+    }
+    // Every read of layer 0 from the second chunk on (the first to evict) took the live tokens.
+    EXPECT_EQ(capped_layer0_reads, 1 + 60);
+    int64_t evicted = 0;
+    for (int layer = 0; layer < layers; ++layer) {
+      SCOPED_TRACE("layer " + std::to_string(layer));
+      PoolReplay& pool = replay[static_cast<size_t>(layer)];
+      pool.Admit(40 + 8 + 59);  // the last step's pool: every token before its own
+      std::vector<int32_t> want = pool.evicted;
+      std::sort(want.begin(), want.end());
+      EXPECT_EQ(driver.selector().EvictedPositions(1, layer), want);
+      EXPECT_EQ(static_cast<int64_t>(want.size()), 40 + 8 + 59 - cap);
+      const HostKvEviction* live = driver.selector().HostPool(1, layer);
+      ASSERT_NE(live, nullptr);
+      EXPECT_EQ(live->size(), cap);
+      EXPECT_EQ(live->halvings(), 0);
+      // The counts the selector kept are the fetches the reads made.
+      for (const auto& [p, e] : pool.live) EXPECT_EQ(live->count(p), static_cast<uint32_t>(e.count)) << p;
+      evicted += static_cast<int64_t>(want.size());
+    }
+    KvSelectionStats s;
+    driver.selector().AddStats(s);
+    EXPECT_EQ(s.tokens_evicted, evicted);
+  }
+}
+
+TEST_F(InfiniGenHostPool, FifoEvictsTheOldestAndRecomputationDropsLaterEntries) {
+  HostPoolDriver driver(PoolConfig(HostEvictionPolicy::kFifo, 8, 1e6, 1.0), *skew_path_, 64);
+  driver.Step(5);
+  for (int i = 0; i < 10; ++i) driver.Step(1);  // the last at position 14: positions 0..13 pooled
+  const std::vector<int32_t> oldest = {0, 1, 2, 3, 4, 5};
+  for (int layer = 0; layer < driver.num_layers(); ++layer) {
+    EXPECT_EQ(driver.selector().EvictedPositions(1, layer), oldest) << layer;
+  }
+  // The last step read the 8 newest earlier tokens and its own, at every layer.
+  const std::vector<int32_t> newest = {6, 7, 8, 9, 10, 11, 12, 13, 14};
+  const auto& reads = driver.reads();
+  for (size_t i = reads.size() - static_cast<size_t>(driver.num_layers()); i < reads.size(); ++i) {
+    ASSERT_FALSE(reads[i].view);
+    EXPECT_EQ(reads[i].per_head[0], newest) << "layer " << reads[i].layer;
+  }
+  // Positions 10.. recomputed (3 tokens): they leave the pool without evicting anything, and the
+  // chunk reads what is left and its own.
+  KvSelectionStats before;
+  driver.selector().AddStats(before);
+  driver.Step(3, 10);
+  KvSelectionStats after;
+  driver.selector().AddStats(after);
+  EXPECT_EQ(after.tokens_evicted, before.tokens_evicted);
+  for (int layer = 0; layer < driver.num_layers(); ++layer) {
+    EXPECT_EQ(driver.selector().EvictedPositions(1, layer), oldest) << layer;
+    EXPECT_EQ(driver.selector().HostPool(1, layer)->size(), 4) << layer;
+  }
+  const std::vector<int32_t> kept_and_own = {6, 7, 8, 9, 10, 11, 12};
+  for (size_t i = reads.size() - static_cast<size_t>(driver.num_layers()); i < reads.size(); ++i) {
+    ASSERT_FALSE(reads[i].view);
+    EXPECT_EQ(reads[i].per_head[0], kept_and_own) << "layer " << reads[i].layer;
+  }
+}
+
+TEST_F(InfiniGenHostPool, CounterKeepsTheTokensFetchedMost) {
+  // Under FIFO the oldest go whatever the reads; the counter policy keeps old tokens the
+  // speculation keeps choosing and evicts newer ones it fetched less.
+  const int cap = 24;
+  HostPoolDriver counter(PoolConfig(HostEvictionPolicy::kCounter, cap, 2.0, 0.3), *skew_path_, 256);
+  HostPoolDriver fifo(PoolConfig(HostEvictionPolicy::kFifo, cap, 2.0, 0.3), *skew_path_, 256);
+  for (HostPoolDriver* d : {&counter, &fifo}) {
+    d->Step(32);
+    for (int i = 0; i < 40; ++i) d->Step(1);
+  }
+  int layers_keeping_old_tokens = 0;
+  for (int layer = 0; layer < counter.num_layers(); ++layer) {
+    const std::vector<int32_t> evicted = counter.selector().EvictedPositions(1, layer);
+    const HostKvEviction* pool = counter.selector().HostPool(1, layer);
+    ASSERT_NE(pool, nullptr);
+    ASSERT_FALSE(evicted.empty());
+    ASSERT_EQ(pool->halvings(), 0);
+    // When the newest evicted token went, every live token older than it had been fetched more
+    // often (an equal count would have made the older one the victim): so it was fetched.
+    bool kept_old = false;
+    for (int32_t p = 0; p < evicted.back(); ++p) {
+      if (!pool->count(p).has_value()) continue;
+      EXPECT_GT(pool->count(p).value(), 0u) << "layer " << layer << " kept " << p << ", never fetched";
+      kept_old = true;
+    }
+    if (layer > 0) layers_keeping_old_tokens += kept_old ? 1 : 0;  // layer 0 fetches every live token
+    // FIFO: exactly the oldest.
+    std::vector<int32_t> oldest(static_cast<size_t>(32 + 39 - cap));
+    std::iota(oldest.begin(), oldest.end(), 0);
+    EXPECT_EQ(fifo.selector().EvictedPositions(1, layer), oldest) << layer;
+  }
+  EXPECT_GT(layers_keeping_old_tokens, 0);
 }
 
 }  // namespace
