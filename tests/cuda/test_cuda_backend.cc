@@ -1159,12 +1159,14 @@ TEST(CudaEngine, KvSelectionMatchesTheCpuSelector) {
 // The KV pool offloaded to pinned host memory: attention reads two layers' staging buffers, views
 // prefetched on the copy stream and selections gathered from the host pool. It moves bytes, never
 // changes a number: the same greedy tokens as the resident pool, for full attention (whose resident
-// decode steps replay CUDA graphs), InfiniGen and H2O.
+// decode steps replay CUDA graphs), InfiniGen (also under a host pool cap) and H2O.
 TEST(CudaEngine, KvOffloadKeepsGreedyOutputs) {
   KVFLOW_SKIP_WITHOUT_GPU();
-  for (const char* selection : {"", "infinigen", "h2o"}) {
+  for (const char* selection : {"", "infinigen", "h2o", "infinigen-capped"}) {
     EngineConfig resident = CudaConfig("tiny-random");
-    resident.kv_selection = selection;
+    const bool capped = std::string(selection) == "infinigen-capped";
+    resident.kv_selection = capped ? "infinigen" : selection;
+    resident.infinigen_host_kv_tokens = capped ? 60 : 0;  // prefill chunks then read their live tokens
     resident.infinigen_alpha = 2.0;
     resident.h2o_budget = 0.3;
     EngineConfig offloaded = resident;
