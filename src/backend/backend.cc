@@ -84,6 +84,23 @@ void ViewSlots(const SequenceSlice& s, int block_size, std::vector<int64_t>& slo
   }
 }
 
+uint64_t KvReadSignature(std::span<const KvHeadSelection> selection, size_t num_slices) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  auto mix = [&h](uint64_t v) {
+    h ^= v;
+    h *= 1099511628211ull;
+  };
+  for (size_t s = 0; s < num_slices; ++s) {
+    if (selection.empty() || selection[s].per_head == 0) {
+      mix(0);
+      continue;
+    }
+    mix(static_cast<uint64_t>(selection[s].per_head));
+    for (int64_t slot : selection[s].slots) mix(static_cast<uint64_t>(slot));
+  }
+  return h;
+}
+
 int64_t ForwardBatch::num_logit_rows() const {
   int64_t rows = 0;
   for (const SequenceSlice& s : seqs) {

@@ -120,6 +120,11 @@ struct KvHeadSelection {
   std::vector<int64_t> slots;  // num_kv_heads * per_head
 };
 
+// Identifies what a layer's attention reads under `selection` (per slice: its view where the span is
+// empty or per_head is 0, else its per-head slots): an offloaded pool checks that attention reads
+// what was prefetched for it.
+uint64_t KvReadSignature(std::span<const KvHeadSelection> selection, size_t num_slices);
+
 // Top-k chunk selection over accumulated scores: the first keep_first and the last keep_last of the
 // job's num_blocks are always chosen, the rest by highest score (ties: the lower index), min(k,
 // num_blocks) in all, returned as ascending indices.

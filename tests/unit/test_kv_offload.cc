@@ -12,38 +12,17 @@
 
 #include "backend/backend_factory.h"
 #include "engine_test_util.h"
-#include "infinigen/calibration.h"
-#include "infinigen/skew_file.h"
+#include "kv_selection_test_util.h"
 #include "offload/kv_prefetch.h"
 
 namespace kvflow {
 namespace {
 
-std::vector<int32_t> RandomTokens(int n, uint32_t seed, int vocab) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (int32_t& x : t) x = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab - 10)) + 5;
-  return t;
-}
+using test::RandomTokens;
 
-// The tiny-random model's CPU backend, resident or offloaded, with room for `blocks` blocks.
+// The tiny-random model's CPU backend with `blocks` blocks (16 tokens each), resident or offloaded.
 std::unique_ptr<Backend> TinyBackend(bool offload, int blocks, const std::string& kv_dtype = "f32") {
-  auto files = OpenModelFiles("tiny-random");
-  EXPECT_TRUE(files.ok());
-  EngineConfig c;
-  c.model = "tiny-random";
-  c.num_threads = 2;
-  c.dtype = "f32";
-  c.kv_cache_dtype = kv_dtype;
-  c.max_model_len = blocks * c.block_size;
-  c.num_kv_blocks = blocks;
-  c.num_host_kv_blocks = 0;
-  c.kv_offload = offload;
-  auto weights = LoadWeightsFor(files.value(), c);
-  EXPECT_TRUE(weights.ok());
-  auto backend = CreateBackend(c, true, files->config, std::move(weights.value()));
-  EXPECT_TRUE(backend.ok()) << backend.status().ToString();
-  return std::move(backend).value();
+  return test::TinyCpuBackend((blocks - 2) * 16, offload, kv_dtype);
 }
 
 // One sequence over blocks [first_block, first_block + n): `tokens` new tokens after `cached` ones.
@@ -209,11 +188,7 @@ class KvOffloadEngine : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     skew_path_ = new std::string((std::filesystem::temp_directory_path() / "kvflow_offload.infinigen").string());
-    auto backend = TinyBackend(false, 18);
-    SkewCalibrationOptions o;
-    auto t = CalibrateSkew(*backend, RandomTokens(256, 9, backend->model_config().vocab_size), o);
-    ASSERT_TRUE(t.ok());
-    ASSERT_TRUE(WriteSkewTable(t.value(), *skew_path_).ok());
+    test::WriteTinySkewFile(*skew_path_);
   }
   static void TearDownTestSuite() {
     std::filesystem::remove(*skew_path_);
@@ -233,11 +208,9 @@ class KvOffloadEngine : public ::testing::Test {
   }
 
   static std::vector<std::vector<int32_t>> Run(Engine& engine, int n = 1) {
-    std::vector<std::vector<int32_t>> prompts = {RandomTokens(90, 1, 256), RandomTokens(37, 2, 256),
-                                                 RandomTokens(150, 3, 256)};
     SamplingParams p = test::Greedy(24);
     p.n = n;
-    return test::GenerateAll(engine, prompts, p, false);
+    return test::GenerateAll(engine, test::ThreePrompts(), p, false);
   }
 
   static std::string* skew_path_;

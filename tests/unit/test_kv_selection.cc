@@ -18,6 +18,7 @@
 #include "backend/backend_factory.h"
 #include "backend/cpu/paged_attention.h"
 #include "engine_test_util.h"
+#include "kv_selection_test_util.h"
 #include "infinigen/calibration.h"
 #include "infinigen/infinigen_selector.h"
 #include "infinigen/skew_file.h"
@@ -246,30 +247,9 @@ TEST(InfiniGenSkewFile, RefusesMissingCorruptTruncatedAndOtherModelsFiles) {
   std::filesystem::remove(path);
 }
 
-// The tiny-random model's backend, with room for `tokens`.
-std::unique_ptr<Backend> TinyBackend(int tokens) {
-  auto files = OpenModelFiles("tiny-random");
-  EXPECT_TRUE(files.ok());
-  EngineConfig c;
-  c.model = "tiny-random";
-  c.num_threads = 2;
-  c.dtype = "f32";
-  c.max_model_len = tokens;
-  c.num_kv_blocks = tokens / c.block_size + 2;
-  c.num_host_kv_blocks = 0;
-  auto weights = LoadWeightsFor(files.value(), c);
-  EXPECT_TRUE(weights.ok());
-  auto backend = CreateBackend(c, true, files->config, std::move(weights.value()));
-  EXPECT_TRUE(backend.ok()) << backend.status().ToString();
-  return std::move(backend).value();
-}
+using test::RandomTokens;
 
-std::vector<int32_t> RandomTokens(int n, uint32_t seed, int vocab) {
-  std::mt19937 rng(seed);
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (int32_t& x : t) x = static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab - 10)) + 5;
-  return t;
-}
+std::unique_ptr<Backend> TinyBackend(int tokens) { return test::TinyCpuBackend(tokens); }
 
 TEST(InfiniGenCalibration, SkewsEveryLayerAndKeepsScoresOnTheModel) {
   auto backend = TinyBackend(256);
@@ -319,11 +299,7 @@ class KvSelectionEngine : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     skew_path_ = new std::string(TempPath("engine.infinigen"));
-    auto backend = TinyBackend(256);
-    SkewCalibrationOptions o;
-    auto t = CalibrateSkew(*backend, RandomTokens(256, 9, backend->model_config().vocab_size), o);
-    ASSERT_TRUE(t.ok());
-    ASSERT_TRUE(WriteSkewTable(t.value(), *skew_path_).ok());
+    test::WriteTinySkewFile(*skew_path_);
   }
   static void TearDownTestSuite() {
     std::filesystem::remove(*skew_path_);
@@ -340,11 +316,9 @@ class KvSelectionEngine : public ::testing::Test {
 
   // Greedy tokens of a few prompts of different lengths, decoded together.
   static std::vector<std::vector<int32_t>> Run(Engine& engine, std::optional<bool> selection = {}) {
-    std::vector<std::vector<int32_t>> prompts = {RandomTokens(90, 1, 256), RandomTokens(37, 2, 256),
-                                                 RandomTokens(150, 3, 256)};
     SamplingParams p = test::Greedy(24);
     p.kv_selection = selection;
-    return test::GenerateAll(engine, prompts, p, false);
+    return test::GenerateAll(engine, test::ThreePrompts(), p, false);
   }
 
   static std::string* skew_path_;

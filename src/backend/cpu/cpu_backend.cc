@@ -301,29 +301,6 @@ Status CpuBackend::Attention(int layer) {
   return Status::Ok();
 }
 
-namespace {
-
-// Identifies the reads a layer's staging buffer was filled for: per slice, its view (per_head 0)
-// or its per-head slots (FNV-1a).
-uint64_t SelectionSignature(std::span<const KvHeadSelection> selection, size_t num_slices) {
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&h](uint64_t v) {
-    h ^= v;
-    h *= 1099511628211ull;
-  };
-  for (size_t s = 0; s < num_slices; ++s) {
-    if (selection.empty() || selection[s].per_head == 0) {
-      mix(0);
-      continue;
-    }
-    mix(static_cast<uint64_t>(selection[s].per_head));
-    for (int64_t slot : selection[s].slots) mix(static_cast<uint64_t>(slot));
-  }
-  return h;
-}
-
-}  // namespace
-
 Status CpuBackend::PrefetchKv(int layer, std::span<const KvHeadSelection> selection) {
   if (!kv_offloaded()) return Status::Ok();
   if (batch_ == nullptr) return Status::Internal("KV prefetch outside a step");
@@ -331,7 +308,7 @@ Status CpuBackend::PrefetchKv(int layer, std::span<const KvHeadSelection> select
   if (!selection.empty()) KVFLOW_RETURN_IF_ERROR(ValidateKvHeadSelections(selection, *batch_, layout_));
   StageKv(layer, selection);
   staged_layer_[layer % kStagingLayers] = layer;
-  staged_signature_[layer % kStagingLayers] = SelectionSignature(selection, batch_->seqs.size());
+  staged_signature_[layer % kStagingLayers] = KvReadSignature(selection, batch_->seqs.size());
   offload_stats_.prefetches += 1;
   return Status::Ok();
 }
@@ -339,7 +316,7 @@ Status CpuBackend::PrefetchKv(int layer, std::span<const KvHeadSelection> select
 Status CpuBackend::EnsureStaged(int layer, std::span<const KvHeadSelection> selection) {
   const int buffer = layer % kStagingLayers;
   if (staged_layer_[buffer] == layer) {
-    if (staged_signature_[buffer] != SelectionSignature(selection, batch_->seqs.size())) {
+    if (staged_signature_[buffer] != KvReadSignature(selection, batch_->seqs.size())) {
       return Status::Internal("layer " + std::to_string(layer) +
                               "'s attention reads other tokens than were prefetched for it");
     }
@@ -347,7 +324,7 @@ Status CpuBackend::EnsureStaged(int layer, std::span<const KvHeadSelection> sele
   }
   StageKv(layer, selection);
   staged_layer_[buffer] = layer;
-  staged_signature_[buffer] = SelectionSignature(selection, batch_->seqs.size());
+  staged_signature_[buffer] = KvReadSignature(selection, batch_->seqs.size());
   offload_stats_.on_demand_fetches += 1;
   return Status::Ok();
 }

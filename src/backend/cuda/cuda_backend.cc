@@ -1936,29 +1936,6 @@ char* CudaBackend::StagingLayer(int kv, int layer) const {
   return staging_arena_.base() + (static_cast<size_t>(kv) * kStagingLayers + layer % kStagingLayers) * layer_bytes;
 }
 
-namespace {
-
-// Identifies the reads a staging buffer was filled for (as the CPU backend does): per slice, its
-// view (per_head 0) or its per-head slots (FNV-1a).
-uint64_t SelectionSignature(std::span<const KvHeadSelection> selection, size_t num_slices) {
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&h](uint64_t v) {
-    h ^= v;
-    h *= 1099511628211ull;
-  };
-  for (size_t s = 0; s < num_slices; ++s) {
-    if (selection.empty() || selection[s].per_head == 0) {
-      mix(0);
-      continue;
-    }
-    mix(static_cast<uint64_t>(selection[s].per_head));
-    for (int64_t slot : selection[s].slots) mix(static_cast<uint64_t>(slot));
-  }
-  return h;
-}
-
-}  // namespace
-
 Status CudaBackend::StageViews(int layer, std::span<const KvHeadSelection> selection, cudaStream_t stream) {
   const int bs = layout_.block_size;
   const size_t block_bytes = layout_.block_stride() * cuda::DTypeSize(dtype_);
@@ -1998,7 +1975,7 @@ Status CudaBackend::PrefetchKv(int layer, std::span<const KvHeadSelection> selec
   KVFLOW_CUDA_RETURN(cudaEventRecord(staged_[buffer], copy_stream_));
   staged_layer_[buffer] = layer;
   staged_async_[buffer] = true;
-  staged_signature_[buffer] = SelectionSignature(selection, batch_->seqs.size());
+  staged_signature_[buffer] = KvReadSignature(selection, batch_->seqs.size());
   offload_stats_.prefetches += 1;
   return Status::Ok();
 }
@@ -2006,7 +1983,7 @@ Status CudaBackend::PrefetchKv(int layer, std::span<const KvHeadSelection> selec
 Status CudaBackend::EnsureStaged(int layer, std::span<const KvHeadSelection> selection) {
   const int buffer = layer % kStagingLayers;
   if (staged_layer_[buffer] == layer) {
-    if (staged_signature_[buffer] != SelectionSignature(selection, batch_->seqs.size())) {
+    if (staged_signature_[buffer] != KvReadSignature(selection, batch_->seqs.size())) {
       return Status::Internal("layer " + std::to_string(layer) +
                               "'s attention reads other tokens than were prefetched for it");
     }
@@ -2019,7 +1996,7 @@ Status CudaBackend::EnsureStaged(int layer, std::span<const KvHeadSelection> sel
   // Nothing prefetched: copy on the compute stream, after the write-through of this step's K/V.
   KVFLOW_RETURN_IF_ERROR(StageViews(layer, selection, stream_));
   staged_layer_[buffer] = layer;
-  staged_signature_[buffer] = SelectionSignature(selection, batch_->seqs.size());
+  staged_signature_[buffer] = KvReadSignature(selection, batch_->seqs.size());
   offload_stats_.on_demand_fetches += 1;
   return Status::Ok();
 }
