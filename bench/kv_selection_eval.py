@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Accuracy of KV selection on WikiText-2 (measured): full cache, InfiniGen (alpha and partial-ratio
-sweeps, both speculation points), H2O at InfiniGen's measured budget and at 20%, and a 4-bit KV
+sweeps, both speculation points, and its host KV pool capped at --host-limit of the context under each
+victim policy: the paper's Table 2), H2O at InfiniGen's measured budget and at 20%, and a 4-bit KV
 cache, all through `kvflow perplexity --token-by-token`: every position is scored by a decode step,
 so the selection acts at every position as it would while decoding (the published accuracy code
 simulates the same with masks). Each run scores --windows windows of --ctx tokens (sliding window,
@@ -41,6 +42,9 @@ def parse_args():
     p.add_argument("--alpha", type=float, default=5.0, help="alpha of the partial-ratio sweep and the matched runs")
     p.add_argument("--ratios", default="0.1,0.2,0.3,0.5", help="partial-ratio sweep (of head_dim)")
     p.add_argument("--cap", type=float, default=0.2, help="InfiniGen's max fraction")
+    p.add_argument("--host-limit", type=float, default=0.8,
+                   help="InfiniGen's host KV pool capped at floor(limit x ctx) tokens per sequence and layer, run "
+                        "with each victim policy (counter, lru, fifo) at --alpha (the paper's Table 2: 80%%)")
     p.add_argument("--out-prefix", default=os.path.join(ROOT, "bench", "results", "kv_selection_accuracy"))
     p.add_argument("--cache", default=os.path.join(ROOT, ".cache", "kv_selection_eval"))
     p.add_argument("--fresh", action="store_true", help="ignore cached runs")
@@ -109,6 +113,8 @@ def main():
     for f in (args.kvflow, args.test, args.valid):
         if not os.path.exists(f):
             fail(f"{f} not found")
+    if not 0 < args.host_limit <= 1:
+        fail(f"--host-limit must be in (0, 1], not {args.host_limit:g}")
     os.makedirs(args.cache, exist_ok=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out_prefix)), exist_ok=True)
     alphas = [float(a) for a in args.alphas.split(",") if a]
@@ -150,6 +156,22 @@ def main():
         res = run(args, f"h2o_b{budget:g}", ["--kv-selection", "h2o", "--h2o-budget", f"{budget:g}"])
         rows.append(row(res, full_ppl, f"H2O budget {100 * budget:.1f}% ({tag})", "h2o", {"h2o_budget": budget}))
 
+    # InfiniGen's host KV pool capped at --host-limit of the context (the paper's Table 2: 80%), under
+    # each victim policy, against InfiniGen at the same alpha without a cap (base).
+    host_tokens = math.floor(args.host_limit * args.ctx)
+    host_rows = []
+    for policy in ("counter", "lru", "fifo"):
+        res = run(args, f"infinigen_a{args.alpha:g}_host{host_tokens}_{policy}", [
+            "--kv-selection", "infinigen", "--infinigen-skew-file", default_skew, "--infinigen-alpha", f"{args.alpha:g}",
+            "--infinigen-max-fraction", f"{args.cap:g}", "--infinigen-host-kv-tokens", str(host_tokens),
+            "--infinigen-eviction", policy])
+        host_rows.append(row(res, full_ppl, f"InfiniGen alpha {args.alpha:g}, host pool {100 * args.host_limit:g}% ({policy})",
+                             "host-pool", {"alpha": args.alpha, "partial_ratio": 0.3, "host_limit": args.host_limit,
+                                           "host_kv_tokens": host_tokens, "eviction": policy,
+                                           "tokens_evicted": res["kv_selection"]["tokens_evicted"],
+                                           "delta_vs_infinigen": res["perplexity"] / base["perplexity"] - 1.0}))
+    rows += host_rows
+
     int4 = run(args, "int4", ["--kv-cache-dtype", "q4"])
     # 4-bit K/V with an fp16 scale and min per 32 values: 20 of fp16's 64 bytes per 32 values.
     rows.append(row(int4, full_ppl, "INT4 KV (group 32)", "baseline", {"bytes_read_fraction": 20 / 64}))
@@ -158,7 +180,9 @@ def main():
               "method": args.method,
               "windows": args.windows, "scored_tokens_per_run": full["scored_tokens"],
               "mode": "token by token (every position scored by a decode step)", "cap": args.cap,
-              "alpha_for_ratio_sweep": args.alpha, "full_perplexity": full_ppl, "rows": rows,
+              "alpha_for_ratio_sweep": args.alpha, "full_perplexity": full_ppl,
+              "host_limit": args.host_limit, "host_kv_tokens": host_tokens,
+              "infinigen_perplexity": base["perplexity"], "rows": rows,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     with open(args.out_prefix + ".json", "w") as f:
         json.dump(result, f, indent=1)
@@ -187,6 +211,23 @@ def main():
     for d in rows:
         lines.append(f"| {d['label']} | {d['perplexity']:.3f} | {100 * d['delta_vs_full']:+.2f}% | "
                      f"{100 * d['selection_fraction']:.1f}% | {100 * d['bytes_read_fraction']:.1f}% |")
+    lines += [
+        "",
+        f"## InfiniGen's host KV pool at {100 * args.host_limit:g}% of the context (the paper's Table 2)",
+        "",
+        f"InfiniGen alpha {args.alpha:g} with its host pool capped at {host_tokens} tokens per sequence and layer "
+        f"(floor({args.host_limit:g} x {args.ctx})): past it each new token evicts the victim the policy names, and "
+        "that layer never reads it again. \"evicted\": (token, layer) entries over the whole run.",
+        "",
+        "| run | perplexity | vs full | vs InfiniGen without cap | evicted |",
+        "|---|---:|---:|---:|---:|",
+        f"| full cache | {full_ppl:.3f} | +0.00% | | |",
+        f"| InfiniGen alpha {args.alpha:g}, no cap | {base['perplexity']:.3f} | "
+        f"{100 * (base['perplexity'] / full_ppl - 1):+.2f}% | +0.00% | 0 |",
+    ]
+    for d in host_rows:
+        lines.append(f"| {d['eviction']} | {d['perplexity']:.3f} | {100 * d['delta_vs_full']:+.2f}% | "
+                     f"{100 * d['delta_vs_infinigen']:+.2f}% | {d['tokens_evicted']} |")
     with open(args.out_prefix + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -206,6 +247,7 @@ def plot(args, rows, full_ppl):
     styles = {"infinigen-alpha": ("o-", "InfiniGen (alpha sweep, ratio 0.3)"),
               "infinigen-ratio": ("s--", f"InfiniGen (ratio sweep, alpha {args.alpha:g})"),
               "infinigen-point": ("^", "InfiniGen, layer-input point"), "h2o": ("D", "H2O"),
+              "host-pool": ("v", f"InfiniGen alpha {args.alpha:g}, host pool {100 * args.host_limit:g}%"),
               "baseline": ("*", None)}
     for group, (style, label) in styles.items():
         pts = sorted((100 * d["bytes_read_fraction"], d["perplexity"], d["label"]) for d in rows if d["group"] == group)
@@ -216,6 +258,11 @@ def plot(args, rows, full_ppl):
                 ax.plot([x], [y], "*", markersize=12, label=lab)
         else:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
+            if group == "host-pool":
+                for d in rows:
+                    if d["group"] == group:
+                        ax.annotate(d["eviction"], (100 * d["bytes_read_fraction"], d["perplexity"]), fontsize=7,
+                                    xytext=(4, -8), textcoords="offset points")
             for d in rows:
                 if d["group"] == group and group in ("infinigen-alpha", "infinigen-ratio"):
                     tag = (f"a={'cap' if d['alpha'] >= 1e8 else format(d['alpha'], 'g')}" if group == "infinigen-alpha"

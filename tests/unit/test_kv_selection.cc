@@ -472,24 +472,28 @@ TEST_F(KvSelectionEngine, InfiniGenHostPoolAtLeastTheContextChangesNothing) {
   ASSERT_TRUE(uncapped);
   const auto expected = Run(*uncapped);
   const KvSelectionStats want = uncapped->stats().kv_selection;
-  for (const char* policy : {"counter", "lru", "fifo"}) {
-    EngineConfig c = plain;
-    c.infinigen_host_kv_tokens = 150 + 24;  // the longest context
-    c.infinigen_eviction = policy;
-    auto capped = test::MakeEngine(c);
-    ASSERT_TRUE(capped);
-    EXPECT_EQ(Run(*capped), expected) << policy;
-    const KvSelectionStats s = capped->stats().kv_selection;
-    EXPECT_EQ(s.tokens_evicted, 0) << policy;
-    EXPECT_EQ(s.tokens_selected, want.tokens_selected) << policy;
-    EXPECT_EQ(s.tokens_available, want.tokens_available) << policy;
-    EXPECT_EQ(s.bytes_read, want.bytes_read) << policy;
-    EXPECT_EQ(s.layer_reads_full, want.layer_reads_full) << policy;
+  // The longest sequence (150 + 24 tokens) pools 150 + 22 by its last step, whose own is the 173rd.
+  for (int cap : {150 + 24, 150 + 22}) {
+    for (const char* policy : {"counter", "lru", "fifo"}) {
+      SCOPED_TRACE(std::string(policy) + " " + std::to_string(cap));
+      EngineConfig c = plain;
+      c.infinigen_host_kv_tokens = cap;
+      c.infinigen_eviction = policy;
+      auto capped = test::MakeEngine(c);
+      ASSERT_TRUE(capped);
+      EXPECT_EQ(Run(*capped), expected);
+      const KvSelectionStats s = capped->stats().kv_selection;
+      EXPECT_EQ(s.tokens_evicted, 0);
+      EXPECT_EQ(s.tokens_selected, want.tokens_selected);
+      EXPECT_EQ(s.tokens_available, want.tokens_available);
+      EXPECT_EQ(s.bytes_read, want.bytes_read);
+      EXPECT_EQ(s.layer_reads_full, want.layer_reads_full);
+    }
   }
 }
 
 TEST_F(KvSelectionEngine, InfiniGenHostPoolEvictsPastItsCap) {
-  for (int cap : {64, 1}) {
+  for (int cap : {150 + 21, 64, 1}) {
     EngineConfig c = Config("infinigen");
     c.infinigen_alpha = 1e6;  // every speculated layer reads all it may: the live tokens
     c.infinigen_max_fraction = 1.0;
