@@ -242,6 +242,22 @@ TEST_F(KvOffloadEngine, OffloadedDecodingIsExactlyResidentDecoding) {
   }
 }
 
+TEST_F(KvOffloadEngine, SampledOutputsAreTheResidentPoolsToo) {
+  // The logits are bit-identical, so seeded sampling draws the same tokens: stronger than a
+  // distribution test.
+  for (const char* selection : {"", "infinigen"}) {
+    auto resident = test::MakeEngine(Config(false, selection));
+    auto offloaded = test::MakeEngine(Config(true, selection));
+    ASSERT_TRUE(resident && offloaded);
+    SamplingParams p = test::Greedy(24);
+    p.temperature = 1.0f;
+    p.top_p = 0.95f;
+    const auto expected = test::GenerateAll(*resident, test::ThreePrompts(), p, /*vary_seed=*/true);
+    EXPECT_EQ(test::GenerateAll(*offloaded, test::ThreePrompts(), p, /*vary_seed=*/true), expected) << selection;
+    EXPECT_NE(expected, test::GenerateAll(*resident, test::ThreePrompts(), test::Greedy(24), false)) << "not sampled";
+  }
+}
+
 TEST_F(KvOffloadEngine, InfiniGenWithACappedHostPoolIsExactlyResident) {
   // The pool cap evicts tokens; prefill chunks then read their live tokens, chosen at the layer
   // (fetched by attention), decode steps the speculated ones (prefetched).
