@@ -101,6 +101,20 @@ uint64_t KvReadSignature(std::span<const KvHeadSelection> selection, size_t num_
   return h;
 }
 
+Result<bool> KvStagingLedger::Holds(int layer, std::span<const KvHeadSelection> selection, size_t num_slices) const {
+  const int buffer = BufferOf(layer);
+  if (layer_[buffer] != layer) return false;
+  if (signature_[buffer] != KvReadSignature(selection, num_slices)) {
+    return Status::Internal("layer " + std::to_string(layer) + "'s attention reads other tokens than were prefetched for it");
+  }
+  return true;
+}
+
+void KvStagingLedger::Record(int layer, std::span<const KvHeadSelection> selection, size_t num_slices) {
+  layer_[BufferOf(layer)] = layer;
+  signature_[BufferOf(layer)] = KvReadSignature(selection, num_slices);
+}
+
 int64_t ForwardBatch::num_logit_rows() const {
   int64_t rows = 0;
   for (const SequenceSlice& s : seqs) {

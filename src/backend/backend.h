@@ -3,6 +3,7 @@
 // paged blocks (see kv/kv_cache_layout.h).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -124,6 +125,26 @@ struct KvHeadSelection {
 // empty or per_head is 0, else its per-head slots): an offloaded pool checks that attention reads
 // what was prefetched for it.
 uint64_t KvReadSignature(std::span<const KvHeadSelection> selection, size_t num_slices);
+
+// What an offloaded pool's staging buffers hold (layer l in buffer l % kBuffers): the layer, and
+// the signature of the reads it was filled for, so attention uses a prefetch only if it reads the
+// same tokens. Both backends keep one; Reset at every step.
+class KvStagingLedger {
+ public:
+  static constexpr int kBuffers = 2;
+  static int BufferOf(int layer) { return layer % kBuffers; }
+  void Reset() { std::fill(std::begin(layer_), std::end(layer_), -1); }
+  // Whether `layer`'s buffer was filled for `layer` (whatever the reads).
+  bool HoldsLayer(int layer) const { return layer_[BufferOf(layer)] == layer; }
+  // Whether `layer`'s buffer holds its `selection` reads already; Internal when it holds the
+  // layer filled for other reads.
+  Result<bool> Holds(int layer, std::span<const KvHeadSelection> selection, size_t num_slices) const;
+  void Record(int layer, std::span<const KvHeadSelection> selection, size_t num_slices);
+
+ private:
+  int layer_[kBuffers] = {-1, -1};
+  uint64_t signature_[kBuffers] = {0, 0};
+};
 
 // Top-k chunk selection over accumulated scores: the first keep_first and the last keep_last of the
 // job's num_blocks are always chosen, the rest by highest score (ties: the lower index), min(k,

@@ -47,7 +47,7 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config
     backend->key_cache_.reset(new uint8_t[bytes]());
     backend->value_cache_.reset(new uint8_t[bytes]());
     if (kv_offload) {
-      const size_t staging = cpu::KvPoolBytes(kv_element, layout.layer_stride() * kStagingLayers);
+      const size_t staging = cpu::KvPoolBytes(kv_element, layout.layer_stride() * KvStagingLedger::kBuffers);
       backend->staging_key_.reset(new uint8_t[staging]());
       backend->staging_value_.reset(new uint8_t[staging]());
     }
@@ -68,7 +68,7 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config
 
 uint8_t* CpuBackend::Staging(int kv, int layer) const {
   uint8_t* base = kv == 0 ? staging_key_.get() : staging_value_.get();
-  return base + cpu::KvPoolBytes(kv_element_, static_cast<size_t>(layer % kStagingLayers) * layout_.layer_stride());
+  return base + cpu::KvPoolBytes(kv_element_, static_cast<size_t>(layer % KvStagingLedger::kBuffers) * layout_.layer_stride());
 }
 
 uint8_t* CpuBackend::Pool(KvTier tier, int kv, int layer) const {
@@ -90,8 +90,8 @@ std::string CpuBackend::Describe() const {
   if (kv_offloaded()) {
     return fmt::format("cpu ({}, {} threads, {} KV offloaded: host pool {} blocks x {} tokens = {:.1f} MiB, staging "
                        "{} layers = {:.1f} MiB)", weights, pool_->size(), cpu::KvElementName(kv_element_),
-                       layout_.num_blocks, layout_.block_size, pool_mib, kStagingLayers,
-                       pool_mib * kStagingLayers / layout_.num_layers);
+                       layout_.num_blocks, layout_.block_size, pool_mib, KvStagingLedger::kBuffers,
+                       pool_mib * KvStagingLedger::kBuffers / layout_.num_layers);
   }
   return fmt::format("cpu ({}, {} threads, {} KV pool {} blocks x {} tokens = {:.1f} MiB)", weights, pool_->size(),
                      cpu::KvElementName(kv_element_), layout_.num_blocks, layout_.block_size, pool_mib);
@@ -145,7 +145,7 @@ Status CpuBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink,
     for (const SequenceSlice& slice : batch.seqs) {
       if (slice.view.kind != KvView::Kind::kFull) return Status::Unsupported("an offloaded KV pool reads whole views only");
     }
-    std::fill(std::begin(staged_layer_), std::end(staged_layer_), -1);
+    staged_.Reset();
   }
   ScopedThreadPool use_pool(pool_.get());
   const int64_t T = static_cast<int64_t>(batch.tokens.size());
@@ -307,24 +307,16 @@ Status CpuBackend::PrefetchKv(int layer, std::span<const KvHeadSelection> select
   if (layer < 0 || layer >= config_.num_layers) return Status::InvalidArgument("KV prefetch: no such layer");
   if (!selection.empty()) KVFLOW_RETURN_IF_ERROR(ValidateKvHeadSelections(selection, *batch_, layout_));
   StageKv(layer, selection);
-  staged_layer_[layer % kStagingLayers] = layer;
-  staged_signature_[layer % kStagingLayers] = KvReadSignature(selection, batch_->seqs.size());
+  staged_.Record(layer, selection, batch_->seqs.size());
   offload_stats_.prefetches += 1;
   return Status::Ok();
 }
 
 Status CpuBackend::EnsureStaged(int layer, std::span<const KvHeadSelection> selection) {
-  const int buffer = layer % kStagingLayers;
-  if (staged_layer_[buffer] == layer) {
-    if (staged_signature_[buffer] != KvReadSignature(selection, batch_->seqs.size())) {
-      return Status::Internal("layer " + std::to_string(layer) +
-                              "'s attention reads other tokens than were prefetched for it");
-    }
-    return Status::Ok();
-  }
+  KVFLOW_ASSIGN_OR_RETURN(const bool staged, staged_.Holds(layer, selection, batch_->seqs.size()));
+  if (staged) return Status::Ok();
   StageKv(layer, selection);
-  staged_layer_[buffer] = layer;
-  staged_signature_[buffer] = KvReadSignature(selection, batch_->seqs.size());
+  staged_.Record(layer, selection, batch_->seqs.size());
   offload_stats_.on_demand_fetches += 1;
   return Status::Ok();
 }

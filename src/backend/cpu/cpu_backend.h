@@ -110,13 +110,11 @@ class CpuBackend final : public Backend {
   std::unique_ptr<uint8_t[]> value_cache_;
   std::unique_ptr<uint8_t[]> host_key_cache_;
   std::unique_ptr<uint8_t[]> host_value_cache_;
-  // Offloaded pool: the staging buffers of two layers (layer l in buffer l % 2), what each holds
-  // (the layer, -1 none; and a signature of the selections fetched) and the counters.
-  static constexpr int kStagingLayers = 2;
+  // Offloaded pool: the staging buffers of two layers (KvStagingLedger::kBuffers), what each
+  // holds, and the counters.
   std::unique_ptr<uint8_t[]> staging_key_;
   std::unique_ptr<uint8_t[]> staging_value_;
-  int staged_layer_[kStagingLayers] = {-1, -1};
-  uint64_t staged_signature_[kStagingLayers] = {0, 0};
+  KvStagingLedger staged_;
   KvOffloadStats offload_stats_;
   // The step being run, its slots and the slots each sequence's view reads.
   const ForwardBatch* batch_ = nullptr;

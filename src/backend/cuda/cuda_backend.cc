@@ -423,13 +423,11 @@ class CudaBackend final : public Backend {
   // per run of consecutive blocks); selections are gathered by AttentionOverSelection straight from
   // the host pool, only the selected rows crossing the bus (zero-copy reads on the compute stream:
   // not yet overlapped with the previous layer).
-  static constexpr int kStagingLayers = 2;
   PinnedArena offload_pool_arena_;
   DeviceArena staging_arena_;
-  int staged_layer_[kStagingLayers] = {-1, -1};
-  uint64_t staged_signature_[kStagingLayers] = {0, 0};
-  bool staged_async_[kStagingLayers] = {false, false};  // prefetched on copy_stream_: wait for staged_[b]
-  cudaEvent_t staged_[kStagingLayers] = {nullptr, nullptr};
+  KvStagingLedger ledger_;  // what each staging buffer holds
+  bool staged_async_[KvStagingLedger::kBuffers] = {false, false};  // prefetched on copy_stream_: wait for staged_[b]
+  cudaEvent_t staged_[KvStagingLedger::kBuffers] = {nullptr, nullptr};
   cudaEvent_t staging_free_ = nullptr;  // the compute issued before a prefetch
   KvOffloadStats offload_stats_;
 
@@ -766,7 +764,7 @@ Status CudaBackend::AllocatePools() {
     KVFLOW_RETURN_IF_ERROR(offload_pool_arena_.Allocate(2 * pool_bytes, "the offloaded KV pool"));
     key_pool_ = offload_pool_arena_.base();
     value_pool_ = offload_pool_arena_.base() + pool_bytes;
-    KVFLOW_RETURN_IF_ERROR(staging_arena_.Allocate(2 * layout_.layer_stride() * es * kStagingLayers,
+    KVFLOW_RETURN_IF_ERROR(staging_arena_.Allocate(2 * layout_.layer_stride() * es * KvStagingLedger::kBuffers,
                                                    "the KV staging buffers"));
   } else {
     KVFLOW_RETURN_IF_ERROR(kv_arena_.Allocate(2 * pool_bytes, "the KV cache"));
@@ -1019,8 +1017,8 @@ Status CudaBackend::WriteKv(int layer) {
   if (options_.kv_offload) {
     // Written through to the host pool (above) and into the layer's staging buffer, after the
     // prefetch that fills it (whose copies of these slots are stale).
-    const int buffer = layer % kStagingLayers;
-    if (staged_layer_[buffer] == layer && staged_async_[buffer]) {
+    const int buffer = KvStagingLedger::BufferOf(layer);
+    if (ledger_.HoldsLayer(layer) && staged_async_[buffer]) {
       KVFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream_, staged_[buffer], 0));
       staged_async_[buffer] = false;
     }
@@ -1678,7 +1676,7 @@ Status CudaBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink, c
     }
     // The prefetches are issued per step from the host (their block runs differ step to step).
     capturable = false;
-    std::fill(std::begin(staged_layer_), std::end(staged_layer_), -1);
+    ledger_.Reset();
     std::fill(std::begin(staged_async_), std::end(staged_async_), false);
   }
   bool all_decode = true;
@@ -1933,7 +1931,7 @@ char* CudaBackend::PoolLayer(int kv, int layer) const {
 
 char* CudaBackend::StagingLayer(int kv, int layer) const {
   const size_t layer_bytes = layout_.layer_stride() * cuda::DTypeSize(dtype_);
-  return staging_arena_.base() + (static_cast<size_t>(kv) * kStagingLayers + layer % kStagingLayers) * layer_bytes;
+  return staging_arena_.base() + (static_cast<size_t>(kv) * KvStagingLedger::kBuffers + layer % KvStagingLedger::kBuffers) * layer_bytes;
 }
 
 Status CudaBackend::StageViews(int layer, std::span<const KvHeadSelection> selection, cudaStream_t stream) {
@@ -1968,25 +1966,21 @@ Status CudaBackend::PrefetchKv(int layer, std::span<const KvHeadSelection> selec
   if (layer < 0 || layer >= config_.num_layers) return Status::InvalidArgument("KV prefetch: no such layer");
   if (!selection.empty()) KVFLOW_RETURN_IF_ERROR(ValidateKvHeadSelections(selection, *batch_, layout_));
   // The buffer held layer - 2, whose attention is queued on the compute stream: copy after it.
-  const int buffer = layer % kStagingLayers;
+  const int buffer = layer % KvStagingLedger::kBuffers;
   KVFLOW_CUDA_RETURN(cudaEventRecord(staging_free_, stream_));
   KVFLOW_CUDA_RETURN(cudaStreamWaitEvent(copy_stream_, staging_free_, 0));
   KVFLOW_RETURN_IF_ERROR(StageViews(layer, selection, copy_stream_));
   KVFLOW_CUDA_RETURN(cudaEventRecord(staged_[buffer], copy_stream_));
-  staged_layer_[buffer] = layer;
+  ledger_.Record(layer, selection, batch_->seqs.size());
   staged_async_[buffer] = true;
-  staged_signature_[buffer] = KvReadSignature(selection, batch_->seqs.size());
   offload_stats_.prefetches += 1;
   return Status::Ok();
 }
 
 Status CudaBackend::EnsureStaged(int layer, std::span<const KvHeadSelection> selection) {
-  const int buffer = layer % kStagingLayers;
-  if (staged_layer_[buffer] == layer) {
-    if (staged_signature_[buffer] != KvReadSignature(selection, batch_->seqs.size())) {
-      return Status::Internal("layer " + std::to_string(layer) +
-                              "'s attention reads other tokens than were prefetched for it");
-    }
+  const int buffer = KvStagingLedger::BufferOf(layer);
+  KVFLOW_ASSIGN_OR_RETURN(const bool staged, ledger_.Holds(layer, selection, batch_->seqs.size()));
+  if (staged) {
     if (staged_async_[buffer]) {  // WriteKv normally waited already
       KVFLOW_CUDA_RETURN(cudaStreamWaitEvent(stream_, staged_[buffer], 0));
       staged_async_[buffer] = false;
@@ -1995,8 +1989,7 @@ Status CudaBackend::EnsureStaged(int layer, std::span<const KvHeadSelection> sel
   }
   // Nothing prefetched: copy on the compute stream, after the write-through of this step's K/V.
   KVFLOW_RETURN_IF_ERROR(StageViews(layer, selection, stream_));
-  staged_layer_[buffer] = layer;
-  staged_signature_[buffer] = KvReadSignature(selection, batch_->seqs.size());
+  ledger_.Record(layer, selection, batch_->seqs.size());
   offload_stats_.on_demand_fetches += 1;
   return Status::Ok();
 }
@@ -2043,8 +2036,8 @@ std::string CudaBackend::Describe() const {
         "cuda:{} {} ({}, weights {:.2f} GiB, activations {:.2f} GiB, KV offloaded: host pool {} blocks x {} tokens = "
         "{:.2f} GiB pinned, staging {} layers = {:.2f} GiB on the device, CUDA graphs off)",
         options_.device, device_name_, cuda::DTypeName(dtype_), weight_bytes_ / double(1 << 30),
-        work_arena_.bytes() / double(1 << 30), layout_.num_blocks, layout_.block_size, kv_gib, kStagingLayers,
-        kv_gib * kStagingLayers / layout_.num_layers);
+        work_arena_.bytes() / double(1 << 30), layout_.num_blocks, layout_.block_size, kv_gib, KvStagingLedger::kBuffers,
+        kv_gib * KvStagingLedger::kBuffers / layout_.num_layers);
   }
   const double swap_gib = layout_.elements_per_block_all_layers() * es * double(num_host_blocks_) / double(1 << 30);
   return fmt::format(
