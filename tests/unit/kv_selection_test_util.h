@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
@@ -14,6 +17,12 @@
 #include "infinigen/skew_file.h"
 
 namespace kvflow::test {
+
+// A path in the temp directory unique to this process: ctest runs each test in its own process,
+// several at once, and a suite's files must not be another process's.
+inline std::string TempPath(const std::string& name) {
+  return (std::filesystem::temp_directory_path() / ("kvflow_test_" + std::to_string(::getpid()) + "_" + name)).string();
+}
 
 inline std::vector<int32_t> RandomTokens(int n, uint32_t seed, int vocab) {
   std::mt19937 rng(seed);

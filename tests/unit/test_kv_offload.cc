@@ -187,7 +187,7 @@ TEST(KvOffloadBackend, RefusesAttentionOverOtherTokensThanPrefetched) {
 class KvOffloadEngine : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    skew_path_ = new std::string((std::filesystem::temp_directory_path() / "kvflow_offload.infinigen").string());
+    skew_path_ = new std::string(test::TempPath("offload.infinigen"));
     test::WriteTinySkewFile(*skew_path_);
   }
   static void TearDownTestSuite() {

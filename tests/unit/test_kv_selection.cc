@@ -171,9 +171,7 @@ SkewTable RandomTable(const ModelConfig& c, uint32_t seed) {
   return t;
 }
 
-std::string TempPath(const std::string& name) {
-  return (std::filesystem::temp_directory_path() / ("kvflow_test_" + std::to_string(::getpid()) + "_" + name)).string();
-}
+using test::TempPath;
 
 std::vector<char> ReadBytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
