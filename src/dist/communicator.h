@@ -1,0 +1,75 @@
+// Point-to-point and collective messages between the ranks of one distributed job (KV-Runahead's
+// chain prefill, TSP's all-gather). One interface, three transports:
+//   - InProcessWorld (in_process_communicator.h): ranks are threads of one process; unit tests.
+//   - MpiCommunicator (mpi/mpi_communicator.h): ranks are processes started by mpirun, one machine
+//     or many; built when MPI is found.
+//   - NcclCommunicator (nccl/nccl_communicator.h): GPU ranks, bootstrapped over MPI; built when
+//     NCCL and CUDA are found.
+//
+// Messages are byte buffers of a size both sides know (the partition tells every rank how many
+// tokens it receives). Every wait takes a timeout: a peer that never answers, or a rank that died,
+// ends the operation with an error (kUnavailable), never a hang. A communicator is used by one
+// thread at a time.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "kvflow/status.h"
+
+namespace kvflow::dist {
+
+// An operation in flight (ISend / IRecv); its buffer must stay valid and untouched until Wait
+// returns. Destroying an unfinished one is allowed only after the communicator failed.
+class PendingMessage {
+ public:
+  virtual ~PendingMessage() = default;
+};
+using MessageHandle = std::unique_ptr<PendingMessage>;
+
+// Seconds a wait gives a peer by default before it declares it gone.
+constexpr double kDefaultCommTimeoutSeconds = 120.0;
+
+// Where a communicator's message buffers live: host memory (in-process, MPI) or, for NCCL, the
+// current CUDA device's memory.
+enum class BufferSpace { kHost, kDevice };
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // "in-process", "mpi" or "nccl", with the rank and size, for logs and errors.
+  virtual std::string Describe() const = 0;
+  virtual BufferSpace buffer_space() const { return BufferSpace::kHost; }
+
+  // Starts sending `data` to `peer` under `tag` (>= 0); messages between two ranks with the same
+  // tag arrive in the order sent.
+  virtual Result<MessageHandle> ISend(int peer, int tag, std::span<const std::byte> data) = 0;
+  // Starts receiving exactly data.size() bytes from `peer` under `tag` (a message of another size
+  // is an error at Wait).
+  virtual Result<MessageHandle> IRecv(int peer, int tag, std::span<std::byte> data) = 0;
+  // Waits for an operation to finish; kUnavailable after `timeout_s` seconds or when the peer is
+  // gone. The handle is spent either way.
+  virtual Status Wait(MessageHandle handle, double timeout_s = kDefaultCommTimeoutSeconds) = 0;
+
+  // Every rank contributes `mine` (the same size on every rank); `all` (size() * mine.size()
+  // bytes) receives rank 0's, then rank 1's, ... on every rank.
+  virtual Status AllGather(std::span<const std::byte> mine, std::span<std::byte> all,
+                           double timeout_s = kDefaultCommTimeoutSeconds) = 0;
+  // Returns once every rank has called it.
+  virtual Status Barrier(double timeout_s = kDefaultCommTimeoutSeconds) = 0;
+
+  // Blocking forms.
+  Status Send(int peer, int tag, std::span<const std::byte> data, double timeout_s = kDefaultCommTimeoutSeconds);
+  Status Recv(int peer, int tag, std::span<std::byte> data, double timeout_s = kDefaultCommTimeoutSeconds);
+};
+
+// Checks a peer rank and a tag against a communicator (InvalidArgument naming what is wrong).
+Status ValidatePeer(const Communicator& comm, int peer, int tag);
+
+}  // namespace kvflow::dist
