@@ -232,6 +232,42 @@ Status ValidateForwardBatch(const ForwardBatch& batch, const ModelConfig& config
   return Status::Ok();
 }
 
+std::vector<KvSlotRun> KvSlotRuns(std::span<const int64_t> slots, int block_size) {
+  std::vector<KvSlotRun> runs;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const int64_t slot = slots[i];
+    if (!runs.empty()) {
+      KvSlotRun& last = runs.back();
+      const int64_t next = last.first_slot + last.length;
+      if (slot == next && slot / block_size == last.first_slot / block_size) {
+        ++last.length;
+        continue;
+      }
+    }
+    runs.push_back({slot, static_cast<int64_t>(i), 1});
+  }
+  return runs;
+}
+
+Status ValidateKvPack(int layer, std::span<const int64_t> slots, size_t buffer_bytes, const Backend& backend) {
+  const KvCacheLayout& layout = backend.kv_layout();
+  if (layer < 0 || layer >= layout.num_layers) {
+    return Status::InvalidArgument("KV pack: no layer " + std::to_string(layer));
+  }
+  const int64_t pool_slots = static_cast<int64_t>(layout.num_blocks) * layout.block_size;
+  for (int64_t slot : slots) {
+    if (slot < 0 || slot >= pool_slots) {
+      return Status::InvalidArgument("KV pack: slot " + std::to_string(slot) + " outside the pool");
+    }
+  }
+  const int64_t need = KvPackBytes(backend, static_cast<int64_t>(slots.size()));
+  if (static_cast<int64_t>(buffer_bytes) != need) {
+    return Status::InvalidArgument("KV pack: " + std::to_string(slots.size()) + " slots take " + std::to_string(need) +
+                                   " bytes, the buffer has " + std::to_string(buffer_bytes));
+  }
+  return Status::Ok();
+}
+
 Status ValidateKvTransfers(std::span<const KvTransfer> transfers, const KvCacheLayout& layout, int num_host_blocks) {
   for (const KvTransfer& t : transfers) {
     const int src_pool = t.src_tier == KvTier::kHost ? num_host_blocks : layout.num_blocks;

@@ -280,6 +280,19 @@ class Backend {
   virtual Status PrefetchKv(int layer, std::span<const KvHeadSelection> selection) { return Status::Ok(); }
   virtual KvOffloadStats kv_offload_stats() const { return {}; }
 
+  // ---- KV exchanged with a peer (dist/: KV-Runahead's chain, TSP's all-gather) -----------------
+  // Copies the K and V of `layer` at `slots` into `out` (KvPackBytes of them), in the pool's own
+  // element format, so a peer with the same model and KV dtype unpacks exactly what this pool
+  // holds: K then V, per KV head, the slots' rows in order. Valid inside `layers` (after WriteKv)
+  // and outside steps.
+  virtual Status PackKv(int layer, std::span<const int64_t> slots, std::span<std::byte> out) {
+    return NotSupported("KV packing");
+  }
+  // Writes what PackKv produced for as many slots into `layer` at `slots` (this pool's own slots).
+  virtual Status UnpackKv(int layer, std::span<const int64_t> slots, std::span<const std::byte> in) {
+    return NotSupported("KV packing");
+  }
+
   // Backends that sample on the device accept a sink with sample_rows: only tokens and logprobs
   // cross to the host; same semantics as the CPU Sampler given the same uniforms. Every row's
   // params.logprobs <= kMaxDeviceTopLogprobs.
@@ -303,6 +316,20 @@ class Backend {
  protected:
   Status NotSupported(const char* what) const { return Status::Unsupported(Describe() + " has no " + what); }
 };
+
+// Bytes PackKv produces for `num_slots` slots of one layer.
+inline int64_t KvPackBytes(const Backend& backend, int64_t num_slots) { return num_slots * backend.kv_token_bytes(); }
+
+// A run of slots that sit next to each other in one block: `length` rows from `first_slot`, the
+// `index`-th slot of the list onwards. Pack and unpack copy one run per KV head at a time.
+struct KvSlotRun {
+  int64_t first_slot = 0;
+  int64_t index = 0;
+  int64_t length = 0;
+};
+std::vector<KvSlotRun> KvSlotRuns(std::span<const int64_t> slots, int block_size);
+// Checks a PackKv / UnpackKv call: the layer, every slot inside the pool, the buffer's size.
+Status ValidateKvPack(int layer, std::span<const int64_t> slots, size_t buffer_bytes, const Backend& backend);
 
 // Checks a batch against the layout and the config (token ids, positions, block tables, slots,
 // views).

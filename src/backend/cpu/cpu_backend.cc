@@ -439,6 +439,42 @@ Status CpuBackend::ReadKv(int layer, int kv, std::span<const int64_t> slots, std
   return Status::Ok();
 }
 
+Status CpuBackend::PackKv(int layer, std::span<const int64_t> slots, std::span<std::byte> out) {
+  KVFLOW_RETURN_IF_ERROR(ValidateKvPack(layer, slots, out.size(), *this));
+  CopyPacked(layer, slots, out.data(), nullptr);
+  return Status::Ok();
+}
+
+Status CpuBackend::UnpackKv(int layer, std::span<const int64_t> slots, std::span<const std::byte> in) {
+  KVFLOW_RETURN_IF_ERROR(ValidateKvPack(layer, slots, in.size(), *this));
+  CopyPacked(layer, slots, nullptr, in.data());
+  return Status::Ok();
+}
+
+void CpuBackend::CopyPacked(int layer, std::span<const int64_t> slots, std::byte* pack_to, const std::byte* unpack_from) {
+  const int64_t n = static_cast<int64_t>(slots.size());
+  const size_t row_bytes = cpu::KvPoolBytes(kv_element_, static_cast<size_t>(layout_.head_dim));
+  const std::vector<KvSlotRun> runs = KvSlotRuns(slots, layout_.block_size);
+  for (int kv = 0; kv < 2; ++kv) {
+    uint8_t* pool = Pool(KvTier::kDevice, kv, layer);
+    for (int h = 0; h < layout_.num_kv_heads; ++h) {
+      const size_t head_at = static_cast<size_t>((kv * layout_.num_kv_heads + h) * n) * row_bytes;
+      for (const KvSlotRun& run : runs) {
+        const int block = static_cast<int>(run.first_slot / layout_.block_size);
+        const int offset = static_cast<int>(run.first_slot % layout_.block_size);
+        uint8_t* in_pool = pool + cpu::KvPoolBytes(kv_element_, layout_.offset(block, h, offset));
+        const size_t at = head_at + static_cast<size_t>(run.index) * row_bytes;
+        const size_t bytes = static_cast<size_t>(run.length) * row_bytes;
+        if (unpack_from != nullptr) {
+          std::memcpy(in_pool, unpack_from + at, bytes);
+        } else {
+          std::memcpy(pack_to + at, in_pool, bytes);
+        }
+      }
+    }
+  }
+}
+
 Status CpuBackend::AttentionOverSelection(int layer, std::span<const KvHeadSelection> selection) {
   if (batch_ == nullptr) return Status::Internal("attention outside a step");
   KVFLOW_RETURN_IF_ERROR(ValidateKvHeadSelections(selection, *batch_, layout_));

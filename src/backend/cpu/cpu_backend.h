@@ -45,6 +45,8 @@ class CpuBackend final : public Backend {
 
   Status ReadActivationRows(Activation which, int64_t first_row, int64_t rows, std::span<float> out) override;
   Status ReadKv(int layer, int kv, std::span<const int64_t> slots, std::span<float> out) override;
+  Status PackKv(int layer, std::span<const int64_t> slots, std::span<std::byte> out) override;
+  Status UnpackKv(int layer, std::span<const int64_t> slots, std::span<const std::byte> in) override;
 
   Status ResetKvBlockScores(int64_t size) override;
   Status ScoreKvBlocks(int layer, std::span<const KvBlockScoreJob> jobs) override;
@@ -94,6 +96,8 @@ class CpuBackend final : public Backend {
   // (fetched now when nothing was prefetched for the layer).
   Status EnsureStaged(int layer, std::span<const KvHeadSelection> selection);
   uint8_t* Staging(int kv, int layer) const;
+  // The copies of PackKv (into `pack_to`) and UnpackKv (from `unpack_from`; pack_to null).
+  void CopyPacked(int layer, std::span<const int64_t> slots, std::byte* pack_to, const std::byte* unpack_from);
 
   ModelConfig config_;
   LlamaWeights weights_;

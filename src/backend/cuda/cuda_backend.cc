@@ -273,6 +273,8 @@ class CudaBackend final : public Backend {
   Status ReadKvBlockScores(int64_t offset, std::span<float> out) override;
   Status ReadActivationRows(Activation which, int64_t first_row, int64_t rows, std::span<float> out) override;
   Status ReadKv(int layer, int kv, std::span<const int64_t> slots, std::span<float> out) override;
+  Status PackKv(int layer, std::span<const int64_t> slots, std::span<std::byte> out) override;
+  Status UnpackKv(int layer, std::span<const int64_t> slots, std::span<const std::byte> in) override;
   bool SupportsDeviceSampling() const override { return true; }
   Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) override;
   Status TransferKv(std::span<const KvTransfer> transfers) override;
@@ -325,6 +327,9 @@ class CudaBackend final : public Backend {
                      const int32_t* query_lens, int count, int max_query, const void* keys, const void* values);
   // Unsupported while stream_ is being captured: `what` uploads per call or waits for the host.
   Status RefuseUnderCapture(const char* what);
+  // The copies of PackKv (into host `pack_to`) and UnpackKv (from host `unpack_from`; pack_to null),
+  // one per KV head and run of slots, ordered on the compute stream; returns once they are done.
+  Status CopyPacked(int layer, std::span<const int64_t> slots, std::byte* pack_to, const std::byte* unpack_from);
   // Grows `arena` to at least `bytes` (by half again when it grows), waiting for the stream first:
   // queued kernels may still use the old allocation.
   Status GrowScratch(DeviceArena& arena, size_t bytes, const char* what);
@@ -1385,6 +1390,48 @@ Status CudaBackend::ReadActivationRows(Activation which, int64_t first_row, int6
 // The slots are gathered on the device into whole blocks (cache_ops GatherSlots, K and V together),
 // the requested pool's copy comes back in one synchronous copy, and the host reorders it to
 // [slot][kv_head][head_dim].
+Status CudaBackend::PackKv(int layer, std::span<const int64_t> slots, std::span<std::byte> out) {
+  KVFLOW_RETURN_IF_ERROR(ValidateKvPack(layer, slots, out.size(), *this));
+  return CopyPacked(layer, slots, out.data(), nullptr);
+}
+
+Status CudaBackend::UnpackKv(int layer, std::span<const int64_t> slots, std::span<const std::byte> in) {
+  KVFLOW_RETURN_IF_ERROR(ValidateKvPack(layer, slots, in.size(), *this));
+  return CopyPacked(layer, slots, nullptr, in.data());
+}
+
+Status CudaBackend::CopyPacked(int layer, std::span<const int64_t> slots, std::byte* pack_to,
+                               const std::byte* unpack_from) {
+  if (slots.empty()) return Status::Ok();
+  KVFLOW_RETURN_IF_ERROR(RefuseUnderCapture("KV packing"));
+  const int64_t n = static_cast<int64_t>(slots.size());
+  const size_t es = cuda::DTypeSize(dtype_);
+  const size_t row_bytes = static_cast<size_t>(layout_.head_dim) * es;
+  const std::vector<KvSlotRun> runs = KvSlotRuns(slots, layout_.block_size);
+  // cudaMemcpyDefault: an offloaded pool is host memory.
+  for (int kv = 0; kv < 2; ++kv) {
+    char* pool = PoolLayer(kv, layer);
+    for (int h = 0; h < layout_.num_kv_heads; ++h) {
+      const size_t head_at = static_cast<size_t>((kv * layout_.num_kv_heads + h) * n) * row_bytes;
+      for (const KvSlotRun& run : runs) {
+        const int block = static_cast<int>(run.first_slot / layout_.block_size);
+        const int offset = static_cast<int>(run.first_slot % layout_.block_size);
+        char* in_pool = pool + layout_.offset(block, h, offset) * es;
+        const size_t at = head_at + static_cast<size_t>(run.index) * row_bytes;
+        const size_t bytes = static_cast<size_t>(run.length) * row_bytes;
+        if (unpack_from != nullptr) {
+          KVFLOW_CUDA_RETURN(cudaMemcpyAsync(in_pool, unpack_from + at, bytes, cudaMemcpyDefault, stream_));
+        } else {
+          KVFLOW_CUDA_RETURN(cudaMemcpyAsync(pack_to + at, in_pool, bytes, cudaMemcpyDefault, stream_));
+        }
+      }
+    }
+  }
+  // The host buffer is the caller's once this returns.
+  KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
+  return Status::Ok();
+}
+
 Status CudaBackend::ReadKv(int layer, int kv, std::span<const int64_t> slots, std::span<float> out) {
   if (layer < 0 || layer >= config_.num_layers || kv < 0 || kv > 1) return Status::InvalidArgument("KV read: no such layer");
   const int KV = layout_.num_kv_heads, D = layout_.head_dim, bs = layout_.block_size;
