@@ -1,0 +1,21 @@
+#include "dist/world.h"
+
+#include <cstdlib>
+
+#include "dist/in_process_communicator.h"
+
+namespace kvflow::dist {
+
+bool LaunchedByMpi() {
+  for (const char* variable : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}) {
+    if (std::getenv(variable) != nullptr) return true;
+  }
+  return false;
+}
+
+Result<std::unique_ptr<Communicator>> OpenWorldCommunicator() {
+  if (LaunchedByMpi()) return OpenMpiWorldCommunicator();
+  return std::move(InProcessWorld::Create(1).front());
+}
+
+}  // namespace kvflow::dist

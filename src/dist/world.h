@@ -1,0 +1,22 @@
+// The communicator a process runs in: the MPI world when mpirun started it, else a world of one.
+#pragma once
+
+#include <memory>
+
+#include "dist/communicator.h"
+
+namespace kvflow::dist {
+
+// True when a launcher started this process as one rank of several (mpirun sets
+// OMPI_COMM_WORLD_SIZE, Slurm/MPICH PMI_SIZE, PMIx PMIX_RANK).
+bool LaunchedByMpi();
+
+// LaunchedByMpi(): the MPI communicator (collective: every rank opens it together), or Unsupported
+// when kvflow was built without MPI. Otherwise an in-process world of one rank.
+Result<std::unique_ptr<Communicator>> OpenWorldCommunicator();
+
+// The MPI half of OpenWorldCommunicator, defined by the MPI transport (src/dist/mpi/) or, in builds
+// without MPI, by its stub.
+Result<std::unique_ptr<Communicator>> OpenMpiWorldCommunicator();
+
+}  // namespace kvflow::dist
