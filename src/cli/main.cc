@@ -16,6 +16,7 @@
 
 #include "cli/decode_bench.h"
 #include "cli/engine_flags.h"
+#include "cli/prefill_bench.h"
 #include "engine/chat_template.h"
 #include "backend/backend_factory.h"
 #include "eval/perplexity.h"
@@ -488,6 +489,37 @@ int main(int argc, char** argv) {
   double skew_swap_gib = 0.0;
   kvflow::AddEngineFlags(skew, &skew_opt.engine, &skew_swap_gib);
 
+  kvflow::PrefillBenchOptions prefill_opt;
+  CLI::App* prefill_bench = app.add_subcommand(
+      "prefill-bench",
+      "Time-to-first-token of a long prompt prefilled across the ranks of an mpirun job (KV-Runahead's chain, or the "
+      "TSP all-gather baseline; one rank: a plain prefill), and KV-Runahead's partition search:\n"
+      "  mpirun -np 1 kvflow prefill-bench --threads 2\n"
+      "  mpirun -np 2 kvflow prefill-bench --threads 1 --search --table partitions.json");
+  prefill_bench->add_option("--contexts", prefill_opt.contexts, "Prompt lengths, comma-separated")
+      ->delimiter(',')
+      ->default_str("2048,4096,8192");
+  prefill_bench->add_option("--methods", prefill_opt.methods, "kv-runahead and/or tsp, comma-separated")
+      ->delimiter(',')
+      ->default_str("kv-runahead,tsp");
+  prefill_bench->add_option("-r,--repeats", prefill_opt.repeats, "Timed runs per point; medians are reported")
+      ->default_val(3);
+  prefill_bench->add_flag("--search", prefill_opt.search,
+                          "KVR-S: search each context's partition by measuring TTFT (binary search for 2 ranks, "
+                          "hierarchical grid beyond) and write --table");
+  prefill_bench->add_option("--table", prefill_opt.table,
+                            "Partition lookup table to write (--search) or read (--predict)");
+  prefill_bench->add_option("--predict", prefill_opt.predict,
+                            "KVR-P: contexts to run with the table's interpolated partition, comma-separated")
+      ->delimiter(',');
+  prefill_bench->add_option("--granularity", prefill_opt.granularity, "The search's finest step in tokens")
+      ->default_val(64);
+  prefill_bench->add_option("--timeout", prefill_opt.timeout_s, "Seconds a rank waits for a peer before giving up")
+      ->default_val(300);
+  prefill_bench->add_option("--json", prefill_opt.json_out, "Write every measurement as JSON here (last rank)");
+  double prefill_swap_gib = 0.0;
+  kvflow::AddEngineFlags(prefill_bench, &prefill_opt.engine, &prefill_swap_gib);
+
   std::string info_model = "smollm2-135m";
   CLI::App* info = app.add_subcommand("info", "Print a model's configuration and tokenizer");
   info->add_option("-m,--model", info_model, "Model path or short name")->default_val("smollm2-135m");
@@ -506,6 +538,7 @@ int main(int argc, char** argv) {
     return RunPerplexity(ppl);
   }
   if (*skew) return RunSkew(skew_opt);
+  if (*prefill_bench) return kvflow::RunPrefillBench(prefill_opt);
   if (*bench) {
     kvflow::ApplySwapSpace(&bench_opt.engine, bench_swap_gib);
     return RunBench(bench_opt);
