@@ -34,6 +34,9 @@ GPU pair): every layer, one random adjacent pair's link runs at NOISE_CONGESTED_
 bandwidth, and every transfer's bandwidth is further scaled by U[1 - NOISE_JITTER, 1]. KVR-S keeps
 the partition searched on the quiet link (as in the paper). Averaged over NOISE_SEEDS draws.
 
+Low bandwidth: the paper's "10 GB/s" TTFTs (Table 3) are slower than this model gives at 10 GB/s;
+the script also reports the effective bandwidth at which the model reproduces them best.
+
 Lower bounds: TTFT*(p) = TTFT(1)/2 (1/p + 1/p^2) (paper eq. 3), and the no-communication bound:
 KVR-S with an infinitely fast, zero-latency link (paper Fig. 8d, "TTFT(p)").
 
@@ -456,6 +459,24 @@ def study(model, device):
     return rows, tables
 
 
+def fit_low_bandwidth(model, device):
+    """The link bandwidth at which KVR-S reproduces the paper's "10 GB/s" TTFTs (Table 3, 2 and 4
+    GPUs, 2K..12K): least squares on log TTFT over a geometric grid of bandwidths."""
+    points = [(p, c, t) for p, row in PAPER_TABLE3_10GBPS.items() for c, t in row.items() if c >= 2048]
+    best = None
+    for bw in np.geomspace(0.5e9, 40e9, 49):
+        link = Link(float(bw), LINKS["10GB/s"].latency_s)
+        pred = [search_partition(c, p, lambda b: chain_ttft(model, device, link, b), GRANULARITY)["best_ttft_s"]
+                for p, c, _ in points]
+        err = float(np.mean([math.log(q / t) ** 2 for q, (_, _, t) in zip(pred, points)]))
+        if best is None or err < best[0]:
+            best = (err, float(bw), pred)
+    err, bw, pred = best
+    return {"effective_bandwidth": bw, "rms_log_error": math.sqrt(err),
+            "points": [{"num_ranks": p, "context_len": c, "paper_s": t, "modeled_s": q}
+                       for (p, c, t), q in zip(points, pred)]}
+
+
 def noise_study(model, device, rows, contexts=(8192, 12288, 16384), seeds=NOISE_SEEDS):
     """KVR-S keeps the partition searched on the quiet link."""
     out = []
@@ -513,7 +534,13 @@ def markdown(doc):
     for r in doc["noise"]:
         lines.append(f"| {r['link']} | {r['num_ranks']} | {r['tsp_slowdown']:+.1%} | {r['kvr_s_slowdown']:+.1%} | "
                      f"{r['tsp_noisy_over_kvr_s_noisy']:.2f} |")
-    lines += ["", "Paper (Fig. 11): TSP > 10% slower on average, KVR <= 3.7%.", "", "## Summary", ""]
+    lines += ["", "Paper (Fig. 11): TSP > 10% slower on average, KVR <= 3.7%.", ""]
+    lb = doc["low_bandwidth_fit"]
+    lines += [f"## The paper's \"10 GB/s\" runs (Table 3) against KVR-S on an effective {lb['effective_bandwidth'] / 1e9:.1f} GB/s link",
+              "", "| ranks | context | paper s | modeled s |", "|---|---|---|---|"]
+    for r in lb["points"]:
+        lines.append(f"| {r['num_ranks']} | {_k(r['context_len'])} | {r['paper_s']:.2f} | {r['modeled_s']:.2f} |")
+    lines += ["", "## Summary", ""]
     lines += [f"- {s}" for s in doc["summary"]]
     if doc.get("calibration"):
         cal = doc["calibration"]
@@ -525,7 +552,7 @@ def markdown(doc):
     return "\n".join(lines) + "\n"
 
 
-def summarise(rows, noise):
+def summarise(rows, noise, low_bw):
     out = []
 
     def get(link, p, c):
@@ -545,6 +572,14 @@ def summarise(rows, noise):
                + " (paper Fig. 10: 0.350, 0.255, 0.210, 0.185)")
     for r in noise:
         out.append(f"noise, {r['link']}, {r['num_ranks']} ranks: TSP {r['tsp_slowdown']:+.1%}, KVR-S {r['kvr_s_slowdown']:+.1%}")
+    for p in (2, 4):
+        paper = ", ".join(f"{_k(c)} {t:.2f}" for c, t in PAPER_TABLE3_10GBPS[p].items() if c >= 4096)
+        ours = ", ".join(f"{_k(r['context_len'])} {r['kvr_s_s']:.2f}" for r in rows
+                         if r["link"] == "10GB/s" and r["num_ranks"] == p and r["context_len"] in (4096, 8192, 12288))
+        out.append(f"10 GB/s, {p} ranks, KVR-S modeled {ours} vs paper KVR {paper} (Table 3)")
+    out.append(f"with sends overlapped as modeled, the paper's 10 GB/s KVR TTFTs need an effective "
+               f"{low_bw['effective_bandwidth'] / 1e9:.1f} GB/s link (rms log error {low_bw['rms_log_error']:.2f}; see the "
+               "table: the shape across 2 and 4 ranks is not reproduced)")
     return out
 
 
@@ -600,7 +635,8 @@ def main(argv=None):
         doc["calibration"] = fit_calibration(cal_doc, cal_model)
     doc["rows"], doc["kvr_p_tables"] = study(model, device)
     doc["noise"] = noise_study(model, device, doc["rows"])
-    doc["summary"] = summarise(doc["rows"], doc["noise"])
+    doc["low_bandwidth_fit"] = fit_low_bandwidth(model, device)
+    doc["summary"] = summarise(doc["rows"], doc["noise"], doc["low_bandwidth_fit"])
 
     prefix = Path(args.out_prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
