@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "dist/in_process_communicator.h"
+#include "dist/world.h"
 
 namespace kvflow::dist {
 namespace {
@@ -217,6 +218,22 @@ TEST(InProcessCommunicator, DescribesItself) {
   EXPECT_EQ(world[3]->Describe(), "in-process rank 3 of 4");
   EXPECT_EQ(world[3]->size(), 4);
   EXPECT_EQ(world[3]->buffer_space(), BufferSpace::kHost);
+}
+
+TEST(InProcessCommunicator, OpenWorldCommunicatorOutsideMpirunIsAWorldOfOne) {
+  if (LaunchedByMpi()) GTEST_SKIP() << "this process was started by mpirun";
+  auto world = OpenWorldCommunicator();
+  ASSERT_TRUE(world.ok()) << world.status().ToString();
+  Communicator& comm = **world;
+  EXPECT_EQ(comm.Describe(), "in-process rank 0 of 1");
+  const auto payload = RandomBytes(100, 77);
+  std::vector<std::byte> got(100), all(100);
+  ASSERT_TRUE(comm.Send(0, 1, payload, 1.0).ok());  // to itself
+  ASSERT_TRUE(comm.Recv(0, 1, got, 1.0).ok());
+  EXPECT_EQ(got, payload);
+  ASSERT_TRUE(comm.AllGather(payload, all, 1.0).ok());
+  EXPECT_EQ(all, payload);
+  EXPECT_TRUE(comm.Barrier(1.0).ok());
 }
 
 }  // namespace
