@@ -116,6 +116,17 @@ struct EngineConfig {
   // recomputes); TriForce and draft models are refused.
   bool kv_offload = false;
 
+  // KV-Runahead (seed 001): under `mpirun -np P`, prompts of at least prefill_parallel_min_tokens
+  // tokens are prefilled across all P ranks; this engine runs on the last rank, which keeps the
+  // KV cache and decodes, and the other ranks run kvflow's prefill workers (the server and CLI
+  // start them by themselves). "kv-runahead" (the chain) or "tsp" (the all-gather baseline); empty:
+  // off. The prefilled blocks reach the request through the prefix cache, which this turns on.
+  std::string prefill_parallel;
+  int prefill_parallel_min_tokens = 2048;
+  // The partition lookup table `kvflow prefill-bench --search` writes; empty, missing or corrupt:
+  // the even split (with a warning).
+  std::string prefill_partition_table;
+
   // CUDA only. Share of the GPU's memory for weights, activations and the KV pool (which gets the
   // rest, unless kv_cache_bytes / num_kv_blocks fix it).
   double gpu_memory_utilization = 0.9;

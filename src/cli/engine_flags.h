@@ -126,6 +126,16 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
                "staging buffers and each layer fetches what its attention reads, during the layer before where it "
                "is known: every cached token, or with --kv-selection infinigen only the speculated ones. No swap "
                "space; on CUDA the pool is pinned host memory and decode steps run without CUDA graphs");
+  app->add_option("--prefill-parallel", c.prefill_parallel,
+                  "KV-Runahead: under mpirun -np P, prefill prompts of --prefill-parallel-min-tokens or more across "
+                  "all P ranks; the last rank serves and decodes, the others are prefill workers. kv-runahead (the "
+                  "chain) or tsp (all-gather baseline)")
+      ->check(CLI::IsMember({"kv-runahead", "tsp"}));
+  app->add_option("--prefill-parallel-min-tokens", c.prefill_parallel_min_tokens,
+                  "Shorter prompts are prefilled on the last rank alone")
+      ->default_val(2048);
+  app->add_option("--partition-table", c.prefill_partition_table,
+                  "KV-Runahead's partition lookup table (kvflow prefill-bench --search); none: even split");
   app->add_option("--ngram-max,--prompt-lookup-max", c.ngram_max, "ngram: longest suffix looked up")->default_val(4);
   app->add_option("--ngram-min,--prompt-lookup-min", c.ngram_min, "ngram: shortest suffix looked up")->default_val(1);
   app->add_option("--threads", c.num_threads, "CPU threads (0 = all cores)")->default_val(0);

@@ -17,6 +17,8 @@
 #include "cli/decode_bench.h"
 #include "cli/engine_flags.h"
 #include "cli/prefill_bench.h"
+#include "dist/prompt_prefill_service.h"
+#include "dist/world.h"
 #include "engine/chat_template.h"
 #include "backend/backend_factory.h"
 #include "eval/perplexity.h"
@@ -40,9 +42,18 @@ struct GenerateOptions {
 };
 
 int RunGenerate(GenerateOptions& opt) {
+  // Under mpirun with --prefill-parallel, every rank but the last is a prefill worker.
+  auto worker = kvflow::dist::RunPrefillWorkerIfNotLastRank(opt.engine);
+  if (!worker.ok()) {
+    spdlog::error("{}", worker.status().ToString());
+    return 1;
+  }
+  if (worker.value()) return 0;
   auto engine_or = kvflow::Engine::Create(opt.engine);
   if (!engine_or.ok()) {
     spdlog::error("{}", engine_or.status().ToString());
+    // The prefill workers wait for this rank: end the whole job.
+    if (!opt.engine.prefill_parallel.empty()) kvflow::dist::AbortJob(1);
     return 1;
   }
   auto& engine = *engine_or.value();
@@ -504,6 +515,9 @@ int main(int argc, char** argv) {
       ->default_str("kv-runahead,tsp");
   prefill_bench->add_option("-r,--repeats", prefill_opt.repeats, "Timed runs per point; medians are reported")
       ->default_val(3);
+  prefill_bench->add_option("--search-repeats", prefill_opt.search_repeats,
+                            "Timed runs per partition the search tries (medians)")
+      ->default_val(1);
   prefill_bench->add_flag("--search", prefill_opt.search,
                           "KVR-S: search each context's partition by measuring TTFT (binary search for 2 ranks, "
                           "hierarchical grid beyond) and write --table");

@@ -36,6 +36,7 @@ struct PrefillBenchOptions {
   std::vector<int64_t> contexts = {2048, 4096, 8192};
   std::vector<std::string> methods = {"kv-runahead", "tsp"};
   int repeats = 3;
+  int search_repeats = 1;         // timed runs per partition the search tries
   bool search = false;            // KVR-S: search each context's partition, write --table
   std::string table;              // the lookup table to write (--search) or to read (KVR-P rows)
   std::vector<int64_t> predict;   // contexts to run with the table's interpolated partition (KVR-P)
@@ -69,8 +70,10 @@ inline Result<RankState> OpenRank(PrefillBenchOptions& opt) {
   const int64_t longest = *std::max_element(opt.contexts.begin(), opt.contexts.end());
   KVFLOW_ASSIGN_OR_RETURN(std::string path, ResolveModel(opt.engine.model));
   KVFLOW_ASSIGN_OR_RETURN(ModelFiles files, OpenModelFiles(path));
-  opt.engine.max_model_len = static_cast<int>(longest + 1);
-  opt.engine.num_kv_blocks = static_cast<int>((longest + opt.engine.block_size - 1) / opt.engine.block_size) + 1;
+  opt.engine.max_model_len = static_cast<int>(longest);
+  // The pool keeps a watermark of free blocks for the scheduler: leave room for it.
+  const int blocks = static_cast<int>((longest + opt.engine.block_size - 1) / opt.engine.block_size);
+  opt.engine.num_kv_blocks = blocks + blocks / 50 + 4;
   opt.engine.num_host_kv_blocks = 0;
   KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadWeightsFor(files, opt.engine));
   KVFLOW_ASSIGN_OR_RETURN(state.backend, CreateBackend(opt.engine, true, files.config, std::move(weights)));
@@ -109,9 +112,10 @@ inline Result<Row> TimeOnce(dist::Communicator& comm, RankState& state, const Pr
 }
 
 inline Result<Row> TimeRepeated(dist::Communicator& comm, RankState& state, const PrefillBenchOptions& opt,
-                                dist::PrefillMethod method, const std::vector<int64_t>& bounds, int& tag_base) {
+                                dist::PrefillMethod method, const std::vector<int64_t>& bounds, int& tag_base,
+                                int repeats = 0) {
   Row row;
-  for (int i = 0; i < opt.repeats; ++i) {
+  for (int i = 0; i < (repeats > 0 ? repeats : opt.repeats); ++i) {
     KVFLOW_ASSIGN_OR_RETURN(Row once, TimeOnce(comm, state, opt, method, bounds, tag_base));
     tag_base += state.backend->kv_layout().num_layers;
     row.bounds = once.bounds;
@@ -148,7 +152,7 @@ inline int RunPrefillBench(PrefillBenchOptions opt) {
   if (!lead) spdlog::set_level(spdlog::level::warn);
   const bool contexts_ok = !opt.contexts.empty() && std::all_of(opt.contexts.begin(), opt.contexts.end(),
                                                                    [p](int64_t c) { return c >= std::max(p, 256); });
-  if (!contexts_ok || opt.repeats < 1 || opt.granularity < 1) {
+  if (!contexts_ok || opt.repeats < 1 || opt.search_repeats < 1 || opt.granularity < 1) {
     std::fprintf(stderr, "error: prefill-bench needs contexts of at least 256 tokens, repeats >= 1 and granularity >= 1\n");
     return 2;
   }
@@ -202,7 +206,8 @@ inline int RunPrefillBench(PrefillBenchOptions opt) {
       dist::PartitionSearchOptions search;
       search.granularity = opt.granularity;
       auto measure = [&](const dist::ContextPartition& partition) -> Result<double> {
-        KVFLOW_ASSIGN_OR_RETURN(Row r, TimeRepeated(comm, state, opt, method, partition.bounds, tag_base));
+        KVFLOW_ASSIGN_OR_RETURN(Row r, TimeRepeated(comm, state, opt, method, partition.bounds, tag_base,
+                                                    opt.search_repeats));
         if (lead) spdlog::info("    search [{}]: {:.3f} s", BoundsText(partition.bounds), r.median_s);
         return r.median_s;
       };

@@ -13,6 +13,11 @@ bool LaunchedByMpi() {
   return false;
 }
 
+void AbortJob(int exit_code) {
+  if (LaunchedByMpi()) AbortMpiJob(exit_code);
+  std::exit(exit_code);
+}
+
 Result<std::unique_ptr<Communicator>> OpenWorldCommunicator() {
   if (LaunchedByMpi()) return OpenMpiWorldCommunicator();
   return std::move(InProcessWorld::Create(1).front());

@@ -19,4 +19,10 @@ Result<std::unique_ptr<Communicator>> OpenWorldCommunicator();
 // without MPI, by its stub.
 Result<std::unique_ptr<Communicator>> OpenMpiWorldCommunicator();
 
+// Ends the whole job with `exit_code`: a rank that cannot go on (a server that failed to start)
+// must not leave the other ranks waiting for it. MPI_Abort under MPI, else std::exit.
+[[noreturn]] void AbortJob(int exit_code);
+// The MPI half of AbortJob (a no-op in builds without MPI or before MPI is initialised).
+void AbortMpiJob(int exit_code);
+
 }  // namespace kvflow::dist

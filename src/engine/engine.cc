@@ -10,6 +10,8 @@
 #include "engine/engine_core.h"
 #include "engine/evaluation.h"
 #include "engine/model_executor.h"
+#include "engine/prompt_prefiller.h"
+#include "dist/prompt_prefill_service.h"
 #include "h2o/h2o_selector.h"
 #include "infinigen/infinigen_selector.h"
 #include "infinigen/skew_file.h"
@@ -91,7 +93,7 @@ class EngineImpl final : public EvaluationEngine {
   EngineImpl(EngineConfig config, ModelFiles files, std::unique_ptr<Backend> backend,
              std::unique_ptr<Backend> draft_backend, std::unique_ptr<SchedulingPolicy> policy,
              PreemptionMode preemption, std::unique_ptr<LengthSupervisor> supervisor,
-             std::unique_ptr<KvSelector> kv_selector)
+             std::unique_ptr<KvSelector> kv_selector, std::unique_ptr<PromptPrefiller> prompt_prefiller)
       : config_(std::move(config)),
         model_config_(files.config),
         tokenizer_(std::move(files.tokenizer)),
@@ -103,7 +105,8 @@ class EngineImpl final : public EvaluationEngine {
                          backend_->kv_layout().num_blocks - DrafterScratchBlocks(config_),
                          backend_->num_host_blocks(), preemption, drafter_.get(), kv_selector_.get()),
               std::move(policy), std::move(supervisor), tokenizer_.get()),
-        executor_(*backend_, core_.block_manager()) {
+        executor_(*backend_, core_.block_manager()),
+        prompt_prefiller_(std::move(prompt_prefiller)) {
     if (draft_backend_) executor_.AddFollower(*draft_backend_);
     if (drafter_) executor_.set_step_hooks(drafter_->step_hooks());
     executor_.set_kv_selector(kv_selector_.get());
@@ -121,6 +124,7 @@ class EngineImpl final : public EvaluationEngine {
 
   Result<RequestId> AddRequestWithHints(std::vector<int32_t> prompt, const SamplingParams& params,
                                         StreamCallback on_event, const RequestHints& hints) override {
+    if (prompt_prefiller_) PrefillAhead(prompt, params);
     return core_.AddRequest(std::move(prompt), params, std::move(on_event), hints,
                             Seconds(Clock::now().time_since_epoch()));
   }
@@ -178,14 +182,35 @@ class EngineImpl final : public EvaluationEngine {
                              std::to_string(config_.num_speculative_tokens) + ")"
                        : "";
     const std::string selection = config_.kv_selection.empty() ? "" : ", KV selection " + config_.kv_selection;
+    const std::string prefill = prompt_prefiller_ ? ", " + prompt_prefiller_->Describe() : "";
     return model_config_.name + " on " + backend_->Describe() + draft + ", swap " + std::to_string(blocks.host().num_blocks()) +
            " blocks, max_model_len " + std::to_string(config_.max_model_len) + selection + ", policy " +
            std::string(scheduler.policy().name()) + ", preemption " +
            PreemptionModeName(scheduler.config().preemption_mode) +
-           (blocks.prefix_caching() ? ", prefix caching" : "");
+           (blocks.prefix_caching() ? ", prefix caching" : "") + prefill;
   }
 
  private:
+  // A long prompt's KV computed by the prompt prefiller (across ranks) before its request is
+  // queued; the request then maps it from the prefix cache. Failures only cost the speed-up.
+  void PrefillAhead(const std::vector<int32_t>& prompt, const SamplingParams& params) {
+    // Prompt logprobs need every prompt position's logits, which only the engine's steps produce.
+    if (params.prompt_logprobs.has_value() || !core_.ValidateRequest(prompt, params).ok()) return;
+    const int64_t n = prompt_prefiller_->TokensToPrefill(prompt, config_.block_size);
+    if (n <= 0) return;
+    const auto start = Clock::now();
+    auto done = core_.PrefillIntoPrefixCache(prompt, n, [&](std::span<const BlockId> table) {
+      return prompt_prefiller_->Prefill(prompt, n, table);
+    });
+    if (!done.ok()) {
+      spdlog::warn("prefill of a {}-token prompt across ranks failed, computing it here: {}", prompt.size(),
+                   done.status().ToString());
+    } else if (done.value()) {
+      spdlog::debug("prefilled {} of {} prompt tokens across ranks in {:.3f} s", n, prompt.size(),
+                    Seconds(Clock::now() - start));
+    }
+  }
+
   // Wraps a user callback so the final RequestOutput is assembled as events arrive.
   static StreamCallback Collector(RequestOutput& out, const SamplingParams& params, StreamCallback user) {
     const auto start = Clock::now();
@@ -231,6 +256,7 @@ class EngineImpl final : public EvaluationEngine {
   std::unique_ptr<KvSelector> kv_selector_;
   EngineCore core_;
   ModelExecutor executor_;
+  std::unique_ptr<PromptPrefiller> prompt_prefiller_;  // KV-Runahead's last rank (prefill_parallel)
 };
 
 Status ValidateEngineConfig(const EngineConfig& c) {
@@ -277,6 +303,19 @@ Status ValidateEngineConfig(const EngineConfig& c) {
     KVFLOW_RETURN_IF_ERROR(ParseHostEvictionPolicy(c.infinigen_eviction).status());
     KVFLOW_RETURN_IF_ERROR(InfiniGenConfig::FromEngine(c).Validate());
     KVFLOW_RETURN_IF_ERROR(H2OConfig::FromEngine(c).Validate());
+  }
+  if (!c.prefill_parallel.empty()) {
+    if (c.prefill_parallel != "kv-runahead" && c.prefill_parallel != "tsp") {
+      return Status::InvalidArgument("prefill_parallel must be kv-runahead or tsp, not '" + c.prefill_parallel + "'");
+    }
+    if (c.prefill_parallel_min_tokens < 2) return Status::InvalidArgument("prefill_parallel_min_tokens must be >= 2");
+    // Ranks fill only the target's pool: a draft model's cache, InfiniGen's partial keys or H2O's
+    // scores would miss the prefilled tokens, and an offloaded pool is filled by its own path.
+    if (c.kv_offload || !c.kv_selection.empty() || c.speculative_method == "draft_model" ||
+        c.speculative_method == "triforce" || !c.speculative_model.empty()) {
+      return Status::InvalidArgument("prefill_parallel cannot be combined with kv_offload, kv_selection, a draft "
+                                     "model or triforce (n-gram speculation works)");
+    }
   }
   if (c.kv_offload) {
     if (!c.speculative_method.empty()) {
@@ -414,8 +453,18 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEvaluationEngine(const EngineCon
   }
   KVFLOW_ASSIGN_OR_RETURN(auto supervisor, CreateLengthSupervisor(config, evaluation, *files.tokenizer));
   KVFLOW_ASSIGN_OR_RETURN(auto kv_selector, CreateKvSelector(config, path, mc, *backend));
+  std::unique_ptr<PromptPrefiller> prompt_prefiller;
+  if (!config.prefill_parallel.empty()) {
+    if (!config.enable_prefix_caching) {
+      spdlog::info("prefill_parallel: turning prefix caching on (prefilled prompts reach their requests through it)");
+      config.enable_prefix_caching = true;
+    }
+    KVFLOW_ASSIGN_OR_RETURN(prompt_prefiller,
+                            dist::CreatePromptPrefiller(config, *backend, evaluation.prefill_communicator));
+  }
   auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(draft_backend),
-                                             std::move(policy), preemption, std::move(supervisor), std::move(kv_selector));
+                                             std::move(policy), preemption, std::move(supervisor),
+                                             std::move(kv_selector), std::move(prompt_prefiller));
   spdlog::info("engine ready: {}", engine->Describe());
   return std::unique_ptr<EvaluationEngine>(std::move(engine));
 }

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <random>
@@ -79,6 +80,14 @@ class EngineCore {
   // it produced. An error means the executor could not move blocks; a failed run fails only the
   // requests in the batch.
   Result<StepResult> Step(Executor& executor);
+
+  // ---- KV computed outside steps (engine/prompt_prefiller.h) -------------------------------------
+  // Allocates blocks for tokens[0, num_tokens) (whole blocks), has `compute` fill them, and
+  // publishes them in the prefix cache, where a request for this prompt maps them instead of
+  // computing them. Returns false (nothing done) when part of that prefix is cached already or the
+  // pool cannot hold it now. Needs prefix caching; not during a step.
+  Result<bool> PrefillIntoPrefixCache(std::span<const int32_t> tokens, int64_t num_tokens,
+                                      const std::function<Status(std::span<const BlockId>)>& compute);
 
   EngineStats stats() const;
   void set_observer(EngineCoreObserver* observer) { observer_ = observer; }

@@ -12,6 +12,9 @@
 #include "kvflow/engine.h"
 
 namespace kvflow {
+namespace dist {
+class Communicator;
+}
 
 // What the scheduler may know about a request beyond its prompt: the true output length (trace
 // replays; what the Orca oracle baselines reserve) or a predicted one (S3).
@@ -26,6 +29,9 @@ struct RequestHints {
 struct EvaluationOptions {
   // s3: distorts every length prediction, "scale:F" or "bucket:B" (see ParsePredictionOverride).
   std::string length_prediction_override;
+  // prefill_parallel's ranks (tests: an in-process world whose other ranks run RunPrefillWorker);
+  // null: the process's MPI world. Not owned.
+  dist::Communicator* prefill_communicator = nullptr;
 };
 
 // An Engine that also takes requests with hints.

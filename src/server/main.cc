@@ -18,6 +18,8 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "dist/prompt_prefill_service.h"
+#include "dist/world.h"
 #include "cli/engine_flags.h"
 #include "kvflow/async_engine.h"
 #include "server/http_server.h"
@@ -71,11 +73,20 @@ int Serve(Options& opt) {
   sigaction(SIGINT, &action, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
+  // Under mpirun with --prefill-parallel, every rank but the last is a prefill worker.
+  auto worker = kvflow::dist::RunPrefillWorkerIfNotLastRank(opt.engine);
+  if (!worker.ok()) {
+    spdlog::error("{}", worker.status().ToString());
+    return 1;
+  }
+  if (worker.value()) return 0;
   spdlog::info("loading model '{}' on {}", opt.engine.model, opt.engine.device);
   const auto load_start = std::chrono::steady_clock::now();
   auto engine_or = kvflow::AsyncEngine::Create(opt.engine, opt.async);
   if (!engine_or.ok()) {
     spdlog::error("{}", engine_or.status().ToString());
+    // The prefill workers wait for this rank: end the whole job.
+    if (!opt.engine.prefill_parallel.empty()) kvflow::dist::AbortJob(1);
     return 1;
   }
   std::unique_ptr<kvflow::AsyncEngine> engine = std::move(engine_or).value();

@@ -356,6 +356,13 @@ Status MpiCommunicator::Barrier(double timeout_s) {
   }
 }
 
+void AbortMpiJob(int exit_code) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, exit_code);
+}
+
 Result<std::unique_ptr<Communicator>> OpenMpiWorldCommunicator() {
   KVFLOW_ASSIGN_OR_RETURN(std::unique_ptr<MpiCommunicator> comm, MpiCommunicator::Create());
   return std::unique_ptr<Communicator>(std::move(comm));

@@ -7,4 +7,6 @@ Result<std::unique_ptr<Communicator>> OpenMpiWorldCommunicator() {
   return Status::Unsupported("kvflow was built without MPI: install libopenmpi-dev and rebuild");
 }
 
+void AbortMpiJob(int exit_code) {}
+
 }  // namespace kvflow::dist
