@@ -68,6 +68,11 @@ int64_t DistributedPrefillHooks::SegmentBytes(int chunk) const {
 Status DistributedPrefillHooks::Start() {
   KVFLOW_RETURN_IF_ERROR(ValidatePrefillBounds(bounds_, num_ranks()));
   if (backend_.kv_offloaded()) return Status::Unsupported("distributed prefill into an offloaded KV pool");
+  // The K/V are packed into host buffers; a transport of device buffers (NCCL) needs device-side
+  // packing, which is not built yet.
+  if (comm_.buffer_space() != BufferSpace::kHost && num_ranks() > 1) {
+    return Status::Unsupported("distributed prefill over " + comm_.Describe() + ", whose buffers are device memory");
+  }
   const bool tsp = options_.method == PrefillMethod::kTsp;
   // KV-Runahead holds chunks 0..rank; TSP every chunk.
   const int held = tsp ? num_ranks() : rank() + 1;
@@ -132,6 +137,16 @@ Status DistributedPrefillHooks::PostReceive(int layer) {
 Status DistributedPrefillHooks::BeforeAttention(const LayerContext& ctx) {
   if (num_ranks() == 1) return Status::Ok();
   return options_.method == PrefillMethod::kTsp ? RunTspLayer(ctx.layer) : RunChainLayer(ctx.layer);
+}
+
+Status DistributedPrefillHooks::AfterAttention(const LayerContext& ctx) {
+  if (num_ranks() > 1) comm_.Poll();
+  return Status::Ok();
+}
+
+Status DistributedPrefillHooks::AfterMlpInput(const LayerContext& ctx) {
+  if (num_ranks() > 1) comm_.Poll();
+  return Status::Ok();
 }
 
 Status DistributedPrefillHooks::RunChainLayer(int layer) {

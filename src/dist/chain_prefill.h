@@ -69,6 +69,9 @@ class DistributedPrefillHooks final : public LayerHooks {
   // Allocates the message buffers and posts the first receives.
   Status Start();
   Status BeforeAttention(const LayerContext& ctx) override;
+  // Between the layer's big products: let the sends and receives in flight advance.
+  Status AfterAttention(const LayerContext& ctx) override;
+  Status AfterMlpInput(const LayerContext& ctx) override;
   Status Finish();
   const DistributedPrefillStats& stats() const { return stats_; }
 

@@ -57,6 +57,11 @@ class Communicator {
   // gone. The handle is spent either way.
   virtual Status Wait(MessageHandle handle, double timeout_s = kDefaultCommTimeoutSeconds) = 0;
 
+  // Lets transfers in flight advance while the caller computes: MPI moves a large message only
+  // inside MPI calls, so a rank that computes between posting and waiting should poll now and
+  // then. Never blocks; a no-op where transfers advance by themselves.
+  virtual void Poll() {}
+
   // Every rank contributes `mine` (the same size on every rank); `all` (size() * mine.size()
   // bytes) receives rank 0's, then rank 1's, ... on every rank.
   virtual Status AllGather(std::span<const std::byte> mine, std::span<std::byte> all,

@@ -94,11 +94,8 @@ Result<bool> EngineCore::PrefillIntoPrefixCache(std::span<const int32_t> tokens,
   if (needed < BlocksForTokens(num_tokens, bs)) return false;  // part of it is cached already
   if (!blocks_.CanAdmit(needed)) return false;
   const SeqId seq = scheduler_.NewSeqId();
-  KVFLOW_ASSIGN_OR_RETURN(int64_t cached, blocks_.Allocate(seq, prefix, num_tokens));
-  if (cached > 0) {
-    blocks_.Free(seq);
-    return false;
-  }
+  // Fresh blocks only (none of it was cached, checked above); not a lookup for the hit rate.
+  KVFLOW_RETURN_IF_ERROR(blocks_.Allocate(seq, prefix, num_tokens, /*reuse_cached_prefix=*/false).status());
   Status st = compute(blocks_.BlockTable(seq));
   if (st.ok()) blocks_.MarkComputed(seq, prefix, num_tokens);
   blocks_.Free(seq);

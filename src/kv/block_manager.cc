@@ -85,7 +85,7 @@ Result<int64_t> BlockManager::Allocate(SeqId seq, std::span<const int32_t> token
     entry.blocks.push_back(block);
     entry.hashes.push_back(hash);
   }
-  if (config_.enable_prefix_caching && !tokens.empty()) {
+  if (config_.enable_prefix_caching && reuse_cached_prefix && !tokens.empty()) {
     prefix_queried_blocks_ += (static_cast<int64_t>(tokens.size()) - 1) / bs;
     prefix_hit_blocks_ += static_cast<int64_t>(entry.hashes.size());
   }

@@ -110,7 +110,7 @@ class BlockManager {
   // Blocks the device tables would hold without any sharing (for the sharing-savings figures).
   int64_t NumLogicalDeviceBlocks() const;
   int num_sequences() const { return static_cast<int>(seqs_.size()); }
-  // Of the full prompt blocks admitted with prefix caching on, the fraction found in the cache.
+  // Of the full prompt blocks admitted looking up the prefix cache, the fraction found there.
   double PrefixHitRate() const;
   int64_t prefix_hit_blocks() const { return prefix_hit_blocks_; }
   int64_t prefix_queried_blocks() const { return prefix_queried_blocks_; }

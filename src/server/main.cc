@@ -73,7 +73,15 @@ int Serve(Options& opt) {
   sigaction(SIGINT, &action, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
-  // Under mpirun with --prefill-parallel, every rank but the last is a prefill worker.
+  // Under mpirun with --prefill-parallel, every rank but the last is a prefill worker. mpirun
+  // forwards SIGTERM to every rank: a worker leaves when the last rank, shutting down, tells it.
+  if (!opt.engine.prefill_parallel.empty()) {
+    auto world = kvflow::dist::ProcessWorldCommunicator();
+    if (world.ok() && world.value()->rank() + 1 < world.value()->size()) {
+      signal(SIGTERM, SIG_IGN);
+      signal(SIGINT, SIG_IGN);
+    }
+  }
   auto worker = kvflow::dist::RunPrefillWorkerIfNotLastRank(opt.engine);
   if (!worker.ok()) {
     spdlog::error("{}", worker.status().ToString());

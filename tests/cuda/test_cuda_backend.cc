@@ -36,6 +36,7 @@
 #include "model/tensor_source.h"
 #include "model/tiny_random.h"
 #include "sampling/sampler.h"
+#include "util/half.h"
 
 namespace kvflow {
 namespace {
@@ -469,6 +470,86 @@ TEST(CudaBackendBlocks, TransferredKvDecodesLikeTheOriginal) {
   o.max_model_len = 64;
   auto gpu = CreateCudaBackend(config, weights, o).value();
   test::ExpectTransferredKvDecodesAlike(*gpu, 6);
+}
+
+// KV-Runahead's wire format on CUDA (Backend::PackKv / UnpackKv, dist/chain_prefill.h): a layer's
+// K/V packed from one backend's pool and unpacked at other slots of a second backend (another
+// rank) decode exactly alike, and the packed values are the CPU backend's within fp16 rounding of
+// the computation.
+TEST(CudaBackendBlocks, PackedKvUnpacksOnAnotherRankAndMatchesCpu) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  ModelConfig config;
+  LlamaWeights weights = TinyWeights(&config);
+  RoundWeights(weights, cuda::DType::kF16);
+  CudaBackendOptions o;
+  o.dtype = "fp16";
+  o.block_size = 16;
+  o.num_kv_blocks = 32;
+  o.num_host_blocks = 0;
+  o.max_num_seqs = 2;
+  o.max_num_batched_tokens = 128;
+  o.max_model_len = 256;
+  auto sender = CreateCudaBackend(config, weights, o).value();
+  auto receiver = CreateCudaBackend(config, weights, o).value();
+  KvCacheLayout layout{config.num_layers, 32, config.num_kv_heads, 16, config.head_dim};
+  auto cpu = CpuBackend::Create(config, weights, layout, 0, 2, cpu::KvElement::kF16).value();
+  std::mt19937 rng(17);
+  const std::vector<int32_t> prompt = RandomTokens(rng, 70, config.vocab_size);
+  const std::vector<BlockId> table_a = {3, 9, 1, 12, 7}, table_b = {20, 2, 31, 5, 14};
+  auto prefill = [&](Backend& backend, const std::vector<BlockId>& table) {
+    ForwardBatch b;
+    b.tokens = prompt;
+    for (int i = 0; i < 70; ++i) b.positions.push_back(i);
+    SequenceSlice slice;
+    slice.num_tokens = 70;
+    slice.context_len = 70;
+    slice.block_table = table;
+    slice.logits = LogitsMode::kNone;
+    b.seqs.push_back(slice);
+    std::vector<float> unused;
+    const Status st = LlamaModel(backend).Forward(b, unused);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+  };
+  prefill(*sender, table_a);
+  prefill(*cpu, table_a);
+  std::vector<int64_t> slots_a, slots_b;
+  for (int pos = 0; pos < 70; ++pos) {
+    slots_a.push_back(SlotOf(table_a, pos, 16));
+    slots_b.push_back(SlotOf(table_b, pos, 16));
+  }
+  std::vector<std::byte> packed(static_cast<size_t>(KvPackBytes(*sender, 70))), from_cpu(packed.size());
+  double max_err = 0.0;
+  for (int layer = 0; layer < config.num_layers; ++layer) {
+    ASSERT_TRUE(sender->PackKv(layer, slots_a, packed).ok());
+    ASSERT_TRUE(cpu->PackKv(layer, slots_a, from_cpu).ok());
+    const auto* ours = reinterpret_cast<const uint16_t*>(packed.data());
+    const auto* ref = reinterpret_cast<const uint16_t*>(from_cpu.data());
+    for (size_t i = 0; i < packed.size() / 2; ++i) {
+      max_err = std::max(max_err, std::fabs(double(HalfBitsToFloat(ours[i])) - HalfBitsToFloat(ref[i])));
+    }
+    const Status st = receiver->UnpackKv(layer, slots_b, packed);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+  }
+  std::printf("  packed fp16 K/V, CUDA vs CPU backend: max|diff| = %.3g\n", max_err);
+  EXPECT_LT(max_err, 2e-2);
+  // One decode step over the moved cache: the same logits as over the original.
+  auto decode = [&](Backend& backend, const std::vector<BlockId>& table) {
+    ForwardBatch b;
+    b.tokens = {prompt[5]};
+    b.positions = {70};
+    SequenceSlice slice;
+    slice.num_tokens = 1;
+    slice.context_len = 71;
+    slice.block_table = table;
+    b.seqs.push_back(slice);
+    std::vector<float> logits;
+    const Status st = LlamaModel(backend).Forward(b, logits);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    return logits;
+  };
+  EXPECT_EQ(decode(*sender, table_a), decode(*receiver, table_b));
+  std::vector<std::byte> small(packed.size() - 2);
+  EXPECT_EQ(sender->PackKv(0, slots_a, small).code(), StatusCode::kInvalidArgument);
 }
 
 // Explicit slot views (KvView::kSlots) on CUDA: each layer gathers them into scratch blocks and the

@@ -153,7 +153,8 @@ class Metrics:
 
 
 class ServerProcess:
-    def __init__(self, binary, args, env=None, name="kvflow-server"):
+    def __init__(self, binary, args, env=None, name="kvflow-server", launcher=()):
+        self.launcher = list(launcher)  # e.g. ["mpirun", "-np", "2"]: the server runs under it
         self.binary = binary
         self.args = list(args)
         self.env = env
@@ -173,7 +174,7 @@ class ServerProcess:
         env.pop("KVFLOW_API_KEY", None)
         env.update(OMP_ENV)
         env.update(self.env or {})
-        cmd = [self.binary, "--host", "127.0.0.1", "--port", "0", *self.args]
+        cmd = [*self.launcher, self.binary, "--host", "127.0.0.1", "--port", "0", *self.args]
         self.lines.append("$ " + " ".join(cmd))
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -290,8 +291,8 @@ class ServerProcess:
         return socket.create_connection((self.host, self.port), timeout=timeout)
 
 
-def start_server(binary, args, env=None, name="kvflow-server"):
-    srv = ServerProcess(binary, args, env=env, name=name)
+def start_server(binary, args, env=None, name="kvflow-server", launcher=()):
+    srv = ServerProcess(binary, args, env=env, name=name, launcher=launcher)
     try:
         return srv.start()
     except BaseException:
@@ -336,9 +337,9 @@ def make_server(server_bin):
     to .stop) at teardown and asserts exit code 0."""
     started = []
 
-    def make(*args, env=None, model=TINY):
+    def make(*args, env=None, model=TINY, launcher=()):
         srv = start_server(server_bin, ["--model", model, *args], env=env,
-                           name=f"kvflow-server {' '.join(args)}")
+                           name=f"kvflow-server {' '.join(args)}", launcher=launcher)
         started.append(srv)
         return srv
 

@@ -336,6 +336,12 @@ Status MpiCommunicator::AllGather(std::span<const std::byte> mine, std::span<std
   return Status::Ok();
 }
 
+void MpiCommunicator::Poll() {
+  if (!impl_->failed.ok()) return;
+  int flag = 0;
+  MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, impl_->comm, &flag, MPI_STATUS_IGNORE);
+}
+
 Status MpiCommunicator::Barrier(double timeout_s) {
   KVFLOW_RETURN_IF_ERROR(CheckUsable());
   MPI_Request request = MPI_REQUEST_NULL;

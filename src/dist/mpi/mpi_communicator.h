@@ -59,6 +59,8 @@ class MpiCommunicator final : public Communicator {
   Status AllGather(std::span<const std::byte> mine, std::span<std::byte> all,
                    double timeout_s = kDefaultCommTimeoutSeconds) override;
   Status Barrier(double timeout_s = kDefaultCommTimeoutSeconds) override;
+  // One turn of MPI's progress engine (MPI_Iprobe).
+  void Poll() override;
 
  private:
   struct Impl;  // the MPI handles, kept out of this header so that it does not need mpi.h
