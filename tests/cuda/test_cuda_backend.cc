@@ -518,7 +518,7 @@ TEST(CudaBackendBlocks, PackedKvUnpacksOnAnotherRankAndMatchesCpu) {
     slots_b.push_back(SlotOf(table_b, pos, 16));
   }
   std::vector<std::byte> packed(static_cast<size_t>(KvPackBytes(*sender, 70))), from_cpu(packed.size());
-  double max_err = 0.0;
+  double max_err = 0.0, max_ref = 0.0;
   for (int layer = 0; layer < config.num_layers; ++layer) {
     ASSERT_TRUE(sender->PackKv(layer, slots_a, packed).ok());
     ASSERT_TRUE(cpu->PackKv(layer, slots_a, from_cpu).ok());
@@ -526,12 +526,15 @@ TEST(CudaBackendBlocks, PackedKvUnpacksOnAnotherRankAndMatchesCpu) {
     const auto* ref = reinterpret_cast<const uint16_t*>(from_cpu.data());
     for (size_t i = 0; i < packed.size() / 2; ++i) {
       max_err = std::max(max_err, std::fabs(double(HalfBitsToFloat(ours[i])) - HalfBitsToFloat(ref[i])));
+      max_ref = std::max(max_ref, std::fabs(double(HalfBitsToFloat(ref[i]))));
     }
     const Status st = receiver->UnpackKv(layer, slots_b, packed);
     ASSERT_TRUE(st.ok()) << st.ToString();
   }
-  std::printf("  packed fp16 K/V, CUDA vs CPU backend: max|diff| = %.3g\n", max_err);
-  EXPECT_LT(max_err, 2e-2);
+  std::printf("  packed fp16 K/V, CUDA vs CPU backend: max|diff| = %.3g (max|K/V| %.3g)\n", max_err, max_ref);
+  EXPECT_GT(max_ref, 0.1) << "the pool holds real K/V";
+  // fp16 weights and activations on the device, fp32 on the CPU: a few fp16 ulps of the largest.
+  EXPECT_LT(max_err, 1e-2 * max_ref);
   // One decode step over the moved cache: the same logits as over the original.
   auto decode = [&](Backend& backend, const std::vector<BlockId>& table) {
     ForwardBatch b;
