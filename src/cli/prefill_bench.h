@@ -20,13 +20,12 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
-#include "backend/backend_factory.h"
 #include "cli/decode_bench.h"
 #include "dist/chain_prefill.h"
 #include "dist/partition_search.h"
 #include "dist/partition_table.h"
+#include "dist/prompt_prefill_service.h"
 #include "dist/world.h"
-#include "model/tensor_source.h"
 #include "kvflow/engine.h"
 
 namespace kvflow {
@@ -65,20 +64,12 @@ struct RankState {
   std::vector<int32_t> prompt;
 };
 
-inline Result<RankState> OpenRank(PrefillBenchOptions& opt) {
+inline Result<RankState> OpenRank(const PrefillBenchOptions& opt) {
   RankState state;
   const int64_t longest = *std::max_element(opt.contexts.begin(), opt.contexts.end());
-  KVFLOW_ASSIGN_OR_RETURN(std::string path, ResolveModel(opt.engine.model));
-  KVFLOW_ASSIGN_OR_RETURN(ModelFiles files, OpenModelFiles(path));
-  opt.engine.max_model_len = static_cast<int>(longest);
-  // The pool keeps a watermark of free blocks for the scheduler: leave room for it.
-  const int blocks = static_cast<int>((longest + opt.engine.block_size - 1) / opt.engine.block_size);
-  opt.engine.num_kv_blocks = blocks + blocks / 50 + 4;
-  opt.engine.num_host_kv_blocks = 0;
-  KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadWeightsFor(files, opt.engine));
-  KVFLOW_ASSIGN_OR_RETURN(state.backend, CreateBackend(opt.engine, true, files.config, std::move(weights)));
-  for (int b = 0; b < opt.engine.num_kv_blocks; ++b) state.table.push_back(b);
-  state.prompt = SyntheticPrompt(static_cast<int>(longest), files.config.vocab_size, 17);
+  KVFLOW_ASSIGN_OR_RETURN(state.backend, dist::CreatePrefillRankBackend(opt.engine, longest));
+  for (int b = 0; b < state.backend->kv_layout().num_blocks; ++b) state.table.push_back(b);
+  state.prompt = SyntheticPrompt(static_cast<int>(longest), state.backend->model_config().vocab_size, 17);
   return state;
 }
 

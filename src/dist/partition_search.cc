@@ -80,21 +80,27 @@ Result<PartitionSearchResult> SearchPartitionBinary(int64_t context_len, const T
   CachedMeasurement cache(measure);
   KVFLOW_RETURN_IF_ERROR(cache(even).status());
 
-  // Split points k * g for k in [1, (C-1)/g]; halve the bracket on the sign of TTFT(k+1) - TTFT(k).
+  // Split points k * g for k in [1, (C-1)/g]. Golden-section search: the two probes sit at fixed
+  // fractions of the bracket, so early steps compare splits far apart, whose TTFTs differ by more
+  // than run-to-run noise (probing the slope between neighbours, as a plain binary search does, is
+  // decided by noise of a few percent and can leave the optimum behind at the first step).
   const int64_t g = EffectiveGranularity(context_len, 2, options.granularity);
   auto at = [&](int64_t k) { return cache(ContextPartition{{0, k * g, context_len}}); };
+  constexpr double kInverseGolden = 0.6180339887498949;
   int64_t lo = 1, hi = (context_len - 1) / g;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    KVFLOW_ASSIGN_OR_RETURN(double here, at(mid));
-    KVFLOW_ASSIGN_OR_RETURN(double next, at(mid + 1));
-    if (here <= next) {
-      hi = mid;
+  while (hi - lo > 2) {
+    const int64_t span = static_cast<int64_t>(std::lround(kInverseGolden * static_cast<double>(hi - lo)));
+    const int64_t left = std::min(hi - span, lo + span - 1), right = std::max(lo + span, left + 1);
+    KVFLOW_ASSIGN_OR_RETURN(double at_left, at(left));
+    KVFLOW_ASSIGN_OR_RETURN(double at_right, at(right));
+    if (at_left <= at_right) {
+      hi = right;
     } else {
-      lo = mid + 1;
+      lo = left;
     }
   }
-  KVFLOW_RETURN_IF_ERROR(at(lo).status());
+  for (int64_t k = lo; k < hi; ++k) KVFLOW_RETURN_IF_ERROR(at(k).status());
+  KVFLOW_RETURN_IF_ERROR(at(hi).status());
   return Finish(cache, even, "binary");
 }
 

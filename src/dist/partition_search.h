@@ -4,9 +4,11 @@
 // with the given partition and returns its TTFT, so the same code drives real runs (the
 // measurement tool) and analytic models (tests, the simulator).
 //
-//   p = 2  binary search on the sign of TTFT's slope along the split point: TTFT is unimodal in
-//          the split (a small first chunk makes rank 1 the bottleneck, a large one makes rank 1
-//          wait), so O(log C) measurements;
+//   p = 2  a bracketing search along the split point (the paper's binary search, as golden-section
+//          search): TTFT is unimodal in the split (a small first chunk makes rank 1 the bottleneck,
+//          a large one makes rank 1 wait), so O(log C) measurements; the probes sit at fixed
+//          fractions of the bracket, so measurement noise of a few percent does not decide the
+//          early steps, as it does when the slope is probed between neighbouring splits;
 //   p > 2  hierarchical grid search: a grid of (2k+1) points per inner bound around the current
 //          best (at first the even split) with a coarse step, then a grid with half the step around
 //          the best point found, recursively until the step reaches the granularity; the paper's

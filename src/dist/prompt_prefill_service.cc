@@ -1,5 +1,6 @@
 #include "dist/prompt_prefill_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <vector>
@@ -158,24 +159,27 @@ std::string DistributedPromptPrefiller::Describe() const {
          (table_ ? "partition table of " + std::to_string(table_->entries().size()) + " entries" : "even partitions");
 }
 
-Status RunPrefillWorker(const EngineConfig& input, Communicator& comm, double timeout_s, bool* ready) {
-  if (ready) *ready = false;
-  KVFLOW_ASSIGN_OR_RETURN(PrefillMethod expected_method, ParsePrefillMethod(input.prefill_parallel));
-  (void)expected_method;  // the last rank names the method of every prefill
-  EngineConfig config = input;
+Result<std::unique_ptr<Backend>> CreatePrefillRankBackend(EngineConfig config, int64_t max_tokens) {
   KVFLOW_ASSIGN_OR_RETURN(std::string path, ResolveModel(config.model));
   KVFLOW_ASSIGN_OR_RETURN(ModelFiles files, OpenModelFiles(path));
   KVFLOW_RETURN_IF_ERROR(files.config.Validate());
-  if (config.max_model_len == 0 || config.max_model_len > files.config.max_position_embeddings) {
-    config.max_model_len = files.config.max_position_embeddings;
-  }
+  // As the engine does: no more than the model's context length.
+  const int64_t context = files.config.max_position_embeddings;
+  if (max_tokens > context) spdlog::warn("{} tokens exceed the model's context length {}; using {}", max_tokens, context, context);
+  config.max_model_len = static_cast<int>(max_tokens > 0 ? std::min(max_tokens, context) : context);
   // The pool holds one prompt of max_model_len tokens, and the scheduler's watermark besides.
   const int blocks = BlocksForTokens(config.max_model_len, config.block_size);
   config.num_kv_blocks = blocks + blocks / 50 + 4;
   config.num_host_kv_blocks = 0;
   config.kv_offload = false;
   KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadWeightsFor(files, config));
-  KVFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateBackend(config, true, files.config, std::move(weights)));
+  return CreateBackend(config, true, files.config, std::move(weights));
+}
+
+Status RunPrefillWorker(const EngineConfig& config, Communicator& comm, double timeout_s, bool* ready) {
+  if (ready) *ready = false;
+  KVFLOW_RETURN_IF_ERROR(ParsePrefillMethod(config.prefill_parallel).status());
+  KVFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreatePrefillRankBackend(config, config.max_model_len));
   std::vector<BlockId> table(static_cast<size_t>(backend->kv_layout().num_blocks));
   for (size_t b = 0; b < table.size(); ++b) table[b] = static_cast<BlockId>(b);
   const int leader = comm.size() - 1;
@@ -184,8 +188,8 @@ Status RunPrefillWorker(const EngineConfig& input, Communicator& comm, double ti
                                           hello.kv_token_bytes, hello.vocab_size, hello.pool_tokens};
   KVFLOW_RETURN_IF_ERROR(comm.Send(leader, kHelloTag, Bytes(std::span<const int64_t>(fields)), timeout_s));
   if (ready) *ready = true;
-  spdlog::info("prefill worker {} ready: {} on {}, waiting for rank {}", comm.Describe(), files.config.name,
-               backend->Describe(), leader);
+  spdlog::info("prefill worker {} ready: {} on {}, waiting for rank {}", comm.Describe(),
+               backend->model_config().name, backend->Describe(), leader);
   std::vector<int64_t> command(static_cast<size_t>(3 + comm.size() + 1));
   int64_t served = 0;
   while (true) {

@@ -66,6 +66,11 @@ class DistributedPromptPrefiller final : public PromptPrefiller {
   DistributedPrefillStats last_stats_;
 };
 
+// A backend of `config`'s model on this rank whose pool holds one prompt of `max_tokens` tokens
+// (0 or more than the model's context length: that length), as a prefill worker or a measuring
+// rank needs: no swap space, resident KV.
+Result<std::unique_ptr<Backend>> CreatePrefillRankBackend(EngineConfig config, int64_t max_tokens);
+
 // A worker rank (every rank but the last): builds its own backend for `config`'s model, says hello,
 // then runs the last rank's prefills until it says stop or goes away. Returns the error that ended
 // it, Ok after a stop; `ready` (optional) tells whether it got as far as its hello.
