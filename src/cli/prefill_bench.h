@@ -122,11 +122,6 @@ inline Result<Row> TimeRepeated(dist::Communicator& comm, RankState& state, cons
 
 inline std::vector<int64_t> EvenBounds(int64_t context, int p) { return dist::EvenPartition(context, p).value().bounds; }
 
-inline std::string BoundsText(const std::vector<int64_t>& bounds) {
-  std::string s;
-  for (size_t i = 0; i < bounds.size(); ++i) s += (i ? "," : "") + std::to_string(bounds[i]);
-  return s;
-}
 
 }  // namespace prefill_bench
 
@@ -165,7 +160,7 @@ inline int RunPrefillBench(PrefillBenchOptions opt) {
   RankState& state = state_or.value();
   if (lead) {
     spdlog::info("prefill-bench: {} rank(s) over {}, {} on {}, contexts {}", p, comm.Describe(),
-                 state.backend->Describe(), opt.engine.model, BoundsText(opt.contexts));
+                 state.backend->Describe(), opt.engine.model, fmt::join(opt.contexts, ", "));
   }
   std::vector<Row> rows;
   int tag_base = 0;
@@ -191,7 +186,7 @@ inline int RunPrefillBench(PrefillBenchOptions opt) {
       auto even = TimeRepeated(comm, state, opt, method, EvenBounds(context, p), tag_base);
       if (!even.ok()) return fail(even.status());
       even->partition = p == 1 ? "one rank" : "even";
-      if (lead) spdlog::info("  C={} {} {} [{}]: {:.3f} s", context, even->method, even->partition, BoundsText(even->bounds), even->median_s);
+      if (lead) spdlog::info("  C={} {} {} {}: {:.3f} s", context, even->method, even->partition, dist::PartitionToString({even->bounds}), even->median_s);
       rows.push_back(*even);
       if (!opt.search || p == 1 || method != dist::PrefillMethod::kKvRunahead) continue;
       dist::PartitionSearchOptions search;
@@ -199,7 +194,7 @@ inline int RunPrefillBench(PrefillBenchOptions opt) {
       auto measure = [&](const dist::ContextPartition& partition) -> Result<double> {
         KVFLOW_ASSIGN_OR_RETURN(Row r, TimeRepeated(comm, state, opt, method, partition.bounds, tag_base,
                                                     opt.search_repeats));
-        if (lead) spdlog::info("    search [{}]: {:.3f} s", BoundsText(partition.bounds), r.median_s);
+        if (lead) spdlog::info("    search {}: {:.3f} s", dist::PartitionToString(partition), r.median_s);
         return r.median_s;
       };
       auto found = dist::SearchPartition(context, p, measure, search);
@@ -208,8 +203,8 @@ inline int RunPrefillBench(PrefillBenchOptions opt) {
       if (!best.ok()) return fail(best.status());
       best->partition = "searched";
       rows.push_back(*best);
-      if (lead) spdlog::info("  C={} kv-runahead searched [{}]: {:.3f} s ({} measurements)", context,
-                             BoundsText(best->bounds), best->median_s, found->measurements);
+      if (lead) spdlog::info("  C={} kv-runahead searched {}: {:.3f} s ({} measurements)", context,
+                             dist::PartitionToString({best->bounds}), best->median_s, found->measurements);
       dist::PartitionTableEntry entry;
       entry.num_ranks = p;
       entry.context_len = context;
@@ -232,7 +227,7 @@ inline int RunPrefillBench(PrefillBenchOptions opt) {
     auto row = TimeRepeated(comm, state, opt, dist::PrefillMethod::kKvRunahead, choice->partition.bounds, tag_base);
     if (!row.ok()) return fail(row.status());
     row->partition = std::string("predicted (") + dist::PartitionSourceName(choice->source) + ")";
-    if (lead) spdlog::info("  C={} kv-runahead {} [{}]: {:.3f} s", context, row->partition, BoundsText(row->bounds), row->median_s);
+    if (lead) spdlog::info("  C={} kv-runahead {} {}: {:.3f} s", context, row->partition, dist::PartitionToString({row->bounds}), row->median_s);
     rows.push_back(*row);
   }
   if (!lead) return 0;
@@ -248,7 +243,7 @@ inline int RunPrefillBench(PrefillBenchOptions opt) {
     std::string runs;
     for (double t : r.ttft_s) runs += (runs.empty() ? "" : " ") + fmt::format("{:.3f}", t);
     std::printf("| %lld | %s | %s | %s | %.3f | %s |\n", static_cast<long long>(r.context), r.method.c_str(),
-                r.partition.c_str(), BoundsText(r.bounds).c_str(), r.median_s, runs.c_str());
+                r.partition.c_str(), dist::PartitionToString({r.bounds}).c_str(), r.median_s, runs.c_str());
     out["rows"].push_back({{"context", r.context}, {"method", r.method}, {"partition", r.partition},
                            {"bounds", r.bounds}, {"ttft_s", r.ttft_s}, {"median_s", r.median_s},
                            {"bytes_received_last_rank", r.bytes_sent_last_rank},

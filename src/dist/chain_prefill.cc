@@ -28,18 +28,8 @@ Result<PrefillMethod> ParsePrefillMethod(const std::string& name) {
 }
 
 Status ValidatePrefillBounds(std::span<const int64_t> bounds, int num_ranks) {
-  if (static_cast<int>(bounds.size()) != num_ranks + 1) {
-    return Status::InvalidArgument("a partition over " + std::to_string(num_ranks) + " ranks needs " +
-                                   std::to_string(num_ranks + 1) + " bounds, not " + std::to_string(bounds.size()));
-  }
-  if (bounds.front() != 0) return Status::InvalidArgument("a partition starts at token 0");
-  for (size_t i = 1; i < bounds.size(); ++i) {
-    if (bounds[i] <= bounds[i - 1]) {
-      return Status::InvalidArgument("chunk " + std::to_string(i - 1) + " of the partition is empty: [" +
-                                     std::to_string(bounds[i - 1]) + ", " + std::to_string(bounds[i]) + ")");
-    }
-  }
-  return Status::Ok();
+  const ContextPartition partition{{bounds.begin(), bounds.end()}};
+  return ValidatePartition(partition, partition.context_len(), num_ranks);
 }
 
 DistributedPrefillHooks::DistributedPrefillHooks(Communicator& comm, Backend& backend, std::vector<int64_t> bounds,

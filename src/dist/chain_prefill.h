@@ -28,6 +28,7 @@
 
 #include "backend/backend.h"
 #include "dist/communicator.h"
+#include "dist/context_partition.h"
 #include "model/llama_model.h"
 
 namespace kvflow::dist {
@@ -54,7 +55,7 @@ struct DistributedPrefillOptions {
   int tag_base = 0;
 };
 
-// Checks that `bounds` splits a prompt into one non-empty chunk per rank of `comm`.
+// Checks that `bounds` splits a prompt into one non-empty chunk per rank (ValidatePartition).
 Status ValidatePrefillBounds(std::span<const int64_t> bounds, int num_ranks);
 
 // The hooks one rank runs inside its LlamaModel pass. `block_table` is this rank's: it must cover

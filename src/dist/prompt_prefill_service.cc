@@ -147,7 +147,7 @@ Status DistributedPromptPrefiller::Prefill(std::span<const int32_t> prompt, int6
                   PrefillMethodName(method_), num_tokens, p, st.ToString());
     return st;
   }
-  spdlog::debug("{} prefill of {} tokens across {} ranks at [{}] ({} partition) in {:.3f} s, waited {:.3f} s",
+  spdlog::debug("{} prefill of {} tokens across {} ranks at {} ({} partition) in {:.3f} s, waited {:.3f} s",
                 PrefillMethodName(method_), num_tokens, p, PartitionToString(choice.partition),
                 PartitionSourceName(choice.source), SecondsSince(start), last_stats_.wait_seconds);
   return Status::Ok();

@@ -46,10 +46,6 @@ class DistributedPromptPrefiller final : public PromptPrefiller {
   Status Prefill(std::span<const int32_t> prompt, int64_t num_tokens, std::span<const BlockId> block_table) override;
   std::string Describe() const override;
 
-  int64_t prefills() const { return prefills_; }
-  bool broken() const { return broken_; }
-  const DistributedPrefillStats& last_stats() const { return last_stats_; }
-
  private:
   DistributedPromptPrefiller(Communicator& comm, Backend& backend, PrefillMethod method, int64_t min_tokens,
                              std::optional<PartitionTable> table, double timeout_s);
