@@ -1,26 +1,37 @@
-// CUDA kernel and end-to-end benchmarks, quoted against limits measured in the same run:
-//   1. device copy bandwidth (cudaMemcpy device->device, 2 x bytes per copy) and a cuBLAS fp16
-//      GEMM rate (8192^3): the physical limits the other figures are ratios of;
-//   2. paged decode attention, batch {1, 8, 64, 256} x context {512, 2K, 8K, 32K}, 32 query heads,
-//      KV heads {32, 8}, head_dim 128, block 16, shuffled blocks: achieved bandwidth (K/V + Q + O
-//      bytes / time) as a share of the copy bandwidth;
-//   3. paged prefill attention (causal) at 1K..16K tokens: TFLOP/s (4 s^2 h d / 2 causal FLOPs),
-//      next to PyTorch SDPA when bench/prefill_sdpa_torch.py wrote its JSON;
-//   4. end-to-end decode of a Llama-2-7B-shaped model with random fp16 weights: time per token at
-//      batch 1 and context 1K vs the roofline (weight bytes + KV bytes) / copy bandwidth, and
-//      throughput at batch 64.
-// Every time is CUDA events around repeated launches after warm-up (median of repeats). Writes
-// JSON + a Markdown table (default bench/results/cuda_<gpu>.{json,md}).
+// CUDA kernel and end-to-end benchmarks, quoted against limits measured in the same run. Sections
+// (--sections; "limits" always runs, the others are ratios of it):
+//   limits:  device copy bandwidth (cudaMemcpy device->device, 2 x bytes per copy) and a cuBLAS
+//            fp16 GEMM rate (8192^3);
+//   decode:  paged decode attention, batch {1, 16, 64, 256} x context {512, 2K, 8K, 32K} for the
+//            (query heads, KV heads, head_dim) of Llama-3-8B (32, 8, 128), an MHA model (32, 32,
+//            128) and SmolLM2 (9, 3, 64), block 16, shuffled blocks: achieved bandwidth (K/V + Q + O
+//            bytes / time) as a share of the copy bandwidth;
+//   prefill: paged prefill attention (causal) at 1K..16K tokens: TFLOP/s (4 s^2 h d / 2 causal
+//            FLOPs), next to PyTorch SDPA when bench/prefill_sdpa_torch.py wrote its JSON;
+//   e2e:     end-to-end decode of SmolLM2-135M, Llama-3.1-8B and Llama-2-7B shapes with random fp16
+//            weights (speed is real, outputs are meaningless) at batch {1, 16, 64, 256}, CUDA graphs
+//            on and off, after a prefill to --e2e-context tokens: time per step (host to host, greedy
+//            sampling on the device as the engine does) vs the roofline, the bytes a step must read
+//            (DecodeStepBytes) / copy bandwidth. A config that does not fit is recorded as skipped.
+// Kernel times are CUDA events around repeated launches after warm-up (median of repeats). Writes
+// JSON + Markdown (default bench/results/cuda_<gpu>.{json,md}), rewritten after every section and
+// every end-to-end config, so a run cut short by a timeout keeps what it finished.
+// --print-roofline prints the roofline byte counts and exits, without a GPU.
 #include <cuda_runtime.h>
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <functional>
+#include <memory>
 #include <numeric>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -167,16 +178,29 @@ struct PagedSetup {
   }
 };
 
-json BenchDecode(double copy_gbs, size_t free_bytes) {
+// Free device memory now (the sections allocate and free as they go).
+size_t FreeDeviceBytes() {
+  size_t free_bytes = 0, total_bytes = 0;
+  CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return free_bytes;
+}
+
+json BenchDecode(double copy_gbs) {
   json rows = json::array();
-  const int H = 32, D = 128, BS = 16;
-  for (int kv : {32, 8}) {
-    for (int batch : {1, 8, 64, 256}) {
+  const int BS = 16;
+  struct Heads {
+    int q, kv, dim;
+    const char* model;
+  };
+  const Heads shapes[] = {{32, 8, 128, "llama-3-8b"}, {32, 32, 128, "mha"}, {9, 3, 64, "smollm2"}};
+  for (const Heads& sh : shapes) {
+    const int H = sh.q, kv = sh.kv, D = sh.dim;
+    for (int batch : {1, 16, 64, 256}) {
       for (int ctx : {512, 2048, 8192, 32768}) {
         const double kv_bytes = 2.0 * batch * double(ctx) * kv * D * 2;
-        json r = {{"batch", batch}, {"context", ctx}, {"heads", H}, {"kv_heads", kv}, {"head_dim", D},
-                  {"block_size", BS}, {"kv_read_mib", kv_bytes / (1 << 20)}};
-        if (kv_bytes > 0.8 * free_bytes) {
+        json r = {{"shape", sh.model}, {"batch", batch}, {"context", ctx}, {"heads", H}, {"kv_heads", kv},
+                  {"head_dim", D}, {"block_size", BS}, {"kv_read_mib", kv_bytes / (1 << 20)}};
+        if (kv_bytes > 0.8 * double(FreeDeviceBytes())) {
           r["skipped"] = "KV does not fit the GPU";
           rows.push_back(r);
           continue;
@@ -199,8 +223,8 @@ json BenchDecode(double copy_gbs, size_t free_bytes) {
         r["achieved_gbs"] = gbs;
         r["pct_of_copy_bandwidth"] = 100.0 * gbs / copy_gbs;
         r["goal_applies"] = kv_bytes >= 64.0 * (1 << 20);
-        spdlog::info("decode b={:3d} ctx={:5d} kv={:2d}: {:8.1f} us {:7.1f} GB/s = {:5.1f}% of copy", batch, ctx, kv,
-                     ms * 1e3, gbs, 100.0 * gbs / copy_gbs);
+        spdlog::info("decode {}/{}/{} b={:3d} ctx={:5d}: {:8.1f} us {:7.1f} GB/s = {:5.1f}% of copy", H, kv, D, batch,
+                     ctx, ms * 1e3, gbs, 100.0 * gbs / copy_gbs);
         rows.push_back(r);
       }
     }
@@ -237,6 +261,47 @@ json BenchPrefill(double gemm_tflops) {
   return rows;
 }
 
+// ---- End-to-end decode ----
+
+kvflow::ModelConfig SmolLM2_135M() {
+  kvflow::ModelConfig c;
+  c.name = "smollm2-135m-shape (random fp16 weights)";
+  c.vocab_size = 49152;
+  c.hidden_size = 576;
+  c.intermediate_size = 1536;
+  c.num_layers = 30;
+  c.num_heads = 9;
+  c.num_kv_heads = 3;
+  c.head_dim = 64;
+  c.max_position_embeddings = 8192;
+  c.rms_norm_eps = 1e-5f;
+  c.rope_theta = 100000.0f;
+  c.tie_word_embeddings = true;
+  return c;
+}
+
+kvflow::ModelConfig Llama31_8B() {
+  kvflow::ModelConfig c;
+  c.name = "llama-3.1-8b-shape (random fp16 weights)";
+  c.vocab_size = 128256;
+  c.hidden_size = 4096;
+  c.intermediate_size = 14336;
+  c.num_layers = 32;
+  c.num_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 128;
+  c.max_position_embeddings = 131072;
+  c.rms_norm_eps = 1e-5f;
+  c.rope_theta = 500000.0f;
+  // Llama 3.1's rope_scaling (only the RoPE frequencies change; no effect on speed).
+  c.rope_scaling.type = kvflow::RopeScaling::Type::kLlama3;
+  c.rope_scaling.factor = 8.0f;
+  c.rope_scaling.low_freq_factor = 1.0f;
+  c.rope_scaling.high_freq_factor = 4.0f;
+  c.rope_scaling.original_max_position_embeddings = 8192;
+  return c;
+}
+
 kvflow::ModelConfig Llama2_7B() {
   kvflow::ModelConfig c;
   c.name = "llama-2-7b-shape (random fp16 weights)";
@@ -252,125 +317,441 @@ kvflow::ModelConfig Llama2_7B() {
   return c;
 }
 
-// Fills `batch` with `num_seqs` sequences each owning contiguous-id blocks of a shuffled pool.
+// The shapes --e2e-shapes can name, in the default order.
+const std::vector<std::pair<std::string, kvflow::ModelConfig>>& KnownShapes() {
+  static const std::vector<std::pair<std::string, kvflow::ModelConfig>> shapes = {
+      {"smollm2-135m", SmolLM2_135M()}, {"llama-3.1-8b", Llama31_8B()}, {"llama-2-7b", Llama2_7B()}};
+  return shapes;
+}
+
+// Parameters stored (what the weights take on the device): the embedding table, and the LM head
+// only when it is not tied to it. No biases: none of these shapes has them.
+double ParamCount(const kvflow::ModelConfig& c) {
+  const double H = c.hidden_size, F = c.intermediate_size;
+  const double q = double(c.num_heads) * c.head_dim, kv = double(c.num_kv_heads) * c.head_dim;
+  const double per_layer = H * q + 2 * H * kv + q * H + 3 * H * F + 2 * H;
+  return c.num_layers * per_layer + H + double(c.vocab_size) * H * (c.tie_word_embeddings ? 1 : 2);
+}
+
+struct StepBytes {
+  double weights = 0, kv = 0;
+  double total() const { return weights + kv; }
+};
+
+// The bytes one decode step of `batch` sequences must read from device memory at least (fp16), the
+// roofline's numerator. Weights: every layer's q/k/v/o projections (k and v are only num_kv_heads
+// wide under GQA), gate/up/down and its two norms, the final norm and the LM head, whose vocab x
+// hidden matrix is the embedding table when tied and so counted once either way; the embedding
+// lookup reads only the batch's rows, not the table. KV: K and V of every layer for `kv_context`
+// tokens (the context at the middle of the timed steps) per sequence. Activations and logits are
+// left out: at these sizes they are a rounding error next to the weights.
+StepBytes DecodeStepBytes(const kvflow::ModelConfig& c, int batch, double kv_context) {
+  const double H = c.hidden_size, F = c.intermediate_size;
+  const double q = double(c.num_heads) * c.head_dim, kv = double(c.num_kv_heads) * c.head_dim;
+  const double per_layer = H * q + 2 * H * kv + q * H + 3 * H * F + 2 * H;
+  const double weight_elems = c.num_layers * per_layer + H + double(c.vocab_size) * H + double(batch) * H;
+  StepBytes b;
+  b.weights = 2.0 * weight_elems;
+  b.kv = 2.0 * 2.0 * batch * kv_context * c.num_layers * kv;
+  return b;
+}
+
+// Decode steps run before the timed ones (the first captures the CUDA graph).
+constexpr int kWarmupSteps = 3;
+
+// Mean context a timed decode step attends to: the step's own token included, steps after the
+// prefill to `context` and the warm-up.
+double MidpointContext(int context, int steps) { return context + kWarmupSteps + (steps + 1) / 2.0; }
+
+constexpr double kGiB = double(1 << 30);
+
+// Fills `batch` with `num_seqs` sequences each owning blocks of a shuffled pool.
 struct DecodeDriver {
-  int block_size;
+  int block_size, vocab;
   std::vector<std::vector<kvflow::BlockId>> tables;
   std::vector<int> lens;
   std::vector<kvflow::BlockId> free;
-  DecodeDriver(int num_blocks, int bs, int num_seqs) : block_size(bs), tables(num_seqs), lens(num_seqs, 0) {
+  DecodeDriver(int num_blocks, int bs, int num_seqs, int vocab_size)
+      : block_size(bs), vocab(vocab_size), tables(num_seqs), lens(num_seqs, 0) {
     free.resize(static_cast<size_t>(num_blocks));
     std::iota(free.begin(), free.end(), 0);
     std::shuffle(free.begin(), free.end(), std::mt19937(3));
   }
-  void Add(kvflow::ForwardBatch& b, int seq, int n, kvflow::LogitsMode logits) {
+  // Appends `n` tokens of sequence `seq`; false when the pool has no block left for them.
+  bool Add(kvflow::ForwardBatch& b, int seq, int n, kvflow::LogitsMode logits) {
     kvflow::SequenceSlice s;
     s.token_offset = static_cast<int32_t>(b.tokens.size());
     s.num_tokens = n;
     for (int i = 0; i < n; ++i) {
-      b.tokens.push_back((seq * 7919 + lens[seq]) % 32000);
+      b.tokens.push_back(static_cast<int32_t>((int64_t(seq) * 7919 + lens[seq]) % vocab));
       b.positions.push_back(lens[seq]++);
     }
     s.context_len = lens[seq];
     auto& t = tables[seq];
     while (static_cast<int>(t.size()) * block_size < lens[seq]) {
+      if (free.empty()) return false;
       t.push_back(free.back());
       free.pop_back();
     }
     s.block_table = t;
     s.logits = logits;
-    b.seqs.push_back(s);
+    b.seqs.push_back(std::move(s));
+    return true;
   }
 };
 
-json BenchEndToEnd(double copy_gbs, int context, int steps) {
-  json out;
-  const kvflow::ModelConfig config = Llama2_7B();
-  for (int batch : {1, 64}) {
-    kvflow::CudaBackendOptions o;
-    o.dtype = "fp16";
-    o.block_size = 16;
-    o.max_num_seqs = batch;
-    o.max_num_batched_tokens = 4096;
-    o.max_model_len = context + steps + 16;
-    o.gpu_memory_utilization = 0.92;
-    auto created = kvflow::CreateCudaBackendWithRandomWeights(config, o, 42);
-    if (!created.ok()) {
-      out[fmt::format("batch_{}", batch)] = {{"error", created.status().ToString()}};
-      continue;
+// A rough upper bound of what CreateCudaBackendWithRandomWeights allocates for `o` (its carve in
+// cuda_backend.cc, plus 1 GiB for cuBLAS, graphs, the decode workspace and slack): lets a config
+// that cannot fit be skipped with a reason instead of tried.
+double EstimateBackendBytes(const kvflow::ModelConfig& c, const kvflow::CudaBackendOptions& o) {
+  const double H = c.hidden_size, F = c.intermediate_size, V = c.vocab_size;
+  const double q = double(c.num_heads) * c.head_dim, kv = double(c.num_kv_heads) * c.head_dim;
+  const double T = std::max(o.max_num_batched_tokens, o.max_num_seqs);
+  const double R = std::max(o.max_num_seqs, std::min(o.max_num_batched_tokens, 256));
+  const double activations = T * (4 * H + 2 * H + 2 * 2 * (q + 2 * kv) + 2 * q + 2 * H + 2 * 2 * F + 2 * F) +
+                             R * (4 * H + 2 * H + 4 * V) + 2.0 * 2 * o.max_model_len * kv;
+  const double kv_pool = 2.0 * 2 * double(o.num_kv_blocks) * o.block_size * c.num_layers * kv;
+  return 2.0 * ParamCount(c) + kv_pool + activations + kGiB;
+}
+
+// One end-to-end config: prefill `batch` sequences to `context` tokens, then `steps` timed decode
+// steps. Fills `r`; failures go into r["error"] or r["skipped"], never out of the process.
+void RunEndToEnd(const kvflow::ModelConfig& config, int batch, bool graphs, int context, int steps, json& r) {
+  kvflow::CudaBackendOptions o;
+  o.dtype = "fp16";
+  o.block_size = 16;
+  o.max_num_seqs = batch;
+  // Large prefill steps: filling 256 x 1K tokens of an 8B model stays a few seconds.
+  o.max_num_batched_tokens = 8192;
+  o.max_model_len = context + kWarmupSteps + steps + 1;
+  o.enable_cuda_graphs = graphs;
+  // Exactly the blocks the run needs, rather than all the memory left (faster to allocate, and a
+  // config that does not fit fails to allocate instead of running out of blocks).
+  const int blocks_per_seq = (o.max_model_len + o.block_size - 1) / o.block_size;
+  o.num_kv_blocks = batch * blocks_per_seq;
+  o.gpu_memory_utilization = 0.95;
+
+  size_t free_now = 0, total = 0;
+  if (const cudaError_t e = cudaMemGetInfo(&free_now, &total); e != cudaSuccess) {
+    r["error"] = std::string("cudaMemGetInfo: ") + cudaGetErrorString(e);
+    return;
+  }
+  const double need = EstimateBackendBytes(config, o), free_bytes = double(free_now);
+  r["kv_pool_gib"] = 2.0 * 2 * double(o.num_kv_blocks) * o.block_size * config.num_layers * config.num_kv_heads *
+                     config.head_dim / kGiB;
+  if (need > free_bytes) {
+    r["skipped"] = fmt::format("needs ~{:.1f} GiB (weights {:.1f} + KV pool {:.1f} + activations), {:.1f} GiB free",
+                               need / kGiB, 2.0 * ParamCount(config) / kGiB, r["kv_pool_gib"].get<double>(),
+                               free_bytes / kGiB);
+    return;
+  }
+  auto created = kvflow::CreateCudaBackendWithRandomWeights(config, o, 42);
+  if (!created.ok()) {
+    r["error"] = "backend creation: " + created.status().ToString();
+    return;
+  }
+  std::unique_ptr<kvflow::Backend> backend = std::move(created).value();
+  r["backend"] = backend->Describe();
+  kvflow::LlamaModel model(*backend);
+  DecodeDriver d(backend->kv_layout().num_blocks, o.block_size, batch, config.vocab_size);
+  std::vector<float> logits;
+
+  // Prefill in steps of max_num_batched_tokens: whole sequences side by side, a long one in
+  // chunks; no logits (nothing is sampled from them).
+  const auto p0 = std::chrono::steady_clock::now();
+  for (int seq = 0; seq < batch;) {
+    kvflow::ForwardBatch b;
+    int budget = o.max_num_batched_tokens;
+    while (seq < batch && budget > 0) {
+      const int n = std::min(context - d.lens[seq], budget);
+      if (!d.Add(b, seq, n, kvflow::LogitsMode::kNone)) {
+        r["error"] = "prefill: out of KV blocks";
+        return;
+      }
+      budget -= n;
+      if (d.lens[seq] == context) ++seq;
     }
-    auto backend = std::move(created).value();
-    spdlog::info("{}", backend->Describe());
-    DecodeDriver d(backend->kv_layout().num_blocks, o.block_size, batch);
-    std::vector<float> logits;
-    // Prefill every sequence to `context` tokens, a few sequences per step.
-    for (int seq = 0; seq < batch;) {
-      kvflow::ForwardBatch b;
-      int tokens = 0;
-      while (seq < batch && tokens + context <= o.max_num_batched_tokens) {
-        d.Add(b, seq++, context, kvflow::LogitsMode::kLast);
-        tokens += context;
-      }
-      if (b.seqs.empty()) d.Add(b, seq++, context, kvflow::LogitsMode::kLast);
-      if (auto st = kvflow::LlamaModel(*backend).Forward(b, logits); !st.ok()) {
-        spdlog::error("prefill: {}", st.ToString());
-        std::exit(1);
+    if (auto st = model.Forward(b, logits); !st.ok()) {
+      r["error"] = "prefill: " + st.ToString();
+      return;
+    }
+  }
+  const double prefill_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - p0).count();
+  r["prefill_s"] = prefill_s;
+  r["prefill_tokens_per_s"] = double(batch) * context / prefill_s;
+
+  // Decode steps timed host to host (the engine's view: metadata upload, graph launch or eager
+  // kernels, greedy sampling on the device, the sampled tokens back on the host).
+  kvflow::SamplingParams greedy;
+  greedy.temperature = 0.0f;
+  kvflow::DeviceSampleRow row;
+  row.params = &greedy;
+  const std::vector<kvflow::DeviceSampleRow> rows(static_cast<size_t>(batch), row);
+  std::vector<kvflow::SampledToken> sampled;
+  std::vector<double> ms;
+  for (int i = 0; i < kWarmupSteps + steps; ++i) {
+    kvflow::ForwardBatch b;
+    for (int seq = 0; seq < batch; ++seq) {
+      if (!d.Add(b, seq, 1, kvflow::LogitsMode::kLast)) {
+        r["error"] = "decode: out of KV blocks";
+        return;
       }
     }
-    // Decode steps, timed host-to-host (the engine's view: metadata upload, graph, logits copy).
-    std::vector<double> ms;
-    for (int i = 0; i < steps; ++i) {
-      kvflow::ForwardBatch b;
-      for (int seq = 0; seq < batch; ++seq) d.Add(b, seq, 1, kvflow::LogitsMode::kLast);
-      const auto t0 = std::chrono::steady_clock::now();
-      if (auto st = kvflow::LlamaModel(*backend).Forward(b, logits); !st.ok()) {
-        spdlog::error("decode: {}", st.ToString());
-        std::exit(1);
-      }
+    sampled.clear();
+    const auto t0 = std::chrono::steady_clock::now();
+    if (auto st = model.ForwardAndSample(b, rows, sampled); !st.ok()) {
+      r["error"] = "decode: " + st.ToString();
+      return;
+    }
+    if (i >= kWarmupSteps) {
       ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
-    ms.erase(ms.begin(), ms.begin() + std::min<size_t>(3, ms.size()));  // first steps capture graphs
-    std::sort(ms.begin(), ms.end());
-    const double median = ms[ms.size() / 2];
-    const double weight_bytes = 2.0 * (double(config.vocab_size) * config.hidden_size * 2 +
-                                       config.num_layers * (4.0 * config.hidden_size * config.hidden_size +
-                                                            3.0 * config.hidden_size * config.intermediate_size));
-    const double kv_bytes = 2.0 * batch * double(context + steps / 2) * config.num_layers * config.num_kv_heads *
-                            config.head_dim * 2;
-    const double roofline_ms = (weight_bytes + kv_bytes) / (copy_gbs * 1e9) * 1e3;
-    json r = {{"batch", batch}, {"context", context}, {"median_step_ms", median},
-              {"tokens_per_s", batch / (median * 1e-3)}, {"weight_gib", weight_bytes / double(1 << 30)},
-              {"kv_read_gib", kv_bytes / double(1 << 30)}, {"roofline_ms", roofline_ms},
-              {"pct_of_roofline", 100.0 * roofline_ms / median}, {"backend", backend->Describe()}};
-    spdlog::info("e2e batch {}: {:.2f} ms/step, {:.1f} tok/s, roofline {:.2f} ms = {:.1f}%", batch, median,
-                 batch / (median * 1e-3), roofline_ms, 100.0 * roofline_ms / median);
-    out[fmt::format("batch_{}", batch)] = r;
+  }
+  std::sort(ms.begin(), ms.end());
+  const double median = ms[ms.size() / 2];
+  const double roofline_ms = r["roofline_ms"].get<double>();
+  r["sampling"] = "greedy, on the device";
+  r["median_step_ms"] = median;
+  r["tokens_per_s"] = batch / (median * 1e-3);
+  r["pct_of_roofline"] = 100.0 * roofline_ms / median;
+}
+
+// Every shape x batch x graph mode into `rows`, calling `checkpoint` after each.
+void BenchEndToEnd(double copy_gbs, const std::vector<std::string>& shapes, const std::vector<int>& batches,
+                   const std::vector<bool>& graph_modes, int context, int steps, json& rows,
+                   const std::function<void()>& checkpoint) {
+  for (const std::string& key : shapes) {
+    const auto it = std::find_if(KnownShapes().begin(), KnownShapes().end(),
+                                 [&](const auto& s) { return s.first == key; });
+    const kvflow::ModelConfig& config = it->second;
+    for (int batch : batches) {
+      for (bool graphs : graph_modes) {
+        const StepBytes bytes = DecodeStepBytes(config, batch, MidpointContext(context, steps));
+        const double roofline_ms = bytes.total() / (copy_gbs * 1e9) * 1e3;
+        json r = {{"shape", key},
+                  {"model", config.name},
+                  {"cuda_graphs", graphs},
+                  {"batch", batch},
+                  {"context", context},
+                  {"steps", steps},
+                  {"kv_context", MidpointContext(context, steps)},
+                  {"weight_gib", bytes.weights / kGiB},
+                  {"kv_read_gib", bytes.kv / kGiB},
+                  {"roofline_ms", roofline_ms}};
+        RunEndToEnd(config, batch, graphs, context, steps, r);
+        if (r.contains("median_step_ms")) {
+          spdlog::info("e2e {} graphs {} batch {}: {:.2f} ms/step, {:.1f} tok/s, roofline {:.2f} ms = {:.1f}%", key,
+                       graphs ? "on" : "off", batch, r["median_step_ms"].get<double>(),
+                       r["tokens_per_s"].get<double>(), roofline_ms, r["pct_of_roofline"].get<double>());
+        } else {
+          spdlog::warn("e2e {} graphs {} batch {}: {}", key, graphs ? "on" : "off", batch,
+                       r.value("skipped", r.value("error", std::string())));
+        }
+        rows.push_back(r);
+        checkpoint();  // the backend is freed by now; a cut after this keeps the row
+      }
+    }
+  }
+}
+
+// ---- Output ----
+
+std::string RenderMarkdown(const json& result) {
+  std::string md = fmt::format("# CUDA benchmarks on {}\n\n", result["device"].get<std::string>());
+  const double copy_gbs = result["copy_bandwidth_gbs"].get<double>();
+  md += fmt::format(
+      "Measured in this run: device copy bandwidth **{:.0f} GB/s**, cuBLAS fp16 GEMM (8192^3) **{:.0f} TFLOP/s**.\n",
+      copy_gbs, result["cublas_fp16_gemm_tflops"].get<double>());
+  if (result.contains("decode_attention")) {
+    md += "\n## Paged decode attention (block 16, fp16, shuffled blocks)\n\n";
+    md += "| q heads | kv heads | head_dim | batch | context | KV read MiB | time us | GB/s | % of copy bandwidth |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    for (const auto& r : result["decode_attention"]) {
+      const std::string head = fmt::format("| {} | {} | {} | {} | {} | {:.0f} |", r["heads"].get<int>(),
+                                           r["kv_heads"].get<int>(), r["head_dim"].get<int>(), r["batch"].get<int>(),
+                                           r["context"].get<int>(), r["kv_read_mib"].get<double>());
+      if (r.contains("skipped")) {
+        md += head + fmt::format(" - | - | skipped: {} |\n", r["skipped"].get<std::string>());
+        continue;
+      }
+      md += head + fmt::format(" {:.1f} | {:.0f} | {:.1f}%{} |\n", r["time_us"].get<double>(),
+                               r["achieved_gbs"].get<double>(), r["pct_of_copy_bandwidth"].get<double>(),
+                               r["goal_applies"].get<bool>() ? "" : " (< 64 MiB)");
+    }
+  }
+  if (result.contains("prefill_attention")) {
+    md += "\n## Paged prefill attention (causal, 32 heads, head_dim 128, fp16)\n\n";
+    md += "| kv heads | tokens | ms | TFLOP/s | % of GEMM rate | SDPA (flash) TFLOP/s | kvflow / SDPA |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|\n";
+    for (const auto& r : result["prefill_attention"]) {
+      md += fmt::format("| {} | {} | {:.3f} | {:.1f} | {:.1f}% | {} | {} |\n", r["kv_heads"].get<int>(),
+                        r["tokens"].get<int>(), r["time_ms"].get<double>(), r["tflops"].get<double>(),
+                        r["pct_of_gemm_rate"].get<double>(),
+                        r.contains("sdpa_tflops") ? fmt::format("{:.1f}", r["sdpa_tflops"].get<double>()) : "-",
+                        r.contains("ratio_to_sdpa") ? fmt::format("{:.2f}x", r["ratio_to_sdpa"].get<double>()) : "-");
+    }
+  }
+  if (result.contains("end_to_end")) {
+    md += "\n## End-to-end decode (random fp16 weights)\n\n";
+    md += "Weights are random: the speed is that of the real shape, the outputs are meaningless. ms/step is host to "
+          "host with greedy sampling on the device. The roofline is the bytes a step must read (weights once, the "
+          "tied LM head once, the K/V of every sequence at the mean context of the timed steps) / the measured copy "
+          "bandwidth.\n\n";
+    md += "| shape | graphs | batch | context | ms/step | tok/s | weights GiB | KV GiB | roofline ms | % of roofline |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    for (const auto& r : result["end_to_end"]) {
+      md += fmt::format("| {} | {} | {} | {} |", r["shape"].get<std::string>(), r["cuda_graphs"].get<bool>() ? "on" : "off",
+                        r["batch"].get<int>(), r["context"].get<int>());
+      if (r.contains("median_step_ms")) {
+        md += fmt::format(" {:.2f} | {:.0f} |", r["median_step_ms"].get<double>(), r["tokens_per_s"].get<double>());
+      } else {
+        md += " - | - |";
+      }
+      md += fmt::format(" {:.2f} | {:.2f} | {:.2f} |", r["weight_gib"].get<double>(), r["kv_read_gib"].get<double>(),
+                        r["roofline_ms"].get<double>());
+      if (r.contains("pct_of_roofline")) {
+        md += fmt::format(" {:.1f}% |\n", r["pct_of_roofline"].get<double>());
+      } else {
+        md += fmt::format(" {}: {} |\n", r.contains("skipped") ? "skipped" : "error",
+                          r.value("skipped", r.value("error", std::string())));
+      }
+    }
+  }
+  return md;
+}
+
+// Rewrites <base>.json and <base>.md with everything measured so far.
+void WriteResults(const json& result, const std::string& base) {
+  std::ofstream js(base + ".json"), md(base + ".md");
+  js << result.dump(2) << "\n";
+  md << RenderMarkdown(result);
+  if (!js || !md) spdlog::warn("cannot write {}.json / {}.md", base, base);
+}
+
+// Attaches the PyTorch SDPA figure at the same (tokens, kv heads) to each prefill row.
+void MatchSdpa(json& result) {
+  if (!result.contains("prefill_sdpa_torch") || !result["prefill_sdpa_torch"].contains("rows")) return;
+  for (auto& r : result["prefill_attention"]) {
+    for (const auto& t : result["prefill_sdpa_torch"]["rows"]) {
+      if (t.value("tokens", 0) != r["tokens"].get<int>() || t.value("kv_heads", 0) != r["kv_heads"].get<int>()) continue;
+      const double ref = t.value("tflops", 0.0);
+      r["sdpa_tflops"] = ref;
+      if (ref > 0) r["ratio_to_sdpa"] = r["tflops"].get<double>() / ref;
+    }
+  }
+}
+
+std::vector<std::string> SplitList(const std::string& s) {
+  std::vector<std::string> out;
+  size_t begin = 0;
+  while (begin <= s.size()) {
+    const size_t end = std::min(s.find(',', begin), s.size());
+    if (end > begin) out.push_back(s.substr(begin, end - begin));
+    begin = end + 1;
   }
   return out;
+}
+
+void PrintRoofline(const std::vector<std::string>& shapes, int context, int steps) {
+  const double kv_context = MidpointContext(context, steps);
+  fmt::print("Bytes one fp16 decode step reads at least (DecodeStepBytes); KV at context {:.1f} (prefill {} + {} "
+             "warm-up steps + mean of {} timed steps)\n",
+             kv_context, context, kWarmupSteps, steps);
+  for (const std::string& key : shapes) {
+    const auto it = std::find_if(KnownShapes().begin(), KnownShapes().end(),
+                                 [&](const auto& s) { return s.first == key; });
+    const kvflow::ModelConfig& c = it->second;
+    fmt::print("{}: {:.2f} M parameters stored ({:.3f} GiB fp16), {} embeddings\n", key, ParamCount(c) / 1e6,
+               2.0 * ParamCount(c) / kGiB, c.tie_word_embeddings ? "tied" : "untied");
+    for (int batch : {1, 64}) {
+      const StepBytes b = DecodeStepBytes(c, batch, kv_context);
+      fmt::print("  batch {:2d}: weights {:.0f} B ({:.3f} GiB) + KV {:.0f} B ({:.3f} GiB) = {:.0f} B ({:.3f} GiB)\n", batch,
+                 b.weights, b.weights / kGiB, b.kv, b.kv / kGiB, b.total(), b.total() / kGiB);
+    }
+  }
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app("kvflow CUDA benchmarks (needs a GPU)");
+  CLI::App app("kvflow CUDA benchmarks (needs a GPU, but for --print-roofline)");
   std::string out_dir = std::string(KVFLOW_SOURCE_DIR) + "/bench/results";
-  std::string sdpa_json;
-  bool skip_e2e = false;
+  std::string sdpa_json, tag;
+  std::string sections_arg = "limits,decode,prefill,e2e";
+  std::string shapes_arg = "smollm2-135m,llama-3.1-8b,llama-2-7b", batches_arg = "1,16,64,256", graphs_arg = "on,off";
+  bool skip_e2e = false, print_roofline = false;
   int e2e_context = 1024, e2e_steps = 32;
-  app.add_option("--out-dir", out_dir, "Where cuda_<gpu>.json/.md go");
+  app.add_option("--out-dir", out_dir, "Where cuda_<tag>.json/.md go");
+  app.add_option("--tag", tag, "File name tag (default: the GPU's name)");
   app.add_option("--sdpa-json", sdpa_json, "PyTorch SDPA figures from bench/prefill_sdpa_torch.py");
-  app.add_flag("--skip-e2e", skip_e2e, "Skip the Llama-2-7B-shaped end-to-end decode");
-  app.add_option("--e2e-context", e2e_context, "Context of the end-to-end decode")->default_val(1024);
-  app.add_option("--e2e-steps", e2e_steps, "Decode steps timed")->default_val(32);
+  app.add_option("--sections", sections_arg, "Comma list of limits,decode,prefill,e2e (limits always runs)")
+      ->default_val(sections_arg);
+  app.add_flag("--skip-e2e", skip_e2e, "Leave out the e2e section");
+  app.add_option("--e2e-shapes", shapes_arg, "Comma list of model shapes for e2e")->default_val(shapes_arg);
+  app.add_option("--e2e-batches", batches_arg, "Comma list of e2e batch sizes")->default_val(batches_arg);
+  app.add_option("--e2e-graphs", graphs_arg, "Comma list of on/off: CUDA graphs in e2e")->default_val(graphs_arg);
+  app.add_option("--e2e-context", e2e_context, "Tokens each sequence is prefilled to before the e2e decode")
+      ->default_val(1024)
+      ->check(CLI::PositiveNumber);
+  app.add_option("--e2e-steps", e2e_steps, "Decode steps timed per e2e config")->default_val(32)->check(CLI::PositiveNumber);
+  app.add_flag("--print-roofline", print_roofline, "Print the e2e roofline bytes per step at batch 1 and 64 and exit");
   CLI11_PARSE(app, argc, argv);
+
+  std::set<std::string> sections;
+  for (const std::string& s : SplitList(sections_arg)) {
+    if (s != "limits" && s != "decode" && s != "prefill" && s != "e2e") {
+      std::fprintf(stderr, "--sections: unknown section '%s' (limits, decode, prefill, e2e)\n", s.c_str());
+      return 2;
+    }
+    sections.insert(s);
+  }
+  if (skip_e2e) sections.erase("e2e");
+  const std::vector<std::string> shapes = SplitList(shapes_arg);
+  for (const std::string& s : shapes) {
+    if (std::none_of(KnownShapes().begin(), KnownShapes().end(), [&](const auto& k) { return k.first == s; })) {
+      std::fprintf(stderr, "--e2e-shapes: unknown shape '%s' (smollm2-135m, llama-3.1-8b, llama-2-7b)\n", s.c_str());
+      return 2;
+    }
+  }
+  std::vector<int> batches;
+  for (const std::string& s : SplitList(batches_arg)) {
+    const int b = std::atoi(s.c_str());
+    if (b < 1) {
+      std::fprintf(stderr, "--e2e-batches: '%s' is not a positive batch size\n", s.c_str());
+      return 2;
+    }
+    batches.push_back(b);
+  }
+  std::vector<bool> graph_modes;
+  for (const std::string& s : SplitList(graphs_arg)) {
+    if (s != "on" && s != "off") {
+      std::fprintf(stderr, "--e2e-graphs: '%s' is neither on nor off\n", s.c_str());
+      return 2;
+    }
+    graph_modes.push_back(s == "on");
+  }
+  if (print_roofline) {
+    PrintRoofline(shapes, e2e_context, e2e_steps);
+    return 0;
+  }
+
   if (kvflow::cuda::DeviceCount() == 0) {
     std::fprintf(stderr, "no CUDA GPU: %s\n", kvflow::cuda::DeviceDescription(0).c_str());
     return 77;
   }
   const std::string device = kvflow::cuda::DeviceDescription(0);
   spdlog::info("device: {}", device);
-  size_t free_bytes = 0, total_bytes = 0;
-  CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
+  if (tag.empty()) {
+    tag = device.substr(0, device.find(" ("));
+    std::replace_if(tag.begin(), tag.end(), [](char c) { return !std::isalnum(static_cast<unsigned char>(c)); }, '_');
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(out_dir, ec);
+  const std::string base = out_dir + "/cuda_" + tag;
+  const auto checkpoint = [&](const json& result) {
+    WriteResults(result, base);
+    spdlog::info("wrote {}.json and {}.md", base, base);
+  };
 
   json result;
   result["device"] = device;
@@ -379,73 +760,28 @@ int main(int argc, char** argv) {
   spdlog::info("copy bandwidth {:.0f} GB/s, cuBLAS fp16 GEMM {:.0f} TFLOP/s", copy_gbs, gemm);
   result["copy_bandwidth_gbs"] = copy_gbs;
   result["cublas_fp16_gemm_tflops"] = gemm;
-  result["decode_attention"] = BenchDecode(copy_gbs, free_bytes);
-  result["prefill_attention"] = BenchPrefill(gemm);
-  if (!sdpa_json.empty()) {
-    try {
-      result["prefill_sdpa_torch"] = json::parse(std::ifstream(sdpa_json));
-    } catch (const std::exception& e) {
-      spdlog::warn("cannot read {}: {}", sdpa_json, e.what());
-    }
-  }
-  if (!skip_e2e) result["end_to_end_llama2_7b_shape"] = BenchEndToEnd(copy_gbs, e2e_context, e2e_steps);
+  checkpoint(result);
 
-  std::string tag = device.substr(0, device.find(" ("));
-  std::replace_if(tag.begin(), tag.end(), [](char c) { return !std::isalnum(static_cast<unsigned char>(c)); }, '_');
-  const std::string base = out_dir + "/cuda_" + tag;
-  // Markdown summary.
-  std::ofstream md(base + ".md");
-  md << "# CUDA benchmarks on " << device << "\n\n";
-  md << fmt::format("Measured in this run: device copy bandwidth **{:.0f} GB/s**, cuBLAS fp16 GEMM (8192^3) **{:.0f} TFLOP/s**.\n\n",
-                    copy_gbs, gemm);
-  md << "## Paged decode attention (32 query heads, head_dim 128, block 16, fp16)\n\n";
-  md << "| kv heads | batch | context | KV read MiB | time us | GB/s | % of copy bandwidth |\n|---:|---:|---:|---:|---:|---:|---:|\n";
-  for (const auto& r : result["decode_attention"]) {
-    if (r.contains("skipped")) {
-      md << fmt::format("| {} | {} | {} | {:.0f} | - | - | skipped: {} |\n", r["kv_heads"].get<int>(), r["batch"].get<int>(),
-                        r["context"].get<int>(), r["kv_read_mib"].get<double>(), r["skipped"].get<std::string>());
-      continue;
-    }
-    md << fmt::format("| {} | {} | {} | {:.0f} | {:.1f} | {:.0f} | {:.1f}%{} |\n", r["kv_heads"].get<int>(), r["batch"].get<int>(),
-                      r["context"].get<int>(), r["kv_read_mib"].get<double>(), r["time_us"].get<double>(),
-                      r["achieved_gbs"].get<double>(), r["pct_of_copy_bandwidth"].get<double>(),
-                      r["goal_applies"].get<bool>() ? "" : " (< 64 MiB)");
+  if (sections.count("decode")) {
+    result["decode_attention"] = BenchDecode(copy_gbs);
+    checkpoint(result);
   }
-  md << "\n## Paged prefill attention (causal, 32 heads, head_dim 128, fp16)\n\n";
-  md << "| kv heads | tokens | ms | TFLOP/s | % of GEMM rate | SDPA (flash) TFLOP/s | kvflow / SDPA |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|\n";
-  for (auto& r : result["prefill_attention"]) {
-    std::string sdpa = "-", ratio = "-";
-    if (result.contains("prefill_sdpa_torch") && result["prefill_sdpa_torch"].contains("rows")) {
-      for (const auto& t : result["prefill_sdpa_torch"]["rows"]) {
-        if (t.value("tokens", 0) == r["tokens"].get<int>() && t.value("kv_heads", 0) == r["kv_heads"].get<int>()) {
-          const double ref = t.value("tflops", 0.0);
-          sdpa = fmt::format("{:.1f}", ref);
-          if (ref > 0) {
-            ratio = fmt::format("{:.2f}x", r["tflops"].get<double>() / ref);
-            r["ratio_to_sdpa"] = r["tflops"].get<double>() / ref;
-          }
-        }
+  if (sections.count("prefill")) {
+    result["prefill_attention"] = BenchPrefill(gemm);
+    if (!sdpa_json.empty()) {
+      try {
+        result["prefill_sdpa_torch"] = json::parse(std::ifstream(sdpa_json));
+      } catch (const std::exception& e) {
+        spdlog::warn("cannot read {}: {}", sdpa_json, e.what());
       }
     }
-    md << fmt::format("| {} | {} | {:.3f} | {:.1f} | {:.1f}% | {} | {} |\n", r["kv_heads"].get<int>(), r["tokens"].get<int>(),
-                      r["time_ms"].get<double>(), r["tflops"].get<double>(), r["pct_of_gemm_rate"].get<double>(), sdpa,
-                      ratio);
+    MatchSdpa(result);
+    checkpoint(result);
   }
-  if (result.contains("end_to_end_llama2_7b_shape")) {
-    md << "\n## End-to-end decode, Llama-2-7B shape, random fp16 weights\n\n";
-    md << "| batch | context | ms/step | tokens/s | roofline ms | % of roofline |\n|---:|---:|---:|---:|---:|---:|\n";
-    for (const auto& [k, r] : result["end_to_end_llama2_7b_shape"].items()) {
-      if (r.contains("error")) {
-        md << "| " << k << " | error: " << r["error"].get<std::string>() << " |\n";
-        continue;
-      }
-      md << fmt::format("| {} | {} | {:.2f} | {:.1f} | {:.2f} | {:.1f}% |\n", r["batch"].get<int>(), r["context"].get<int>(),
-                        r["median_step_ms"].get<double>(), r["tokens_per_s"].get<double>(), r["roofline_ms"].get<double>(),
-                        r["pct_of_roofline"].get<double>());
-    }
+  if (sections.count("e2e")) {
+    result["end_to_end"] = json::array();
+    BenchEndToEnd(copy_gbs, shapes, batches, graph_modes, e2e_context, e2e_steps, result["end_to_end"],
+                  [&] { checkpoint(result); });
   }
-  std::ofstream(base + ".json") << result.dump(2) << "\n";
-  spdlog::info("wrote {}.json and {}.md", base, base);
   return 0;
 }

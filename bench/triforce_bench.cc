@@ -158,7 +158,7 @@ int main(int argc, char** argv) {
   app.add_option("--prompts", num_prompts, "WikiText-2 prompts per context (prompt i starts at article 3*i)")
       ->capture_default_str();
   app.add_option("--threads", threads, "CPU threads")->capture_default_str();
-  app.add_option("--device", device, "cpu, cuda or cuda:N (tools/gpu-check runs it on the GPU)")->capture_default_str();
+  app.add_option("--device", device, "cpu, cuda or cuda:N (tools/gpu-session runs it on the GPU when the model travels)")->capture_default_str();
   app.add_option("--budget", budget, "TriForce retrieval cache tokens (triforce_budget); 0: auto = context/8 in [256, 4096]")
       ->capture_default_str();
   app.add_option("--gamma1", gamma1, "TriForce bottom draft tokens per middle pass (triforce_draft_tokens)")

@@ -1,6 +1,7 @@
-# Sourced by tools/gpu-check and tools/check-gpu-deps-offline (not run on its own): unpacks the .deb
-# bundle that tools/prepare-gpu-deps downloads (.gpu-deps/debs) into a private prefix, without root,
-# and points CMake, the linker and the loader at it.
+# Sourced by tools/prepare-gpu-session (the on-device build of gpu-session's stage 1) and
+# tools/check-gpu-deps-offline (not run on its own): unpacks the .deb bundle that
+# tools/prepare-gpu-deps downloads (.gpu-deps/debs) into a private prefix, without root, and points
+# CMake, the linker and the loader at it.
 #
 #   gpu_deps_system_complete       true when the system already has every build dependency
 #   gpu_deps_unpack DEBS PREFIX    dpkg-deb -x each .deb into PREFIX (ar + tar without dpkg), then

@@ -25,8 +25,9 @@
 // Tolerances (outputs are softmax-weighted averages of N(0,1) values clamped to +-3.5, so
 // |out| < 4): fp16 atol 2e-3,
 // bf16 atol 1.5e-2 (P is rounded to the input type for the P V product and the output is rounded
-// to it once more); max rel (relative to max(|ref|, 1e-3 max|ref|)) fp16 0.15, bf16 1.0: rel is
-// dominated by near-zero outputs, atol is the real check.
+// to it once more); fp16 also max rel 0.15 per element (relative to max(|ref|, 1e-3 max|ref|)),
+// bf16 norm-wise ||d||/||ref|| <= 1e-2 instead: per element, a near-zero output of a short context
+// makes bf16's rounding look like > 100% (seen on an H200), so atol and the norm are the checks.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -290,14 +291,23 @@ std::vector<int32_t> ContextLens(const Shape& s) { return std::vector<int32_t>(s
 double LseTolerance(DType t) { return t == DType::kF16 ? 1e-3 : 6e-3; }
 double OutTolerance(DType t) { return t == DType::kF16 ? 2e-3 : 1.5e-2; }
 
+// fp16: per-element relative error too (rtol 0.15). bf16: the P V product's rounding error scales
+// with the row, so the relative check is norm-wise (1e-2, the bf16 range of METHOD.md's bounds).
+void ExpectOutClose(const std::string& what, const std::vector<float>& got, const std::vector<float>& ref, DType t) {
+  if (t == DType::kF16) {
+    test::ExpectClose(what, got, ref, OutTolerance(t), 0.15);
+  } else {
+    test::ExpectCloseNormwise(what, got, ref, OutTolerance(t), 1e-2);
+  }
+}
+
 void RunCase(const Shape& s) {
   SCOPED_TRACE(Describe(s));
   const Problem P(s);
   const LaunchResult r = Launch(P, P.block_tables, ContextLens(s), s.lse);
   EXPECT_EQ(r.clobbered, 0u) << "elements written outside the sequences' output rows";
-  const bool fp16 = s.dtype == DType::kF16;
   const std::string what = Describe(s) + (r.split ? " [split]" : "");
-  test::ExpectClose(what, r.out, P.ref, OutTolerance(s.dtype), fp16 ? 0.15 : 1.0);
+  ExpectOutClose(what, r.out, P.ref, s.dtype);
   if (s.lse) {
     EXPECT_EQ(r.lse_clobbered, 0u) << "LSE written outside the sequences' rows";
     test::ExpectClose(what + " LSE", r.lse, P.ref_lse, LseTolerance(s.dtype), 1.0);
@@ -329,9 +339,8 @@ void RunMergeCase(const Shape& s) {
   std::vector<float> merged(P.ref.size()), merged_lse(P.ref_lse.size());
   cpu::MergeAttentionStates(a.out.data(), a.lse.data(), b.out.data(), b.lse.data(),
                             static_cast<int64_t>(P.num_seqs) * H, D, merged.data(), merged_lse.data());
-  const bool fp16 = s.dtype == DType::kF16;
   const std::string what = Describe(s) + (a.split || b.split ? " [split]" : "") + " halves merged";
-  test::ExpectClose(what, merged, P.ref, OutTolerance(s.dtype), fp16 ? 0.15 : 1.0);
+  ExpectOutClose(what, merged, P.ref, s.dtype);
   test::ExpectClose(what + " LSE", merged_lse, P.ref_lse, LseTolerance(s.dtype), 1.0);
 }
 

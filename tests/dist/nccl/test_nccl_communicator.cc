@@ -1,5 +1,5 @@
 // The NCCL transport on one GPU: a world of one sends to itself (ncclSend/ncclRecv in one group),
-// all-gathers and meets at a barrier. Skips without a GPU; tools/gpu-check runs it (ctest -L gpu).
+// all-gathers and meets at a barrier. Skips without a GPU; tools/gpu-session runs it (and ctest -L gpu).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -17,7 +17,7 @@ bool HaveGpu() {
 
 #define SKIP_WITHOUT_GPU()                                                                                     \
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA GPU (cudaGetDeviceCount failed or found none): the NCCL transport " \
-                                  "needs one; tools/gpu-check runs this on a GPU machine"
+                                  "needs one; tools/gpu-session runs this on a GPU machine"
 
 std::vector<std::byte> RandomBytes(size_t n, uint64_t seed) {
   std::mt19937_64 rng(seed);
