@@ -43,6 +43,7 @@
 #include "attention_decode.h"
 #include "attention_prefill.h"
 #include "model/llama_model.h"
+#include "model/model_shapes.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_device.h"
 #include "fill.h"
@@ -263,64 +264,19 @@ json BenchPrefill(double gemm_tflops) {
 
 // ---- End-to-end decode ----
 
-kvflow::ModelConfig SmolLM2_135M() {
-  kvflow::ModelConfig c;
-  c.name = "smollm2-135m-shape (random fp16 weights)";
-  c.vocab_size = 49152;
-  c.hidden_size = 576;
-  c.intermediate_size = 1536;
-  c.num_layers = 30;
-  c.num_heads = 9;
-  c.num_kv_heads = 3;
-  c.head_dim = 64;
-  c.max_position_embeddings = 8192;
-  c.rms_norm_eps = 1e-5f;
-  c.rope_theta = 100000.0f;
-  c.tie_word_embeddings = true;
-  return c;
-}
-
-kvflow::ModelConfig Llama31_8B() {
-  kvflow::ModelConfig c;
-  c.name = "llama-3.1-8b-shape (random fp16 weights)";
-  c.vocab_size = 128256;
-  c.hidden_size = 4096;
-  c.intermediate_size = 14336;
-  c.num_layers = 32;
-  c.num_heads = 32;
-  c.num_kv_heads = 8;
-  c.head_dim = 128;
-  c.max_position_embeddings = 131072;
-  c.rms_norm_eps = 1e-5f;
-  c.rope_theta = 500000.0f;
-  // Llama 3.1's rope_scaling (only the RoPE frequencies change; no effect on speed).
-  c.rope_scaling.type = kvflow::RopeScaling::Type::kLlama3;
-  c.rope_scaling.factor = 8.0f;
-  c.rope_scaling.low_freq_factor = 1.0f;
-  c.rope_scaling.high_freq_factor = 4.0f;
-  c.rope_scaling.original_max_position_embeddings = 8192;
-  return c;
-}
-
-kvflow::ModelConfig Llama2_7B() {
-  kvflow::ModelConfig c;
-  c.name = "llama-2-7b-shape (random fp16 weights)";
-  c.vocab_size = 32000;
-  c.hidden_size = 4096;
-  c.intermediate_size = 11008;
-  c.num_layers = 32;
-  c.num_heads = 32;
-  c.num_kv_heads = 32;
-  c.head_dim = 128;
-  c.max_position_embeddings = 4096;
-  c.rms_norm_eps = 1e-5f;
-  return c;
-}
-
-// The shapes --e2e-shapes can name, in the default order.
+// The shapes --e2e-shapes can name, in the default order (model/model_shapes.h; not its test-only
+// "tiny").
 const std::vector<std::pair<std::string, kvflow::ModelConfig>>& KnownShapes() {
-  static const std::vector<std::pair<std::string, kvflow::ModelConfig>> shapes = {
-      {"smollm2-135m", SmolLM2_135M()}, {"llama-3.1-8b", Llama31_8B()}, {"llama-2-7b", Llama2_7B()}};
+  static const std::vector<std::pair<std::string, kvflow::ModelConfig>> shapes = [] {
+    std::vector<std::pair<std::string, kvflow::ModelConfig>> v;
+    for (const std::string& name : kvflow::ModelShapeNames()) {
+      if (name == "tiny") continue;
+      kvflow::ModelConfig c = kvflow::ModelShape(name).value();
+      c.name += " (random fp16 weights)";
+      v.emplace_back(name, c);
+    }
+    return v;
+  }();
   return shapes;
 }
 

@@ -265,13 +265,18 @@ int main(int argc, char** argv) {
   if (!json_path.empty()) std::ofstream(json_path) << out.dump(1) << "\n";
   if (!md_path.empty()) {
     std::ofstream md(md_path);
-    md << "# KV selection at long contexts (measured)\n\n" << kb::CpuModel() << ", " << threads << " threads, " << model
-       << ", " << kb::NowIso() << ". Decode tok/s: median of " << repeats << " runs of " << new_tokens
+    const bool on_gpu = device != "cpu";
+    md << "# KV selection at long contexts (measured)\n\n"
+       << (on_gpu ? "device " + device + ", host " : std::string()) << kb::CpuModel() << ", " << threads
+       << " threads, " << model << ", " << kb::NowIso() << ". Decode tok/s: median of " << repeats << " runs of "
+       << new_tokens
        << " greedy tokens after a WikiText-2 prompt; \"KV read\": the share of the cached tokens attention read at the "
           "layers that select (InfiniGen: all but layer 0; H2O: all), \"bytes read\": K/V bytes over all layers vs full "
           "attention (what an offloaded cache would fetch). offload-*: the KV pool in host memory (--kv-offload), "
-          "\"fetched\": bytes each decode token moved from it to the staging buffers (on this CPU the same RAM: the "
-          "copy cost is measured, no PCIe link). Pass key: prefilled in full, answer decoded under the mode.\n\n"
+          "\"fetched\": bytes each decode token moved from it to the staging buffers ("
+       << (on_gpu ? "pinned host memory to the GPU over its PCIe link"
+                  : "on a CPU the same RAM: the copy cost is measured, no PCIe link")
+       << "). Pass key: prefilled in full, answer decoded under the mode.\n\n"
        << table;
   }
   return 0;

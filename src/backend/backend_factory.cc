@@ -84,8 +84,9 @@ Result<std::unique_ptr<Backend>> MakeCpuBackend(EngineConfig& config, bool reque
 
 // The CUDA backend sizes its KV pool from gpu_memory_utilization (or kv_cache_bytes /
 // num_kv_blocks) and refuses a max_model_len the pool cannot hold.
+// `weights` null: a random:<shape> model, whose weights the backend generates from `seed`.
 Result<std::unique_ptr<Backend>> MakeCudaBackend(EngineConfig& config, bool requested, const ModelConfig& mc,
-                                                   const LlamaWeights& weights, int device) {
+                                                   const LlamaWeights* weights, uint64_t seed, int device) {
   if (IsQ4KvCacheDtype(config.kv_cache_dtype)) {
     return Status::InvalidArgument("kv_cache_dtype " + config.kv_cache_dtype +
                                    " (the 4-bit KV cache) is CPU only; CUDA keeps the KV cache in the dtype's 16-bit type");
@@ -125,7 +126,8 @@ Result<std::unique_ptr<Backend>> MakeCudaBackend(EngineConfig& config, bool requ
     KVFLOW_RETURN_IF_ERROR(FitMaxModelLenToPool(config, requested, o.num_kv_blocks, remedy));
     o.max_model_len = config.max_model_len;
   }
-  KVFLOW_ASSIGN_OR_RETURN(auto backend, CreateCudaBackend(mc, weights, o));
+  KVFLOW_ASSIGN_OR_RETURN(auto backend, weights != nullptr ? CreateCudaBackend(mc, *weights, o)
+                                                            : CreateCudaBackendWithRandomWeights(mc, o, seed));
   KVFLOW_RETURN_IF_ERROR(FitMaxModelLenToPool(config, requested, backend->kv_layout().num_blocks, remedy));
   return backend;
 }
@@ -133,6 +135,12 @@ Result<std::unique_ptr<Backend>> MakeCudaBackend(EngineConfig& config, bool requ
 }  // namespace
 
 Result<LlamaWeights> LoadWeightsFor(const ModelFiles& files, const EngineConfig& config) {
+  if (files.random_weights) {
+    return Status::Unsupported("model " + files.config.name +
+                               " has no weights to load: its random weights are generated on the GPU, by the engine's "
+                               "CUDA backend only (use it as the engine's --model with --device cuda; tiny-random "
+                               "runs everywhere)");
+  }
   const Result<int> device = ParseDevice(config.device);
   const bool cpu = !device.ok() || device.value() < 0;
   const WeightFormat format = cpu && config.dtype == "auto" ? WeightFormat::kKeepQuantized : WeightFormat::kF32;
@@ -156,8 +164,19 @@ Result<int> ParseDevice(const std::string& device) {
 Result<std::unique_ptr<Backend>> CreateBackend(EngineConfig& config, bool max_model_len_requested,
                                                const ModelConfig& model, LlamaWeights weights) {
   KVFLOW_ASSIGN_OR_RETURN(const int cuda_device, ParseDevice(config.device));
-  if (cuda_device >= 0) return MakeCudaBackend(config, max_model_len_requested, model, weights, cuda_device);
+  if (cuda_device >= 0) return MakeCudaBackend(config, max_model_len_requested, model, &weights, 0, cuda_device);
   return MakeCpuBackend(config, max_model_len_requested, model, std::move(weights));
+}
+
+Result<std::unique_ptr<Backend>> CreateBackendWithRandomWeights(EngineConfig& config, bool max_model_len_requested,
+                                                                const ModelConfig& model, uint64_t seed) {
+  KVFLOW_ASSIGN_OR_RETURN(const int cuda_device, ParseDevice(config.device));
+  if (cuda_device < 0) {
+    return Status::Unsupported("model " + model.name +
+                               " has random weights, which only the CUDA backend generates (--device cuda); on the "
+                               "CPU use tiny-random");
+  }
+  return MakeCudaBackend(config, max_model_len_requested, model, nullptr, seed, cuda_device);
 }
 
 }  // namespace kvflow

@@ -21,7 +21,8 @@ bool IsQ4KvCacheDtype(const std::string& kv_cache_dtype);
 
 // The model's weights in the format config.device computes with: the CPU keeps a GGUF's quantized
 // matrices as they are unless config.dtype is f32; the CUDA backend takes fp32 and converts them to
-// its dtype. Conversions run on a pool of config.num_threads threads.
+// its dtype. Conversions run on a pool of config.num_threads threads. Unsupported for a random:<shape>
+// model, which has no host weights.
 Result<LlamaWeights> LoadWeightsFor(const ModelFiles& files, const EngineConfig& config);
 
 // The backend for config.device. A sequence must fit the pool alone: a max_model_len the user asked
@@ -29,5 +30,10 @@ Result<LlamaWeights> LoadWeightsFor(const ModelFiles& files, const EngineConfig&
 // in `config` to what the pool holds.
 Result<std::unique_ptr<Backend>> CreateBackend(EngineConfig& config, bool max_model_len_requested,
                                                const ModelConfig& model, LlamaWeights weights);
+
+// The same for a random:<shape> model (ModelFiles::random_weights): the CUDA backend generates the
+// weights from `seed`; the CPU backend is refused (Unsupported), as LoadWeightsFor refuses them.
+Result<std::unique_ptr<Backend>> CreateBackendWithRandomWeights(EngineConfig& config, bool max_model_len_requested,
+                                                                const ModelConfig& model, uint64_t seed);
 
 }  // namespace kvflow

@@ -418,7 +418,9 @@ int main(int argc, char** argv) {
       "  kvflow perplexity --model smollm2-135m --file wiki.test.raw --kv-selection infinigen --token-by-token\n"
       "  kvflow info --model smollm2-135m\n\n"
       "Models: a .gguf file, a .safetensors file or HF directory, or a short name: tiny-random\n"
-      "(built in, random weights) or smollm2-135m (run tools/fetch-model first)."};
+      "(built in, random weights) or smollm2-135m (run tools/fetch-model first). With --device cuda,\n"
+      "random:llama-3.1-8b, random:llama-2-7b or random:smollm2-135m are those shapes with random\n"
+      "weights generated on the GPU: real speed, meaningless text."};
   app.require_subcommand(1);
   bool verbose = false;
   app.add_flag("-v,--verbose", verbose, "Debug logging");

@@ -55,7 +55,7 @@ Result<std::string> ResolveModel(const std::string& path_or_name) {
   std::string names;
   for (const auto& [name, _] : known) names += name + ", ";
   return Status::NotFound("model '" + path_or_name + "' is neither a path nor found in the model directories:" +
-                          looked + "\nknown short names: " + names + "tiny-random, tiny-random-draft (built in)" +
+                          looked + "\nknown short names: " + names + "tiny-random, tiny-random-draft (built in), random:<shape> (GPU only)" +
                           "\nrun tools/fetch-model to download SmolLM2-135M-Instruct");
 }
 

@@ -51,6 +51,10 @@ struct ModelFiles {
   // Filled for GGUF (from metadata) and for HF dirs that have tokenizer.json.
   std::unique_ptr<Tokenizer> tokenizer;
   bool gguf_rope_permuted = false;  // GGUF llama Q/K rows are in llama.cpp's interleaved order
+  // A built-in random:<shape> model (model/random_shape_model.h): no host weights; the CUDA backend
+  // generates them from `random_seed`.
+  bool random_weights = false;
+  uint64_t random_seed = 0;
 };
 
 // Logs "<what>: 40% (120 / 300 MB)" at every 10% of `total_bytes` when that exceeds 256 MB, so a

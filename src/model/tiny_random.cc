@@ -6,6 +6,7 @@
 #include <random>
 
 #include "model/byte_level.h"
+#include "model/random_shape_model.h"
 
 namespace kvflow {
 namespace {
@@ -63,6 +64,7 @@ class PortableNormal {
 Result<ModelFiles> MakeBuiltInModel(const std::string& name) {
   if (name == kTinyRandomDraftName) return MakeTinyRandomModel(0x6b76666c6f77, 2);
   if (name == kTinyRandomName) return MakeTinyRandomModel();
+  if (IsRandomShapeModel(name)) return MakeRandomShapeModel(name);
   return Status::NotFound("no built-in model named " + name);
 }
 

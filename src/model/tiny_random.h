@@ -13,7 +13,10 @@ inline constexpr const char* kTinyRandomName = "tiny-random";
 // Its first two layers, embeddings and head (a layer-skip draft of tiny-random: same tokenizer,
 // a related distribution), for testing draft-model speculative decoding.
 inline constexpr const char* kTinyRandomDraftName = "tiny-random-draft";
-inline bool IsBuiltInModel(const std::string& name) { return name == kTinyRandomName || name == kTinyRandomDraftName; }
+// Built in: tiny-random, tiny-random-draft, and random:<shape> (model/random_shape_model.h).
+inline bool IsBuiltInModel(const std::string& name) {
+  return name == kTinyRandomName || name == kTinyRandomDraftName || name.rfind("random:", 0) == 0;
+}
 
 // `num_layers` < 4 keeps the first layers of the 4-layer model (the same weights). `biases`: the
 // same model with random biases on every projection (HF attention_bias and mlp_bias), drawn from a

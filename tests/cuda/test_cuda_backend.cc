@@ -1107,6 +1107,28 @@ TEST(CudaEngine, TriForceKeepsGreedyOutputs) {
   }
 }
 
+// random:<shape> models: the engine on weights the backend generates (speed at real sizes). The
+// same seed gives the same tokens, and TriForce stays lossless on them as on any weights.
+TEST(CudaEngine, RandomShapeModelIsDeterministicAndTriForceStaysLossless) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  const int kTokens = 24;
+  EngineConfig base = CudaConfig("random:tiny");
+  base.block_size = 8;
+  const Outputs first = RunEngine(base, kTokens);
+  ASSERT_EQ(first.size(), kPrompts.size());
+  for (const auto& tokens : first) EXPECT_FALSE(tokens.empty());
+  EXPECT_EQ(RunEngine(base, kTokens), first) << "same seed, same weights, same greedy tokens";
+  EngineConfig tri = base;
+  tri.speculative_method = "triforce";
+  tri.num_speculative_tokens = 4;
+  tri.triforce_draft_tokens = 2;
+  tri.triforce_budget = 8;
+  tri.triforce_min_context = 0;
+  EngineStats stats;
+  EXPECT_EQ(RunEngine(tri, kTokens, &stats), first);
+  EXPECT_GT(stats.spec.middle_passes, 0);
+}
+
 // ---- InfiniGen and H2O on the device ----------------------------------------------------------------
 
 // A skewing file for tiny-random, calibrated once on the CPU backend (as `kvflow skew` would).
