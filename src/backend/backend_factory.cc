@@ -168,15 +168,20 @@ Result<std::unique_ptr<Backend>> CreateBackend(EngineConfig& config, bool max_mo
   return MakeCpuBackend(config, max_model_len_requested, model, std::move(weights));
 }
 
-Result<std::unique_ptr<Backend>> CreateBackendWithRandomWeights(EngineConfig& config, bool max_model_len_requested,
-                                                                const ModelConfig& model, uint64_t seed) {
-  KVFLOW_ASSIGN_OR_RETURN(const int cuda_device, ParseDevice(config.device));
-  if (cuda_device < 0) {
-    return Status::Unsupported("model " + model.name +
-                               " has random weights, which only the CUDA backend generates (--device cuda); on the "
-                               "CPU use tiny-random");
+Result<std::unique_ptr<Backend>> CreateBackendForModel(EngineConfig& config, bool max_model_len_requested,
+                                                       ModelFiles& files) {
+  if (files.random_weights) {  // random:<shape>: the CUDA backend generates the weights
+    KVFLOW_ASSIGN_OR_RETURN(const int cuda_device, ParseDevice(config.device));
+    if (cuda_device < 0) {
+      return Status::Unsupported("model " + files.config.name +
+                                 " has random weights, which only the CUDA backend generates (--device cuda); on the "
+                                 "CPU use tiny-random");
+    }
+    return MakeCudaBackend(config, max_model_len_requested, files.config, nullptr, files.random_seed, cuda_device);
   }
-  return MakeCudaBackend(config, max_model_len_requested, model, nullptr, seed, cuda_device);
+  KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadWeightsFor(files, config));
+  files.tensors.reset();  // the weights are copies now; drop the mapping
+  return CreateBackend(config, max_model_len_requested, files.config, std::move(weights));
 }
 
 }  // namespace kvflow

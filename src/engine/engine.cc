@@ -431,14 +431,7 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEvaluationEngine(const EngineCon
     config.max_model_len = mc.max_position_embeddings;
   }
 
-  std::unique_ptr<Backend> backend;
-  if (files.random_weights) {  // random:<shape>: the CUDA backend generates the weights
-    KVFLOW_ASSIGN_OR_RETURN(backend, CreateBackendWithRandomWeights(config, input.max_model_len > 0, mc, files.random_seed));
-  } else {
-    KVFLOW_ASSIGN_OR_RETURN(LlamaWeights weights, LoadWeightsFor(files, config));
-    files.tensors.reset();  // the weights are copies now; drop the mapping
-    KVFLOW_ASSIGN_OR_RETURN(backend, CreateBackend(config, input.max_model_len > 0, mc, std::move(weights)));
-  }
+  KVFLOW_ASSIGN_OR_RETURN(auto backend, CreateBackendForModel(config, input.max_model_len > 0, files));
   std::unique_ptr<Backend> draft_backend;
   const bool triforce = config.speculative_method == "triforce";
   if (config.speculative_method == "draft_model" || (triforce && config.triforce_draft == "draft_model")) {
