@@ -41,6 +41,7 @@
 #include <spdlog/spdlog.h>
 
 #include "attention_decode.h"
+#include "bench_files.h"
 #include "attention_prefill.h"
 #include "model/llama_model.h"
 #include "model/model_shapes.h"
@@ -597,17 +598,6 @@ void MatchSdpa(json& result) {
   }
 }
 
-std::vector<std::string> SplitList(const std::string& s) {
-  std::vector<std::string> out;
-  size_t begin = 0;
-  while (begin <= s.size()) {
-    const size_t end = std::min(s.find(',', begin), s.size());
-    if (end > begin) out.push_back(s.substr(begin, end - begin));
-    begin = end + 1;
-  }
-  return out;
-}
-
 void PrintRoofline(const std::vector<std::string>& shapes, int context, int steps) {
   const double kv_context = MidpointContext(context, steps);
   fmt::print("Bytes one fp16 decode step reads at least (DecodeStepBytes); KV at context {:.1f} (prefill {} + {} "
@@ -654,7 +644,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   std::set<std::string> sections;
-  for (const std::string& s : SplitList(sections_arg)) {
+  for (const std::string& s : kvflow::bench::SplitCommaList(sections_arg)) {
     if (s != "limits" && s != "decode" && s != "prefill" && s != "e2e") {
       std::fprintf(stderr, "--sections: unknown section '%s' (limits, decode, prefill, e2e)\n", s.c_str());
       return 2;
@@ -662,7 +652,7 @@ int main(int argc, char** argv) {
     sections.insert(s);
   }
   if (skip_e2e) sections.erase("e2e");
-  const std::vector<std::string> shapes = SplitList(shapes_arg);
+  const std::vector<std::string> shapes = kvflow::bench::SplitCommaList(shapes_arg);
   for (const std::string& s : shapes) {
     if (std::none_of(KnownShapes().begin(), KnownShapes().end(), [&](const auto& k) { return k.first == s; })) {
       std::fprintf(stderr, "--e2e-shapes: unknown shape '%s' (smollm2-135m, llama-3.1-8b, llama-2-7b)\n", s.c_str());
@@ -670,7 +660,7 @@ int main(int argc, char** argv) {
     }
   }
   std::vector<int> batches;
-  for (const std::string& s : SplitList(batches_arg)) {
+  for (const std::string& s : kvflow::bench::SplitCommaList(batches_arg)) {
     const int b = std::atoi(s.c_str());
     if (b < 1) {
       std::fprintf(stderr, "--e2e-batches: '%s' is not a positive batch size\n", s.c_str());
@@ -679,7 +669,7 @@ int main(int argc, char** argv) {
     batches.push_back(b);
   }
   std::vector<bool> graph_modes;
-  for (const std::string& s : SplitList(graphs_arg)) {
+  for (const std::string& s : kvflow::bench::SplitCommaList(graphs_arg)) {
     if (s != "on" && s != "off") {
       std::fprintf(stderr, "--e2e-graphs: '%s' is neither on nor off\n", s.c_str());
       return 2;

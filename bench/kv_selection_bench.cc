@@ -28,6 +28,7 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "bench_files.h"
 #include "long_context.h"
 
 namespace {
@@ -60,15 +61,6 @@ Json SelectionJson(const kvflow::KvSelectionStats& s) {
           {"bytes_full", s.bytes_full},
           {"bytes_read_fraction", s.bytes_full > 0 ? static_cast<double>(s.bytes_read) / static_cast<double>(s.bytes_full) : 0.0},
           {"select_seconds", s.select_seconds}};
-}
-
-std::vector<std::string> Split(const std::string& s) {
-  std::vector<std::string> out;
-  std::istringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
 }
 
 }  // namespace
@@ -106,8 +98,8 @@ int main(int argc, char** argv) {
   spdlog::set_default_logger(spdlog::stderr_color_mt("kvflow_bench_kv_selection"));
 
   std::vector<int> contexts;
-  for (const std::string& c : Split(contexts_arg)) contexts.push_back(std::stoi(c));
-  const std::vector<std::string> modes = Split(modes_arg);
+  for (const std::string& c : kb::SplitCommaList(contexts_arg)) contexts.push_back(std::stoi(c));
+  const std::vector<std::string> modes = kb::SplitCommaList(modes_arg);
   for (int c : contexts) {
     if (c > max_model_len || c - new_tokens - 8 < 64) {
       std::fprintf(stderr, "context %d: must be <= --max-model-len %d and leave room for --new-tokens\n", c, max_model_len);

@@ -109,15 +109,6 @@ int FirstDifference(const std::vector<int32_t>& a, const std::vector<int32_t>& b
   return a.size() == b.size() ? -1 : static_cast<int>(n);
 }
 
-std::vector<std::string> Split(const std::string& s) {
-  std::vector<std::string> out;
-  std::istringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
-}
-
 std::string Fmt(const char* format, double v) {
   char buf[64];
   std::snprintf(buf, sizeof buf, format, v);
@@ -190,8 +181,8 @@ int main(int argc, char** argv) {
   spdlog::set_default_logger(spdlog::stderr_color_mt("kvflow_bench_triforce"));
 
   std::vector<int> contexts;
-  for (const std::string& c : Split(contexts_arg)) contexts.push_back(std::stoi(c));
-  const std::vector<std::string> modes = Split(modes_arg);
+  for (const std::string& c : kvflow::bench::SplitCommaList(contexts_arg)) contexts.push_back(std::stoi(c));
+  const std::vector<std::string> modes = kvflow::bench::SplitCommaList(modes_arg);
   const std::vector<std::string> known = {"plain", "ngram", "middle", "triforce", "triforce-streaming"};
   for (const std::string& m : modes) {
     if (std::find(known.begin(), known.end(), m) == known.end()) {

@@ -189,6 +189,15 @@ inline ErrorStats CompareArrays(const std::vector<float>& got, const std::vector
   return s;
 }
 
+// Every output finite and present, and within `atol` of the reference (the worst one named).
+inline void ExpectFiniteWithinAtol(const std::string& what, const ErrorStats& s, const std::vector<float>& got,
+                                   const std::vector<float>& ref, double atol) {
+  EXPECT_EQ(s.non_finite, 0u) << what << ": non-finite or missing outputs";
+  EXPECT_LE(s.max_abs, atol) << what << ": worst at index " << s.worst_index << " got "
+                             << (s.worst_index < got.size() ? got[s.worst_index] : NAN) << " want "
+                             << (s.worst_index < ref.size() ? ref[s.worst_index] : NAN);
+}
+
 // Prints "<what>: max |d| = ..., max rel = ..." (the figures the issue asks every test to report)
 // and checks them against the tolerances.
 inline void ExpectClose(const std::string& what, const std::vector<float>& got, const std::vector<float>& ref,
@@ -196,10 +205,7 @@ inline void ExpectClose(const std::string& what, const std::vector<float>& got, 
   const ErrorStats s = CompareArrays(got, ref);
   std::printf("  %-60s max|d| = %.3g  max rel = %.3g  (atol %.3g, rtol %.3g)%s\n", what.c_str(), s.max_abs,
               s.max_rel, atol, rtol, IsEmulator() ? "  [emulator]" : "");
-  EXPECT_EQ(s.non_finite, 0u) << what << ": non-finite or missing outputs";
-  EXPECT_LE(s.max_abs, atol) << what << ": worst at index " << s.worst_index << " got "
-                             << (s.worst_index < got.size() ? got[s.worst_index] : NAN) << " want "
-                             << (s.worst_index < ref.size() ? ref[s.worst_index] : NAN);
+  ExpectFiniteWithinAtol(what, s, got, ref, atol);
   EXPECT_LE(s.max_rel, rtol) << what;
 }
 
@@ -212,10 +218,7 @@ inline void ExpectCloseNormwise(const std::string& what, const std::vector<float
   const ErrorStats s = CompareArrays(got, ref);
   std::printf("  %-60s max|d| = %.3g  ||d||/||ref|| = %.3g  (atol %.3g, norm rtol %.3g; max rel %.3g)%s\n",
               what.c_str(), s.max_abs, s.norm_rel, atol, norm_rtol, s.max_rel, IsEmulator() ? "  [emulator]" : "");
-  EXPECT_EQ(s.non_finite, 0u) << what << ": non-finite or missing outputs";
-  EXPECT_LE(s.max_abs, atol) << what << ": worst at index " << s.worst_index << " got "
-                             << (s.worst_index < got.size() ? got[s.worst_index] : NAN) << " want "
-                             << (s.worst_index < ref.size() ? ref[s.worst_index] : NAN);
+  ExpectFiniteWithinAtol(what, s, got, ref, atol);
   EXPECT_LE(s.norm_rel, norm_rtol) << what;
 }
 
