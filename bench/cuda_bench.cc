@@ -701,6 +701,7 @@ int main(int argc, char** argv) {
 
   json result;
   result["device"] = device;
+  result["provenance"] = kvflow::bench::Provenance(argc, argv, device);
   const double copy_gbs = MeasureCopyBandwidth();
   const double gemm = MeasureGemmTflops();
   spdlog::info("copy bandwidth {:.0f} GB/s, cuBLAS fp16 GEMM {:.0f} TFLOP/s", copy_gbs, gemm);

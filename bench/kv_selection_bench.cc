@@ -18,6 +18,7 @@
 // every layer fetches every cached token), offload-infinigen and offload-h2o, with the bytes each
 // decode token fetched from the host pool. On a CPU the host pool and the staging buffers are the
 // same RAM: the offload modes measure the mechanism's cost here, not a PCIe link.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -35,6 +36,19 @@ namespace {
 
 using Json = nlohmann::json;
 namespace kb = kvflow::bench;
+
+// "min-max" of a list of runs.
+std::string Range(const std::vector<double>& v, const char* format) {
+  const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
+  return fmt::format(fmt::runtime(format), *lo) + "-" + fmt::format(fmt::runtime(format), *hi);
+}
+
+// Whether two sets of runs overlap ([min, max] ranges intersect).
+bool Overlap(const std::vector<double>& a, const std::vector<double>& b) {
+  if (a.empty() || b.empty()) return false;
+  return *std::min_element(a.begin(), a.end()) <= *std::max_element(b.begin(), b.end()) &&
+         *std::min_element(b.begin(), b.end()) <= *std::max_element(a.begin(), a.end());
+}
 
 kvflow::KvSelectionStats Minus(kvflow::KvSelectionStats a, const kvflow::KvSelectionStats& b) {
   a.Add(b, -1);
@@ -198,6 +212,7 @@ int main(int argc, char** argv) {
       }
     }
     const double full_tps = tps.count("full") ? kb::Median(tps["full"]) : 0.0;
+    const std::vector<double> full_runs = tps.count("full") ? tps["full"] : std::vector<double>();
     for (const std::string& mode : modes) {
       kvflow::Engine& e = *engines[mode];
       const kvflow::KvSelectionStats before = e.stats().kv_selection;
@@ -209,11 +224,20 @@ int main(int argc, char** argv) {
       const kvflow::KvSelectionStats& s = selection[mode];
       const double bytes_fraction =
           s.bytes_full > 0 ? static_cast<double>(s.bytes_read) / static_cast<double>(s.bytes_full) : 1.0;
+      // Runs of one repeat ran back to back (every mode, then the next repeat): the per-repeat ratio
+      // pairs figures of the same moment; ranges that overlap full's mean "within the run-to-run spread".
+      std::vector<double> ratios;
+      for (size_t k = 0; k < tps[mode].size() && k < full_runs.size(); ++k) {
+        if (full_runs[k] > 0) ratios.push_back(tps[mode][k] / full_runs[k]);
+      }
+      const bool within_spread = !full_runs.empty() && mode != "full" && Overlap(tps[mode], full_runs);
       rows.push_back({{"context", context},
                       {"mode", mode},
                       {"prompt_tokens", prompt.size()},
                       {"decode_tokens_per_s", median},
                       {"decode_tokens_per_s_runs", tps[mode]},
+                      {"speedup_vs_full_per_repeat", ratios},
+                      {"within_run_to_run_spread_of_full", mode == "full" ? Json(nullptr) : Json(within_spread)},
                       {"ms_per_token", median > 0 ? 1000.0 / median : 0.0},
                       {"speedup_vs_full", full_tps > 0 ? median / full_tps : 0.0},
                       {"selection", SelectionJson(s)},
@@ -230,9 +254,13 @@ int main(int argc, char** argv) {
           engine_json[mode]["kv_offload"].get<bool>() && fr.decode_tokens > 0
               ? fmt::format("{:.2f} MiB", static_cast<double>(fr.decode_offload.bytes_fetched) / fr.decode_tokens / (1 << 20))
               : "-";
-      char line[512];
-      std::snprintf(line, sizeof line, "| %d | %s | %.1f | %.2f | %.2fx | %s | %.1f%% | %s | %s |\n", context, mode.c_str(), median,
-                    median > 0 ? 1000.0 / median : 0.0, full_tps > 0 ? median / full_tps : 0.0,
+      const std::string vs_full = fmt::format("{:.2f}x", full_tps > 0 ? median / full_tps : 0.0) +
+                                  (ratios.size() > 1 && mode != "full" ? " (" + Range(ratios, "{:.2f}") + ")" : std::string()) +
+                                  (within_spread ? ", within spread" : "");
+      char line[768];
+      std::snprintf(line, sizeof line, "| %d | %s | %s | %.2f | %s | %s | %.1f%% | %s | %s |\n", context, mode.c_str(),
+                    (fmt::format("{:.1f}", median) + (tps[mode].size() > 1 ? " (" + Range(tps[mode], "{:.1f}") + ")" : "")).c_str(),
+                    median > 0 ? 1000.0 / median : 0.0, vs_full.c_str(),
                     s.tokens_available > 0 ? (std::to_string(static_cast<int>(100.0 * s.selection_fraction() + 0.5)) + "%").c_str()
                                            : "100%",
                     100.0 * bytes_fraction, fetched.c_str(), found ? "found" : "missed");
@@ -247,6 +275,7 @@ int main(int argc, char** argv) {
                     {"device", device},
                     {"model", model},
                     {"command", kb::CommandLine(argc, argv)},
+                    {"provenance", kb::Provenance(argc, argv, device == "cpu" ? "" : device)},
                     {"load_average_start", load_start},
                     {"load_average_end", kb::LoadAverage()},
                     {"new_tokens", new_tokens},
@@ -262,7 +291,9 @@ int main(int argc, char** argv) {
        << (on_gpu ? "device " + device + ", host " : std::string()) << kb::CpuModel() << ", " << threads
        << " threads, " << model << ", " << kb::NowIso() << ". Decode tok/s: median of " << repeats << " runs of "
        << new_tokens
-       << " greedy tokens after a WikiText-2 prompt; \"KV read\": the share of the cached tokens attention read at the "
+       << " greedy tokens after a WikiText-2 prompt, (min-max) over the runs; \"vs full\": median over full's median, "
+          "(min-max) of the ratios of runs made back to back in one repeat, \"within spread\" when the mode's runs and "
+          "full's overlap (the difference is inside the run-to-run spread); \"KV read\": the share of the cached tokens attention read at the "
           "layers that select (InfiniGen: all but layer 0; H2O: all), \"bytes read\": K/V bytes over all layers vs full "
           "attention (what an offloaded cache would fetch). offload-*: the KV pool in host memory (--kv-offload), "
           "\"fetched\": bytes each decode token moved from it to the staging buffers ("

@@ -59,6 +59,8 @@ import tempfile
 import threading
 import time
 
+from provenance import provenance
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.path.join(REPO, ".cache", "llama-cpp")
 DEFAULT_LLAMA_CPP_PYTHON = "0.3.36"  # vendors ggml-org/llama.cpp@0c1e57098 (its CHANGELOG says)
@@ -439,7 +441,8 @@ def section_decode(cfg, llama, info, bw):
         k1 = kvflow_bench(cfg["cli"], cfg["model"], 1, [0], n, r)["results"][0]["decode_tok_s"]
         l1 = llama_bench(llama["bin"], cfg["model"], 1, ["-p", "0", "-n", str(n), "-r", str(r)],
                          what="llama-bench (decode, 1 thread)")
-        one_thread = {"kvflow_tok_s": k1, "llama_tok_s": median_ts(l1[0]) if l1 else None}
+        one_thread = {"kvflow_tok_s": k1, "llama_tok_s": median_ts(l1[0]) if l1 else None,
+                      "llama_samples_ts": l1[0].get("samples_ts") if l1 else None}
         log(f"  1 thread: kvflow {k1:.1f} tok/s, llama.cpp {one_thread['llama_tok_s']:.1f} tok/s")
 
     gbps = bw["gbps"]
@@ -472,6 +475,7 @@ def section_prefill(cfg, llama):
     kv = kvflow_bench(cfg["cli"], cfg["model"], cfg["threads"], sizes, 0, r)
     for res in kv["results"]:
         rows[res["depth"]]["kvflow_tok_s"] = res["prefill_tok_s"]
+        rows[res["depth"]]["kvflow_runs"] = res.get("runs")
         log(f"  kvflow {res['depth']} tokens: {res['prefill_tok_s']:.1f} tok/s")
     log(f"prefill: llama-bench -p {','.join(map(str, sizes))} -n 0 -r {r}")
     lrows = llama_bench(llama["bin"], cfg["model"], cfg["threads"],
@@ -480,6 +484,7 @@ def section_prefill(cfg, llama):
         s = lr.get("n_prompt")
         if s in rows:
             rows[s]["llama_tok_s"] = median_ts(lr)
+            rows[s]["llama_samples_ts"] = lr.get("samples_ts")
             log(f"  llama.cpp {s} tokens: {rows[s]['llama_tok_s']:.1f} tok/s")
     for row in rows.values():
         if "kvflow_tok_s" in row and "llama_tok_s" in row:
@@ -672,6 +677,8 @@ def closed_loop(port, make_body, prompts, streams, duration):
         return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
 
     return {"streams": streams, "requests": len(records), "errors": len(errors), "error_examples": errors[:3],
+            "per_request": [{"ttft_s": r[1], "latency_s": r[2], "tokens": r[3], "finish": r[4],
+                             "done_s": r[0] - t_start} for r in records],
             "wall_s": wall, "output_tokens": sum(toks), "output_tok_s": sum(toks) / wall,
             "requests_per_s": len(records) / wall,
             "ttft_median_s": statistics.median(ttft), "ttft_p90_s": pct(ttft, 0.9),
@@ -769,16 +776,31 @@ def section_greedy(cfg, llama, count=16, max_tokens=32):
         finally:
             srv.stop()
     shutil.rmtree(log_dir, ignore_errors=True)
-    rows = []
-    for k, l in zip(texts["kvflow"], texts["llama"]):
+    rows = [{"kvflow": k, "llama": l} for k, l in zip(texts["kvflow"], texts["llama"])]
+    res = score_agreement({"prompts": len(rows), "max_tokens": max_tokens, "rows": rows})
+    log(f"  identical continuations: {res['identical']} of {len(rows)} ({res['identical_empty']} of them empty); "
+        f"agreeing prefix {100 * res['mean_agreeing_fraction']:.0f}% of the text")
+    return res
+
+
+AGREEMENT_METRIC = ("per prompt: characters up to the first difference / the longer continuation's length; two "
+                    "identical continuations (two empty ones included) agree fully (1.0); mean over the prompts")
+
+
+def score_agreement(greedy):
+    """Fills the agreement figures of a greedy section from its raw continuations (rows' kvflow, llama)."""
+    for r in greedy["rows"]:
+        k, l = r["kvflow"], r["llama"]
         agree = next((i for i, (a, b) in enumerate(zip(k, l)) if a != b), min(len(k), len(l)))
-        rows.append({"identical": k == l, "agreeing_chars": agree, "kvflow_chars": len(k), "llama_chars": len(l),
-                     "kvflow": k, "llama": l})
-    identical = sum(r["identical"] for r in rows)
-    frac = statistics.mean(r["agreeing_chars"] / max(1, max(r["kvflow_chars"], r["llama_chars"])) for r in rows)
-    log(f"  identical continuations: {identical} of {len(rows)}; agreeing prefix {100 * frac:.0f}% of the text")
-    return {"prompts": len(rows), "max_tokens": max_tokens, "identical": identical,
-            "mean_agreeing_fraction": frac, "rows": rows}
+        r.update({"identical": k == l, "empty": k == l == "", "agreeing_chars": agree, "kvflow_chars": len(k),
+                  "llama_chars": len(l), "agreeing_fraction": 1.0 if k == l else agree / max(len(k), len(l))})
+    rows = greedy["rows"]
+    greedy.update({"identical": sum(r["identical"] for r in rows),
+                   "identical_empty": sum(r["empty"] for r in rows),
+                   "identical_nonempty": sum(r["identical"] and not r["empty"] for r in rows),
+                   "mean_agreeing_fraction": statistics.mean(r["agreeing_fraction"] for r in rows),
+                   "agreement_metric": AGREEMENT_METRIC})
+    return greedy
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -794,6 +816,34 @@ def ratio_str(v):
 
 def pct_str(r):
     return "n/a" if not r else f"{r['pct_of_roofline']:.0f}%"
+
+
+def kvflow_rates(runs, what):
+    """tok/s of each kvflow bench run (decode: steps / decode_s; prefill: prompt tokens / prefill_s)."""
+    if not runs:
+        return None
+    if what == "decode":
+        return [r["decode_steps"] / r["decode_s"] for r in runs if r.get("decode_s")]
+    return [r["prompt_tokens"] / r["prefill_s"] for r in runs if r.get("prefill_s")]
+
+
+def spread_str(median, runs):
+    """'median (min-max)' over the runs; 'median (runs not recorded)' without them."""
+    if median is None:
+        return "n/a"
+    if not runs:
+        return f"{median:.1f} (runs not recorded)"
+    return f"{median:.1f} ({min(runs):.1f}-{max(runs):.1f})" if len(runs) > 1 else f"{median:.1f}"
+
+
+def ratio_spread_str(ratio, a_runs, b_runs):
+    """The ratio of medians, flagged when the two engines' runs overlap (inside the run-to-run spread)."""
+    if ratio is None:
+        return "n/a"
+    if not a_runs or not b_runs:
+        return f"{ratio:.2f}x (spread unknown)"
+    within = min(a_runs) <= max(b_runs) and min(b_runs) <= max(a_runs)
+    return f"{ratio:.2f}x" + (", within run-to-run spread" if within else "")
 
 
 def write_markdown(path, res):
@@ -830,15 +880,19 @@ def write_markdown(path, res):
         if "error" in s:
             L.append(f"Failed: `{s['error']}`\n")
         else:
+            L.append("tok/s: median (min-max) over the runs; the ratio is of the medians, \"within run-to-run "
+                     "spread\" when the two engines' runs overlap.\n")
             L.append("| depth | kvflow tok/s | llama.cpp tok/s | kvflow / llama.cpp | kvflow % of roofline | "
                      "llama.cpp % of roofline |")
             L.append("|---:|---:|---:|---:|---:|---:|")
             for r in s["rows"]:
-                L.append(f"| {r['depth']} | {fmt(r.get('kvflow_tok_s'))} | {fmt(r.get('llama_tok_s'))} | "
-                         f"{ratio_str(r.get('ratio'))} | {pct_str(r.get('kvflow_roofline'))} | "
-                         f"{pct_str(r.get('llama_roofline'))} |")
+                kr, lr = kvflow_rates(r.get("kvflow_runs"), "decode"), r.get("llama_samples_ts")
+                L.append(f"| {r['depth']} | {spread_str(r.get('kvflow_tok_s'), kr)} | "
+                         f"{spread_str(r.get('llama_tok_s'), lr)} | {ratio_spread_str(r.get('ratio'), kr, lr)} | "
+                         f"{pct_str(r.get('kvflow_roofline'))} | {pct_str(r.get('llama_roofline'))} |")
             f = s["kvflow_f32_depth0"]
-            L.append(f"| 0, kvflow --dtype f32 (reference) | {fmt(f['tok_s'])} | | | {pct_str(f['roofline'])} "
+            L.append(f"| 0, kvflow --dtype f32 (reference) | "
+                     f"{spread_str(f['tok_s'], kvflow_rates(f.get('runs'), 'decode'))} | | | {pct_str(f['roofline'])} "
                      f"(4 B/weight) | |")
             o = s.get("one_thread_depth0")
             if o:
@@ -858,11 +912,14 @@ def write_markdown(path, res):
         if "error" in s:
             L.append(f"Failed: `{s['error']}`\n")
         else:
+            L.append("tok/s: median (min-max) over the runs (\"runs not recorded\": a record written before the "
+                     "per-run figures were kept).\n")
             L.append("| prompt tokens | kvflow tok/s | llama.cpp tok/s | kvflow / llama.cpp |")
             L.append("|---:|---:|---:|---:|")
             for r in s["rows"]:
-                L.append(f"| {r['tokens']} | {fmt(r.get('kvflow_tok_s'))} | {fmt(r.get('llama_tok_s'))} | "
-                         f"{ratio_str(r.get('ratio'))} |")
+                kr, lr = kvflow_rates(r.get("kvflow_runs"), "prefill"), r.get("llama_samples_ts")
+                L.append(f"| {r['tokens']} | {spread_str(r.get('kvflow_tok_s'), kr)} | "
+                         f"{spread_str(r.get('llama_tok_s'), lr)} | {ratio_spread_str(r.get('ratio'), kr, lr)} |")
             L.append(f"\nPrefill is compute-bound, so no bandwidth roofline. llama-bench batch: {s.get('llama_batch')}; "
                      "kvflow prefills in chunks of --max-num-batched-tokens (2048).\n")
     if "ppl" in sec:
@@ -887,9 +944,12 @@ def write_markdown(path, res):
         else:
             L.append(f"{s['prompts']} Alpaca prompts, {s['max_tokens']} tokens at most at temperature 0 (stopping at "
                      f"the end-of-sequence token: llama.cpp's ignore_eos masks it, vLLM's and kvflow's do not), one "
-                     f"request at a time: **{s['identical']} of {s['prompts']} continuations identical**; the "
-                     f"agreeing prefix is {100 * s['mean_agreeing_fraction']:.0f}% of the text on average (characters "
-                     "up to the first difference). Both engines quantize the activations to 8 bits per block as "
+                     f"request at a time: **{s['identical']} of {s['prompts']} continuations identical** "
+                     f"({s.get('identical_empty', '?')} of them empty on both sides, "
+                     f"{s.get('identical_nonempty', '?')} non-empty); the agreeing prefix is "
+                     f"{100 * s['mean_agreeing_fraction']:.0f}% of the text on average (characters up to the first "
+                     "difference over the longer continuation; identical continuations, empty ones included, count "
+                     "1). Both engines quantize the activations to 8 bits per block as "
                      "ggml does but sum in different orders, so a continuation can part at a near-tie.\n")
             for i, r in enumerate(s["rows"][:3]):
                 L.append(f"- prompt {i}: kvflow `{r['kvflow'][:80]!r}` / llama.cpp `{r['llama'][:80]!r}`")
@@ -902,7 +962,12 @@ def write_markdown(path, res):
         else:
             L.append(f"{s['num_prompts']} prompts from {s['prompts']}, max_tokens {s['max_tokens']}, temperature 0, "
                      f"ignore_eos; {s['duration_s']:.0f} s per level (requests in flight then finish); "
-                     f"{s['ctx_per_sequence']} tokens of context per sequence; TTFT = first streamed text.\n")
+                     f"{s['ctx_per_sequence']} tokens of context per sequence; TTFT = first streamed text. One run "
+                     "per level and server: no run-to-run spread was measured, so a ratio near 1 is not a "
+                     "difference. "
+                     + ("Per-request TTFT, latency and tokens are in the JSON (per_request).\n"
+                        if all("per_request" in lv["kvflow"] for lv in s["levels"])
+                        else "Per-request figures: not recorded in this record (summaries only).\n"))
             L.append("| streams | kvflow tok/s | llama.cpp tok/s | kvflow / llama.cpp | TTFT median kvflow / llama.cpp "
                      "(ms) | TTFT p90 (ms) | latency median (s) | latency p90 (s) | requests |")
             L.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -932,6 +997,45 @@ def write_markdown(path, res):
     L.append("```")
     with open(path, "w") as f:
         f.write("\n".join(L) + "\n")
+
+
+def rescore(path):
+    """Recomputes a stored record's greedy agreement from its raw continuations (the metric before this
+    fix scored two identical empty continuations 0) and re-renders its Markdown; measures nothing."""
+    with open(path) as f:
+        res = json.load(f)
+    g = res.get("sections", {}).get("greedy")
+    if g and "rows" in g and "error" not in g:
+        old = {k: g.get(k) for k in ("identical", "mean_agreeing_fraction")}
+        if "agreement_metric" not in g:
+            score_agreement(g)
+            g["rescored"] = {"date": provenance()["date"], "by": provenance()["command"],
+                             "previous_figures": old,
+                             "previous_metric": "agreeing chars / max(1, longer length): two identical empty "
+                                                "continuations scored 0"}
+            log(f"greedy: mean agreeing fraction {100 * old['mean_agreeing_fraction']:.1f}% -> "
+                f"{100 * g['mean_agreeing_fraction']:.1f}%; identical {g['identical']} "
+                f"({g['identical_empty']} empty)")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    # Notes written by hand after the generated report (after its Commands block) are kept.
+    md = os.path.splitext(path)[0] + ".md"
+    old = open(md).read() if os.path.exists(md) else ""
+    start = old.find("## Commands\n\n```\n")
+    end = old.find("\n```\n", start + 17) if start >= 0 else -1
+    notes = old[end + 5:] if end >= 0 else ""
+    write_markdown(md, res)
+    if g and g.get("rescored"):
+        notes += (f"\nGreedy agreement recomputed from the stored continuations on {g['rescored']['date']} "
+                  f"(`{g['rescored']['by']}`): the earlier metric scored two identical empty continuations 0 "
+                  f"({100 * g['rescored']['previous_figures']['mean_agreeing_fraction']:.0f}% then, "
+                  f"{100 * g['mean_agreeing_fraction']:.0f}% now; {g['identical_empty']} of the "
+                  f"{g['identical']} identical continuations are empty). Nothing was re-measured.\n")
+    if notes:
+        with open(md, "a") as f:
+            f.write(notes)
+    log(f"rewrote {rel(path)} and {rel(md)}")
+    return 0
 
 
 def write_plot(path, res):
@@ -1003,6 +1107,9 @@ def main():
         epilog="Example: .venv/bin/python bench/llama_cpp_compare.py --quick --out-prefix /tmp/cmp  (smoke test)",
         formatter_class=HelpFormatter)
     ap.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf", help="GGUF file both engines load")
+    ap.add_argument("--rescore", metavar="OUT.json",
+                    help="measure nothing: recompute the greedy agreement of a stored record from its continuations "
+                         "and rewrite OUT.json and OUT.md")
     ap.add_argument("--threads", type=int, default=2, help="threads for both engines")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--quick", action="store_true",
@@ -1031,6 +1138,8 @@ def main():
     ap.add_argument("--server-max-tokens", type=int, help="max_tokens per server request (default 64)")
     ap.add_argument("--server-ctx", type=int, default=512, help="context per sequence on both servers")
     args = ap.parse_args()
+    if args.rescore:
+        return rescore(args.rescore)
 
     q = args.quick
     pick = lambda v, full, quick: v if v is not None else (quick if q else full)
@@ -1112,7 +1221,9 @@ def main():
     except OSError:
         commit = "unknown"
     device["load_avg_end"] = os.getloadavg()
-    res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "quick": q,
+    res = {"provenance": provenance(per_run_figures="decode/prefill rows: kvflow_runs, llama_samples_ts; "
+                                                    "server levels: per_request; greedy: rows"),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "quick": q,
            "threads": args.threads, "device": device, "kvflow_commit": commit,
            "llama_cpp": {k: v for k, v in llama.items() if k != "bin"} | {"cmake_flags": LLAMA_CMAKE_FLAGS},
            "model": info, "bandwidth": bw, "config": {k: (rel(v) if isinstance(v, str) and os.path.isabs(v) else v)

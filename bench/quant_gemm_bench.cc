@@ -26,6 +26,7 @@
 
 #include "backend/cpu/cpu_ops.h"
 #include "backend/cpu/quant_gemm.h"
+#include "bench_files.h"
 #include "bench_timing.h"
 #include "util/thread_pool.h"
 
@@ -192,6 +193,7 @@ int main(int argc, char** argv) {
     nlohmann::json out;
     out["isa"] = kvflow::cpu::QuantKernelIsa();
     out["warm"] = warm;
+    out["provenance"] = kvflow::bench::Provenance(argc, argv);
     for (int t : thread_counts) out["read_bandwidth_gbps"][std::to_string(t)] = read_gbps[t];
     out["note"] = "median seconds per call; quantized times include QuantizeActivations; weight_gbps = weight bytes / time";
     for (const Result& r : results) {

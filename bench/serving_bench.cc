@@ -66,6 +66,7 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include "bench_files.h"
 #include "engine/engine_core.h"
 #include "engine/evaluation.h"
 #include "kv/block_manager.h"
@@ -2406,6 +2407,7 @@ int RunSweep(const std::string& executor, const Json& executor_info, const Sweep
   Json report;
   report["benchmark"] = "kvflow serving";
   report["command"] = Join(argv, " ");
+  report["provenance"] = kvflow::bench::Provenance(argv);
   report["executor"] = executor_info;
   report["executor"]["name"] = executor;
   report["trace"] = trace.info;
@@ -2824,6 +2826,7 @@ int RunCompare(SweepOptions& opt, const HttpOptions& http, bool model_explicit, 
   Json report;
   report["benchmark"] = "kvflow serving: HTTP server vs library";
   report["command"] = Join(argv, " ");
+  report["provenance"] = kvflow::bench::Provenance(argv);
   report["model"] = setup.model.name;
   report["model_path"] = setup.model.path;
   report["machine"] = MachineJson(opt.num_threads);
@@ -3105,6 +3108,7 @@ int RunCalibrate(const CalibrationOptions& opt, bool model_explicit, const std::
   for (int k = 0; k < kNumTerms; ++k) coefficients[kTermNames[k]] = c[k];
   Json report{{"cost_model", "cpu-measured"},
               {"command", Join(argv, " ")},
+              {"provenance", kvflow::bench::Provenance(argv)},
               {"model", model->name},
               {"model_path", model->path},
               {"engine", engine.value()->Describe()},

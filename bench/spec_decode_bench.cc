@@ -216,7 +216,8 @@ int main(int argc, char** argv) {
               {"num_speculative_tokens", k},
               {"ngram_max", ngram_max},
               {"ngram_min", ngram_min},
-              {"results", results}};
+              {"results", results},
+              {"provenance", kvflow::bench::Provenance(argc, argv)}};
   std::ofstream(stem + ".json") << doc.dump(1) << "\n";
   std::ofstream(stem + ".md") << "# Speculative decoding (n-gram, k = " << k << ") vs plain decoding, " << model
                               << ", " << threads << " threads, greedy, " << max_tokens

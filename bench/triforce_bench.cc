@@ -123,7 +123,24 @@ struct Cell {
   kvflow::SpecDecodeStats spec;
   int compared = 0, identical = 0;  // greedy requests compared with plain, equal ones
   int errors = 0;
+  std::vector<double> distinct;  // distinct token ids per continuation (low: a degenerate, repetitive text)
 };
+
+// Distinct token ids in one continuation: greedy decoding of WikiText loops on a few phrases, which
+// makes drafting look easier than on text that does not repeat itself.
+int DistinctTokens(const std::vector<int32_t>& tokens) {
+  std::vector<int32_t> t = tokens;
+  std::sort(t.begin(), t.end());
+  return static_cast<int>(std::unique(t.begin(), t.end()) - t.begin());
+}
+
+// "median (min-max)" of a list, or the single value.
+std::string Spread(const std::vector<double>& v, const char* format) {
+  if (v.empty()) return "-";
+  const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
+  if (v.size() == 1) return Fmt(format, v[0]);
+  return Fmt(format, kvflow::bench::Median(v)) + " (" + Fmt(format, *lo) + "-" + Fmt(format, *hi) + ")";
+}
 
 }  // namespace
 
@@ -308,6 +325,7 @@ int main(int argc, char** argv) {
           cell.decode_steps += r.decode_steps;
           cell.decode_s += r.decode_s;
           cell.spec.Add(r.spec);
+          cell.distinct.push_back(DistinctTokens(r.tokens));
           const double rate = r.decode_s > 0 ? r.decode_tokens / r.decode_s : 0.0;
           std::fprintf(stderr,
                        "[%6.0fs] ctx %d rep %d wiki#%d %-18s prompt %d: %lld decode tokens in %lld steps, %.2f s, %.1f tok/s, "
@@ -334,6 +352,7 @@ int main(int argc, char** argv) {
                               {"identical_to_plain", identical},
                               {"first_difference", diff >= 0 ? Json(diff) : Json(nullptr)},
                               {"spec", StatsJson(r.spec)},
+                              {"distinct_tokens", DistinctTokens(r.tokens)},
                               {"tokens", r.tokens},
                               {"error", r.error}});
         }
@@ -389,8 +408,8 @@ int main(int argc, char** argv) {
   Json rows = Json::array();
   std::string table =
       "| context | mode | decode tok/s | speed-up vs plain | tokens / full pass | top acceptance | middle acceptance | "
-      "middle passes / step | retrieval builds | plain steps | identical to plain |\n"
-      "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|\n";
+      "middle passes / step | retrieval builds | plain steps | distinct tokens / continuation | identical to plain |\n"
+      "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n";
   for (int context : contexts) {
     double plain_rate = 0.0;
     if (have_plain) {
@@ -433,16 +452,17 @@ int main(int argc, char** argv) {
                       {"mean_middle_pass_s", ratio(s.middle_seconds, static_cast<double>(s.middle_passes))},
                       {"mean_decode_step_s", ratio(c.decode_s, static_cast<double>(c.decode_steps))},
                       {"identical_to_plain", identical},
+                      {"distinct_tokens_per_continuation", c.distinct},
                       {"identical_requests", c.identical},
                       {"compared_requests", c.compared},
                       {"errors", c.errors},
                       {"spec", StatsJson(s)}});
       auto num = [](const Json& j, const char* f) { return j.is_number() ? Fmt(f, j.get<double>()) : std::string("-"); };
-      table += "| " + std::to_string(context) + " | " + mode + " | " + Fmt("%.1f", rate) + " | " + num(speedup, "%.2fx") +
+      table += "| " + std::to_string(context) + " | " + mode + " | " + Spread(rates, "%.1f") + " | " + num(speedup, "%.2fx") +
                " | " + num(per_pass, "%.2f") + " | " + num(top_acc.is_number() ? Json(100 * top_acc.get<double>()) : top_acc, "%.1f%%") +
                " | " + num(mid_acc.is_number() ? Json(100 * mid_acc.get<double>()) : mid_acc, "%.1f%%") + " | " +
                num(mid_per_step, "%.2f") + " | " + std::to_string(s.retrieval_builds) + " | " + std::to_string(s.plain_steps) +
-               " | " +
+               " | " + Spread(c.distinct, "%.0f") + " of " + std::to_string(new_tokens) + " | " +
                (identical.is_boolean() ? (identical.get<bool>() ? "yes" : "NO (" + std::to_string(c.identical) + "/" +
                                                                                std::to_string(c.compared) + ")")
                                        : std::string("-")) +
@@ -478,6 +498,7 @@ int main(int argc, char** argv) {
                 {"device", device},
                 {"date", date},
                 {"command", command},
+                {"provenance", kvflow::bench::Provenance(argc, argv, device == "cpu" ? "" : device)},
                 {"load_average_start", load_start},
                 {"load_average_end", load_end},
                 {"options",
@@ -515,14 +536,18 @@ int main(int argc, char** argv) {
        << "- Date: " << date << "\n- Command: `" << command << "`\n"
        << "- " << num_prompts << " WikiText-2 test prompt(s) per context (context - " << new_tokens << " - 8 tokens), "
        << new_tokens << " new tokens each, temperature " << temperature << ", " << repeats
-       << " repeat(s) (decode tok/s = median over repeats of decode tokens / decode seconds summed over the prompts)\n"
+       << " repeat(s) (decode tok/s = median over repeats of decode tokens / decode seconds summed over the prompts; "
+          "with several repeats: median (min-max))"
+       << (greedy ? "" : ", sampled with request seed = " + std::to_string(seed) + " + prompt index") << "\n"
        << "- gamma2 (tokens per full-cache verification, also n-gram k) = " << gamma2 << ", gamma1 (bottom tokens per middle pass) = "
        << gamma1 << ", retrieval budget = " << (budget ? std::to_string(budget) : std::string("auto (context/8 in [256, 4096])"))
        << ", triforce_min_context 0\n\n"
        << "All numbers measured. Only decode steps are timed (steps after the prefill; TriForce's retrieval-cache builds "
           "and middle / bottom passes run inside them). tokens / full pass = decode tokens / decode steps (one sequence: one "
           "full-cache pass per step). top acceptance = accepted / drafted tokens at the full-cache verification; middle "
-          "acceptance = the middle level's accepted / bottom-drafted tokens.\n\n"
+          "acceptance = the middle level's accepted / bottom-drafted tokens. distinct tokens / continuation: distinct token "
+          "ids in each generated continuation, median (min-max) over the prompts and repeats; far below the new tokens "
+          "means a repetitive (degenerate) continuation, which makes drafting easy.\n\n"
        << table;
     if (!key_table.empty()) {
       md << "\n## Pass-key retrieval (greedy, " << passkey_tokens << " tokens, key at depth " << passkey_depth << ")\n\n"
