@@ -14,14 +14,42 @@
 
 namespace kvflow {
 
+// How a rejected draft is replaced. Only kResidual is correct; the other two are the known mistakes
+// (resampling from the verifier's own distribution, as TriForce's published middle level does, or
+// from the drafter's), kept so the distribution tests can show they catch them
+// (tests/unit/spec_distribution.h). Production code never selects them.
+enum class RejectionRule { kResidual, kResampleFromVerifier, kResampleFromDrafter };
+
+// Where a draft is verified: by the target, or by TriForce's middle level.
+enum class VerifySite { kTarget, kMiddle };
+
+// The rule in force at `site`: kResidual unless a mutation test installed another.
+RejectionRule ActiveRejectionRule(VerifySite site);
+
+namespace testing {
+// Installs `rule` at `site` for its lifetime (process-wide; mutation tests only).
+class ScopedRejectionRule {
+ public:
+  ScopedRejectionRule(VerifySite site, RejectionRule rule);
+  ~ScopedRejectionRule();
+  ScopedRejectionRule(const ScopedRejectionRule&) = delete;
+  ScopedRejectionRule& operator=(const ScopedRejectionRule&) = delete;
+
+ private:
+  VerifySite site_;
+  RejectionRule previous_;
+};
+}  // namespace testing
+
 struct DraftVerdict {
   bool accepted = false;
   int32_t token = -1;  // the draft when accepted, else the residual draw
 };
 
 // p and q: probabilities over the vocabulary (each summing to 1); q empty means one-hot at `draft`.
-// u_accept and u_resample: independent uniforms in [0, 1).
+// u_accept and u_resample: independent uniforms in [0, 1). A rejection is resampled by the rule in
+// force at `site` (always the residual outside mutation tests).
 DraftVerdict VerifyDraft(std::span<const float> p, std::span<const float> q, int32_t draft, double u_accept,
-                         double u_resample);
+                         double u_resample, VerifySite site = VerifySite::kTarget);
 
 }  // namespace kvflow

@@ -50,7 +50,9 @@ void SpeculativeSampling::OnLogits(EngineCore& core, RequestState& req, std::spa
     }
     std::vector<SampledToken> tokens;
     int64_t accepted = 0;
-    if (!job_.probs.empty()) {
+    // One-hot (n-gram) drafts are verified by plain sampling (spec/rejection_sampler.h), unless a
+    // mutation test installed a wrong rule, which only VerifyDraft applies.
+    if (!job_.probs.empty() || ActiveRejectionRule(VerifySite::kTarget) != RejectionRule::kResidual) {
       tokens = VerifySampledDrafts(core, req, seq, r, accepted);
     } else {
       // Row i is the target's distribution after the drafts before i: sample it as plain decoding
@@ -87,8 +89,10 @@ std::vector<SampledToken> SpeculativeSampling::VerifySampledDrafts(EngineCore& c
       tokens.push_back(seq.sampler.Report(row, seq.sampler.DrawFrom(p)));
       break;
     }
-    // The drafts that ran are the first ones the drafter proposed, in order.
-    const std::span<const float> q(job_.probs.data() + i * V, V);
+    // The drafts that ran are the first ones the drafter proposed, in order (no probabilities:
+    // one-hot drafts).
+    const std::span<const float> q =
+        job_.probs.empty() ? std::span<const float>() : std::span<const float>(job_.probs.data() + i * V, V);
     const double u_accept = seq.sampler.NextUniform();
     const double u_resample = seq.sampler.NextUniform();
     const DraftVerdict verdict = VerifyDraft(p, q, r.drafts[i], u_accept, u_resample);

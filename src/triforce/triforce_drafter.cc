@@ -427,14 +427,16 @@ void TriForceDrafter::VerifyAtMiddle(Work& w, std::span<float> rows) {
     bool accepted = false;
     if (i == w.bottom.size()) {
       token = sampler.DrawFrom(q);
-    } else if (w.bottom_probs.empty()) {  // one-hot (n-gram) drafts: keep d iff x ~ q is d
-      token = sampler.DrawFrom(q);
+    } else if (w.bottom_probs.empty() && ActiveRejectionRule(VerifySite::kMiddle) == RejectionRule::kResidual) {
+      token = sampler.DrawFrom(q);  // one-hot (n-gram) drafts: keep d iff x ~ q is d
       accepted = token == w.bottom[i];
     } else {
-      const std::span<const float> q_bottom(w.bottom_probs.data() + i * V, V);
+      const std::span<const float> q_bottom = w.bottom_probs.empty()
+                                                  ? std::span<const float>()
+                                                  : std::span<const float>(w.bottom_probs.data() + i * V, V);
       const double u_accept = sampler.NextUniform();
       const double u_resample = sampler.NextUniform();
-      const DraftVerdict verdict = VerifyDraft(q, q_bottom, w.bottom[i], u_accept, u_resample);
+      const DraftVerdict verdict = VerifyDraft(q, q_bottom, w.bottom[i], u_accept, u_resample, VerifySite::kMiddle);
       token = verdict.token;
       accepted = verdict.accepted;
     }

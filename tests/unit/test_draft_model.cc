@@ -13,6 +13,8 @@
 #include <random>
 
 #include "engine_test_util.h"
+#include "spec/rejection_sampler.h"
+#include "spec_distribution.h"
 
 namespace kvflow {
 namespace {
@@ -68,33 +70,51 @@ TEST(DraftModelSpeculation, GreedyOutputsEqualPlainDecoding) {
   }
 }
 
-// The second token after a fixed prompt, drawn 2000 times at temperature 1 and top-k 4 while it is
-// verified against a sampled draft of the layer-skip draft model (whose top 4 differ from the
-// target's often enough to exercise rejections and residual draws): for the most frequent first
-// tokens, the second follows the target's distribution (prompt logprobs of the same model) within
-// total variation 0.07 (the sampling noise of a few hundred draws over 4 outcomes is about 0.03).
-TEST(DraftModelSpeculation, SampledTokensFollowTheTargetDistribution) {
+// Completions of a fixed prompt drawn at temperature 1 and top-k 4 while they are verified against
+// sampled drafts of the layer-skip draft model (whose top 4 differ from the target's often enough to
+// exercise rejections and residual draws): with the residual rule they follow the target's
+// distribution in every context (spec_distribution.h); with either wrong resampling rule installed,
+// the same check fails.
+test::DistributionCheck DraftModelCompletionsCheck(int draws, SpecDecodeStats* stats = nullptr) {
   EngineConfig c;
   c.speculative_model = "tiny-random-draft";
   c.num_speculative_tokens = 2;
   c.enable_prefix_caching = true;  // the shared prompt is computed once
   auto engine = test::MakeEngine(c);
-  ASSERT_TRUE(engine);
+  if (!engine) return {};
   const std::vector<int32_t> prompt = RandomPrompts(1, 5)[0];
   SamplingParams p;
   p.temperature = 1.0f;
   p.top_k = 4;
   p.max_tokens = 4;
   p.ignore_eos = true;
-  const int kDraws = 2000;
-  test::FirstTwoTokens drawn = test::DrawFirstTwoTokens(*engine, prompt, p, kDraws);
-  const EngineStats s = engine->stats();
-  EXPECT_GT(s.spec.num_draft_tokens, kDraws) << "the second tokens were verified against drafts";
-  EXPECT_GT(s.spec.num_accepted_tokens, 0);
-  EXPECT_LT(s.spec.num_accepted_tokens, s.spec.num_draft_tokens) << "some drafts were rejected (residual draws)";
-  std::printf("  %lld drafts, %lld accepted\n", static_cast<long long>(s.spec.num_draft_tokens),
-              static_cast<long long>(s.spec.num_accepted_tokens));
-  EXPECT_GE(test::ExpectSecondTokensFollowTheTarget(*engine, prompt, drawn.firsts, drawn.pairs), 1);
+  const auto completions = test::DrawCompletions(*engine, prompt, p, draws);
+  if (stats) *stats = engine->stats().spec;
+  return test::CheckCompletionsFollowTheTarget(*engine, prompt, completions, p.top_k, 0, p.max_tokens - 1);
+}
+
+TEST(DraftModelSpeculation, SampledTokensFollowTheTargetDistribution) {
+  const int kDraws = 4000;
+  SpecDecodeStats s;
+  const test::DistributionCheck check = DraftModelCompletionsCheck(kDraws, &s);
+  std::printf("  %lld drafts, %lld accepted\n", static_cast<long long>(s.num_draft_tokens),
+              static_cast<long long>(s.num_accepted_tokens));
+  check.Print("draft model, residual rule");
+  EXPECT_GT(s.num_draft_tokens, kDraws) << "the later tokens were verified against drafts";
+  EXPECT_GT(s.num_accepted_tokens, 0);
+  EXPECT_LT(s.num_accepted_tokens, s.num_draft_tokens) << "some drafts were rejected (residual draws)";
+  EXPECT_GE(check.contexts_tested, 15);
+  EXPECT_FALSE(check.Rejects()) << check.worst;
+}
+
+TEST(DraftModelSpeculation, WrongResamplingRulesFailTheDistributionTest) {
+  for (const RejectionRule rule : {RejectionRule::kResampleFromVerifier, RejectionRule::kResampleFromDrafter}) {
+    testing::ScopedRejectionRule mutant(VerifySite::kTarget, rule);
+    const test::DistributionCheck check = DraftModelCompletionsCheck(4000);
+    check.Print(rule == RejectionRule::kResampleFromVerifier ? "draft model, resample from the target"
+                                                             : "draft model, resample from the drafter");
+    EXPECT_TRUE(check.Rejects()) << "rule " << int(rule);
+  }
 }
 
 TEST(DraftModelSpeculation, SeededRunsRepeatAndCancelFreesEverything) {

@@ -8,7 +8,8 @@
 #include <map>
 #include <random>
 
-#include "engine_test_util.h"
+#include "spec/rejection_sampler.h"
+#include "spec_distribution.h"
 
 namespace kvflow {
 namespace {
@@ -85,28 +86,66 @@ TEST(SpeculativeDecoding, SeededSamplingGivesThePlainTokensAndOptOutWorks) {
   EXPECT_EQ(spec->stats().spec.num_draft_tokens, before) << "an opted-out request drafts nothing";
 }
 
-// The second token after a fixed prompt, drawn 2000 times with top-k 4 at temperature 1 while it
-// is verified against a draft: for the most frequent first tokens, the empirical distribution of
-// the second equals the target's (prompt logprobs of the same model) within total variation 0.07
-// (the sampling noise of a few hundred draws over 4 outcomes is about 0.03).
-TEST(SpeculativeDecoding, SampledTokensFollowTheTargetDistribution) {
+// A prompt whose n-gram drafts the target finds likely, so that the resampling rule matters (a draft
+// outside the target's top-k is rejected with certainty, and every rule then draws from the
+// target): a seed and the target's own greedy continuation of it, which on tiny-random falls into a
+// loop, so that the drafter, matching the sampled tokens against the loop, proposes what the target
+// would pick.
+std::vector<int32_t> PromptWhoseDraftsTheTargetLikes(Engine& engine) {
+  std::mt19937 rng(8);
+  std::vector<int32_t> prompt(12);
+  for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % 250) + 5;
+  const auto greedy = test::GenerateAll(engine, {prompt}, test::Greedy(160), false)[0];
+  prompt.insert(prompt.end(), greedy.begin(), greedy.end());
+  return prompt;
+}
+
+// Completions of that prompt drawn at temperature 1 and top-k 4 while n-gram drafts are verified:
+// with the residual rule they follow the target's distribution in every context
+// (spec_distribution.h); with either wrong resampling rule installed, the same check fails.
+test::DistributionCheck NgramCompletionsCheck(int draws, RejectionRule rule, SpecDecodeStats* stats = nullptr) {
   EngineConfig c;
   c.speculative_method = "ngram";
   c.num_speculative_tokens = 3;
   c.enable_prefix_caching = true;  // the shared prompt is computed once
   auto engine = test::MakeEngine(c);
-  // Every token occurs in the prompt, so the drafter always proposes something after the first.
-  std::vector<int32_t> prompt;
-  for (int t = 0; t < engine->model_config().vocab_size; ++t) prompt.push_back(t);
+  if (!engine) return {};
+  const std::vector<int32_t> prompt = PromptWhoseDraftsTheTargetLikes(*engine);
   SamplingParams p;
   p.temperature = 1.0f;
   p.top_k = 4;
-  p.max_tokens = 3;  // the drafter drafts only where a token is still to come
+  p.max_tokens = 4;  // the drafter drafts only where a token is still to come
   p.ignore_eos = true;
-  const int kDraws = 2000;
-  test::FirstTwoTokens drawn = test::DrawFirstTwoTokens(*engine, prompt, p, kDraws);
-  EXPECT_GT(engine->stats().spec.num_draft_tokens, kDraws / 2) << "the second tokens were verified against drafts";
-  EXPECT_GE(test::ExpectSecondTokensFollowTheTarget(*engine, prompt, drawn.firsts, drawn.pairs), 1);
+  std::vector<std::vector<int32_t>> completions;
+  {
+    testing::ScopedRejectionRule mutant(VerifySite::kTarget, rule);
+    completions = test::DrawCompletions(*engine, prompt, p, draws);
+  }
+  if (stats) *stats = engine->stats().spec;
+  return test::CheckCompletionsFollowTheTarget(*engine, prompt, completions, p.top_k, 0, p.max_tokens - 1);
+}
+
+TEST(SpeculativeDecoding, SampledTokensFollowTheTargetDistribution) {
+  const int kDraws = 8000;
+  SpecDecodeStats s;
+  const test::DistributionCheck check = NgramCompletionsCheck(kDraws, RejectionRule::kResidual, &s);
+  std::printf("  %lld drafts, %lld accepted\n", (long long)s.num_draft_tokens, (long long)s.num_accepted_tokens);
+  check.Print("n-gram, residual rule");
+  EXPECT_GE(s.num_draft_tokens, kDraws) << "the later tokens were verified against drafts";
+  // Few n-gram drafts land in tiny-random's top 4 (about 1 in 80), but enough that a wrong rule shows
+  // (WrongResamplingRulesFailTheDistributionTest: p ~ 1e-11 against a threshold of 1e-5).
+  EXPECT_GT(s.num_accepted_tokens, 50) << "some drafts the target likes: the resampling rule matters";
+  EXPECT_GE(check.contexts_tested, 15);
+  EXPECT_FALSE(check.Rejects()) << check.worst;
+}
+
+TEST(SpeculativeDecoding, WrongResamplingRulesFailTheDistributionTest) {
+  for (const RejectionRule rule : {RejectionRule::kResampleFromVerifier, RejectionRule::kResampleFromDrafter}) {
+    const test::DistributionCheck check = NgramCompletionsCheck(8000, rule);
+    check.Print(rule == RejectionRule::kResampleFromVerifier ? "n-gram, resample from the target"
+                                                             : "n-gram, resample from the drafter");
+    EXPECT_TRUE(check.Rejects()) << "rule " << int(rule);
+  }
 }
 
 TEST(SpeculativeDecoding, BadConfigurationsAreRefused) {

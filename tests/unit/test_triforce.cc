@@ -11,6 +11,8 @@
 
 #include "backend/cpu/kv_block_select.h"
 #include "engine_test_util.h"
+#include "spec/rejection_sampler.h"
+#include "spec_distribution.h"
 #include "model/tiny_random.h"
 #include "triforce/lane_pass.h"
 #include "triforce/retrieval_cache.h"
@@ -294,70 +296,67 @@ TEST(TriForce, ShortContextsDecodePlainly) {
   EXPECT_GT(s.plain_steps, 0);
 }
 
-// The third token after a fixed prompt, drawn 6000 times at temperature 1 with top-k 4. The first
-// decode step scores the chunks (no drafts), so the third token is the first TriForce drafts: the
-// bottom proposes it, the middle keeps or replaces it by exact rejection sampling, and the top
-// verifies what the middle hands up. After the most frequent first token, the empirical
-// distribution of the third token after each frequent second one must equal the target's
-// (ExpectSecondTokensFollowTheTarget). A middle level that resampled rejected tokens from its own
-// distribution (as the published code does) would skew it.
+// Completions of a fixed prompt drawn at temperature 1 with top-k 4. The first decode step scores the
+// chunks (no drafts), so the third token is the first TriForce drafts: the streaming bottom samples a
+// draft, the middle keeps or replaces it by exact rejection sampling (a distribution on both sides;
+// n-gram drafts are one-hot, a special case of the same rule), and the top verifies what the middle
+// hands up. Every context of every position is checked against the target (spec_distribution.h).
+test::DistributionCheck TriForceCompletionsCheck(int draws, SpecDecodeStats* stats = nullptr) {
+  EngineConfig c = TriForce({}, "streaming");
+  c.enable_prefix_caching = true;
+  c.max_num_seqs = 100;
+  c.triforce_window = 8;
+  c.triforce_budget = 48;
+  auto engine = test::MakeEngine(c);
+  if (!engine) return {};
+  std::vector<int32_t> prompt;
+  for (int t = 0; t < engine->model_config().vocab_size; ++t) prompt.push_back(t);
+  SamplingParams p;
+  p.temperature = 1.0f;
+  p.top_k = 4;
+  p.max_tokens = 5;  // the third token is drafted together with the fourth: a bottom draft, then the middle's own
+  p.ignore_eos = true;
+  const auto completions = test::DrawCompletions(*engine, prompt, p, draws);
+  if (stats) *stats = engine->stats().spec;
+  return test::CheckCompletionsFollowTheTarget(*engine, prompt, completions, p.top_k, 0, p.max_tokens - 1);
+}
+
 TEST(TriForce, SampledTokensFollowTheTargetDistribution) {
-  // The streaming bottom samples its drafts, so the middle's rejection sampling is exercised with a
-  // distribution on both sides (n-gram drafts are one-hot, a special case of the same rule).
-  for (const char* bottom : {"streaming"}) {
-    EngineConfig c = TriForce({}, bottom);
-    c.enable_prefix_caching = true;
-    c.max_num_seqs = 100;
-    c.triforce_window = 8;
-    c.triforce_budget = 48;
-    auto engine = test::MakeEngine(c);
-    ASSERT_TRUE(engine);
-    std::vector<int32_t> prompt;
-    for (int t = 0; t < engine->model_config().vocab_size; ++t) prompt.push_back(t);
-    SamplingParams p;
-    p.temperature = 1.0f;
-    p.top_k = 4;
-    p.max_tokens = 5;  // the third token is drafted together with the fourth: a bottom draft, then the middle's own
-    p.ignore_eos = true;
-    const int kDraws = 6000;
-    std::map<int32_t, std::vector<std::vector<int32_t>>> by_first;
-    for (int base = 0; base < kDraws; base += 100) {
-      std::vector<std::vector<int32_t>> out(100);
-      for (int i = 0; i < 100; ++i) {
-        SamplingParams q = p;
-        q.seed = static_cast<uint64_t>(base + i);
-        ASSERT_TRUE(engine->AddRequest(prompt, q, [&out, i](const StreamEvent& e) {
-                           for (const auto& t : e.tokens) out[size_t(i)].push_back(t.token);
-                         }).ok());
-      }
-      while (engine->HasUnfinishedRequests()) ASSERT_TRUE(engine->Step().ok());
-      for (auto& o : out) {
-        ASSERT_EQ(o.size(), 5u);
-        by_first[o[0]].push_back(o);
-      }
-    }
-    const SpecDecodeStats s = engine->stats().spec;
-    std::printf("  %s bottom: middle kept %lld of %lld bottom drafts; top kept %lld of %lld\n", bottom,
-                (long long)s.middle_accepted_tokens, (long long)s.middle_draft_tokens, (long long)s.num_accepted_tokens,
-                (long long)s.num_draft_tokens);
-    EXPECT_GE(s.num_draft_tokens, kDraws) << "the third tokens were verified against drafts";
-    EXPECT_LT(s.num_accepted_tokens, s.num_draft_tokens * 9 / 10) << "the top must reject a fair share";
-    EXPECT_GE(s.middle_draft_tokens, kDraws);
-    EXPECT_LT(s.middle_accepted_tokens, s.middle_draft_tokens * 9 / 10) << "the middle must reject a fair share";
-    EXPECT_GT(s.middle_accepted_tokens, s.middle_draft_tokens / 20) << "and keep some";
-    // After the most frequent first token: second -> third counts.
-    const auto& [first, draws] = *std::max_element(by_first.begin(), by_first.end(), [](const auto& a, const auto& b) {
-      return a.second.size() < b.second.size();
-    });
-    std::map<int32_t, int> seconds;
-    std::map<int32_t, std::map<int32_t, int>> thirds;
-    for (const auto& o : draws) {
-      ++seconds[o[1]];
-      ++thirds[o[1]][o[2]];
-    }
-    std::vector<int32_t> prefix = prompt;
-    prefix.push_back(first);
-    EXPECT_GE(test::ExpectSecondTokensFollowTheTarget(*engine, prefix, seconds, thirds), 1);
+  const int kDraws = 6000;
+  SpecDecodeStats s;
+  const test::DistributionCheck check = TriForceCompletionsCheck(kDraws, &s);
+  std::printf("  middle kept %lld of %lld bottom drafts; top kept %lld of %lld\n", (long long)s.middle_accepted_tokens,
+              (long long)s.middle_draft_tokens, (long long)s.num_accepted_tokens, (long long)s.num_draft_tokens);
+  check.Print("TriForce, residual rule at both levels");
+  EXPECT_GE(s.num_draft_tokens, kDraws) << "the third tokens were verified against drafts";
+  EXPECT_LT(s.num_accepted_tokens, s.num_draft_tokens * 9 / 10) << "the top must reject a fair share";
+  EXPECT_GE(s.middle_draft_tokens, kDraws);
+  EXPECT_LT(s.middle_accepted_tokens, s.middle_draft_tokens * 9 / 10) << "the middle must reject a fair share";
+  EXPECT_GT(s.middle_accepted_tokens, s.middle_draft_tokens / 20) << "and keep some";
+  EXPECT_GE(check.contexts_tested, 60);
+  EXPECT_FALSE(check.Rejects()) << check.worst;
+}
+
+// A middle level that resamples a rejected bottom draft from its own distribution (as the published
+// TriForce code does) or from the bottom's hands the top drafts that are not distributed as the
+// probabilities it reports, and the output is skewed although the top's rule is right; a top that
+// resamples from its own distribution skews it directly. The check must see all three, at half the
+// draws of the test above (their p-values then lie 10^2 to 10^60 below the threshold).
+TEST(TriForce, WrongResamplingRulesFailTheDistributionTest) {
+  struct Mutant {
+    VerifySite site;
+    RejectionRule rule;
+    const char* name;
+  } mutants[] = {
+      {VerifySite::kMiddle, RejectionRule::kResampleFromVerifier, "TriForce, middle resamples from itself"},
+      {VerifySite::kMiddle, RejectionRule::kResampleFromDrafter, "TriForce, middle resamples from the bottom"},
+      {VerifySite::kTarget, RejectionRule::kResampleFromVerifier, "TriForce, top resamples from itself"},
+  };
+  for (const Mutant& m : mutants) {
+    testing::ScopedRejectionRule mutant(m.site, m.rule);
+    const test::DistributionCheck check = TriForceCompletionsCheck(3000);
+    check.Print(m.name);
+    EXPECT_TRUE(check.Rejects()) << m.name;
   }
 }
 
