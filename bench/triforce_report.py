@@ -180,7 +180,9 @@ def workload_section(greedy_doc, sampled_doc, greedy_path, sampled_path):
            f"{min(all_s) if all_s else '-'}-{max(all_s) if all_s else '-'} distinct tokens of {so['new_tokens']}. "
            "Sampled runs are not compared token by token with plain (the lossless check is the greedy run's). "
            "With one timed repeat per cell, the spread of runs is not measured: decode tok/s on a shared 2-core "
-           "machine varies by 20% or more from run to run, so speed-ups within that are not differences.", "",
+           "machine varies by 20% or more from run to run, so speed-ups within that are not differences. Compare "
+           "tok/s and speed-ups only inside one run (one invocation); between the two runs, the load averages above "
+           "differ. Acceptance, tokens per full pass and distinct tokens do not depend on the load.", "",
            "| context | mode | greedy tok/s | sampled tok/s | greedy speed-up | sampled speed-up | greedy tokens / full pass "
            "| sampled tokens / full pass | greedy top acceptance | sampled top acceptance | greedy distinct tokens "
            "| sampled distinct tokens |",
