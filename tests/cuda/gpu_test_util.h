@@ -222,4 +222,27 @@ inline void ExpectCloseNormwise(const std::string& what, const std::vector<float
   EXPECT_LE(s.norm_rel, norm_rtol) << what;
 }
 
+// The largest ||got_row - ref_row||_2 / ||ref_row||_2 over consecutive rows of `row_len` values: the
+// relative check for attention outputs (a row is a convex combination of V rows, never near zero,
+// however long the context and however small its elements).
+inline double MaxRowRelativeL2(const std::vector<float>& got, const std::vector<float>& ref, size_t row_len) {
+  double worst = 0.0;
+  for (size_t r = 0; r + row_len <= std::min(got.size(), ref.size()); r += row_len) {
+    double d2 = 0.0, r2 = 0.0;
+    for (size_t e = r; e < r + row_len; ++e) {
+      d2 += (static_cast<double>(got[e]) - ref[e]) * (static_cast<double>(got[e]) - ref[e]);
+      r2 += static_cast<double>(ref[e]) * ref[e];
+    }
+    worst = std::max(worst, std::isfinite(d2) ? std::sqrt(d2 / std::max(r2, 1e-30)) : INFINITY);
+  }
+  return worst;
+}
+
+inline void ExpectRowsClose(const std::string& what, const std::vector<float>& got, const std::vector<float>& ref,
+                            size_t row_len, double tol) {
+  const double worst = MaxRowRelativeL2(got, ref, row_len);
+  std::printf("  %-60s max row |d|_2/|ref|_2 = %.3g  (tol %.3g)\n", what.c_str(), worst, tol);
+  EXPECT_LE(worst, tol) << what << ": row-relative L2 error";
+}
+
 }  // namespace kvflow::test

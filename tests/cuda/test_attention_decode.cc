@@ -23,11 +23,14 @@
 // whole. LSE tolerance: fp16 1e-3, bf16 6e-3 absolute (see LseTolerance).
 //
 // Tolerances (outputs are softmax-weighted averages of N(0,1) values clamped to +-3.5, so
-// |out| < 4): fp16 atol 2e-3,
-// bf16 atol 1.5e-2 (P is rounded to the input type for the P V product and the output is rounded
-// to it once more); fp16 also max rel 0.15 per element (relative to max(|ref|, 1e-3 max|ref|)),
-// bf16 norm-wise ||d||/||ref|| <= 1e-2 instead: per element, a near-zero output of a short context
-// makes bf16's rounding look like > 100% (seen on an H200), so atol and the norm are the checks.
+// |out| < 4; P is rounded to the input type for the P V product and the output is rounded to it
+// once more), as the prefill suite's:
+//   max |d|                                                fp16 2e-3, bf16 1.5e-2
+//   max over (sequence, head) rows of |d_row|_2 / |ref_row|_2   fp16 4e-3, bf16 3e-2
+// The row-relative L2 error is the relative check for every case and dtype: a row is a convex
+// combination of V rows, so it holds its scale however long the context (at 32K tokens the
+// elements are ~0.01 and atol alone would not check V at all). fp16 also keeps max rel 0.15 per
+// element (relative to max(|ref|, 1e-3 max|ref|)); bf16 its norm over the whole output, 1e-2.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -291,14 +294,18 @@ std::vector<int32_t> ContextLens(const Shape& s) { return std::vector<int32_t>(s
 double LseTolerance(DType t) { return t == DType::kF16 ? 1e-3 : 6e-3; }
 double OutTolerance(DType t) { return t == DType::kF16 ? 2e-3 : 1.5e-2; }
 
-// fp16: per-element relative error too (rtol 0.15). bf16: the P V product's rounding error scales
-// with the row, so the relative check is norm-wise (1e-2, the bf16 range of METHOD.md's bounds).
-void ExpectOutClose(const std::string& what, const std::vector<float>& got, const std::vector<float>& ref, DType t) {
+double RowTolerance(DType t) { return t == DType::kF16 ? 4e-3 : 3e-2; }
+
+// Every row within RowTolerance of its reference row; fp16 also per element (rtol 0.15), bf16
+// norm-wise over the output (1e-2: its per-element ratio is meaningless near zero).
+void ExpectOutClose(const std::string& what, const std::vector<float>& got, const std::vector<float>& ref, DType t,
+                    int head_dim) {
   if (t == DType::kF16) {
     test::ExpectClose(what, got, ref, OutTolerance(t), 0.15);
   } else {
     test::ExpectCloseNormwise(what, got, ref, OutTolerance(t), 1e-2);
   }
+  test::ExpectRowsClose("", got, ref, static_cast<size_t>(head_dim), RowTolerance(t));
 }
 
 void RunCase(const Shape& s) {
@@ -307,7 +314,7 @@ void RunCase(const Shape& s) {
   const LaunchResult r = Launch(P, P.block_tables, ContextLens(s), s.lse);
   EXPECT_EQ(r.clobbered, 0u) << "elements written outside the sequences' output rows";
   const std::string what = Describe(s) + (r.split ? " [split]" : "");
-  ExpectOutClose(what, r.out, P.ref, s.dtype);
+  ExpectOutClose(what, r.out, P.ref, s.dtype, P.D);
   if (s.lse) {
     EXPECT_EQ(r.lse_clobbered, 0u) << "LSE written outside the sequences' rows";
     test::ExpectClose(what + " LSE", r.lse, P.ref_lse, LseTolerance(s.dtype), 1.0);
@@ -340,7 +347,7 @@ void RunMergeCase(const Shape& s) {
   cpu::MergeAttentionStates(a.out.data(), a.lse.data(), b.out.data(), b.lse.data(),
                             static_cast<int64_t>(P.num_seqs) * H, D, merged.data(), merged_lse.data());
   const std::string what = Describe(s) + (a.split || b.split ? " [split]" : "") + " halves merged";
-  ExpectOutClose(what, merged, P.ref, s.dtype);
+  ExpectOutClose(what, merged, P.ref, s.dtype, P.D);
   test::ExpectClose(what + " LSE", merged_lse, P.ref_lse, LseTolerance(s.dtype), 1.0);
 }
 
@@ -458,8 +465,7 @@ TEST(PagedAttentionDecode, WideGroupsAndMha) {
   RunCase(b);
 }
 
-// A context over 129 partitions of 64 tokens (the reduce kernel's loop over many partitions);
-// on a GPU also 32K tokens in 64 partitions of 512 (8 tiles per warp: online-softmax rescaling).
+// A context over 129 partitions of 64 tokens (the reduce kernel's loop over many partitions).
 TEST(PagedAttentionDecode, VeryLongContexts) {
   KVFLOW_SKIP_WITHOUT_GPU();
   Shape a;
@@ -472,7 +478,13 @@ TEST(PagedAttentionDecode, VeryLongContexts) {
   a.q_std = 2.0f;
   a.seed = 501;
   RunCase(a);
-  if (test::IsEmulator()) return;
+}
+
+// 32K tokens in 64 partitions of 512 (8 tiles per warp: online-softmax rescaling), bf16, where the
+// outputs are ~0.01 and only the row-relative check sees V.
+TEST(PagedAttentionDecode, Context32K) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  if (test::IsEmulator()) GTEST_SKIP() << "37K tokens x 8 KV heads take minutes on the emulator; runs on a GPU";
   Shape b;
   b.dtype = DType::kBF16;
   b.head_dim = 128;

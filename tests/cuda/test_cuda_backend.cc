@@ -987,14 +987,31 @@ const std::vector<std::string> kPrompts = {
 
 using Outputs = std::vector<std::vector<int32_t>>;
 
-Outputs RunEngine(EngineConfig c, int max_tokens, EngineStats* stats = nullptr) {
+// How the engine tests decode: greedy, or sampled (temperature 0.8, top-p 0.95, top-k 40, a
+// repetition penalty) with request i seeded 1000 + i, so that a lossless feature must reproduce the
+// sampled tokens too, not only the argmax.
+enum class Decoding { kGreedy, kSeeded };
+SamplingParams Params(Decoding d, int max_tokens, size_t request) {
+  SamplingParams p = Greedy(max_tokens);
+  if (d == Decoding::kSeeded) {
+    p.temperature = 0.8f;
+    p.top_p = 0.95f;
+    p.top_k = 40;
+    p.repetition_penalty = 1.1f;
+    p.seed = 1000 + request;
+  }
+  return p;
+}
+const char* Name(Decoding d) { return d == Decoding::kGreedy ? "greedy" : "seeded sampling"; }
+
+Outputs RunEngine(EngineConfig c, int max_tokens, EngineStats* stats = nullptr, Decoding decoding = Decoding::kGreedy) {
   auto created = Engine::Create(c);
   EXPECT_TRUE(created.ok()) << created.status().ToString();
   if (!created.ok()) return {};
   auto engine = std::move(created).value();
   Outputs out(kPrompts.size());
   for (size_t i = 0; i < kPrompts.size(); ++i) {
-    auto id = engine->AddRequest(kPrompts[i], Greedy(max_tokens), [&out, i](const StreamEvent& e) {
+    auto id = engine->AddRequest(kPrompts[i], Params(decoding, max_tokens, i), [&out, i](const StreamEvent& e) {
       EXPECT_TRUE(e.error.ok()) << e.error.ToString();
       for (const auto& t : e.tokens) out[i].push_back(t.token);
     });
@@ -1059,20 +1076,53 @@ TEST(CudaEngine, GreedyMatchesCpuEngineOnSmolLM2) {
 }
 
 // Multi-token verification on CUDA: n-gram drafts run with their sequence's next token (a
-// several-token slice with every row's logits, sampled on the host) and give the same greedy tokens
-// as plain CUDA decoding (which samples on the device and replays graphs).
-TEST(CudaEngine, SpeculativeDecodingKeepsGreedyOutputs) {
+// several-token slice with every row's logits, sampled on the host) and give the same tokens as
+// plain CUDA decoding (which samples on the device and replays graphs), greedy and seeded: one-hot
+// drafts are verified by the sequence's own sampler, so a seed gives the same tokens either way.
+TEST(CudaEngine, SpeculativeDecodingKeepsGreedyAndSeededOutputs) {
   KVFLOW_SKIP_WITHOUT_GPU();
   const int kTokens = 40;
-  const Outputs reference = RunEngine(CudaConfig("tiny-random"), kTokens);
-  EngineConfig spec = CudaConfig("tiny-random");
-  spec.speculative_method = "ngram";
-  spec.num_speculative_tokens = 4;
-  EngineStats stats;
-  EXPECT_EQ(RunEngine(spec, kTokens, &stats), reference);
-  std::printf("  drafts %lld, draft tokens %lld, accepted %lld\n", (long long)stats.spec.num_drafts,
-              (long long)stats.spec.num_draft_tokens, (long long)stats.spec.num_accepted_tokens);
-  EXPECT_GT(stats.spec.num_draft_tokens, 0);
+  for (const Decoding d : {Decoding::kGreedy, Decoding::kSeeded}) {
+    const Outputs reference = RunEngine(CudaConfig("tiny-random"), kTokens, nullptr, d);
+    EngineConfig spec = CudaConfig("tiny-random");
+    spec.speculative_method = "ngram";
+    spec.num_speculative_tokens = 4;
+    EngineStats stats;
+    EXPECT_EQ(RunEngine(spec, kTokens, &stats, d), reference) << Name(d);
+    std::printf("  %s: drafts %lld, draft tokens %lld, accepted %lld\n", Name(d), (long long)stats.spec.num_drafts,
+                (long long)stats.spec.num_draft_tokens, (long long)stats.spec.num_accepted_tokens);
+    EXPECT_GT(stats.spec.num_draft_tokens, 0) << Name(d);
+  }
+}
+
+// Sampled drafts (a draft model, TriForce) draw from their own random stream, so a seed gives other
+// tokens than plain decoding; what must hold is that the device runs the same rejection sampling as
+// the CPU engine, consuming the same uniforms: seeded tokens equal the CPU (fp32) engine's with the
+// same configuration and seeds until fp16 moves a draw across a probability boundary, or (TriForce)
+// fp16 chunk scores pick another retrieval cache, which changes the middle's distribution and so
+// the draws after it. A wrong row, level or random stream parts ways at the first drafted token, so
+// every request must share at least its first 8 tokens with the CPU's; the shares are printed.
+void ExpectSeededMatchesCpu(const std::string& what, EngineConfig cuda, int tokens) {
+  const Outputs got = RunEngine(cuda, tokens, nullptr, Decoding::kSeeded);
+  EXPECT_EQ(RunEngine(cuda, tokens, nullptr, Decoding::kSeeded), got) << what << ": a seed repeats its tokens";
+  EngineConfig cpu = cuda;
+  cpu.device = "cpu";
+  cpu.dtype = "f32";
+  const Outputs ref = RunEngine(cpu, tokens, nullptr, Decoding::kSeeded);
+  ASSERT_EQ(ref.size(), got.size());
+  size_t shared = 0, total = 0;
+  std::string per_prompt;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    shared += CommonPrefix(ref[i], got[i]);
+    total += ref[i].size();
+    per_prompt += (i ? ", " : "") + std::to_string(CommonPrefix(ref[i], got[i])) + "/" + std::to_string(ref[i].size());
+  }
+  std::printf("  %s, seeded sampling: CUDA (fp16) and CPU (fp32) share %zu of %zu tokens (%s)\n", what.c_str(), shared,
+              total, per_prompt.c_str());
+  for (size_t i = 0; i < ref.size(); ++i) {
+    EXPECT_GE(CommonPrefix(ref[i], got[i]), std::min<size_t>(8, ref[i].size())) << what << ", prompt " << i;
+  }
+  EXPECT_GT(shared, total / 2) << what;
 }
 
 // TriForce on the device: chunks scored and selected by the kernels inside the engine's pass, the
@@ -1104,6 +1154,7 @@ TEST(CudaEngine, TriForceKeepsGreedyOutputs) {
                 (long long)stats.spec.middle_draft_tokens, (long long)stats.spec.retrieval_builds);
     EXPECT_GT(stats.spec.middle_passes, 0) << bottom;
     EXPECT_GE(stats.spec.retrieval_builds, static_cast<int64_t>(kPrompts.size())) << bottom;
+    ExpectSeededMatchesCpu(std::string("TriForce, ") + bottom + " bottom", tri, kTokens);
   }
 }
 
@@ -1165,8 +1216,9 @@ const std::string& TinySkewFile() {
   return file.path;
 }
 
-// Greedy tokens of prompts of 90, 37 and 150 tokens decoded together, and the engine's selection stats.
-Outputs RunSelectionEngine(EngineConfig c, KvSelectionStats* stats = nullptr, KvOffloadStats* offload = nullptr) {
+// Tokens of prompts of 90, 37 and 150 tokens decoded together, and the engine's selection stats.
+Outputs RunSelectionEngine(EngineConfig c, KvSelectionStats* stats = nullptr, KvOffloadStats* offload = nullptr,
+                           Decoding decoding = Decoding::kGreedy) {
   c.infinigen_skew_file = TinySkewFile();
   auto created = Engine::Create(c);
   EXPECT_TRUE(created.ok()) << created.status().ToString();
@@ -1179,7 +1231,7 @@ Outputs RunSelectionEngine(EngineConfig c, KvSelectionStats* stats = nullptr, Kv
     for (int32_t& t : p) t = static_cast<int32_t>(rng() % 246u) + 5;
     prompts.push_back(std::move(p));
   }
-  const Outputs out = test::GenerateAll(*engine, prompts, Greedy(24), false);
+  const Outputs out = test::GenerateAll(*engine, prompts, Params(decoding, 24, 0), decoding == Decoding::kSeeded);
   if (stats) *stats = engine->stats().kv_selection;
   if (offload) *offload = engine->stats().kv_offload;
   EXPECT_EQ(engine->stats().kv_blocks_free, engine->stats().kv_blocks_total) << "device blocks leaked";
@@ -1264,9 +1316,10 @@ TEST(CudaEngine, KvSelectionMatchesTheCpuSelector) {
 
 // The KV pool offloaded to pinned host memory: attention reads two layers' staging buffers, views
 // prefetched on the copy stream and selections gathered from the host pool. It moves bytes, never
-// changes a number: the same greedy tokens as the resident pool, for full attention (whose resident
-// decode steps replay CUDA graphs), InfiniGen (also under a host pool cap) and H2O.
-TEST(CudaEngine, KvOffloadKeepsGreedyOutputs) {
+// changes a number: the same greedy and seeded sampled tokens as the resident pool, for full
+// attention (whose resident decode steps replay CUDA graphs), InfiniGen (also under a host pool cap)
+// and H2O.
+TEST(CudaEngine, KvOffloadKeepsGreedyAndSeededOutputs) {
   KVFLOW_SKIP_WITHOUT_GPU();
   for (const char* selection : {"", "infinigen", "h2o", "infinigen-capped"}) {
     EngineConfig resident = CudaConfig("tiny-random");
@@ -1289,6 +1342,10 @@ TEST(CudaEngine, KvOffloadKeepsGreedyOutputs) {
     std::printf("  offload, selection '%s': %.2f MiB fetched (%lld prefetched layers, %lld on demand), %.2f MiB written\n",
                 selection, moved.bytes_fetched / double(1 << 20), (long long)moved.prefetches,
                 (long long)moved.on_demand_fetches, moved.bytes_written / double(1 << 20));
+    const Outputs sampled = RunSelectionEngine(resident, nullptr, nullptr, Decoding::kSeeded);
+    EXPECT_NE(sampled, expected) << "sampling draws other tokens than greedy";
+    EXPECT_EQ(RunSelectionEngine(offloaded, nullptr, nullptr, Decoding::kSeeded), sampled)
+        << "selection '" << selection << "', seeded sampling";
   }
 }
 
@@ -1308,16 +1365,19 @@ TEST(CudaEngine, DraftModelKeepsGreedyOutputs) {
               (long long)stats.spec.num_accepted_tokens);
   EXPECT_GT(stats.spec.num_draft_tokens, 0);
   EXPECT_GE(stats.spec.num_accepted_tokens, stats.spec.num_draft_tokens * 9 / 10);
+  EngineConfig layer_skip = CudaConfig("tiny-random");
+  layer_skip.speculative_model = "tiny-random-draft";  // rejections, so residual draws on the device path
+  layer_skip.num_speculative_tokens = 3;
+  ExpectSeededMatchesCpu("draft model", layer_skip, kTokens);
 }
 
-TEST(CudaEngine, PreemptionPrefixCachingAndGraphsKeepGreedyOutputs) {
-  KVFLOW_SKIP_WITHOUT_GPU();
+void ExpectPreemptionPrefixCachingAndGraphsKeepOutputs(Decoding d) {
   const int kTokens = 24;
-  const Outputs reference = RunEngine(CudaConfig("tiny-random"), kTokens);
+  const Outputs reference = RunEngine(CudaConfig("tiny-random"), kTokens, nullptr, d);
 
   EngineConfig eager = CudaConfig("tiny-random");
   eager.enforce_eager = true;
-  EXPECT_EQ(RunEngine(eager, kTokens), reference) << "eager steps = CUDA graph steps";
+  EXPECT_EQ(RunEngine(eager, kTokens, nullptr, d), reference) << "eager steps = CUDA graph steps";
 
   for (const std::string mode : {"swap", "recompute"}) {
     EngineConfig tiny = CudaConfig("tiny-random");
@@ -1326,7 +1386,7 @@ TEST(CudaEngine, PreemptionPrefixCachingAndGraphsKeepGreedyOutputs) {
     tiny.max_model_len = 0;
     tiny.preemption_mode = mode;
     EngineStats stats;
-    EXPECT_EQ(RunEngine(tiny, kTokens, &stats), reference) << "preemption by " << mode;
+    EXPECT_EQ(RunEngine(tiny, kTokens, &stats, d), reference) << "preemption by " << mode;
     EXPECT_GT(stats.num_preemptions, 0) << mode;
     if (mode == "swap") EXPECT_GT(stats.blocks_swapped_in, 0);
   }
@@ -1336,8 +1396,18 @@ TEST(CudaEngine, PreemptionPrefixCachingAndGraphsKeepGreedyOutputs) {
   cached.block_size = 8;
   cached.max_num_batched_tokens = 32;  // later prompts are admitted after earlier ones computed
   EngineStats stats;
-  EXPECT_EQ(RunEngine(cached, kTokens, &stats), reference) << "prefix caching";
+  EXPECT_EQ(RunEngine(cached, kTokens, &stats, d), reference) << "prefix caching";
   EXPECT_GT(stats.prefix_cache_hit_rate, 0.0);
+}
+
+// Eager steps, preemption by swap and by recompute, and prefix caching give the tokens of plain CUDA
+// decoding with graphs, greedy and seeded.
+TEST(CudaEngine, PreemptionPrefixCachingAndGraphsKeepGreedyAndSeededOutputs) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  for (const Decoding d : {Decoding::kGreedy, Decoding::kSeeded}) {
+    SCOPED_TRACE(Name(d));
+    ExpectPreemptionPrefixCachingAndGraphsKeepOutputs(d);
+  }
 }
 
 TEST(CudaEngine, ImpossibleConfigurationsFailClearly) {

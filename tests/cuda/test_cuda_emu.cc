@@ -434,12 +434,15 @@ TEST(CudaEmu, ExitedThreadsDoNotBlockSyncthreads) {
 #endif
 }
 
-// Threads run in ascending order in even blocks and descending order in odd ones, so a missing
-// barrier shows whichever thread reads.
+// Threads run in ascending order in even blocks and descending order in odd ones (flipped: the
+// other way round), so a missing barrier shows whichever thread reads.
 TEST(CudaEmu, MissingBarrierShowsInOneOfTheThreadOrders) {
   KVFLOW_EMU_ONLY();
 #ifdef KVFLOW_CUDA_EMU
-  if (const char* s = std::getenv("KVFLOW_EMU_SCHEDULE"); s && *s) GTEST_SKIP() << "KVFLOW_EMU_SCHEDULE is set";
+  const char* schedule = std::getenv("KVFLOW_EMU_SCHEDULE");
+  const std::string order = schedule ? schedule : "";
+  if (order != "" && order != "alternate" && order != "flipped") GTEST_SKIP() << "KVFLOW_EMU_SCHEDULE=" << order;
+  const bool flipped = order == "flipped";
   DeviceBuffer out(2 * 128 * 4);
   KVFLOW_CUDA_OK(LaunchKernel(MissingBarrierKernel, 2, 128, 0, nullptr, out.get<int>()));
   const auto got = out.Download<int>();
@@ -448,8 +451,12 @@ TEST(CudaEmu, MissingBarrierShowsInOneOfTheThreadOrders) {
     stale_block0 += got[t] != t - 1;
     stale_block1 += got[128 + t] != 1000 + t - 1;
   }
-  EXPECT_EQ(stale_block0, 0);    // ascending: the writer ran first
-  EXPECT_EQ(stale_block1, 127);  // descending: every read is stale
+  // Ascending: the writer ran first, nothing stale. Descending: every read is stale (in the launch's
+  // first block a stale cell may hold the expected value by chance: shared memory keeps whatever it
+  // held before).
+  const int ascending = flipped ? stale_block1 : stale_block0, descending = flipped ? stale_block0 : stale_block1;
+  EXPECT_EQ(ascending, 0);
+  EXPECT_GE(descending, 120);
 #endif
 }
 

@@ -585,13 +585,17 @@ void RunBlock(const KernelLaunch& launch) {
 }
 
 // Order in which a block's threads run between barriers. Alternating per block makes a missing
-// __syncthreads show up whichever side of it the reader is on.
-enum class Schedule { kForward, kReverse, kAlternate };
+// __syncthreads show up whichever side of it the reader is on; `flipped` is the alternation's
+// complement, so a launch of one block (or one whose reader sits in even blocks) runs in both
+// orders across a default and a flipped run (CI runs the emulator suite both ways).
+enum class Schedule { kForward, kReverse, kAlternate, kFlipped };
 Schedule ScheduleFromEnv() {
   const char* v = std::getenv("KVFLOW_EMU_SCHEDULE");
-  if (v && std::strcmp(v, "forward") == 0) return Schedule::kForward;
-  if (v && std::strcmp(v, "reverse") == 0) return Schedule::kReverse;
-  return Schedule::kAlternate;
+  if (!v || !*v || std::strcmp(v, "alternate") == 0) return Schedule::kAlternate;
+  if (std::strcmp(v, "forward") == 0) return Schedule::kForward;
+  if (std::strcmp(v, "reverse") == 0) return Schedule::kReverse;
+  if (std::strcmp(v, "flipped") == 0) return Schedule::kFlipped;
+  internal::Fail("KVFLOW_EMU_SCHEDULE=%s: expected forward, reverse, alternate or flipped", v);
 }
 
 void RunKernel(const KernelLaunch& launch) {
@@ -624,8 +628,9 @@ void RunKernel(const KernelLaunch& launch) {
     for (unsigned y = 0; y < launch.grid.y; ++y) {
       for (unsigned x = 0; x < launch.grid.x; ++x) {
         g_block.block_idx = make_uint3(x, y, z);
-        g_exec.reverse = schedule == Schedule::kReverse ||
-                         (schedule == Schedule::kAlternate && ((x + y + z) & 1) != 0);
+        const bool odd = ((x + y + z) & 1) != 0;
+        g_exec.reverse = schedule == Schedule::kReverse || (schedule == Schedule::kAlternate && odd) ||
+                         (schedule == Schedule::kFlipped && !odd);
         RunBlock(launch);
         ++g_stats.blocks;
         g_stats.threads += n;

@@ -14,7 +14,9 @@
 //   - Between two barriers the threads of a block run one after the other: in ascending thread
 //     order in blocks with even blockIdx.x + y + z, descending in odd ones, so a missing
 //     __syncthreads/__syncwarp gives stale data in one of the two (KVFLOW_EMU_SCHEDULE=forward,
-//     reverse or alternate, the default). Every __syncthreads is the same barrier, wherever it is
+//     reverse, alternate (the default) or flipped: descending in even blocks, ascending in odd;
+//     ctest runs every emulator test under both alternate and flipped, so every block of every
+//     launch runs its threads both ways). Every __syncthreads is the same barrier, wherever it is
 //     called from (as bar.sync 0 on a GPU).
 //   - __shared__ variables are function-scope statics, shared by the threads of the running block
 //     and NOT reset between blocks (as on a GPU, uninitialized shared memory holds garbage).
