@@ -451,6 +451,9 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEvaluationEngine(const EngineCon
   }
   KVFLOW_ASSIGN_OR_RETURN(auto supervisor, CreateLengthSupervisor(config, evaluation, *files.tokenizer));
   KVFLOW_ASSIGN_OR_RETURN(auto kv_selector, CreateKvSelector(config, path, mc, *backend));
+  if (kv_selector && evaluation.kv_read_observer) {
+    kv_selector = std::make_unique<ObservedKvSelector>(std::move(kv_selector), evaluation.kv_read_observer);
+  }
   std::unique_ptr<PromptPrefiller> prompt_prefiller;
   if (!config.prefill_parallel.empty()) {
     if (!config.enable_prefix_caching) {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/observed_kv_selector.h"
 #include "kvflow/engine.h"
 
 namespace kvflow {
@@ -32,6 +33,9 @@ struct EvaluationOptions {
   // prefill_parallel's ranks (tests: an in-process world whose other ranks run RunPrefillWorker);
   // null: the process's MPI world. Not owned.
   dist::Communicator* prefill_communicator = nullptr;
+  // KV selection tests: told what every layer's attention reads under the engine's KV selector
+  // (engine/observed_kv_selector.h); unset: nothing is observed.
+  KvReadObserver kv_read_observer;
 };
 
 // An Engine that also takes requests with hints.

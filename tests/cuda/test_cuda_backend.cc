@@ -27,6 +27,7 @@
 #include "backend/cpu/kv_block_select.h"
 #include "backend/cuda/cuda_backend.h"
 #include "engine_test_util.h"
+#include "kv_selection_oracle.h"
 #include "kv_transfer_check.h"
 #include "gpu_test_util.h"
 #include "infinigen/calibration.h"
@@ -1312,6 +1313,27 @@ TEST(CudaEngine, KvSelectionMatchesTheCpuSelector) {
               100.0 * on_gpu.selection_fraction());
   EXPECT_EQ(on_gpu.layer_reads_selected, on_cpu.layer_reads_selected);
   EXPECT_NEAR(on_gpu.selection_fraction(), on_cpu.selection_fraction(), 0.02);
+}
+
+// The device's InfiniGen reads, token by token, against the CPU reference (kv_selection_oracle.h):
+// at every decode step, layer >= 1 and KV head of three sequences, the tokens the CUDA engine's
+// attention read are those the CPU (fp32) recomputation of the rule picks from a replay of the same
+// tokens, except where fp16 scores moved a token across the cutoff (within 2e-2 of it, in at most
+// a tenth of the reads); the CPU replay over exactly those reads gives the engine's logprobs within
+// fp16's error.
+TEST(CudaEngine, InfiniGenReadsAreTheCpuRulesChoice) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  EngineConfig c = CudaConfig("tiny-random");
+  c.kv_selection = "infinigen";
+  c.infinigen_alpha = 2.0;
+  c.infinigen_max_fraction = 0.3;
+  c.infinigen_skew_file = TinySkewFile();
+  test::InfiniGenOracleOptions o;
+  o.score_margin = 2e-2;
+  o.max_near_tie_share = 0.1;
+  o.logprob_tolerance = 5e-2;
+  o.max_argmax_differences = 2;
+  test::ExpectInfiniGenReadsFollowTheRule(c, o);
 }
 
 // The KV pool offloaded to pinned host memory: attention reads two layers' staging buffers, views

@@ -14,16 +14,21 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <tuple>
 
 #include "backend/backend_factory.h"
 #include "backend/cpu/paged_attention.h"
 #include "engine_test_util.h"
+#include "kv_selection_oracle.h"
 #include "kv_selection_test_util.h"
 #include "infinigen/calibration.h"
 #include "infinigen/infinigen_selector.h"
+#include "infinigen/partial_keys.h"
+#include "infinigen/speculation.h"
 #include "infinigen/skew_file.h"
 #include "infinigen/skewing.h"
 #include "model/llama_model.h"
+#include "model/rope.h"
 #include "model/tensor_source.h"
 
 namespace kvflow {
@@ -816,6 +821,23 @@ TEST_F(InfiniGenHostPool, CounterKeepsTheTokensFetchedMost) {
     EXPECT_EQ(fifo.selector().EvictedPositions(1, layer), oldest) << layer;
   }
   EXPECT_GT(layers_keeping_old_tokens, 0);
+}
+
+
+// The oracle the selection counters cannot give (kv_selection_oracle.h): InfiniGen in the engine
+// (three sequences decoded together, shuffled block tables, a partial selection at every layer but
+// the first) reads, at every decode step, layer and KV head, exactly the tokens an independent
+// recomputation of its rule picks for that sequence and layer; attention over exactly those tokens,
+// replayed on a fresh backend, reproduces the engine's logprobs, which full attention does not; and
+// a selector wired to the next layer's or another sequence's reads would disagree.
+TEST_F(KvSelectionEngine, InfiniGenReadsAreTheRulesChoiceAndReproduceTheLogits) {
+  EngineConfig c = Config("infinigen");
+  c.model = "tiny-random";
+  c.num_threads = 2;
+  c.kv_cache_dtype = "f32";
+  c.infinigen_alpha = 2.0;
+  c.infinigen_max_fraction = 0.3;
+  test::ExpectInfiniGenReadsFollowTheRule(c, {});
 }
 
 }  // namespace

@@ -1,0 +1,351 @@
+// The engine-level oracle for InfiniGen's KV selection, shared by the CPU engine test
+// (tests/unit/test_kv_selection.cc) and the CUDA engine test (tests/cuda/test_cuda_backend.cc): the
+// engine's reads, recorded through EvaluationOptions::kv_read_observer, are checked against an
+// independent recomputation of the selection rule on a fresh CPU (fp32) backend that replays the
+// engine's tokens, and attention over exactly those reads must reproduce the engine's logprobs.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <iterator>
+#include <map>
+#include <numeric>
+#include <span>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "engine/evaluation.h"
+#include "infinigen/infinigen_selector.h"
+#include "infinigen/partial_keys.h"
+#include "infinigen/skew_file.h"
+#include "infinigen/speculation.h"
+#include "kv_selection_test_util.h"
+#include "model/llama_model.h"
+#include "model/rope.h"
+
+namespace kvflow::test {
+
+// What one layer's attention read at one decode step of one sequence: per KV head, the positions in
+// the order attention read them (the step's own last), or nothing: the whole view.
+using HeadPositions = std::vector<std::vector<int32_t>>;
+using ReadKey = std::tuple<int64_t, int32_t, int>;  // sequence id, decode position, layer
+
+// Replays one sequence on a fresh CPU backend (contiguous blocks, so slot = position): its attention
+// at each decode step and layer reads exactly what the engine recorded, and at every layer L-1 it
+// recomputes independently what InfiniGen should select for layer L (the test's own wiring of
+// layer L's norm, projection, rotation, skew and cached keys, with the rule of speculation.h), as
+// the selector does at SpeculationPoint::kAfterAttention.
+class SelectionReplay final : public LayerHooks {
+ public:
+  SelectionReplay(Backend& backend, const SkewTable& skew, const InfiniGenConfig& config,
+                  const std::map<ReadKey, HeadPositions>& recorded, int64_t seq, bool full_attention)
+      : backend_(backend), skew_(skew), config_(config), recorded_(recorded), seq_(seq), full_(full_attention),
+        rope_(ComputeRopeFrequencies(backend.model_config())) {}
+
+  int32_t position = -1;  // the decode step's position; -1: prefill
+  // (position, layer) -> the rule's choice, and the scores it chose by ([kv head][token]).
+  std::map<std::pair<int32_t, int>, HeadPositions> expected;
+  std::map<std::pair<int32_t, int>, std::vector<std::vector<float>>> scores_of;
+
+  std::span<const KvHeadSelection> AttentionSelection(const LayerContext& ctx) override {
+    if (full_ || position < 0) return {};
+    const auto it = recorded_.find({seq_, position, ctx.layer});
+    if (it == recorded_.end() || it->second.empty()) return {};
+    selection_.assign(1, KvHeadSelection{});
+    selection_[0].per_head = static_cast<int32_t>(it->second[0].size());
+    for (const auto& head : it->second)
+      for (int32_t pos : head) selection_[0].slots.push_back(pos);  // slot = position
+    return selection_;
+  }
+
+  Status AfterMlpInput(const LayerContext& ctx) override {
+    const int L = ctx.layer + 1;
+    if (full_ || position < 0 || L >= backend_.model_config().num_layers) return Status::Ok();
+    const ModelConfig& mc = backend_.model_config();
+    const int NH = mc.num_heads, KV = mc.num_kv_heads, D = mc.head_dim, P = skew_.num_partial_columns;
+    const int group = NH / KV;
+    KVFLOW_RETURN_IF_ERROR(backend_.RmsNorm(L, LayerWeight::kAttnNorm, false));
+    KVFLOW_RETURN_IF_ERROR(backend_.Linear(L, LayerWeight::kQkv, Activation::kHidden, Activation::kSpeculativeQkv));
+    std::vector<float> qkv(static_cast<size_t>(ActivationWidth(mc, Activation::kQkv)));
+    KVFLOW_RETURN_IF_ERROR(backend_.ReadActivationRows(Activation::kSpeculativeQkv, 0, 1, qkv));
+    std::vector<float> queries(static_cast<size_t>(NH) * P);
+    for (int h = 0; h < NH; ++h) {
+      float* q = qkv.data() + static_cast<size_t>(h) * D;
+      ApplyRope(q, D, position, rope_);
+      for (int d = 0; d < D; ++d) q[d] /= std::sqrt(static_cast<float>(D));
+      SkewPartialColumns(q, 1, D, skew_.at(L, h / group), D, queries.data() + static_cast<size_t>(h) * P);
+    }
+    const int32_t cached = position;  // the tokens before the step's own
+    std::vector<int64_t> slots(static_cast<size_t>(cached));
+    std::iota(slots.begin(), slots.end(), 0);
+    std::vector<float> keys(static_cast<size_t>(cached) * KV * D), head_keys(static_cast<size_t>(cached) * D),
+        partial(static_cast<size_t>(cached) * P), scores(static_cast<size_t>(KV) * cached);
+    KVFLOW_RETURN_IF_ERROR(backend_.ReadKv(L, 0, slots, keys));
+    for (int g = 0; g < KV; ++g) {
+      for (int32_t t = 0; t < cached; ++t)
+        std::copy_n(keys.data() + (static_cast<size_t>(t) * KV + g) * D, D, head_keys.data() + static_cast<size_t>(t) * D);
+      SkewPartialColumns(head_keys.data(), cached, D, skew_.at(L, g), D, partial.data());
+      ScorePartialKeys(queries.data() + static_cast<size_t>(g) * group * P, group, partial.data(), cached, P,
+                       scores.data() + static_cast<size_t>(g) * cached);
+    }
+    const SpeculatedTokens picked = SelectSpeculatedTokens(scores, KV, cached, static_cast<float>(config_.alpha),
+                                                           config_.max_fraction);
+    HeadPositions want(static_cast<size_t>(KV));
+    for (int g = 0; g < KV; ++g) {
+      want[g].assign(picked.per_head[static_cast<size_t>(g)].begin(), picked.per_head[static_cast<size_t>(g)].end());
+      want[g].push_back(cached);
+    }
+    expected[{position, L}] = std::move(want);
+    auto& kept = scores_of[{position, L}];
+    kept.resize(static_cast<size_t>(KV));
+    for (int g = 0; g < KV; ++g)
+      kept[size_t(g)].assign(scores.begin() + static_cast<long>(g) * cached, scores.begin() + static_cast<long>(g + 1) * cached);
+    return Status::Ok();
+  }
+
+ private:
+  Backend& backend_;
+  const SkewTable& skew_;
+  InfiniGenConfig config_;
+  const std::map<ReadKey, HeadPositions>& recorded_;
+  int64_t seq_;
+  bool full_;
+  RopeFrequencies rope_;
+  std::vector<KvHeadSelection> selection_;
+};
+
+// The oracle the selection counters cannot give: InfiniGen in the engine (three sequences decoded
+// together, shuffled block tables, a partial selection at every layer but the first) reads, at every
+// decode step, layer and KV head, exactly the tokens an independent recomputation of its rule picks
+// for that sequence and layer; and attention over exactly those tokens, replayed on a fresh backend,
+// reproduces the engine's logprobs, which full attention does not. The recomputation tells layers
+// and sequences apart: compared with the next layer's or another sequence's reads it disagrees.
+// Whether the engine's read `got` differs from the rule's choice over `scores` ([kv head][token],
+// the CPU recomputation) only by moving scores at most `margin` (see the oracle below).
+struct NearTieVerdict {
+  bool near_tie = true;
+  std::string why;
+};
+inline NearTieVerdict IsNearTie(const HeadPositions& got, const std::vector<std::vector<float>>& scores,
+                                const InfiniGenConfig& config, double margin) {
+  NearTieVerdict v;
+  if (got.size() != scores.size() || got.empty()) return {false, "another number of KV heads"};
+  const size_t tokens = scores[0].size();
+  const size_t count = got[0].size() - 1;  // the step's own token aside
+  // The count: the heads' counts above (max - alpha), averaged and rounded, capped; with every score
+  // free to move by `margin`, each head's count lies between these two.
+  double low = 0.0, high = 0.0;
+  for (const auto& head : scores) {
+    const float top = *std::max_element(head.begin(), head.end());
+    for (float x : head) {
+      low += x > top - config.alpha + 2 * margin;
+      high += x > top - config.alpha - 2 * margin;
+    }
+  }
+  const double cap = std::max(1.0, std::floor(config.max_fraction * double(tokens)));
+  const double fewest = std::min(cap, std::floor(low / double(scores.size()))),
+               most = std::min(cap, std::ceil(high / double(scores.size())));
+  if (double(count) < fewest || double(count) > most) {
+    return {false, "read " + std::to_string(count) + " tokens per head, the rule " + std::to_string(size_t(fewest)) +
+                       ".." + std::to_string(size_t(most))};
+  }
+  double worst = 0.0;
+  for (size_t g = 0; g < scores.size(); ++g) {
+    if (got[g].size() != count + 1) return {false, "heads read different counts"};
+    std::vector<int32_t> order(tokens);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return scores[g][size_t(x)] > scores[g][size_t(y)]; });
+    std::vector<int32_t> want(order.begin(), order.begin() + static_cast<long>(count));
+    std::vector<int32_t> have(got[g].begin(), got[g].end() - 1);
+    std::sort(want.begin(), want.end());
+    std::sort(have.begin(), have.end());
+    const float cutoff = count > 0 ? scores[g][size_t(order[count - 1])] : scores[g][size_t(order[0])];
+    std::vector<int32_t> only;
+    std::set_symmetric_difference(have.begin(), have.end(), want.begin(), want.end(), std::back_inserter(only));
+    for (int32_t t : only) worst = std::max(worst, double(std::fabs(scores[g][size_t(t)] - cutoff)));
+  }
+  if (worst > margin) return {false, "a token " + std::to_string(worst) + " from the cutoff"};
+  return v;
+}
+
+struct InfiniGenOracleOptions {
+  double score_margin = 0.0;         // 0: reads must equal the CPU rule's exactly
+  double max_near_tie_share = 0.0;   // of the reads checked
+  double logprob_tolerance = 1e-4;   // replayed (CPU fp32) against the engine's
+  int64_t max_argmax_differences = 0;
+};
+
+// Runs `c` (InfiniGen with a partial selection; c.infinigen_skew_file set) on the three prompts, 24
+// greedy tokens each, and checks every decode read at layers >= 1 (see the top of this file). The
+// recomputation tells layers and sequences apart: compared with the next layer's or another
+// sequence's reads it disagrees.
+inline void ExpectInfiniGenReadsFollowTheRule(const EngineConfig& c, const InfiniGenOracleOptions& options) {
+  const int block_size = c.block_size;
+  std::map<ReadKey, HeadPositions> recorded;
+  std::map<int64_t, int32_t> first_decode;  // sequence id -> its first decode position (its prompt length)
+  EvaluationOptions evaluation;
+  evaluation.kv_read_observer = [&](int layer, const ForwardBatch& batch, std::span<const int64_t> seq_ids,
+                                    std::span<const KvHeadSelection> selection) {
+    for (size_t i = 0; i < batch.seqs.size(); ++i) {
+      const SequenceSlice& slice = batch.seqs[i];
+      if (slice.num_tokens != 1) continue;  // prefill chunks read their whole view
+      const int32_t position = batch.positions[static_cast<size_t>(slice.token_offset)];
+      auto [it, fresh] = first_decode.emplace(seq_ids[i], position);
+      if (!fresh) it->second = std::min(it->second, position);
+      HeadPositions heads;
+      if (!selection.empty() && selection[i].per_head > 0) {
+        std::map<int64_t, int32_t> position_of_block;
+        for (size_t b = 0; b < slice.block_table.size(); ++b) position_of_block[slice.block_table[b]] = int32_t(b) * block_size;
+        const size_t per_head = static_cast<size_t>(selection[i].per_head);
+        for (size_t h = 0; h * per_head < selection[i].slots.size(); ++h) {
+          heads.emplace_back();
+          for (size_t k = 0; k < per_head; ++k) {
+            const int64_t slot = selection[i].slots[h * per_head + k];
+            heads.back().push_back(position_of_block.at(slot / block_size) + int32_t(slot % block_size));
+          }
+        }
+      }
+      recorded[{seq_ids[i], position, layer}] = std::move(heads);
+    }
+  };
+  auto engine = CreateEvaluationEngine(c, evaluation);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  SamplingParams p = test::Greedy(24);
+  p.logprobs = 5;
+  const auto prompts = test::ThreePrompts();
+  std::vector<std::vector<SampledToken>> outs(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    ASSERT_TRUE((*engine)->AddRequest(prompts[i], p, [&outs, i](const StreamEvent& e) {
+                          for (const auto& t : e.tokens) outs[i].push_back(t);
+                        }).ok());
+  }
+  while ((*engine)->HasUnfinishedRequests()) ASSERT_TRUE((*engine)->Step().ok());
+  const KvSelectionStats stats = (*engine)->stats().kv_selection;
+  ASSERT_LT(stats.tokens_selected, stats.tokens_available) << "a partial selection, or the oracle shows nothing";
+  ASSERT_EQ(first_decode.size(), prompts.size());
+
+  auto skew = ReadSkewTable(c.infinigen_skew_file, (*engine)->model_config());
+  ASSERT_TRUE(skew.ok()) << skew.status().ToString();
+  const InfiniGenConfig config = InfiniGenConfig::FromEngine(c);
+  const int layers = (*engine)->model_config().num_layers;
+  int64_t reads_checked = 0, reads_differing = 0, near_ties = 0, wrong_layer_differs = 0, wrong_layer_compared = 0;
+  int64_t argmax_differs = 0;
+  double max_logprob_error = 0.0, max_full_attention_change = 0.0;
+  for (const auto& [seq, prompt_len] : first_decode) {
+    const size_t i = static_cast<size_t>(
+        std::find_if(prompts.begin(), prompts.end(), [&](const auto& pr) { return int32_t(pr.size()) == prompt_len; }) -
+        prompts.begin());
+    ASSERT_LT(i, prompts.size()) << "sequence " << seq << " with no prompt of length " << prompt_len;
+    const auto& out = outs[i];
+    ASSERT_EQ(out.size(), 24u);
+    for (const bool full : {false, true}) {
+      const int total = prompt_len + static_cast<int>(out.size());
+      auto backend = test::TinyCpuBackend(total + block_size);
+      SelectionReplay replay(*backend, skew.value(), config, recorded, seq, full);
+      LlamaModel model(*backend, &replay);
+      std::vector<BlockId> table;
+      for (int b = 0; b * block_size < total; ++b) table.push_back(b);
+      std::vector<float> logits;
+      for (int step = 0; step < static_cast<int>(out.size()); ++step) {
+        ForwardBatch batch;
+        SequenceSlice slice;
+        slice.block_table = table;
+        slice.logits = LogitsMode::kLast;
+        if (step == 0) {
+          batch.tokens = prompts[i];
+          for (int32_t k = 0; k < prompt_len; ++k) batch.positions.push_back(k);
+          slice.num_tokens = prompt_len;
+          slice.context_len = prompt_len;
+          replay.position = -1;
+        } else {
+          batch.tokens = {out[size_t(step - 1)].token};
+          batch.positions = {prompt_len + step - 1};
+          slice.num_tokens = 1;
+          slice.context_len = prompt_len + step;
+          replay.position = prompt_len + step - 1;
+        }
+        batch.seqs.push_back(slice);
+        ASSERT_TRUE(model.Forward(batch, logits).ok());
+        // log-softmax of the replay's row against the engine's logprob of the token it chose
+        double mx = -INFINITY, z = 0.0;
+        for (float l : logits) mx = std::max(mx, double(l));
+        for (float l : logits) z += std::exp(double(l) - mx);
+        const double lp = double(logits[size_t(out[size_t(step)].token)]) - mx - std::log(z);
+        const double diff = std::fabs(lp - out[size_t(step)].logprob);
+        if (!full) {
+          max_logprob_error = std::max(max_logprob_error, diff);
+          int32_t best = 0;
+          for (size_t v = 1; v < logits.size(); ++v)
+            if (logits[v] > logits[size_t(best)]) best = int32_t(v);
+          argmax_differs += best != out[size_t(step)].token;
+        } else {
+          max_full_attention_change = std::max(max_full_attention_change, diff);
+        }
+      }
+      if (full) continue;
+      for (const auto& [key, want] : replay.expected) {
+        const auto& [position, layer] = key;
+        const auto got = recorded.find({seq, position, layer});
+        ASSERT_NE(got, recorded.end()) << "no read recorded for sequence " << seq << " position " << position;
+        ++reads_checked;
+        if (got->second != want) {
+          // Allowed only where the engine's arithmetic (fp16 on a device) moved a score across a
+          // boundary of the rule: the engine's count per head (the same for every head) must be one
+          // the rule gives with every score moved by at most `score_margin` (the alpha thresholds),
+          // and its tokens the top `count` of the CPU scores except for tokens within `score_margin`
+          // of that cutoff.
+          const NearTieVerdict v = IsNearTie(got->second, replay.scores_of.at(key), config, options.score_margin);
+          const bool near_tie = options.score_margin > 0 && v.near_tie;
+          const std::string why = v.why;
+          if (near_tie) {
+            ++near_ties;
+          } else {
+            ++reads_differing;
+            ADD_FAILURE() << "sequence " << seq << ", position " << position << ", layer " << layer
+                          << ": the engine read other tokens than the rule picks (" << why << ")";
+          }
+        }
+        // The same recomputation against the next layer's reads.
+        const auto next = recorded.find({seq, position, layer + 1});
+        if (layer + 1 < layers && next != recorded.end()) {
+          ++wrong_layer_compared;
+          wrong_layer_differs += next->second != want;
+        }
+      }
+    }
+  }
+  // Another sequence's reads at the same layer and decode index.
+  int64_t wrong_seq_compared = 0, wrong_seq_differs = 0;
+  for (const auto& [key, heads] : recorded) {
+    const auto& [seq, position, layer] = key;
+    if (heads.empty()) continue;
+    for (const auto& [other, other_first] : first_decode) {
+      if (other == seq) continue;
+      const auto o = recorded.find({other, other_first + (position - first_decode[seq]), layer});
+      if (o == recorded.end() || o->second.empty()) continue;
+      ++wrong_seq_compared;
+      wrong_seq_differs += o->second != heads;
+    }
+  }
+  std::printf("  %lld decode reads at layers 1..%d checked against the rule's recomputation on the CPU: %lld differ, "
+              "%lld by near-ties (within %.2g of the cutoff); replayed logprobs within %.2g of the engine's, %lld "
+              "argmax differ (full attention moves them by up to %.2g); against the next layer's reads %lld of %lld "
+              "differ, against another sequence's %lld of %lld\n",
+              (long long)reads_checked, layers - 1, (long long)reads_differing, (long long)near_ties, options.score_margin,
+              max_logprob_error, (long long)argmax_differs, max_full_attention_change, (long long)wrong_layer_differs,
+              (long long)wrong_layer_compared, (long long)wrong_seq_differs, (long long)wrong_seq_compared);
+  EXPECT_EQ(reads_checked, int64_t(prompts.size()) * 23 * (layers - 1)) << "every decode step, every selected layer";
+  EXPECT_EQ(reads_differing, 0);
+  EXPECT_LE(near_ties, reads_checked * options.max_near_tie_share);
+  EXPECT_LT(max_logprob_error, options.logprob_tolerance);
+  EXPECT_LE(argmax_differs, options.max_argmax_differences);
+  EXPECT_GT(max_full_attention_change, 1e-3) << "the selection changes the logits, so the replay tells it apart";
+  EXPECT_GT(wrong_layer_differs, wrong_layer_compared * 9 / 10);
+  EXPECT_GT(wrong_seq_differs, wrong_seq_compared * 9 / 10);
+}
+
+}  // namespace kvflow::test
