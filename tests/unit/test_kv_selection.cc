@@ -21,6 +21,7 @@
 #include "engine_test_util.h"
 #include "kv_selection_oracle.h"
 #include "kv_selection_test_util.h"
+#include "h2o/h2o_selector.h"
 #include "infinigen/calibration.h"
 #include "infinigen/infinigen_selector.h"
 #include "infinigen/partial_keys.h"
@@ -838,6 +839,60 @@ TEST_F(KvSelectionEngine, InfiniGenReadsAreTheRulesChoiceAndReproduceTheLogits) 
   c.infinigen_alpha = 2.0;
   c.infinigen_max_fraction = 0.3;
   test::ExpectInfiniGenReadsFollowTheRule(c, {});
+}
+
+// H2O's reads at the engine level (recorded as in kv_selection_oracle.h): at every decode step,
+// layer and KV head it reads at most its budget of the context, the step's own token last and the
+// one before it, never a token it evicted (each read lies within the same head's previous read plus
+// that step's token), and attention over exactly those reads, replayed on a fresh backend,
+// reproduces the engine's logprobs, which full attention does not.
+TEST_F(KvSelectionEngine, H2OReadsKeepTheBudgetNeverReturnAndReproduceTheLogits) {
+  EngineConfig c = Config("h2o");
+  c.model = "tiny-random";
+  c.num_threads = 2;
+  c.kv_cache_dtype = "f32";
+  c.h2o_budget = 0.3;
+  test::RecordedRun run;
+  test::RecordRun(c, run);
+  if (HasFatalFailure()) return;
+  const H2OConfig h2o = H2OConfig::FromEngine(c);
+  int64_t reads = 0, continued = 0;
+  for (const auto& [key, heads] : run.reads) {
+    const auto& [seq, position, layer] = key;
+    if (heads.empty()) continue;
+    ++reads;
+    const auto previous = run.reads.find({seq, position - 1, layer});
+    for (size_t g = 0; g < heads.size(); ++g) {
+      const auto& head = heads[g];
+      ASSERT_FALSE(head.empty());
+      EXPECT_EQ(head.back(), position) << "the step's own token, last";
+      EXPECT_LE(static_cast<int32_t>(head.size()) - 1, h2o.Budget(position + 1)) << "position " << position;
+      EXPECT_NE(std::find(head.begin(), head.end(), position - 1), head.end()) << "the most recent token";
+      if (previous == run.reads.end() || previous->second.empty()) continue;
+      ++continued;
+      std::vector<int32_t> allowed = previous->second[g];  // its own token (position - 1) included
+      std::sort(allowed.begin(), allowed.end());
+      for (size_t k = 0; k + 1 < head.size(); ++k) {
+        EXPECT_TRUE(std::binary_search(allowed.begin(), allowed.end(), head[k]))
+            << "sequence " << seq << ", layer " << layer << ", head " << g << ": position " << head[k]
+            << " read again after its eviction at position " << position;
+      }
+    }
+  }
+  test::ReplayFit fit, full;
+  test::ReplayAll(c, run, nullptr, fit, full);
+  const auto [other_differs, other_compared] = test::ReadsOfOtherSequencesDiffer(run);
+  std::printf("  h2o 0.3: %lld decode reads (%lld head reads continuing one), replayed logprobs within %.2g of the "
+              "engine's, %lld argmax differ (full attention moves them by up to %.2g); against another sequence's "
+              "reads %lld of %lld differ\n",
+              (long long)reads, (long long)continued, fit.max_logprob_error, (long long)fit.argmax_differs,
+              full.max_logprob_error, (long long)other_differs, (long long)other_compared);
+  EXPECT_EQ(reads, int64_t(run.prompts.size()) * 23 * run.model.num_layers) << "every decode step and layer";
+  EXPECT_GT(continued, 0);
+  EXPECT_LT(fit.max_logprob_error, 1e-4);
+  EXPECT_EQ(fit.argmax_differs, 0);
+  EXPECT_GT(full.max_logprob_error, 1e-3);
+  EXPECT_GT(other_differs, other_compared * 9 / 10);
 }
 
 }  // namespace
