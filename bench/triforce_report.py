@@ -157,6 +157,27 @@ def spread(v, f="{:.0f}"):
     return f"{f.format(statistics.median(v))} ({f.format(min(v))}-{f.format(max(v))})"
 
 
+def tok_s_cell(row):
+    """Decode tok/s of a row: the median, with (min-max) over the timed repeats when there are several."""
+    runs = row.get("decode_tok_s_per_repeat") or []
+    if row.get("decode_tok_s") is None:
+        return "-"
+    if len(runs) > 1:
+        return f"{row['decode_tok_s']:.1f} ({min(runs):.1f}-{max(runs):.1f})"
+    return f"{row['decode_tok_s']:.1f}"
+
+
+def repeats_sentence(greedy_doc, sampled_doc):
+    """What the runs' repeats let a reader conclude about their speed-ups."""
+    parts = []
+    for name, doc in (("greedy", greedy_doc), ("sampled", sampled_doc)):
+        n = doc["options"].get("repeats", 1)
+        parts.append(f"the {name} run timed {n} repeat{'s' if n != 1 else ''} per cell"
+                     + (" (median, min-max below)" if n > 1 else " (its spread is not measured)"))
+    return ("; ".join(parts).capitalize() + ". Decode tok/s on a shared 2-core machine varies by 20% or more from "
+            "run to run, so a speed-up inside that spread is not a difference.")
+
+
 def workload_section(greedy_doc, sampled_doc, greedy_path, sampled_path):
     """Markdown and JSON quoting the greedy and the sampled workload side by side."""
     g_dist, new = distinct_tokens(greedy_doc), greedy_doc["options"]["new_tokens"]
@@ -179,10 +200,9 @@ def workload_section(greedy_doc, sampled_doc, greedy_path, sampled_path):
            f"{sampled_doc.get('load_average_start')} at start, {sampled_doc.get('load_average_end')} at end): "
            f"{min(all_s) if all_s else '-'}-{max(all_s) if all_s else '-'} distinct tokens of {so['new_tokens']}. "
            "Sampled runs are not compared token by token with plain (the lossless check is the greedy run's). "
-           "With one timed repeat per cell, the spread of runs is not measured: decode tok/s on a shared 2-core "
-           "machine varies by 20% or more from run to run, so speed-ups within that are not differences. Compare "
-           "tok/s and speed-ups only inside one run (one invocation); between the two runs, the load averages above "
-           "differ. Acceptance, tokens per full pass and distinct tokens do not depend on the load.", "",
+           + repeats_sentence(greedy_doc, sampled_doc) +
+           " Compare tok/s and speed-ups only inside one run (one invocation); between the two runs, the load "
+           "averages above differ. Acceptance, tokens per full pass and distinct tokens do not depend on the load.", "",
            "| context | mode | greedy tok/s | sampled tok/s | greedy speed-up | sampled speed-up | greedy tokens / full pass "
            "| sampled tokens / full pass | greedy top acceptance | sampled top acceptance | greedy distinct tokens "
            "| sampled distinct tokens |",
@@ -192,7 +212,7 @@ def workload_section(greedy_doc, sampled_doc, greedy_path, sampled_path):
     for r in greedy_doc["rows"]:
         key = (r["context"], r["mode"])
         q = s_rows.get(key, {})
-        md.append(f"| {r['context']} | {r['mode']} | {r['decode_tok_s']:.1f} | {fmt(q.get('decode_tok_s'), '{:.1f}')} | "
+        md.append(f"| {r['context']} | {r['mode']} | {tok_s_cell(r)} | {tok_s_cell(q)} | "
                   f"{fmt(r.get('speedup_vs_plain'), '{:.2f}x')} | {fmt(q.get('speedup_vs_plain'), '{:.2f}x')} | "
                   f"{fmt(r.get('tokens_per_full_pass'))} | {fmt(q.get('tokens_per_full_pass'))} | "
                   f"{pct(r.get('top_acceptance'))} | {pct(q.get('top_acceptance'))} | "
