@@ -192,6 +192,17 @@ struct DistributionCheck {
   }
 };
 
+// What the distribution tests draw with: temperature 1 and top-k `top_k`, so that the target's
+// distribution is exactly its renormalized top-k logprobs; `max_tokens` each, EOS ignored.
+inline SamplingParams TopKSampling(int max_tokens, int top_k = 4) {
+  SamplingParams p;
+  p.temperature = 1.0f;
+  p.top_k = top_k;
+  p.max_tokens = max_tokens;
+  p.ignore_eos = true;
+  return p;
+}
+
 // `draws` completions of `prompt` under `params` (seeds 0, 1, ...; 100 in flight at a time), each
 // params.max_tokens long.
 inline std::vector<std::vector<int32_t>> DrawCompletions(Engine& engine, const std::vector<int32_t>& prompt,

@@ -83,11 +83,7 @@ test::DistributionCheck DraftModelCompletionsCheck(int draws, SpecDecodeStats* s
   auto engine = test::MakeEngine(c);
   if (!engine) return {};
   const std::vector<int32_t> prompt = RandomPrompts(1, 5)[0];
-  SamplingParams p;
-  p.temperature = 1.0f;
-  p.top_k = 4;
-  p.max_tokens = 4;
-  p.ignore_eos = true;
+  const SamplingParams p = test::TopKSampling(4);
   const auto completions = test::DrawCompletions(*engine, prompt, p, draws);
   if (stats) *stats = engine->stats().spec;
   return test::CheckCompletionsFollowTheTarget(*engine, prompt, completions, p.top_k, 0, p.max_tokens - 1);

@@ -325,6 +325,15 @@ class KvSelectionEngine : public ::testing::Test {
     return test::GenerateAll(engine, test::ThreePrompts(), p, false);
   }
 
+  // The engine-level oracle's engines: the tiny model, 2 threads, exact (fp32) KV.
+  static EngineConfig OracleConfig(const std::string& method) {
+    EngineConfig c = Config(method);
+    c.model = "tiny-random";
+    c.num_threads = 2;
+    c.kv_cache_dtype = "f32";
+    return c;
+  }
+
   static std::string* skew_path_;
 };
 std::string* KvSelectionEngine::skew_path_ = nullptr;
@@ -832,10 +841,7 @@ TEST_F(InfiniGenHostPool, CounterKeepsTheTokensFetchedMost) {
 // replayed on a fresh backend, reproduces the engine's logprobs, which full attention does not; and
 // a selector wired to the next layer's or another sequence's reads would disagree.
 TEST_F(KvSelectionEngine, InfiniGenReadsAreTheRulesChoiceAndReproduceTheLogits) {
-  EngineConfig c = Config("infinigen");
-  c.model = "tiny-random";
-  c.num_threads = 2;
-  c.kv_cache_dtype = "f32";
+  EngineConfig c = OracleConfig("infinigen");
   c.infinigen_alpha = 2.0;
   c.infinigen_max_fraction = 0.3;
   test::ExpectInfiniGenReadsFollowTheRule(c, {});
@@ -847,10 +853,7 @@ TEST_F(KvSelectionEngine, InfiniGenReadsAreTheRulesChoiceAndReproduceTheLogits) 
 // that step's token), and attention over exactly those reads, replayed on a fresh backend,
 // reproduces the engine's logprobs, which full attention does not.
 TEST_F(KvSelectionEngine, H2OReadsKeepTheBudgetNeverReturnAndReproduceTheLogits) {
-  EngineConfig c = Config("h2o");
-  c.model = "tiny-random";
-  c.num_threads = 2;
-  c.kv_cache_dtype = "f32";
+  EngineConfig c = OracleConfig("h2o");
   c.h2o_budget = 0.3;
   test::RecordedRun run;
   test::RecordRun(c, run);

@@ -111,11 +111,7 @@ test::DistributionCheck NgramCompletionsCheck(int draws, RejectionRule rule, Spe
   auto engine = test::MakeEngine(c);
   if (!engine) return {};
   const std::vector<int32_t> prompt = PromptWhoseDraftsTheTargetLikes(*engine);
-  SamplingParams p;
-  p.temperature = 1.0f;
-  p.top_k = 4;
-  p.max_tokens = 4;  // the drafter drafts only where a token is still to come
-  p.ignore_eos = true;
+  const SamplingParams p = test::TopKSampling(4);  // the drafter drafts only where a token is still to come
   std::vector<std::vector<int32_t>> completions;
   {
     testing::ScopedRejectionRule mutant(VerifySite::kTarget, rule);
