@@ -12,7 +12,6 @@
 #include <cstdio>
 #include <iterator>
 #include <map>
-#include <memory>
 #include <numeric>
 #include <span>
 #include <string>
@@ -40,6 +39,12 @@ using ReadKey = std::tuple<int64_t, int32_t, int>;  // sequence id, decode posit
 // recomputes independently what InfiniGen should select for layer L (the test's own wiring of
 // layer L's norm, projection, rotation, skew and cached keys, with the rule of speculation.h), as
 // the selector does at SpeculationPoint::kAfterAttention.
+// The rule's choice per (decode position, layer), and the scores it chose by ([kv head][token]).
+struct RuleChoices {
+  std::map<std::pair<int32_t, int>, HeadPositions> expected;
+  std::map<std::pair<int32_t, int>, std::vector<std::vector<float>>> scores_of;
+};
+
 class SelectionReplay final : public LayerHooks {
  public:
   // skew null: only replays the reads (no rule to recompute).
@@ -49,9 +54,7 @@ class SelectionReplay final : public LayerHooks {
         rope_(ComputeRopeFrequencies(backend.model_config())) {}
 
   int32_t position = -1;  // the decode step's position; -1: prefill
-  // (position, layer) -> the rule's choice, and the scores it chose by ([kv head][token]).
-  std::map<std::pair<int32_t, int>, HeadPositions> expected;
-  std::map<std::pair<int32_t, int>, std::vector<std::vector<float>>> scores_of;
+  RuleChoices choices;     // what the rule picks at each (position, layer >= 1)
 
   std::span<const KvHeadSelection> AttentionSelection(const LayerContext& ctx) override {
     if (full_ || position < 0) return {};
@@ -101,8 +104,8 @@ class SelectionReplay final : public LayerHooks {
       want[g].assign(picked.per_head[static_cast<size_t>(g)].begin(), picked.per_head[static_cast<size_t>(g)].end());
       want[g].push_back(cached);
     }
-    expected[{position, L}] = std::move(want);
-    auto& kept = scores_of[{position, L}];
+    choices.expected[{position, L}] = std::move(want);
+    auto& kept = choices.scores_of[{position, L}];
     kept.resize(static_cast<size_t>(KV));
     for (int g = 0; g < KV; ++g)
       kept[size_t(g)].assign(scores.begin() + static_cast<long>(g) * cached, scores.begin() + static_cast<long>(g + 1) * cached);
@@ -293,16 +296,15 @@ inline void Replay(const RecordedRun& run, int64_t seq, Backend& backend, Select
 // Replays every sequence of `run` twice on fresh CPU (fp32) backends: over exactly the recorded
 // reads (`fit`) and with full attention (`full`: how far the selection moved the logprobs).
 inline void ReplayAll(const EngineConfig& c, const RecordedRun& run, const SkewTable* skew, ReplayFit& fit,
-                      ReplayFit& full, std::map<int64_t, std::unique_ptr<SelectionReplay>>* replays = nullptr) {
+                      ReplayFit& full, std::map<int64_t, RuleChoices>* choices = nullptr) {
   const InfiniGenConfig config = InfiniGenConfig::FromEngine(c);
   for (const auto& [seq, prompt_len] : run.first_decode) {
     const int total = prompt_len + 24;
     for (const bool full_attention : {false, true}) {
       auto backend = test::TinyCpuBackend(total + c.block_size);
-      auto replay = std::make_unique<SelectionReplay>(*backend, full_attention ? nullptr : skew, config, run.reads, seq,
-                                                      full_attention);
-      Replay(run, seq, *backend, *replay, full_attention ? full : fit, c.block_size);
-      if (replays && !full_attention) (*replays)[seq] = std::move(replay);
+      SelectionReplay replay(*backend, full_attention ? nullptr : skew, config, run.reads, seq, full_attention);
+      Replay(run, seq, *backend, replay, full_attention ? full : fit, c.block_size);
+      if (choices && !full_attention) (*choices)[seq] = std::move(replay.choices);
     }
   }
 }
@@ -338,12 +340,12 @@ inline void ExpectInfiniGenReadsFollowTheRule(const EngineConfig& c, const Infin
   const InfiniGenConfig config = InfiniGenConfig::FromEngine(c);
   const int layers = run.model.num_layers;
   ReplayFit fit, full;
-  std::map<int64_t, std::unique_ptr<SelectionReplay>> replays;
-  ReplayAll(c, run, &skew.value(), fit, full, &replays);
+  std::map<int64_t, RuleChoices> choices;
+  ReplayAll(c, run, &skew.value(), fit, full, &choices);
   if (::testing::Test::HasFatalFailure()) return;
   int64_t reads_checked = 0, reads_differing = 0, near_ties = 0, wrong_layer_differs = 0, wrong_layer_compared = 0;
-  for (const auto& [seq, replay] : replays) {
-    for (const auto& [key, want] : replay->expected) {
+  for (const auto& [seq, rule] : choices) {
+    for (const auto& [key, want] : rule.expected) {
       const auto& [position, layer] = key;
       const auto got = run.reads.find({seq, position, layer});
       ASSERT_NE(got, run.reads.end()) << "no read recorded for sequence " << seq << " position " << position;
@@ -351,7 +353,7 @@ inline void ExpectInfiniGenReadsFollowTheRule(const EngineConfig& c, const Infin
       if (got->second != want) {
         // Allowed only where the engine's arithmetic (fp16 on a device) moved a score across a
         // boundary of the rule (IsNearTie).
-        const NearTieVerdict v = IsNearTie(got->second, replay->scores_of.at(key), config, options.score_margin);
+        const NearTieVerdict v = IsNearTie(got->second, rule.scores_of.at(key), config, options.score_margin);
         if (options.score_margin > 0 && v.near_tie) {
           ++near_ties;
         } else {

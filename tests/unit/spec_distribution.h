@@ -348,4 +348,14 @@ inline DistributionCheck CheckCompletionsFollowTheTarget(Engine& engine, const s
   return check;
 }
 
+// Draws `draws` completions of `prompt` under TopKSampling(max_tokens) and checks every position of
+// them; `stats`, if given, receives the engine's speculation counters after the draws.
+inline DistributionCheck DrawAndCheck(Engine& engine, const std::vector<int32_t>& prompt, int max_tokens, int draws,
+                                      SpecDecodeStats* stats = nullptr) {
+  const SamplingParams p = TopKSampling(max_tokens);
+  const auto completions = DrawCompletions(engine, prompt, p, draws);
+  if (stats) *stats = engine.stats().spec;
+  return CheckCompletionsFollowTheTarget(engine, prompt, completions, p.top_k, 0, p.max_tokens - 1);
+}
+
 }  // namespace kvflow::test

@@ -83,10 +83,7 @@ test::DistributionCheck DraftModelCompletionsCheck(int draws, SpecDecodeStats* s
   auto engine = test::MakeEngine(c);
   if (!engine) return {};
   const std::vector<int32_t> prompt = RandomPrompts(1, 5)[0];
-  const SamplingParams p = test::TopKSampling(4);
-  const auto completions = test::DrawCompletions(*engine, prompt, p, draws);
-  if (stats) *stats = engine->stats().spec;
-  return test::CheckCompletionsFollowTheTarget(*engine, prompt, completions, p.top_k, 0, p.max_tokens - 1);
+  return test::DrawAndCheck(*engine, prompt, 4, draws, stats);
 }
 
 TEST(DraftModelSpeculation, SampledTokensFollowTheTargetDistribution) {

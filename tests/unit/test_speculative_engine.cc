@@ -111,14 +111,10 @@ test::DistributionCheck NgramCompletionsCheck(int draws, RejectionRule rule, Spe
   auto engine = test::MakeEngine(c);
   if (!engine) return {};
   const std::vector<int32_t> prompt = PromptWhoseDraftsTheTargetLikes(*engine);
-  const SamplingParams p = test::TopKSampling(4);  // the drafter drafts only where a token is still to come
-  std::vector<std::vector<int32_t>> completions;
-  {
-    testing::ScopedRejectionRule mutant(VerifySite::kTarget, rule);
-    completions = test::DrawCompletions(*engine, prompt, p, draws);
-  }
-  if (stats) *stats = engine->stats().spec;
-  return test::CheckCompletionsFollowTheTarget(*engine, prompt, completions, p.top_k, 0, p.max_tokens - 1);
+  // The check's scoring requests decode nothing, so the rule matters only to the draws. 4 tokens: the
+  // drafter drafts only where a token is still to come.
+  testing::ScopedRejectionRule mutant(VerifySite::kTarget, rule);
+  return test::DrawAndCheck(*engine, prompt, 4, draws, stats);
 }
 
 TEST(SpeculativeDecoding, SampledTokensFollowTheTargetDistribution) {

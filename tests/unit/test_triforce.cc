@@ -311,11 +311,8 @@ test::DistributionCheck TriForceCompletionsCheck(int draws, SpecDecodeStats* sta
   if (!engine) return {};
   std::vector<int32_t> prompt;
   for (int t = 0; t < engine->model_config().vocab_size; ++t) prompt.push_back(t);
-  // The third token is drafted together with the fourth: a bottom draft, then the middle's own.
-  const SamplingParams p = test::TopKSampling(5);
-  const auto completions = test::DrawCompletions(*engine, prompt, p, draws);
-  if (stats) *stats = engine->stats().spec;
-  return test::CheckCompletionsFollowTheTarget(*engine, prompt, completions, p.top_k, 0, p.max_tokens - 1);
+  // 5 tokens: the third is drafted together with the fourth (a bottom draft, then the middle's own).
+  return test::DrawAndCheck(*engine, prompt, 5, draws, stats);
 }
 
 TEST(TriForce, SampledTokensFollowTheTargetDistribution) {
