@@ -43,7 +43,7 @@
 #include "attention_decode.h"
 #include "bench_files.h"
 #include "attention_prefill.h"
-#include "model/llama_model.h"
+#include "forward/llama_model.h"
 #include "model/model_shapes.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_device.h"

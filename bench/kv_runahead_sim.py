@@ -26,7 +26,7 @@ Schemes (per layer; L layers; context C; p ranks):
   LM head: logits for every token of the rank's chunk (HuggingFace's 2023 behaviour).
 
 Partitions: KVR-E (even), KVR-S (searched: binary search on the split for p=2, hierarchical grid
-search for p>2 -- the algorithms of src/dist/partition_search.cc), KVR-P (linear interpolation of the
+search for p>2 -- the algorithms of src/kv_runahead/partition_search.cc), KVR-P (linear interpolation of the
 KVR-S fractions of the two nearest table entries, 4K apart, as the paper's Fig. 10).
 
 Noise (the paper's Fig. 11: a "noisy sidecar" makes bidirectional traffic between a random adjacent
@@ -249,7 +249,7 @@ def lower_bound(ttft_single, p):
     return ttft_single / 2 * (1 / p + 1 / p ** 2)
 
 
-# ---- partition search (as src/dist/partition_search.cc) --------------------------------------------
+# ---- partition search (as src/kv_runahead/partition_search.cc) --------------------------------------------
 
 
 class CachedMeasure:

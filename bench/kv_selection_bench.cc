@@ -137,16 +137,16 @@ int main(int argc, char** argv) {
     c.num_kv_blocks = (max_model_len + c.block_size - 1) / c.block_size + 32;
     const bool offload = mode.rfind("offload-", 0) == 0;
     const std::string method = offload ? mode.substr(8) : mode;
-    c.kv_offload = offload;
+    c.kv_offload.enabled = offload;
     if (method == "infinigen") {
-      c.kv_selection = "infinigen";
-      c.infinigen_alpha = alpha;
-      c.infinigen_max_fraction = max_fraction;
-      c.infinigen_speculate_from = speculate_from;
-      c.infinigen_skew_file = skew_file;
+      c.kv_selection.method = "infinigen";
+      c.kv_selection.infinigen.alpha = alpha;
+      c.kv_selection.infinigen.max_fraction = max_fraction;
+      c.kv_selection.infinigen.speculate_from = speculate_from;
+      c.kv_selection.infinigen.skew_file = skew_file;
     } else if (method == "h2o") {
-      c.kv_selection = "h2o";
-      c.h2o_budget = h2o_budget;
+      c.kv_selection.method = "h2o";
+      c.kv_selection.h2o.budget = h2o_budget;
     } else if (method == "int4" && !offload) {
       c.kv_cache_dtype = "q4";
     } else if (method != "full") {
@@ -159,13 +159,13 @@ int main(int argc, char** argv) {
       return 1;
     }
     engine_json[mode] = {{"describe", engine.value()->Describe()},
-                         {"kv_selection", c.kv_selection},
+                         {"kv_selection", c.kv_selection.method},
                          {"kv_cache_dtype", c.kv_cache_dtype},
-                         {"kv_offload", c.kv_offload},
-                         {"infinigen_alpha", c.infinigen_alpha},
-                         {"infinigen_max_fraction", c.infinigen_max_fraction},
-                         {"infinigen_speculate_from", c.infinigen_speculate_from},
-                         {"h2o_budget", c.h2o_budget}};
+                         {"kv_offload", c.kv_offload.enabled},
+                         {"infinigen_alpha", c.kv_selection.infinigen.alpha},
+                         {"infinigen_max_fraction", c.kv_selection.infinigen.max_fraction},
+                         {"infinigen_speculate_from", c.kv_selection.infinigen.speculate_from},
+                         {"h2o_budget", c.kv_selection.h2o.budget}};
     std::fprintf(stderr, "[engine] %s: %s\n", mode.c_str(), engine.value()->Describe().c_str());
     engines[mode] = std::move(engine.value());
   }

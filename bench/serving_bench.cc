@@ -69,6 +69,7 @@
 #include "bench_files.h"
 #include "engine/engine_core.h"
 #include "engine/evaluation.h"
+#include "systems/builtin_systems.h"
 #include "kv/block_manager.h"
 #include "kvflow/engine.h"
 #include "model/tensor_source.h"
@@ -980,9 +981,9 @@ kvflow::EngineConfig MakeEngineConfig(const ServingConfig& cfg, const ModelChoic
   ec.scheduling_policy = policy;
   ec.num_threads = num_threads;
   if (policy == "s3") {
-    ec.length_predictor = cfg.length_predictor;
-    ec.length_predictor_online_updates = cfg.online_updates;
-    ec.length_reservation_point = cfg.reservation_point;
+    ec.s3.length_predictor = cfg.length_predictor;
+    ec.s3.online_updates = cfg.online_updates;
+    ec.s3.reservation_point = cfg.reservation_point;
   }
   return ec;
 }

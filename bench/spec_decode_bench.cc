@@ -140,10 +140,10 @@ int main(int argc, char** argv) {
   base.max_num_seqs = 8;
   base.max_model_len = 2048;
   kvflow::EngineConfig spec_config = base;
-  spec_config.speculative_method = "ngram";
-  spec_config.num_speculative_tokens = k;
-  spec_config.ngram_max = ngram_max;
-  spec_config.ngram_min = ngram_min;
+  spec_config.speculative.method = "ngram";
+  spec_config.speculative.num_tokens = k;
+  spec_config.speculative.ngram.max = ngram_max;
+  spec_config.speculative.ngram.min = ngram_min;
   auto plain = kvflow::Engine::Create(base);
   auto spec = kvflow::Engine::Create(spec_config);
   if (!plain.ok() || !spec.ok()) {

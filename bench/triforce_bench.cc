@@ -238,16 +238,16 @@ int main(int argc, char** argv) {
     c.num_kv_blocks = kv_blocks > 0 ? kv_blocks : (max_model_len + c.block_size - 1) / c.block_size + 32;
     c.seed = seed;
     if (mode == "ngram") {
-      c.speculative_method = "ngram";
-      c.num_speculative_tokens = gamma2;
+      c.speculative.method = "ngram";
+      c.speculative.num_tokens = gamma2;
     } else if (mode != "plain") {
-      c.speculative_method = "triforce";
-      c.num_speculative_tokens = gamma2;
-      c.triforce_draft_tokens = mode == "middle" ? 0 : gamma1;
-      c.triforce_draft = mode == "triforce-streaming" ? "streaming" : "ngram";
-      c.triforce_budget = budget;
-      c.triforce_min_context = 0;
-      c.triforce_rebuild_stride = rebuild_stride;
+      c.speculative.method = "triforce";
+      c.speculative.num_tokens = gamma2;
+      c.speculative.triforce.draft_tokens = mode == "middle" ? 0 : gamma1;
+      c.speculative.triforce.draft = mode == "triforce-streaming" ? "streaming" : "ngram";
+      c.speculative.triforce.budget = budget;
+      c.speculative.triforce.min_context = 0;
+      c.speculative.triforce.rebuild_stride = rebuild_stride;
     }
     auto engine = kvflow::Engine::Create(c);
     if (!engine.ok()) {
@@ -255,14 +255,14 @@ int main(int argc, char** argv) {
       return 1;
     }
     engine_json[mode] = {{"describe", engine.value()->Describe()},
-                         {"speculative_method", c.speculative_method},
-                         {"num_speculative_tokens", c.num_speculative_tokens},
-                         {"triforce_draft", c.triforce_draft},
-                         {"triforce_draft_tokens", c.triforce_draft_tokens},
-                         {"triforce_budget", c.triforce_budget},
-                         {"triforce_min_context", c.triforce_min_context},
-                         {"triforce_sinks", c.triforce_sinks},
-                         {"triforce_window", c.triforce_window}};
+                         {"speculative_method", c.speculative.method},
+                         {"num_speculative_tokens", c.speculative.num_tokens},
+                         {"triforce_draft", c.speculative.triforce.draft},
+                         {"triforce_draft_tokens", c.speculative.triforce.draft_tokens},
+                         {"triforce_budget", c.speculative.triforce.budget},
+                         {"triforce_min_context", c.speculative.triforce.min_context},
+                         {"triforce_sinks", c.speculative.triforce.sinks},
+                         {"triforce_window", c.speculative.triforce.window}};
     std::fprintf(stderr, "[engine] %s: %s\n", mode.c_str(), engine.value()->Describe().c_str());
     engines[mode] = std::move(engine.value());
   }

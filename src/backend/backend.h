@@ -14,7 +14,7 @@
 #include "kv/block_manager.h"
 #include "kv/kv_cache_layout.h"
 #include "kvflow/config.h"
-#include "kvflow/engine.h"
+#include "kvflow/engine_config.h"
 #include "kvflow/request.h"
 #include "kvflow/sampling.h"
 #include "kvflow/status.h"
@@ -205,7 +205,7 @@ int64_t ActivationWidth(const ModelConfig& config, Activation which);
 enum class LayerWeight { kAttnNorm, kQkv, kO, kFfnNorm, kGateUp, kDown };
 
 // A compute backend: it owns the weights, the paged KV pools, the step's activations, and the
-// primitives a decoder is written in (model/llama_model.h runs the layer loop over them). It has
+// primitives a decoder is written in (forward/llama_model.h runs the layer loop over them). It has
 // no forward pass of its own.
 //
 // A step: RunStep(batch, sink, layers) stages the batch, calls `layers` (which issues the

@@ -72,13 +72,13 @@ Result<std::unique_ptr<Backend>> MakeCpuBackend(EngineConfig& config, bool reque
   const int64_t host_blocks = config.num_host_kv_blocks >= 0 ? config.num_host_kv_blocks
                                                              : config.swap_space_bytes / block_bytes;
   // An offloaded pool is in host memory already: no swap space.
-  const int num_host_blocks = config.kv_offload ? 0 : static_cast<int>(std::min<int64_t>(host_blocks, layout.num_blocks));
+  const int num_host_blocks = config.kv_offload.enabled ? 0 : static_cast<int>(std::min<int64_t>(host_blocks, layout.num_blocks));
 
   const int threads = config.num_threads > 0 ? config.num_threads
                                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   KVFLOW_ASSIGN_OR_RETURN(auto backend,
                           CpuBackend::Create(mc, std::move(weights), layout, num_host_blocks, threads, element,
-                                             config.kv_offload));
+                                             config.kv_offload.enabled));
   return std::unique_ptr<Backend>(std::move(backend));
 }
 
@@ -93,7 +93,7 @@ Result<std::unique_ptr<Backend>> MakeCudaBackend(EngineConfig& config, bool requ
   }
   CudaBackendOptions o;
   o.device = device;
-  o.kv_offload = config.kv_offload;
+  o.kv_offload = config.kv_offload.enabled;
   o.dtype = config.dtype;
   o.gpu_memory_utilization = config.gpu_memory_utilization;
   o.block_size = config.block_size;
@@ -111,7 +111,7 @@ Result<std::unique_ptr<Backend>> MakeCudaBackend(EngineConfig& config, bool requ
     o.num_kv_blocks = config.num_kv_blocks;
   } else if (config.kv_cache_bytes > 0) {
     o.num_kv_blocks = static_cast<int>(std::max<int64_t>(1, config.kv_cache_bytes / block_bytes));
-  } else if (config.kv_offload) {
+  } else if (config.kv_offload.enabled) {
     // An offloaded pool is host memory, which the GPU budget does not size: as the CPU backend,
     // enough for max_num_seqs full contexts, at most 1 GiB (pinned), unless kv_cache_bytes says.
     const int64_t full = static_cast<int64_t>(config.max_num_seqs) * BlocksForTokens(config.max_model_len, config.block_size);

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "backend/backend.h"
-#include "kvflow/engine.h"
+#include "kvflow/engine_config.h"
 #include "model/llama_weights.h"
 
 namespace kvflow {

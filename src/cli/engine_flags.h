@@ -42,102 +42,102 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
                   "paged (vLLM FCFS) or s3 (length-aware); for evaluation orca-max, orca-pow2, orca-oracle, "
                   "s3-oracle")
       ->default_val("paged");
-  app->add_option("--length-predictor", c.length_predictor,
+  app->add_option("--length-predictor", c.s3.length_predictor,
                   "s3: output-length predictor file (kvflow-length-predictor train); none: learn online from scratch");
-  app->add_option("--length-reservation", c.length_reservation_point,
+  app->add_option("--length-reservation", c.s3.reservation_point,
                   "s3: reserve the upper or middle edge of the predicted bucket (default: the file's, upper)");
-  app->add_flag("!--no-length-online-updates", c.length_predictor_online_updates,
+  app->add_flag("!--no-length-online-updates", c.s3.online_updates,
                 "s3: do not retrain the predictor on completed requests");
-  app->add_option("--speculative-method", c.speculative_method,
+  app->add_option("--speculative-method", c.speculative.method,
                   "Speculative decoding, lossless: ngram (draft by looking the last tokens up earlier in the "
                   "sequence), draft_model (sample drafts from --speculative-model) or triforce (long contexts: the "
                   "model over a retrieval cache of its own KV drafts for the model with its full cache). Default: "
                   "off, or draft_model when --speculative-model is given");
-  app->add_option("--speculative-model", c.speculative_model,
+  app->add_option("--speculative-model", c.speculative.model,
                   "draft_model (or triforce with --triforce-draft draft_model): a smaller model with the same "
                   "tokenizer (path or short name), on the same device");
-  app->add_option("--num-speculative-tokens", c.num_speculative_tokens,
+  app->add_option("--num-speculative-tokens", c.speculative.num_tokens,
                   "Drafts per step at most (triforce: gamma2, the tokens the middle level drafts per full-cache "
                   "pass); 0 = the method's default: 4, triforce 8")
       ->default_val(0);
-  app->add_option("--triforce-draft", c.triforce_draft,
+  app->add_option("--triforce-draft", c.speculative.triforce.draft,
                   "triforce: the bottom drafter proposing to the retrieval level: ngram, streaming (the model over "
                   "attention sinks + a recent window) or draft_model (--speculative-model over sinks + window)")
       ->default_val("ngram");
-  app->add_option("--triforce-draft-tokens", c.triforce_draft_tokens,
+  app->add_option("--triforce-draft-tokens", c.speculative.triforce.draft_tokens,
                   "triforce: gamma1, tokens the bottom drafter proposes per retrieval-level pass")
       ->default_val(3);
-  app->add_option("--triforce-budget", c.triforce_budget,
+  app->add_option("--triforce-budget", c.speculative.triforce.budget,
                   "triforce: tokens in the retrieval cache (top KV blocks by their mean key's attention); 0 = "
                   "context/8 within [256, 4096]")
       ->default_val(0);
-  app->add_option("--triforce-rebuild-stride", c.triforce_rebuild_stride,
+  app->add_option("--triforce-rebuild-stride", c.speculative.triforce.rebuild_stride,
                   "triforce: rebuild the retrieval cache after this many new tokens (0 = on low acceptance only)")
       ->default_val(1024);
-  app->add_option("--triforce-rebuild-acceptance", c.triforce_rebuild_acceptance,
+  app->add_option("--triforce-rebuild-acceptance", c.speculative.triforce.rebuild_acceptance,
                   "triforce: rebuild it when the rolling acceptance falls below this")
       ->default_val(0.5);
-  app->add_option("--triforce-min-context", c.triforce_min_context,
+  app->add_option("--triforce-min-context", c.speculative.triforce.min_context,
                   "triforce: sequences with a shorter context decode plainly (it would not pay)")
       ->default_val(4096);
-  app->add_option("--triforce-sinks", c.triforce_sinks, "triforce streaming/draft_model bottom: attention sinks")
+  app->add_option("--triforce-sinks", c.speculative.triforce.sinks, "triforce streaming/draft_model bottom: attention sinks")
       ->default_val(16);
-  app->add_option("--triforce-window", c.triforce_window, "triforce streaming/draft_model bottom: recent window")
+  app->add_option("--triforce-window", c.speculative.triforce.window, "triforce streaming/draft_model bottom: recent window")
       ->default_val(256);
-  app->add_option("--kv-selection", c.kv_selection,
+  app->add_option("--kv-selection", c.kv_selection.method,
                   "Which cached tokens decoding attention reads: infinigen (speculate each layer's important tokens "
                   "at the layer before and read only those; needs the model's skewing file from `kvflow skew`) or "
                   "h2o (keep heavy hitters + a recent window, evicting the rest); empty = all of them")
       ->check(CLI::IsMember({"", "infinigen", "h2o"}));
-  app->add_option("--kv-selection-default", c.kv_selection_default,
+  app->add_option("--kv-selection-default", c.kv_selection.apply_by_default,
                   "Whether requests that do not say (the API's kv_selection field) use the selection")
       ->default_val(true);
-  app->add_option("--kv-selection-min-context", c.kv_selection_min_context,
+  app->add_option("--kv-selection-min-context", c.kv_selection.min_context,
                   "Contexts shorter than this read the whole cache")
       ->default_val(0);
-  app->add_option("--infinigen-skew-file", c.infinigen_skew_file,
+  app->add_option("--infinigen-skew-file", c.kv_selection.infinigen.skew_file,
                   "infinigen: the skewing file (default: <model path>.infinigen, written by `kvflow skew`)");
-  app->add_option("--infinigen-speculate-from", c.infinigen_speculate_from,
+  app->add_option("--infinigen-speculate-from", c.kv_selection.infinigen.speculate_from,
                   "infinigen: speculate layer i at layer i-1's after-attention residual (default; the prefetch "
                   "overlaps layer i-1's MLP) or at its layer-input (the paper; overlaps all of layer i-1)")
       ->default_val("after-attention")
       ->check(CLI::IsMember({"after-attention", "layer-input"}));
-  app->add_option("--infinigen-alpha", c.infinigen_alpha,
+  app->add_option("--infinigen-alpha", c.kv_selection.infinigen.alpha,
                   "infinigen: read the tokens whose speculated score is within alpha of each head's max (logits)")
       ->default_val(5.0);
-  app->add_option("--infinigen-max-fraction", c.infinigen_max_fraction,
+  app->add_option("--infinigen-max-fraction", c.kv_selection.infinigen.max_fraction,
                   "infinigen: at most this fraction of the cache per layer")
       ->default_val(0.2);
-  app->add_option("--infinigen-host-kv-tokens", c.infinigen_host_kv_tokens,
+  app->add_option("--infinigen-host-kv-tokens", c.kv_selection.infinigen.host_kv_tokens,
                   "infinigen: cap the host KV pool at this many tokens per sequence and layer (the paper's KV pool "
                   "manager); past it each new token evicts one, chosen by --infinigen-eviction, that the layer never "
                   "reads again (0 = no cap; e.g. 80% of a 2048-token context: 1638)")
       ->default_val(0);
-  app->add_option("--infinigen-eviction", c.infinigen_eviction,
+  app->add_option("--infinigen-eviction", c.kv_selection.infinigen.eviction,
                   "infinigen: which token a full host pool evicts: counter (the paper's: the one fetched least often, "
                   "counts halved when one saturates), lru (least recently fetched) or fifo (the oldest)")
       ->default_val("counter")
       ->check(CLI::IsMember({"counter", "lru", "fifo"}));
-  app->add_option("--h2o-budget", c.h2o_budget, "h2o: fraction of the context kept")->default_val(0.2);
-  app->add_option("--h2o-recent-share", c.h2o_recent_share, "h2o: share of the budget kept as the recent window")
+  app->add_option("--h2o-budget", c.kv_selection.h2o.budget, "h2o: fraction of the context kept")->default_val(0.2);
+  app->add_option("--h2o-recent-share", c.kv_selection.h2o.recent_share, "h2o: share of the budget kept as the recent window")
       ->default_val(0.5);
-  app->add_flag("--kv-offload", c.kv_offload,
+  app->add_flag("--kv-offload", c.kv_offload.enabled,
                "Keep the KV cache in host memory (InfiniGen's and FlexGen's setting): the device holds two layers' "
                "staging buffers and each layer fetches what its attention reads, during the layer before where it "
                "is known: every cached token, or with --kv-selection infinigen only the speculated ones. No swap "
                "space; on CUDA the pool is pinned host memory and decode steps run without CUDA graphs");
-  app->add_option("--prefill-parallel", c.prefill_parallel,
+  app->add_option("--prefill-parallel", c.prefill_parallel.method,
                   "KV-Runahead: under mpirun -np P, prefill prompts of --prefill-parallel-min-tokens or more across "
                   "all P ranks; the last rank serves and decodes, the others are prefill workers. kv-runahead (the "
                   "chain) or tsp (all-gather baseline)")
       ->check(CLI::IsMember({"kv-runahead", "tsp"}));
-  app->add_option("--prefill-parallel-min-tokens", c.prefill_parallel_min_tokens,
+  app->add_option("--prefill-parallel-min-tokens", c.prefill_parallel.min_tokens,
                   "Shorter prompts are prefilled on the last rank alone")
       ->default_val(2048);
-  app->add_option("--partition-table", c.prefill_partition_table,
+  app->add_option("--partition-table", c.prefill_parallel.partition_table,
                   "KV-Runahead's partition lookup table (kvflow prefill-bench --search); none: even split");
-  app->add_option("--ngram-max,--prompt-lookup-max", c.ngram_max, "ngram: longest suffix looked up")->default_val(4);
-  app->add_option("--ngram-min,--prompt-lookup-min", c.ngram_min, "ngram: shortest suffix looked up")->default_val(1);
+  app->add_option("--ngram-max,--prompt-lookup-max", c.speculative.ngram.max, "ngram: longest suffix looked up")->default_val(4);
+  app->add_option("--ngram-min,--prompt-lookup-min", c.speculative.ngram.min, "ngram: shortest suffix looked up")->default_val(1);
   app->add_option("--threads", c.num_threads, "CPU threads (0 = all cores)")->default_val(0);
 }
 

@@ -17,8 +17,8 @@
 #include "cli/decode_bench.h"
 #include "cli/engine_flags.h"
 #include "cli/prefill_bench.h"
-#include "dist/prompt_prefill_service.h"
-#include "dist/world.h"
+#include "kv_runahead/prompt_prefill_service.h"
+#include "distributed/world.h"
 #include "engine/chat_template.h"
 #include "backend/backend_factory.h"
 #include "eval/perplexity.h"
@@ -53,7 +53,7 @@ int RunGenerate(GenerateOptions& opt) {
   if (!engine_or.ok()) {
     spdlog::error("{}", engine_or.status().ToString());
     // The prefill workers wait for this rank: end the whole job.
-    if (!opt.engine.prefill_parallel.empty()) kvflow::dist::AbortJob(1);
+    if (!opt.engine.prefill_parallel.method.empty()) kvflow::dist::AbortJob(1);
     return 1;
   }
   auto& engine = *engine_or.value();
@@ -193,20 +193,20 @@ int RunPerplexity(PerplexityCliOptions& opt) {
     spdlog::error("{}", r.status().ToString());
     return 1;
   }
-  if (!engine.config().kv_selection.empty()) {
+  if (!engine.config().kv_selection.method.empty()) {
     const kvflow::KvSelectionStats k = engine.stats().kv_selection;
     std::printf("kv selection %s: %.2f%% of the cached tokens read at selecting layers, %.2f%% of full attention's KV bytes "
                 "(all layers), over %lld decode-mode tokens\n",
-                engine.config().kv_selection.c_str(), 100.0 * k.selection_fraction(),
+                engine.config().kv_selection.method.c_str(), 100.0 * k.selection_fraction(),
                 k.bytes_full > 0 ? 100.0 * static_cast<double>(k.bytes_read) / static_cast<double>(k.bytes_full) : 0.0,
                 static_cast<long long>(k.decode_tokens));
-    if (engine.config().infinigen_host_kv_tokens > 0) {
+    if (engine.config().kv_selection.infinigen.host_kv_tokens > 0) {
       std::printf("host KV pool capped at %d tokens per sequence and layer (%s eviction): %lld (token, layer) entries evicted\n",
-                  engine.config().infinigen_host_kv_tokens, engine.config().infinigen_eviction.c_str(),
+                  engine.config().kv_selection.infinigen.host_kv_tokens, engine.config().kv_selection.infinigen.eviction.c_str(),
                   static_cast<long long>(k.tokens_evicted));
     }
   }
-  if (engine.config().kv_offload) {
+  if (engine.config().kv_offload.enabled) {
     const kvflow::KvOffloadStats o = engine.stats().kv_offload;
     std::printf("kv offload: %.1f MiB fetched from the host pool (%lld prefetched layers, %lld on demand, %.2f s), "
                 "%.1f MiB written to it\n",
@@ -235,14 +235,14 @@ int RunPerplexity(PerplexityCliOptions& opt) {
     if (r->first_token_bos >= 0) j["first_token_bos"] = r->first_token_bos;
     j["token_by_token"] = opt.token_by_token;
     const kvflow::EngineConfig& ec = engine.config();
-    if (!ec.kv_selection.empty()) {
+    if (!ec.kv_selection.method.empty()) {
       const kvflow::KvSelectionStats k = engine.stats().kv_selection;
-      j["kv_selection"] = {{"method", ec.kv_selection},
-                           {"infinigen_alpha", ec.infinigen_alpha},
-                           {"infinigen_max_fraction", ec.infinigen_max_fraction},
-                           {"infinigen_host_kv_tokens", ec.infinigen_host_kv_tokens},
-                           {"infinigen_eviction", ec.infinigen_eviction},
-                           {"h2o_budget", ec.h2o_budget},
+      j["kv_selection"] = {{"method", ec.kv_selection.method},
+                           {"infinigen_alpha", ec.kv_selection.infinigen.alpha},
+                           {"infinigen_max_fraction", ec.kv_selection.infinigen.max_fraction},
+                           {"infinigen_host_kv_tokens", ec.kv_selection.infinigen.host_kv_tokens},
+                           {"infinigen_eviction", ec.kv_selection.infinigen.eviction},
+                           {"h2o_budget", ec.kv_selection.h2o.budget},
                            {"decode_tokens", k.decode_tokens},
                            {"layer_reads_selected", k.layer_reads_selected},
                            {"layer_reads_full", k.layer_reads_full},

@@ -21,11 +21,11 @@
 #include <spdlog/spdlog.h>
 
 #include "cli/decode_bench.h"
-#include "dist/chain_prefill.h"
-#include "dist/partition_search.h"
-#include "dist/partition_table.h"
-#include "dist/prompt_prefill_service.h"
-#include "dist/world.h"
+#include "kv_runahead/chain_prefill.h"
+#include "kv_runahead/partition_search.h"
+#include "kv_runahead/partition_table.h"
+#include "kv_runahead/prompt_prefill_service.h"
+#include "distributed/world.h"
 #include "kvflow/engine.h"
 
 namespace kvflow {

@@ -11,17 +11,11 @@
 #include "engine/evaluation.h"
 #include "engine/model_executor.h"
 #include "engine/prompt_prefiller.h"
-#include "dist/prompt_prefill_service.h"
-#include "h2o/h2o_selector.h"
-#include "infinigen/infinigen_selector.h"
-#include "infinigen/skew_file.h"
+#include "engine/system_registry.h"
 #include "model/llama_weights.h"
 #include "model/tensor_source.h"
 #include "sched/length_supervisor.h"
 #include "sched/policy.h"
-#include "spec/draft_model.h"
-#include "spec/ngram_drafter.h"
-#include "triforce/triforce_drafter.h"
 
 namespace kvflow {
 
@@ -55,61 +49,44 @@ EngineCoreConfig CoreConfig(const EngineConfig& c, const ModelConfig& model, con
   core.seed = c.seed;
   core.drafter = drafter;
   core.kv_selector = kv_selector;
-  core.kv_selection_default = c.kv_selection_default;
+  core.kv_selection_default = c.kv_selection.apply_by_default;
   return core;
-}
-
-// Blocks of the target's pool the engine's drafter keeps for itself (TriForce's lanes), past those
-// the block manager owns.
-int DrafterScratchBlocks(const EngineConfig& c) {
-  return c.speculative_method == "triforce"
-             ? TriForceDrafter::TargetScratchBlocks(TriForceConfig::FromEngine(c), c.block_size)
-             : 0;
-}
-
-// The engine's drafter for speculative decoding: none, n-gram lookup, the draft model on
-// `draft_backend` (whose pool holds the target's `num_table_blocks` and the drafter's scratch), or
-// TriForce over the target's own backend (and the draft model as its bottom level).
-std::unique_ptr<Drafter> MakeDrafter(const EngineConfig& c, Backend& target, Backend* draft_backend,
-                                     int num_table_blocks) {
-  if (c.speculative_method == "triforce") {
-    return std::make_unique<TriForceDrafter>(TriForceConfig::FromEngine(c), target,
-                                             target.kv_layout().num_blocks - DrafterScratchBlocks(c), draft_backend,
-                                             target.kv_layout().num_blocks);
-  }
-  if (c.speculative_method == "ngram") {
-    return std::make_unique<NgramDrafter>(NgramDrafterConfig{c.num_speculative_tokens, c.ngram_max, c.ngram_min});
-  }
-  if (c.speculative_method == "draft_model") {
-    return std::make_unique<DraftModel>(*draft_backend, num_table_blocks, c.num_speculative_tokens, c.max_num_seqs);
-  }
-  return nullptr;
 }
 
 // The public Engine API over the core, the model executor and the backend.
 class EngineImpl final : public EvaluationEngine {
  public:
-  // `draft_backend`: the draft model's, with speculative_method "draft_model" (else null).
-  EngineImpl(EngineConfig config, ModelFiles files, std::unique_ptr<Backend> backend,
-             std::unique_ptr<Backend> draft_backend, std::unique_ptr<SchedulingPolicy> policy,
-             PreemptionMode preemption, std::unique_ptr<LengthSupervisor> supervisor,
-             std::unique_ptr<KvSelector> kv_selector, std::unique_ptr<PromptPrefiller> prompt_prefiller)
+  // The systems the configuration names, made by their plugins.
+  struct Systems {
+    std::unique_ptr<Backend> draft_backend;  // a drafter's draft model (else null)
+    std::unique_ptr<Drafter> drafter;
+    int drafter_scratch_blocks = 0;  // blocks of the target's pool the drafter keeps
+    std::unique_ptr<KvSelector> kv_selector;
+    std::unique_ptr<PromptPrefiller> prompt_prefiller;
+    std::unique_ptr<WrappingHooks> kv_tier_hooks;
+  };
+
+  EngineImpl(EngineConfig config, ModelFiles files, std::unique_ptr<Backend> backend, Systems systems,
+             std::unique_ptr<SchedulingPolicy> policy, PreemptionMode preemption,
+             std::unique_ptr<LengthSupervisor> supervisor)
       : config_(std::move(config)),
         model_config_(files.config),
         tokenizer_(std::move(files.tokenizer)),
         backend_(std::move(backend)),
-        draft_backend_(std::move(draft_backend)),
-        drafter_(MakeDrafter(config_, *backend_, draft_backend_.get(), backend_->kv_layout().num_blocks)),
-        kv_selector_(std::move(kv_selector)),
+        draft_backend_(std::move(systems.draft_backend)),
+        drafter_(std::move(systems.drafter)),
+        kv_selector_(std::move(systems.kv_selector)),
+        kv_tier_hooks_(std::move(systems.kv_tier_hooks)),
         core_(CoreConfig(config_, model_config_, *tokenizer_,
-                         backend_->kv_layout().num_blocks - DrafterScratchBlocks(config_),
+                         backend_->kv_layout().num_blocks - systems.drafter_scratch_blocks,
                          backend_->num_host_blocks(), preemption, drafter_.get(), kv_selector_.get()),
               std::move(policy), std::move(supervisor), tokenizer_.get()),
         executor_(*backend_, core_.block_manager()),
-        prompt_prefiller_(std::move(prompt_prefiller)) {
+        prompt_prefiller_(std::move(systems.prompt_prefiller)) {
     if (draft_backend_) executor_.AddFollower(*draft_backend_);
-    if (drafter_) executor_.set_step_hooks(drafter_->step_hooks());
-    executor_.set_kv_selector(kv_selector_.get());
+    executor_.AddStepHooks(kv_selector_.get());
+    if (drafter_) executor_.AddStepHooks(drafter_->step_hooks());
+    executor_.set_wrapping_hooks(kv_tier_hooks_.get());
   }
 
   Result<RequestId> AddRequest(const std::string& prompt, const SamplingParams& params,
@@ -177,11 +154,11 @@ class EngineImpl final : public EvaluationEngine {
     const Scheduler& scheduler = core_.scheduler();
     const std::string draft =
         draft_backend_ ? ", draft model " + draft_backend_->model_config().name + " (k " +
-                             std::to_string(config_.num_speculative_tokens) + ")"
-        : drafter_     ? ", " + config_.speculative_method + " speculation (k " +
-                             std::to_string(config_.num_speculative_tokens) + ")"
+                             std::to_string(config_.speculative.num_tokens) + ")"
+        : drafter_     ? ", " + config_.speculative.method + " speculation (k " +
+                             std::to_string(config_.speculative.num_tokens) + ")"
                        : "";
-    const std::string selection = config_.kv_selection.empty() ? "" : ", KV selection " + config_.kv_selection;
+    const std::string selection = config_.kv_selection.method.empty() ? "" : ", KV selection " + config_.kv_selection.method;
     const std::string prefill = prompt_prefiller_ ? ", " + prompt_prefiller_->Describe() : "";
     return model_config_.name + " on " + backend_->Describe() + draft + ", swap " + std::to_string(blocks.host().num_blocks()) +
            " blocks, max_model_len " + std::to_string(config_.max_model_len) + selection + ", policy " +
@@ -254,11 +231,13 @@ class EngineImpl final : public EvaluationEngine {
   std::unique_ptr<Backend> draft_backend_;
   std::unique_ptr<Drafter> drafter_;
   std::unique_ptr<KvSelector> kv_selector_;
+  std::unique_ptr<WrappingHooks> kv_tier_hooks_;
   EngineCore core_;
   ModelExecutor executor_;
   std::unique_ptr<PromptPrefiller> prompt_prefiller_;  // KV-Runahead's last rank (prefill_parallel)
 };
 
+// The engine's own settings; each system checks its section (SystemRegistry::CompleteAndCheck).
 Status ValidateEngineConfig(const EngineConfig& c) {
   if (c.block_size < 1 || c.block_size > 256) return Status::InvalidArgument("block_size must be in [1, 256]");
   if (c.max_num_seqs < 1) return Status::InvalidArgument("max_num_seqs must be >= 1");
@@ -266,67 +245,6 @@ Status ValidateEngineConfig(const EngineConfig& c) {
   if (c.max_model_len < 0) return Status::InvalidArgument("max_model_len must be >= 0");
   if (c.kv_cache_bytes < 0 || c.num_kv_blocks < 0) return Status::InvalidArgument("KV cache size must be >= 0");
   if (c.swap_space_bytes < 0) return Status::InvalidArgument("swap_space must be >= 0");
-  if (!c.speculative_method.empty()) {
-    if (c.speculative_method != "ngram" && c.speculative_method != "draft_model" && c.speculative_method != "triforce") {
-      return Status::InvalidArgument("speculative_method must be ngram, draft_model or triforce (or empty: off), not '" +
-                                     c.speculative_method + "'");
-    }
-    if (c.speculative_method == "triforce") {
-      KVFLOW_RETURN_IF_ERROR(TriForceConfig::FromEngine(c).Validate());
-      if (c.triforce_draft == "draft_model" && c.speculative_model.empty()) {
-        return Status::InvalidArgument("triforce_draft draft_model needs speculative_model (--speculative-model)");
-      }
-    }
-    KVFLOW_RETURN_IF_ERROR((NgramDrafterConfig{c.num_speculative_tokens, c.ngram_max, c.ngram_min}).Validate());
-    if (c.speculative_method == "draft_model" && c.speculative_model.empty()) {
-      return Status::InvalidArgument("speculative_method draft_model needs speculative_model (--speculative-model)");
-    }
-    if ((c.speculative_method == "ngram" || (c.speculative_method == "triforce" && c.triforce_draft != "draft_model")) &&
-        !c.speculative_model.empty()) {
-      return Status::InvalidArgument("speculative_model is for speculative_method draft_model (or triforce with "
-                                     "triforce_draft draft_model), not " + c.speculative_method);
-    }
-  }
-  if (c.infinigen_host_kv_tokens != 0 && c.kv_selection != "infinigen") {
-    return Status::InvalidArgument("infinigen_host_kv_tokens caps InfiniGen's host KV pool: it needs kv_selection "
-                                   "infinigen, not '" + c.kv_selection + "'");
-  }
-  if (!c.kv_selection.empty()) {
-    if (c.kv_selection != "infinigen" && c.kv_selection != "h2o") {
-      return Status::InvalidArgument("kv_selection must be infinigen or h2o (or empty: off), not '" + c.kv_selection + "'");
-    }
-    if (!c.speculative_method.empty()) {
-      return Status::InvalidArgument("kv_selection " + c.kv_selection + " cannot be combined with speculative_method " +
-                                     c.speculative_method);
-    }
-    KVFLOW_RETURN_IF_ERROR(ParseSpeculationPoint(c.infinigen_speculate_from).status());
-    KVFLOW_RETURN_IF_ERROR(ParseHostEvictionPolicy(c.infinigen_eviction).status());
-    KVFLOW_RETURN_IF_ERROR(InfiniGenConfig::FromEngine(c).Validate());
-    KVFLOW_RETURN_IF_ERROR(H2OConfig::FromEngine(c).Validate());
-  }
-  if (!c.prefill_parallel.empty()) {
-    if (c.prefill_parallel != "kv-runahead" && c.prefill_parallel != "tsp") {
-      return Status::InvalidArgument("prefill_parallel must be kv-runahead or tsp, not '" + c.prefill_parallel + "'");
-    }
-    if (c.prefill_parallel_min_tokens < 2) return Status::InvalidArgument("prefill_parallel_min_tokens must be >= 2");
-    // Ranks fill only the target's pool: a draft model's cache, InfiniGen's partial keys or H2O's
-    // scores would miss the prefilled tokens, and an offloaded pool is filled by its own path.
-    if (c.kv_offload || !c.kv_selection.empty() || c.speculative_method == "draft_model" ||
-        c.speculative_method == "triforce" || !c.speculative_model.empty()) {
-      return Status::InvalidArgument("prefill_parallel cannot be combined with kv_offload, kv_selection, a draft "
-                                     "model or triforce (n-gram speculation works)");
-    }
-  }
-  if (c.kv_offload) {
-    if (!c.speculative_method.empty()) {
-      return Status::InvalidArgument("kv_offload cannot be combined with speculative_method " + c.speculative_method +
-                                     " (its passes read KV the offload tier does not fetch)");
-    }
-    if (c.preemption_mode == "swap") {
-      return Status::InvalidArgument("kv_offload keeps the KV pool in host memory already: preemption_mode swap has "
-                                     "nowhere to swap to; use recompute or auto");
-    }
-  }
   KVFLOW_ASSIGN_OR_RETURN(int device, ParseDevice(c.device));
   const std::string& kv = c.kv_cache_dtype;
   if (device < 0 && kv != "auto" && kv != "f16" && kv != "fp16" && kv != "f32" && kv != "fp32" &&
@@ -352,68 +270,46 @@ Result<std::unique_ptr<LengthSupervisor>> CreateLengthSupervisor(const EngineCon
                                                                  const EvaluationOptions& evaluation,
                                                                  const Tokenizer& tokenizer) {
   if (config.scheduling_policy != "s3") {
-    if (!config.length_predictor.empty()) {
-      spdlog::warn("length predictor {} ignored: only the s3 scheduling policy uses one", config.length_predictor);
+    if (!config.s3.length_predictor.empty()) {
+      spdlog::warn("length predictor {} ignored: only the s3 scheduling policy uses one", config.s3.length_predictor);
     }
     return std::unique_ptr<LengthSupervisor>();
   }
   std::optional<LengthPredictor> trained;
-  if (config.length_predictor.empty()) {
+  if (config.s3.length_predictor.empty()) {
     spdlog::warn("s3 without a length predictor: every request starts in the shortest bucket and the predictor "
                  "learns online from completed requests (train one with kvflow-length-predictor train)");
   } else {
-    KVFLOW_ASSIGN_OR_RETURN(trained, LengthPredictor::Load(config.length_predictor));
+    KVFLOW_ASSIGN_OR_RETURN(trained, LengthPredictor::Load(config.s3.length_predictor));
     const std::string fingerprint = TokenizerFingerprint(tokenizer);
     if (!trained->tokenizer_fingerprint().empty() && trained->tokenizer_fingerprint() != fingerprint) {
-      return Status::InvalidArgument("length predictor " + config.length_predictor +
+      return Status::InvalidArgument("length predictor " + config.s3.length_predictor +
                                      " was trained on another tokenizer's token ids (fingerprint " +
                                      trained->tokenizer_fingerprint() + ", this model's " + fingerprint + ")");
     }
   }
   KVFLOW_ASSIGN_OR_RETURN(auto supervisor,
                           MakeLengthSupervisor(std::move(trained),
-                                               {config.max_model_len, config.length_reservation_point,
-                                                config.length_predictor_online_updates,
+                                               {config.max_model_len, config.s3.reservation_point,
+                                                config.s3.online_updates,
                                                 evaluation.length_prediction_override}));
   const LengthPredictorConfig& pc = supervisor->predictor().config();
   spdlog::info("s3: length predictor {}: {} buckets of {} tokens, reserving the {} edge; online updates {}",
-               config.length_predictor.empty() ? "untrained" : config.length_predictor, pc.buckets.num_buckets,
+               config.s3.length_predictor.empty() ? "untrained" : config.s3.length_predictor, pc.buckets.num_buckets,
                pc.buckets.width(), ReservationPointName(pc.reservation_point),
-               config.length_predictor_online_updates ? "on" : "off");
+               config.s3.online_updates ? "on" : "off");
   return supervisor;
-}
-
-// The engine's KV selector: none, InfiniGen (with the model's skewing file) or H2O.
-Result<std::unique_ptr<KvSelector>> CreateKvSelector(const EngineConfig& c, const std::string& model_path,
-                                                     const ModelConfig& mc, Backend& backend) {
-  if (c.kv_selection == "h2o") {
-    spdlog::info("KV selection: H2O, keeping {:.0f}% of the context ({:.0f}% of it recent)", 100 * c.h2o_budget,
-                 100 * c.h2o_recent_share);
-    return std::unique_ptr<KvSelector>(std::make_unique<H2OSelector>(H2OConfig::FromEngine(c), backend));
-  }
-  if (c.kv_selection != "infinigen") return std::unique_ptr<KvSelector>();
-  const std::string skew_path = c.infinigen_skew_file.empty() ? DefaultSkewPath(model_path) : c.infinigen_skew_file;
-  KVFLOW_ASSIGN_OR_RETURN(SkewTable skew, ReadSkewTable(skew_path, mc));
-  const std::string host_pool =
-      c.infinigen_host_kv_tokens > 0
-          ? fmt::format(", host KV pool capped at {} tokens per sequence and layer ({} eviction)",
-                        c.infinigen_host_kv_tokens, c.infinigen_eviction)
-          : std::string();
-  spdlog::info("KV selection: InfiniGen, skewing file {} ({} of {} columns per head from {} tokens), alpha {}, cap {:.0f}%{}",
-               skew_path, skew.num_partial_columns, skew.head_dim, skew.calibration_tokens, c.infinigen_alpha,
-               100 * c.infinigen_max_fraction, host_pool);
-  return std::unique_ptr<KvSelector>(
-      std::make_unique<InfiniGenSelector>(InfiniGenConfig::FromEngine(c), std::move(skew), backend));
 }
 
 }  // namespace
 
-Result<std::unique_ptr<EvaluationEngine>> CreateEvaluationEngine(const EngineConfig& input,
-                                                                 const EvaluationOptions& evaluation) {
+Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineConfig& input,
+                                                                  const SystemRegistry& registry,
+                                                                  const EvaluationOptions& evaluation) {
   EngineConfig config = input;
-  if (config.speculative_method.empty() && !config.speculative_model.empty()) config.speculative_method = "draft_model";
-  if (config.num_speculative_tokens == 0) config.num_speculative_tokens = config.speculative_method == "triforce" ? 8 : 4;
+  if (config.speculative.method.empty() && !config.speculative.model.empty()) config.speculative.method = "draft_model";
   KVFLOW_RETURN_IF_ERROR(ValidateEngineConfig(config));
+  KVFLOW_RETURN_IF_ERROR(registry.CompleteAndCheck(config));
   KVFLOW_ASSIGN_OR_RETURN(auto policy, MakeSchedulingPolicy(config.scheduling_policy));
   KVFLOW_ASSIGN_OR_RETURN(PreemptionMode preemption, ParsePreemptionMode(config.preemption_mode));
   KVFLOW_ASSIGN_OR_RETURN(std::string path, ResolveModel(config.model));
@@ -432,47 +328,48 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEvaluationEngine(const EngineCon
   }
 
   KVFLOW_ASSIGN_OR_RETURN(auto backend, CreateBackendForModel(config, input.max_model_len > 0, files));
-  std::unique_ptr<Backend> draft_backend;
-  const bool triforce = config.speculative_method == "triforce";
-  if (config.speculative_method == "draft_model" || (triforce && config.triforce_draft == "draft_model")) {
-    const int scratch =
-        triforce ? TriForceDrafter::DraftScratchBlocks(TriForceConfig::FromEngine(config), config.block_size)
-                 : DraftModel::ScratchBlocks(config.num_speculative_tokens, config.max_num_seqs, config.block_size);
-    KVFLOW_ASSIGN_OR_RETURN(draft_backend, CreateDraftModelBackend(config, *backend, mc, *files.tokenizer, scratch));
-  }
-  if (triforce) {
-    const int scratch = DrafterScratchBlocks(config);
-    if (backend->kv_layout().num_blocks - scratch < BlocksForTokens(config.max_model_len, config.block_size)) {
-      return Status::InvalidArgument(
-          "triforce: the KV pool of " + std::to_string(backend->kv_layout().num_blocks) + " blocks cannot hold " +
-          std::to_string(scratch) + " blocks of drafting lanes and one max_model_len sequence; raise kv_cache_bytes or "
-          "lower max_num_seqs / max_model_len");
+  EngineImpl::Systems systems;
+  if (!config.speculative.method.empty()) {
+    KVFLOW_ASSIGN_OR_RETURN(const DrafterPlugin* drafter, registry.Drafter(config.speculative.method));
+    if (drafter->uses_draft_model && drafter->uses_draft_model(config)) {
+      KVFLOW_ASSIGN_OR_RETURN(systems.draft_backend,
+                              drafter->create_draft_backend(config, *backend, mc, *files.tokenizer));
     }
+    if (drafter->target_scratch_blocks) {
+      const int scratch = systems.drafter_scratch_blocks = drafter->target_scratch_blocks(config);
+      const int num_blocks = backend->kv_layout().num_blocks;
+      if (num_blocks - scratch < BlocksForTokens(config.max_model_len, config.block_size)) {
+        return Status::InvalidArgument(
+            drafter->info.label + ": the KV pool of " + std::to_string(num_blocks) + " blocks cannot hold " +
+            std::to_string(scratch) + " blocks of " + drafter->target_scratch_use +
+            " and one max_model_len sequence; raise kv_cache_bytes or lower max_num_seqs / max_model_len");
+      }
+    }
+    KVFLOW_ASSIGN_OR_RETURN(systems.drafter, drafter->create(DrafterContext{config, *backend, systems.draft_backend.get(),
+                                                                            backend->kv_layout().num_blocks}));
   }
   KVFLOW_ASSIGN_OR_RETURN(auto supervisor, CreateLengthSupervisor(config, evaluation, *files.tokenizer));
-  KVFLOW_ASSIGN_OR_RETURN(auto kv_selector, CreateKvSelector(config, path, mc, *backend));
-  if (kv_selector && evaluation.kv_read_observer) {
-    kv_selector = std::make_unique<ObservedKvSelector>(std::move(kv_selector), evaluation.kv_read_observer);
-  }
-  std::unique_ptr<PromptPrefiller> prompt_prefiller;
-  if (!config.prefill_parallel.empty()) {
-    if (!config.enable_prefix_caching) {
-      spdlog::info("prefill_parallel: turning prefix caching on (prefilled prompts reach their requests through it)");
-      config.enable_prefix_caching = true;
+  if (!config.kv_selection.method.empty()) {
+    KVFLOW_ASSIGN_OR_RETURN(const KvSelectorPlugin* selector, registry.KvSelector(config.kv_selection.method));
+    KVFLOW_ASSIGN_OR_RETURN(systems.kv_selector, selector->create(KvSelectorContext{config, path, mc, *backend}));
+    if (evaluation.kv_read_observer) {
+      systems.kv_selector =
+          std::make_unique<ObservedKvSelector>(std::move(systems.kv_selector), evaluation.kv_read_observer);
     }
-    KVFLOW_ASSIGN_OR_RETURN(prompt_prefiller,
-                            dist::CreatePromptPrefiller(config, *backend, evaluation.prefill_communicator));
   }
-  auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(draft_backend),
-                                             std::move(policy), preemption, std::move(supervisor),
-                                             std::move(kv_selector), std::move(prompt_prefiller));
+  if (!config.prefill_parallel.method.empty()) {
+    KVFLOW_ASSIGN_OR_RETURN(const PrefillerPlugin* prefiller, registry.Prefiller(config.prefill_parallel.method));
+    KVFLOW_ASSIGN_OR_RETURN(systems.prompt_prefiller,
+                            prefiller->create(PrefillerContext{config, *backend, evaluation.prefill_communicator}));
+  }
+  if (config.kv_offload.enabled) {
+    KVFLOW_ASSIGN_OR_RETURN(const KvTierPlugin* tier, registry.KvTier("kv_offload"));
+    if (tier->create_hooks) systems.kv_tier_hooks = tier->create_hooks();
+  }
+  auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(systems),
+                                             std::move(policy), preemption, std::move(supervisor));
   spdlog::info("engine ready: {}", engine->Describe());
   return std::unique_ptr<EvaluationEngine>(std::move(engine));
-}
-
-Result<std::unique_ptr<Engine>> Engine::Create(const EngineConfig& config) {
-  KVFLOW_ASSIGN_OR_RETURN(auto engine, CreateEvaluationEngine(config, {}));
-  return std::unique_ptr<Engine>(std::move(engine));
 }
 
 }  // namespace kvflow

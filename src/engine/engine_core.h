@@ -27,7 +27,7 @@
 #include "sched/policy.h"
 #include "sched/scheduler.h"
 #include "engine/kv_selector.h"
-#include "spec/drafter.h"
+#include "engine/drafter.h"
 
 namespace kvflow {
 

@@ -45,8 +45,12 @@ class EvaluationEngine : public Engine {
                                                 StreamCallback on_event, const RequestHints& hints) = 0;
 };
 
-// Engine::Create with the evaluation options.
-Result<std::unique_ptr<EvaluationEngine>> CreateEvaluationEngine(const EngineConfig& config,
-                                                                 const EvaluationOptions& options);
+class SystemRegistry;
+
+// An engine with the systems of `registry` (systems/builtin_systems.h: Engine::Create's, and
+// CreateEvaluationEngine with the evaluation options).
+Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineConfig& config,
+                                                                  const SystemRegistry& registry,
+                                                                  const EvaluationOptions& options);
 
 }  // namespace kvflow

@@ -54,18 +54,18 @@ Status ModelExecutor::Run(const SchedulerOutput& sched, std::span<const LogitsMo
                           std::optional<std::span<const DeviceSampleRow>> sample_rows, ExecutorOutput& out) {
   if (sched.empty()) return Status::Ok();
   const ForwardBatch batch = BuildForwardBatch(sched, blocks_, logits);
-  LayerHooks* hooks = nullptr;
-  if (step_hooks_ || kv_selector_) {
+  chain_.Clear();
+  if (!step_hooks_.empty()) {
     seq_ids_.clear();
     selecting_.clear();
     for (const ScheduledSeq& s : sched.scheduled) {
       seq_ids_.push_back(s.seq->id);
       selecting_.push_back(s.group->kv_selection ? 1 : 0);
     }
-    hooks = kv_selector_ ? kv_selector_->ForStep(batch, seq_ids_, selecting_) : step_hooks_->ForStep(batch, seq_ids_);
+    for (StepHooks* features : step_hooks_) chain_.Add(features->ForStep(batch, seq_ids_, selecting_));
   }
-  // An offloaded pool fetches each layer's reads during the layer before.
-  if (backend_.kv_offloaded()) hooks = prefetch_hooks_.Wrap(hooks, backend_.model_config().num_layers);
+  LayerHooks* hooks = chain_.Collapse();
+  if (wrapping_hooks_) hooks = wrapping_hooks_->Wrap(hooks, backend_.model_config().num_layers);
   model_.set_hooks(hooks);
   const Status st = RunTarget(batch, sample_rows, out);
   model_.set_hooks(nullptr);

@@ -6,10 +6,8 @@
 
 #include "backend/backend.h"
 #include "engine/executor.h"
-#include "engine/kv_selector.h"
 #include "kv/block_manager.h"
-#include "model/llama_model.h"
-#include "offload/kv_prefetch.h"
+#include "forward/llama_model.h"
 
 namespace kvflow {
 
@@ -27,15 +25,17 @@ class ModelExecutor final : public Executor {
   // follows the target's block tables. Every block move is applied to its pool too, and every
   // step's tokens run through it after the target's pass (no logits), so each computed position
   // has the follower's K/V in the same slot. Its pool must have at least the target's device and
-  // host blocks; blocks past those are its own (spec/draft_model.h's scratch). A follower's failed
+  // host blocks; blocks past those are its own (speculative/draft_model.h's scratch). A follower's failed
   // pass is logged and leaves its cache stale there, never fails the step: a draft model only
   // proposes.
   void AddFollower(Backend& follower);
-  // Hooks a feature runs inside the target's passes (null: none); must outlive the executor.
-  void set_step_hooks(StepHooks* hooks) { step_hooks_ = hooks; }
-  // The feature that chooses what attention reads (null: none); must outlive the executor. Its
-  // hooks take the place of the step hooks (the engine does not combine the two).
-  void set_kv_selector(KvSelector* selector) { kv_selector_ = selector; }
+  // A feature that acts inside the target's passes (a KV selector, TriForce's chunk scoring);
+  // must outlive the executor. Each step runs every feature's hooks together, in the order added.
+  void AddStepHooks(StepHooks* hooks) {
+    if (hooks != nullptr) step_hooks_.push_back(hooks);
+  }
+  // Hooks around all of those (a KV tier's prefetch schedule; null: none); must outlive the executor.
+  void set_wrapping_hooks(WrappingHooks* hooks) { wrapping_hooks_ = hooks; }
 
   bool SupportsSampling() const override { return backend_.SupportsDeviceSampling(); }
   Status MoveBlocks(const SchedulerOutput& sched) override;
@@ -46,9 +46,9 @@ class ModelExecutor final : public Executor {
   Backend& backend_;
   LlamaModel model_;
   std::vector<LlamaModel> followers_;
-  StepHooks* step_hooks_ = nullptr;
-  KvSelector* kv_selector_ = nullptr;
-  KvPrefetchHooks prefetch_hooks_;
+  std::vector<StepHooks*> step_hooks_;
+  HookChain chain_;
+  WrappingHooks* wrapping_hooks_ = nullptr;
   std::vector<int64_t> seq_ids_;
   std::vector<uint8_t> selecting_;
   const BlockManager& blocks_;

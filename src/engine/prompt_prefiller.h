@@ -1,5 +1,5 @@
 // Computes the KV of a long prompt outside the engine's steps, before its request is queued (KV-
-// Runahead prefills it across the ranks of an mpirun job: dist/prompt_prefill_service.h). The
+// Runahead prefills it across the ranks of an mpirun job: kv_runahead/prompt_prefill_service.h). The
 // engine hands it blocks of its own pool and publishes them in the prefix cache, where the request
 // then finds them: the scheduler computes only the tail and samples the first token as usual.
 #pragma once

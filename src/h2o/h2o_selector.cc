@@ -6,11 +6,11 @@
 
 namespace kvflow {
 
-H2OConfig H2OConfig::FromEngine(const EngineConfig& c) {
+H2OConfig H2OConfig::FromOptions(const KvSelectionConfig& c) {
   H2OConfig h;
-  h.budget = c.h2o_budget;
-  h.recent_share = c.h2o_recent_share;
-  h.min_context = c.kv_selection_min_context;
+  h.budget = c.h2o.budget;
+  h.recent_share = c.h2o.recent_share;
+  h.min_context = c.min_context;
   return h;
 }
 

@@ -17,7 +17,7 @@
 
 #include "backend/backend.h"
 #include "engine/kv_selector.h"
-#include "kvflow/engine.h"
+#include "kvflow/kv_selection.h"
 
 namespace kvflow {
 
@@ -26,7 +26,7 @@ struct H2OConfig {
   double recent_share = 0.5;  // of the budget, the most recent tokens (the rest: heavy hitters)
   int min_context = 0;
 
-  static H2OConfig FromEngine(const EngineConfig& c);
+  static H2OConfig FromOptions(const KvSelectionConfig& c);
   Status Validate() const;
   // Tokens kept once the context holds `context` tokens (the step's own included).
   int32_t Budget(int32_t context) const;

@@ -4,7 +4,7 @@
 
 #include "infinigen/skewing.h"
 #include "infinigen/speculation.h"
-#include "model/llama_model.h"
+#include "forward/llama_model.h"
 
 namespace kvflow {
 namespace {

@@ -21,15 +21,15 @@ const char* SpeculationPointName(SpeculationPoint p) {
   return p == SpeculationPoint::kLayerInput ? "layer-input" : "after-attention";
 }
 
-InfiniGenConfig InfiniGenConfig::FromEngine(const EngineConfig& c) {
+InfiniGenConfig InfiniGenConfig::FromOptions(const KvSelectionConfig& c) {
   InfiniGenConfig g;
-  const auto point = ParseSpeculationPoint(c.infinigen_speculate_from);
+  const auto point = ParseSpeculationPoint(c.infinigen.speculate_from);
   if (point.ok()) g.point = point.value();  // Validate() below refuses a bad name through the engine
-  g.alpha = c.infinigen_alpha;
-  g.max_fraction = c.infinigen_max_fraction;
-  g.min_context = c.kv_selection_min_context;
-  g.host_kv_tokens = c.infinigen_host_kv_tokens;
-  const auto eviction = ParseHostEvictionPolicy(c.infinigen_eviction);
+  g.alpha = c.infinigen.alpha;
+  g.max_fraction = c.infinigen.max_fraction;
+  g.min_context = c.min_context;
+  g.host_kv_tokens = c.infinigen.host_kv_tokens;
+  const auto eviction = ParseHostEvictionPolicy(c.infinigen.eviction);
   if (eviction.ok()) g.eviction = eviction.value();  // the engine's checks refuse a bad name
   return g;
 }

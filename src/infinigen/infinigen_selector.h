@@ -51,7 +51,7 @@
 #include "engine/kv_selector.h"
 #include "infinigen/host_kv_eviction.h"
 #include "infinigen/skew_file.h"
-#include "kvflow/engine.h"
+#include "kvflow/kv_selection.h"
 #include "model/rope.h"
 
 namespace kvflow {
@@ -72,7 +72,7 @@ struct InfiniGenConfig {
   int host_kv_tokens = 0;  // per sequence and layer; 0: no cap
   HostEvictionPolicy eviction = HostEvictionPolicy::kCounter;
 
-  static InfiniGenConfig FromEngine(const EngineConfig& c);
+  static InfiniGenConfig FromOptions(const KvSelectionConfig& c);
   Status Validate() const;
 };
 

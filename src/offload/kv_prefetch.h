@@ -9,14 +9,13 @@
 // It wraps the step's other hooks (the KV selector's), forwarding every point to them first.
 #pragma once
 
-#include "model/llama_model.h"
+#include "forward/llama_model.h"
 
 namespace kvflow {
 
-class KvPrefetchHooks final : public LayerHooks {
+class KvPrefetchHooks final : public WrappingHooks {
  public:
-  // The hooks for one step around `inner` (null: none).
-  LayerHooks* Wrap(LayerHooks* inner, int num_layers);
+  LayerHooks* Wrap(LayerHooks* inner, int num_layers) override;
 
   Status BeforeAttention(const LayerContext& ctx) override;
   std::span<const KvHeadSelection> AttentionSelection(const LayerContext& ctx) override;

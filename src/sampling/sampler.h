@@ -23,7 +23,7 @@ class Sampler {
   SampledToken Sample(std::span<float> logits, std::span<const int32_t> prompt,
                       std::span<const int32_t> output, std::span<const int32_t> suppress = {});
 
-  // For speculative decoding against a drafter that samples (spec/rejection_sampler.h): the
+  // For speculative decoding against a drafter that samples (sampling/rejection_sampler.h): the
   // distribution Sample would draw from for this row, with suppression, penalties, temperature,
   // top-k, top-p and min-p applied, as probabilities by token id (greedy, or every token masked:
   // one-hot at the argmax). `logits` is scratch, as for Sample; Report may follow.

@@ -18,8 +18,8 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
-#include "dist/prompt_prefill_service.h"
-#include "dist/world.h"
+#include "kv_runahead/prompt_prefill_service.h"
+#include "distributed/world.h"
 #include "cli/engine_flags.h"
 #include "kvflow/async_engine.h"
 #include "server/http_server.h"
@@ -75,7 +75,7 @@ int Serve(Options& opt) {
 
   // Under mpirun with --prefill-parallel, every rank but the last is a prefill worker. mpirun
   // forwards SIGTERM to every rank: a worker leaves when the last rank, shutting down, tells it.
-  if (!opt.engine.prefill_parallel.empty()) {
+  if (!opt.engine.prefill_parallel.method.empty()) {
     auto world = kvflow::dist::ProcessWorldCommunicator();
     if (world.ok() && world.value()->rank() + 1 < world.value()->size()) {
       signal(SIGTERM, SIG_IGN);
@@ -94,7 +94,7 @@ int Serve(Options& opt) {
   if (!engine_or.ok()) {
     spdlog::error("{}", engine_or.status().ToString());
     // The prefill workers wait for this rank: end the whole job.
-    if (!opt.engine.prefill_parallel.empty()) kvflow::dist::AbortJob(1);
+    if (!opt.engine.prefill_parallel.method.empty()) kvflow::dist::AbortJob(1);
     return 1;
   }
   std::unique_ptr<kvflow::AsyncEngine> engine = std::move(engine_or).value();

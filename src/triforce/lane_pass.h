@@ -13,7 +13,7 @@
 
 #include "backend/backend.h"
 #include "kvflow/status.h"
-#include "model/llama_model.h"
+#include "forward/llama_model.h"
 
 namespace kvflow {
 

@@ -7,7 +7,7 @@
 
 #include "sampling/sampler.h"
 #include "sched/sequence_group.h"
-#include "spec/rejection_sampler.h"
+#include "sampling/rejection_sampler.h"
 
 namespace kvflow {
 
@@ -22,20 +22,20 @@ int LaneTokens(const TriForceConfig& c) { return c.gamma2 + c.gamma1 + 1; }
 
 }  // namespace
 
-TriForceConfig TriForceConfig::FromEngine(const EngineConfig& c) {
+TriForceConfig TriForceConfig::FromOptions(const SpeculativeConfig& c, int max_num_seqs) {
   TriForceConfig t;
-  t.gamma2 = c.num_speculative_tokens;
-  t.gamma1 = c.triforce_draft_tokens;
-  t.bottom = c.triforce_draft;
-  t.retrieval.budget_tokens = c.triforce_budget;
-  t.retrieval.rebuild_stride = c.triforce_rebuild_stride;
-  t.retrieval.rebuild_acceptance = c.triforce_rebuild_acceptance;
-  t.retrieval.min_context = c.triforce_min_context;
-  t.sinks = c.triforce_sinks;
-  t.window = c.triforce_window;
-  t.ngram_max = c.ngram_max;
-  t.ngram_min = c.ngram_min;
-  t.max_num_seqs = c.max_num_seqs;
+  t.gamma2 = c.num_tokens;
+  t.gamma1 = c.triforce.draft_tokens;
+  t.bottom = c.triforce.draft;
+  t.retrieval.budget_tokens = c.triforce.budget;
+  t.retrieval.rebuild_stride = c.triforce.rebuild_stride;
+  t.retrieval.rebuild_acceptance = c.triforce.rebuild_acceptance;
+  t.retrieval.min_context = c.triforce.min_context;
+  t.sinks = c.triforce.sinks;
+  t.window = c.triforce.window;
+  t.ngram_max = c.ngram.max;
+  t.ngram_min = c.ngram.min;
+  t.max_num_seqs = max_num_seqs;
   return t;
 }
 
@@ -248,7 +248,8 @@ void TriForceDrafter::OnVerified(int64_t seq_id, int64_t drafted, int64_t accept
   if (auto it = seqs_.find(seq_id); it != seqs_.end()) it->second.cache.RecordVerification(drafted, accepted);
 }
 
-LayerHooks* TriForceDrafter::ForStep(const ForwardBatch& batch, std::span<const int64_t> seq_ids) {
+LayerHooks* TriForceDrafter::ForStep(const ForwardBatch& batch, std::span<const int64_t> seq_ids,
+                                     std::span<const uint8_t>) {
   scoring_.clear();
   scored_.clear();
   int64_t size = 0;

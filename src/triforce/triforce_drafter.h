@@ -7,7 +7,7 @@
 //   middle  - the target over its retrieval cache (triforce/retrieval_cache.h) verifies them in one
 //             pass, again and again, until gamma2 tokens are drafted;
 //   top     - the target with its full cache verifies the gamma2 tokens in the engine's step
-//             (spec/speculative_sampling.h).
+//             (engine/decoding/speculative_sampling.h).
 //
 // Exact at both levels: the middle keeps a bottom draft d with probability min(1, q_mid(d) /
 // q_bot(d)) and otherwise draws from the residual norm(max(0, q_mid - q_bot)) (one-hot n-gram
@@ -33,10 +33,10 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "kvflow/engine.h"
-#include "model/llama_model.h"
-#include "spec/drafter.h"
-#include "spec/ngram_drafter.h"
+#include "kvflow/speculative.h"
+#include "forward/llama_model.h"
+#include "engine/drafter.h"
+#include "speculative/ngram_drafter.h"
 #include "triforce/lane_pass.h"
 #include "triforce/retrieval_cache.h"
 
@@ -53,7 +53,7 @@ struct TriForceConfig {
   int ngram_min = 1;
   int max_num_seqs = 64;  // scratch lanes
 
-  static TriForceConfig FromEngine(const EngineConfig& config);
+  static TriForceConfig FromOptions(const SpeculativeConfig& config, int max_num_seqs);
   Status Validate() const;
 };
 
@@ -93,7 +93,8 @@ class TriForceDrafter final : public Drafter, private StepHooks, private LayerHo
   };
 
   // StepHooks: the scoring jobs of the step's sequences that asked for scores.
-  LayerHooks* ForStep(const ForwardBatch& batch, std::span<const int64_t> seq_ids) override;
+  LayerHooks* ForStep(const ForwardBatch& batch, std::span<const int64_t> seq_ids,
+                      std::span<const uint8_t> kv_selection) override;
   // LayerHooks: scores this layer's chunks.
   Status BeforeAttention(const LayerContext& ctx) override { return ctx.backend.ScoreKvBlocks(ctx.layer, scoring_); }
   // Selects the top chunks of the sequences the last step scored.

@@ -21,7 +21,7 @@
 
 #include <unistd.h>
 
-#include "model/llama_model.h"
+#include "forward/llama_model.h"
 #include "backend/backend_factory.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/kv_block_select.h"
@@ -473,7 +473,7 @@ TEST(CudaBackendBlocks, TransferredKvDecodesLikeTheOriginal) {
   test::ExpectTransferredKvDecodesAlike(*gpu, 6);
 }
 
-// KV-Runahead's wire format on CUDA (Backend::PackKv / UnpackKv, dist/chain_prefill.h): a layer's
+// KV-Runahead's wire format on CUDA (Backend::PackKv / UnpackKv, kv_runahead/chain_prefill.h): a layer's
 // K/V packed from one backend's pool and unpacked at other slots of a second backend (another
 // rank) decode exactly alike, and the packed values are the CPU backend's within fp16 rounding of
 // the computation.
@@ -1086,8 +1086,8 @@ TEST(CudaEngine, SpeculativeDecodingKeepsGreedyAndSeededOutputs) {
   for (const Decoding d : {Decoding::kGreedy, Decoding::kSeeded}) {
     const Outputs reference = RunEngine(CudaConfig("tiny-random"), kTokens, nullptr, d);
     EngineConfig spec = CudaConfig("tiny-random");
-    spec.speculative_method = "ngram";
-    spec.num_speculative_tokens = 4;
+    spec.speculative.method = "ngram";
+    spec.speculative.num_tokens = 4;
     EngineStats stats;
     EXPECT_EQ(RunEngine(spec, kTokens, &stats, d), reference) << Name(d);
     std::printf("  %s: drafts %lld, draft tokens %lld, accepted %lld\n", Name(d), (long long)stats.spec.num_drafts,
@@ -1138,15 +1138,15 @@ TEST(CudaEngine, TriForceKeepsGreedyOutputs) {
   const Outputs reference = RunEngine(base, kTokens);
   for (const char* bottom : {"ngram", "streaming", "draft_model"}) {
     EngineConfig tri = base;
-    tri.speculative_method = "triforce";
-    tri.num_speculative_tokens = 4;
-    tri.triforce_draft = bottom;
-    tri.triforce_draft_tokens = 2;
-    tri.triforce_budget = 8;
-    tri.triforce_min_context = 0;
-    tri.triforce_sinks = 4;
-    tri.triforce_window = 8;
-    if (std::string(bottom) == "draft_model") tri.speculative_model = "tiny-random-draft";
+    tri.speculative.method = "triforce";
+    tri.speculative.num_tokens = 4;
+    tri.speculative.triforce.draft = bottom;
+    tri.speculative.triforce.draft_tokens = 2;
+    tri.speculative.triforce.budget = 8;
+    tri.speculative.triforce.min_context = 0;
+    tri.speculative.triforce.sinks = 4;
+    tri.speculative.triforce.window = 8;
+    if (std::string(bottom) == "draft_model") tri.speculative.model = "tiny-random-draft";
     EngineStats stats;
     EXPECT_EQ(RunEngine(tri, kTokens, &stats), reference) << bottom;
     std::printf("  %s bottom: top kept %lld of %lld; middle passes %lld kept %lld of %lld bottom drafts; builds %lld\n",
@@ -1171,11 +1171,11 @@ TEST(CudaEngine, RandomShapeModelIsDeterministicAndTriForceStaysLossless) {
   for (const auto& tokens : first) EXPECT_FALSE(tokens.empty());
   EXPECT_EQ(RunEngine(base, kTokens), first) << "same seed, same weights, same greedy tokens";
   EngineConfig tri = base;
-  tri.speculative_method = "triforce";
-  tri.num_speculative_tokens = 4;
-  tri.triforce_draft_tokens = 2;
-  tri.triforce_budget = 8;
-  tri.triforce_min_context = 0;
+  tri.speculative.method = "triforce";
+  tri.speculative.num_tokens = 4;
+  tri.speculative.triforce.draft_tokens = 2;
+  tri.speculative.triforce.budget = 8;
+  tri.speculative.triforce.min_context = 0;
   EngineStats stats;
   EXPECT_EQ(RunEngine(tri, kTokens, &stats), first);
   EXPECT_GT(stats.spec.middle_passes, 0);
@@ -1220,7 +1220,7 @@ const std::string& TinySkewFile() {
 // Tokens of prompts of 90, 37 and 150 tokens decoded together, and the engine's selection stats.
 Outputs RunSelectionEngine(EngineConfig c, KvSelectionStats* stats = nullptr, KvOffloadStats* offload = nullptr,
                            Decoding decoding = Decoding::kGreedy) {
-  c.infinigen_skew_file = TinySkewFile();
+  c.kv_selection.infinigen.skew_file = TinySkewFile();
   auto created = Engine::Create(c);
   EXPECT_TRUE(created.ok()) << created.status().ToString();
   if (!created.ok()) return {};
@@ -1252,10 +1252,10 @@ TEST(CudaEngine, KvSelectionEverythingEqualsFullAttention) {
     // or before attention.
     for (const char* point : {"after-attention", "layer-input"}) {
       EngineConfig infinigen = CudaConfig("tiny-random", dtype);
-      infinigen.kv_selection = "infinigen";
-      infinigen.infinigen_alpha = 1e6;
-      infinigen.infinigen_max_fraction = 1.0;
-      infinigen.infinigen_speculate_from = point;
+      infinigen.kv_selection.method = "infinigen";
+      infinigen.kv_selection.infinigen.alpha = 1e6;
+      infinigen.kv_selection.infinigen.max_fraction = 1.0;
+      infinigen.kv_selection.infinigen.speculate_from = point;
       EXPECT_EQ(RunSelectionEngine(infinigen, &s), expected) << dtype << ", " << point;
       EXPECT_GT(s.decode_tokens, 0);
       EXPECT_GT(s.layer_reads_selected, 0);
@@ -1264,8 +1264,8 @@ TEST(CudaEngine, KvSelectionEverythingEqualsFullAttention) {
                   (long long)s.decode_tokens, (long long)s.layer_reads_selected);
     }
     EngineConfig h2o = CudaConfig("tiny-random", dtype);
-    h2o.kv_selection = "h2o";
-    h2o.h2o_budget = 1.0;
+    h2o.kv_selection.method = "h2o";
+    h2o.kv_selection.h2o.budget = 1.0;
     EXPECT_EQ(RunSelectionEngine(h2o, &s), expected) << dtype << ", h2o";
     EXPECT_GT(s.layer_reads_selected, 0);
     EXPECT_EQ(s.tokens_selected, s.tokens_available);
@@ -1277,9 +1277,9 @@ TEST(CudaEngine, KvSelectionEverythingEqualsFullAttention) {
 TEST(CudaEngine, KvSelectionMatchesTheCpuSelector) {
   KVFLOW_SKIP_WITHOUT_GPU();
   EngineConfig gpu = CudaConfig("tiny-random");
-  gpu.kv_selection = "infinigen";
-  gpu.infinigen_alpha = 2.0;
-  gpu.infinigen_max_fraction = 0.3;
+  gpu.kv_selection.method = "infinigen";
+  gpu.kv_selection.infinigen.alpha = 2.0;
+  gpu.kv_selection.infinigen.max_fraction = 0.3;
   EngineConfig cpu = gpu;
   cpu.device = "cpu";
   cpu.dtype = "f32";
@@ -1305,8 +1305,8 @@ TEST(CudaEngine, KvSelectionMatchesTheCpuSelector) {
   EXPECT_LT(on_gpu.bytes_read, on_gpu.bytes_full);
 
   // H2O keeps its budget on the device as on the CPU: every layer reads about a quarter.
-  gpu.kv_selection = cpu.kv_selection = "h2o";
-  gpu.h2o_budget = cpu.h2o_budget = 0.25;
+  gpu.kv_selection.method = cpu.kv_selection.method = "h2o";
+  gpu.kv_selection.h2o.budget = cpu.kv_selection.h2o.budget = 0.25;
   RunSelectionEngine(cpu, &on_cpu);
   RunSelectionEngine(gpu, &on_gpu);
   std::printf("  h2o 0.25: CPU %.2f%%, CUDA %.2f%% of the tokens\n", 100.0 * on_cpu.selection_fraction(),
@@ -1324,10 +1324,10 @@ TEST(CudaEngine, KvSelectionMatchesTheCpuSelector) {
 TEST(CudaEngine, InfiniGenReadsAreTheCpuRulesChoice) {
   KVFLOW_SKIP_WITHOUT_GPU();
   EngineConfig c = CudaConfig("tiny-random");
-  c.kv_selection = "infinigen";
-  c.infinigen_alpha = 2.0;
-  c.infinigen_max_fraction = 0.3;
-  c.infinigen_skew_file = TinySkewFile();
+  c.kv_selection.method = "infinigen";
+  c.kv_selection.infinigen.alpha = 2.0;
+  c.kv_selection.infinigen.max_fraction = 0.3;
+  c.kv_selection.infinigen.skew_file = TinySkewFile();
   test::InfiniGenOracleOptions o;
   o.score_margin = 2e-2;
   o.max_near_tie_share = 0.1;
@@ -1346,12 +1346,12 @@ TEST(CudaEngine, KvOffloadKeepsGreedyAndSeededOutputs) {
   for (const char* selection : {"", "infinigen", "h2o", "infinigen-capped"}) {
     EngineConfig resident = CudaConfig("tiny-random");
     const bool capped = std::string(selection) == "infinigen-capped";
-    resident.kv_selection = capped ? "infinigen" : selection;
-    resident.infinigen_host_kv_tokens = capped ? 60 : 0;  // prefill chunks then read their live tokens
-    resident.infinigen_alpha = 2.0;
-    resident.h2o_budget = 0.3;
+    resident.kv_selection.method = capped ? "infinigen" : selection;
+    resident.kv_selection.infinigen.host_kv_tokens = capped ? 60 : 0;  // prefill chunks then read their live tokens
+    resident.kv_selection.infinigen.alpha = 2.0;
+    resident.kv_selection.h2o.budget = 0.3;
     EngineConfig offloaded = resident;
-    offloaded.kv_offload = true;
+    offloaded.kv_offload.enabled = true;
     KvSelectionStats resident_sel, offloaded_sel;
     KvOffloadStats moved;
     const Outputs expected = RunSelectionEngine(resident, &resident_sel);
@@ -1379,8 +1379,8 @@ TEST(CudaEngine, DraftModelKeepsGreedyOutputs) {
   const int kTokens = 40;
   const Outputs reference = RunEngine(CudaConfig("tiny-random"), kTokens);
   EngineConfig spec = CudaConfig("tiny-random");
-  spec.speculative_model = "tiny-random";
-  spec.num_speculative_tokens = 3;
+  spec.speculative.model = "tiny-random";
+  spec.speculative.num_tokens = 3;
   EngineStats stats;
   EXPECT_EQ(RunEngine(spec, kTokens, &stats), reference);
   std::printf("  draft tokens %lld, accepted %lld\n", (long long)stats.spec.num_draft_tokens,
@@ -1388,8 +1388,8 @@ TEST(CudaEngine, DraftModelKeepsGreedyOutputs) {
   EXPECT_GT(stats.spec.num_draft_tokens, 0);
   EXPECT_GE(stats.spec.num_accepted_tokens, stats.spec.num_draft_tokens * 9 / 10);
   EngineConfig layer_skip = CudaConfig("tiny-random");
-  layer_skip.speculative_model = "tiny-random-draft";  // rejections, so residual draws on the device path
-  layer_skip.num_speculative_tokens = 3;
+  layer_skip.speculative.model = "tiny-random-draft";  // rejections, so residual draws on the device path
+  layer_skip.speculative.num_tokens = 3;
   ExpectSeededMatchesCpu("draft model", layer_skip, kTokens);
 }
 

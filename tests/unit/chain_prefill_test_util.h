@@ -1,5 +1,5 @@
 // Shared by the chain-prefill tests (in-process: tests/unit/test_chain_prefill.cc; MPI:
-// tests/dist/test_mpi_chain_prefill.cc): tiny-random backends with shuffled block tables, and the
+// tests/distributed/test_mpi_chain_prefill.cc): tiny-random backends with shuffled block tables, and the
 // single-process prefill every distributed one is compared with.
 #pragma once
 
@@ -11,7 +11,7 @@
 #include <random>
 
 #include "kv_selection_test_util.h"
-#include "model/llama_model.h"
+#include "forward/llama_model.h"
 
 namespace kvflow::test {
 

@@ -11,8 +11,9 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "engine/evaluation.h"
+#include "systems/builtin_systems.h"
 #include "kvflow/engine.h"
-#include "model/llama_model.h"
+#include "forward/llama_model.h"
 #include "model/llama_weights.h"
 
 namespace kvflow::test {

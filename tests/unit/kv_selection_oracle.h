@@ -19,12 +19,13 @@
 #include <vector>
 
 #include "engine/evaluation.h"
+#include "systems/builtin_systems.h"
 #include "infinigen/infinigen_selector.h"
 #include "infinigen/partial_keys.h"
 #include "infinigen/skew_file.h"
 #include "infinigen/speculation.h"
 #include "kv_selection_test_util.h"
-#include "model/llama_model.h"
+#include "forward/llama_model.h"
 #include "model/rope.h"
 
 namespace kvflow::test {
@@ -297,7 +298,7 @@ inline void Replay(const RecordedRun& run, int64_t seq, Backend& backend, Select
 // reads (`fit`) and with full attention (`full`: how far the selection moved the logprobs).
 inline void ReplayAll(const EngineConfig& c, const RecordedRun& run, const SkewTable* skew, ReplayFit& fit,
                       ReplayFit& full, std::map<int64_t, RuleChoices>* choices = nullptr) {
-  const InfiniGenConfig config = InfiniGenConfig::FromEngine(c);
+  const InfiniGenConfig config = InfiniGenConfig::FromOptions(c.kv_selection);
   for (const auto& [seq, prompt_len] : run.first_decode) {
     const int total = prompt_len + 24;
     for (const bool full_attention : {false, true}) {
@@ -327,7 +328,7 @@ inline std::pair<int64_t, int64_t> ReadsOfOtherSequencesDiffer(const RecordedRun
   return {differing, compared};
 }
 
-// Runs `c` (InfiniGen with a partial selection; c.infinigen_skew_file set) and checks every decode
+// Runs `c` (InfiniGen with a partial selection; c.kv_selection.infinigen.skew_file set) and checks every decode
 // read at layers >= 1 against the rule's recomputation (see the top of this file). The
 // recomputation tells layers and sequences apart: compared with the next layer's or another
 // sequence's reads it disagrees.
@@ -335,9 +336,9 @@ inline void ExpectInfiniGenReadsFollowTheRule(const EngineConfig& c, const Infin
   RecordedRun run;
   RecordRun(c, run);
   if (::testing::Test::HasFatalFailure()) return;
-  auto skew = ReadSkewTable(c.infinigen_skew_file, run.model);
+  auto skew = ReadSkewTable(c.kv_selection.infinigen.skew_file, run.model);
   ASSERT_TRUE(skew.ok()) << skew.status().ToString();
-  const InfiniGenConfig config = InfiniGenConfig::FromEngine(c);
+  const InfiniGenConfig config = InfiniGenConfig::FromOptions(c.kv_selection);
   const int layers = run.model.num_layers;
   ReplayFit fit, full;
   std::map<int64_t, RuleChoices> choices;

@@ -49,7 +49,7 @@ inline std::unique_ptr<Backend> TinyCpuBackend(int tokens, bool offload = false,
   c.max_model_len = tokens;
   c.num_kv_blocks = tokens / c.block_size + 2;
   c.num_host_kv_blocks = 0;
-  c.kv_offload = offload;
+  c.kv_offload.enabled = offload;
   auto weights = LoadWeightsFor(files.value(), c);
   EXPECT_TRUE(weights.ok());
   auto backend = CreateBackend(c, true, files->config, std::move(weights.value()));

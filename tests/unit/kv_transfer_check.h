@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "model/llama_model.h"
+#include "forward/llama_model.h"
 
 namespace kvflow::test {
 

@@ -1,4 +1,4 @@
-// KV-Runahead's chain prefill and the TSP baseline (dist/chain_prefill.h) over the in-process
+// KV-Runahead's chain prefill and the TSP baseline (kv_runahead/chain_prefill.h) over the in-process
 // communicator: every rank is a thread with its own CPU backend (own pool, own shuffled block
 // table). The last rank's KV cache and logits must equal, bit for bit, one process prefilling the
 // prompt chunk by chunk at the same bounds, and come within float rounding of a one-pass prefill.
@@ -11,8 +11,8 @@
 #include <random>
 #include <thread>
 
-#include "dist/chain_prefill.h"
-#include "dist/in_process_communicator.h"
+#include "kv_runahead/chain_prefill.h"
+#include "distributed/in_process_communicator.h"
 #include "chain_prefill_test_util.h"
 
 namespace kvflow::dist {

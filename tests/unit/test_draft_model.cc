@@ -13,7 +13,7 @@
 #include <random>
 
 #include "engine_test_util.h"
-#include "spec/rejection_sampler.h"
+#include "sampling/rejection_sampler.h"
 #include "spec_distribution.h"
 
 namespace kvflow {
@@ -43,8 +43,8 @@ TEST(DraftModelSpeculation, GreedyOutputsEqualPlainDecoding) {
     const auto want = test::GenerateAll(*plain, prompts, p, !p.greedy());
     for (const char* draft : {"tiny-random-draft", "tiny-random"}) {
       EngineConfig c = setup.config;
-      c.speculative_model = draft;
-      c.num_speculative_tokens = 3;
+      c.speculative.model = draft;
+      c.speculative.num_tokens = 3;
       auto spec = test::MakeEngine(c);
       ASSERT_TRUE(spec);
       const auto got = test::GenerateAll(*spec, prompts, p, !p.greedy());
@@ -77,8 +77,8 @@ TEST(DraftModelSpeculation, GreedyOutputsEqualPlainDecoding) {
 // the same check fails.
 test::DistributionCheck DraftModelCompletionsCheck(int draws, SpecDecodeStats* stats = nullptr) {
   EngineConfig c;
-  c.speculative_model = "tiny-random-draft";
-  c.num_speculative_tokens = 2;
+  c.speculative.model = "tiny-random-draft";
+  c.speculative.num_tokens = 2;
   c.enable_prefix_caching = true;  // the shared prompt is computed once
   auto engine = test::MakeEngine(c);
   if (!engine) return {};
@@ -112,7 +112,7 @@ TEST(DraftModelSpeculation, WrongResamplingRulesFailTheDistributionTest) {
 
 TEST(DraftModelSpeculation, SeededRunsRepeatAndCancelFreesEverything) {
   EngineConfig c;
-  c.speculative_model = "tiny-random-draft";
+  c.speculative.model = "tiny-random-draft";
   auto engine = test::MakeEngine(c);
   ASSERT_TRUE(engine);
   const auto prompts = RandomPrompts(4, 21);
@@ -136,21 +136,21 @@ TEST(DraftModelSpeculation, SeededRunsRepeatAndCancelFreesEverything) {
 
 TEST(DraftModelSpeculation, BadConfigurationsAreRefused) {
   EngineConfig c;
-  c.speculative_method = "draft_model";
+  c.speculative.method = "draft_model";
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument) << "no draft model named";
-  c.speculative_model = "no-such-model";
+  c.speculative.model = "no-such-model";
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kNotFound);
-  c.speculative_method = "ngram";
-  c.speculative_model = "tiny-random-draft";
+  c.speculative.method = "ngram";
+  c.speculative.model = "tiny-random-draft";
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
-  c.speculative_method = "";
-  c.num_speculative_tokens = -1;
+  c.speculative.method = "";
+  c.speculative.num_tokens = -1;
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
   // A draft with another tokenizer: SmolLM2 for the tiny model.
   auto smollm = ResolveModel("smollm2-135m");
   if (smollm.ok()) {
-    c.num_speculative_tokens = 4;
-    c.speculative_model = smollm.value();
+    c.speculative.num_tokens = 4;
+    c.speculative.model = smollm.value();
     auto e = test::CreateTinyEngine(c);
     ASSERT_FALSE(e.ok());
     EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);

@@ -93,12 +93,12 @@ TEST(EngineS3, PredictorFilesAreCheckedAtStartup) {
   EngineConfig c;
   c.scheduling_policy = "s3";
 
-  c.length_predictor = (dir / "missing.kvlp").string();
+  c.s3.length_predictor = (dir / "missing.kvlp").string();
   EXPECT_FALSE(test::CreateTinyEngine(c).ok());
 
   const std::string garbage = (dir / "garbage.kvlp").string();
   std::ofstream(garbage) << "not a predictor";
-  c.length_predictor = garbage;
+  c.s3.length_predictor = garbage;
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kCorruptFile);
 
   // Trained for another vocabulary: refused with both fingerprints named.
@@ -106,7 +106,7 @@ TEST(EngineS3, PredictorFilesAreCheckedAtStartup) {
   LengthPredictor other;
   other.set_tokenizer_fingerprint("v32000-0123456789abcdef");
   ASSERT_TRUE(other.Save(foreign).ok());
-  c.length_predictor = foreign;
+  c.s3.length_predictor = foreign;
   const Status st = test::CreateTinyEngine(c).status();
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("v32000-0123456789abcdef"), std::string::npos) << st.ToString();
@@ -118,16 +118,16 @@ TEST(EngineS3, PredictorFilesAreCheckedAtStartup) {
   LengthPredictor ok;
   ok.set_tokenizer_fingerprint(TokenizerFingerprint(engine->tokenizer()));
   ASSERT_TRUE(ok.Save(mine).ok());
-  c.length_predictor = mine;
-  c.length_reservation_point = "middle";
+  c.s3.length_predictor = mine;
+  c.s3.reservation_point = "middle";
   auto s3 = test::CreateTinyEngine(c);
   ASSERT_TRUE(s3.ok()) << s3.status().ToString();
   ASSERT_TRUE(s3.value()->Generate("hello", Greedy(4)).ok());
   EXPECT_EQ(s3.value()->stats().s3.predictions, 1);
 
-  c.length_reservation_point = "lower";
+  c.s3.reservation_point = "lower";
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
-  c.length_reservation_point = "";
+  c.s3.reservation_point = "";
   EvaluationOptions evaluation;
   evaluation.length_prediction_override = "scale:-1";
   EXPECT_EQ(test::CreateTinyEngine(c, evaluation).status().code(), StatusCode::kInvalidArgument);

@@ -18,7 +18,7 @@
 #include "backend/cpu/half_gemm.h"
 #include "engine_test_util.h"
 #include "kvflow/engine.h"
-#include "model/llama_model.h"
+#include "forward/llama_model.h"
 #include "model/llama_weights.h"
 #include "model/tiny_random.h"
 #include "model_file_writers.h"

@@ -9,8 +9,8 @@
 #include <random>
 #include <thread>
 
-#include "dist/in_process_communicator.h"
-#include "dist/world.h"
+#include "distributed/in_process_communicator.h"
+#include "distributed/world.h"
 
 namespace kvflow::dist {
 namespace {

@@ -198,10 +198,10 @@ class KvOffloadEngine : public ::testing::Test {
   static EngineConfig Config(bool offload, const std::string& selection = "") {
     EngineConfig c;
     c.dtype = "f32";
-    c.kv_offload = offload;
-    c.kv_selection = selection;
-    c.infinigen_skew_file = *skew_path_;
-    c.infinigen_alpha = 2.0;
+    c.kv_offload.enabled = offload;
+    c.kv_selection.method = selection;
+    c.kv_selection.infinigen.skew_file = *skew_path_;
+    c.kv_selection.infinigen.alpha = 2.0;
     c.preemption_mode = "recompute";
     c.max_num_batched_tokens = 64;  // prompts prefill in chunks that read earlier chunks' KV
     return c;
@@ -262,9 +262,9 @@ TEST_F(KvOffloadEngine, InfiniGenWithACappedHostPoolIsExactlyResident) {
   // The pool cap evicts tokens; prefill chunks then read their live tokens, chosen at the layer
   // (fetched by attention), decode steps the speculated ones (prefetched).
   EngineConfig resident = Config(false, "infinigen");
-  resident.infinigen_host_kv_tokens = 60;
+  resident.kv_selection.infinigen.host_kv_tokens = 60;
   EngineConfig offload = resident;
-  offload.kv_offload = true;
+  offload.kv_offload.enabled = true;
   auto r = test::MakeEngine(resident);
   auto o = test::MakeEngine(offload);
   ASSERT_TRUE(r && o);
@@ -293,7 +293,7 @@ TEST_F(KvOffloadEngine, PreemptionAndForksKeepOutputs) {
   tight.num_kv_blocks = 20;
   tight.max_model_len = 200;
   EngineConfig tight_offload = tight;
-  tight_offload.kv_offload = true;
+  tight_offload.kv_offload.enabled = true;
   auto resident = test::MakeEngine(tight);
   auto offloaded = test::MakeEngine(tight_offload);
   ASSERT_TRUE(resident && offloaded);
@@ -302,10 +302,40 @@ TEST_F(KvOffloadEngine, PreemptionAndForksKeepOutputs) {
   EXPECT_EQ(offloaded->stats().num_preemptions_swap, 0);
 }
 
+// N-gram speculation runs no passes of its own: its verification is a target step of several
+// tokens, which the offload tier fetches like a prefill chunk. So the two compose, and each
+// output is that of either feature alone.
+TEST_F(KvOffloadEngine, ComposesWithNgramSpeculation) {
+  EngineConfig plain = Config(false);
+  EngineConfig ngram = plain;
+  ngram.speculative.method = "ngram";
+  EngineConfig offload = Config(true);
+  EngineConfig both = offload;
+  both.speculative.method = "ngram";
+  auto p = test::MakeEngine(plain);
+  auto n = test::MakeEngine(ngram);
+  auto o = test::MakeEngine(offload);
+  auto b = test::MakeEngine(both);
+  ASSERT_TRUE(p && n && o && b);
+  const auto expected = Run(*p);
+  EXPECT_EQ(Run(*n), expected);
+  EXPECT_EQ(Run(*o), expected);
+  EXPECT_EQ(Run(*b), expected);
+  EXPECT_GT(b->stats().spec.num_accepted_tokens, 0) << "no draft was accepted: the pair was not exercised";
+  EXPECT_EQ(b->stats().spec.num_accepted_tokens, n->stats().spec.num_accepted_tokens);
+  EXPECT_GT(b->stats().kv_offload.bytes_fetched, 0);
+  // Sampled: the logits are bit-identical, so seeded draws under speculation are the same with the
+  // pool in host memory.
+  SamplingParams sampled = test::Greedy(24);
+  sampled.temperature = 1.0f;
+  EXPECT_EQ(test::GenerateAll(*b, test::ThreePrompts(), sampled, /*vary_seed=*/true),
+            test::GenerateAll(*n, test::ThreePrompts(), sampled, /*vary_seed=*/true));
+}
+
 TEST_F(KvOffloadEngine, RefusesWhatItCannotRun) {
   for (auto bad : std::vector<std::function<void(EngineConfig&)>>{
-           [](EngineConfig& e) { e.speculative_method = "ngram"; },
-           [](EngineConfig& e) { e.speculative_method = "triforce"; },
+           [](EngineConfig& e) { e.speculative.model = "tiny-random-draft"; },
+           [](EngineConfig& e) { e.speculative.method = "triforce"; },
            [](EngineConfig& e) { e.preemption_mode = "swap"; },
        }) {
     EngineConfig e = Config(true);

@@ -19,7 +19,7 @@
 #include "backend/cpu/paged_attention.h"
 #include "engine_test_util.h"
 #include "kv_transfer_check.h"
-#include "model/llama_model.h"
+#include "forward/llama_model.h"
 #include "model/tiny_random.h"
 #include "util/half.h"
 #include "util/thread_pool.h"

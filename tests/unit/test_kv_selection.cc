@@ -28,7 +28,7 @@
 #include "infinigen/speculation.h"
 #include "infinigen/skew_file.h"
 #include "infinigen/skewing.h"
-#include "model/llama_model.h"
+#include "forward/llama_model.h"
 #include "model/rope.h"
 #include "model/tensor_source.h"
 
@@ -313,8 +313,8 @@ class KvSelectionEngine : public ::testing::Test {
   static EngineConfig Config(const std::string& method) {
     EngineConfig c;
     c.dtype = "f32";
-    c.kv_selection = method;
-    c.infinigen_skew_file = *skew_path_;
+    c.kv_selection.method = method;
+    c.kv_selection.infinigen.skew_file = *skew_path_;
     return c;
   }
 
@@ -344,9 +344,9 @@ TEST_F(KvSelectionEngine, InfiniGenSelectingEverythingIsExactlyFullAttention) {
   const auto expected = Run(*full);
   for (const char* point : {"after-attention", "layer-input"}) {
     EngineConfig c = Config("infinigen");
-    c.infinigen_alpha = 1e6;
-    c.infinigen_max_fraction = 1.0;
-    c.infinigen_speculate_from = point;
+    c.kv_selection.infinigen.alpha = 1e6;
+    c.kv_selection.infinigen.max_fraction = 1.0;
+    c.kv_selection.infinigen.speculate_from = point;
     auto all = test::MakeEngine(c);
     ASSERT_TRUE(all);
     EXPECT_EQ(Run(*all), expected) << point;
@@ -368,12 +368,12 @@ TEST_F(KvSelectionEngine, SelectorsReadEveryKvElementType) {
     auto full = test::MakeEngine(plain);
     EngineConfig c = Config("infinigen");
     c.kv_cache_dtype = dtype;
-    c.infinigen_alpha = 1e6;
-    c.infinigen_max_fraction = 1.0;
+    c.kv_selection.infinigen.alpha = 1e6;
+    c.kv_selection.infinigen.max_fraction = 1.0;
     auto all = test::MakeEngine(c);
     EngineConfig h = Config("h2o");
     h.kv_cache_dtype = dtype;
-    h.h2o_budget = 0.3;
+    h.kv_selection.h2o.budget = 0.3;
     auto h2o = test::MakeEngine(h);
     ASSERT_TRUE(full && all && h2o);
     EXPECT_EQ(Run(*all), Run(*full)) << dtype;
@@ -385,8 +385,8 @@ TEST_F(KvSelectionEngine, SelectorsReadEveryKvElementType) {
 
 TEST_F(KvSelectionEngine, InfiniGenReadsWhatItsRulesAllow) {
   EngineConfig c = Config("infinigen");
-  c.infinigen_alpha = 2.0;
-  c.infinigen_max_fraction = 0.2;
+  c.kv_selection.infinigen.alpha = 2.0;
+  c.kv_selection.infinigen.max_fraction = 0.2;
   auto engine = test::MakeEngine(c);
   ASSERT_TRUE(engine);
   const auto outs = Run(*engine);
@@ -404,14 +404,14 @@ TEST_F(KvSelectionEngine, InfiniGenReadsWhatItsRulesAllow) {
 TEST_F(KvSelectionEngine, RequestsOptOut) {
   auto full = test::MakeEngine(Config(""));
   EngineConfig c = Config("infinigen");
-  c.infinigen_alpha = 1.0;
-  c.infinigen_max_fraction = 0.1;
+  c.kv_selection.infinigen.alpha = 1.0;
+  c.kv_selection.infinigen.max_fraction = 0.1;
   auto engine = test::MakeEngine(c);
   ASSERT_TRUE(full && engine);
   EXPECT_EQ(Run(*engine, false), Run(*full));
   EXPECT_EQ(engine->stats().kv_selection.decode_tokens, 0);
   // And opt in where the engine's default is off.
-  c.kv_selection_default = false;
+  c.kv_selection.apply_by_default = false;
   auto opt_in = test::MakeEngine(c);
   ASSERT_TRUE(opt_in);
   Run(*opt_in);
@@ -423,7 +423,7 @@ TEST_F(KvSelectionEngine, RequestsOptOut) {
 TEST_F(KvSelectionEngine, H2OKeepingEverythingIsExactlyFullAttention) {
   auto full = test::MakeEngine(Config(""));
   EngineConfig c = Config("h2o");
-  c.h2o_budget = 1.0;
+  c.kv_selection.h2o.budget = 1.0;
   auto all = test::MakeEngine(c);
   ASSERT_TRUE(full && all);
   EXPECT_EQ(Run(*all), Run(*full));
@@ -433,7 +433,7 @@ TEST_F(KvSelectionEngine, H2OKeepingEverythingIsExactlyFullAttention) {
 
 TEST_F(KvSelectionEngine, H2OKeepsItsBudget) {
   EngineConfig c = Config("h2o");
-  c.h2o_budget = 0.25;
+  c.kv_selection.h2o.budget = 0.25;
   auto engine = test::MakeEngine(c);
   ASSERT_TRUE(engine);
   Run(*engine);
@@ -447,17 +447,17 @@ TEST_F(KvSelectionEngine, H2OKeepsItsBudget) {
 
 TEST_F(KvSelectionEngine, RefusesMissingSkewFileAndBadSettings) {
   EngineConfig c = Config("infinigen");
-  c.infinigen_skew_file = *skew_path_ + ".absent";
+  c.kv_selection.infinigen.skew_file = *skew_path_ + ".absent";
   auto missing = test::CreateTinyEngine(c);
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("kvflow skew"), std::string::npos) << missing.status().message();
   for (auto bad : std::vector<std::function<void(EngineConfig&)>>{
-           [](EngineConfig& e) { e.kv_selection = "quest"; },
-           [](EngineConfig& e) { e.infinigen_alpha = 0; },
-           [](EngineConfig& e) { e.infinigen_speculate_from = "layer-output"; },
-           [](EngineConfig& e) { e.infinigen_max_fraction = 1.5; },
-           [](EngineConfig& e) { e.h2o_budget = 0; },
-           [](EngineConfig& e) { e.speculative_method = "ngram"; },
+           [](EngineConfig& e) { e.kv_selection.method = "quest"; },
+           [](EngineConfig& e) { e.kv_selection.infinigen.alpha = 0; },
+           [](EngineConfig& e) { e.kv_selection.infinigen.speculate_from = "layer-output"; },
+           [](EngineConfig& e) { e.kv_selection.infinigen.max_fraction = 1.5; },
+           [](EngineConfig& e) { e.kv_selection.h2o.budget = 0; },
+           [](EngineConfig& e) { e.speculative.method = "ngram"; },
        }) {
     EngineConfig e = Config("infinigen");
     bad(e);
@@ -479,8 +479,8 @@ TEST_F(KvSelectionEngine, RefusesMissingSkewFileAndBadSettings) {
 
 TEST_F(KvSelectionEngine, InfiniGenHostPoolAtLeastTheContextChangesNothing) {
   EngineConfig plain = Config("infinigen");
-  plain.infinigen_alpha = 2.0;
-  plain.infinigen_max_fraction = 0.2;
+  plain.kv_selection.infinigen.alpha = 2.0;
+  plain.kv_selection.infinigen.max_fraction = 0.2;
   auto uncapped = test::MakeEngine(plain);
   ASSERT_TRUE(uncapped);
   const auto expected = Run(*uncapped);
@@ -490,8 +490,8 @@ TEST_F(KvSelectionEngine, InfiniGenHostPoolAtLeastTheContextChangesNothing) {
     for (const char* policy : {"counter", "lru", "fifo"}) {
       SCOPED_TRACE(std::string(policy) + " " + std::to_string(cap));
       EngineConfig c = plain;
-      c.infinigen_host_kv_tokens = cap;
-      c.infinigen_eviction = policy;
+      c.kv_selection.infinigen.host_kv_tokens = cap;
+      c.kv_selection.infinigen.eviction = policy;
       auto capped = test::MakeEngine(c);
       ASSERT_TRUE(capped);
       EXPECT_EQ(Run(*capped), expected);
@@ -508,9 +508,9 @@ TEST_F(KvSelectionEngine, InfiniGenHostPoolAtLeastTheContextChangesNothing) {
 TEST_F(KvSelectionEngine, InfiniGenHostPoolEvictsPastItsCap) {
   for (int cap : {150 + 21, 64, 1}) {
     EngineConfig c = Config("infinigen");
-    c.infinigen_alpha = 1e6;  // every speculated layer reads all it may: the live tokens
-    c.infinigen_max_fraction = 1.0;
-    c.infinigen_host_kv_tokens = cap;
+    c.kv_selection.infinigen.alpha = 1e6;  // every speculated layer reads all it may: the live tokens
+    c.kv_selection.infinigen.max_fraction = 1.0;
+    c.kv_selection.infinigen.host_kv_tokens = cap;
     auto engine = test::MakeEngine(c);
     ASSERT_TRUE(engine);
     const auto outs = Run(*engine);
@@ -535,10 +535,10 @@ TEST_F(KvSelectionEngine, RefusesBadHostPoolSettings) {
     const char* names;
   };
   for (const Bad& bad : std::vector<Bad>{
-           {[](EngineConfig& e) { e.infinigen_host_kv_tokens = -1; }, "infinigen_host_kv_tokens must be >= 0"},
-           {[](EngineConfig& e) { e.infinigen_eviction = "lfu"; }, "infinigen_eviction"},
-           {[](EngineConfig& e) { e.infinigen_host_kv_tokens = 100, e.kv_selection = "h2o"; }, "kv_selection infinigen"},
-           {[](EngineConfig& e) { e.infinigen_host_kv_tokens = 100, e.kv_selection = ""; }, "kv_selection infinigen"},
+           {[](EngineConfig& e) { e.kv_selection.infinigen.host_kv_tokens = -1; }, "infinigen_host_kv_tokens must be >= 0"},
+           {[](EngineConfig& e) { e.kv_selection.infinigen.eviction = "lfu"; }, "infinigen_eviction"},
+           {[](EngineConfig& e) { e.kv_selection.infinigen.host_kv_tokens = 100, e.kv_selection.method = "h2o"; }, "kv_selection infinigen"},
+           {[](EngineConfig& e) { e.kv_selection.infinigen.host_kv_tokens = 100, e.kv_selection.method = ""; }, "kv_selection infinigen"},
        }) {
     EngineConfig e = Config("infinigen");
     bad.set(e);
@@ -842,8 +842,8 @@ TEST_F(InfiniGenHostPool, CounterKeepsTheTokensFetchedMost) {
 // a selector wired to the next layer's or another sequence's reads would disagree.
 TEST_F(KvSelectionEngine, InfiniGenReadsAreTheRulesChoiceAndReproduceTheLogits) {
   EngineConfig c = OracleConfig("infinigen");
-  c.infinigen_alpha = 2.0;
-  c.infinigen_max_fraction = 0.3;
+  c.kv_selection.infinigen.alpha = 2.0;
+  c.kv_selection.infinigen.max_fraction = 0.3;
   test::ExpectInfiniGenReadsFollowTheRule(c, {});
 }
 
@@ -854,11 +854,11 @@ TEST_F(KvSelectionEngine, InfiniGenReadsAreTheRulesChoiceAndReproduceTheLogits) 
 // reproduces the engine's logprobs, which full attention does not.
 TEST_F(KvSelectionEngine, H2OReadsKeepTheBudgetNeverReturnAndReproduceTheLogits) {
   EngineConfig c = OracleConfig("h2o");
-  c.h2o_budget = 0.3;
+  c.kv_selection.h2o.budget = 0.3;
   test::RecordedRun run;
   test::RecordRun(c, run);
   if (HasFatalFailure()) return;
-  const H2OConfig h2o = H2OConfig::FromEngine(c);
+  const H2OConfig h2o = H2OConfig::FromOptions(c.kv_selection);
   int64_t reads = 0, continued = 0;
   for (const auto& [key, heads] : run.reads) {
     const auto& [seq, position, layer] = key;

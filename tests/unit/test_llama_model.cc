@@ -1,4 +1,4 @@
-// The one Llama forward (model/llama_model.h) on the CPU backend: its per-layer hooks, the
+// The one Llama forward (forward/llama_model.h) on the CPU backend: its per-layer hooks, the
 // explicit slot mapping (a token's KV slot is not tied to its position), KV views (block subsets,
 // explicit slots, sinks + window) against plain attention over the same tokens, and attention's
 // log-sum-exp, with which two partial attentions over disjoint KV sets merge into the whole.
@@ -14,7 +14,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/paged_attention.h"
 #include "kv_transfer_check.h"
-#include "model/llama_model.h"
+#include "forward/llama_model.h"
 #include "model/tiny_random.h"
 
 namespace kvflow {

@@ -13,7 +13,7 @@
 #include <set>
 
 #include "backend/cpu/cpu_backend.h"
-#include "model/llama_model.h"
+#include "forward/llama_model.h"
 #include "model/llama_weights.h"
 #include "model/tiny_random.h"
 #include "model_file_writers.h"

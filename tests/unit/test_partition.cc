@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "dist/context_partition.h"
-#include "dist/partition_search.h"
-#include "dist/partition_table.h"
+#include "kv_runahead/context_partition.h"
+#include "kv_runahead/partition_search.h"
+#include "kv_runahead/partition_table.h"
 
 namespace kvflow::dist {
 namespace {

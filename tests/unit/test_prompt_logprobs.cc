@@ -11,7 +11,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "engine_test_util.h"
 #include "eval/perplexity.h"
-#include "model/llama_model.h"
+#include "forward/llama_model.h"
 #include "model/tiny_random.h"
 
 namespace kvflow {

@@ -1,4 +1,4 @@
-// The serving path of KV-Runahead (dist/prompt_prefill_service.h) on an in-process world: the last
+// The serving path of KV-Runahead (kv_runahead/prompt_prefill_service.h) on an in-process world: the last
 // rank's engine prefills long prompts across prefill workers running on threads, and serves them
 // from its prefix cache. The engine's outputs, greedy and seeded sampled, must equal an engine on one
 // process that prefills the prompt in the same chunks (bit-identical logits make them equal).
@@ -6,9 +6,10 @@
 
 #include <thread>
 
-#include "dist/in_process_communicator.h"
-#include "dist/prompt_prefill_service.h"
+#include "distributed/in_process_communicator.h"
+#include "kv_runahead/prompt_prefill_service.h"
 #include "engine/evaluation.h"
+#include "systems/builtin_systems.h"
 #include "engine_test_util.h"
 #include "kv_selection_test_util.h"
 
@@ -70,8 +71,8 @@ TEST(PromptPrefillService, OutputsEqualAnEngineThatPrefillsInTheSameChunks) {
     for (int ranks : {2, 3}) {
       SCOPED_TRACE(method + " over " + std::to_string(ranks) + " ranks");
       EngineConfig config = TinyConfig();
-      config.prefill_parallel = method;
-      config.prefill_parallel_min_tokens = 64;
+      config.prefill_parallel.method = method;
+      config.prefill_parallel.min_tokens = 64;
       // The reference chunks the prompt as the even partition of its 288 prefilled tokens does.
       EngineConfig reference_config = TinyConfig();
       reference_config.max_num_batched_tokens = 288 / ranks;
@@ -111,8 +112,8 @@ TEST(PromptPrefillService, OutputsEqualAnEngineThatPrefillsInTheSameChunks) {
 
 TEST(PromptPrefillService, ShortPromptsAndPromptLogprobsStayOnTheLastRank) {
   EngineConfig config = TinyConfig();
-  config.prefill_parallel = "kv-runahead";
-  config.prefill_parallel_min_tokens = 400;
+  config.prefill_parallel.method = "kv-runahead";
+  config.prefill_parallel.min_tokens = 400;
   PrefillWorld world(2, config);
   {
     auto engine = LeaderEngine(config, world.leader());
@@ -128,8 +129,8 @@ TEST(PromptPrefillService, ShortPromptsAndPromptLogprobsStayOnTheLastRank) {
 // output), and serves every later prompt alone.
 TEST(PromptPrefillService, EngineServesOnWhenAWorkerIsGone) {
   EngineConfig config = TinyConfig();
-  config.prefill_parallel = "kv-runahead";
-  config.prefill_parallel_min_tokens = 64;
+  config.prefill_parallel.method = "kv-runahead";
+  config.prefill_parallel.min_tokens = 64;
   auto reference = test::MakeEngine(TinyConfig());
   ASSERT_NE(reference, nullptr);
   PrefillWorld world(2, config);
@@ -149,7 +150,7 @@ TEST(PromptPrefillService, EngineServesOnWhenAWorkerIsGone) {
 
 TEST(PromptPrefillService, RefusesWorkersOfAnotherKvFormatAndBadConfigurations) {
   EngineConfig config = TinyConfig();
-  config.prefill_parallel = "kv-runahead";
+  config.prefill_parallel.method = "kv-runahead";
   EngineConfig other = config;
   other.kv_cache_dtype = "f16";
   {
@@ -167,10 +168,10 @@ TEST(PromptPrefillService, RefusesWorkersOfAnotherKvFormatAndBadConfigurations) 
   for (auto bad : {std::pair<std::string, std::string>{"prefill_parallel", "ring"}, {"kv_selection", "h2o"},
                    {"speculative_method", "triforce"}}) {
     EngineConfig c = TinyConfig();
-    c.prefill_parallel = "kv-runahead";
-    if (bad.first == "prefill_parallel") c.prefill_parallel = bad.second;
-    if (bad.first == "kv_selection") c.kv_selection = bad.second;
-    if (bad.first == "speculative_method") c.speculative_method = bad.second;
+    c.prefill_parallel.method = "kv-runahead";
+    if (bad.first == "prefill_parallel") c.prefill_parallel.method = bad.second;
+    if (bad.first == "kv_selection") c.kv_selection.method = bad.second;
+    if (bad.first == "speculative_method") c.speculative.method = bad.second;
     auto engine = CreateEvaluationEngine(c, {});
     ASSERT_FALSE(engine.ok()) << bad.first;
     EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument) << engine.status().ToString();

@@ -15,7 +15,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "engine_test_util.h"
-#include "model/llama_model.h"
+#include "forward/llama_model.h"
 #include "model/tiny_random.h"
 #include "model_file_writers.h"
 

@@ -5,7 +5,7 @@
 
 #include <random>
 
-#include "spec/rejection_sampler.h"
+#include "sampling/rejection_sampler.h"
 #include "spec_distribution.h"
 
 namespace kvflow {

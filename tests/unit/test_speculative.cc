@@ -6,8 +6,8 @@
 #include <random>
 #include <vector>
 
-#include "spec/ngram_drafter.h"
-#include "spec/rejection_sampler.h"
+#include "speculative/ngram_drafter.h"
+#include "sampling/rejection_sampler.h"
 
 namespace kvflow {
 namespace {

@@ -8,7 +8,7 @@
 #include <map>
 #include <random>
 
-#include "spec/rejection_sampler.h"
+#include "sampling/rejection_sampler.h"
 #include "spec_distribution.h"
 
 namespace kvflow {
@@ -39,9 +39,9 @@ TEST(SpeculativeDecoding, GreedyOutputsEqualPlainDecoding) {
   SamplingParams p = test::Greedy(96);
   for (const test::EngineSetup& setup : test::EngineSetups()) {
     EngineConfig spec_config = setup.config;
-    spec_config.speculative_method = "ngram";
-    spec_config.num_speculative_tokens = 5;
-    spec_config.ngram_max = 3;
+    spec_config.speculative.method = "ngram";
+    spec_config.speculative.num_tokens = 5;
+    spec_config.speculative.ngram.max = 3;
     auto plain = test::MakeEngine(setup.config);
     auto spec = test::MakeEngine(spec_config);
     ASSERT_TRUE(plain && spec);
@@ -73,7 +73,7 @@ TEST(SpeculativeDecoding, SeededSamplingGivesThePlainTokensAndOptOutWorks) {
   p.repetition_penalty = 1.1f;
   p.min_tokens = 4;
   EngineConfig spec_config;
-  spec_config.speculative_method = "ngram";
+  spec_config.speculative.method = "ngram";
   auto plain = test::MakeEngine({});
   auto spec = test::MakeEngine(spec_config);
   const auto want = test::GenerateAll(*plain, prompts, p, true);
@@ -105,8 +105,8 @@ std::vector<int32_t> PromptWhoseDraftsTheTargetLikes(Engine& engine) {
 // (spec_distribution.h); with either wrong resampling rule installed, the same check fails.
 test::DistributionCheck NgramCompletionsCheck(int draws, RejectionRule rule, SpecDecodeStats* stats = nullptr) {
   EngineConfig c;
-  c.speculative_method = "ngram";
-  c.num_speculative_tokens = 3;
+  c.speculative.method = "ngram";
+  c.speculative.num_tokens = 3;
   c.enable_prefix_caching = true;  // the shared prompt is computed once
   auto engine = test::MakeEngine(c);
   if (!engine) return {};
@@ -142,14 +142,14 @@ TEST(SpeculativeDecoding, WrongResamplingRulesFailTheDistributionTest) {
 
 TEST(SpeculativeDecoding, BadConfigurationsAreRefused) {
   EngineConfig c;
-  c.speculative_method = "medusa";
+  c.speculative.method = "medusa";
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
-  c.speculative_method = "ngram";
-  c.num_speculative_tokens = -1;
+  c.speculative.method = "ngram";
+  c.speculative.num_tokens = -1;
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
-  c.num_speculative_tokens = 4;
-  c.ngram_min = 3;
-  c.ngram_max = 2;
+  c.speculative.num_tokens = 4;
+  c.speculative.ngram.min = 3;
+  c.speculative.ngram.max = 2;
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
 }
 

@@ -11,7 +11,7 @@
 
 #include "backend/cpu/kv_block_select.h"
 #include "engine_test_util.h"
-#include "spec/rejection_sampler.h"
+#include "sampling/rejection_sampler.h"
 #include "spec_distribution.h"
 #include "model/tiny_random.h"
 #include "triforce/lane_pass.h"
@@ -231,18 +231,18 @@ EngineConfig TriForce(EngineConfig c, const std::string& bottom) {
   c.block_size = 8;
   if (c.num_kv_blocks > 0) c.num_kv_blocks *= 2;
   c.max_num_seqs = 8;
-  c.speculative_method = "triforce";
-  c.num_speculative_tokens = 5;
-  c.triforce_draft = bottom;
-  c.triforce_draft_tokens = 2;
-  c.triforce_budget = 24;
-  c.triforce_min_context = 0;
-  c.triforce_rebuild_stride = 40;
-  c.triforce_sinks = 4;
-  c.triforce_window = 16;
-  if (bottom == "draft_model") c.speculative_model = "tiny-random-draft";
+  c.speculative.method = "triforce";
+  c.speculative.num_tokens = 5;
+  c.speculative.triforce.draft = bottom;
+  c.speculative.triforce.draft_tokens = 2;
+  c.speculative.triforce.budget = 24;
+  c.speculative.triforce.min_context = 0;
+  c.speculative.triforce.rebuild_stride = 40;
+  c.speculative.triforce.sinks = 4;
+  c.speculative.triforce.window = 16;
+  if (bottom == "draft_model") c.speculative.model = "tiny-random-draft";
   if (c.num_kv_blocks > 0) {
-    c.num_kv_blocks += TriForceDrafter::TargetScratchBlocks(TriForceConfig::FromEngine(c), c.block_size);
+    c.num_kv_blocks += TriForceDrafter::TargetScratchBlocks(TriForceConfig::FromOptions(c.speculative, c.max_num_seqs), c.block_size);
   }
   return c;
 }
@@ -284,7 +284,7 @@ TEST(TriForce, GreedyOutputsEqualPlainDecoding) {
 
 TEST(TriForce, ShortContextsDecodePlainly) {
   EngineConfig c = TriForce({}, "ngram");
-  c.triforce_min_context = 1000;
+  c.speculative.triforce.min_context = 1000;
   auto tri = test::MakeEngine(c);
   auto plain = test::MakeEngine({});
   const auto prompts = LongPrompts();
@@ -305,8 +305,8 @@ test::DistributionCheck TriForceCompletionsCheck(int draws, SpecDecodeStats* sta
   EngineConfig c = TriForce({}, "streaming");
   c.enable_prefix_caching = true;
   c.max_num_seqs = 100;
-  c.triforce_window = 8;
-  c.triforce_budget = 48;
+  c.speculative.triforce.window = 8;
+  c.speculative.triforce.budget = 48;
   auto engine = test::MakeEngine(c);
   if (!engine) return {};
   std::vector<int32_t> prompt;
@@ -370,19 +370,19 @@ TEST(TriForce, CancelledRequestsFreeBlocksAndRetrievalCaches) {
 
 TEST(TriForce, BadConfigurationsAreRefused) {
   EngineConfig c = TriForce({}, "ngram");
-  c.triforce_draft = "medusa";
+  c.speculative.triforce.draft = "medusa";
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
   c = TriForce({}, "draft_model");
-  c.speculative_model.clear();
+  c.speculative.model.clear();
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
   c = TriForce({}, "ngram");
-  c.speculative_model = "tiny-random-draft";
+  c.speculative.model = "tiny-random-draft";
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
   c = TriForce({}, "ngram");
-  c.triforce_budget = -1;
+  c.speculative.triforce.budget = -1;
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
   c = TriForce({}, "ngram");
-  c.triforce_rebuild_acceptance = 1.5;
+  c.speculative.triforce.rebuild_acceptance = 1.5;
   EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
   c = TriForce({}, "ngram");
   c.num_kv_blocks = 40;  // the lanes would leave no room for a max_model_len sequence

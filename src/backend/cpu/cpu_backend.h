@@ -1,6 +1,6 @@
 // The CPU backend: weights (fp32, the exact reference mode, or kept in the file's block
 // quantization), fp32 activations and paged KV cache in host memory, and the decoder's primitives
-// over them (model/llama_model.h runs the layer loop).
+// over them (forward/llama_model.h runs the layer loop).
 #pragma once
 
 #include <memory>

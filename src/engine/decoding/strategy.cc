@@ -3,7 +3,7 @@
 #include "engine/decoding/beam_search.h"
 #include "engine/decoding/sampling.h"
 #include "engine/engine_core.h"
-#include "spec/speculative_sampling.h"
+#include "engine/decoding/speculative_sampling.h"
 
 namespace kvflow {
 

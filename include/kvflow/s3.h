@@ -1,0 +1,32 @@
+// S3 (scheduling_policy "s3"): reserve each request's prompt plus its predicted output length,
+// pack batches first-fit decreasing, and on a misprediction preempt and double the reservation.
+// Its configuration (EngineConfig::s3) and counters (EngineStats::s3).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace kvflow {
+
+struct S3Config {
+  // The output-length predictor (written by kvflow-length-predictor train). Empty: start from an
+  // untrained predictor and learn from completed requests.
+  std::string length_predictor;
+  bool online_updates = true;     // retrain on completed requests
+  std::string reservation_point;  // "upper" or "middle" of the bucket; empty: the predictor file's
+};
+
+// Zero under other policies.
+struct S3Stats {
+  int64_t predictions = 0;
+  int64_t compared = 0;         // finished requests whose true length bucket is known
+  int64_t under_predicted = 0;  // finished requests whose output outgrew the predicted bucket
+  int64_t over_predicted = 0;
+  int64_t correct = 0;
+  int64_t reservation_preemptions = 0;  // preemptions of exhausted reservations (one per miss)
+  int64_t online_updates = 0;
+  double predict_seconds = 0;
+  double update_seconds = 0;
+};
+
+}  // namespace kvflow

@@ -1,0 +1,26 @@
+#include "distributed/world.h"
+
+#include <cstdlib>
+
+#include "distributed/in_process_communicator.h"
+
+namespace kvflow::dist {
+
+bool LaunchedByMpi() {
+  for (const char* variable : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}) {
+    if (std::getenv(variable) != nullptr) return true;
+  }
+  return false;
+}
+
+void AbortJob(int exit_code) {
+  if (LaunchedByMpi()) AbortMpiJob(exit_code);
+  std::exit(exit_code);
+}
+
+Result<std::unique_ptr<Communicator>> OpenWorldCommunicator() {
+  if (LaunchedByMpi()) return OpenMpiWorldCommunicator();
+  return std::move(InProcessWorld::Create(1).front());
+}
+
+}  // namespace kvflow::dist

@@ -1,0 +1,28 @@
+// The communicator a process runs in: the MPI world when mpirun started it, else a world of one.
+#pragma once
+
+#include <memory>
+
+#include "distributed/communicator.h"
+
+namespace kvflow::dist {
+
+// True when a launcher started this process as one rank of several (mpirun sets
+// OMPI_COMM_WORLD_SIZE, Slurm/MPICH PMI_SIZE, PMIx PMIX_RANK).
+bool LaunchedByMpi();
+
+// LaunchedByMpi(): the MPI communicator (collective: every rank opens it together), or Unsupported
+// when kvflow was built without MPI. Otherwise an in-process world of one rank.
+Result<std::unique_ptr<Communicator>> OpenWorldCommunicator();
+
+// The MPI half of OpenWorldCommunicator, defined by the MPI transport (src/distributed/mpi/) or, in builds
+// without MPI, by its stub.
+Result<std::unique_ptr<Communicator>> OpenMpiWorldCommunicator();
+
+// Ends the whole job with `exit_code`: a rank that cannot go on (a server that failed to start)
+// must not leave the other ranks waiting for it. MPI_Abort under MPI, else std::exit.
+[[noreturn]] void AbortJob(int exit_code);
+// The MPI half of AbortJob (a no-op in builds without MPI or before MPI is initialised).
+void AbortMpiJob(int exit_code);
+
+}  // namespace kvflow::dist

@@ -1,0 +1,148 @@
+#include "engine/system_registry.h"
+
+#include <algorithm>
+
+namespace kvflow {
+namespace {
+
+template <typename Plugin>
+Status AddUnique(std::vector<Plugin>& plugins, Plugin plugin, const char* kind) {
+  plugin.info.kind = kind;
+  if (plugin.info.name.empty()) return Status::InvalidArgument(std::string("a ") + kind + " needs a name");
+  for (const Plugin& p : plugins) {
+    if (p.info.name == plugin.info.name) {
+      return Status::Internal(std::string(kind) + " '" + plugin.info.name + "' is registered twice");
+    }
+  }
+  if (plugin.info.label.empty()) plugin.info.label = plugin.info.name;
+  plugins.push_back(std::move(plugin));
+  return Status::Ok();
+}
+
+template <typename Plugin>
+Result<const Plugin*> Find(const std::vector<Plugin>& plugins, const std::string& name, const char* field) {
+  for (const Plugin& p : plugins) {
+    if (p.info.name == name) return &p;
+  }
+  std::string names;
+  for (size_t i = 0; i < plugins.size(); ++i) {
+    names += (i == 0 ? "" : i + 1 == plugins.size() ? " or " : ", ") + plugins[i].info.name;
+  }
+  return Status::InvalidArgument(std::string(field) + " must be " + (names.empty() ? "empty (none is built in)" : names) +
+                                 " (or empty: off), not '" + name + "'");
+}
+
+bool Matches(const std::string& excluded, const ActiveFeature& feature) {
+  if (excluded == feature.id) return true;
+  // A kind alone ("drafter") excludes every system of that kind.
+  return feature.id.size() > excluded.size() && feature.id.compare(0, excluded.size(), excluded) == 0 &&
+         feature.id[excluded.size()] == ':';
+}
+
+}  // namespace
+
+Status SystemRegistry::Register(DrafterPlugin plugin) { return AddUnique(drafters_, std::move(plugin), "drafter"); }
+Status SystemRegistry::Register(KvSelectorPlugin plugin) {
+  return AddUnique(kv_selectors_, std::move(plugin), "kv_selector");
+}
+Status SystemRegistry::Register(PrefillerPlugin plugin) { return AddUnique(prefillers_, std::move(plugin), "prefiller"); }
+Status SystemRegistry::Register(KvTierPlugin plugin) { return AddUnique(kv_tiers_, std::move(plugin), "kv_tier"); }
+
+Result<const DrafterPlugin*> SystemRegistry::Drafter(const std::string& name) const {
+  return Find(drafters_, name, "speculative_method");
+}
+Result<const KvSelectorPlugin*> SystemRegistry::KvSelector(const std::string& name) const {
+  return Find(kv_selectors_, name, "kv_selection");
+}
+Result<const PrefillerPlugin*> SystemRegistry::Prefiller(const std::string& name) const {
+  return Find(prefillers_, name, "prefill_parallel");
+}
+Result<const KvTierPlugin*> SystemRegistry::KvTier(const std::string& name) const {
+  return Find(kv_tiers_, name, "kv tier");
+}
+
+std::vector<std::string> SystemRegistry::Names(const std::string& kind) const {
+  std::vector<std::string> names;
+  auto collect = [&](const auto& plugins) {
+    for (const auto& p : plugins) names.push_back(p.info.name);
+  };
+  if (kind == "drafter") collect(drafters_);
+  if (kind == "kv_selector") collect(kv_selectors_);
+  if (kind == "prefiller") collect(prefillers_);
+  if (kind == "kv_tier") collect(kv_tiers_);
+  return names;
+}
+
+Result<std::vector<const SystemInfo*>> SystemRegistry::ActiveSystems(const EngineConfig& c) const {
+  std::vector<const SystemInfo*> active;
+  if (!c.speculative.method.empty()) {
+    KVFLOW_ASSIGN_OR_RETURN(const DrafterPlugin* p, Drafter(c.speculative.method));
+    active.push_back(&p->info);
+  }
+  if (!c.kv_selection.method.empty()) {
+    KVFLOW_ASSIGN_OR_RETURN(const KvSelectorPlugin* p, KvSelector(c.kv_selection.method));
+    active.push_back(&p->info);
+  }
+  if (!c.prefill_parallel.method.empty()) {
+    KVFLOW_ASSIGN_OR_RETURN(const PrefillerPlugin* p, Prefiller(c.prefill_parallel.method));
+    active.push_back(&p->info);
+  }
+  if (c.kv_offload.enabled) {
+    KVFLOW_ASSIGN_OR_RETURN(const KvTierPlugin* p, KvTier("kv_offload"));
+    active.push_back(&p->info);
+  }
+  return active;
+}
+
+std::vector<ActiveFeature> SystemRegistry::ActiveFeatures(const EngineConfig& c) const {
+  std::vector<ActiveFeature> features;
+  auto systems = ActiveSystems(c);
+  if (systems.ok()) {
+    for (const SystemInfo* s : systems.value()) features.push_back({s->kind + ":" + s->name, s->label});
+  }
+  bool draft_model = !c.speculative.model.empty();
+  if (!c.speculative.method.empty()) {
+    auto drafter = Drafter(c.speculative.method);
+    if (drafter.ok() && drafter.value()->uses_draft_model) draft_model = draft_model || drafter.value()->uses_draft_model(c);
+  }
+  if (draft_model) features.push_back({"draft model", "a draft model (speculative_model " + c.speculative.model + ")"});
+  if (c.preemption_mode == "swap") features.push_back({"swap preemption", "preemption_mode swap"});
+  if (c.enable_prefix_caching) features.push_back({"prefix caching", "prefix caching"});
+  return features;
+}
+
+Status SystemRegistry::CompleteAndCheck(EngineConfig& config) const {
+  KVFLOW_ASSIGN_OR_RETURN(std::vector<const SystemInfo*> active, ActiveSystems(config));
+  for (const SystemInfo* s : active) {
+    if (s->complete) s->complete(config);
+  }
+  for (const SystemInfo* s : active) {
+    if (s->validate) KVFLOW_RETURN_IF_ERROR(s->validate(config));
+  }
+  auto check_off = [&](const auto& plugins) -> Status {
+    for (const auto& p : plugins) {
+      if (p.info.validate_when_off && std::find(active.begin(), active.end(), &p.info) == active.end()) {
+        KVFLOW_RETURN_IF_ERROR(p.info.validate_when_off(config));
+      }
+    }
+    return Status::Ok();
+  };
+  KVFLOW_RETURN_IF_ERROR(check_off(drafters_));
+  KVFLOW_RETURN_IF_ERROR(check_off(kv_selectors_));
+  KVFLOW_RETURN_IF_ERROR(check_off(prefillers_));
+  KVFLOW_RETURN_IF_ERROR(check_off(kv_tiers_));
+  const std::vector<ActiveFeature> features = ActiveFeatures(config);
+  for (const SystemInfo* s : active) {
+    const std::string self = s->kind + ":" + s->name;
+    for (const Exclusion& e : s->excludes) {
+      for (const ActiveFeature& f : features) {
+        if (f.id != self && Matches(e.feature, f)) {
+          return Status::InvalidArgument(s->label + " cannot run with " + f.label + ": " + e.why);
+        }
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace kvflow

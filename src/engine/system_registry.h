@@ -1,0 +1,148 @@
+// Systems plug into the engine by name. Each registers itself (its folder's plugin.cc) under one
+// kind, with a factory and what it declares about itself: what it cannot run with and why, and how
+// it completes the configuration. The engine resolves the names in EngineConfig against a registry
+// and checks every active system's declarations against the features the configuration turns on,
+// so no pairwise table lives in the engine and every refusal names both features.
+//
+// Kinds and the EngineConfig field that names a system of that kind:
+//   drafter     speculative.method       (engine/drafter.h)
+//   kv_selector kv_selection.method      (engine/kv_selector.h)
+//   prefiller   prefill_parallel.method  (engine/prompt_prefiller.h)
+//   kv_tier     kv_offload.enabled       (a system that keeps the KV pool elsewhere: "kv_offload")
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "engine/drafter.h"
+#include "engine/kv_selector.h"
+#include "engine/prompt_prefiller.h"
+#include "kvflow/config.h"
+#include "kvflow/engine_config.h"
+#include "kvflow/status.h"
+#include "kvflow/tokenizer.h"
+
+namespace kvflow {
+namespace dist {
+class Communicator;
+}
+
+// A feature a configuration turns on: "<kind>:<name>" for a registered system (e.g.
+// "drafter:triforce"), or one of the engine's own: "swap preemption", "prefix caching" and
+// "draft model" (a second model on the device, whichever system runs it).
+struct ActiveFeature {
+  std::string id;
+  std::string label;  // for errors: "speculative decoding (triforce)"
+};
+
+// "X cannot run with `feature`: `why`". `feature` matches a feature id exactly, or every system
+// of a kind when it names the kind alone ("drafter").
+struct Exclusion {
+  std::string feature;
+  std::string why;
+};
+
+// What every system declares.
+struct SystemInfo {
+  std::string kind;
+  std::string name;
+  std::string label;  // a user's name for it: "speculative decoding (triforce)"
+  std::vector<Exclusion> excludes;
+  // Checks its own section of the configuration (null: nothing to check).
+  std::function<Status(const EngineConfig&)> validate;
+  // Refuses options of this system set while another (or none) is chosen (null: ignored).
+  std::function<Status(const EngineConfig&)> validate_when_off;
+  // Completes the configuration before it is validated: method defaults, features it turns on
+  // (logged). Null: nothing.
+  std::function<void(EngineConfig&)> complete;
+};
+
+struct DrafterContext {
+  const EngineConfig& config;
+  Backend& target;
+  Backend* draft_backend;  // the draft model's, when uses_draft_model says so
+  int num_target_blocks;   // blocks of the target's pool, scratch included
+};
+
+struct DrafterPlugin {
+  SystemInfo info;
+  // Whether it runs a draft model (EngineConfig::speculative.model) on a backend of its own, and
+  // that backend, made before the drafter (the engine's executor runs it as a follower of the
+  // target's blocks).
+  std::function<bool(const EngineConfig&)> uses_draft_model;
+  std::function<Result<std::unique_ptr<Backend>>(const EngineConfig&, const Backend& target, const ModelConfig&,
+                                                 const Tokenizer&)>
+      create_draft_backend;
+  // Blocks of the target's pool the drafter keeps for itself, past those the block manager owns
+  // (null: none), and what they are for ("drafting lanes").
+  std::function<int(const EngineConfig&)> target_scratch_blocks;
+  std::string target_scratch_use;
+  std::function<Result<std::unique_ptr<Drafter>>(const DrafterContext&)> create;
+};
+
+struct KvSelectorContext {
+  const EngineConfig& config;
+  const std::string& model_path;
+  const ModelConfig& model;
+  Backend& backend;
+};
+
+struct KvSelectorPlugin {
+  SystemInfo info;
+  std::function<Result<std::unique_ptr<KvSelector>>(const KvSelectorContext&)> create;
+};
+
+struct PrefillerContext {
+  const EngineConfig& config;
+  Backend& backend;
+  dist::Communicator* communicator;  // null: the process's MPI world
+};
+
+struct PrefillerPlugin {
+  SystemInfo info;
+  std::function<Result<std::unique_ptr<PromptPrefiller>>(const PrefillerContext&)> create;
+};
+
+// A place the KV pool lives other than the device (the backend implements the mechanism; the
+// system declares what it composes with).
+struct KvTierPlugin {
+  SystemInfo info;
+  // Its hooks around every other feature's in the target's passes (null: none).
+  std::function<std::unique_ptr<WrappingHooks>()> create_hooks;
+};
+
+class SystemRegistry {
+ public:
+  Status Register(DrafterPlugin plugin);
+  Status Register(KvSelectorPlugin plugin);
+  Status Register(PrefillerPlugin plugin);
+  Status Register(KvTierPlugin plugin);
+
+  // The system of that kind and name, or an error listing the registered names.
+  Result<const DrafterPlugin*> Drafter(const std::string& name) const;
+  Result<const KvSelectorPlugin*> KvSelector(const std::string& name) const;
+  Result<const PrefillerPlugin*> Prefiller(const std::string& name) const;
+  Result<const KvTierPlugin*> KvTier(const std::string& name) const;
+
+  // Registered names of a kind, in registration order.
+  std::vector<std::string> Names(const std::string& kind) const;
+
+  // The systems `config` names, completed (each system's `complete`), validated and checked
+  // against each other's exclusions.
+  Status CompleteAndCheck(EngineConfig& config) const;
+  // The features `config` turns on.
+  std::vector<ActiveFeature> ActiveFeatures(const EngineConfig& config) const;
+
+ private:
+  Result<std::vector<const SystemInfo*>> ActiveSystems(const EngineConfig& config) const;
+
+  std::vector<DrafterPlugin> drafters_;
+  std::vector<KvSelectorPlugin> kv_selectors_;
+  std::vector<PrefillerPlugin> prefillers_;
+  std::vector<KvTierPlugin> kv_tiers_;
+};
+
+}  // namespace kvflow

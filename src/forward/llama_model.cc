@@ -1,0 +1,87 @@
+#include "forward/llama_model.h"
+
+namespace kvflow {
+
+Status LlamaModel::Forward(const ForwardBatch& batch, std::vector<float>& logits) {
+  LogitsSink sink;
+  sink.host = &logits;
+  return Run(batch, sink);
+}
+
+Status LlamaModel::ForwardAndSample(const ForwardBatch& batch, std::span<const DeviceSampleRow> rows,
+                                    std::vector<SampledToken>& sampled) {
+  if (!backend_.SupportsDeviceSampling()) return Status::Unsupported("this backend does not sample on the device");
+  LogitsSink sink;
+  sink.sample_rows = rows;
+  sink.sampled = &sampled;
+  return Run(batch, sink);
+}
+
+Status LlamaModel::Run(const ForwardBatch& batch, const LogitsSink& sink) {
+  const bool capturable = hooks_ == nullptr || hooks_->capturable();
+  return backend_.RunStep(batch, sink, [&] { return Layers(batch); }, capturable);
+}
+
+Status LlamaModel::Layers(const ForwardBatch& batch) {
+  Backend& b = backend_;
+  KVFLOW_RETURN_IF_ERROR(b.Embed());
+  const int num_layers = b.model_config().num_layers;
+  for (int layer = 0; layer < num_layers; ++layer) {
+    // The previous layer's MLP output joins the residual stream inside this norm.
+    KVFLOW_RETURN_IF_ERROR(b.RmsNorm(layer, LayerWeight::kAttnNorm, /*add_delta=*/layer > 0));
+    KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kQkv, Activation::kHidden, Activation::kQkv));
+    KVFLOW_RETURN_IF_ERROR(b.Rotary());
+    KVFLOW_RETURN_IF_ERROR(b.WriteKv(layer));
+    const LayerContext ctx{layer, batch, b};
+    if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->BeforeAttention(ctx));
+    const std::span<const KvHeadSelection> selection =
+        hooks_ ? hooks_->AttentionSelection(ctx) : std::span<const KvHeadSelection>{};
+    KVFLOW_RETURN_IF_ERROR(selection.empty() ? b.Attention(layer) : b.AttentionOverSelection(layer, selection));
+    if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterAttention(ctx));
+    KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kO, Activation::kAttention, Activation::kDelta));
+    KVFLOW_RETURN_IF_ERROR(b.RmsNorm(layer, LayerWeight::kFfnNorm, /*add_delta=*/true));
+    KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kGateUp, Activation::kHidden, Activation::kGateUp));
+    if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterMlpInput(ctx));
+    KVFLOW_RETURN_IF_ERROR(b.SiluMul());
+    KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kDown, Activation::kMlp, Activation::kDelta));
+  }
+  return b.AddDelta();
+}
+
+Status HookChain::BeforeAttention(const LayerContext& ctx) {
+  for (LayerHooks* h : hooks_) KVFLOW_RETURN_IF_ERROR(h->BeforeAttention(ctx));
+  return Status::Ok();
+}
+
+std::span<const KvHeadSelection> HookChain::AttentionSelection(const LayerContext& ctx) {
+  for (LayerHooks* h : hooks_) {
+    if (auto selection = h->AttentionSelection(ctx); !selection.empty()) return selection;
+  }
+  return {};
+}
+
+std::optional<std::span<const KvHeadSelection>> HookChain::UpcomingSelection(int layer) {
+  for (LayerHooks* h : hooks_) {
+    if (auto selection = h->UpcomingSelection(layer)) return selection;
+  }
+  return std::nullopt;
+}
+
+Status HookChain::AfterMlpInput(const LayerContext& ctx) {
+  for (LayerHooks* h : hooks_) KVFLOW_RETURN_IF_ERROR(h->AfterMlpInput(ctx));
+  return Status::Ok();
+}
+
+Status HookChain::AfterAttention(const LayerContext& ctx) {
+  for (LayerHooks* h : hooks_) KVFLOW_RETURN_IF_ERROR(h->AfterAttention(ctx));
+  return Status::Ok();
+}
+
+bool HookChain::capturable() const {
+  for (const LayerHooks* h : hooks_) {
+    if (!h->capturable()) return false;
+  }
+  return true;
+}
+
+}  // namespace kvflow
