@@ -125,50 +125,48 @@ int main(int argc, char** argv) {
     return 77;
   }
   const std::string load_start = kb::LoadAverage();
-  std::map<std::string, std::unique_ptr<kvflow::Engine>> engines;
+  kvflow::EngineConfig base;
+  base.model = model;
+  base.device = device;
+  base.num_threads = threads;
+  base.max_model_len = max_model_len;
+  base.max_num_seqs = 1;
+  base.num_kv_blocks = (max_model_len + base.block_size - 1) / base.block_size + 32;
+  kb::ModeEngines engines;
   Json engine_json = Json::object();
-  for (const std::string& mode : modes) {
-    kvflow::EngineConfig c;
-    c.model = model;
-    c.device = device;
-    c.num_threads = threads;
-    c.max_model_len = max_model_len;
-    c.max_num_seqs = 1;
-    c.num_kv_blocks = (max_model_len + c.block_size - 1) / c.block_size + 32;
-    const bool offload = mode.rfind("offload-", 0) == 0;
-    const std::string method = offload ? mode.substr(8) : mode;
-    c.kv_offload.enabled = offload;
-    if (method == "infinigen") {
-      c.kv_selection.method = "infinigen";
-      c.kv_selection.infinigen.alpha = alpha;
-      c.kv_selection.infinigen.max_fraction = max_fraction;
-      c.kv_selection.infinigen.speculate_from = speculate_from;
-      c.kv_selection.infinigen.skew_file = skew_file;
-    } else if (method == "h2o") {
-      c.kv_selection.method = "h2o";
-      c.kv_selection.h2o.budget = h2o_budget;
-    } else if (method == "int4" && !offload) {
-      c.kv_cache_dtype = "q4";
-    } else if (method != "full") {
-      std::fprintf(stderr, "unknown mode '%s'\n", mode.c_str());
-      return 2;
-    }
-    auto engine = kvflow::Engine::Create(c);
-    if (!engine.ok()) {
-      std::fprintf(stderr, "mode %s: %s\n", mode.c_str(), engine.status().ToString().c_str());
-      return 1;
-    }
-    engine_json[mode] = {{"describe", engine.value()->Describe()},
-                         {"kv_selection", c.kv_selection.method},
-                         {"kv_cache_dtype", c.kv_cache_dtype},
-                         {"kv_offload", c.kv_offload.enabled},
-                         {"infinigen_alpha", c.kv_selection.infinigen.alpha},
-                         {"infinigen_max_fraction", c.kv_selection.infinigen.max_fraction},
-                         {"infinigen_speculate_from", c.kv_selection.infinigen.speculate_from},
-                         {"h2o_budget", c.kv_selection.h2o.budget}};
-    std::fprintf(stderr, "[engine] %s: %s\n", mode.c_str(), engine.value()->Describe().c_str());
-    engines[mode] = std::move(engine.value());
-  }
+  const int created = kb::CreateModeEngines(
+      modes, base,
+      [&](const std::string& mode, kvflow::EngineConfig& c) {
+        const bool offload = mode.rfind("offload-", 0) == 0;
+        const std::string method = offload ? mode.substr(8) : mode;
+        c.kv_offload.enabled = offload;
+        if (method == "infinigen") {
+          c.kv_selection.method = "infinigen";
+          c.kv_selection.infinigen.alpha = alpha;
+          c.kv_selection.infinigen.max_fraction = max_fraction;
+          c.kv_selection.infinigen.speculate_from = speculate_from;
+          c.kv_selection.infinigen.skew_file = skew_file;
+        } else if (method == "h2o") {
+          c.kv_selection.method = "h2o";
+          c.kv_selection.h2o.budget = h2o_budget;
+        } else if (method == "int4" && !offload) {
+          c.kv_cache_dtype = "q4";
+        } else if (method != "full") {
+          return false;
+        }
+        return true;
+      },
+      [](const kvflow::EngineConfig& c) {
+        return Json{{"kv_selection", c.kv_selection.method},
+                    {"kv_cache_dtype", c.kv_cache_dtype},
+                    {"kv_offload", c.kv_offload.enabled},
+                    {"infinigen_alpha", c.kv_selection.infinigen.alpha},
+                    {"infinigen_max_fraction", c.kv_selection.infinigen.max_fraction},
+                    {"infinigen_speculate_from", c.kv_selection.infinigen.speculate_from},
+                    {"h2o_budget", c.kv_selection.h2o.budget}};
+      },
+      engines, engine_json);
+  if (created != 0) return created;
   const kvflow::Tokenizer& tok = engines.begin()->second->tokenizer();
   const std::vector<std::string> articles = kb::Articles(kb::ReadFile(wikitext));
   kvflow::SamplingParams params;

@@ -6,12 +6,18 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <ctime>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "bench_files.h"
 #include "kvflow/engine.h"
@@ -195,5 +201,33 @@ inline TimedRun RunTimed(kvflow::Engine& engine, const std::vector<int32_t>& pro
   return r;
 }
 
+// One engine per mode, created once and reused for every context: `configure` sets the mode's
+// options on a copy of `base` (false: an unknown mode), `describe` gives the mode's entry in the
+// result file's "engines" (with the engine's Describe() added). Each engine is announced on stderr.
+// Returns 0, or the exit code after the error is printed (2: unknown mode, 1: the engine failed).
+using ModeEngines = std::map<std::string, std::unique_ptr<kvflow::Engine>>;
+
+inline int CreateModeEngines(const std::vector<std::string>& modes, const kvflow::EngineConfig& base,
+                             const std::function<bool(const std::string& mode, kvflow::EngineConfig& c)>& configure,
+                             const std::function<nlohmann::json(const kvflow::EngineConfig& c)>& describe,
+                             ModeEngines& engines, nlohmann::json& engine_json) {
+  for (const std::string& mode : modes) {
+    kvflow::EngineConfig c = base;
+    if (!configure(mode, c)) {
+      std::fprintf(stderr, "unknown mode '%s'\n", mode.c_str());
+      return 2;
+    }
+    auto engine = kvflow::Engine::Create(c);
+    if (!engine.ok()) {
+      std::fprintf(stderr, "mode %s: %s\n", mode.c_str(), engine.status().ToString().c_str());
+      return 1;
+    }
+    engine_json[mode] = describe(c);
+    engine_json[mode]["describe"] = engine.value()->Describe();
+    std::fprintf(stderr, "[engine] %s: %s\n", mode.c_str(), engine.value()->Describe().c_str());
+    engines[mode] = std::move(engine.value());
+  }
+  return 0;
+}
 
 }  // namespace kvflow::bench

@@ -225,47 +225,46 @@ int main(int argc, char** argv) {
   const std::string load_start = LoadAverage();
 
   // One engine per mode, created once.
-  std::map<std::string, std::unique_ptr<kvflow::Engine>> engines;
+  kvflow::EngineConfig base;
+  base.model = model;
+  base.device = device;
+  base.num_threads = threads;
+  base.max_model_len = max_model_len;
+  base.max_num_seqs = 1;  // one request at a time
+  // A pool for one full context plus slack (the automatic size falls a few blocks short of 8192).
+  base.num_kv_blocks = kv_blocks > 0 ? kv_blocks : (max_model_len + base.block_size - 1) / base.block_size + 32;
+  base.seed = seed;
+  kvflow::bench::ModeEngines engines;
   Json engine_json = Json::object();
-  for (const std::string& mode : modes) {
-    kvflow::EngineConfig c;
-    c.model = model;
-    c.device = device;
-    c.num_threads = threads;
-    c.max_model_len = max_model_len;
-    c.max_num_seqs = 1;  // one request at a time
-    // A pool for one full context plus slack (the automatic size falls a few blocks short of 8192).
-    c.num_kv_blocks = kv_blocks > 0 ? kv_blocks : (max_model_len + c.block_size - 1) / c.block_size + 32;
-    c.seed = seed;
-    if (mode == "ngram") {
-      c.speculative.method = "ngram";
-      c.speculative.num_tokens = gamma2;
-    } else if (mode != "plain") {
-      c.speculative.method = "triforce";
-      c.speculative.num_tokens = gamma2;
-      c.speculative.triforce.draft_tokens = mode == "middle" ? 0 : gamma1;
-      c.speculative.triforce.draft = mode == "triforce-streaming" ? "streaming" : "ngram";
-      c.speculative.triforce.budget = budget;
-      c.speculative.triforce.min_context = 0;
-      c.speculative.triforce.rebuild_stride = rebuild_stride;
-    }
-    auto engine = kvflow::Engine::Create(c);
-    if (!engine.ok()) {
-      std::fprintf(stderr, "mode %s: %s\n", mode.c_str(), engine.status().ToString().c_str());
-      return 1;
-    }
-    engine_json[mode] = {{"describe", engine.value()->Describe()},
-                         {"speculative_method", c.speculative.method},
-                         {"num_speculative_tokens", c.speculative.num_tokens},
-                         {"triforce_draft", c.speculative.triforce.draft},
-                         {"triforce_draft_tokens", c.speculative.triforce.draft_tokens},
-                         {"triforce_budget", c.speculative.triforce.budget},
-                         {"triforce_min_context", c.speculative.triforce.min_context},
-                         {"triforce_sinks", c.speculative.triforce.sinks},
-                         {"triforce_window", c.speculative.triforce.window}};
-    std::fprintf(stderr, "[engine] %s: %s\n", mode.c_str(), engine.value()->Describe().c_str());
-    engines[mode] = std::move(engine.value());
-  }
+  const int created = kvflow::bench::CreateModeEngines(
+      modes, base,
+      [&](const std::string& mode, kvflow::EngineConfig& c) {
+        if (mode == "ngram") {
+          c.speculative.method = "ngram";
+          c.speculative.num_tokens = gamma2;
+        } else if (mode != "plain") {
+          c.speculative.method = "triforce";
+          c.speculative.num_tokens = gamma2;
+          c.speculative.triforce.draft_tokens = mode == "middle" ? 0 : gamma1;
+          c.speculative.triforce.draft = mode == "triforce-streaming" ? "streaming" : "ngram";
+          c.speculative.triforce.budget = budget;
+          c.speculative.triforce.min_context = 0;
+          c.speculative.triforce.rebuild_stride = rebuild_stride;
+        }
+        return true;
+      },
+      [](const kvflow::EngineConfig& c) {
+        return Json{{"speculative_method", c.speculative.method},
+                    {"num_speculative_tokens", c.speculative.num_tokens},
+                    {"triforce_draft", c.speculative.triforce.draft},
+                    {"triforce_draft_tokens", c.speculative.triforce.draft_tokens},
+                    {"triforce_budget", c.speculative.triforce.budget},
+                    {"triforce_min_context", c.speculative.triforce.min_context},
+                    {"triforce_sinks", c.speculative.triforce.sinks},
+                    {"triforce_window", c.speculative.triforce.window}};
+      },
+      engines, engine_json);
+  if (created != 0) return created;
   const kvflow::Tokenizer& tok = engines.begin()->second->tokenizer();
   const std::vector<std::string> articles = Articles(ReadFile(wikitext));
 

@@ -732,7 +732,10 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleArgs args) {
   const bool penalize = args.history != nullptr &&
                         (p.repetition_penalty != 1.0f || p.frequency_penalty != 0.0f || p.presence_penalty != 0.0f);
   const bool suppressing = p.suppress_len > 0 && args.suppress != nullptr;
-  const bool defer_raw = !penalize && !suppressing && p.temperature == 1.0f && !(p.top_k > 0 && p.top_k < vocab);
+  const bool masking = p.mask_offset >= 0 && args.masks != nullptr;
+  const bool biasing = p.bias_len > 0 && args.bias_tokens != nullptr && args.bias_values != nullptr && args.bias_raw != nullptr;
+  const bool constrained = suppressing || masking || biasing;
+  const bool defer_raw = !penalize && !constrained && p.temperature == 1.0f && !(p.top_k > 0 && p.top_k < vocab);
   double log_normalizer = 0.0;
   const auto raw_logprobs = [&](double all_weight) {
     if (!(all_weight >= 0.0)) {  // NaN: not known yet
@@ -758,6 +761,25 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleArgs args) {
     }
     __syncthreads();
   }
+  if (masking) {
+    const uint32_t* mask = args.masks + p.mask_offset;
+    for (int t = threadIdx.x; t < vocab; t += kThreads) {
+      if (((mask[t >> 5] >> (t & 31)) & 1u) == 0u) x[t] = -INFINITY;
+    }
+    __syncthreads();
+  }
+  if (biasing) {
+    // One thread, in list order: a token listed twice gains both biases, and its raw logit is
+    // the one before the first (as TokenConstraint::ApplyTo).
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < p.bias_len; ++i) {
+        const int32_t t = args.bias_tokens[p.bias_offset + i];
+        args.bias_raw[p.bias_offset + i] = (t >= 0 && t < vocab) ? x[t] : NAN;
+        if (t >= 0 && t < vocab) x[t] = __fadd_rn(x[t], args.bias_values[p.bias_offset + i]);
+      }
+    }
+    __syncthreads();
+  }
   const int32_t* history = args.history + (penalize ? p.history_offset : 0);
   const int prompt_len = max(p.prompt_len, 0);
   const int history_first = p.repetition_penalty != 1.0f ? 0 : prompt_len;
@@ -770,7 +792,7 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleArgs args) {
 
   // 3. The token: argmax when greedy (or when everything is masked), else one draw.
   Best top = raw_best;
-  if (suppressing || penalize) {
+  if (constrained || penalize) {
     best = Best{-INFINITY, INT_MAX};
     ForEachItem(vocab, load_row, [&](int i, float l) {
       if (Beats(l, i, best)) best = {l, i};
@@ -797,7 +819,15 @@ __global__ void __launch_bounds__(kThreads) SampleKernel(SampleArgs args) {
   __syncthreads();
   if (threadIdx.x == 0) {
     // An atomic read: the slot was last written by atomics, which bypass this SM's L1.
-    const float raw = sm.flags[7] ? DecodeRawLogit(atomicAdd(&ws[token], 0)) : x[token];
+    float raw = sm.flags[7] ? DecodeRawLogit(atomicAdd(&ws[token], 0)) : x[token];
+    if (biasing) {  // a biased token's raw logit is the one before its bias
+      for (int i = 0; i < p.bias_len; ++i) {
+        if (args.bias_tokens[p.bias_offset + i] == token) {
+          raw = args.bias_raw[p.bias_offset + i];
+          break;
+        }
+      }
+    }
     args.out_tokens[row_index] = token;
     args.out_logprobs[row_index] = static_cast<float>(static_cast<double>(raw) - log_normalizer);
   }

@@ -3,7 +3,9 @@
 // the row's uniform draw `uniform` (the host keeps each sequence's seeded RNG, so a seed gives the
 // same tokens on either backend):
 //   1. raw log-normalizer and the num_top_logprobs largest raw logits (ties: lower id first);
-//   2. suppressed tokens -> -inf; repetition penalty over prompt + output tokens (divide positive
+//   2. the row's constraint (sampling/token_constraint.h): suppressed (banned) tokens and tokens
+//      outside its allowed-token mask -> -inf, then each bias added to its token's logit (the
+//      token's raw logit kept for step 4); repetition penalty over prompt + output tokens (divide positive
 //      logits, multiply negative ones, once per distinct token), then frequency and presence
 //      penalties over output tokens;
 //   3. temperature <= 0 (or every logit -inf): argmax (lowest id among ties). Otherwise weights
@@ -38,6 +40,9 @@ struct SamplingRow {
   int32_t output_len = 0;
   int32_t suppress_offset = 0;  // the row's suppressed tokens in `suppress`
   int32_t suppress_len = 0;
+  int32_t mask_offset = -1;     // the row's allowed-token mask in `masks` (ceil(vocab / 32) words); -1: none
+  int32_t bias_offset = 0;      // the row's biases in `bias_tokens` / `bias_values`
+  int32_t bias_len = 0;
   double uniform = 0.0;  // the row's draw in [0, 1)
 };
 
@@ -48,6 +53,10 @@ struct SampleArgs {
   const SamplingRow* rows = nullptr;
   const int32_t* history = nullptr;
   const int32_t* suppress = nullptr;
+  const uint32_t* masks = nullptr;      // allowed-token masks, bit t of word t / 32
+  const int32_t* bias_tokens = nullptr;
+  const float* bias_values = nullptr;
+  float* bias_raw = nullptr;            // as long as bias_tokens: scratch for the biased tokens' raw logits
   int num_top_logprobs = 0;          // 0..kMaxTopLogprobs, the same for every row
   int32_t* out_tokens = nullptr;     // [num_rows]
   float* out_logprobs = nullptr;     // [num_rows] raw logprob of the chosen token

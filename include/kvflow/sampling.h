@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvflow/status.h"
@@ -26,6 +27,10 @@ struct SamplingParams {
   int max_tokens = 16;  // 0: only score the prompt (needs prompt_logprobs)
   int min_tokens = 0;  // EOS and stop tokens are suppressed until this many were generated
   std::vector<int32_t> stop_token_ids;
+  // OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs; the bias is added to the token's
+  // logit before the penalties and the sampling (logprobs stay those of the raw logits). -100
+  // bans the token in practice, +100 all but forces it.
+  std::vector<std::pair<int32_t, float>> logit_bias;
   std::vector<std::string> stop;  // stop strings; the matched text is not included in the output
   bool ignore_eos = false;
   int logprobs = 0;  // return this many top alternatives per token (0: only the chosen token's)

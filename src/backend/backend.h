@@ -18,6 +18,7 @@
 #include "kvflow/request.h"
 #include "kvflow/sampling.h"
 #include "kvflow/status.h"
+#include "sampling/token_constraint.h"
 
 namespace kvflow {
 
@@ -91,7 +92,9 @@ struct DeviceSampleRow {
   double uniform = 0.0;
   std::span<const int32_t> prompt;
   std::span<const int32_t> output;
-  std::span<const int32_t> suppress;
+  // What the logits processors allow (null: everything): the device sampler applies it as the CPU
+  // Sampler does (its bans always, its mask and biases where SupportsDeviceTokenMask).
+  const TokenConstraint* constraint = nullptr;
 };
 
 // Top alternatives a device sampler returns at most per token.
@@ -297,6 +300,9 @@ class Backend {
   // cross to the host; same semantics as the CPU Sampler given the same uniforms. Every row's
   // params.logprobs <= kMaxDeviceTopLogprobs.
   virtual bool SupportsDeviceSampling() const { return false; }
+  // Whether device sampling applies DeviceSampleRow::constraint's allowed-token mask and biases
+  // (its bans it always applies).
+  virtual bool SupportsDeviceTokenMask() const { return false; }
 
   // Copies whole blocks (every layer, K and V) between the device pool and the host swap pool,
   // or inside the device pool (copy-on-write). One call per kind per step.

@@ -17,7 +17,10 @@ EngineCore::EngineCore(const EngineCoreConfig& config, std::unique_ptr<Schedulin
       blocks_(config_.blocks),
       scheduler_(config_.scheduler, blocks_, std::move(policy)),
       supervisor_(std::move(supervisor)),
-      seed_rng_(config_.seed) {}
+      seed_rng_(config_.seed) {
+  logits_processors_.Add(MakeMinTokensProcessor(config_.eos_token_ids));
+  logits_processors_.Add(MakeLogitBiasProcessor());
+}
 
 // ---- requests -------------------------------------------------------------------------------------
 
@@ -29,6 +32,7 @@ Status EngineCore::ValidateRequest(const std::vector<int32_t>& prompt, const Sam
                                    " exceeds max_num_seqs (" + std::to_string(config_.scheduler.max_num_seqs) + ")");
   }
   if (config_.vocab_size > 0) {
+    KVFLOW_RETURN_IF_ERROR(logits_processors_.Validate(params, config_.vocab_size));
     for (int32_t t : prompt) {
       if (t < 0 || t >= config_.vocab_size) {
         return Status::InvalidArgument("prompt token id " + std::to_string(t) + " is outside the vocabulary [0, " +
@@ -162,23 +166,26 @@ Result<StepResult> EngineCore::StepInner(Executor& executor) {
   // The executor samples when it can and every row is a plain one (no forks, no beams): then only
   // tokens and logprobs come back.
   std::optional<std::vector<DeviceSampleRow>> sample_rows;
-  std::vector<std::vector<int32_t>> suppress;
   if (!sched.empty() && ExecutorMaySample(executor, sched, record)) {
     sample_rows.emplace();
+    // Sized before any row points into it.
+    const size_t num_rows = static_cast<size_t>(std::count_if(
+        sched.scheduled.begin(), sched.scheduled.end(), [](const ScheduledSeq& s) { return s.needs_logits; }));
+    if (step_constraints_.size() < num_rows) step_constraints_.resize(num_rows);
+    size_t row_index = 0;
     for (const ScheduledSeq& s : sched.scheduled) {
       if (!s.needs_logits) continue;
       RequestState& req = Get(s.group->request_id);
       SeqState* st = req.Find(s.seq);
       const SamplingParams& p = req.params;
-      suppress.push_back(SuppressedTokens(p, *st->seq));
       DeviceSampleRow row;
+      row.constraint = Constrain(p, st->prompt(), st->output(), step_constraints_[row_index++]);
       row.params = &req.params;
       row.uniform = p.greedy() ? 0.0 : st->sampler.NextUniform();
       row.prompt = st->prompt();
       row.output = st->output();
       sample_rows->push_back(row);
     }
-    for (size_t i = 0; i < sample_rows->size(); ++i) (*sample_rows)[i].suppress = suppress[i];
   }
   ExecutorOutput out;
   Status st = executor.Run(sched, record.logits,
@@ -257,7 +264,7 @@ bool EngineCore::ExecutorMaySample(const Executor& executor, const SchedulerOutp
     if (!s.needs_logits) continue;
     const RequestState& req = *requests_.at(s.group->request_id);
     if (!req.strategy->ExecutorMaySample() || req.params.logprobs > kMaxDeviceTopLogprobs ||
-        req.params.max_tokens == 0) {
+        req.params.max_tokens == 0 || (!req.params.logit_bias.empty() && !executor.AppliesTokenMasks())) {
       return false;
     }
   }
@@ -429,11 +436,9 @@ bool EngineCore::ReachedLength(const SamplingParams& p, const SchedSequence& seq
   return seq.output_len() >= p.max_tokens || seq.num_tokens() >= config_.scheduler.max_model_len;
 }
 
-std::vector<int32_t> EngineCore::SuppressedTokens(const SamplingParams& p, int64_t output_len) const {
-  if (output_len >= p.min_tokens) return {};
-  std::vector<int32_t> s = p.stop_token_ids;
-  if (!p.ignore_eos) s.insert(s.end(), config_.eos_token_ids.begin(), config_.eos_token_ids.end());
-  return s;
+const TokenConstraint* EngineCore::Constrain(const SamplingParams& p, std::span<const int32_t> prompt,
+                                             std::span<const int32_t> output, TokenConstraint& constraint) const {
+  return logits_processors_.Constrain({p, prompt, output, config_.vocab_size}, constraint) ? &constraint : nullptr;
 }
 
 std::string EngineCore::Decode(const std::vector<int32_t>& tokens) const {

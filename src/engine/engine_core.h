@@ -28,6 +28,7 @@
 #include "sched/scheduler.h"
 #include "engine/kv_selector.h"
 #include "engine/drafter.h"
+#include "engine/logits_processor.h"
 
 namespace kvflow {
 
@@ -112,11 +113,10 @@ class EngineCore {
   bool IsEos(const SamplingParams& p, int32_t token) const;
   static bool IsStopToken(const SamplingParams& p, int32_t token);
   bool ReachedLength(const SamplingParams& p, const SchedSequence& seq) const;
-  // Tokens `seq` must not produce now: EOS and stop tokens until min_tokens were generated.
-  std::vector<int32_t> SuppressedTokens(const SamplingParams& p, const SchedSequence& seq) const {
-    return SuppressedTokens(p, seq.output_len());
-  }
-  std::vector<int32_t> SuppressedTokens(const SamplingParams& p, int64_t output_len) const;
+  // What a sequence may sample after `output` (engine/logits_processor.h), filled into
+  // `constraint`; null when nothing constrains it.
+  const TokenConstraint* Constrain(const SamplingParams& p, std::span<const int32_t> prompt,
+                                   std::span<const int32_t> output, TokenConstraint& constraint) const;
   // Text of `tokens` (empty without a tokenizer).
   std::string Decode(const std::vector<int32_t>& tokens) const;
   // After a speculative sequence's tokens were appended (AppendTokens): counts the drafts and, if
@@ -179,6 +179,8 @@ class EngineCore {
   std::vector<DraftJob*> draft_jobs_;  // queued by BeforeStep for the coming step
   std::vector<SchedSequence*> draft_seqs_;
   EngineStats stats_;
+  LogitsProcessors logits_processors_;
+  std::vector<TokenConstraint> step_constraints_;  // the device-sampled rows' constraints of a step
   RequestId next_id_ = 1;
   bool in_step_ = false;
 };

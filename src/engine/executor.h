@@ -29,6 +29,8 @@ class Executor {
 
   // Whether Run can sample rows itself (on the device), so that only tokens come back.
   virtual bool SupportsSampling() const = 0;
+  // Whether its sampling applies a TokenConstraint's mask and biases (bans it always applies).
+  virtual bool AppliesTokenMasks() const { return false; }
   // Carries out the step's block moves: swap-out, swap-in, then copy-on-write. A failure leaves
   // the KV cache unknown and fails the step.
   virtual Status MoveBlocks(const SchedulerOutput& sched) = 0;

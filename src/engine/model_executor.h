@@ -38,6 +38,7 @@ class ModelExecutor final : public Executor {
   void set_wrapping_hooks(WrappingHooks* hooks) { wrapping_hooks_ = hooks; }
 
   bool SupportsSampling() const override { return backend_.SupportsDeviceSampling(); }
+  bool AppliesTokenMasks() const override { return backend_.SupportsDeviceTokenMask(); }
   Status MoveBlocks(const SchedulerOutput& sched) override;
   Status Run(const SchedulerOutput& sched, std::span<const LogitsMode> logits,
              std::optional<std::span<const DeviceSampleRow>> sample_rows, ExecutorOutput& out) override;

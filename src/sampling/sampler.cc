@@ -79,12 +79,16 @@ Sampler::Sampler(const SamplingParams& params, uint64_t seed) : params_(params),
 double Sampler::NextUniform() { return UniformUnit(rng_); }
 
 SampledToken Sampler::Sample(std::span<float> logits, std::span<const int32_t> prompt,
-                             std::span<const int32_t> output, std::span<const int32_t> suppress) {
-  raw_log_normalizer_ = ScanRawLogits(logits);
+                             std::span<const int32_t> output, std::span<const int32_t> banned) {
+  banned_.Clear();
+  banned_.Ban(banned);
+  return Sample(logits, prompt, output, &banned_);
+}
 
-  for (int32_t token : suppress) {
-    if (InVocab(token, logits.size())) logits[token] = kNegativeInfinity;
-  }
+SampledToken Sampler::Sample(std::span<float> logits, std::span<const int32_t> prompt,
+                             std::span<const int32_t> output, const TokenConstraint* constraint) {
+  raw_log_normalizer_ = ScanRawLogits(logits);
+  Constrain(logits, constraint);
   ApplyPenalties(logits, prompt, output);
   return Report(logits, params_.greedy() ? Argmax(logits) : Draw(logits));
 }
@@ -101,11 +105,21 @@ SampledToken Sampler::Report(std::span<const float> logits, int32_t token) const
 }
 
 void Sampler::Distribution(std::span<float> logits, std::span<const int32_t> prompt, std::span<const int32_t> output,
-                           std::span<const int32_t> suppress, std::vector<float>& probs) {
+                           std::span<const int32_t> banned, std::vector<float>& probs) {
+  banned_.Clear();
+  banned_.Ban(banned);
+  Distribution(logits, prompt, output, &banned_, probs);
+}
+
+void Sampler::Constrain(std::span<float> logits, const TokenConstraint* constraint) {
+  biased_.clear();
+  if (constraint != nullptr) constraint->ApplyTo(logits, &biased_);
+}
+
+void Sampler::Distribution(std::span<float> logits, std::span<const int32_t> prompt, std::span<const int32_t> output,
+                           const TokenConstraint* constraint, std::vector<float>& probs) {
   raw_log_normalizer_ = ScanRawLogits(logits);
-  for (int32_t token : suppress) {
-    if (InVocab(token, logits.size())) logits[token] = kNegativeInfinity;
-  }
+  Constrain(logits, constraint);
   ApplyPenalties(logits, prompt, output);
   probs.assign(logits.size(), 0.0f);
   const double kept_weight = params_.greedy() ? 0.0 : KeepCandidates(logits);
@@ -320,6 +334,9 @@ void Sampler::SortByTokenId() {
 }
 
 float Sampler::RawLogit(std::span<const float> logits, int32_t token) const {
+  for (const TokenLogit& raw : biased_) {
+    if (raw.token == token) return raw.logit;  // the logit before its bias
+  }
   for (const ScoredToken& raw : penalized_) {
     if (raw.token == token) return raw.logit;
   }

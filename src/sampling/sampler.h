@@ -8,6 +8,7 @@
 
 #include "kvflow/request.h"
 #include "kvflow/sampling.h"
+#include "sampling/token_constraint.h"
 
 namespace kvflow {
 
@@ -19,16 +20,22 @@ class Sampler {
 
   // `logits` (vocab_size floats) is scratch: it is modified in place.
   // `prompt` and `output` are the sequence's tokens so far (for the penalties).
-  // `suppress` lists tokens that must not be produced now (EOS before min_tokens).
-  SampledToken Sample(std::span<float> logits, std::span<const int32_t> prompt,
-                      std::span<const int32_t> output, std::span<const int32_t> suppress = {});
+  // `constraint`: what the logits processors allow now (null: everything); the logprobs reported
+  // are those of the raw logits.
+  SampledToken Sample(std::span<float> logits, std::span<const int32_t> prompt, std::span<const int32_t> output,
+                      const TokenConstraint* constraint = nullptr);
+  // The same with only `banned` tokens constrained.
+  SampledToken Sample(std::span<float> logits, std::span<const int32_t> prompt, std::span<const int32_t> output,
+                      std::span<const int32_t> banned);
 
   // For speculative decoding against a drafter that samples (sampling/rejection_sampler.h): the
   // distribution Sample would draw from for this row, with suppression, penalties, temperature,
   // top-k, top-p and min-p applied, as probabilities by token id (greedy, or every token masked:
   // one-hot at the argmax). `logits` is scratch, as for Sample; Report may follow.
   void Distribution(std::span<float> logits, std::span<const int32_t> prompt, std::span<const int32_t> output,
-                    std::span<const int32_t> suppress, std::vector<float>& probs);
+                    const TokenConstraint* constraint, std::vector<float>& probs);
+  void Distribution(std::span<float> logits, std::span<const int32_t> prompt, std::span<const int32_t> output,
+                    std::span<const int32_t> banned, std::vector<float>& probs);
   // What Sample would return had it chosen `token` from the row the last Sample or Distribution
   // processed (same `logits` span): its logprob on the raw logits and the top logprobs.
   SampledToken Report(std::span<const float> logits, int32_t token) const;
@@ -71,6 +78,8 @@ class Sampler {
   // Puts order_ (distinct ids) in ascending order.
   void SortByTokenId();
   float RawLogit(std::span<const float> logits, int32_t token) const;
+  // Applies the constraint after the raw scan, keeping the biased tokens' raw logits.
+  void Constrain(std::span<float> logits, const TokenConstraint* constraint);
 
   SamplingParams params_;
   std::mt19937_64 rng_;
@@ -80,6 +89,8 @@ class Sampler {
   std::vector<int32_t> occurrences_;    // by token id: 1 + output count while penalizing, else 0
   std::vector<uint64_t> kept_bits_;     // a bit per token id, zero between calls (SortByTokenId)
   std::vector<ScoredToken> penalized_;  // raw logits of the tokens the penalties changed
+  std::vector<TokenLogit> biased_;      // raw logits of the tokens the constraint biased
+  TokenConstraint banned_;              // scratch of the ban-list overloads
   std::vector<ScoredToken> top_raw_;    // the largest raw logits, for top_logprobs
   std::vector<ScoredToken> top_k_;      // the largest sampling logits, for top-k
   double raw_log_normalizer_ = 0.0;     // of the row last scanned, for Report

@@ -60,6 +60,13 @@ Status SamplingParams::Validate() const {
     if (temperature != 0.0f) return OutOfRange("temperature", "0 with beam search", temperature);
     if (!stop.empty()) return Status::InvalidArgument("stop strings are not supported with beam search");
   }
+  if (logit_bias.size() > 1024) return OutOfRange("logit_bias", "at most 1024 tokens", static_cast<int>(logit_bias.size()));
+  for (const auto& [token, bias] : logit_bias) {
+    if (!(bias >= -100.0f && bias <= 100.0f)) {
+      return Status::InvalidArgument("logit_bias must be in [-100, 100], got " + std::to_string(bias) + " for token " +
+                                     std::to_string(token));
+    }
+  }
   for (size_t i = 0; i < stop.size(); ++i) {
     if (stop[i].empty()) {
       return Status::InvalidArgument("stop[" + std::to_string(i) + "] must be a non-empty string");

@@ -157,6 +157,28 @@ std::optional<ApiError> ReadStop(const Json& v, SamplingParams* p) {
   return std::nullopt;
 }
 
+// OpenAI's logit_bias: {"<token id>": bias, ...}; the ranges are SamplingParams::Validate's.
+std::optional<ApiError> ReadLogitBias(const std::string& name, const Json& v, SamplingParams* p) {
+  p->logit_bias.clear();
+  if (v.is_null()) return std::nullopt;
+  if (!v.is_object()) return WrongType(name, "an object mapping token ids to biases", v);
+  for (const auto& [key, bias] : v.items()) {
+    size_t used = 0;
+    long long token = -1;
+    try {
+      token = std::stoll(key, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != key.size() || token < 0 || token > INT32_MAX) {
+      return InvalidRequest("'" + name + "' keys must be token ids, not '" + key + "'", name);
+    }
+    if (!bias.is_number()) return WrongType(name, "an object mapping token ids to numbers", bias);
+    p->logit_bias.emplace_back(static_cast<int32_t>(token), bias.get<float>());
+  }
+  return std::nullopt;
+}
+
 std::optional<ApiError> ReadTokenIds(const std::string& name, const Json& v, std::vector<int32_t>* out) {
   out->clear();
   for (const Json& t : v) {
@@ -236,7 +258,7 @@ std::map<std::string, FieldReader> CommonReaders(GenerationRequest* r, bool* str
          return ReadStreamOptions(v, r);
        }},
       {"user", Ignored("a string", &Json::is_string)},
-      {"logit_bias", Unsupported("kvflow does not bias logits")},
+      {"logit_bias", [p](const std::string& name, const Json& v) { return ReadLogitBias(name, v, p); }},
       // vLLM's extra sampling parameters.
       {"top_k", top_k},
       {"min_p", Number(&p->min_p)},

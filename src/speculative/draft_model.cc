@@ -117,7 +117,7 @@ Status DraftModel::ProposeChunk(std::span<DraftJob* const> jobs) {
       history.assign(seq.tokens.begin() + seq.prompt_len, seq.tokens.end());
       history.insert(history.end(), job.drafts.begin(), job.drafts.end());
       std::span<float> row(logits_.data() + r * V, static_cast<size_t>(V));
-      job.sampler->Distribution(row, prompt, history, {}, probs);
+      job.sampler->Distribution(row, prompt, history, nullptr, probs);
       job.drafts.push_back(job.sampler->DrawFrom(probs));
       job.probs.insert(job.probs.end(), probs.begin(), probs.end());
     }

@@ -195,7 +195,7 @@ class TriForceDrafter::Bottom {
         history.insert(history.end(), w.bottom.begin(), w.bottom.end());
         std::span<float> last(logits_.data() + (row - 1) * vocab_, static_cast<size_t>(vocab_));
         w.job->sampler->Distribution(last, std::span<const int32_t>(seq.tokens.data(), static_cast<size_t>(seq.prompt_len)),
-                                     history, {}, probs);
+                                     history, nullptr, probs);
         w.bottom.push_back(w.job->sampler->DrawFrom(probs));
         w.bottom_probs.insert(w.bottom_probs.end(), probs.begin(), probs.end());
       }
@@ -423,7 +423,7 @@ void TriForceDrafter::VerifyAtMiddle(Work& w, std::span<float> rows) {
   stats_.middle_draft_tokens += static_cast<int64_t>(w.bottom.size());
   for (size_t i = 0; i <= w.bottom.size(); ++i) {
     w.History(history);
-    sampler.Distribution(rows.subspan(i * V, V), prompt, history, {}, q);
+    sampler.Distribution(rows.subspan(i * V, V), prompt, history, nullptr, q);
     int32_t token;
     bool accepted = false;
     if (i == w.bottom.size()) {

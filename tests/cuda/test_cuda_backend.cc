@@ -947,19 +947,27 @@ TEST(CudaBackendSampling, DeviceSamplingEqualsHostSamplerOnTheSameLogits) {
     std::vector<DeviceSampleRow> rows;
     std::vector<SampledToken> want;
     const std::vector<int32_t> suppress = {3, 5, 7};
+    // Row 1 bans tokens, row 2 has a mask and biases (the logits processors' constraint).
+    TokenConstraint banned, masked;
+    banned.Ban(suppress);
+    std::vector<uint32_t> mask((static_cast<size_t>(config.vocab_size) + 31) / 32, 0x5555aaaau);
+    masked.AllowOnly(mask);
+    masked.AddBias(4, 3.0f);
+    masked.AddBias(9, -2.0f);
     for (size_t i = 0; i < params.size(); ++i) {
       const uint64_t seed = 1000 * step + i;
       std::span<const int32_t> prompt(history[i].data(), 9 + i), output(history[i].data() + 9 + i,
                                                                         history[i].size() - 9 - i);
       std::vector<float> row(logits.begin() + i * config.vocab_size, logits.begin() + (i + 1) * config.vocab_size);
       Sampler host(params[i], seed);
-      want.push_back(host.Sample(row, prompt, output, i == 1 ? std::span<const int32_t>(suppress) : std::span<const int32_t>()));
+      const TokenConstraint* constraint = i == 1 ? &banned : i == 2 ? &masked : nullptr;
+      want.push_back(host.Sample(row, prompt, output, constraint));
       DeviceSampleRow r;
       r.params = &params[i];
       r.uniform = params[i].greedy() ? 0.0 : Sampler(params[i], seed).NextUniform();
       r.prompt = prompt;
       r.output = output;
-      if (i == 1) r.suppress = suppress;
+      r.constraint = constraint;
       rows.push_back(r);
     }
     std::vector<SampledToken> got;
@@ -1093,6 +1101,52 @@ TEST(CudaEngine, SpeculativeDecodingKeepsGreedyAndSeededOutputs) {
     std::printf("  %s: drafts %lld, draft tokens %lld, accepted %lld\n", Name(d), (long long)stats.spec.num_drafts,
                 (long long)stats.spec.num_draft_tokens, (long long)stats.spec.num_accepted_tokens);
     EXPECT_GT(stats.spec.num_draft_tokens, 0) << Name(d);
+  }
+}
+
+// The logits processors' constraint through the CUDA engine's device sampler (the kernel against
+// the CPU Sampler on the same logits is CudaBackendSampling.DeviceSamplingEqualsHostSamplerOnTheSameLogits):
+// a +100 bias forces its token, a -100 bias bans the tokens an unbiased run chose, greedy and seeded.
+TEST(CudaEngine, LogitBiasOnTheDeviceSampler) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  auto run = [](const SamplingParams& base, bool vary_seed, EngineStats* stats) {
+    auto engine = Engine::Create(CudaConfig("tiny-random"));
+    EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+    Outputs out(kPrompts.size());
+    if (!engine.ok()) return out;
+    for (size_t i = 0; i < kPrompts.size(); ++i) {
+      SamplingParams p = base;
+      if (vary_seed) p.seed = 1000 + i;
+      EXPECT_TRUE(engine.value()->AddRequest(kPrompts[i], p, [&out, i](const StreamEvent& e) {
+        for (const auto& t : e.tokens) out[i].push_back(t.token);
+      }).ok());
+    }
+    while (engine.value()->HasUnfinishedRequests()) {
+      if (!engine.value()->Step().ok()) break;
+    }
+    if (stats) *stats = engine.value()->stats();
+    return out;
+  };
+  for (const Decoding d : {Decoding::kGreedy, Decoding::kSeeded}) {
+    SamplingParams p = Params(d, 16, 0);
+    p.seed.reset();
+    const Outputs unbiased = run(p, d == Decoding::kSeeded, nullptr);
+    SamplingParams banned = p;
+    for (const auto& out : unbiased) {
+      for (int32_t t : out) banned.logit_bias.push_back({t, -100.0f});
+    }
+    for (const auto& out : run(banned, d == Decoding::kSeeded, nullptr)) {
+      ASSERT_FALSE(out.empty());
+      for (int32_t t : out) {
+        for (const auto& u : unbiased) EXPECT_EQ(std::count(u.begin(), u.end(), t), 0) << Name(d) << " token " << t;
+      }
+    }
+    SamplingParams forced = p;
+    forced.logit_bias = {{42, 100.0f}};
+    for (const auto& out : run(forced, d == Decoding::kSeeded, nullptr)) {
+      ASSERT_EQ(out.size(), 16u);
+      for (int32_t t : out) EXPECT_EQ(t, 42) << Name(d);
+    }
   }
 }
 

@@ -44,6 +44,10 @@ struct RowCase {
   std::string name;
   SamplingParams params;
   std::vector<int32_t> prompt, output, suppress;
+  // The rest of the row's TokenConstraint (the logits-processor seam): an allowed-token mask
+  // (empty: none) and biases.
+  std::vector<uint32_t> mask;
+  std::vector<TokenBias> bias;
   uint64_t seed = 1;
   std::vector<float> logits;  // filled by the test when empty
 };
@@ -83,7 +87,9 @@ std::vector<int32_t> Ranked(const std::vector<float>& logits, size_t count) {
 void RunAndCompare(const std::string& label, int vocab, std::vector<RowCase> rows, int num_top) {
   const int num_rows = static_cast<int>(rows.size());
   std::vector<float> logits;
-  std::vector<int32_t> history, suppress;
+  std::vector<int32_t> history, suppress, bias_tokens;
+  std::vector<uint32_t> masks;
+  std::vector<float> bias_values;
   std::vector<cuda::SamplingRow> device_rows;
   for (const RowCase& r : rows) {
     EXPECT_EQ(r.logits.size(), static_cast<size_t>(vocab)) << r.name;
@@ -104,11 +110,26 @@ void RunAndCompare(const std::string& label, int vocab, std::vector<RowCase> row
     d.suppress_offset = static_cast<int32_t>(suppress.size());
     d.suppress_len = static_cast<int32_t>(r.suppress.size());
     suppress.insert(suppress.end(), r.suppress.begin(), r.suppress.end());
+    if (!r.mask.empty()) {
+      d.mask_offset = static_cast<int32_t>(masks.size());
+      masks.insert(masks.end(), r.mask.begin(), r.mask.end());
+    }
+    d.bias_offset = static_cast<int32_t>(bias_tokens.size());
+    d.bias_len = static_cast<int32_t>(r.bias.size());
+    for (const TokenBias& b : r.bias) {
+      bias_tokens.push_back(b.token);
+      bias_values.push_back(b.bias);
+    }
     d.uniform = FirstUniform(r.seed);
     device_rows.push_back(d);
   }
   if (history.empty()) history.push_back(0);
   if (suppress.empty()) suppress.push_back(0);
+  if (masks.empty()) masks.push_back(0);
+  if (bias_tokens.empty()) {
+    bias_tokens.push_back(0);
+    bias_values.push_back(0.0f);
+  }
 
   // CPU reference: one Sampler per row, seeded so that its one draw is the row's uniform.
   std::vector<SampledToken> want(rows.size());
@@ -118,13 +139,21 @@ void RunAndCompare(const std::string& label, int vocab, std::vector<RowCase> row
     params.logprobs = num_top;
     Sampler sampler(params, rows[i].seed);
     std::span<float> row(want_logits.data() + i * static_cast<size_t>(vocab), static_cast<size_t>(vocab));
-    want[i] = sampler.Sample(row, rows[i].prompt, rows[i].output, rows[i].suppress);
+    TokenConstraint constraint;
+    constraint.Ban(rows[i].suppress);
+    if (!rows[i].mask.empty()) constraint.AllowOnly(rows[i].mask);
+    for (const TokenBias& b : rows[i].bias) constraint.AddBias(b.token, b.bias);
+    want[i] = sampler.Sample(row, rows[i].prompt, rows[i].output, &constraint);
   }
 
   test::DeviceBuffer d_logits = test::DeviceBuffer::From(logits);
   test::DeviceBuffer d_rows = test::DeviceBuffer::From(device_rows);
   test::DeviceBuffer d_history = test::DeviceBuffer::From(history);
   test::DeviceBuffer d_suppress = test::DeviceBuffer::From(suppress);
+  test::DeviceBuffer d_masks = test::DeviceBuffer::From(masks);
+  test::DeviceBuffer d_bias_tokens = test::DeviceBuffer::From(bias_tokens);
+  test::DeviceBuffer d_bias_values = test::DeviceBuffer::From(bias_values);
+  test::DeviceBuffer d_bias_raw(bias_tokens.size() * sizeof(float));
   test::DeviceBuffer d_tokens(rows.size() * sizeof(int32_t)), d_logprobs(rows.size() * sizeof(float));
   const size_t top_count = rows.size() * static_cast<size_t>(std::max(num_top, 1));
   test::DeviceBuffer d_top_tokens(top_count * sizeof(int32_t)), d_top_logprobs(top_count * sizeof(float));
@@ -139,6 +168,10 @@ void RunAndCompare(const std::string& label, int vocab, std::vector<RowCase> row
   args.rows = d_rows.get<cuda::SamplingRow>();
   args.history = d_history.get<int32_t>();
   args.suppress = d_suppress.get<int32_t>();
+  args.masks = d_masks.get<uint32_t>();
+  args.bias_tokens = d_bias_tokens.get<int32_t>();
+  args.bias_values = d_bias_values.get<float>();
+  args.bias_raw = d_bias_raw.get<float>();
   args.num_top_logprobs = num_top;
   args.out_tokens = d_tokens.get<int32_t>();
   args.out_logprobs = d_logprobs.get<float>();
@@ -312,6 +345,40 @@ std::vector<RowCase> MixedRows(int vocab, std::mt19937& rng) {
   std::iota(masked->suppress.begin(), masked->suppress.end(), 0);
   masked->suppress.erase(masked->suppress.begin() + vocab / 2);
   masked->suppress.erase(masked->suppress.begin() + vocab / 3);
+
+  // The logits processors' constraint: an allowed-token mask (every third token, and a run that
+  // holds the row's best), biases that promote unlikely tokens and push down the likeliest, a
+  // token biased twice, a biased token that is also penalized, and all of it at once.
+  const size_t words = (static_cast<size_t>(vocab) + 31) / 32;
+  auto third_mask = [&](const std::vector<float>& logits) {
+    std::vector<uint32_t> m(words, 0u);
+    for (int t = 0; t < vocab; t += 3) m[static_cast<size_t>(t) / 32] |= 1u << (t % 32);
+    const int32_t best = Ranked(logits, 1)[0];
+    m[static_cast<size_t>(best) / 32] |= 1u << (best % 32);
+    return m;
+  };
+  RowCase* c = add("mask every third token, top-k 40", Params(1.0f, 40));
+  c->mask = third_mask(c->logits);
+  c = add("mask, greedy", Params(0.0f));
+  c->mask = third_mask(c->logits);
+  c->mask[static_cast<size_t>(Ranked(c->logits, 1)[0]) / 32] = 0u;  // the best is masked out
+  c = add("bias: promote the 50th, push down the best", Params(1.0f, 0, 0.9f));
+  {
+    const std::vector<int32_t> ranked = Ranked(c->logits, 50);
+    c->bias = {{ranked[49], 6.0f}, {ranked[0], -4.0f}, {ranked[0], -1.5f}, {-2, 3.0f}, {vocab, 1.0f}};
+  }
+  c = add("bias forces a token, greedy", Params(0.0f));
+  c->bias = {{vocab / 2, 100.0f}};
+  SamplingParams penalized_biased = Params(0.9f, 200);
+  penalized_biased.repetition_penalty = 1.3f;
+  penalized_biased.frequency_penalty = 0.4f;
+  c = add("bias on penalized tokens, mask, suppression", penalized_biased);
+  with_history(c, 60, 30);
+  c->mask = third_mask(c->logits);
+  for (int32_t t : c->output) {
+    if (t >= 0 && t < vocab && c->bias.size() < 8) c->bias.push_back({t, 2.0f});
+  }
+  c->suppress = Ranked(c->logits, 2);
   return rows;
 }
 
@@ -371,6 +438,16 @@ TEST(Sampling, RandomParametersMatchCpuSampler) {
         r.output = History(static_cast<int>(rng() % 100), vocab, pool, rng);
       }
       if (chance(0.2f)) r.suppress = Ranked(r.logits, 1 + rng() % 3);
+      if (chance(0.2f)) {  // a random allowed-token mask keeping about half the vocab
+        r.mask.assign((static_cast<size_t>(vocab) + 31) / 32, 0u);
+        for (uint32_t& w : r.mask) w = static_cast<uint32_t>(rng());
+      }
+      if (chance(0.25f)) {
+        const std::vector<int32_t> ranked = Ranked(r.logits, 30);
+        for (int j = 0; j < 1 + static_cast<int>(rng() % 4); ++j) {
+          r.bias.push_back({ranked[rng() % ranked.size()], 10.0f * unit(rng) - 5.0f});
+        }
+      }
     }
     RunAndCompare("random launch " + std::to_string(launch), vocab, std::move(rows), launch % 2 == 0 ? 0 : 3);
   }

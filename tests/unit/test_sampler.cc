@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <set>
@@ -649,6 +650,98 @@ TEST(Sampler, DistributionIsWhatSampleDrawsFrom) {
   greedy.Distribution(row, {}, {}, {}, probs);
   EXPECT_EQ(probs[static_cast<size_t>(best)], 1.0f);
   EXPECT_EQ(std::accumulate(probs.begin(), probs.end(), 0.0), 1.0);
+}
+
+}  // namespace
+}  // namespace kvflow
+
+namespace kvflow {
+namespace {
+
+// The logits-processor seam's constraint on the CPU: bans and an allowed-token mask make tokens
+// impossible, biases shift the sampled distribution to exactly softmax(logits + bias), and the
+// logprobs reported stay those of the raw logits.
+TEST(TokenConstraint, MaskBansAndBiasesApplyToARow) {
+  const std::vector<float> logits = RandomLogits(70, 11, 2.0);
+  TokenConstraint c;
+  EXPECT_TRUE(c.empty());
+  std::vector<uint32_t> mask(3, 0);  // 70 tokens: 3 words; allow 0..39 and 64..69
+  mask[0] = 0xffffffffu;
+  mask[1] = 0xffu;
+  mask[2] = 0x3fu;
+  c.AllowOnly(mask);
+  c.Ban(3);
+  c.AddBias(7, 2.5f);
+  c.AddBias(7, 0.5f);  // biases of one token add up
+  c.AddBias(66, -1.0f);
+  EXPECT_FALSE(c.empty());
+  EXPECT_TRUE(c.Allows(0));
+  EXPECT_FALSE(c.Allows(3)) << "banned";
+  EXPECT_FALSE(c.Allows(45)) << "outside the mask";
+  EXPECT_TRUE(c.Allows(66));
+  EXPECT_FALSE(c.Allows(70)) << "past the mask";
+  std::vector<float> row = logits;
+  std::vector<TokenLogit> raw;
+  c.ApplyTo(row, &raw);
+  for (int t = 0; t < 70; ++t) {
+    if (!c.Allows(t)) {
+      EXPECT_EQ(row[t], -std::numeric_limits<float>::infinity()) << t;
+    } else if (t == 7) {
+      EXPECT_FLOAT_EQ(row[t], logits[t] + 3.0f);
+    } else if (t == 66) {
+      EXPECT_FLOAT_EQ(row[t], logits[t] - 1.0f);
+    } else {
+      EXPECT_EQ(row[t], logits[t]) << t;
+    }
+  }
+  ASSERT_EQ(raw.size(), 2u);
+  EXPECT_EQ(raw[0].token, 7);
+  EXPECT_EQ(raw[0].logit, logits[7]);
+  // A second mask intersects the first.
+  std::vector<uint32_t> odd(3, 0xaaaaaaaau);
+  c.AllowOnly(odd);
+  EXPECT_FALSE(c.Allows(0));
+  EXPECT_TRUE(c.Allows(1));
+}
+
+TEST(TokenConstraint, BiasedSamplingFollowsTheBiasedSoftmaxAndReportsRawLogprobs) {
+  SamplingParams p;
+  p.temperature = 0.9f;
+  p.logprobs = 2;
+  const std::vector<float> logits = RandomLogits(40, 21, 2.0);
+  TokenConstraint c;
+  c.AddBias(5, 3.0f);
+  c.AddBias(9, -100.0f);
+  c.Ban(1);
+  std::vector<float> biased = logits;
+  biased[5] += 3.0f;
+  biased[9] -= 100.0f;
+  biased[1] = -std::numeric_limits<float>::infinity();
+  const std::vector<double> want = Softmax(biased, 0.9);
+  Sampler sampler(p, 3);
+  std::vector<float> scratch = logits;
+  std::vector<float> probs;
+  sampler.Distribution(scratch, {}, {}, &c, probs);
+  for (size_t t = 0; t < want.size(); ++t) EXPECT_NEAR(probs[t], want[t], 1e-6) << t;
+  EXPECT_EQ(probs[1], 0.0f);
+  const std::vector<double> raw_logprobs = LogSoftmax(logits);
+  std::vector<int> counts(logits.size(), 0);
+  const int kDraws = 30000;
+  bool saw_biased = false;
+  for (int i = 0; i < kDraws; ++i) {
+    std::vector<float> row = logits;
+    const SampledToken t = sampler.Sample(row, {}, {}, &c);
+    ++counts[static_cast<size_t>(t.token)];
+    if (t.token == 5 && !saw_biased) {
+      saw_biased = true;
+      EXPECT_NEAR(t.logprob, raw_logprobs[5], 1e-5) << "the biased token's logprob is its raw one";
+    }
+  }
+  EXPECT_TRUE(saw_biased);
+  EXPECT_EQ(counts[1], 0);
+  double tv = 0.0;
+  for (size_t t = 0; t < want.size(); ++t) tv += 0.5 * std::fabs(counts[t] / double(kDraws) - want[t]);
+  EXPECT_LT(tv, 0.02);
 }
 
 }  // namespace

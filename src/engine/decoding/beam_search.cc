@@ -37,9 +37,8 @@ void BeamSearch::OnLogits(EngineCore& core, RequestState& req, std::span<const S
   for (SeqState* beam : beams) {
     std::vector<float>& logits = pending_[beam->index];
     const auto V = static_cast<int64_t>(logits.size());
-    for (int32_t t : core.SuppressedTokens(p, *beam->seq)) {
-      if (t >= 0 && t < V) logits[static_cast<size_t>(t)] = -std::numeric_limits<float>::infinity();
-    }
+    TokenConstraint constraint;
+    if (const TokenConstraint* c = core.Constrain(p, beam->prompt(), beam->output(), constraint)) c->ApplyTo(logits);
     // log-softmax, then the 2 * width best continuations of this beam.
     const float max = *std::max_element(logits.begin(), logits.end());
     double sum = 0.0;

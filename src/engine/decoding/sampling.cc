@@ -14,8 +14,9 @@ uint64_t CandidateSeed(uint64_t seed, int index) {
 }
 
 void SampleAndAppend(EngineCore& core, RequestState& req, SeqState& seq, std::span<float> logits) {
-  const std::vector<int32_t> suppress = core.SuppressedTokens(req.params, *seq.seq);
-  const SampledToken token = seq.sampler.Sample(logits, seq.prompt(), seq.output(), suppress);
+  TokenConstraint constraint;
+  const TokenConstraint* allowed = core.Constrain(req.params, seq.prompt(), seq.output(), constraint);
+  const SampledToken token = seq.sampler.Sample(logits, seq.prompt(), seq.output(), allowed);
   core.AppendTokens(req, seq, {&token, 1});
 }
 

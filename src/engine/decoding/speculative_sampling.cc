@@ -58,10 +58,11 @@ void SpeculativeSampling::OnLogits(EngineCore& core, RequestState& req, std::spa
       // Row i is the target's distribution after the drafts before i: sample it as plain decoding
       // would (the history for penalties and min_tokens includes the drafts kept so far).
       std::vector<int32_t> output(seq.output().begin(), seq.output().end());
+      TokenConstraint constraint;
       for (size_t i = 0; i <= r.drafts.size(); ++i) {
-        const std::vector<int32_t> suppress = core.SuppressedTokens(req.params, static_cast<int64_t>(output.size()));
+        const TokenConstraint* allowed = core.Constrain(req.params, seq.prompt(), output, constraint);
         std::span<float> row = r.logits.subspan(i * V, V);
-        tokens.push_back(seq.sampler.Sample(row, seq.prompt(), output, suppress));
+        tokens.push_back(seq.sampler.Sample(row, seq.prompt(), output, allowed));
         if (i == r.drafts.size() || tokens.back().token != r.drafts[i]) break;
         output.push_back(tokens.back().token);
         ++accepted;
@@ -81,10 +82,11 @@ std::vector<SampledToken> SpeculativeSampling::VerifySampledDrafts(EngineCore& c
   std::vector<SampledToken> tokens;
   std::vector<int32_t> output(seq.output().begin(), seq.output().end());
   std::vector<float> p;
+  TokenConstraint constraint;
   for (size_t i = 0; i <= r.drafts.size(); ++i) {
-    const std::vector<int32_t> suppress = core.SuppressedTokens(req.params, static_cast<int64_t>(output.size()));
+    const TokenConstraint* allowed = core.Constrain(req.params, seq.prompt(), output, constraint);
     std::span<float> row = r.logits.subspan(i * V, V);
-    seq.sampler.Distribution(row, seq.prompt(), output, suppress, p);
+    seq.sampler.Distribution(row, seq.prompt(), output, allowed, p);
     if (i == r.drafts.size()) {  // every draft kept: one more token from the target
       tokens.push_back(seq.sampler.Report(row, seq.sampler.DrawFrom(p)));
       break;

@@ -1,0 +1,59 @@
+// The logits-processor seam: what one sequence may sample at one position. Each processor narrows
+// a TokenConstraint (sampling/token_constraint.h: bans, an allowed-token bitmask, biases) from the
+// request's parameters and the tokens generated before that position (under speculative
+// verification: the drafts kept so far), so it stays in step with every decoding strategy: a
+// position after a rejected draft is never asked about, and a rolled-back position is asked again.
+// The CPU sampler applies the constraint, and so does the CUDA sampling kernel (device sampling).
+// Built in, in this order: min_tokens (EOS and stop tokens banned until min_tokens were generated)
+// and logit_bias (OpenAI's). Structured output plugs in here.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "kvflow/sampling.h"
+#include "kvflow/status.h"
+#include "sampling/token_constraint.h"
+
+namespace kvflow {
+
+struct LogitsContext {
+  const SamplingParams& params;
+  std::span<const int32_t> prompt;
+  std::span<const int32_t> output;  // generated before this position
+  int64_t vocab_size = 0;
+};
+
+class LogitsProcessor {
+ public:
+  virtual ~LogitsProcessor() = default;
+  virtual const char* name() const = 0;
+  // Refuses what a request asks of this processor that it cannot do (checked before the request
+  // is queued).
+  virtual Status Validate(const SamplingParams& params, int64_t vocab_size) const { return Status::Ok(); }
+  // Narrows `constraint` for the position after ctx.output.
+  virtual void Constrain(const LogitsContext& ctx, TokenConstraint& constraint) const = 0;
+};
+
+// The engine's processors, applied in order.
+class LogitsProcessors {
+ public:
+  void Add(std::unique_ptr<LogitsProcessor> processor) { processors_.push_back(std::move(processor)); }
+  Status Validate(const SamplingParams& params, int64_t vocab_size) const;
+  // Clears `constraint` and lets every processor narrow it; false when nothing constrains the
+  // position (the sampler's fast path).
+  bool Constrain(const LogitsContext& ctx, TokenConstraint& constraint) const;
+
+ private:
+  std::vector<std::unique_ptr<LogitsProcessor>> processors_;
+};
+
+// EOS (`eos_token_ids`, unless ignore_eos) and stop token ids are banned until min_tokens tokens
+// were generated.
+std::unique_ptr<LogitsProcessor> MakeMinTokensProcessor(std::vector<int32_t> eos_token_ids);
+// SamplingParams::logit_bias, added to the logits.
+std::unique_ptr<LogitsProcessor> MakeLogitBiasProcessor();
+
+}  // namespace kvflow
