@@ -331,7 +331,7 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
   EngineImpl::Systems systems;
   if (!config.speculative.method.empty()) {
     KVFLOW_ASSIGN_OR_RETURN(const DrafterPlugin* drafter, registry.Drafter(config.speculative.method));
-    if (drafter->uses_draft_model && drafter->uses_draft_model(config)) {
+    if (drafter->create_draft_backend && !config.speculative.model.empty()) {
       KVFLOW_ASSIGN_OR_RETURN(systems.draft_backend,
                               drafter->create_draft_backend(config, *backend, mc, *files.tokenizer));
     }
@@ -345,8 +345,10 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
             " and one max_model_len sequence; raise kv_cache_bytes or lower max_num_seqs / max_model_len");
       }
     }
-    KVFLOW_ASSIGN_OR_RETURN(systems.drafter, drafter->create(DrafterContext{config, *backend, systems.draft_backend.get(),
-                                                                            backend->kv_layout().num_blocks}));
+    KVFLOW_ASSIGN_OR_RETURN(systems.drafter,
+                            drafter->create(DrafterContext{config, *backend, systems.draft_backend.get(),
+                                                           backend->kv_layout().num_blocks,
+                                                           systems.drafter_scratch_blocks}));
   }
   KVFLOW_ASSIGN_OR_RETURN(auto supervisor, CreateLengthSupervisor(config, evaluation, *files.tokenizer));
   if (!config.kv_selection.method.empty()) {
@@ -363,7 +365,7 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
                             prefiller->create(PrefillerContext{config, *backend, evaluation.prefill_communicator}));
   }
   if (config.kv_offload.enabled) {
-    KVFLOW_ASSIGN_OR_RETURN(const KvTierPlugin* tier, registry.KvTier("kv_offload"));
+    KVFLOW_ASSIGN_OR_RETURN(const KvTierPlugin* tier, registry.KvTier(kKvOffloadTier));
     if (tier->create_hooks) systems.kv_tier_hooks = tier->create_hooks();
   }
   auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(systems),

@@ -61,18 +61,6 @@ Result<const KvTierPlugin*> SystemRegistry::KvTier(const std::string& name) cons
   return Find(kv_tiers_, name, "kv tier");
 }
 
-std::vector<std::string> SystemRegistry::Names(const std::string& kind) const {
-  std::vector<std::string> names;
-  auto collect = [&](const auto& plugins) {
-    for (const auto& p : plugins) names.push_back(p.info.name);
-  };
-  if (kind == "drafter") collect(drafters_);
-  if (kind == "kv_selector") collect(kv_selectors_);
-  if (kind == "prefiller") collect(prefillers_);
-  if (kind == "kv_tier") collect(kv_tiers_);
-  return names;
-}
-
 Result<std::vector<const SystemInfo*>> SystemRegistry::ActiveSystems(const EngineConfig& c) const {
   std::vector<const SystemInfo*> active;
   if (!c.speculative.method.empty()) {
@@ -88,24 +76,19 @@ Result<std::vector<const SystemInfo*>> SystemRegistry::ActiveSystems(const Engin
     active.push_back(&p->info);
   }
   if (c.kv_offload.enabled) {
-    KVFLOW_ASSIGN_OR_RETURN(const KvTierPlugin* p, KvTier("kv_offload"));
+    KVFLOW_ASSIGN_OR_RETURN(const KvTierPlugin* p, KvTier(kKvOffloadTier));
     active.push_back(&p->info);
   }
   return active;
 }
 
-std::vector<ActiveFeature> SystemRegistry::ActiveFeatures(const EngineConfig& c) const {
+std::vector<ActiveFeature> SystemRegistry::ActiveFeatures(const EngineConfig& c,
+                                                         std::span<const SystemInfo* const> active) {
   std::vector<ActiveFeature> features;
-  auto systems = ActiveSystems(c);
-  if (systems.ok()) {
-    for (const SystemInfo* s : systems.value()) features.push_back({s->kind + ":" + s->name, s->label});
+  for (const SystemInfo* s : active) features.push_back({s->kind + ":" + s->name, s->label});
+  if (!c.speculative.model.empty()) {
+    features.push_back({"draft model", "a draft model (speculative_model " + c.speculative.model + ")"});
   }
-  bool draft_model = !c.speculative.model.empty();
-  if (!c.speculative.method.empty()) {
-    auto drafter = Drafter(c.speculative.method);
-    if (drafter.ok() && drafter.value()->uses_draft_model) draft_model = draft_model || drafter.value()->uses_draft_model(c);
-  }
-  if (draft_model) features.push_back({"draft model", "a draft model (speculative_model " + c.speculative.model + ")"});
   if (c.preemption_mode == "swap") features.push_back({"swap preemption", "preemption_mode swap"});
   if (c.enable_prefix_caching) features.push_back({"prefix caching", "prefix caching"});
   return features;
@@ -131,7 +114,7 @@ Status SystemRegistry::CompleteAndCheck(EngineConfig& config) const {
   KVFLOW_RETURN_IF_ERROR(check_off(kv_selectors_));
   KVFLOW_RETURN_IF_ERROR(check_off(prefillers_));
   KVFLOW_RETURN_IF_ERROR(check_off(kv_tiers_));
-  const std::vector<ActiveFeature> features = ActiveFeatures(config);
+  const std::vector<ActiveFeature> features = ActiveFeatures(config, active);
   for (const SystemInfo* s : active) {
     const std::string self = s->kind + ":" + s->name;
     for (const Exclusion& e : s->excludes) {

@@ -13,6 +13,7 @@
 
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -63,16 +64,16 @@ struct SystemInfo {
 struct DrafterContext {
   const EngineConfig& config;
   Backend& target;
-  Backend* draft_backend;  // the draft model's, when uses_draft_model says so
-  int num_target_blocks;   // blocks of the target's pool, scratch included
+  Backend* draft_backend;     // the draft model's (speculative.model set), else null
+  int num_target_blocks;      // blocks of the target's pool, scratch included
+  int target_scratch_blocks;  // of those, the drafter's own (the last ones)
 };
 
 struct DrafterPlugin {
   SystemInfo info;
-  // Whether it runs a draft model (EngineConfig::speculative.model) on a backend of its own, and
-  // that backend, made before the drafter (the engine's executor runs it as a follower of the
-  // target's blocks).
-  std::function<bool(const EngineConfig&)> uses_draft_model;
+  // The backend of its draft model, where it runs one: the engine calls it when
+  // speculative.model is set (each drafter's validate ties that to its own settings), before the
+  // drafter; the executor runs it as a follower of the target's blocks.
   std::function<Result<std::unique_ptr<Backend>>(const EngineConfig&, const Backend& target, const ModelConfig&,
                                                  const Tokenizer&)>
       create_draft_backend;
@@ -108,6 +109,9 @@ struct PrefillerPlugin {
 
 // A place the KV pool lives other than the device (the backend implements the mechanism; the
 // system declares what it composes with).
+// The KV tier EngineConfig::kv_offload turns on.
+inline constexpr const char* kKvOffloadTier = "kv_offload";
+
 struct KvTierPlugin {
   SystemInfo info;
   // Its hooks around every other feature's in the target's passes (null: none).
@@ -127,17 +131,14 @@ class SystemRegistry {
   Result<const PrefillerPlugin*> Prefiller(const std::string& name) const;
   Result<const KvTierPlugin*> KvTier(const std::string& name) const;
 
-  // Registered names of a kind, in registration order.
-  std::vector<std::string> Names(const std::string& kind) const;
-
   // The systems `config` names, completed (each system's `complete`), validated and checked
   // against each other's exclusions.
   Status CompleteAndCheck(EngineConfig& config) const;
-  // The features `config` turns on.
-  std::vector<ActiveFeature> ActiveFeatures(const EngineConfig& config) const;
-
  private:
   Result<std::vector<const SystemInfo*>> ActiveSystems(const EngineConfig& config) const;
+  // The features a validated `config` turns on: its `active` systems and the engine's own.
+  static std::vector<ActiveFeature> ActiveFeatures(const EngineConfig& config,
+                                                   std::span<const SystemInfo* const> active);
 
   std::vector<DrafterPlugin> drafters_;
   std::vector<KvSelectorPlugin> kv_selectors_;

@@ -6,7 +6,7 @@ namespace kvflow {
 
 Status RegisterKvOffload(SystemRegistry& registry) {
   KvTierPlugin p;
-  p.info.name = "kv_offload";
+  p.info.name = kKvOffloadTier;
   p.info.label = "kv_offload";
   // The tier fetches what the target's own passes read. N-gram speculation runs no passes of its
   // own (its verification is a target step of several tokens), so it composes.

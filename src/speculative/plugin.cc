@@ -44,7 +44,6 @@ Status RegisterSpeculativeDrafters(SystemRegistry& registry) {
     if (c.speculative.num_tokens < 1) return Status::InvalidArgument("num_speculative_tokens must be >= 1");
     return Status::Ok();
   };
-  draft.uses_draft_model = [](const EngineConfig&) { return true; };
   draft.create_draft_backend = [](const EngineConfig& c, const Backend& target, const ModelConfig& model,
                                   const Tokenizer& tokenizer) {
     return CreateDraftModelBackend(c, target, model, tokenizer,

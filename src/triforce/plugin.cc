@@ -31,7 +31,6 @@ Status RegisterTriForce(SystemRegistry& registry) {
     }
     return Status::Ok();
   };
-  p.uses_draft_model = [](const EngineConfig& c) { return c.speculative.triforce.draft == "draft_model"; };
   p.create_draft_backend = [](const EngineConfig& c, const Backend& target, const ModelConfig& model,
                               const Tokenizer& tokenizer) {
     return CreateDraftModelBackend(c, target, model, tokenizer,
@@ -42,9 +41,8 @@ Status RegisterTriForce(SystemRegistry& registry) {
   };
   p.target_scratch_use = "drafting lanes";
   p.create = [](const DrafterContext& ctx) -> Result<std::unique_ptr<Drafter>> {
-    const int scratch = TriForceDrafter::TargetScratchBlocks(Config(ctx.config), ctx.config.block_size);
     return std::unique_ptr<Drafter>(std::make_unique<TriForceDrafter>(
-        Config(ctx.config), ctx.target, ctx.num_target_blocks - scratch, ctx.draft_backend,
+        Config(ctx.config), ctx.target, ctx.num_target_blocks - ctx.target_scratch_blocks, ctx.draft_backend,
         ctx.target.kv_layout().num_blocks));
   };
   return registry.Register(std::move(p));
