@@ -48,6 +48,7 @@ struct EngineStats {
   SpecDecodeStats spec;
   KvSelectionStats kv_selection;
   KvOffloadStats kv_offload;
+  HostPrefixCacheStats host_prefix_cache;
 };
 
 // What one Step() did.

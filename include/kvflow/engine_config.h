@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "kvflow/host_prefix_cache.h"
 #include "kvflow/kv_offload.h"
 #include "kvflow/kv_selection.h"
 #include "kvflow/prefill_parallel.h"
@@ -55,6 +56,7 @@ struct EngineConfig {
   SpeculativeConfig speculative;
   KvSelectionConfig kv_selection;
   KvOffloadConfig kv_offload;
+  HostPrefixCacheConfig host_prefix_cache;
   PrefillParallelConfig prefill_parallel;
 };
 

@@ -17,6 +17,15 @@ bool IsQ4KvCacheDtype(const std::string& kv_cache_dtype) { return kv_cache_dtype
 
 namespace {
 
+// The host prefix cache's blocks, resolved in `config` (num_blocks) so the engine knows which of
+// the host pool's blocks are the tier's: the last ones.
+int ResolveHostPrefixCache(EngineConfig& config, int64_t block_bytes) {
+  HostPrefixCacheConfig& tier = config.host_prefix_cache;
+  const int64_t blocks = config.kv_offload.enabled ? 0 : tier.BlocksFor(block_bytes);
+  tier.num_blocks = static_cast<int>(std::clamp<int64_t>(blocks, 0, int64_t{1} << 28));
+  return tier.num_blocks;
+}
+
 // A sequence must fit the pool alone, or it would be preempted and fail at the end (vLLM refuses to
 // start in that case too): a max_model_len the user asked for is refused, a defaulted one lowered.
 Status FitMaxModelLenToPool(EngineConfig& config, bool requested, int num_blocks, const char* remedy) {
@@ -71,8 +80,12 @@ Result<std::unique_ptr<Backend>> MakeCpuBackend(EngineConfig& config, bool reque
   // Swap space beyond the device pool could never be filled (see the block manager).
   const int64_t host_blocks = config.num_host_kv_blocks >= 0 ? config.num_host_kv_blocks
                                                              : config.swap_space_bytes / block_bytes;
-  // An offloaded pool is in host memory already: no swap space.
-  const int num_host_blocks = config.kv_offload.enabled ? 0 : static_cast<int>(std::min<int64_t>(host_blocks, layout.num_blocks));
+  // An offloaded pool is in host memory already: no swap space. The host prefix cache's blocks
+  // follow the swap space's.
+  const int num_host_blocks =
+      config.kv_offload.enabled
+          ? 0
+          : static_cast<int>(std::min<int64_t>(host_blocks, layout.num_blocks)) + ResolveHostPrefixCache(config, block_bytes);
 
   const int threads = config.num_threads > 0 ? config.num_threads
                                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -119,7 +132,8 @@ Result<std::unique_ptr<Backend>> MakeCudaBackend(EngineConfig& config, bool requ
   }
   const int64_t host_blocks = config.num_host_kv_blocks >= 0 ? config.num_host_kv_blocks
                                                              : config.swap_space_bytes / block_bytes;
-  o.num_host_blocks = static_cast<int>(std::min<int64_t>(host_blocks, std::numeric_limits<int32_t>::max()));
+  const int tier = ResolveHostPrefixCache(config, block_bytes);
+  o.num_host_blocks = static_cast<int>(std::min<int64_t>(host_blocks, std::numeric_limits<int32_t>::max() - tier)) + tier;
   // A pool of known size lowers (or refuses) max_model_len before the backend sizes its tables.
   const char* remedy = "raise gpu_memory_utilization";
   if (o.num_kv_blocks > 0) {

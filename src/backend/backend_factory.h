@@ -1,7 +1,8 @@
 // Builds the backend an engine runs on, sizing the KV pools it owns: the CPU backend from
 // kv_cache_bytes / num_kv_blocks (or enough for max_num_seqs full contexts, at most 1 GiB), the
 // CUDA backend from gpu_memory_utilization (or kv_cache_bytes / num_kv_blocks); the host swap pool
-// from swap_space_bytes / num_host_kv_blocks.
+// from swap_space_bytes / num_host_kv_blocks, followed by the host prefix cache's blocks
+// (host_prefix_cache, resolved to num_blocks in the config).
 #pragma once
 
 #include <memory>

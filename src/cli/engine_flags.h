@@ -38,6 +38,14 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
   app->add_option("--num-host-kv-blocks", c.num_host_kv_blocks, "Fix the host (swap) pool in blocks");
   app->add_option("--preemption-mode", c.preemption_mode, "auto, swap or recompute")->default_val("auto");
   app->add_flag("--enable-prefix-caching", c.enable_prefix_caching, "Reuse cached prompt blocks");
+  app->add_option_function<double>(
+         "--host-prefix-cache",
+         [config](double gib) { config->host_prefix_cache.bytes = static_cast<int64_t>(gib * (1ull << 30)); },
+         "Host memory, GiB, for prompt blocks the device prefix cache evicts; a prompt that starts with them "
+         "loads them back instead of recomputing them (needs --enable-prefix-caching; 0 = off)")
+      ->check(CLI::NonNegativeNumber);
+  app->add_option("--num-host-prefix-cache-blocks", c.host_prefix_cache.num_blocks,
+                  "Fix the host prefix cache in blocks (overrides --host-prefix-cache)");
   app->add_option("--scheduler,--scheduling-policy", c.scheduling_policy,
                   "paged (vLLM FCFS) or s3 (length-aware); for evaluation orca-max, orca-pow2, orca-oracle, "
                   "s3-oracle")

@@ -63,7 +63,10 @@ class EngineImpl final : public EvaluationEngine {
     int drafter_scratch_blocks = 0;  // blocks of the target's pool the drafter keeps
     std::unique_ptr<KvSelector> kv_selector;
     std::unique_ptr<PromptPrefiller> prompt_prefiller;
-    std::unique_ptr<WrappingHooks> kv_tier_hooks;
+    // The KV connectors the configuration turns on (after the executor's own swap), and the
+    // blocks at the end of the backend's host pool they keep.
+    std::vector<std::unique_ptr<KvConnector>> kv_connectors;
+    int connector_host_blocks = 0;
   };
 
   EngineImpl(EngineConfig config, ModelFiles files, std::unique_ptr<Backend> backend, Systems systems,
@@ -76,17 +79,21 @@ class EngineImpl final : public EvaluationEngine {
         draft_backend_(std::move(systems.draft_backend)),
         drafter_(std::move(systems.drafter)),
         kv_selector_(std::move(systems.kv_selector)),
-        kv_tier_hooks_(std::move(systems.kv_tier_hooks)),
+        kv_connectors_(std::move(systems.kv_connectors)),
         core_(CoreConfig(config_, model_config_, *tokenizer_,
                          backend_->kv_layout().num_blocks - systems.drafter_scratch_blocks,
-                         backend_->num_host_blocks(), preemption, drafter_.get(), kv_selector_.get()),
+                         backend_->num_host_blocks() - systems.connector_host_blocks, preemption, drafter_.get(),
+                         kv_selector_.get()),
               std::move(policy), std::move(supervisor), tokenizer_.get()),
         executor_(*backend_, core_.block_manager()),
         prompt_prefiller_(std::move(systems.prompt_prefiller)) {
     if (draft_backend_) executor_.AddFollower(*draft_backend_);
     executor_.AddStepHooks(kv_selector_.get());
     if (drafter_) executor_.AddStepHooks(drafter_->step_hooks());
-    executor_.set_wrapping_hooks(kv_tier_hooks_.get());
+    for (const auto& connector : kv_connectors_) {
+      executor_.AddConnector(connector.get());
+      if (KvConnectorScheduler* side = connector->scheduler_side()) core_.AddKvConnector(side);
+    }
   }
 
   Result<RequestId> AddRequest(const std::string& prompt, const SamplingParams& params,
@@ -145,7 +152,7 @@ class EngineImpl final : public EvaluationEngine {
   const Tokenizer& tokenizer() const override { return *tokenizer_; }
   EngineStats stats() const override {
     EngineStats s = core_.stats();
-    s.kv_offload = backend_->kv_offload_stats();
+    for (const auto& connector : kv_connectors_) connector->AddStats(s);
     return s;
   }
 
@@ -160,11 +167,13 @@ class EngineImpl final : public EvaluationEngine {
                        : "";
     const std::string selection = config_.kv_selection.method.empty() ? "" : ", KV selection " + config_.kv_selection.method;
     const std::string prefill = prompt_prefiller_ ? ", " + prompt_prefiller_->Describe() : "";
+    std::string connectors;
+    for (const auto& connector : kv_connectors_) connectors += ", " + connector->Describe();
     return model_config_.name + " on " + backend_->Describe() + draft + ", swap " + std::to_string(blocks.host().num_blocks()) +
            " blocks, max_model_len " + std::to_string(config_.max_model_len) + selection + ", policy " +
            std::string(scheduler.policy().name()) + ", preemption " +
            PreemptionModeName(scheduler.config().preemption_mode) +
-           (blocks.prefix_caching() ? ", prefix caching" : "") + prefill;
+           (blocks.prefix_caching() ? ", prefix caching" : "") + prefill + connectors;
   }
 
  private:
@@ -231,7 +240,7 @@ class EngineImpl final : public EvaluationEngine {
   std::unique_ptr<Backend> draft_backend_;
   std::unique_ptr<Drafter> drafter_;
   std::unique_ptr<KvSelector> kv_selector_;
-  std::unique_ptr<WrappingHooks> kv_tier_hooks_;
+  std::vector<std::unique_ptr<KvConnector>> kv_connectors_;
   EngineCore core_;
   ModelExecutor executor_;
   std::unique_ptr<PromptPrefiller> prompt_prefiller_;  // KV-Runahead's last rank (prefill_parallel)
@@ -327,6 +336,8 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
     config.max_model_len = mc.max_position_embeddings;
   }
 
+  // The connectors as the configuration asked for them (the factory resolves their host blocks).
+  const std::vector<const KvConnectorPlugin*> connectors = registry.ActiveKvConnectors(config);
   KVFLOW_ASSIGN_OR_RETURN(auto backend, CreateBackendForModel(config, input.max_model_len > 0, files));
   EngineImpl::Systems systems;
   if (!config.speculative.method.empty()) {
@@ -364,9 +375,16 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
     KVFLOW_ASSIGN_OR_RETURN(systems.prompt_prefiller,
                             prefiller->create(PrefillerContext{config, *backend, evaluation.prefill_communicator}));
   }
-  if (config.kv_offload.enabled) {
-    KVFLOW_ASSIGN_OR_RETURN(const KvTierPlugin* tier, registry.KvTier(kKvOffloadTier));
-    if (tier->create_hooks) systems.kv_tier_hooks = tier->create_hooks();
+  // Each connector's host blocks sit after the swap space, in registration order (the backend
+  // factory sized the pool for them).
+  int host_block_end = backend->num_host_blocks();
+  for (const KvConnectorPlugin* p : connectors) host_block_end -= p->host_blocks ? p->host_blocks(config) : 0;
+  for (const KvConnectorPlugin* p : connectors) {
+    const int blocks = p->host_blocks ? p->host_blocks(config) : 0;
+    KVFLOW_ASSIGN_OR_RETURN(auto connector, p->create(KvConnectorContext{config, *backend, host_block_end, blocks}));
+    host_block_end += blocks;
+    systems.connector_host_blocks += blocks;
+    systems.kv_connectors.push_back(std::move(connector));
   }
   auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(systems),
                                              std::move(policy), preemption, std::move(supervisor));

@@ -100,6 +100,8 @@ Result<bool> EngineCore::PrefillIntoPrefixCache(std::span<const int32_t> tokens,
   const SeqId seq = scheduler_.NewSeqId();
   // Fresh blocks only (none of it was cached, checked above); not a lookup for the hit rate.
   KVFLOW_RETURN_IF_ERROR(blocks_.Allocate(seq, prefix, num_tokens, /*reuse_cached_prefix=*/false).status());
+  // `compute` overwrites the cached blocks this allocation reclaimed before any step could save them.
+  blocks_.DropEvictions();
   Status st = compute(blocks_.BlockTable(seq));
   if (st.ok()) blocks_.MarkComputed(seq, prefix, num_tokens);
   blocks_.Free(seq);

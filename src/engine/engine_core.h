@@ -90,6 +90,10 @@ class EngineCore {
   Result<bool> PrefillIntoPrefixCache(std::span<const int32_t> tokens, int64_t num_tokens,
                                       const std::function<Status(std::span<const BlockId>)>& compute);
 
+  // A KV connector's scheduler side (kv/kv_connector.h) for the block manager to consult; must
+  // outlive the core. Before any request.
+  void AddKvConnector(KvConnectorScheduler* connector) { blocks_.AddConnector(connector); }
+
   EngineStats stats() const;
   void set_observer(EngineCoreObserver* observer) { observer_ = observer; }
   const EngineCoreConfig& config() const { return config_; }

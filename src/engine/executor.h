@@ -31,8 +31,9 @@ class Executor {
   virtual bool SupportsSampling() const = 0;
   // Whether its sampling applies a TokenConstraint's mask and biases (bans it always applies).
   virtual bool AppliesTokenMasks() const { return false; }
-  // Carries out the step's block moves: swap-out, swap-in, then copy-on-write. A failure leaves
-  // the KV cache unknown and fails the step.
+  // Carries out the step's block moves: the KV connectors' saves (swap-out among them), their
+  // loads (swap-in among them), then copy-on-write. A failure leaves the KV cache unknown and
+  // fails the step.
   virtual Status MoveBlocks(const SchedulerOutput& sched) = 0;
   // Runs the scheduled sequences; called every step after MoveBlocks, also when nothing was
   // scheduled (a step that only moved blocks). `logits`: the rows each scheduled sequence needs.

@@ -29,9 +29,17 @@ ForwardBatch BuildForwardBatch(const SchedulerOutput& sched, const BlockManager&
 void ModelExecutor::AddFollower(Backend& follower) { followers_.emplace_back(follower); }
 
 Status ModelExecutor::MoveBlocks(const SchedulerOutput& sched) {
+  auto planned = [&](KvConnector* c) -> const KvConnectorMoves* {
+    const KvConnectorScheduler* side = c->scheduler_side();
+    if (side == nullptr) return nullptr;
+    for (const KvConnectorMoves& m : sched.connector_moves) {
+      if (m.connector == side) return &m;
+    }
+    return nullptr;
+  };
   auto move = [&](Backend& backend) -> Status {
-    KVFLOW_RETURN_IF_ERROR(backend.CopyBlocks(sched.swap_out, BlockCopyKind::kDeviceToHost));
-    KVFLOW_RETURN_IF_ERROR(backend.CopyBlocks(sched.swap_in, BlockCopyKind::kHostToDevice));
+    for (KvConnector* c : connectors_) KVFLOW_RETURN_IF_ERROR(c->Save(sched, planned(c), backend));
+    for (KvConnector* c : connectors_) KVFLOW_RETURN_IF_ERROR(c->Load(sched, planned(c), backend));
     return backend.CopyBlocks(sched.copies, BlockCopyKind::kDeviceToDevice);
   };
   KVFLOW_RETURN_IF_ERROR(move(backend_));
@@ -65,7 +73,9 @@ Status ModelExecutor::Run(const SchedulerOutput& sched, std::span<const LogitsMo
     for (StepHooks* features : step_hooks_) chain_.Add(features->ForStep(batch, seq_ids_, selecting_));
   }
   LayerHooks* hooks = chain_.Collapse();
-  if (wrapping_hooks_) hooks = wrapping_hooks_->Wrap(hooks, backend_.model_config().num_layers);
+  for (KvConnector* c : connectors_) {
+    if (WrappingHooks* around = c->layer_hooks()) hooks = around->Wrap(hooks, backend_.model_config().num_layers);
+  }
   model_.set_hooks(hooks);
   const Status st = RunTarget(batch, sample_rows, out);
   model_.set_hooks(nullptr);

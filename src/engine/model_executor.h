@@ -1,11 +1,13 @@
-// Runs the engine's steps on a Backend: the step's block moves, then one forward pass over the
-// scheduled batch, sampling on the device when the core hands it sample rows.
+// Runs the engine's steps on a Backend: the step's block moves (every KV connector's, then the
+// copy-on-write copies), then one forward pass over the scheduled batch, sampling on the device
+// when the core hands it sample rows.
 #pragma once
 
 #include <vector>
 
 #include "backend/backend.h"
 #include "engine/executor.h"
+#include "engine/kv_connector.h"
 #include "kv/block_manager.h"
 #include "forward/llama_model.h"
 
@@ -20,6 +22,8 @@ class ModelExecutor final : public Executor {
  public:
   // `backend` and `blocks` (the block tables the scheduler keeps) must outlive the executor.
   ModelExecutor(Backend& backend, const BlockManager& blocks) : backend_(backend), model_(backend), blocks_(blocks) {}
+  ModelExecutor(const ModelExecutor&) = delete;  // its connector list points at its own members
+  ModelExecutor& operator=(const ModelExecutor&) = delete;
 
   // Several KV caches in one engine: `follower` holds a second model (a draft model) whose KV pool
   // follows the target's block tables. Every block move is applied to its pool too, and every
@@ -34,8 +38,12 @@ class ModelExecutor final : public Executor {
   void AddStepHooks(StepHooks* hooks) {
     if (hooks != nullptr) step_hooks_.push_back(hooks);
   }
-  // Hooks around all of those (a KV tier's prefetch schedule; null: none); must outlive the executor.
-  void set_wrapping_hooks(WrappingHooks* hooks) { wrapping_hooks_ = hooks; }
+  // The KV connectors (engine/kv_connector.h) that move KV for every step, in order, after the
+  // swap connector every executor has; must outlive the executor. Their layer hooks wrap all the
+  // step hooks, the last added outermost.
+  void AddConnector(KvConnector* connector) {
+    if (connector != nullptr) connectors_.push_back(connector);
+  }
 
   bool SupportsSampling() const override { return backend_.SupportsDeviceSampling(); }
   bool AppliesTokenMasks() const override { return backend_.SupportsDeviceTokenMask(); }
@@ -49,7 +57,8 @@ class ModelExecutor final : public Executor {
   std::vector<LlamaModel> followers_;
   std::vector<StepHooks*> step_hooks_;
   HookChain chain_;
-  WrappingHooks* wrapping_hooks_ = nullptr;
+  SwapConnector swap_;
+  std::vector<KvConnector*> connectors_{&swap_};
   std::vector<int64_t> seq_ids_;
   std::vector<uint8_t> selecting_;
   const BlockManager& blocks_;

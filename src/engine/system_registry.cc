@@ -46,7 +46,10 @@ Status SystemRegistry::Register(KvSelectorPlugin plugin) {
   return AddUnique(kv_selectors_, std::move(plugin), "kv_selector");
 }
 Status SystemRegistry::Register(PrefillerPlugin plugin) { return AddUnique(prefillers_, std::move(plugin), "prefiller"); }
-Status SystemRegistry::Register(KvTierPlugin plugin) { return AddUnique(kv_tiers_, std::move(plugin), "kv_tier"); }
+Status SystemRegistry::Register(KvConnectorPlugin plugin) {
+  if (!plugin.enabled) return Status::InvalidArgument("kv_connector " + plugin.info.name + " needs an enabled()");
+  return AddUnique(kv_connectors_, std::move(plugin), "kv_connector");
+}
 
 Result<const DrafterPlugin*> SystemRegistry::Drafter(const std::string& name) const {
   return Find(drafters_, name, "speculative_method");
@@ -57,8 +60,16 @@ Result<const KvSelectorPlugin*> SystemRegistry::KvSelector(const std::string& na
 Result<const PrefillerPlugin*> SystemRegistry::Prefiller(const std::string& name) const {
   return Find(prefillers_, name, "prefill_parallel");
 }
-Result<const KvTierPlugin*> SystemRegistry::KvTier(const std::string& name) const {
-  return Find(kv_tiers_, name, "kv tier");
+Result<const KvConnectorPlugin*> SystemRegistry::KvConnector(const std::string& name) const {
+  return Find(kv_connectors_, name, "kv_connector");
+}
+
+std::vector<const KvConnectorPlugin*> SystemRegistry::ActiveKvConnectors(const EngineConfig& config) const {
+  std::vector<const KvConnectorPlugin*> active;
+  for (const KvConnectorPlugin& p : kv_connectors_) {
+    if (p.enabled(config)) active.push_back(&p);
+  }
+  return active;
 }
 
 Result<std::vector<const SystemInfo*>> SystemRegistry::ActiveSystems(const EngineConfig& c) const {
@@ -75,10 +86,7 @@ Result<std::vector<const SystemInfo*>> SystemRegistry::ActiveSystems(const Engin
     KVFLOW_ASSIGN_OR_RETURN(const PrefillerPlugin* p, Prefiller(c.prefill_parallel.method));
     active.push_back(&p->info);
   }
-  if (c.kv_offload.enabled) {
-    KVFLOW_ASSIGN_OR_RETURN(const KvTierPlugin* p, KvTier(kKvOffloadTier));
-    active.push_back(&p->info);
-  }
+  for (const KvConnectorPlugin* p : ActiveKvConnectors(c)) active.push_back(&p->info);
   return active;
 }
 
@@ -113,7 +121,7 @@ Status SystemRegistry::CompleteAndCheck(EngineConfig& config) const {
   KVFLOW_RETURN_IF_ERROR(check_off(drafters_));
   KVFLOW_RETURN_IF_ERROR(check_off(kv_selectors_));
   KVFLOW_RETURN_IF_ERROR(check_off(prefillers_));
-  KVFLOW_RETURN_IF_ERROR(check_off(kv_tiers_));
+  KVFLOW_RETURN_IF_ERROR(check_off(kv_connectors_));
   const std::vector<ActiveFeature> features = ActiveFeatures(config, active);
   for (const SystemInfo* s : active) {
     const std::string self = s->kind + ":" + s->name;

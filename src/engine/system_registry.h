@@ -8,7 +8,8 @@
 //   drafter     speculative.method       (engine/drafter.h)
 //   kv_selector kv_selection.method      (engine/kv_selector.h)
 //   prefiller   prefill_parallel.method  (engine/prompt_prefiller.h)
-//   kv_tier     kv_offload.enabled       (a system that keeps the KV pool elsewhere: "kv_offload")
+//   kv_connector  its own switch: kv_offload.enabled ("kv_offload"), host_prefix_cache
+//                 ("host_prefix_cache")     (engine/kv_connector.h)
 #pragma once
 
 #include <functional>
@@ -19,6 +20,7 @@
 
 #include "backend/backend.h"
 #include "engine/drafter.h"
+#include "engine/kv_connector.h"
 #include "engine/kv_selector.h"
 #include "engine/prompt_prefiller.h"
 #include "kvflow/config.h"
@@ -107,15 +109,26 @@ struct PrefillerPlugin {
   std::function<Result<std::unique_ptr<PromptPrefiller>>(const PrefillerContext&)> create;
 };
 
-// A place the KV pool lives other than the device (the backend implements the mechanism; the
-// system declares what it composes with).
-// The KV tier EngineConfig::kv_offload turns on.
-inline constexpr const char* kKvOffloadTier = "kv_offload";
+// The connector EngineConfig::kv_offload turns on.
+inline constexpr const char* kKvOffloadConnector = "kv_offload";
 
-struct KvTierPlugin {
+struct KvConnectorContext {
+  const EngineConfig& config;
+  Backend& backend;
+  // The host pool's blocks [host_block_begin, host_block_begin + num_host_blocks) are the
+  // connector's own (past the swap space).
+  int host_block_begin;
+  int num_host_blocks;
+};
+
+// A KV connector: what moves KV between the device pool and somewhere else for every step.
+struct KvConnectorPlugin {
   SystemInfo info;
-  // Its hooks around every other feature's in the target's passes (null: none).
-  std::function<std::unique_ptr<WrappingHooks>()> create_hooks;
+  // Whether `config` turns it on.
+  std::function<bool(const EngineConfig&)> enabled;
+  // Blocks of the backend's host pool it keeps, resolved by the backend factory (null: none).
+  std::function<int(const EngineConfig&)> host_blocks;
+  std::function<Result<std::unique_ptr<KvConnector>>(const KvConnectorContext&)> create;
 };
 
 class SystemRegistry {
@@ -123,13 +136,15 @@ class SystemRegistry {
   Status Register(DrafterPlugin plugin);
   Status Register(KvSelectorPlugin plugin);
   Status Register(PrefillerPlugin plugin);
-  Status Register(KvTierPlugin plugin);
+  Status Register(KvConnectorPlugin plugin);
 
   // The system of that kind and name, or an error listing the registered names.
   Result<const DrafterPlugin*> Drafter(const std::string& name) const;
   Result<const KvSelectorPlugin*> KvSelector(const std::string& name) const;
   Result<const PrefillerPlugin*> Prefiller(const std::string& name) const;
-  Result<const KvTierPlugin*> KvTier(const std::string& name) const;
+  Result<const KvConnectorPlugin*> KvConnector(const std::string& name) const;
+  // The connectors `config` turns on, in registration order.
+  std::vector<const KvConnectorPlugin*> ActiveKvConnectors(const EngineConfig& config) const;
 
   // The systems `config` names, completed (each system's `complete`), validated and checked
   // against each other's exclusions.
@@ -143,7 +158,7 @@ class SystemRegistry {
   std::vector<DrafterPlugin> drafters_;
   std::vector<KvSelectorPlugin> kv_selectors_;
   std::vector<PrefillerPlugin> prefillers_;
-  std::vector<KvTierPlugin> kv_tiers_;
+  std::vector<KvConnectorPlugin> kv_connectors_;
 };
 
 }  // namespace kvflow

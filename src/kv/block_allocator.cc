@@ -31,6 +31,10 @@ Result<BlockId> BlockAllocator::Allocate() {
     id = lru_.front();
     lru_.pop_front();
     lru_pos_[static_cast<size_t>(id)] = lru_.end();
+    if (record_evictions_) {
+      Content& c = *contents_[static_cast<size_t>(id)];
+      evicted_.push_back({id, c.prefix_hash, std::move(c.tokens)});
+    }
     Uncache(id);
   } else {
     return Status::OutOfMemory("KV block pool exhausted (" + std::to_string(num_blocks()) + " blocks in use)");

@@ -7,6 +7,7 @@
 #include <optional>
 #include <span>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "kvflow/status.h"
@@ -14,6 +15,20 @@
 namespace kvflow {
 
 using BlockId = int32_t;
+
+// A copy of one block's content from block src to block dst (in the same pool or across pools).
+struct BlockMove {
+  BlockId src;
+  BlockId dst;
+  bool operator==(const BlockMove&) const = default;
+};
+
+// A full block's content leaving the prefix cache: its block is about to be reused.
+struct EvictedBlock {
+  BlockId block = 0;
+  uint64_t prefix_hash = 0;  // the chained hash of every token before the block
+  std::vector<int32_t> tokens;
+};
 
 // Hash of a full block's token ids chained with the hash of everything before it, so equal hashes
 // mean equal prefixes (verified on lookup, so a 64-bit collision is a miss, never a wrong hit).
@@ -47,6 +62,11 @@ class BlockAllocator {
   // Withdraws a used block's content from the prefix cache: its holder is about to overwrite it.
   void Unregister(BlockId id);
 
+  // Keep the content of every cached block Allocate reclaims (for a KV connector that saves it
+  // elsewhere before the block is overwritten), until TakeEvicted.
+  void set_record_evictions(bool on) { record_evictions_ = on; }
+  std::vector<EvictedBlock> TakeEvicted() { return std::exchange(evicted_, {}); }
+
   int refcount(BlockId id) const { return refcounts_[static_cast<size_t>(id)]; }
   bool is_cached_content(BlockId id) const { return contents_[static_cast<size_t>(id)].has_value(); }
   // The tokens a block is published under; empty when it has no content.
@@ -77,6 +97,8 @@ class BlockAllocator {
   // Cached blocks nobody uses, least recently released first.
   std::list<BlockId> lru_;
   std::vector<std::list<BlockId>::iterator> lru_pos_;
+  bool record_evictions_ = false;
+  std::vector<EvictedBlock> evicted_;
 };
 
 }  // namespace kvflow

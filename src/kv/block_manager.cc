@@ -95,7 +95,19 @@ Result<int64_t> BlockManager::Allocate(SeqId seq, std::span<const int32_t> token
     assert(id.ok());  // checked above
     entry.blocks.push_back(id.value());
   }
-  const int64_t cached_tokens = static_cast<int64_t>(entry.hashes.size()) * bs;
+  int64_t cached_tokens = static_cast<int64_t>(entry.hashes.size()) * bs;
+  // The connectors supply what they can past the device's hits, into the fresh blocks.
+  if (reuse_cached_prefix && !tokens.empty()) {
+    for (KvConnectorScheduler* c : connectors_) {
+      const int64_t n = c->NumMatchedTokens(tokens, cached_tokens);
+      if (n <= 0) continue;
+      assert(n % bs == 0 && cached_tokens + n < static_cast<int64_t>(tokens.size()));
+      const std::span<const BlockId> blocks(entry.blocks.data() + cached_tokens / bs, static_cast<size_t>(n / bs));
+      c->UpdateStateAfterAlloc(tokens, cached_tokens, blocks);
+      connector_hit_blocks_ += n / bs;
+      cached_tokens += n;
+    }
+  }
   seqs_.emplace(seq, std::move(entry));
   return cached_tokens;
 }
@@ -282,6 +294,28 @@ int64_t BlockManager::NumLogicalDeviceBlocks() const {
 double BlockManager::PrefixHitRate() const {
   return prefix_queried_blocks_ == 0 ? 0.0
                                      : static_cast<double>(prefix_hit_blocks_) / static_cast<double>(prefix_queried_blocks_);
+}
+
+}  // namespace kvflow
+
+namespace kvflow {
+
+void BlockManager::AddConnector(KvConnectorScheduler* connector) {
+  connectors_.push_back(connector);
+  if (connector->WantsEvictions()) device_.set_record_evictions(true);
+}
+
+std::vector<KvConnectorMoves> BlockManager::TakeConnectorMoves() {
+  std::vector<KvConnectorMoves> moves;
+  if (connectors_.empty()) return moves;
+  const std::vector<EvictedBlock> evicted = device_.TakeEvicted();
+  for (KvConnectorScheduler* c : connectors_) {
+    if (!evicted.empty() && c->WantsEvictions()) c->OnEvicted(evicted);
+    KvConnectorMoves m = c->TakeStepMoves();
+    m.connector = c;
+    if (!m.empty()) moves.push_back(std::move(m));
+  }
+  return moves;
 }
 
 }  // namespace kvflow

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kv/block_allocator.h"
+#include "kv/kv_connector.h"
 #include "kvflow/status.h"
 
 namespace kvflow {
@@ -20,12 +21,6 @@ using SeqId = int64_t;
 inline int BlocksForTokens(int64_t num_tokens, int block_size) {
   return static_cast<int>((num_tokens + block_size - 1) / block_size);
 }
-
-struct BlockMove {
-  BlockId src;
-  BlockId dst;
-  bool operator==(const BlockMove&) const = default;
-};
 
 struct BlockManagerConfig {
   int block_size = 16;
@@ -99,6 +94,18 @@ class BlockManager {
   // Copy-on-write copies planned since the last call (device -> device).
   std::vector<BlockMove> TakePendingCopies();
 
+  // ---- KV connectors (kv/kv_connector.h) ----------------------------------------------------------
+  // Allocate asks each connector, in the order added, for prompt tokens past the prefix hits
+  // (requests that reuse a cached prefix only). Not owned; must outlive the manager.
+  void AddConnector(KvConnectorScheduler* connector);
+  // Hands the connectors the cached blocks reclaimed since the last call and returns the moves
+  // each planned (one entry per connector with any). Call once per step, after its allocations.
+  std::vector<KvConnectorMoves> TakeConnectorMoves();
+  // Forgets reclaimed blocks whose content is being overwritten outside a step (so no connector
+  // saves what is no longer there).
+  void DropEvictions() { device_.TakeEvicted(); }
+  bool has_connectors() const { return !connectors_.empty(); }
+
   // ---- inspection --------------------------------------------------------------------------
   bool Has(SeqId seq) const { return seqs_.contains(seq); }
   bool IsSwapped(SeqId seq) const;
@@ -113,6 +120,8 @@ class BlockManager {
   // Of the full prompt blocks admitted looking up the prefix cache, the fraction found there.
   double PrefixHitRate() const;
   int64_t prefix_hit_blocks() const { return prefix_hit_blocks_; }
+  // Of the queried blocks, those the connectors supplied (not counted as prefix hits).
+  int64_t connector_hit_blocks() const { return connector_hit_blocks_; }
   int64_t prefix_queried_blocks() const { return prefix_queried_blocks_; }
 
  private:
@@ -138,6 +147,8 @@ class BlockManager {
   std::vector<BlockMove> pending_copies_;
   int64_t prefix_queried_blocks_ = 0;
   int64_t prefix_hit_blocks_ = 0;
+  int64_t connector_hit_blocks_ = 0;
+  std::vector<KvConnectorScheduler*> connectors_;
 };
 
 }  // namespace kvflow

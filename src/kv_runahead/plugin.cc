@@ -13,7 +13,7 @@ Status RegisterKvRunahead(SystemRegistry& registry) {
     p.info.label = std::string("prefill_parallel ") + name;
     // The ranks fill only the target's pool through the pool's own format.
     p.info.excludes = {
-        {"kv_tier:kv_offload", "an offloaded pool is filled by its own path"},
+        {"kv_connector:kv_offload", "an offloaded pool is filled by its own path"},
         {"kv_selector", "InfiniGen's partial keys or H2O's scores would miss the prefilled tokens"},
         {"draft model", "the draft model's KV cache would miss the prefilled tokens"},
         {"drafter:triforce", "TriForce's retrieval cache is built from passes the prefill skips (n-gram speculation works)"},

@@ -3,10 +3,29 @@
 #include "offload/kv_prefetch.h"
 
 namespace kvflow {
+namespace {
+
+// The offloaded pool as a KV connector: no block moves of its own (the pool is in host memory and
+// the backend writes new tokens there); its loads follow the layers, each layer's reads fetched
+// into the device's staging buffer during the layer before (KvPrefetchHooks).
+class KvOffloadConnector final : public KvConnector {
+ public:
+  explicit KvOffloadConnector(const Backend& backend) : backend_(backend) {}
+  std::string name() const override { return kKvOffloadConnector; }
+  std::string Describe() const override { return "KV pool offloaded to host memory"; }
+  WrappingHooks* layer_hooks() override { return &prefetch_; }
+  void AddStats(EngineStats& stats) const override { stats.kv_offload = backend_.kv_offload_stats(); }
+
+ private:
+  const Backend& backend_;
+  KvPrefetchHooks prefetch_;
+};
+
+}  // namespace
 
 Status RegisterKvOffload(SystemRegistry& registry) {
-  KvTierPlugin p;
-  p.info.name = kKvOffloadTier;
+  KvConnectorPlugin p;
+  p.info.name = kKvOffloadConnector;
   p.info.label = "kv_offload";
   // The tier fetches what the target's own passes read. N-gram speculation runs no passes of its
   // own (its verification is a target step of several tokens), so it composes.
@@ -16,8 +35,10 @@ Status RegisterKvOffload(SystemRegistry& registry) {
       {"swap preemption", "kv_offload keeps the KV pool in host memory already: preemption_mode swap has nowhere to "
                           "swap to; use recompute or auto"},
   };
-  // An offloaded pool fetches each layer's reads during the layer before.
-  p.create_hooks = [] { return std::unique_ptr<WrappingHooks>(std::make_unique<KvPrefetchHooks>()); };
+  p.enabled = [](const EngineConfig& c) { return c.kv_offload.enabled; };
+  p.create = [](const KvConnectorContext& ctx) {
+    return Result<std::unique_ptr<KvConnector>>(std::make_unique<KvOffloadConnector>(ctx.backend));
+  };
   return registry.Register(std::move(p));
 }
 

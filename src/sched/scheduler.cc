@@ -347,6 +347,7 @@ SchedulerOutput Scheduler::Schedule() {
   ScheduleDrafts(out, budget);
 
   out.copies = blocks_.TakePendingCopies();
+  out.connector_moves = blocks_.TakeConnectorMoves();
   counters_.blocks_copied += static_cast<int64_t>(out.copies.size());
   return out;
 }

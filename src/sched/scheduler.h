@@ -68,6 +68,9 @@ struct SchedulerOutput {
   std::vector<BlockMove> swap_out;
   std::vector<BlockMove> swap_in;
   std::vector<BlockMove> copies;
+  // The KV connectors' moves (kv/kv_connector.h): all their saves run before the swap-out, all
+  // their loads after the swap-in, the copy-on-write copies last.
+  std::vector<KvConnectorMoves> connector_moves;
   // Groups that can never fit; already removed from the scheduler, to be failed by the caller.
   std::vector<std::pair<RequestId, Status>> rejected;
   // Groups preempted this step because a sequence outgrew its reservation (S3 mispredictions);

@@ -39,7 +39,10 @@ Result<std::unique_ptr<Backend>> CreateDraftModelBackend(const EngineConfig& con
   files.tensors.reset();
   EngineConfig draft = config;
   draft.num_kv_blocks = target.kv_layout().num_blocks + scratch_blocks;
-  draft.num_host_kv_blocks = target.num_host_blocks();
+  // The same host pool: the swap space, then the host prefix cache's blocks (resolved by the
+  // target's factory).
+  draft.host_prefix_cache = HostPrefixCacheConfig{0, std::max(0, config.host_prefix_cache.num_blocks)};
+  draft.num_host_kv_blocks = target.num_host_blocks() - draft.host_prefix_cache.num_blocks;
   KVFLOW_ASSIGN_OR_RETURN(auto backend, CreateBackend(draft, /*max_model_len_requested=*/true, mc, std::move(weights)));
   if (backend->kv_layout().num_blocks < draft.num_kv_blocks || backend->num_host_blocks() != target.num_host_blocks()) {
     return Status::Internal(what + ": its KV pool could not be sized to follow the target's");

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include "h2o/plugin.h"
+#include "host_prefix_cache/plugin.h"
 #include "infinigen/plugin.h"
 #include "kv_runahead/plugin.h"
 #include "offload/plugin.h"
@@ -15,7 +16,8 @@ const SystemRegistry& BuiltinSystems() {
   static const SystemRegistry registry = [] {
     SystemRegistry r;
     for (const Status& st : {RegisterSpeculativeDrafters(r), RegisterTriForce(r), RegisterInfiniGen(r),
-                             RegisterH2O(r), RegisterKvRunahead(r), RegisterKvOffload(r)}) {
+                             RegisterH2O(r), RegisterKvRunahead(r), RegisterHostPrefixCache(r),
+                             RegisterKvOffload(r)}) {
       // A built-in system that cannot register is a programming error, caught by every test.
       if (!st.ok()) spdlog::critical("registering the built-in systems: {}", st.ToString());
     }
