@@ -36,6 +36,8 @@ struct EngineStats {
   int host_blocks_total = 0;
   int host_blocks_free = 0;
   double prefix_cache_hit_rate = 0.0;  // of full prompt blocks admitted with prefix caching on
+  int64_t prefix_cache_queried_blocks = 0;  // full prompt blocks looked up in the device prefix cache
+  int64_t prefix_cache_hit_blocks = 0;      // of those, found there (host_prefix_cache: the next tier's)
   int64_t prompt_tokens_processed = 0;
   int64_t generated_tokens = 0;
   int64_t num_preemptions = 0;  // recompute + swap

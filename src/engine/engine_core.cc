@@ -525,6 +525,8 @@ EngineStats EngineCore::stats() const {
   s.host_blocks_total = blocks_.host().num_blocks();
   s.host_blocks_free = blocks_.host().num_free();
   s.prefix_cache_hit_rate = blocks_.PrefixHitRate();
+  s.prefix_cache_queried_blocks = blocks_.prefix_queried_blocks();
+  s.prefix_cache_hit_blocks = blocks_.prefix_hit_blocks();
   s.num_preemptions = sched.num_preemptions_recompute + sched.num_preemptions_swap;
   s.num_preemptions_swap = sched.num_preemptions_swap;
   s.blocks_swapped_out = sched.blocks_swapped_out;

@@ -79,6 +79,28 @@ std::string ServerMetrics::Render(const EngineStats& s) const {
          s.host_blocks_total ? 1.0 - static_cast<double>(s.host_blocks_free) / s.host_blocks_total : 0.0);
   Metric(&out, "kvflow:prefix_cache_hit_rate", "gauge", "Share of full prompt blocks found in the prefix cache.",
          s.prefix_cache_hit_rate);
+  Metric(&out, "kvflow:prefix_cache_queried_blocks_total", "counter",
+         "Full prompt blocks looked up in the device prefix cache.", static_cast<double>(s.prefix_cache_queried_blocks));
+  Metric(&out, "kvflow:prefix_cache_hit_blocks_total", "counter", "Of those, blocks found on the device.",
+         static_cast<double>(s.prefix_cache_hit_blocks));
+  // The host tier of the prefix cache (--host-prefix-cache); zero when it is off.
+  const HostPrefixCacheStats& hp = s.host_prefix_cache;
+  Metric(&out, "kvflow:host_prefix_cache_blocks_total", "gauge", "Blocks the host prefix cache holds at most.",
+         static_cast<double>(hp.capacity_blocks));
+  Metric(&out, "kvflow:host_prefix_cache_blocks_used", "gauge", "Blocks held in the host prefix cache.",
+         static_cast<double>(hp.used_blocks));
+  Metric(&out, "kvflow:host_prefix_cache_queried_blocks_total", "counter",
+         "Prompt blocks looked up in host memory past the device's hits.", static_cast<double>(hp.queried_blocks));
+  Metric(&out, "kvflow:host_prefix_cache_hit_blocks_total", "counter",
+         "Of those, found in host memory and loaded instead of computed.", static_cast<double>(hp.hit_blocks));
+  Metric(&out, "kvflow:host_prefix_cache_saved_blocks_total", "counter",
+         "Blocks the device prefix cache evicted that were saved to host memory.", static_cast<double>(hp.saved_blocks));
+  Metric(&out, "kvflow:host_prefix_cache_evicted_blocks_total", "counter",
+         "Host blocks dropped to make room (least recently used first).", static_cast<double>(hp.evicted_blocks));
+  Metric(&out, "kvflow:host_prefix_cache_bytes_saved_total", "counter", "K/V bytes copied device -> host.",
+         static_cast<double>(hp.bytes_saved));
+  Metric(&out, "kvflow:host_prefix_cache_bytes_loaded_total", "counter", "K/V bytes copied host -> device.",
+         static_cast<double>(hp.bytes_loaded));
   Metric(&out, "kvflow:prompt_tokens_total", "counter", "Prompt tokens prefilled.",
          static_cast<double>(s.prompt_tokens_processed));
   Metric(&out, "kvflow:generation_tokens_total", "counter", "Tokens generated.",

@@ -674,6 +674,29 @@ def test_prefix_caching_server(make_server, client):
     assert m.get("kvflow:kv_cache_blocks_free") == m.get("kvflow:kv_cache_blocks_total")
 
 
+def test_host_prefix_cache_server(make_server, client):
+    """Four conversations of three turns over a device pool that holds one at a time: the host
+    prefix cache saves what the device evicts and later turns load it back; every reply equals the
+    plain server's, and /metrics shows the tier's hits and bytes."""
+    srv = make_server("--enable-prefix-caching", "--num-kv-blocks", "24", "--block-size", "8",
+                      "--max-model-len", "192", "--host-prefix-cache", "0.01")
+    c = make_client(srv)
+    kw = dict(max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    history = [f"Conversation {i} begins with a system prompt that fills blocks. " for i in range(4)]
+    for turn in range(3):
+        for i in range(4):
+            got = c.completions.create(model=TINY, prompt=history[i], **kw).choices[0].text
+            assert got == complete(client, history[i], **kw).choices[0].text, f"conversation {i} turn {turn}"
+            history[i] += got + f" User turn {turn}. "
+    m = srv.wait_idle()
+    assert m.get("kvflow:host_prefix_cache_blocks_total") > 0
+    assert m.get("kvflow:host_prefix_cache_saved_blocks_total") > 0
+    assert m.get("kvflow:host_prefix_cache_hit_blocks_total") > 0, "no turn loaded its conversation from host memory"
+    assert m.get("kvflow:host_prefix_cache_bytes_loaded_total") > 0
+    assert m.get("kvflow:request_failure_total") == 0
+    assert m.get("kvflow:kv_cache_blocks_free") == m.get("kvflow:kv_cache_blocks_total")
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_keeps_outputs(make_server, client, mode):
     """A KV pool far too small for the batch: requests get preempted and resumed, and every
