@@ -35,7 +35,9 @@ struct EngineStats {
   int64_t kv_blocks_logical = 0;  // blocks the running sequences would hold without sharing
   int host_blocks_total = 0;
   int host_blocks_free = 0;
-  double prefix_cache_hit_rate = 0.0;  // of full prompt blocks admitted with prefix caching on
+  // Of full prompt blocks admitted with prefix caching on, those not computed in the engine's
+  // steps: found on the device or supplied by a KV connector (the host tier, a prefill across ranks).
+  double prefix_cache_hit_rate = 0.0;
   int64_t prefix_cache_queried_blocks = 0;  // full prompt blocks looked up in the device prefix cache
   int64_t prefix_cache_hit_blocks = 0;      // of those, found there (host_prefix_cache: the next tier's)
   int64_t prompt_tokens_processed = 0;

@@ -10,7 +10,7 @@
 #include "engine/engine_core.h"
 #include "engine/evaluation.h"
 #include "engine/model_executor.h"
-#include "engine/prompt_prefiller.h"
+#include "engine/prompt_prefill_connector.h"
 #include "engine/system_registry.h"
 #include "model/llama_weights.h"
 #include "model/tensor_source.h"
@@ -62,7 +62,6 @@ class EngineImpl final : public EvaluationEngine {
     std::unique_ptr<Drafter> drafter;
     int drafter_scratch_blocks = 0;  // blocks of the target's pool the drafter keeps
     std::unique_ptr<KvSelector> kv_selector;
-    std::unique_ptr<PromptPrefiller> prompt_prefiller;
     // The KV connectors the configuration turns on (after the executor's own swap), and the
     // blocks at the end of the backend's host pool they keep.
     std::vector<std::unique_ptr<KvConnector>> kv_connectors;
@@ -85,8 +84,7 @@ class EngineImpl final : public EvaluationEngine {
                          backend_->num_host_blocks() - systems.connector_host_blocks, preemption, drafter_.get(),
                          kv_selector_.get()),
               std::move(policy), std::move(supervisor), tokenizer_.get()),
-        executor_(*backend_, core_.block_manager()),
-        prompt_prefiller_(std::move(systems.prompt_prefiller)) {
+        executor_(*backend_, core_.block_manager()) {
     if (draft_backend_) executor_.AddFollower(*draft_backend_);
     executor_.AddStepHooks(kv_selector_.get());
     if (drafter_) executor_.AddStepHooks(drafter_->step_hooks());
@@ -108,7 +106,6 @@ class EngineImpl final : public EvaluationEngine {
 
   Result<RequestId> AddRequestWithHints(std::vector<int32_t> prompt, const SamplingParams& params,
                                         StreamCallback on_event, const RequestHints& hints) override {
-    if (prompt_prefiller_) PrefillAhead(prompt, params);
     return core_.AddRequest(std::move(prompt), params, std::move(on_event), hints,
                             Seconds(Clock::now().time_since_epoch()));
   }
@@ -166,37 +163,16 @@ class EngineImpl final : public EvaluationEngine {
                              std::to_string(config_.speculative.num_tokens) + ")"
                        : "";
     const std::string selection = config_.kv_selection.method.empty() ? "" : ", KV selection " + config_.kv_selection.method;
-    const std::string prefill = prompt_prefiller_ ? ", " + prompt_prefiller_->Describe() : "";
     std::string connectors;
     for (const auto& connector : kv_connectors_) connectors += ", " + connector->Describe();
     return model_config_.name + " on " + backend_->Describe() + draft + ", swap " + std::to_string(blocks.host().num_blocks()) +
            " blocks, max_model_len " + std::to_string(config_.max_model_len) + selection + ", policy " +
            std::string(scheduler.policy().name()) + ", preemption " +
            PreemptionModeName(scheduler.config().preemption_mode) +
-           (blocks.prefix_caching() ? ", prefix caching" : "") + prefill + connectors;
+           (blocks.prefix_caching() ? ", prefix caching" : "") + connectors;
   }
 
  private:
-  // A long prompt's KV computed by the prompt prefiller (across ranks) before its request is
-  // queued; the request then maps it from the prefix cache. Failures only cost the speed-up.
-  void PrefillAhead(const std::vector<int32_t>& prompt, const SamplingParams& params) {
-    // Prompt logprobs need every prompt position's logits, which only the engine's steps produce.
-    if (params.prompt_logprobs.has_value() || !core_.ValidateRequest(prompt, params).ok()) return;
-    const int64_t n = prompt_prefiller_->TokensToPrefill(prompt, config_.block_size);
-    if (n <= 0) return;
-    const auto start = Clock::now();
-    auto done = core_.PrefillIntoPrefixCache(prompt, n, [&](std::span<const BlockId> table) {
-      return prompt_prefiller_->Prefill(prompt, n, table);
-    });
-    if (!done.ok()) {
-      spdlog::warn("prefill of a {}-token prompt across ranks failed, computing it here: {}", prompt.size(),
-                   done.status().ToString());
-    } else if (done.value()) {
-      spdlog::debug("prefilled {} of {} prompt tokens across ranks in {:.3f} s", n, prompt.size(),
-                    Seconds(Clock::now() - start));
-    }
-  }
-
   // Wraps a user callback so the final RequestOutput is assembled as events arrive.
   static StreamCallback Collector(RequestOutput& out, const SamplingParams& params, StreamCallback user) {
     const auto start = Clock::now();
@@ -243,7 +219,6 @@ class EngineImpl final : public EvaluationEngine {
   std::vector<std::unique_ptr<KvConnector>> kv_connectors_;
   EngineCore core_;
   ModelExecutor executor_;
-  std::unique_ptr<PromptPrefiller> prompt_prefiller_;  // KV-Runahead's last rank (prefill_parallel)
 };
 
 // The engine's own settings; each system checks its section (SystemRegistry::CompleteAndCheck).
@@ -370,11 +345,6 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
           std::make_unique<ObservedKvSelector>(std::move(systems.kv_selector), evaluation.kv_read_observer);
     }
   }
-  if (!config.prefill_parallel.method.empty()) {
-    KVFLOW_ASSIGN_OR_RETURN(const PrefillerPlugin* prefiller, registry.Prefiller(config.prefill_parallel.method));
-    KVFLOW_ASSIGN_OR_RETURN(systems.prompt_prefiller,
-                            prefiller->create(PrefillerContext{config, *backend, evaluation.prefill_communicator}));
-  }
   // Each connector's host blocks sit after the swap space, in registration order (the backend
   // factory sized the pool for them).
   int host_block_end = backend->num_host_blocks();
@@ -385,6 +355,15 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
     host_block_end += blocks;
     systems.connector_host_blocks += blocks;
     systems.kv_connectors.push_back(std::move(connector));
+  }
+  if (!config.prefill_parallel.method.empty()) {
+    KVFLOW_ASSIGN_OR_RETURN(const PrefillerPlugin* prefiller, registry.Prefiller(config.prefill_parallel.method));
+    KVFLOW_ASSIGN_OR_RETURN(auto prompt_prefiller,
+                            prefiller->create(PrefillerContext{config, *backend, evaluation.prefill_communicator}));
+    // Its KV enters through a connector that supplies a long prompt's leading blocks, after the
+    // other connectors (a prompt cached in a tier is loaded, not recomputed across ranks).
+    systems.kv_connectors.push_back(std::make_unique<PromptPrefillConnector>(
+        std::move(prompt_prefiller), *backend, config.block_size, config.max_num_batched_tokens));
   }
   auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(systems),
                                              std::move(policy), preemption, std::move(supervisor));

@@ -85,30 +85,6 @@ Result<RequestId> EngineCore::AddRequest(std::vector<int32_t> prompt, const Samp
   return id;
 }
 
-Result<bool> EngineCore::PrefillIntoPrefixCache(std::span<const int32_t> tokens, int64_t num_tokens,
-                                                const std::function<Status(std::span<const BlockId>)>& compute) {
-  if (in_step_) return Status::Internal("a prefill outside steps was asked for during a step");
-  if (!blocks_.prefix_caching()) return Status::Unsupported("prefilling outside steps needs prefix caching");
-  const int bs = blocks_.block_size();
-  if (num_tokens <= 0 || num_tokens % bs != 0 || num_tokens > static_cast<int64_t>(tokens.size())) {
-    return Status::InvalidArgument("a prefill outside steps covers whole blocks of the prompt");
-  }
-  const std::span<const int32_t> prefix = tokens.first(static_cast<size_t>(num_tokens));
-  const int needed = blocks_.BlocksToAllocate(prefix, num_tokens);
-  if (needed < BlocksForTokens(num_tokens, bs)) return false;  // part of it is cached already
-  if (!blocks_.CanAdmit(needed)) return false;
-  const SeqId seq = scheduler_.NewSeqId();
-  // Fresh blocks only (none of it was cached, checked above); not a lookup for the hit rate.
-  KVFLOW_RETURN_IF_ERROR(blocks_.Allocate(seq, prefix, num_tokens, /*reuse_cached_prefix=*/false).status());
-  // `compute` overwrites the cached blocks this allocation reclaimed before any step could save them.
-  blocks_.DropEvictions();
-  Status st = compute(blocks_.BlockTable(seq));
-  if (st.ok()) blocks_.MarkComputed(seq, prefix, num_tokens);
-  blocks_.Free(seq);
-  KVFLOW_RETURN_IF_ERROR(st);
-  return true;
-}
-
 Status EngineCore::Cancel(RequestId id) {
   auto it = requests_.find(id);
   if (it == requests_.end()) return Status::NotFound("no unfinished request " + std::to_string(id));

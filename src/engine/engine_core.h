@@ -82,14 +82,6 @@ class EngineCore {
   // requests in the batch.
   Result<StepResult> Step(Executor& executor);
 
-  // ---- KV computed outside steps (engine/prompt_prefiller.h) -------------------------------------
-  // Allocates blocks for tokens[0, num_tokens) (whole blocks), has `compute` fill them, and
-  // publishes them in the prefix cache, where a request for this prompt maps them instead of
-  // computing them. Returns false (nothing done) when part of that prefix is cached already or the
-  // pool cannot hold it now. Needs prefix caching; not during a step.
-  Result<bool> PrefillIntoPrefixCache(std::span<const int32_t> tokens, int64_t num_tokens,
-                                      const std::function<Status(std::span<const BlockId>)>& compute);
-
   // A KV connector's scheduler side (kv/kv_connector.h) for the block manager to consult; must
   // outlive the core. Before any request.
   void AddKvConnector(KvConnectorScheduler* connector) { blocks_.AddConnector(connector); }

@@ -1,7 +1,8 @@
-// Computes the KV of a long prompt outside the engine's steps, before its request is queued (KV-
-// Runahead prefills it across the ranks of an mpirun job: kv_runahead/prompt_prefill_service.h). The
-// engine hands it blocks of its own pool and publishes them in the prefix cache, where the request
-// then finds them: the scheduler computes only the tail and samples the first token as usual.
+// Computes the KV of a long prompt's leading blocks elsewhere (KV-Runahead prefills it across the
+// ranks of an mpirun job: kv_runahead/prompt_prefill_service.h). Its KV enters the engine through a
+// KV connector (engine/prompt_prefill_connector.h): at admission the prompt's fresh blocks for those
+// tokens are handed to Prefill before the step's forward pass, and the engine's steps compute only
+// the tail and sample the first token as usual.
 #pragma once
 
 #include <cstdint>

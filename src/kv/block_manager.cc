@@ -292,8 +292,9 @@ int64_t BlockManager::NumLogicalDeviceBlocks() const {
 }
 
 double BlockManager::PrefixHitRate() const {
-  return prefix_queried_blocks_ == 0 ? 0.0
-                                     : static_cast<double>(prefix_hit_blocks_) / static_cast<double>(prefix_queried_blocks_);
+  if (prefix_queried_blocks_ == 0) return 0.0;
+  return std::min(1.0, static_cast<double>(prefix_hit_blocks_ + connector_hit_blocks_) /
+                           static_cast<double>(prefix_queried_blocks_));
 }
 
 }  // namespace kvflow

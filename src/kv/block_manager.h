@@ -101,9 +101,6 @@ class BlockManager {
   // Hands the connectors the cached blocks reclaimed since the last call and returns the moves
   // each planned (one entry per connector with any). Call once per step, after its allocations.
   std::vector<KvConnectorMoves> TakeConnectorMoves();
-  // Forgets reclaimed blocks whose content is being overwritten outside a step (so no connector
-  // saves what is no longer there).
-  void DropEvictions() { device_.TakeEvicted(); }
   bool has_connectors() const { return !connectors_.empty(); }
 
   // ---- inspection --------------------------------------------------------------------------
@@ -117,7 +114,9 @@ class BlockManager {
   // Blocks the device tables would hold without any sharing (for the sharing-savings figures).
   int64_t NumLogicalDeviceBlocks() const;
   int num_sequences() const { return static_cast<int>(seqs_.size()); }
-  // Of the full prompt blocks admitted looking up the prefix cache, the fraction found there.
+  // Of the full prompt blocks admitted looking up the prefix cache, the fraction not computed in
+  // the engine's steps: found on the device or supplied by a KV connector (a host tier, the ranks of
+  // a prompt prefill).
   double PrefixHitRate() const;
   int64_t prefix_hit_blocks() const { return prefix_hit_blocks_; }
   // Of the queried blocks, those the connectors supplied (not counted as prefix hits).

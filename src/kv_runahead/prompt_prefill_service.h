@@ -1,8 +1,8 @@
 // KV-Runahead in the serving path: an mpirun job whose last rank runs the engine (HTTP, scheduling,
 // decoding) and whose other ranks are prefill workers. A prompt of at least
 // EngineConfig::prefill_parallel_min_tokens tokens is prefilled across every rank
-// (chain_prefill.h) into the last rank's pool, then served from its prefix cache
-// (engine/prompt_prefiller.h); shorter prompts never leave the last rank.
+// (chain_prefill.h) into the blocks the last rank's engine admitted it with (engine/
+// prompt_prefill_connector.h); shorter prompts never leave the last rank.
 //
 // Protocol (all between the last rank L and each worker w, on the job's communicator):
 //   at start   w -> L  hello: the worker's model shape and KV format, which must equal L's

@@ -1,4 +1,4 @@
-// Registers the host-memory KV tier "kv_offload" (the backends implement the pool; offload/
+// Registers the host-memory KV tier "kv_offload" as a KV connector (the backends implement the pool; offload/
 // kv_prefetch.h schedules its fetches).
 #pragma once
 

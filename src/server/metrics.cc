@@ -77,7 +77,8 @@ std::string ServerMetrics::Render(const EngineStats& s) const {
   Metric(&out, "kvflow:host_kv_cache_blocks_free", "gauge", "Free host (swap) KV blocks.", s.host_blocks_free);
   Metric(&out, "kvflow:host_kv_cache_usage_perc", "gauge", "Fraction of host KV blocks in use.",
          s.host_blocks_total ? 1.0 - static_cast<double>(s.host_blocks_free) / s.host_blocks_total : 0.0);
-  Metric(&out, "kvflow:prefix_cache_hit_rate", "gauge", "Share of full prompt blocks found in the prefix cache.",
+  Metric(&out, "kvflow:prefix_cache_hit_rate", "gauge", "Share of full prompt blocks not computed: found on the device or supplied by a KV connector "
+         "(the host prefix cache, a prompt prefill across ranks).",
          s.prefix_cache_hit_rate);
   Metric(&out, "kvflow:prefix_cache_queried_blocks_total", "counter",
          "Full prompt blocks looked up in the device prefix cache.", static_cast<double>(s.prefix_cache_queried_blocks));

@@ -1,6 +1,6 @@
 // The serving path of KV-Runahead (kv_runahead/prompt_prefill_service.h) on an in-process world: the last
-// rank's engine prefills long prompts across prefill workers running on threads, and serves them
-// from its prefix cache. The engine's outputs, greedy and seeded sampled, must equal an engine on one
+// rank's engine prefills long prompts across prefill workers running on threads, through a KV
+// connector that fills the admitted request's blocks. The engine's outputs, greedy and seeded sampled, must equal an engine on one
 // process that prefills the prompt in the same chunks (bit-identical logits make them equal).
 #include <gtest/gtest.h>
 
@@ -100,7 +100,8 @@ TEST(PromptPrefillService, OutputsEqualAnEngineThatPrefillsInTheSameChunks) {
             EXPECT_EQ(ours[0].size(), 16u);
           }
         }
-        // The long prompts' whole blocks came from the prefix cache.
+        // The long prompts' whole blocks were not computed by the engine's steps: the ranks'
+        // connector supplied them.
         EXPECT_GT(engine->stats().prefix_cache_hit_rate, 0.0);
       }
       // The engine told its workers to stop when it went.
@@ -120,6 +121,41 @@ TEST(PromptPrefillService, ShortPromptsAndPromptLogprobsStayOnTheLastRank) {
     ASSERT_NE(engine, nullptr);
     test::GenerateAll(*engine, LongPrompts(), test::Greedy(4), false);
     EXPECT_EQ(engine->stats().prefix_cache_hit_rate, 0.0);
+  }
+  world.Join();
+  EXPECT_TRUE(world.result(0).ok()) << world.result(0).ToString();
+}
+
+// With the host prefix cache: a pool that holds one long prompt at a time evicts each, and the
+// same prompt again (a new turn) loads its leading blocks from host memory instead of going to the
+// ranks. Outputs equal a one-process engine's with the same pool.
+TEST(PromptPrefillService, ComposesWithTheHostPrefixCache) {
+  EngineConfig config = TinyConfig();
+  config.num_kv_blocks = 36;
+  config.max_model_len = 320;
+  config.prefill_parallel.method = "kv-runahead";
+  config.prefill_parallel.min_tokens = 64;
+  config.host_prefix_cache.num_blocks = 64;
+  EngineConfig alone = TinyConfig();
+  alone.num_kv_blocks = 36;
+  alone.max_model_len = 320;
+  auto reference = test::MakeEngine(alone);
+  ASSERT_NE(reference, nullptr);
+  PrefillWorld world(2, config);
+  {
+    auto engine = LeaderEngine(config, world.leader());
+    ASSERT_NE(engine, nullptr);
+    std::vector<std::vector<int32_t>> turns = {RandomTokens(300, 41, 256), RandomTokens(300, 42, 256)};
+    for (int round = 0; round < 2; ++round) {
+      for (auto& prompt : turns) {
+        const auto ours = test::GenerateAll(*engine, {prompt}, test::Greedy(8), false);
+        EXPECT_EQ(ours, test::GenerateAll(*reference, {prompt}, test::Greedy(8), false)) << "round " << round;
+        prompt.insert(prompt.end(), ours[0].begin(), ours[0].end());
+      }
+    }
+    const EngineStats s = engine->stats();
+    EXPECT_GT(s.host_prefix_cache.hit_blocks, 0) << "the second round found its blocks in host memory";
+    EXPECT_GT(s.prefix_cache_hit_rate, 0.0);
   }
   world.Join();
   EXPECT_TRUE(world.result(0).ok()) << world.result(0).ToString();
