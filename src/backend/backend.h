@@ -207,6 +207,58 @@ int64_t ActivationWidth(const ModelConfig& config, Activation which);
 // The weights of one decoder layer, as the primitives name them.
 enum class LayerWeight { kAttnNorm, kQkv, kO, kFfnNorm, kGateUp, kDown };
 
+// ---- capabilities ------------------------------------------------------------------------------
+// Primitives one system needs beyond the core ones. A backend implements those it can and returns
+// them from FindCapability; a system asks for one with Backend::As<Capability>() and refuses to run
+// (a clear error) where it is null.
+enum class BackendCapability { kKvBlockScoring, kOffloadedKvPool, kKvPacking };
+
+// TriForce's retrieval scoring: per-block attention scores of the step's queries over cached keys.
+class KvBlockScoring {
+ public:
+  static constexpr BackendCapability kId = BackendCapability::kKvBlockScoring;
+  virtual ~KvBlockScoring() = default;
+  // Zeroes the first `size` floats of the backend's block-score buffer (growing it); outside steps.
+  virtual Status ResetKvBlockScores(int64_t size) = 0;
+  // Adds this layer's scores of every job (KvBlockScoreJob); valid inside `layers`, after WriteKv.
+  virtual Status ScoreKvBlocks(int layer, std::span<const KvBlockScoreJob> jobs) = 0;
+  // Chooses each job's blocks (KvBlockSelectJob) on the backend; `chosen` receives every job's
+  // ascending indices, one job after the other. Outside steps.
+  virtual Status SelectTopKvBlocks(std::span<const KvBlockSelectJob> jobs, std::vector<int32_t>& chosen) = 0;
+  // Copies scores [offset, offset + out.size()) of the buffer to the host (tests, diagnostics).
+  virtual Status ReadKvBlockScores(int64_t offset, std::span<float> out) = 0;
+};
+
+// An offloaded KV pool (EngineConfig::kv_offload): the KV pool (KvTier::kDevice to every other
+// primitive: block moves, KV reads) lives in host memory, the device keeping staging buffers for
+// two layers that attention reads. A backend has this capability only while its pool is offloaded.
+class OffloadedKvPool {
+ public:
+  static constexpr BackendCapability kId = BackendCapability::kOffloadedKvPool;
+  virtual ~OffloadedKvPool() = default;
+  // Starts fetching what layer `layer`'s attention will read into its staging buffer: each slice's
+  // view (an empty `selection`, or a slice whose per_head is 0) or, per KV head, the slots of its
+  // KvHeadSelection. Valid inside `layers`, once layer - 1's attention has run (the buffer it
+  // reuses is free); the layer's attention must then read the same selections (an error
+  // otherwise). Attention fetches by itself when nothing was prefetched.
+  virtual Status PrefetchKv(int layer, std::span<const KvHeadSelection> selection) = 0;
+  virtual KvOffloadStats kv_offload_stats() const = 0;
+};
+
+// KV exchanged with a peer (KV-Runahead's chain, TSP's all-gather).
+class KvPacking {
+ public:
+  static constexpr BackendCapability kId = BackendCapability::kKvPacking;
+  virtual ~KvPacking() = default;
+  // Copies the K and V of `layer` at `slots` into `out` (KvPackBytes of them), in the pool's own
+  // element format, so a peer with the same model and KV dtype unpacks exactly what this pool
+  // holds: K then V, per KV head, the slots' rows in order. Valid inside `layers` (after WriteKv)
+  // and outside steps.
+  virtual Status PackKv(int layer, std::span<const int64_t> slots, std::span<std::byte> out) = 0;
+  // Writes what PackKv produced for as many slots into `layer` at `slots` (this pool's own slots).
+  virtual Status UnpackKv(int layer, std::span<const int64_t> slots, std::span<const std::byte> in) = 0;
+};
+
 // A compute backend: it owns the weights, the paged KV pools, the step's activations, and the
 // primitives a decoder is written in (forward/llama_model.h runs the layer loop over them). It has
 // no forward pass of its own.
@@ -257,45 +309,6 @@ class Backend {
     return NotSupported("KV reads");
   }
 
-  // ---- retrieval scoring (TriForce) -------------------------------------------------------------
-  // Zeroes the first `size` floats of the backend's block-score buffer (growing it); outside steps.
-  virtual Status ResetKvBlockScores(int64_t size) { return NotSupported("chunk scoring"); }
-  // Adds this layer's scores of every job (KvBlockScoreJob); valid inside `layers`, after WriteKv.
-  virtual Status ScoreKvBlocks(int layer, std::span<const KvBlockScoreJob> jobs) { return NotSupported("chunk scoring"); }
-  // Chooses each job's blocks (KvBlockSelectJob) on the backend; `chosen` receives every job's
-  // ascending indices, one job after the other. Outside steps.
-  virtual Status SelectTopKvBlocks(std::span<const KvBlockSelectJob> jobs, std::vector<int32_t>& chosen) {
-    return NotSupported("chunk selection");
-  }
-  // Copies scores [offset, offset + out.size()) of the buffer to the host (tests, diagnostics).
-  virtual Status ReadKvBlockScores(int64_t offset, std::span<float> out) { return NotSupported("chunk scoring"); }
-
-  // ---- an offloaded KV pool (EngineConfig::kv_offload) ----------------------------------------------
-  // Whether the KV pool (KvTier::kDevice to every other primitive: block moves, KV reads) lives in
-  // host memory, the device keeping staging buffers for two layers that attention reads.
-  virtual bool kv_offloaded() const { return false; }
-  // Starts fetching what layer `layer`'s attention will read into its staging buffer: each slice's
-  // view (an empty `selection`, or a slice whose per_head is 0) or, per KV head, the slots of its
-  // KvHeadSelection. Valid inside `layers`, once layer - 1's attention has run (the buffer it
-  // reuses is free); the layer's attention must then read the same selections (an error
-  // otherwise). Attention fetches by itself when nothing was prefetched. A no-op on a pool that
-  // is not offloaded.
-  virtual Status PrefetchKv(int layer, std::span<const KvHeadSelection> selection) { return Status::Ok(); }
-  virtual KvOffloadStats kv_offload_stats() const { return {}; }
-
-  // ---- KV exchanged with a peer (dist/: KV-Runahead's chain, TSP's all-gather) -----------------
-  // Copies the K and V of `layer` at `slots` into `out` (KvPackBytes of them), in the pool's own
-  // element format, so a peer with the same model and KV dtype unpacks exactly what this pool
-  // holds: K then V, per KV head, the slots' rows in order. Valid inside `layers` (after WriteKv)
-  // and outside steps.
-  virtual Status PackKv(int layer, std::span<const int64_t> slots, std::span<std::byte> out) {
-    return NotSupported("KV packing");
-  }
-  // Writes what PackKv produced for as many slots into `layer` at `slots` (this pool's own slots).
-  virtual Status UnpackKv(int layer, std::span<const int64_t> slots, std::span<const std::byte> in) {
-    return NotSupported("KV packing");
-  }
-
   // Backends that sample on the device accept a sink with sample_rows: only tokens and logprobs
   // cross to the host; same semantics as the CPU Sampler given the same uniforms. Every row's
   // params.logprobs <= kMaxDeviceTopLogprobs.
@@ -312,6 +325,17 @@ class Backend {
   // issued and before the next step's; a destination must not overlap a source of the same call.
   virtual Status TransferKv(std::span<const KvTransfer> transfers) = 0;
 
+  // ---- capabilities (below): what a backend adds for one system ---------------------------------
+  // The capability if this backend has it, else null: `backend.As<KvPacking>()`.
+  template <typename Capability>
+  Capability* As() {
+    return static_cast<Capability*>(FindCapability(Capability::kId));
+  }
+  template <typename Capability>
+  const Capability* As() const {
+    return static_cast<const Capability*>(FindCapability(Capability::kId));
+  }
+
   virtual const KvCacheLayout& kv_layout() const = 0;
   // Bytes one token's K and V take at one layer (what reading or fetching it moves).
   virtual int64_t kv_token_bytes() const = 0;
@@ -321,6 +345,8 @@ class Backend {
 
  protected:
   Status NotSupported(const char* what) const { return Status::Unsupported(Describe() + " has no " + what); }
+  // The object implementing capability `id` (as that capability's type), or null.
+  virtual void* FindCapability(BackendCapability id) const { return nullptr; }
 };
 
 // Bytes PackKv produces for `num_slots` slots of one layer.

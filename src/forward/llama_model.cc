@@ -39,11 +39,13 @@ Status LlamaModel::Layers(const ForwardBatch& batch) {
     KVFLOW_RETURN_IF_ERROR(selection.empty() ? b.Attention(layer) : b.AttentionOverSelection(layer, selection));
     if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterAttention(ctx));
     KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kO, Activation::kAttention, Activation::kDelta));
+    if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterAttentionOutput(ctx));
     KVFLOW_RETURN_IF_ERROR(b.RmsNorm(layer, LayerWeight::kFfnNorm, /*add_delta=*/true));
     KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kGateUp, Activation::kHidden, Activation::kGateUp));
     if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterMlpInput(ctx));
     KVFLOW_RETURN_IF_ERROR(b.SiluMul());
     KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kDown, Activation::kMlp, Activation::kDelta));
+    if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterMlpOutput(ctx));
   }
   return b.AddDelta();
 }
@@ -74,6 +76,16 @@ Status HookChain::AfterMlpInput(const LayerContext& ctx) {
 
 Status HookChain::AfterAttention(const LayerContext& ctx) {
   for (LayerHooks* h : hooks_) KVFLOW_RETURN_IF_ERROR(h->AfterAttention(ctx));
+  return Status::Ok();
+}
+
+Status HookChain::AfterAttentionOutput(const LayerContext& ctx) {
+  for (LayerHooks* h : hooks_) KVFLOW_RETURN_IF_ERROR(h->AfterAttentionOutput(ctx));
+  return Status::Ok();
+}
+
+Status HookChain::AfterMlpOutput(const LayerContext& ctx) {
+  for (LayerHooks* h : hooks_) KVFLOW_RETURN_IF_ERROR(h->AfterMlpOutput(ctx));
   return Status::Ok();
 }
 

@@ -47,6 +47,12 @@ class LayerHooks {
   virtual Status AfterMlpInput(const LayerContext& ctx) { return Status::Ok(); }
   // After attention, before the output projection.
   virtual Status AfterAttention(const LayerContext& ctx) { return Status::Ok(); }
+  // After the output projection, before its output (kDelta) joins the residual stream: where
+  // tensor parallelism sums the ranks' partial projections.
+  virtual Status AfterAttentionOutput(const LayerContext& ctx) { return Status::Ok(); }
+  // After the MLP's down projection (kDelta), before it joins the residual stream: the same for
+  // the MLP.
+  virtual Status AfterMlpOutput(const LayerContext& ctx) { return Status::Ok(); }
   // Whether the hooks issue the same device work on every step, so a backend may record the step
   // as a CUDA graph and replay it (hooks that act on the host must say no).
   virtual bool capturable() const { return false; }
@@ -88,6 +94,8 @@ class HookChain final : public LayerHooks {
   std::optional<std::span<const KvHeadSelection>> UpcomingSelection(int layer) override;
   Status AfterMlpInput(const LayerContext& ctx) override;
   Status AfterAttention(const LayerContext& ctx) override;
+  Status AfterAttentionOutput(const LayerContext& ctx) override;
+  Status AfterMlpOutput(const LayerContext& ctx) override;
   bool capturable() const override;
 
  private:

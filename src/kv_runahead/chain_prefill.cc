@@ -57,7 +57,10 @@ int64_t DistributedPrefillHooks::SegmentBytes(int chunk) const {
 
 Status DistributedPrefillHooks::Start() {
   KVFLOW_RETURN_IF_ERROR(ValidatePrefillBounds(bounds_, num_ranks()));
-  if (backend_.kv_offloaded()) return Status::Unsupported("distributed prefill into an offloaded KV pool");
+  if (backend_.As<OffloadedKvPool>() != nullptr) {
+    return Status::Unsupported("distributed prefill into an offloaded KV pool");
+  }
+  if (packing_ == nullptr) return Status::Unsupported("distributed prefill: " + backend_.Describe() + " has no KV packing");
   // The K/V are packed into host buffers; a transport of device buffers (NCCL) needs device-side
   // packing, which is not built yet.
   if (comm_.buffer_space() != BufferSpace::kHost && num_ranks() > 1) {
@@ -149,7 +152,7 @@ Status DistributedPrefillHooks::RunChainLayer(int layer) {
     int64_t at = 0;
     for (int j = 0; j < rank(); ++j) {
       const int64_t bytes = SegmentBytes(j);
-      KVFLOW_RETURN_IF_ERROR(backend_.UnpackKv(
+      KVFLOW_RETURN_IF_ERROR(packing_->UnpackKv(
           layer, chunk_slots_[j], std::span<const std::byte>(buffer.data() + at, static_cast<size_t>(bytes))));
       at += bytes;
     }
@@ -157,7 +160,7 @@ Status DistributedPrefillHooks::RunChainLayer(int layer) {
   if (rank() + 1 < num_ranks()) {
     if (rank() == 0) KVFLOW_RETURN_IF_ERROR(ReleaseBuffer(b));
     const int64_t own = SegmentBytes(rank());
-    KVFLOW_RETURN_IF_ERROR(backend_.PackKv(
+    KVFLOW_RETURN_IF_ERROR(packing_->PackKv(
         layer, chunk_slots_[rank()], std::span<std::byte>(buffer.data() + received, static_cast<size_t>(own))));
     KVFLOW_ASSIGN_OR_RETURN(pending_send_[b], comm_.ISend(rank() + 1, options_.tag_base + layer,
                                                           std::span<const std::byte>(buffer.data(), buffer.size())));
@@ -172,7 +175,7 @@ Status DistributedPrefillHooks::RunChainLayer(int layer) {
 Status DistributedPrefillHooks::RunTspLayer(int layer) {
   const int64_t own = SegmentBytes(rank());
   KVFLOW_RETURN_IF_ERROR(
-      backend_.PackKv(layer, chunk_slots_[rank()], std::span<std::byte>(own_.data(), static_cast<size_t>(own))));
+      packing_->PackKv(layer, chunk_slots_[rank()], std::span<std::byte>(own_.data(), static_cast<size_t>(own))));
   const auto start = std::chrono::steady_clock::now();
   Status st = comm_.AllGather(own_, gathered_, options_.timeout_s);
   stats_.wait_seconds += SecondsSince(start);
@@ -182,7 +185,7 @@ Status DistributedPrefillHooks::RunTspLayer(int layer) {
   for (int j = 0; j < num_ranks(); ++j) {
     if (j == rank()) continue;
     const std::byte* segment = gathered_.data() + own_.size() * static_cast<size_t>(j);
-    KVFLOW_RETURN_IF_ERROR(backend_.UnpackKv(
+    KVFLOW_RETURN_IF_ERROR(packing_->UnpackKv(
         layer, chunk_slots_[j], std::span<const std::byte>(segment, static_cast<size_t>(SegmentBytes(j)))));
   }
   return Status::Ok();

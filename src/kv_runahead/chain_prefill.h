@@ -94,6 +94,7 @@ class DistributedPrefillHooks final : public LayerHooks {
 
   Communicator& comm_;
   Backend& backend_;
+  KvPacking* packing_ = backend_.As<KvPacking>();  // null: Start refuses
   std::vector<int64_t> bounds_;
   std::vector<BlockId> block_table_;
   DistributedPrefillOptions options_;

@@ -62,7 +62,9 @@ Result<std::unique_ptr<DistributedPromptPrefiller>> DistributedPromptPrefiller::
     return Status::InvalidArgument("the engine runs on the job's last rank; " + comm.Describe() +
                                    " is not (the other ranks run prefill workers)");
   }
-  if (backend.kv_offloaded()) return Status::Unsupported("distributed prefill into an offloaded KV pool");
+  if (backend.As<OffloadedKvPool>() != nullptr) {
+    return Status::Unsupported("distributed prefill into an offloaded KV pool");
+  }
   const Hello mine = HelloOf(backend);
   for (int worker = 0; worker + 1 < comm.size(); ++worker) {
     int64_t theirs[Hello::kFields];

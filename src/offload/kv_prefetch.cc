@@ -39,7 +39,8 @@ Status KvPrefetchHooks::MaybePrefetchNext(const LayerContext& ctx) {
   const std::optional<std::span<const KvHeadSelection>> reads = UpcomingSelection(next);
   if (!reads) return Status::Ok();
   prefetched_through_ = next;
-  return ctx.backend.PrefetchKv(next, *reads);
+  OffloadedKvPool* pool = ctx.backend.As<OffloadedKvPool>();
+  return pool != nullptr ? pool->PrefetchKv(next, *reads) : Status::Ok();
 }
 
 }  // namespace kvflow

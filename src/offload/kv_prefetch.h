@@ -22,6 +22,10 @@ class KvPrefetchHooks final : public WrappingHooks {
   std::optional<std::span<const KvHeadSelection>> UpcomingSelection(int layer) override;
   Status AfterAttention(const LayerContext& ctx) override;
   Status AfterMlpInput(const LayerContext& ctx) override;
+  Status AfterAttentionOutput(const LayerContext& ctx) override {
+    return inner_ ? inner_->AfterAttentionOutput(ctx) : Status::Ok();
+  }
+  Status AfterMlpOutput(const LayerContext& ctx) override { return inner_ ? inner_->AfterMlpOutput(ctx) : Status::Ok(); }
   bool capturable() const override { return inner_ == nullptr || inner_->capturable(); }
 
  private:

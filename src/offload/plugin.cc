@@ -14,7 +14,9 @@ class KvOffloadConnector final : public KvConnector {
   std::string name() const override { return kKvOffloadConnector; }
   std::string Describe() const override { return "KV pool offloaded to host memory"; }
   WrappingHooks* layer_hooks() override { return &prefetch_; }
-  void AddStats(EngineStats& stats) const override { stats.kv_offload = backend_.kv_offload_stats(); }
+  void AddStats(EngineStats& stats) const override {
+    if (const OffloadedKvPool* pool = backend_.As<OffloadedKvPool>()) stats.kv_offload = pool->kv_offload_stats();
+  }
 
  private:
   const Backend& backend_;
@@ -36,8 +38,11 @@ Status RegisterKvOffload(SystemRegistry& registry) {
                           "swap to; use recompute or auto"},
   };
   p.enabled = [](const EngineConfig& c) { return c.kv_offload.enabled; };
-  p.create = [](const KvConnectorContext& ctx) {
-    return Result<std::unique_ptr<KvConnector>>(std::make_unique<KvOffloadConnector>(ctx.backend));
+  p.create = [](const KvConnectorContext& ctx) -> Result<std::unique_ptr<KvConnector>> {
+    if (ctx.backend.As<OffloadedKvPool>() == nullptr) {
+      return Status::Internal("kv_offload is on but " + ctx.backend.Describe() + " keeps its KV pool on the device");
+    }
+    return std::unique_ptr<KvConnector>(std::make_unique<KvOffloadConnector>(ctx.backend));
   };
   return registry.Register(std::move(p));
 }

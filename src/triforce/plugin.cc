@@ -41,6 +41,10 @@ Status RegisterTriForce(SystemRegistry& registry) {
   };
   p.target_scratch_use = "drafting lanes";
   p.create = [](const DrafterContext& ctx) -> Result<std::unique_ptr<Drafter>> {
+    if (ctx.target.As<KvBlockScoring>() == nullptr) {
+      return Status::Unsupported("triforce scores the target's KV blocks to build its retrieval cache; " +
+                                 ctx.target.Describe() + " has no block scoring");
+    }
     return std::unique_ptr<Drafter>(std::make_unique<TriForceDrafter>(
         Config(ctx.config), ctx.target, ctx.num_target_blocks - ctx.target_scratch_blocks, ctx.draft_backend,
         ctx.target.kv_layout().num_blocks));

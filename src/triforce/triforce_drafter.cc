@@ -227,6 +227,7 @@ TriForceDrafter::TriForceDrafter(const TriForceConfig& config, Backend& target, 
                                  BlockId draft_scratch)
     : config_(config),
       target_(target),
+      scorer_(*target.As<KvBlockScoring>()),
       block_size_(target.kv_layout().block_size),
       middle_(target, target_scratch, LanePool::BlocksPerLane(LaneTokens(config), target.kv_layout().block_size),
               config.max_num_seqs) {
@@ -271,7 +272,7 @@ LayerHooks* TriForceDrafter::ForStep(const ForwardBatch& batch, std::span<const 
     size += full;
   }
   if (scoring_.empty()) return nullptr;
-  if (Status st = target_.ResetKvBlockScores(size); !st.ok()) {
+  if (Status st = scorer_.ResetKvBlockScores(size); !st.ok()) {
     spdlog::error("triforce: cannot score chunks: {}", st.ToString());
     scoring_.clear();
     scored_.clear();
@@ -300,7 +301,7 @@ Status TriForceDrafter::BuildScored() {
   }
   if (selecting.empty()) return Status::Ok();
   std::vector<int32_t> chosen;
-  KVFLOW_RETURN_IF_ERROR(target_.SelectTopKvBlocks(selecting, chosen));
+  KVFLOW_RETURN_IF_ERROR(scorer_.SelectTopKvBlocks(selecting, chosen));
   size_t at = 0;
   for (size_t i = 0; i < owners.size(); ++i) {
     const size_t n = static_cast<size_t>(std::min(selecting[i].k, selecting[i].num_blocks));

@@ -96,7 +96,7 @@ class TriForceDrafter final : public Drafter, private StepHooks, private LayerHo
   LayerHooks* ForStep(const ForwardBatch& batch, std::span<const int64_t> seq_ids,
                       std::span<const uint8_t> kv_selection) override;
   // LayerHooks: scores this layer's chunks.
-  Status BeforeAttention(const LayerContext& ctx) override { return ctx.backend.ScoreKvBlocks(ctx.layer, scoring_); }
+  Status BeforeAttention(const LayerContext& ctx) override { return scorer_.ScoreKvBlocks(ctx.layer, scoring_); }
   // Selects the top chunks of the sequences the last step scored.
   Status BuildScored();
   Status ProposeChunk(std::span<DraftJob* const> jobs);
@@ -105,6 +105,7 @@ class TriForceDrafter final : public Drafter, private StepHooks, private LayerHo
 
   TriForceConfig config_;
   Backend& target_;
+  KvBlockScoring& scorer_;  // the target's (the plugin checks it has one)
   int block_size_;
   LanePool middle_;
   std::unique_ptr<Bottom> bottom_;

@@ -319,7 +319,9 @@ TEST(CudaBackendViews, BlockSubsetsMatchCpuAndEqualTheirSlotViews) {
 // cpu::SelectTopKvBlocks on the CUDA backend's own scores, index for index.
 class ChunkScoringHooks : public LayerHooks {
  public:
-  Status BeforeAttention(const LayerContext& ctx) override { return ctx.backend.ScoreKvBlocks(ctx.layer, jobs); }
+  Status BeforeAttention(const LayerContext& ctx) override {
+    return ctx.backend.As<KvBlockScoring>()->ScoreKvBlocks(ctx.layer, jobs);
+  }
   std::vector<KvBlockScoreJob> jobs;
   bool claim_capturable = false;
   bool capturable() const override { return claim_capturable; }
@@ -346,7 +348,7 @@ TEST(CudaBackendChunkScores, MatchCpuBackendAndSelectLikeTheCpuReference) {
     }
     // Scoring needs a step: outside one it is refused.
     ChunkScoringHooks hooks;
-    EXPECT_FALSE(gpu->ScoreKvBlocks(0, hooks.jobs).ok());
+    EXPECT_FALSE(gpu->As<KvBlockScoring>()->ScoreKvBlocks(0, hooks.jobs).ok());
 
     // A decode step of both sequences; each one's last row scores all its blocks (the last one
     // partial: 71 and 46 tokens), at offsets with a gap between them.
@@ -364,17 +366,17 @@ TEST(CudaBackendChunkScores, MatchCpuBackendAndSelectLikeTheCpuReference) {
       hooks.jobs.push_back(job);
     }
     // Reset grows the buffer and zeroes it (the GPU's fresh memory would be NaN otherwise).
-    ASSERT_TRUE(cpu->ResetKvBlockScores(size).ok());
-    ASSERT_TRUE(gpu->ResetKvBlockScores(size).ok());
+    ASSERT_TRUE(cpu->As<KvBlockScoring>()->ResetKvBlockScores(size).ok());
+    ASSERT_TRUE(gpu->As<KvBlockScoring>()->ResetKvBlockScores(size).ok());
     std::vector<float> unused;
     ASSERT_TRUE(LlamaModel(*cpu, &hooks).Forward(b, unused).ok());
     const Status st = LlamaModel(*gpu, &hooks).Forward(b, unused);
     ASSERT_TRUE(st.ok()) << st.ToString();
 
     std::vector<float> ref(static_cast<size_t>(size)), got(static_cast<size_t>(size));
-    ASSERT_TRUE(cpu->ReadKvBlockScores(0, ref).ok());
-    ASSERT_TRUE(gpu->ReadKvBlockScores(0, got).ok());
-    EXPECT_FALSE(gpu->ReadKvBlockScores(1, got).ok()) << "a read past the buffer is refused";
+    ASSERT_TRUE(cpu->As<KvBlockScoring>()->ReadKvBlockScores(0, ref).ok());
+    ASSERT_TRUE(gpu->As<KvBlockScoring>()->ReadKvBlockScores(0, got).ok());
+    EXPECT_FALSE(gpu->As<KvBlockScoring>()->ReadKvBlockScores(1, got).ok()) << "a read past the buffer is refused";
     double max_abs = 0.0;
     for (const KvBlockScoreJob& job : hooks.jobs) {
       double mass = 0.0;
@@ -408,28 +410,28 @@ TEST(CudaBackendChunkScores, MatchCpuBackendAndSelectLikeTheCpuReference) {
     };
     std::vector<int32_t> want, chosen = {42};
     cpu::SelectTopKvBlocks(select, got, want);
-    ASSERT_TRUE(gpu->SelectTopKvBlocks(select, chosen).ok());
+    ASSERT_TRUE(gpu->As<KvBlockScoring>()->SelectTopKvBlocks(select, chosen).ok());
     EXPECT_EQ(chosen, want);
     // Where the choice does not depend on the scores (forced blocks fill k; k covers every block)
     // both backends choose alike.
     std::vector<int32_t> cpu_chosen;
-    ASSERT_TRUE(cpu->SelectTopKvBlocks(std::span(select).subspan(2, 2), cpu_chosen).ok());
-    ASSERT_TRUE(gpu->SelectTopKvBlocks(std::span(select).subspan(2, 2), chosen).ok());
+    ASSERT_TRUE(cpu->As<KvBlockScoring>()->SelectTopKvBlocks(std::span(select).subspan(2, 2), cpu_chosen).ok());
+    ASSERT_TRUE(gpu->As<KvBlockScoring>()->SelectTopKvBlocks(std::span(select).subspan(2, 2), chosen).ok());
     EXPECT_EQ(chosen, cpu_chosen);
     // Jobs outside the buffer are refused.
     const std::vector<KvBlockSelectJob> bad = {{size - 1, 2, 0, 0, 1}};
-    EXPECT_FALSE(gpu->SelectTopKvBlocks(bad, chosen).ok());
+    EXPECT_FALSE(gpu->As<KvBlockScoring>()->SelectTopKvBlocks(bad, chosen).ok());
 
     // Reset zeroes the scores again.
-    ASSERT_TRUE(gpu->ResetKvBlockScores(size).ok());
-    ASSERT_TRUE(gpu->ReadKvBlockScores(0, got).ok());
+    ASSERT_TRUE(gpu->As<KvBlockScoring>()->ResetKvBlockScores(size).ok());
+    ASSERT_TRUE(gpu->As<KvBlockScoring>()->ReadKvBlockScores(0, got).ok());
     EXPECT_EQ(*std::max_element(got.begin(), got.end()), 0.0f);
 
     // Hooks that wrongly claim to be capturable on graph-eligible decode steps: a graph would replay
     // the first step's jobs, so the backend refuses to capture the scoring and runs the steps
     // eagerly; every step still scores (the same blocks: sequence 1 reaches 48 tokens, a full last block).
     hooks.claim_capturable = true;
-    ASSERT_TRUE(cpu->ResetKvBlockScores(size).ok());
+    ASSERT_TRUE(cpu->As<KvBlockScoring>()->ResetKvBlockScores(size).ok());
     for (int step = 0; step < 2; ++step) {
       ForwardBatch d;
       planner.Add(d, 0, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);
@@ -442,8 +444,8 @@ TEST(CudaBackendChunkScores, MatchCpuBackendAndSelectLikeTheCpuReference) {
       const Status graph_step = LlamaModel(*gpu, &hooks).Forward(d, unused);
       ASSERT_TRUE(graph_step.ok()) << graph_step.ToString();
     }
-    ASSERT_TRUE(cpu->ReadKvBlockScores(0, ref).ok());
-    ASSERT_TRUE(gpu->ReadKvBlockScores(0, got).ok());
+    ASSERT_TRUE(cpu->As<KvBlockScoring>()->ReadKvBlockScores(0, ref).ok());
+    ASSERT_TRUE(gpu->As<KvBlockScoring>()->ReadKvBlockScores(0, got).ok());
     double graph_max_abs = 0.0, total = 0.0;
     for (size_t i = 0; i < got.size(); ++i) {
       graph_max_abs = std::max(graph_max_abs, std::fabs(double(got[i]) - ref[i]));
@@ -521,15 +523,15 @@ TEST(CudaBackendBlocks, PackedKvUnpacksOnAnotherRankAndMatchesCpu) {
   std::vector<std::byte> packed(static_cast<size_t>(KvPackBytes(*sender, 70))), from_cpu(packed.size());
   double max_err = 0.0, max_ref = 0.0;
   for (int layer = 0; layer < config.num_layers; ++layer) {
-    ASSERT_TRUE(sender->PackKv(layer, slots_a, packed).ok());
-    ASSERT_TRUE(cpu->PackKv(layer, slots_a, from_cpu).ok());
+    ASSERT_TRUE(sender->As<KvPacking>()->PackKv(layer, slots_a, packed).ok());
+    ASSERT_TRUE(cpu->As<KvPacking>()->PackKv(layer, slots_a, from_cpu).ok());
     const auto* ours = reinterpret_cast<const uint16_t*>(packed.data());
     const auto* ref = reinterpret_cast<const uint16_t*>(from_cpu.data());
     for (size_t i = 0; i < packed.size() / 2; ++i) {
       max_err = std::max(max_err, std::fabs(double(HalfBitsToFloat(ours[i])) - HalfBitsToFloat(ref[i])));
       max_ref = std::max(max_ref, std::fabs(double(HalfBitsToFloat(ref[i]))));
     }
-    const Status st = receiver->UnpackKv(layer, slots_b, packed);
+    const Status st = receiver->As<KvPacking>()->UnpackKv(layer, slots_b, packed);
     ASSERT_TRUE(st.ok()) << st.ToString();
   }
   std::printf("  packed fp16 K/V, CUDA vs CPU backend: max|diff| = %.3g (max|K/V| %.3g)\n", max_err, max_ref);
@@ -553,7 +555,7 @@ TEST(CudaBackendBlocks, PackedKvUnpacksOnAnotherRankAndMatchesCpu) {
   };
   EXPECT_EQ(decode(*sender, table_a), decode(*receiver, table_b));
   std::vector<std::byte> small(packed.size() - 2);
-  EXPECT_EQ(sender->PackKv(0, slots_a, small).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(sender->As<KvPacking>()->PackKv(0, slots_a, small).code(), StatusCode::kInvalidArgument);
 }
 
 // Explicit slot views (KvView::kSlots) on CUDA: each layer gathers them into scratch blocks and the

@@ -228,8 +228,8 @@ TEST(KvPack, RoundTripsEveryElementType) {
     }
     std::vector<std::byte> packed(static_cast<size_t>(KvPackBytes(*from, 65)));
     for (int layer = 0; layer < from->kv_layout().num_layers; ++layer) {
-      ASSERT_TRUE(from->PackKv(layer, src, packed).ok());
-      ASSERT_TRUE(to->UnpackKv(layer, dst, packed).ok());
+      ASSERT_TRUE(from->As<KvPacking>()->PackKv(layer, src, packed).ok());
+      ASSERT_TRUE(to->As<KvPacking>()->UnpackKv(layer, dst, packed).ok());
       for (int kv = 0; kv < 2; ++kv) {
         const KvCacheLayout& layout = from->kv_layout();
         std::vector<float> a(src.size() * layout.num_kv_heads * layout.head_dim), b(a.size());
@@ -240,11 +240,11 @@ TEST(KvPack, RoundTripsEveryElementType) {
       }
     }
     std::vector<std::byte> small(packed.size() - 1);
-    EXPECT_EQ(from->PackKv(0, src, small).code(), StatusCode::kInvalidArgument);
-    EXPECT_EQ(from->PackKv(99, src, packed).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(from->As<KvPacking>()->PackKv(0, src, small).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(from->As<KvPacking>()->PackKv(99, src, packed).code(), StatusCode::kInvalidArgument);
     std::vector<int64_t> outside = src;
     outside[3] = int64_t{1} << 40;
-    EXPECT_EQ(to->UnpackKv(0, outside, packed).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(to->As<KvPacking>()->UnpackKv(0, outside, packed).code(), StatusCode::kInvalidArgument);
   }
 }
 

@@ -128,8 +128,8 @@ TEST(KvOffloadBackend, StagesTwoLayersAndComputesBitIdentically) {
     auto resident = TinyBackend(false, 12, dtype);
     auto offloaded = TinyBackend(true, 12, dtype);
     ASSERT_TRUE(resident && offloaded);
-    EXPECT_FALSE(resident->kv_offloaded());
-    ASSERT_TRUE(offloaded->kv_offloaded());
+    EXPECT_EQ(resident->As<OffloadedKvPool>(), nullptr);
+    ASSERT_NE(offloaded->As<OffloadedKvPool>(), nullptr);
     EXPECT_NE(offloaded->Describe().find("staging 2 layers"), std::string::npos) << offloaded->Describe();
     EXPECT_EQ(offloaded->num_host_blocks(), 0);  // no swap space
     for (auto make : {static_cast<std::unique_ptr<LayerHooks> (*)(const ForwardBatch&, int, int)>(nullptr), &Prefetched,
@@ -151,7 +151,7 @@ TEST(KvOffloadBackend, FetchesExactlyWhatAttentionReads) {
   const int L = mc.num_layers;
   KvPrefetchHooks schedule;
   ASSERT_TRUE(PrefillThenDecode(*backend, &Prefetched, &schedule).ok());
-  const KvOffloadStats s = backend->kv_offload_stats();
+  const KvOffloadStats s = backend->As<OffloadedKvPool>()->kv_offload_stats();
   // Prefill: nothing is cached before the step, so its fetches move nothing; layers 1.. are
   // prefetched, layer 0 fetched on demand. Decode: layer 0 reads the views on demand, whole blocks
   // of the 37 + 21 cached tokens (3 + 2 blocks of 16); layers 1.. read the selections, prefetched,
@@ -176,10 +176,11 @@ TEST(KvOffloadBackend, RefusesAttentionOverOtherTokensThanPrefetched) {
   auto r = PrefillThenDecode(*backend, &Disagreeing, &schedule);
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("prefetched"), std::string::npos) << r.status().message();
-  // A resident pool ignores prefetches.
+  // A resident pool has nothing to prefetch from: it offers no offloaded pool, and the schedule
+  // leaves it alone.
   auto resident = TinyBackend(false, 12);
-  EXPECT_TRUE(resident->PrefetchKv(0, {}).ok());
-  EXPECT_EQ(resident->kv_offload_stats().bytes_fetched, 0);
+  EXPECT_EQ(resident->As<OffloadedKvPool>(), nullptr);
+  ASSERT_TRUE(PrefillThenDecode(*resident, &Prefetched, &schedule).ok());
 }
 
 // ---- in the engine --------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ namespace {
 struct TinyModel {
   ModelConfig config;
   std::unique_ptr<CpuBackend> backend;
+  std::vector<float> wo0;  // layer 0's output projection, [hidden][heads * head_dim], fp32
 };
 
 TinyModel MakeTiny(int num_blocks, int block_size, int num_host_blocks = 0) {
@@ -30,6 +31,7 @@ TinyModel MakeTiny(int num_blocks, int block_size, int num_host_blocks = 0) {
   TinyModel m;
   m.config = files.config;
   LlamaWeights w = LoadLlamaWeights(*files.tensors, files.config, files.gguf_rope_permuted).value();
+  if (w.layers[0].wo.is_f32()) m.wo0 = w.layers[0].wo.f32();
   KvCacheLayout layout{m.config.num_layers, num_blocks, m.config.num_kv_heads, block_size, m.config.head_dim};
   m.backend = CpuBackend::Create(m.config, std::move(w), layout, num_host_blocks, 2).value();
   return m;
@@ -106,6 +108,60 @@ TEST(LlamaModel, HooksRunAroundEveryLayersAttentionAndCanFailTheStep) {
   EXPECT_EQ(st.code(), StatusCode::kInternal);
   EXPECT_NE(st.message().find("layer 1"), std::string::npos);
   EXPECT_EQ(failing.events.back(), "before 1");
+}
+
+// The points tensor parallelism will sum partial projections at: after the output projection and
+// after the down projection, each with that projection's output in kDelta, in layer order.
+class ProjectionHooks : public LayerHooks {
+ public:
+  Status AfterAttention(const LayerContext& ctx) override { return Record("attention", ctx, Activation::kAttention); }
+  Status AfterAttentionOutput(const LayerContext& ctx) override { return Record("o_proj", ctx, Activation::kDelta); }
+  Status AfterMlpInput(const LayerContext& ctx) override { return Record("mlp_input", ctx, Activation::kGateUp); }
+  Status AfterMlpOutput(const LayerContext& ctx) override { return Record("down_proj", ctx, Activation::kDelta); }
+  Status Record(const std::string& what, const LayerContext& ctx, Activation a) {
+    events.push_back(what + " " + std::to_string(ctx.layer));
+    const int64_t width = ActivationWidth(ctx.backend.model_config(), a);
+    rows.emplace_back(static_cast<size_t>(width));
+    return ctx.backend.ReadActivationRows(a, 0, 1, rows.back());
+  }
+  std::vector<std::string> events;
+  std::vector<std::vector<float>> rows;
+};
+
+TEST(LlamaModel, ProjectionHookPointsSeeEachProjectionsOutput) {
+  TinyModel m = MakeTiny(16, 16);
+  std::mt19937 rng(3);
+  const ForwardBatch b = Prefill(RandomTokens(rng, 9, m.config.vocab_size), {3});
+  std::vector<float> plain, hooked;
+  ASSERT_TRUE(LlamaModel(*m.backend).Forward(b, plain).ok());
+  ProjectionHooks hooks;
+  ASSERT_TRUE(LlamaModel(*m.backend, &hooks).Forward(b, hooked).ok());
+  std::vector<std::string> want;
+  for (int l = 0; l < m.config.num_layers; ++l) {
+    for (const char* p : {"attention ", "o_proj ", "mlp_input ", "down_proj "}) want.push_back(p + std::to_string(l));
+  }
+  ASSERT_EQ(hooks.events, want);
+  EXPECT_EQ(MaxAbsDiff(plain, hooked), 0.0);
+  for (int l = 0; l < m.config.num_layers; ++l) {
+    const auto& o_proj = hooks.rows[static_cast<size_t>(4 * l + 1)];
+    const auto& down_proj = hooks.rows[static_cast<size_t>(4 * l + 3)];
+    // kDelta was rewritten by the down projection between the two points.
+    EXPECT_GT(MaxAbsDiff(o_proj, down_proj), 0.0) << "layer " << l;
+    for (float x : o_proj) ASSERT_TRUE(std::isfinite(x));
+  }
+  // The o_proj output is the output projection of the attention row (fp32 weights: exact up to
+  // summation order).
+  const std::vector<float>& attention = hooks.rows[0];
+  const std::vector<float>& o_proj = hooks.rows[1];
+  std::vector<float> expect(o_proj.size(), 0.0f);
+  const std::vector<float>& wo = m.wo0;
+  ASSERT_EQ(wo.size(), o_proj.size() * attention.size()) << "the tiny model's weights load as fp32";
+  for (size_t r = 0; r < expect.size(); ++r) {
+    double acc = 0.0;
+    for (size_t c = 0; c < attention.size(); ++c) acc += double(wo[r * attention.size() + c]) * attention[c];
+    expect[r] = static_cast<float>(acc);
+  }
+  EXPECT_LT(MaxAbsDiff(expect, o_proj), 1e-4);
 }
 
 // The same prompt written to slots scattered over the pool in a shuffled order, read back through

@@ -14,7 +14,7 @@
 
 namespace kvflow {
 
-class CpuBackend final : public Backend {
+class CpuBackend final : public Backend, public KvBlockScoring, public OffloadedKvPool, public KvPacking {
  public:
   // Allocates the KV pool described by `layout` and a swap pool of `num_host_blocks` blocks
   // (its pages are only touched when something is swapped out); OutOfMemory if the host cannot
@@ -53,9 +53,23 @@ class CpuBackend final : public Backend {
   Status SelectTopKvBlocks(std::span<const KvBlockSelectJob> jobs, std::vector<int32_t>& chosen) override;
   Status ReadKvBlockScores(int64_t offset, std::span<float> out) override;
 
-  bool kv_offloaded() const override { return staging_key_ != nullptr; }
+  // Whether the pool is offloaded (the OffloadedKvPool capability is offered only then).
+  bool kv_offloaded() const { return staging_key_ != nullptr; }
   Status PrefetchKv(int layer, std::span<const KvHeadSelection> selection) override;
   KvOffloadStats kv_offload_stats() const override { return offload_stats_; }
+
+ protected:
+  void* FindCapability(BackendCapability id) const override {
+    auto* self = const_cast<CpuBackend*>(this);
+    switch (id) {
+      case BackendCapability::kKvBlockScoring: return static_cast<KvBlockScoring*>(self);
+      case BackendCapability::kOffloadedKvPool: return kv_offloaded() ? static_cast<OffloadedKvPool*>(self) : nullptr;
+      case BackendCapability::kKvPacking: return static_cast<KvPacking*>(self);
+    }
+    return nullptr;
+  }
+
+ public:
 
   Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) override;
   Status TransferKv(std::span<const KvTransfer> transfers) override;

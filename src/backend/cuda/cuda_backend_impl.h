@@ -168,7 +168,7 @@ struct StepShape {
   int num_gathered_slots = 0;  // scratch slots the step fills (whole blocks)
 };
 
-class CudaBackend final : public Backend {
+class CudaBackend final : public Backend, public KvBlockScoring, public OffloadedKvPool, public KvPacking {
  public:
   CudaBackend(const ModelConfig& config, const CudaBackendOptions& options) : config_(config), options_(options) {}
   ~CudaBackend() override;
@@ -198,9 +198,23 @@ class CudaBackend final : public Backend {
   bool SupportsDeviceTokenMask() const override { return true; }
   Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) override;
   Status TransferKv(std::span<const KvTransfer> transfers) override;
-  bool kv_offloaded() const override { return options_.kv_offload; }
+  // Whether the pool is offloaded (the OffloadedKvPool capability is offered only then).
+  bool kv_offloaded() const { return options_.kv_offload; }
   Status PrefetchKv(int layer, std::span<const KvHeadSelection> selection) override;
   KvOffloadStats kv_offload_stats() const override { return offload_stats_; }
+
+ protected:
+  void* FindCapability(BackendCapability id) const override {
+    auto* self = const_cast<CudaBackend*>(this);
+    switch (id) {
+      case BackendCapability::kKvBlockScoring: return static_cast<KvBlockScoring*>(self);
+      case BackendCapability::kOffloadedKvPool: return kv_offloaded() ? static_cast<OffloadedKvPool*>(self) : nullptr;
+      case BackendCapability::kKvPacking: return static_cast<KvPacking*>(self);
+    }
+    return nullptr;
+  }
+
+ public:
   const KvCacheLayout& kv_layout() const override { return layout_; }
   int num_host_blocks() const override { return num_host_blocks_; }
   int64_t kv_token_bytes() const override {
