@@ -82,7 +82,7 @@ class EngineCore {
   // requests in the batch.
   Result<StepResult> Step(Executor& executor);
 
-  // A KV connector's scheduler side (kv/kv_connector.h) for the block manager to consult; must
+  // A KV connector's scheduler side (kv/kv_connector_scheduler.h) for the block manager to consult; must
   // outlive the core. Before any request.
   void AddKvConnector(KvConnectorScheduler* connector) { blocks_.AddConnector(connector); }
 

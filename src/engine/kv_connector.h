@@ -1,5 +1,5 @@
 // The worker side of a KV connector (vLLM's KVConnectorBase_V1, worker role): it carries out, on
-// a backend, the KV movement its scheduler side (kv/kv_connector.h) planned for a step, and may act
+// a backend, the KV movement its scheduler side (kv/kv_connector_scheduler.h) planned for a step, and may act
 // inside the step's passes layer by layer. The engine runs every connector's Save, then every
 // connector's Load, then the copy-on-write copies, before the forward pass, on the target's
 // backend and on every follower's (a draft model's pool follows the target's block tables). The
@@ -15,7 +15,7 @@
 
 #include "backend/backend.h"
 #include "forward/llama_model.h"
-#include "kv/kv_connector.h"
+#include "kv/kv_connector_scheduler.h"
 #include "kvflow/engine.h"
 #include "sched/scheduler.h"
 

@@ -14,7 +14,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "kv/kv_connector.h"
+#include "kv/kv_connector_scheduler.h"
 #include "kvflow/host_prefix_cache.h"
 
 namespace kvflow {

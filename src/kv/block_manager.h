@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "kv/block_allocator.h"
-#include "kv/kv_connector.h"
+#include "kv/kv_connector_scheduler.h"
 #include "kvflow/status.h"
 
 namespace kvflow {
@@ -94,7 +94,7 @@ class BlockManager {
   // Copy-on-write copies planned since the last call (device -> device).
   std::vector<BlockMove> TakePendingCopies();
 
-  // ---- KV connectors (kv/kv_connector.h) ----------------------------------------------------------
+  // ---- KV connectors (kv/kv_connector_scheduler.h) ----------------------------------------------------------
   // Allocate asks each connector, in the order added, for prompt tokens past the prefix hits
   // (requests that reuse a cached prefix only). Not owned; must outlive the manager.
   void AddConnector(KvConnectorScheduler* connector);

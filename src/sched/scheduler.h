@@ -68,7 +68,7 @@ struct SchedulerOutput {
   std::vector<BlockMove> swap_out;
   std::vector<BlockMove> swap_in;
   std::vector<BlockMove> copies;
-  // The KV connectors' moves (kv/kv_connector.h): all their saves run before the swap-out, all
+  // The KV connectors' moves (kv/kv_connector_scheduler.h): all their saves run before the swap-out, all
   // their loads after the swap-in, the copy-on-write copies last.
   std::vector<KvConnectorMoves> connector_moves;
   // Groups that can never fit; already removed from the scheduler, to be failed by the caller.
