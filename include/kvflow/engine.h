@@ -24,6 +24,16 @@
 
 namespace kvflow {
 
+// One sample of a counter or gauge a system exposes (the server's /metrics renders them as they
+// come, grouping samples of one name under one HELP and TYPE).
+struct SystemMetric {
+  std::string name;    // "kvflow:host_prefix_cache_hit_blocks_total"
+  std::string help;
+  bool counter = true;  // else a gauge
+  double value = 0.0;
+  std::string labels;  // Prometheus labels without braces, e.g. position="0"; empty: none
+};
+
 struct EngineStats {
   int num_waiting = 0;  // requests
   int num_running = 0;
@@ -53,6 +63,9 @@ struct EngineStats {
   KvSelectionStats kv_selection;
   KvOffloadStats kv_offload;
   HostPrefixCacheStats host_prefix_cache;
+  // Every registered system's metrics, derived from the sections above by the system itself
+  // (zero when it is off).
+  std::vector<SystemMetric> system_metrics;
 };
 
 // What one Step() did.

@@ -70,8 +70,9 @@ class EngineImpl final : public EvaluationEngine {
 
   EngineImpl(EngineConfig config, ModelFiles files, std::unique_ptr<Backend> backend, Systems systems,
              std::unique_ptr<SchedulingPolicy> policy, PreemptionMode preemption,
-             std::unique_ptr<LengthSupervisor> supervisor)
-      : config_(std::move(config)),
+             std::unique_ptr<LengthSupervisor> supervisor, const SystemRegistry& registry)
+      : registry_(registry),
+        config_(std::move(config)),
         model_config_(files.config),
         tokenizer_(std::move(files.tokenizer)),
         backend_(std::move(backend)),
@@ -150,6 +151,7 @@ class EngineImpl final : public EvaluationEngine {
   EngineStats stats() const override {
     EngineStats s = core_.stats();
     for (const auto& connector : kv_connectors_) connector->AddStats(s);
+    registry_.AddMetrics(s);
     return s;
   }
 
@@ -209,6 +211,7 @@ class EngineImpl final : public EvaluationEngine {
     return Status::Ok();
   }
 
+  const SystemRegistry& registry_;  // outlives the engine (the built-in one is static)
   EngineConfig config_;
   ModelConfig model_config_;
   std::unique_ptr<Tokenizer> tokenizer_;
@@ -366,7 +369,7 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
         std::move(prompt_prefiller), *backend, config.block_size, config.max_num_batched_tokens));
   }
   auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(systems),
-                                             std::move(policy), preemption, std::move(supervisor));
+                                             std::move(policy), preemption, std::move(supervisor), registry);
   spdlog::info("engine ready: {}", engine->Describe());
   return std::unique_ptr<EvaluationEngine>(std::move(engine));
 }

@@ -48,7 +48,7 @@ class EvaluationEngine : public Engine {
 class SystemRegistry;
 
 // An engine with the systems of `registry` (systems/builtin_systems.h: Engine::Create's, and
-// CreateEvaluationEngine with the evaluation options).
+// CreateEvaluationEngine with the evaluation options), which must outlive the engine.
 Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineConfig& config,
                                                                   const SystemRegistry& registry,
                                                                   const EvaluationOptions& options);

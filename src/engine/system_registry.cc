@@ -136,4 +136,16 @@ Status SystemRegistry::CompleteAndCheck(EngineConfig& config) const {
   return Status::Ok();
 }
 
+void SystemRegistry::AddMetrics(EngineStats& stats) const {
+  auto add = [&](const auto& plugins) {
+    for (const auto& p : plugins) {
+      if (p.info.metrics) p.info.metrics(stats, stats.system_metrics);
+    }
+  };
+  add(drafters_);
+  add(kv_selectors_);
+  add(prefillers_);
+  add(kv_connectors_);
+}
+
 }  // namespace kvflow

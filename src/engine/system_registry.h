@@ -61,7 +61,18 @@ struct SystemInfo {
   // Completes the configuration before it is validated: method defaults, features it turns on
   // (logged). Null: nothing.
   std::function<void(EngineConfig&)> complete;
+  // Its metrics, derived from the engine's counters (called for every registered system, on or
+  // off, so a dashboard sees zeros rather than gaps). Null: none of its own.
+  std::function<void(const EngineStats&, std::vector<SystemMetric>&)> metrics;
 };
+
+// SystemInfo::metrics' helpers.
+inline void AddCounter(std::vector<SystemMetric>& out, std::string name, std::string help, double value) {
+  out.push_back({std::move(name), std::move(help), true, value, {}});
+}
+inline void AddGauge(std::vector<SystemMetric>& out, std::string name, std::string help, double value) {
+  out.push_back({std::move(name), std::move(help), false, value, {}});
+}
 
 struct DrafterContext {
   const EngineConfig& config;
@@ -149,6 +160,8 @@ class SystemRegistry {
   // The systems `config` names, completed (each system's `complete`), validated and checked
   // against each other's exclusions.
   Status CompleteAndCheck(EngineConfig& config) const;
+  // Appends every registered system's metrics (SystemInfo::metrics) to stats.system_metrics.
+  void AddMetrics(EngineStats& stats) const;
  private:
   Result<std::vector<const SystemInfo*>> ActiveSystems(const EngineConfig& config) const;
   // The features a validated `config` turns on: its `active` systems and the engine's own.

@@ -65,6 +65,26 @@ Status RegisterHostPrefixCache(SystemRegistry& registry) {
     return std::unique_ptr<KvConnector>(std::make_unique<HostPrefixCacheConnector>(
         layout.block_size, ctx.host_block_begin, ctx.num_host_blocks, block_bytes));
   };
+  p.info.metrics = [](const EngineStats& s, std::vector<SystemMetric>& out) {
+    // The host tier of the prefix cache (--host-prefix-cache); zero when it is off.
+    const HostPrefixCacheStats& hp = s.host_prefix_cache;
+    AddGauge(out, "kvflow:host_prefix_cache_blocks_total", "Blocks the host prefix cache holds at most.",
+               static_cast<double>(hp.capacity_blocks));
+    AddGauge(out, "kvflow:host_prefix_cache_blocks_used", "Blocks held in the host prefix cache.",
+               static_cast<double>(hp.used_blocks));
+    AddCounter(out, "kvflow:host_prefix_cache_queried_blocks_total",
+               "Prompt blocks looked up in host memory past the device's hits.", static_cast<double>(hp.queried_blocks));
+    AddCounter(out, "kvflow:host_prefix_cache_hit_blocks_total",
+               "Of those, found in host memory and loaded instead of computed.", static_cast<double>(hp.hit_blocks));
+    AddCounter(out, "kvflow:host_prefix_cache_saved_blocks_total",
+               "Blocks the device prefix cache evicted that were saved to host memory.", static_cast<double>(hp.saved_blocks));
+    AddCounter(out, "kvflow:host_prefix_cache_evicted_blocks_total",
+               "Host blocks dropped to make room (least recently used first).", static_cast<double>(hp.evicted_blocks));
+    AddCounter(out, "kvflow:host_prefix_cache_bytes_saved_total", "K/V bytes copied device -> host.",
+               static_cast<double>(hp.bytes_saved));
+    AddCounter(out, "kvflow:host_prefix_cache_bytes_loaded_total", "K/V bytes copied host -> device.",
+               static_cast<double>(hp.bytes_loaded));
+  };
   return registry.Register(std::move(p));
 }
 

@@ -44,6 +44,21 @@ Status RegisterKvOffload(SystemRegistry& registry) {
     }
     return std::unique_ptr<KvConnector>(std::make_unique<KvOffloadConnector>(ctx.backend));
   };
+  p.info.metrics = [](const EngineStats& s, std::vector<SystemMetric>& out) {
+    const KvOffloadStats& o = s.kv_offload;
+    AddCounter(out, "kvflow:kv_offload_prefetches_total",
+               "Layer fetches from the host KV pool issued during the layer before (--kv-offload).",
+               static_cast<double>(o.prefetches));
+    AddCounter(out, "kvflow:kv_offload_on_demand_fetches_total",
+               "Layer fetches attention issued itself (layer 0; selections known only at their layer).",
+               static_cast<double>(o.on_demand_fetches));
+    AddCounter(out, "kvflow:kv_offload_bytes_fetched_total", "K/V bytes fetched from the host KV pool.",
+               static_cast<double>(o.bytes_fetched));
+    AddCounter(out, "kvflow:kv_offload_bytes_written_total", "K/V bytes of new tokens written to the host KV pool.",
+               static_cast<double>(o.bytes_written));
+    AddCounter(out, "kvflow:kv_offload_fetch_seconds_total", "Time spent fetching from the host KV pool.",
+               o.fetch_seconds);
+  };
   return registry.Register(std::move(p));
 }
 

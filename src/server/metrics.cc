@@ -84,24 +84,6 @@ std::string ServerMetrics::Render(const EngineStats& s) const {
          "Full prompt blocks looked up in the device prefix cache.", static_cast<double>(s.prefix_cache_queried_blocks));
   Metric(&out, "kvflow:prefix_cache_hit_blocks_total", "counter", "Of those, blocks found on the device.",
          static_cast<double>(s.prefix_cache_hit_blocks));
-  // The host tier of the prefix cache (--host-prefix-cache); zero when it is off.
-  const HostPrefixCacheStats& hp = s.host_prefix_cache;
-  Metric(&out, "kvflow:host_prefix_cache_blocks_total", "gauge", "Blocks the host prefix cache holds at most.",
-         static_cast<double>(hp.capacity_blocks));
-  Metric(&out, "kvflow:host_prefix_cache_blocks_used", "gauge", "Blocks held in the host prefix cache.",
-         static_cast<double>(hp.used_blocks));
-  Metric(&out, "kvflow:host_prefix_cache_queried_blocks_total", "counter",
-         "Prompt blocks looked up in host memory past the device's hits.", static_cast<double>(hp.queried_blocks));
-  Metric(&out, "kvflow:host_prefix_cache_hit_blocks_total", "counter",
-         "Of those, found in host memory and loaded instead of computed.", static_cast<double>(hp.hit_blocks));
-  Metric(&out, "kvflow:host_prefix_cache_saved_blocks_total", "counter",
-         "Blocks the device prefix cache evicted that were saved to host memory.", static_cast<double>(hp.saved_blocks));
-  Metric(&out, "kvflow:host_prefix_cache_evicted_blocks_total", "counter",
-         "Host blocks dropped to make room (least recently used first).", static_cast<double>(hp.evicted_blocks));
-  Metric(&out, "kvflow:host_prefix_cache_bytes_saved_total", "counter", "K/V bytes copied device -> host.",
-         static_cast<double>(hp.bytes_saved));
-  Metric(&out, "kvflow:host_prefix_cache_bytes_loaded_total", "counter", "K/V bytes copied host -> device.",
-         static_cast<double>(hp.bytes_loaded));
   Metric(&out, "kvflow:prompt_tokens_total", "counter", "Prompt tokens prefilled.",
          static_cast<double>(s.prompt_tokens_processed));
   Metric(&out, "kvflow:generation_tokens_total", "counter", "Tokens generated.",
@@ -140,22 +122,6 @@ std::string ServerMetrics::Render(const EngineStats& s) const {
     out += "kvflow:spec_decode_num_accepted_tokens_per_pos_total{position=\"" + std::to_string(i) + "\"} " +
            Num(static_cast<double>(s.spec.accepted_per_position[i])) + "\n";
   }
-  // TriForce's middle level (the target over its retrieval cache) and its bottom drafter.
-  Metric(&out, "kvflow:triforce_middle_passes_total", "counter", "Sequence passes of the target over a retrieval cache.",
-         static_cast<double>(s.spec.middle_passes));
-  Metric(&out, "kvflow:triforce_middle_draft_tokens_total", "counter", "Bottom drafts the retrieval level verified.",
-         static_cast<double>(s.spec.middle_draft_tokens));
-  Metric(&out, "kvflow:triforce_middle_accepted_tokens_total", "counter", "Bottom drafts the retrieval level kept.",
-         static_cast<double>(s.spec.middle_accepted_tokens));
-  Metric(&out, "kvflow:triforce_bottom_passes_total", "counter", "Sequence passes of a model-based bottom drafter.",
-         static_cast<double>(s.spec.bottom_passes));
-  Metric(&out, "kvflow:triforce_retrieval_builds_total", "counter", "Retrieval caches built or rebuilt.",
-         static_cast<double>(s.spec.retrieval_builds));
-  Metric(&out, "kvflow:triforce_plain_steps_total", "counter",
-         "Sequence steps decoded without drafts because TriForce would not pay (short context, low acceptance).",
-         static_cast<double>(s.spec.plain_steps));
-  Metric(&out, "kvflow:triforce_retrieval_caches", "gauge", "Sequences holding a retrieval cache.",
-         static_cast<double>(s.spec.retrieval_caches));
   const KvSelectionStats& k = s.kv_selection;
   Metric(&out, "kvflow:kv_selection_decode_tokens_total", "counter",
          "Decode tokens whose attention read a KV selection (--kv-selection infinigen or h2o).",
@@ -177,19 +143,14 @@ std::string ServerMetrics::Render(const EngineStats& s) const {
          static_cast<double>(k.tokens_evicted));
   Metric(&out, "kvflow:kv_selection_bytes_per_token", "gauge", "K/V bytes read per selecting decode token so far.",
          k.decode_tokens > 0 ? static_cast<double>(k.bytes_read) / static_cast<double>(k.decode_tokens) : 0.0);
-  const KvOffloadStats& o = s.kv_offload;
-  Metric(&out, "kvflow:kv_offload_prefetches_total", "counter",
-         "Layer fetches from the host KV pool issued during the layer before (--kv-offload).",
-         static_cast<double>(o.prefetches));
-  Metric(&out, "kvflow:kv_offload_on_demand_fetches_total", "counter",
-         "Layer fetches attention issued itself (layer 0; selections known only at their layer).",
-         static_cast<double>(o.on_demand_fetches));
-  Metric(&out, "kvflow:kv_offload_bytes_fetched_total", "counter", "K/V bytes fetched from the host KV pool.",
-         static_cast<double>(o.bytes_fetched));
-  Metric(&out, "kvflow:kv_offload_bytes_written_total", "counter", "K/V bytes of new tokens written to the host KV pool.",
-         static_cast<double>(o.bytes_written));
-  Metric(&out, "kvflow:kv_offload_fetch_seconds_total", "counter", "Time spent fetching from the host KV pool.",
-         o.fetch_seconds);
+  // Every system's own metrics (SystemInfo::metrics), samples of one name together.
+  for (size_t i = 0; i < s.system_metrics.size(); ++i) {
+    const SystemMetric& m = s.system_metrics[i];
+    if (i == 0 || s.system_metrics[i - 1].name != m.name) {
+      out += "# HELP " + m.name + " " + m.help + "\n# TYPE " + m.name + (m.counter ? " counter\n" : " gauge\n");
+    }
+    out += m.name + (m.labels.empty() ? "" : "{" + m.labels + "}") + " " + Num(m.value) + "\n";
+  }
   Metric(&out, "kvflow:request_cancelled_total", "counter", "Requests cancelled (client gone or shutdown).",
          static_cast<double>(cancelled_.load()));
   Metric(&out, "kvflow:request_failure_total", "counter", "Requests that failed in the engine.",

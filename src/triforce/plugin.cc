@@ -49,6 +49,24 @@ Status RegisterTriForce(SystemRegistry& registry) {
         Config(ctx.config), ctx.target, ctx.num_target_blocks - ctx.target_scratch_blocks, ctx.draft_backend,
         ctx.target.kv_layout().num_blocks));
   };
+  p.info.metrics = [](const EngineStats& s, std::vector<SystemMetric>& out) {
+    // TriForce's middle level (the target over its retrieval cache) and its bottom drafter.
+    AddCounter(out, "kvflow:triforce_middle_passes_total", "Sequence passes of the target over a retrieval cache.",
+               static_cast<double>(s.spec.middle_passes));
+    AddCounter(out, "kvflow:triforce_middle_draft_tokens_total", "Bottom drafts the retrieval level verified.",
+               static_cast<double>(s.spec.middle_draft_tokens));
+    AddCounter(out, "kvflow:triforce_middle_accepted_tokens_total", "Bottom drafts the retrieval level kept.",
+               static_cast<double>(s.spec.middle_accepted_tokens));
+    AddCounter(out, "kvflow:triforce_bottom_passes_total", "Sequence passes of a model-based bottom drafter.",
+               static_cast<double>(s.spec.bottom_passes));
+    AddCounter(out, "kvflow:triforce_retrieval_builds_total", "Retrieval caches built or rebuilt.",
+               static_cast<double>(s.spec.retrieval_builds));
+    AddCounter(out, "kvflow:triforce_plain_steps_total",
+               "Sequence steps decoded without drafts because TriForce would not pay (short context, low acceptance).",
+               static_cast<double>(s.spec.plain_steps));
+    AddGauge(out, "kvflow:triforce_retrieval_caches", "Sequences holding a retrieval cache.",
+               static_cast<double>(s.spec.retrieval_caches));
+  };
   return registry.Register(std::move(p));
 }
 

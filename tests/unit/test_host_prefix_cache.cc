@@ -3,6 +3,7 @@
 // must give exactly the outputs of an engine without the tier while loading blocks back from it.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <random>
 #include <set>
 
@@ -162,6 +163,14 @@ std::vector<std::vector<int32_t>> RunChat(const EngineConfig& config, const Samp
   return replies;
 }
 
+// The value of a system metric the engine's stats carry (NaN: absent).
+double SystemMetricValue(const EngineStats& s, const std::string& name) {
+  for (const SystemMetric& m : s.system_metrics) {
+    if (m.name == name) return m.value;
+  }
+  return std::nan("");
+}
+
 EngineConfig SmallPool() {
   EngineConfig c;
   c.block_size = 8;
@@ -186,6 +195,8 @@ TEST(HostPrefixCacheEngine, MultiTurnChatGivesTheSameOutputsAndLoadsFromHostMemo
     EngineStats device_only;
     EXPECT_EQ(RunChat(SmallPool(), p, &device_only), reference) << (sampled ? "sampled" : "greedy");
     EXPECT_EQ(device_only.host_prefix_cache.hit_blocks, 0);
+    // Its metrics are there when it is off (zeros, not gaps).
+    EXPECT_EQ(SystemMetricValue(device_only, "kvflow:host_prefix_cache_hit_blocks_total"), 0.0);
 
     EngineConfig tier = SmallPool();
     tier.host_prefix_cache.num_blocks = 64;
@@ -198,6 +209,9 @@ TEST(HostPrefixCacheEngine, MultiTurnChatGivesTheSameOutputsAndLoadsFromHostMemo
     EXPECT_EQ(h.capacity_blocks, 64);
     EXPECT_LE(h.used_blocks, 64);
     EXPECT_GT(h.bytes_loaded, 0);
+    EXPECT_EQ(SystemMetricValue(with_tier, "kvflow:host_prefix_cache_hit_blocks_total"), static_cast<double>(h.hit_blocks));
+    EXPECT_EQ(SystemMetricValue(with_tier, "kvflow:host_prefix_cache_bytes_loaded_total"),
+              static_cast<double>(h.bytes_loaded));
     // Every block the tier supplied is one the engine did not compute.
     EXPECT_LT(with_tier.prompt_tokens_processed, device_only.prompt_tokens_processed);
   }
