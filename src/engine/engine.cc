@@ -251,43 +251,6 @@ Status ValidateEngineConfig(const EngineConfig& c) {
   return Status::Ok();
 }
 
-// S3: the length predictor (loaded, or untrained with buckets over max_model_len) and its
-// supervisor; none for other policies.
-Result<std::unique_ptr<LengthSupervisor>> CreateLengthSupervisor(const EngineConfig& config,
-                                                                 const EvaluationOptions& evaluation,
-                                                                 const Tokenizer& tokenizer) {
-  if (config.scheduling_policy != "s3") {
-    if (!config.s3.length_predictor.empty()) {
-      spdlog::warn("length predictor {} ignored: only the s3 scheduling policy uses one", config.s3.length_predictor);
-    }
-    return std::unique_ptr<LengthSupervisor>();
-  }
-  std::optional<LengthPredictor> trained;
-  if (config.s3.length_predictor.empty()) {
-    spdlog::warn("s3 without a length predictor: every request starts in the shortest bucket and the predictor "
-                 "learns online from completed requests (train one with kvflow-length-predictor train)");
-  } else {
-    KVFLOW_ASSIGN_OR_RETURN(trained, LengthPredictor::Load(config.s3.length_predictor));
-    const std::string fingerprint = TokenizerFingerprint(tokenizer);
-    if (!trained->tokenizer_fingerprint().empty() && trained->tokenizer_fingerprint() != fingerprint) {
-      return Status::InvalidArgument("length predictor " + config.s3.length_predictor +
-                                     " was trained on another tokenizer's token ids (fingerprint " +
-                                     trained->tokenizer_fingerprint() + ", this model's " + fingerprint + ")");
-    }
-  }
-  KVFLOW_ASSIGN_OR_RETURN(auto supervisor,
-                          MakeLengthSupervisor(std::move(trained),
-                                               {config.max_model_len, config.s3.reservation_point,
-                                                config.s3.online_updates,
-                                                evaluation.length_prediction_override}));
-  const LengthPredictorConfig& pc = supervisor->predictor().config();
-  spdlog::info("s3: length predictor {}: {} buckets of {} tokens, reserving the {} edge; online updates {}",
-               config.s3.length_predictor.empty() ? "untrained" : config.s3.length_predictor, pc.buckets.num_buckets,
-               pc.buckets.width(), ReservationPointName(pc.reservation_point),
-               config.s3.online_updates ? "on" : "off");
-  return supervisor;
-}
-
 }  // namespace
 
 Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineConfig& input,
@@ -297,7 +260,6 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
   if (config.speculative.method.empty() && !config.speculative.model.empty()) config.speculative.method = "draft_model";
   KVFLOW_RETURN_IF_ERROR(ValidateEngineConfig(config));
   KVFLOW_RETURN_IF_ERROR(registry.CompleteAndCheck(config));
-  KVFLOW_ASSIGN_OR_RETURN(auto policy, MakeSchedulingPolicy(config.scheduling_policy));
   KVFLOW_ASSIGN_OR_RETURN(PreemptionMode preemption, ParsePreemptionMode(config.preemption_mode));
   KVFLOW_ASSIGN_OR_RETURN(std::string path, ResolveModel(config.model));
   KVFLOW_ASSIGN_OR_RETURN(ModelFiles files, OpenModelFiles(path));
@@ -339,7 +301,8 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
                                                            backend->kv_layout().num_blocks,
                                                            systems.drafter_scratch_blocks}));
   }
-  KVFLOW_ASSIGN_OR_RETURN(auto supervisor, CreateLengthSupervisor(config, evaluation, *files.tokenizer));
+  KVFLOW_ASSIGN_OR_RETURN(const SchedulingPolicyPlugin* scheduling, registry.Policy(config.scheduling_policy));
+  KVFLOW_ASSIGN_OR_RETURN(SchedulingParts policy, scheduling->create(SchedulingContext{config, evaluation, *files.tokenizer}));
   if (!config.kv_selection.method.empty()) {
     KVFLOW_ASSIGN_OR_RETURN(const KvSelectorPlugin* selector, registry.KvSelector(config.kv_selection.method));
     KVFLOW_ASSIGN_OR_RETURN(systems.kv_selector, selector->create(KvSelectorContext{config, path, mc, *backend}));
@@ -369,7 +332,8 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
         std::move(prompt_prefiller), *backend, config.block_size, config.max_num_batched_tokens));
   }
   auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(systems),
-                                             std::move(policy), preemption, std::move(supervisor), registry);
+                                             std::move(policy.policy), preemption, std::move(policy.supervisor),
+                                             registry);
   spdlog::info("engine ready: {}", engine->Describe());
   return std::unique_ptr<EvaluationEngine>(std::move(engine));
 }

@@ -60,6 +60,19 @@ Result<const KvSelectorPlugin*> SystemRegistry::KvSelector(const std::string& na
 Result<const PrefillerPlugin*> SystemRegistry::Prefiller(const std::string& name) const {
   return Find(prefillers_, name, "prefill_parallel");
 }
+Status SystemRegistry::Register(SchedulingPolicyPlugin plugin) {
+  return AddUnique(policies_, std::move(plugin), "scheduling_policy");
+}
+
+Result<const SchedulingPolicyPlugin*> SystemRegistry::Policy(const std::string& name) const {
+  for (const SchedulingPolicyPlugin& p : policies_) {
+    if (p.info.name == name) return &p;
+  }
+  std::string known;
+  for (const SchedulingPolicyPlugin& p : policies_) known += (known.empty() ? "" : ", ") + p.info.name;
+  return Status::InvalidArgument("unknown scheduling policy '" + name + "' (known: " + known + ")");
+}
+
 Result<const KvConnectorPlugin*> SystemRegistry::KvConnector(const std::string& name) const {
   return Find(kv_connectors_, name, "kv_connector");
 }
@@ -87,6 +100,8 @@ Result<std::vector<const SystemInfo*>> SystemRegistry::ActiveSystems(const Engin
     active.push_back(&p->info);
   }
   for (const KvConnectorPlugin* p : ActiveKvConnectors(c)) active.push_back(&p->info);
+  KVFLOW_ASSIGN_OR_RETURN(const SchedulingPolicyPlugin* policy, Policy(c.scheduling_policy));
+  active.push_back(&policy->info);
   return active;
 }
 
@@ -122,6 +137,7 @@ Status SystemRegistry::CompleteAndCheck(EngineConfig& config) const {
   KVFLOW_RETURN_IF_ERROR(check_off(kv_selectors_));
   KVFLOW_RETURN_IF_ERROR(check_off(prefillers_));
   KVFLOW_RETURN_IF_ERROR(check_off(kv_connectors_));
+  KVFLOW_RETURN_IF_ERROR(check_off(policies_));
   const std::vector<ActiveFeature> features = ActiveFeatures(config, active);
   for (const SystemInfo* s : active) {
     const std::string self = s->kind + ":" + s->name;
@@ -146,6 +162,7 @@ void SystemRegistry::AddMetrics(EngineStats& stats) const {
   add(kv_selectors_);
   add(prefillers_);
   add(kv_connectors_);
+  add(policies_);
 }
 
 }  // namespace kvflow

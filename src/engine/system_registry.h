@@ -8,6 +8,7 @@
 //   drafter     speculative.method       (engine/drafter.h)
 //   kv_selector kv_selection.method      (engine/kv_selector.h)
 //   prefiller   prefill_parallel.method  (engine/prompt_prefiller.h)
+//   scheduling_policy  scheduling_policy  (sched/policy.h; S3 adds its length supervisor)
 //   kv_connector  its own switch: kv_offload.enabled ("kv_offload"), host_prefix_cache
 //                 ("host_prefix_cache")     (engine/kv_connector.h)
 #pragma once
@@ -20,6 +21,7 @@
 
 #include "backend/backend.h"
 #include "engine/drafter.h"
+#include "engine/evaluation.h"
 #include "engine/kv_connector.h"
 #include "engine/kv_selector.h"
 #include "engine/prompt_prefiller.h"
@@ -27,6 +29,8 @@
 #include "kvflow/engine_config.h"
 #include "kvflow/status.h"
 #include "kvflow/tokenizer.h"
+#include "sched/length_supervisor.h"
+#include "sched/policy.h"
 
 namespace kvflow {
 namespace dist {
@@ -120,6 +124,24 @@ struct PrefillerPlugin {
   std::function<Result<std::unique_ptr<PromptPrefiller>>(const PrefillerContext&)> create;
 };
 
+struct SchedulingContext {
+  const EngineConfig& config;
+  const EvaluationOptions& evaluation;
+  const Tokenizer& tokenizer;
+};
+
+// What a scheduling policy brings: the policy the scheduler consults, and (S3) the supervisor that
+// predicts output lengths and learns from them.
+struct SchedulingParts {
+  std::unique_ptr<SchedulingPolicy> policy;
+  std::unique_ptr<LengthSupervisor> supervisor;
+};
+
+struct SchedulingPolicyPlugin {
+  SystemInfo info;
+  std::function<Result<SchedulingParts>(const SchedulingContext&)> create;
+};
+
 // The connector EngineConfig::kv_offload turns on.
 inline constexpr const char* kKvOffloadConnector = "kv_offload";
 
@@ -148,12 +170,14 @@ class SystemRegistry {
   Status Register(KvSelectorPlugin plugin);
   Status Register(PrefillerPlugin plugin);
   Status Register(KvConnectorPlugin plugin);
+  Status Register(SchedulingPolicyPlugin plugin);
 
   // The system of that kind and name, or an error listing the registered names.
   Result<const DrafterPlugin*> Drafter(const std::string& name) const;
   Result<const KvSelectorPlugin*> KvSelector(const std::string& name) const;
   Result<const PrefillerPlugin*> Prefiller(const std::string& name) const;
   Result<const KvConnectorPlugin*> KvConnector(const std::string& name) const;
+  Result<const SchedulingPolicyPlugin*> Policy(const std::string& name) const;
   // The connectors `config` turns on, in registration order.
   std::vector<const KvConnectorPlugin*> ActiveKvConnectors(const EngineConfig& config) const;
 
@@ -172,6 +196,7 @@ class SystemRegistry {
   std::vector<KvSelectorPlugin> kv_selectors_;
   std::vector<PrefillerPlugin> prefillers_;
   std::vector<KvConnectorPlugin> kv_connectors_;
+  std::vector<SchedulingPolicyPlugin> policies_;
 };
 
 }  // namespace kvflow

@@ -92,23 +92,6 @@ std::string ServerMetrics::Render(const EngineStats& s) const {
          static_cast<double>(s.num_preemptions));
   Metric(&out, "kvflow:num_preemptions_swap_total", "counter", "Preemptions by swapping.",
          static_cast<double>(s.num_preemptions_swap));
-  // S3 (--scheduler s3); zero under other policies.
-  Metric(&out, "kvflow:s3_length_predictions_total", "counter", "Output lengths predicted at arrival.",
-         static_cast<double>(s.s3.predictions));
-  out += "# HELP kvflow:s3_mispredictions_total Finished requests whose output fell outside the predicted bucket.\n"
-         "# TYPE kvflow:s3_mispredictions_total counter\n"
-         "kvflow:s3_mispredictions_total{direction=\"under\"} " + Num(static_cast<double>(s.s3.under_predicted)) +
-         "\nkvflow:s3_mispredictions_total{direction=\"over\"} " + Num(static_cast<double>(s.s3.over_predicted)) +
-         "\n";
-  Metric(&out, "kvflow:s3_reservation_preemptions_total", "counter",
-         "Preemptions of sequences that outgrew their KV reservation (each doubles it).",
-         static_cast<double>(s.s3.reservation_preemptions));
-  Metric(&out, "kvflow:s3_predictor_updates_total", "counter", "Online training steps of the length predictor.",
-         static_cast<double>(s.s3.online_updates));
-  out += "# HELP kvflow:s3_predictor_seconds_total Engine-thread time in the length predictor.\n"
-         "# TYPE kvflow:s3_predictor_seconds_total counter\n"
-         "kvflow:s3_predictor_seconds_total{phase=\"predict\"} " + Num(s.s3.predict_seconds) +
-         "\nkvflow:s3_predictor_seconds_total{phase=\"update\"} " + Num(s.s3.update_seconds) + "\n";
   // Speculative decoding, as vLLM names its spec_decode counters.
   Metric(&out, "kvflow:spec_decode_num_drafts_total", "counter", "Verification passes of a sequence with drafts.",
          static_cast<double>(s.spec.num_drafts));

@@ -1,0 +1,12 @@
+// Registers S3's scheduling policies: "s3" (length-aware admission with the output-length predictor
+// and its supervisor, sched/length_supervisor.h) and "s3-oracle" (the evaluation's oracle lengths).
+// The policy and the predictor are mechanism in sched/; this folder wires them into the engine.
+#pragma once
+
+#include "engine/system_registry.h"
+
+namespace kvflow {
+
+Status RegisterS3(SystemRegistry& registry);
+
+}  // namespace kvflow
