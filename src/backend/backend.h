@@ -349,6 +349,19 @@ class Backend {
   virtual void* FindCapability(BackendCapability id) const { return nullptr; }
 };
 
+// FindCapability for a backend class that implements every capability, offering OffloadedKvPool
+// only while its pool is `offloaded`.
+template <typename BackendClass>
+void* OfferCapabilities(const BackendClass* backend, BackendCapability id, bool offloaded) {
+  auto* self = const_cast<BackendClass*>(backend);
+  switch (id) {
+    case BackendCapability::kKvBlockScoring: return static_cast<KvBlockScoring*>(self);
+    case BackendCapability::kOffloadedKvPool: return offloaded ? static_cast<OffloadedKvPool*>(self) : nullptr;
+    case BackendCapability::kKvPacking: return static_cast<KvPacking*>(self);
+  }
+  return nullptr;
+}
+
 // Bytes PackKv produces for `num_slots` slots of one layer.
 inline int64_t KvPackBytes(const Backend& backend, int64_t num_slots) { return num_slots * backend.kv_token_bytes(); }
 

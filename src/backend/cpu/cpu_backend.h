@@ -59,15 +59,7 @@ class CpuBackend final : public Backend, public KvBlockScoring, public Offloaded
   KvOffloadStats kv_offload_stats() const override { return offload_stats_; }
 
  protected:
-  void* FindCapability(BackendCapability id) const override {
-    auto* self = const_cast<CpuBackend*>(this);
-    switch (id) {
-      case BackendCapability::kKvBlockScoring: return static_cast<KvBlockScoring*>(self);
-      case BackendCapability::kOffloadedKvPool: return kv_offloaded() ? static_cast<OffloadedKvPool*>(self) : nullptr;
-      case BackendCapability::kKvPacking: return static_cast<KvPacking*>(self);
-    }
-    return nullptr;
-  }
+  void* FindCapability(BackendCapability id) const override { return OfferCapabilities(this, id, kv_offloaded()); }
 
  public:
 
