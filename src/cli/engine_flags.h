@@ -42,8 +42,7 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
          "--host-prefix-cache",
          [config](double gib) { config->host_prefix_cache.bytes = static_cast<int64_t>(gib * (1ull << 30)); },
          "Host memory, GiB, for prompt blocks the device prefix cache evicts; a prompt that starts with them "
-         "loads them back instead of recomputing them (needs --enable-prefix-caching; 0 = off)")
-      ->check(CLI::NonNegativeNumber);
+         "loads them back instead of recomputing them (needs --enable-prefix-caching; 0 = off)");
   app->add_option("--num-host-prefix-cache-blocks", c.host_prefix_cache.num_blocks,
                   "Fix the host prefix cache in blocks (overrides --host-prefix-cache)");
   app->add_option("--scheduler,--scheduling-policy", c.scheduling_policy,

@@ -41,6 +41,9 @@ Status RegisterHostPrefixCache(SystemRegistry& registry) {
       {"kv_connector:kv_offload", "an offloaded KV pool is in host memory already"},
   };
   p.info.validate = [](const EngineConfig& c) {
+    if (c.host_prefix_cache.bytes < 0 || c.host_prefix_cache.num_blocks < -1) {
+      return Status::InvalidArgument("host_prefix_cache (--host-prefix-cache) must be >= 0");
+    }
     if (!c.enable_prefix_caching) {
       return Status::InvalidArgument("the host prefix cache keeps blocks the device prefix cache evicts: it needs "
                                      "prefix caching (--enable-prefix-caching)");
@@ -49,7 +52,7 @@ Status RegisterHostPrefixCache(SystemRegistry& registry) {
   };
   p.info.validate_when_off = [](const EngineConfig& c) {
     if (c.host_prefix_cache.bytes < 0 || c.host_prefix_cache.num_blocks < -1) {
-      return Status::InvalidArgument("host_prefix_cache size must be >= 0");
+      return Status::InvalidArgument("host_prefix_cache (--host-prefix-cache) must be >= 0");
     }
     return Status::Ok();
   };

@@ -272,6 +272,15 @@ TEST(HostPrefixCacheEngine, RefusesWhatItCannotServe) {
   EXPECT_NE(e.status().message().find("host prefix cache"), std::string::npos) << e.status().ToString();
   EXPECT_NE(e.status().message().find("kv_offload"), std::string::npos) << e.status().ToString();
 
+  for (const bool prefix : {false, true}) {
+    EngineConfig negative = SmallPool();
+    negative.enable_prefix_caching = prefix;
+    negative.host_prefix_cache.bytes = -1;
+    e = test::CreateTinyEngine(negative);
+    ASSERT_FALSE(e.ok());
+    EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument) << e.status().ToString();
+  }
+
   EngineConfig too_small = SmallPool();
   too_small.host_prefix_cache.bytes = 100;  // less than one block
   e = test::CreateTinyEngine(too_small);
