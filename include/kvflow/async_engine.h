@@ -88,6 +88,8 @@ class AsyncEngine {
 
   // A snapshot taken by the engine thread after every step.
   EngineStats stats() const;
+  // The systems' metrics derived from a snapshot (Engine::SystemMetrics); any thread.
+  std::vector<SystemMetric> SystemMetrics(const EngineStats& stats) const { return engine_->SystemMetrics(stats); }
   // Requests submitted and not finished.
   int num_unfinished() const;
 

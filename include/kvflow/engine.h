@@ -63,9 +63,6 @@ struct EngineStats {
   KvSelectionStats kv_selection;
   KvOffloadStats kv_offload;
   HostPrefixCacheStats host_prefix_cache;
-  // Every registered system's metrics, derived from the sections above by the system itself
-  // (zero when it is off).
-  std::vector<SystemMetric> system_metrics;
 };
 
 // What one Step() did.
@@ -106,6 +103,9 @@ class Engine {
   virtual const EngineConfig& config() const = 0;
   virtual const Tokenizer& tokenizer() const = 0;
   virtual EngineStats stats() const = 0;
+  // Every registered system's metrics, derived by the system itself from `stats` (zero when it is
+  // off). Reads nothing else, so any thread may call it.
+  virtual std::vector<SystemMetric> SystemMetrics(const EngineStats& stats) const = 0;
   virtual std::string Describe() const = 0;
 };
 

@@ -151,8 +151,10 @@ class EngineImpl final : public EvaluationEngine {
   EngineStats stats() const override {
     EngineStats s = core_.stats();
     for (const auto& connector : kv_connectors_) connector->AddStats(s);
-    registry_.AddMetrics(s);
     return s;
+  }
+  std::vector<SystemMetric> SystemMetrics(const EngineStats& stats) const override {
+    return registry_.Metrics(stats);
   }
 
   std::string Describe() const override {
@@ -313,13 +315,12 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
   }
   // Each connector's host blocks sit after the swap space, in registration order (the backend
   // factory sized the pool for them).
-  int host_block_end = backend->num_host_blocks();
-  for (const KvConnectorPlugin* p : connectors) host_block_end -= p->host_blocks ? p->host_blocks(config) : 0;
+  for (const KvConnectorPlugin* p : connectors) systems.connector_host_blocks += p->host_blocks ? p->host_blocks(config) : 0;
+  int host_block = backend->num_host_blocks() - systems.connector_host_blocks;
   for (const KvConnectorPlugin* p : connectors) {
     const int blocks = p->host_blocks ? p->host_blocks(config) : 0;
-    KVFLOW_ASSIGN_OR_RETURN(auto connector, p->create(KvConnectorContext{config, *backend, host_block_end, blocks}));
-    host_block_end += blocks;
-    systems.connector_host_blocks += blocks;
+    KVFLOW_ASSIGN_OR_RETURN(auto connector, p->create(KvConnectorContext{config, *backend, host_block, blocks}));
+    host_block += blocks;
     systems.kv_connectors.push_back(std::move(connector));
   }
   if (!config.prefill_parallel.method.empty()) {

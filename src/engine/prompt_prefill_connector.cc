@@ -42,12 +42,10 @@ Status PromptPrefillConnector::Load(const SchedulerOutput&, const KvConnectorMov
     const auto start = std::chrono::steady_clock::now();
     const int64_t n = static_cast<int64_t>(job.tokens.size());
     if (Status st = prefiller_->Prefill(job.tokens, n, job.blocks); !st.ok()) {
-      ++num_failed_;
       spdlog::warn("prefill of {} prompt tokens across ranks failed, computing them here: {}", n, st.ToString());
       KVFLOW_RETURN_IF_ERROR(ComputeHere(job));
       continue;
     }
-    ++num_prefilled_;
     spdlog::debug("prefilled {} prompt tokens across ranks in {:.3f} s", n,
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }

@@ -27,10 +27,6 @@ class PromptPrefillConnector final : public KvConnector, private KvConnectorSche
   KvConnectorScheduler* scheduler_side() override { return this; }
   Status Load(const SchedulerOutput& step, const KvConnectorMoves* moves, Backend& backend) override;
 
-  // Prompts prefilled by the prefiller, and those computed here after it failed.
-  int64_t num_prefilled() const { return num_prefilled_; }
-  int64_t num_failed() const { return num_failed_; }
-
  private:
   struct Job {
     std::vector<int32_t> tokens;  // the prompt's first num_tokens tokens
@@ -49,8 +45,6 @@ class PromptPrefillConnector final : public KvConnector, private KvConnectorSche
   int64_t max_num_batched_tokens_;
   std::vector<Job> planned_;  // admitted since the last schedule ended
   std::vector<Job> step_;     // to fill in the step being run
-  int64_t num_prefilled_ = 0;
-  int64_t num_failed_ = 0;
 };
 
 }  // namespace kvflow

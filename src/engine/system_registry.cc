@@ -60,6 +60,7 @@ Result<const KvSelectorPlugin*> SystemRegistry::KvSelector(const std::string& na
 Result<const PrefillerPlugin*> SystemRegistry::Prefiller(const std::string& name) const {
   return Find(prefillers_, name, "prefill_parallel");
 }
+
 Status SystemRegistry::Register(SchedulingPolicyPlugin plugin) {
   return AddUnique(policies_, std::move(plugin), "scheduling_policy");
 }
@@ -71,10 +72,6 @@ Result<const SchedulingPolicyPlugin*> SystemRegistry::Policy(const std::string& 
   std::string known;
   for (const SchedulingPolicyPlugin& p : policies_) known += (known.empty() ? "" : ", ") + p.info.name;
   return Status::InvalidArgument("unknown scheduling policy '" + name + "' (known: " + known + ")");
-}
-
-Result<const KvConnectorPlugin*> SystemRegistry::KvConnector(const std::string& name) const {
-  return Find(kv_connectors_, name, "kv_connector");
 }
 
 std::vector<const KvConnectorPlugin*> SystemRegistry::ActiveKvConnectors(const EngineConfig& config) const {
@@ -152,10 +149,11 @@ Status SystemRegistry::CompleteAndCheck(EngineConfig& config) const {
   return Status::Ok();
 }
 
-void SystemRegistry::AddMetrics(EngineStats& stats) const {
+std::vector<SystemMetric> SystemRegistry::Metrics(const EngineStats& stats) const {
+  std::vector<SystemMetric> metrics;
   auto add = [&](const auto& plugins) {
     for (const auto& p : plugins) {
-      if (p.info.metrics) p.info.metrics(stats, stats.system_metrics);
+      if (p.info.metrics) p.info.metrics(stats, metrics);
     }
   };
   add(drafters_);
@@ -163,6 +161,7 @@ void SystemRegistry::AddMetrics(EngineStats& stats) const {
   add(prefillers_);
   add(kv_connectors_);
   add(policies_);
+  return metrics;
 }
 
 }  // namespace kvflow

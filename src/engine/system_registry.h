@@ -176,7 +176,6 @@ class SystemRegistry {
   Result<const DrafterPlugin*> Drafter(const std::string& name) const;
   Result<const KvSelectorPlugin*> KvSelector(const std::string& name) const;
   Result<const PrefillerPlugin*> Prefiller(const std::string& name) const;
-  Result<const KvConnectorPlugin*> KvConnector(const std::string& name) const;
   Result<const SchedulingPolicyPlugin*> Policy(const std::string& name) const;
   // The connectors `config` turns on, in registration order.
   std::vector<const KvConnectorPlugin*> ActiveKvConnectors(const EngineConfig& config) const;
@@ -184,8 +183,8 @@ class SystemRegistry {
   // The systems `config` names, completed (each system's `complete`), validated and checked
   // against each other's exclusions.
   Status CompleteAndCheck(EngineConfig& config) const;
-  // Appends every registered system's metrics (SystemInfo::metrics) to stats.system_metrics.
-  void AddMetrics(EngineStats& stats) const;
+  // Every registered system's metrics (SystemInfo::metrics) derived from `stats`.
+  std::vector<SystemMetric> Metrics(const EngineStats& stats) const;
  private:
   Result<std::vector<const SystemInfo*>> ActiveSystems(const EngineConfig& config) const;
   // The features a validated `config` turns on: its `active` systems and the engine's own.

@@ -47,13 +47,14 @@ int64_t HostPrefixIndex::NumMatchedTokens(std::span<const int32_t> tokens, int64
   const int64_t max_blocks = (static_cast<int64_t>(tokens.size()) - 1) / block_size_ - num_cached / block_size_;
   if (max_blocks <= 0) return 0;
   stats_.queried_blocks += max_blocks;
-  return static_cast<int64_t>(Match(tokens, num_cached / block_size_, max_blocks).size()) * block_size_;
+  matched_ = Match(tokens, num_cached / block_size_, max_blocks);
+  return static_cast<int64_t>(matched_.size()) * block_size_;
 }
 
 void HostPrefixIndex::UpdateStateAfterAlloc(std::span<const int32_t> tokens, int64_t first_token,
                                             std::span<const BlockId> blocks) {
-  const std::vector<int> slots = Match(tokens, first_token / block_size_, static_cast<int64_t>(blocks.size()));
-  assert(slots.size() == blocks.size());  // nothing changed the index since NumMatchedTokens
+  const std::vector<int> slots = std::exchange(matched_, {});
+  assert(slots.size() == blocks.size());  // the blocks of what NumMatchedTokens just matched
   for (size_t i = 0; i < slots.size() && i < blocks.size(); ++i) {
     moves_.load.push_back({first_host_block_ + slots[i], blocks[i]});
     moved_this_step_.insert(slots[i]);

@@ -58,6 +58,9 @@ class HostPrefixIndex final : public KvConnectorScheduler {
   std::list<int> lru_;  // occupied slots, least recently used first
   std::unordered_map<uint64_t, int> by_hash_;
   std::unordered_set<int> moved_this_step_;  // saved to or loaded from in the step being planned
+  // The slots NumMatchedTokens found, which UpdateStateAfterAlloc (called next, for that prompt)
+  // loads: the index does not change in between.
+  std::vector<int> matched_;
   KvConnectorMoves moves_;
   HostPrefixCacheStats stats_;
 };

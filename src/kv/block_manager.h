@@ -101,7 +101,6 @@ class BlockManager {
   // Hands the connectors the cached blocks reclaimed since the last call and returns the moves
   // each planned (one entry per connector with any). Call once per step, after its allocations.
   std::vector<KvConnectorMoves> TakeConnectorMoves();
-  bool has_connectors() const { return !connectors_.empty(); }
 
   // ---- inspection --------------------------------------------------------------------------
   bool Has(SeqId seq) const { return seqs_.contains(seq); }

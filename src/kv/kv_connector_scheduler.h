@@ -33,7 +33,9 @@ class KvConnectorScheduler {
 
   // Of `tokens` (a prompt being admitted), whose first `num_cached` tokens the device (or an
   // earlier connector) supplies, how many more leading tokens this connector supplies: whole
-  // blocks, never the last token (it must run to give logits). 0: none. No state changes.
+  // blocks, never the last token (it must run to give logits). 0: none. Changes nothing a later
+  // call could see, except what UpdateStateAfterAlloc, which follows a non-zero answer at once,
+  // takes over.
   virtual int64_t NumMatchedTokens(std::span<const int32_t> tokens, int64_t num_cached) = 0;
   // The admission went ahead: `blocks` are the fresh device blocks of tokens [first_token,
   // first_token + blocks.size() * block_size), which this connector now owes the step.

@@ -20,7 +20,8 @@ Status RegisterKvRunahead(SystemRegistry& registry) {
     };
     p.info.complete = [](EngineConfig& c) {
       if (!c.enable_prefix_caching) {
-        spdlog::info("prefill_parallel: turning prefix caching on (prefilled prompts reach their requests through it)");
+        spdlog::info("prefill_parallel: turning prefix caching on (a prompt sent again maps the blocks the ranks "
+                     "prefilled instead of prefilling it again)");
         c.enable_prefix_caching = true;
       }
     };

@@ -61,7 +61,7 @@ void ServerMetrics::RecordHttpStatus(int status) {
   ++http_by_status_[status];
 }
 
-std::string ServerMetrics::Render(const EngineStats& s) const {
+std::string ServerMetrics::Render(const EngineStats& s, std::span<const SystemMetric> system_metrics) const {
   std::string out;
   Metric(&out, "kvflow:num_requests_running", "gauge", "Requests in the running batch.", s.num_running);
   Metric(&out, "kvflow:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", s.num_waiting);
@@ -127,9 +127,9 @@ std::string ServerMetrics::Render(const EngineStats& s) const {
   Metric(&out, "kvflow:kv_selection_bytes_per_token", "gauge", "K/V bytes read per selecting decode token so far.",
          k.decode_tokens > 0 ? static_cast<double>(k.bytes_read) / static_cast<double>(k.decode_tokens) : 0.0);
   // Every system's own metrics (SystemInfo::metrics), samples of one name together.
-  for (size_t i = 0; i < s.system_metrics.size(); ++i) {
-    const SystemMetric& m = s.system_metrics[i];
-    if (i == 0 || s.system_metrics[i - 1].name != m.name) {
+  for (size_t i = 0; i < system_metrics.size(); ++i) {
+    const SystemMetric& m = system_metrics[i];
+    if (i == 0 || system_metrics[i - 1].name != m.name) {
       out += "# HELP " + m.name + " " + m.help + "\n# TYPE " + m.name + (m.counter ? " counter\n" : " gauge\n");
     }
     out += m.name + (m.labels.empty() ? "" : "{" + m.labels + "}") + " " + Num(m.value) + "\n";

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -40,7 +41,8 @@ class ServerMetrics {
   void RecordHttpStatus(int status);
   std::atomic<int>& in_flight() { return in_flight_; }
 
-  std::string Render(const EngineStats& stats) const;
+  // The engine-wide metrics from `stats`, then the systems' own (Engine::SystemMetrics).
+  std::string Render(const EngineStats& stats, std::span<const SystemMetric> system_metrics) const;
 
  private:
   Histogram ttft_;

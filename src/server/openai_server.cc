@@ -139,7 +139,9 @@ void OpenAiServer::Handle(const HttpRequest& req, HttpExchange& exchange) {
   }
   if (path == "/metrics") {
     if (req.method != "GET") return method_not_allowed("GET");
-    exchange.Send(HttpResponse{200, "text/plain; version=0.0.4; charset=utf-8", metrics_.Render(engine_->stats()), {}});
+    const EngineStats stats = engine_->stats();
+    exchange.Send(HttpResponse{200, "text/plain; version=0.0.4; charset=utf-8",
+                               metrics_.Render(stats, engine_->SystemMetrics(stats)), {}});
     return;
   }
   if (path == "/version") {

@@ -141,7 +141,7 @@ struct Conversations {
 };
 
 std::vector<std::vector<int32_t>> RunChat(const EngineConfig& config, const SamplingParams& params,
-                                          EngineStats* stats = nullptr) {
+                                          EngineStats* stats = nullptr, std::vector<SystemMetric>* metrics = nullptr) {
   auto engine = test::MakeEngine(config);
   if (!engine) return {};
   Conversations chat(11);
@@ -160,12 +160,13 @@ std::vector<std::vector<int32_t>> RunChat(const EngineConfig& config, const Samp
     }
   }
   if (stats) *stats = engine->stats();
+  if (metrics) *metrics = engine->SystemMetrics(engine->stats());
   return replies;
 }
 
-// The value of a system metric the engine's stats carry (NaN: absent).
-double SystemMetricValue(const EngineStats& s, const std::string& name) {
-  for (const SystemMetric& m : s.system_metrics) {
+// The value of a system metric (NaN: absent).
+double SystemMetricValue(const std::vector<SystemMetric>& metrics, const std::string& name) {
+  for (const SystemMetric& m : metrics) {
     if (m.name == name) return m.value;
   }
   return std::nan("");
@@ -193,15 +194,17 @@ TEST(HostPrefixCacheEngine, MultiTurnChatGivesTheSameOutputsAndLoadsFromHostMemo
     ASSERT_EQ(reference.size(), 12u);
 
     EngineStats device_only;
-    EXPECT_EQ(RunChat(SmallPool(), p, &device_only), reference) << (sampled ? "sampled" : "greedy");
+    std::vector<SystemMetric> device_only_metrics;
+    EXPECT_EQ(RunChat(SmallPool(), p, &device_only, &device_only_metrics), reference) << (sampled ? "sampled" : "greedy");
     EXPECT_EQ(device_only.host_prefix_cache.hit_blocks, 0);
     // Its metrics are there when it is off (zeros, not gaps).
-    EXPECT_EQ(SystemMetricValue(device_only, "kvflow:host_prefix_cache_hit_blocks_total"), 0.0);
+    EXPECT_EQ(SystemMetricValue(device_only_metrics, "kvflow:host_prefix_cache_hit_blocks_total"), 0.0);
 
     EngineConfig tier = SmallPool();
     tier.host_prefix_cache.num_blocks = 64;
     EngineStats with_tier;
-    EXPECT_EQ(RunChat(tier, p, &with_tier), reference) << (sampled ? "sampled" : "greedy");
+    std::vector<SystemMetric> with_tier_metrics;
+    EXPECT_EQ(RunChat(tier, p, &with_tier, &with_tier_metrics), reference) << (sampled ? "sampled" : "greedy");
     const HostPrefixCacheStats& h = with_tier.host_prefix_cache;
     EXPECT_GT(h.saved_blocks, 0);
     EXPECT_GT(h.hit_blocks, 0) << "later turns find their conversation's blocks in host memory";
@@ -209,8 +212,8 @@ TEST(HostPrefixCacheEngine, MultiTurnChatGivesTheSameOutputsAndLoadsFromHostMemo
     EXPECT_EQ(h.capacity_blocks, 64);
     EXPECT_LE(h.used_blocks, 64);
     EXPECT_GT(h.bytes_loaded, 0);
-    EXPECT_EQ(SystemMetricValue(with_tier, "kvflow:host_prefix_cache_hit_blocks_total"), static_cast<double>(h.hit_blocks));
-    EXPECT_EQ(SystemMetricValue(with_tier, "kvflow:host_prefix_cache_bytes_loaded_total"),
+    EXPECT_EQ(SystemMetricValue(with_tier_metrics, "kvflow:host_prefix_cache_hit_blocks_total"), static_cast<double>(h.hit_blocks));
+    EXPECT_EQ(SystemMetricValue(with_tier_metrics, "kvflow:host_prefix_cache_bytes_loaded_total"),
               static_cast<double>(h.bytes_loaded));
     // Every block the tier supplied is one the engine did not compute.
     EXPECT_LT(with_tier.prompt_tokens_processed, device_only.prompt_tokens_processed);
