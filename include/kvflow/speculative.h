@@ -55,6 +55,7 @@ struct SpecDecodeStats {
   int64_t middle_accepted_tokens = 0;  // of those, kept
   int64_t bottom_passes = 0;           // model passes of a bottom drafter (none for n-gram)
   int64_t retrieval_builds = 0;        // retrieval caches built or rebuilt (full-cache middle passes)
+  int64_t retrieval_copied_blocks = 0; // KV blocks copied to the device for the middle (offloaded pool)
   int64_t plain_steps = 0;             // sequence steps decoded without drafts because TriForce would not pay
   int64_t retrieval_caches = 0;        // sequences holding a retrieval cache now (a gauge)
   double middle_seconds = 0;           // wall time in middle passes
@@ -74,6 +75,7 @@ struct SpecDecodeStats {
     middle_accepted_tokens += sign * o.middle_accepted_tokens;
     bottom_passes += sign * o.bottom_passes;
     retrieval_builds += sign * o.retrieval_builds;
+    retrieval_copied_blocks += sign * o.retrieval_copied_blocks;
     plain_steps += sign * o.plain_steps;
     retrieval_caches += sign * o.retrieval_caches;
     middle_seconds += sign * o.middle_seconds;

@@ -300,4 +300,31 @@ Status ValidateBlockMoves(std::span<const BlockMove> moves, BlockCopyKind kind, 
   return Status::Ok();
 }
 
+OffloadedStep ClassifyOffloadedStep(const ForwardBatch& batch, std::span<const int64_t> slots, BlockId resident_begin,
+                                    int block_size) {
+  bool pool = false, resident = false;
+  auto see = [&](int64_t block) { (block >= resident_begin ? resident : pool) = true; };
+  for (const SequenceSlice& slice : batch.seqs) {
+    switch (slice.view.kind) {
+      case KvView::Kind::kFull: {
+        const int32_t blocks = (slice.context_len + block_size - 1) / block_size;
+        for (int32_t b = 0; b < blocks && b < static_cast<int32_t>(slice.block_table.size()); ++b) {
+          see(slice.block_table[static_cast<size_t>(b)]);
+        }
+        break;
+      }
+      case KvView::Kind::kBlocks:
+        for (BlockId b : slice.view.blocks) see(b);
+        break;
+      case KvView::Kind::kSlots:
+        for (int64_t slot : slice.view.slots) see(slot / block_size);
+        break;
+    }
+  }
+  for (int64_t slot : slots) {
+    if (slot >= 0) see(slot / block_size);
+  }
+  return pool && resident ? OffloadedStep::kMixed : resident ? OffloadedStep::kResident : OffloadedStep::kPool;
+}
+
 }  // namespace kvflow

@@ -207,6 +207,13 @@ int64_t ActivationWidth(const ModelConfig& config, Activation which);
 // The weights of one decoder layer, as the primitives name them.
 enum class LayerWeight { kAttnNorm, kQkv, kO, kFfnNorm, kGateUp, kDown };
 
+// Memory a backend allocated on its device, freed when this is destroyed.
+class DeviceAllocation {
+ public:
+  virtual ~DeviceAllocation() = default;
+  virtual std::span<std::byte> bytes() const = 0;
+};
+
 // ---- capabilities ------------------------------------------------------------------------------
 // Primitives one system needs beyond the core ones. A backend implements those it can and returns
 // them from FindCapability; a system asks for one with Backend::As<Capability>() and refuses to run
@@ -243,7 +250,22 @@ class OffloadedKvPool {
   // otherwise). Attention fetches by itself when nothing was prefetched.
   virtual Status PrefetchKv(int layer, std::span<const KvHeadSelection> selection) = 0;
   virtual KvOffloadStats kv_offload_stats() const = 0;
+  // Keeps blocks [first, num_blocks) on the device for good, the host pool holding the others:
+  // TriForce's scratch past the block manager's blocks (its drafting lanes and the copies its middle
+  // level reads), so that its passes fetch nothing. A step reads and writes either resident blocks
+  // only or pool blocks only (Unsupported otherwise); block moves, KV transfers and KV reads reach
+  // both. Outside steps; the resident blocks' contents are undefined until written.
+  virtual Status KeepResident(BlockId first) = 0;
+  // The first resident block (num_blocks: none).
+  virtual BlockId resident_begin() const = 0;
 };
+
+// Which blocks a step of an offloaded pool touches: the host pool's only, the resident blocks'
+// only (OffloadedKvPool::KeepResident), or both (refused).
+enum class OffloadedStep { kPool, kResident, kMixed };
+// From what every slice reads (its view) and where the step writes (`slots`, resolved).
+OffloadedStep ClassifyOffloadedStep(const ForwardBatch& batch, std::span<const int64_t> slots, BlockId resident_begin,
+                                    int block_size);
 
 // KV exchanged with a peer (KV-Runahead's chain, TSP's all-gather).
 class KvPacking {
@@ -257,6 +279,29 @@ class KvPacking {
   virtual Status PackKv(int layer, std::span<const int64_t> slots, std::span<std::byte> out) = 0;
   // Writes what PackKv produced for as many slots into `layer` at `slots` (this pool's own slots).
   virtual Status UnpackKv(int layer, std::span<const int64_t> slots, std::span<const std::byte> in) = 0;
+
+  // ---- device buffers, for a transport whose buffers are device memory (NCCL, CUDA peer copies) --
+  // The CUDA device whose memory the forms below pack into, or -1 where the backend has none (a CPU
+  // backend): they are then unsupported.
+  virtual int pack_device() const { return -1; }
+  // A buffer of `bytes` in this backend's device memory, freed when the allocation is destroyed.
+  virtual Result<std::unique_ptr<DeviceAllocation>> AllocatePackBuffer(int64_t bytes) {
+    return Status::Unsupported("KV packing into device memory");
+  }
+  // PackKv / UnpackKv on the device: `out` / `in` are device memory of this backend (a
+  // AllocatePackBuffer's bytes). The copy is issued on the backend's compute stream, after the work
+  // already issued there, and the call returns without waiting for it: a transport must order its
+  // operations on the buffer after RecordComputeEvent.
+  virtual Status PackKvOnDevice(int layer, std::span<const int64_t> slots, std::span<std::byte> out) {
+    return Status::Unsupported("KV packing into device memory");
+  }
+  virtual Status UnpackKvOnDevice(int layer, std::span<const int64_t> slots, std::span<const std::byte> in) {
+    return Status::Unsupported("KV packing into device memory");
+  }
+  // A device event (a cudaEvent_t) recorded on the compute stream after everything issued there so
+  // far, for Communicator::OrderAfter: the transport then sends a buffer only once it is packed and
+  // overwrites one only once it is unpacked, and the host never waits. Re-recorded by the next call.
+  virtual Result<void*> RecordComputeEvent() { return Status::Unsupported("device events"); }
 };
 
 // A compute backend: it owns the weights, the paged KV pools, the step's activations, and the

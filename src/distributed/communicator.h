@@ -1,10 +1,12 @@
 // Point-to-point and collective messages between the ranks of one distributed job (KV-Runahead's
-// chain prefill, TSP's all-gather). One interface, three transports:
+// chain prefill, TSP's all-gather). One interface, four transports:
 //   - InProcessWorld (in_process_communicator.h): ranks are threads of one process; unit tests.
 //   - MpiCommunicator (mpi/mpi_communicator.h): ranks are processes started by mpirun, one machine
 //     or many; built when MPI is found.
 //   - NcclCommunicator (nccl/nccl_communicator.h): GPU ranks, bootstrapped over MPI; built when
 //     NCCL and CUDA are found.
+//   - CudaPeerWorld (cuda/cuda_peer_communicator.h): ranks are threads of one process, one GPU
+//     each, messages copied GPU to GPU; built with CUDA (and on the CUDA emulator).
 //
 // Messages are byte buffers of a size both sides know (the partition tells every rank how many
 // tokens it receives). Every wait takes a timeout: a peer that never answers, or a rank that died,
@@ -33,8 +35,8 @@ using MessageHandle = std::unique_ptr<PendingMessage>;
 // Seconds a wait gives a peer by default before it declares it gone.
 constexpr double kDefaultCommTimeoutSeconds = 120.0;
 
-// Where a communicator's message buffers live: host memory (in-process, MPI) or, for NCCL, the
-// current CUDA device's memory.
+// Where a communicator's message buffers live: host memory (in-process, MPI) or, for NCCL and the
+// CUDA peer world, the rank's CUDA device's memory.
 enum class BufferSpace { kHost, kDevice };
 
 class Communicator {
@@ -56,6 +58,13 @@ class Communicator {
   // Waits for an operation to finish; kUnavailable after `timeout_s` seconds or when the peer is
   // gone. The handle is spent either way.
   virtual Status Wait(MessageHandle handle, double timeout_s = kDefaultCommTimeoutSeconds) = 0;
+
+  // Device-buffer transports: operations posted after this call start on the transport's stream
+  // only once `device_event` (a cudaEvent_t the caller recorded on its own stream, e.g. after
+  // packing the buffer a send reads or unpacking the one a receive overwrites) has completed; the
+  // host does not wait for it. Host transports have nothing to order: their callers finish that
+  // work before posting.
+  virtual Status OrderAfter(void* device_event) { return Status::Ok(); }
 
   // Lets transfers in flight advance while the caller computes: MPI moves a large message only
   // inside MPI calls, so a rank that computes between posting and waiting should poll now and

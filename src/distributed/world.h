@@ -19,6 +19,13 @@ Result<std::unique_ptr<Communicator>> OpenWorldCommunicator();
 // without MPI, by its stub.
 Result<std::unique_ptr<Communicator>> OpenMpiWorldCommunicator();
 
+// The NCCL world over every rank of `bootstrap` (collective: every rank calls it), on CUDA device
+// `device`: the device transport of a job whose ranks run CUDA backends. Defined by the NCCL
+// transport (src/distributed/nccl/) or, in builds without NCCL, by its stub (Unsupported).
+Result<std::unique_ptr<Communicator>> OpenNcclCommunicator(Communicator& bootstrap, int device, double timeout_s);
+// Whether this build has the NCCL transport.
+bool HaveNccl();
+
 // Ends the whole job with `exit_code`: a rank that cannot go on (a server that failed to start)
 // must not leave the other ranks waiting for it. MPI_Abort under MPI, else std::exit.
 [[noreturn]] void AbortJob(int exit_code);

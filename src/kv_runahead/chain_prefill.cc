@@ -61,10 +61,10 @@ Status DistributedPrefillHooks::Start() {
     return Status::Unsupported("distributed prefill into an offloaded KV pool");
   }
   if (packing_ == nullptr) return Status::Unsupported("distributed prefill: " + backend_.Describe() + " has no KV packing");
-  // The K/V are packed into host buffers; a transport of device buffers (NCCL) needs device-side
-  // packing, which is not built yet.
-  if (comm_.buffer_space() != BufferSpace::kHost && num_ranks() > 1) {
-    return Status::Unsupported("distributed prefill over " + comm_.Describe() + ", whose buffers are device memory");
+  if (device_buffers_ && num_ranks() > 1 && packing_->pack_device() < 0) {
+    return Status::Unsupported("distributed prefill over " + comm_.Describe() +
+                               ", whose buffers are device memory, needs a backend that packs KV on the device; " +
+                               backend_.Describe() + " does not");
   }
   const bool tsp = options_.method == PrefillMethod::kTsp;
   // KV-Runahead holds chunks 0..rank; TSP every chunk.
@@ -79,30 +79,59 @@ Status DistributedPrefillHooks::Start() {
   chunk_slots_.clear();
   for (int j = 0; j < held; ++j) chunk_slots_.push_back(SlotsOf(bounds_[j], bounds_[j + 1]));
   if (num_ranks() == 1) return Status::Ok();
-  try {
-    if (tsp) {
-      int64_t widest = 0;
-      for (int j = 0; j < num_ranks(); ++j) widest = std::max(widest, SegmentBytes(j));
-      own_.assign(static_cast<size_t>(widest), std::byte{0});
-      gathered_.assign(static_cast<size_t>(widest) * num_ranks(), std::byte{0});
-      return Status::Ok();
-    }
-    // A middle rank receives chunks 0..rank-1 and sends them on with its own after them.
-    const bool sends = rank() + 1 < num_ranks();
-    const int64_t bytes = KvPackBytes(backend_, bounds_[sends ? rank() + 1 : rank()]);
-    buffers_.assign(kRing, std::vector<std::byte>(static_cast<size_t>(bytes)));
-  } catch (const std::bad_alloc&) {
-    return Status::OutOfMemory("cannot allocate the distributed prefill's message buffers");
+  if (tsp) {
+    int64_t widest = 0;
+    for (int j = 0; j < num_ranks(); ++j) widest = std::max(widest, SegmentBytes(j));
+    KVFLOW_ASSIGN_OR_RETURN(own_, NewBuffer(widest));
+    KVFLOW_ASSIGN_OR_RETURN(gathered_, NewBuffer(widest * num_ranks()));
+    return Status::Ok();
+  }
+  // A middle rank receives chunks 0..rank-1 and sends them on with its own after them.
+  const bool sends = rank() + 1 < num_ranks();
+  const int64_t bytes = KvPackBytes(backend_, bounds_[sends ? rank() + 1 : rank()]);
+  buffers_.clear();
+  for (int b = 0; b < kRing; ++b) {
+    KVFLOW_ASSIGN_OR_RETURN(std::span<std::byte> buffer, NewBuffer(bytes));
+    buffers_.push_back(buffer);
   }
   pending_send_.clear();
   pending_receive_.clear();
   pending_send_.resize(kRing);
   pending_receive_.resize(kRing);
   if (rank() > 0) {
-    const int ahead = std::min(kRing - 1, backend_.kv_layout().num_layers);
+    const int ahead = std::min(receives_ahead_, backend_.kv_layout().num_layers);
     for (int layer = 0; layer < ahead; ++layer) KVFLOW_RETURN_IF_ERROR(PostReceive(layer));
+    comm_.Poll();
   }
   return Status::Ok();
+}
+
+Result<std::span<std::byte>> DistributedPrefillHooks::NewBuffer(int64_t bytes) {
+  if (device_buffers_) {
+    KVFLOW_ASSIGN_OR_RETURN(std::unique_ptr<DeviceAllocation> memory, packing_->AllocatePackBuffer(bytes));
+    device_memory_.push_back(std::move(memory));
+    return device_memory_.back()->bytes();
+  }
+  try {
+    host_memory_.emplace_back(static_cast<size_t>(bytes));
+  } catch (const std::bad_alloc&) {
+    return Status::OutOfMemory("cannot allocate the distributed prefill's message buffers");
+  }
+  return std::span<std::byte>(host_memory_.back());
+}
+
+Status DistributedPrefillHooks::Pack(int layer, std::span<const int64_t> slots, std::span<std::byte> out) {
+  return device_buffers_ ? packing_->PackKvOnDevice(layer, slots, out) : packing_->PackKv(layer, slots, out);
+}
+
+Status DistributedPrefillHooks::Unpack(int layer, std::span<const int64_t> slots, std::span<const std::byte> in) {
+  return device_buffers_ ? packing_->UnpackKvOnDevice(layer, slots, in) : packing_->UnpackKv(layer, slots, in);
+}
+
+Status DistributedPrefillHooks::OrderTransportAfterCompute() {
+  if (!device_buffers_) return Status::Ok();
+  KVFLOW_ASSIGN_OR_RETURN(void* event, packing_->RecordComputeEvent());
+  return comm_.OrderAfter(event);
 }
 
 Status DistributedPrefillHooks::Timed(MessageHandle handle) {
@@ -121,9 +150,8 @@ Status DistributedPrefillHooks::PostReceive(int layer) {
   const int b = layer % kRing;
   KVFLOW_RETURN_IF_ERROR(ReleaseBuffer(b));
   const int64_t bytes = KvPackBytes(backend_, bounds_[rank()]);
-  KVFLOW_ASSIGN_OR_RETURN(pending_receive_[b],
-                          comm_.IRecv(rank() - 1, options_.tag_base + layer,
-                                      std::span<std::byte>(buffers_[b].data(), static_cast<size_t>(bytes))));
+  KVFLOW_ASSIGN_OR_RETURN(pending_receive_[b], comm_.IRecv(rank() - 1, options_.tag_base + layer,
+                                                           buffers_[b].first(static_cast<size_t>(bytes))));
   return Status::Ok();
 }
 
@@ -144,7 +172,7 @@ Status DistributedPrefillHooks::AfterMlpInput(const LayerContext& ctx) {
 
 Status DistributedPrefillHooks::RunChainLayer(int layer) {
   const int b = layer % kRing;
-  std::vector<std::byte>& buffer = buffers_[b];
+  const std::span<std::byte> buffer = buffers_[b];
   const int64_t received = KvPackBytes(backend_, bounds_[rank()]);
   if (rank() > 0) {
     KVFLOW_RETURN_IF_ERROR(Timed(std::move(pending_receive_[b])));
@@ -152,30 +180,34 @@ Status DistributedPrefillHooks::RunChainLayer(int layer) {
     int64_t at = 0;
     for (int j = 0; j < rank(); ++j) {
       const int64_t bytes = SegmentBytes(j);
-      KVFLOW_RETURN_IF_ERROR(packing_->UnpackKv(
-          layer, chunk_slots_[j], std::span<const std::byte>(buffer.data() + at, static_cast<size_t>(bytes))));
+      KVFLOW_RETURN_IF_ERROR(Unpack(layer, chunk_slots_[j], buffer.subspan(static_cast<size_t>(at), static_cast<size_t>(bytes))));
       at += bytes;
     }
   }
   if (rank() + 1 < num_ranks()) {
     if (rank() == 0) KVFLOW_RETURN_IF_ERROR(ReleaseBuffer(b));
     const int64_t own = SegmentBytes(rank());
-    KVFLOW_RETURN_IF_ERROR(packing_->PackKv(
-        layer, chunk_slots_[rank()], std::span<std::byte>(buffer.data() + received, static_cast<size_t>(own))));
-    KVFLOW_ASSIGN_OR_RETURN(pending_send_[b], comm_.ISend(rank() + 1, options_.tag_base + layer,
-                                                          std::span<const std::byte>(buffer.data(), buffer.size())));
+    KVFLOW_RETURN_IF_ERROR(
+        Pack(layer, chunk_slots_[rank()], buffer.subspan(static_cast<size_t>(received), static_cast<size_t>(own))));
+  }
+  // The send reads what was just packed; the receive posted below overwrites a buffer unpacked
+  // kRing - 1 layers ago.
+  KVFLOW_RETURN_IF_ERROR(OrderTransportAfterCompute());
+  if (rank() + 1 < num_ranks()) {
+    KVFLOW_ASSIGN_OR_RETURN(pending_send_[b], comm_.ISend(rank() + 1, options_.tag_base + layer, buffer));
     stats_.bytes_sent += static_cast<int64_t>(buffer.size());
   }
-  // Keep kRing - 1 receives posted ahead of the layer being computed.
-  const int next = layer + kRing - 1;
+  // Keep receives_ahead_ receives posted ahead of the layer being computed.
+  const int next = layer + receives_ahead_;
   if (rank() > 0 && next < backend_.kv_layout().num_layers) KVFLOW_RETURN_IF_ERROR(PostReceive(next));
+  comm_.Poll();
   return Status::Ok();
 }
 
 Status DistributedPrefillHooks::RunTspLayer(int layer) {
   const int64_t own = SegmentBytes(rank());
-  KVFLOW_RETURN_IF_ERROR(
-      packing_->PackKv(layer, chunk_slots_[rank()], std::span<std::byte>(own_.data(), static_cast<size_t>(own))));
+  KVFLOW_RETURN_IF_ERROR(Pack(layer, chunk_slots_[rank()], own_.first(static_cast<size_t>(own))));
+  KVFLOW_RETURN_IF_ERROR(OrderTransportAfterCompute());
   const auto start = std::chrono::steady_clock::now();
   Status st = comm_.AllGather(own_, gathered_, options_.timeout_s);
   stats_.wait_seconds += SecondsSince(start);
@@ -184,9 +216,8 @@ Status DistributedPrefillHooks::RunTspLayer(int layer) {
   stats_.bytes_received += static_cast<int64_t>(own_.size()) * (num_ranks() - 1);
   for (int j = 0; j < num_ranks(); ++j) {
     if (j == rank()) continue;
-    const std::byte* segment = gathered_.data() + own_.size() * static_cast<size_t>(j);
-    KVFLOW_RETURN_IF_ERROR(packing_->UnpackKv(
-        layer, chunk_slots_[j], std::span<const std::byte>(segment, static_cast<size_t>(SegmentBytes(j)))));
+    KVFLOW_RETURN_IF_ERROR(Unpack(layer, chunk_slots_[j],
+                                  gathered_.subspan(own_.size() * static_cast<size_t>(j), static_cast<size_t>(SegmentBytes(j)))));
   }
   return Status::Ok();
 }

@@ -19,6 +19,16 @@
 // The K/V cross the wire in the pools' own format (Backend::PackKv): every rank must run the same
 // model with the same KV dtype. A message carries one packed segment per chunk, in chunk order, so
 // forwarding the received chunks costs no repacking.
+//
+// Over a transport of device buffers (NCCL, CUDA peer copies) the message buffers are device
+// memory of the rank's backend and the K/V are packed and unpacked there by kernels
+// (KvPacking::PackKvOnDevice): nothing crosses to the host. Each layer records one event on the
+// compute stream after its pack (and its unpacks) and orders the transport after it
+// (Communicator::OrderAfter), so the send starts once the buffer is packed and the next receive
+// overwrites a buffer only once it was unpacked, with no device-wide synchronisation; the host
+// waits only for a layer's receive before issuing its unpack (with the deadline that turns a dead
+// peer into an error). Receives are posted one layer ahead there, right after the layer's send, so
+// NCCL launches them as one group and a send never queues behind a receive for a later layer.
 #pragma once
 
 #include <cstdint>
@@ -78,8 +88,16 @@ class DistributedPrefillHooks final : public LayerHooks {
 
  private:
   // Ring of message buffers: layer l's receive and send use buffer l % kRing, so receives can be
-  // posted kRing - 1 layers ahead while a send is still in flight.
+  // posted kRing - 1 layers ahead (host buffers; one ahead for device ones) while a send is still
+  // in flight.
   static constexpr int kRing = 3;
+  // Packed K/V to and from message buffers, in host or device memory as the transport wants.
+  Status Pack(int layer, std::span<const int64_t> slots, std::span<std::byte> out);
+  Status Unpack(int layer, std::span<const int64_t> slots, std::span<const std::byte> in);
+  // Device buffers: orders the transport's next operations after the compute issued so far.
+  Status OrderTransportAfterCompute();
+  // A message buffer of `bytes`, host or device memory.
+  Result<std::span<std::byte>> NewBuffer(int64_t bytes);
   int rank() const { return comm_.rank(); }
   int num_ranks() const { return comm_.size(); }
   // The physical slots of positions [begin, end) in this rank's block table.
@@ -99,10 +117,14 @@ class DistributedPrefillHooks final : public LayerHooks {
   std::vector<BlockId> block_table_;
   DistributedPrefillOptions options_;
   std::vector<std::vector<int64_t>> chunk_slots_;  // per chunk, its positions' slots here
-  std::vector<std::vector<std::byte>> buffers_;
+  bool device_buffers_ = comm_.buffer_space() == BufferSpace::kDevice;
+  int receives_ahead_ = device_buffers_ ? 1 : kRing - 1;
+  std::vector<std::vector<std::byte>> host_memory_;                 // what NewBuffer allocated,
+  std::vector<std::unique_ptr<DeviceAllocation>> device_memory_;   // one of the two
+  std::vector<std::span<std::byte>> buffers_;
   std::vector<MessageHandle> pending_send_;     // per ring buffer
   std::vector<MessageHandle> pending_receive_;  // per ring buffer
-  std::vector<std::byte> own_, gathered_;       // TSP
+  std::span<std::byte> own_, gathered_;         // TSP
   DistributedPrefillStats stats_;
   bool finished_ = false;
 };

@@ -26,16 +26,44 @@ constexpr int kTagWindows = 64;
 
 enum CommandOp : int64_t { kStop = 0, kPrefill = 1 };
 
-// What a worker holds: the model's shape, the K/V format on the wire, and the tokens its pool holds.
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// What a worker holds: the model's shape, the K/V format on the wire, the tokens its pool holds,
+// and the CUDA device it can take the K/V on over NCCL (-1: none).
 struct Hello {
   int64_t num_layers = 0, num_kv_heads = 0, head_dim = 0, kv_token_bytes = 0, vocab_size = 0, pool_tokens = 0;
-  static constexpr size_t kFields = 6;
+  int64_t nccl_device = -1;
+  static constexpr size_t kFields = 7;
 };
 
-Hello HelloOf(const Backend& backend) {
+// The device this rank's K/V would use over NCCL: the backend's, where it packs on a device and
+// this build has NCCL.
+int NcclDevice(Backend& backend) {
+  const KvPacking* packing = backend.As<KvPacking>();
+  return HaveNccl() && packing != nullptr ? packing->pack_device() : -1;
+}
+
+Hello HelloOf(Backend& backend) {
   const KvCacheLayout& layout = backend.kv_layout();
   return {layout.num_layers, layout.num_kv_heads, layout.head_dim, backend.kv_token_bytes(),
-          backend.model_config().vocab_size, static_cast<int64_t>(layout.num_blocks) * layout.block_size};
+          backend.model_config().vocab_size, static_cast<int64_t>(layout.num_blocks) * layout.block_size,
+          NcclDevice(backend)};
+}
+
+// A command: [op, method, tag_base, transport, bounds 0..P].
+constexpr size_t kCommandHeader = 4;
+enum Transport : int64_t { kHostBuffers = 0, kNccl = 1 };
+
+// Opens the NCCL world the K/V go over, on every rank at once (its first prefill that uses it).
+Result<std::unique_ptr<Communicator>> OpenKvTransport(Communicator& comm, Backend& backend, double timeout_s) {
+  const int device = NcclDevice(backend);
+  const auto start = std::chrono::steady_clock::now();
+  KVFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> nccl, OpenNcclCommunicator(comm, device, timeout_s));
+  spdlog::info("{}: the K/V of distributed prefills go over {} from now on (opened in {:.2f} s)", comm.Describe(),
+               nccl->Describe(), SecondsSince(start));
+  return nccl;
 }
 
 template <typename T>
@@ -43,17 +71,13 @@ std::span<const std::byte> Bytes(std::span<const T> values) {
   return std::as_bytes(values);
 }
 
-double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
 }  // namespace
 
 DistributedPromptPrefiller::DistributedPromptPrefiller(Communicator& comm, Backend& backend, PrefillMethod method,
                                                        int64_t min_tokens, std::optional<PartitionTable> table,
-                                                       double timeout_s)
-    : comm_(comm), backend_(backend), method_(method), min_tokens_(min_tokens), table_(std::move(table)),
-      timeout_s_(timeout_s) {}
+                                                       double timeout_s, bool device_transport)
+    : comm_(comm), device_transport_(device_transport), backend_(backend), method_(method), min_tokens_(min_tokens),
+      table_(std::move(table)), timeout_s_(timeout_s) {}
 
 Result<std::unique_ptr<DistributedPromptPrefiller>> DistributedPromptPrefiller::Create(
     Communicator& comm, Backend& backend, int64_t max_model_len, PrefillMethod method, int64_t min_tokens,
@@ -66,6 +90,7 @@ Result<std::unique_ptr<DistributedPromptPrefiller>> DistributedPromptPrefiller::
     return Status::Unsupported("distributed prefill into an offloaded KV pool");
   }
   const Hello mine = HelloOf(backend);
+  bool device_transport = mine.nccl_device >= 0 && comm.size() > 1;
   for (int worker = 0; worker + 1 < comm.size(); ++worker) {
     int64_t theirs[Hello::kFields];
     Status st = comm.Recv(worker, kHelloTag, std::as_writable_bytes(std::span<int64_t>(theirs)), timeout_s);
@@ -88,14 +113,20 @@ Result<std::unique_ptr<DistributedPromptPrefiller>> DistributedPromptPrefiller::
                                      " tokens, fewer than max_model_len " + std::to_string(max_model_len) +
                                      "; start every rank with the same --max-model-len");
     }
+    if (theirs[6] < 0) device_transport = false;
   }
-  return std::unique_ptr<DistributedPromptPrefiller>(
-      new DistributedPromptPrefiller(comm, backend, method, min_tokens, std::move(table), timeout_s));
+  if (comm.size() > 1) {
+    spdlog::info("distributed prefill: the K/V go {}", device_transport
+                                                           ? "over NCCL from device buffers (one GPU per rank)"
+                                                           : "over " + comm.Describe() + " from host buffers");
+  }
+  return std::unique_ptr<DistributedPromptPrefiller>(new DistributedPromptPrefiller(
+      comm, backend, method, min_tokens, std::move(table), timeout_s, device_transport));
 }
 
 DistributedPromptPrefiller::~DistributedPromptPrefiller() {
   if (broken_) return;
-  const std::vector<int64_t> stop(static_cast<size_t>(3 + comm_.size() + 1), 0);
+  const std::vector<int64_t> stop(kCommandHeader + static_cast<size_t>(comm_.size() + 1), 0);
   for (int worker = 0; worker + 1 < comm_.size(); ++worker) {
     Status st = comm_.Send(worker, kCommandTag, Bytes(std::span<const int64_t>(stop)), 10.0);
     if (!st.ok()) spdlog::warn("prefill worker {} was not told to stop: {}", worker, st.ToString());
@@ -121,7 +152,8 @@ Status DistributedPromptPrefiller::Prefill(std::span<const int32_t> prompt, int6
   KVFLOW_ASSIGN_OR_RETURN(PartitionChoice choice, ChoosePartition(table_ ? &*table_ : nullptr, num_tokens, p));
   const std::vector<int64_t>& bounds = choice.partition.bounds;
   const int tag_base = kFirstLayerTag + static_cast<int>(prefills_ % kTagWindows) * backend_.kv_layout().num_layers;
-  std::vector<int64_t> command = {kPrefill, static_cast<int64_t>(method_), tag_base};
+  std::vector<int64_t> command = {kPrefill, static_cast<int64_t>(method_), tag_base,
+                                  device_transport_ ? kNccl : kHostBuffers};
   command.insert(command.end(), bounds.begin(), bounds.end());
   const auto start = std::chrono::steady_clock::now();
   Status st;
@@ -133,6 +165,14 @@ Status DistributedPromptPrefiller::Prefill(std::span<const int32_t> prompt, int6
       st = comm_.Send(worker, kTokensTag, Bytes(chunk), timeout_s_);
     }
   }
+  if (st.ok() && device_transport_ && kv_comm_ == nullptr) {
+    Result<std::unique_ptr<Communicator>> opened = OpenKvTransport(comm_, backend_, timeout_s_);
+    if (opened.ok()) {
+      kv_comm_ = std::move(opened).value();
+    } else {
+      st = opened.status();
+    }
+  }
   if (st.ok()) {
     DistributedPrefillOptions options;
     options.method = method_;
@@ -141,7 +181,8 @@ Status DistributedPromptPrefiller::Prefill(std::span<const int32_t> prompt, int6
     std::span<const int32_t> own = prompt.subspan(static_cast<size_t>(bounds[p - 1]),
                                                   static_cast<size_t>(bounds[p] - bounds[p - 1]));
     std::vector<float> logits;  // the engine computes the first token's itself, from the tail
-    st = RunDistributedPrefill(comm_, backend_, own, bounds, block_table, options, logits, &last_stats_);
+    Communicator& kv = kv_comm_ != nullptr ? *kv_comm_ : comm_;
+    st = RunDistributedPrefill(kv, backend_, own, bounds, block_table, options, logits, &last_stats_);
   }
   ++prefills_;
   if (!st.ok()) {
@@ -188,14 +229,15 @@ Status RunPrefillWorker(const EngineConfig& config, Communicator& comm, double t
   for (size_t b = 0; b < table.size(); ++b) table[b] = static_cast<BlockId>(b);
   const int leader = comm.size() - 1;
   const Hello hello = HelloOf(*backend);
-  const int64_t fields[Hello::kFields] = {hello.num_layers, hello.num_kv_heads, hello.head_dim,
-                                          hello.kv_token_bytes, hello.vocab_size, hello.pool_tokens};
+  const int64_t fields[Hello::kFields] = {hello.num_layers,   hello.num_kv_heads, hello.head_dim,   hello.kv_token_bytes,
+                                          hello.vocab_size,   hello.pool_tokens,  hello.nccl_device};
   KVFLOW_RETURN_IF_ERROR(comm.Send(leader, kHelloTag, Bytes(std::span<const int64_t>(fields)), timeout_s));
   if (ready) *ready = true;
   spdlog::info("prefill worker {} ready: {} on {}, waiting for rank {}", comm.Describe(),
                backend->model_config().name, backend->Describe(), leader);
-  std::vector<int64_t> command(static_cast<size_t>(3 + comm.size() + 1));
+  std::vector<int64_t> command(kCommandHeader + static_cast<size_t>(comm.size() + 1));
   int64_t served = 0;
+  std::unique_ptr<Communicator> kv_comm;  // the NCCL world, once a command asked for it
   while (true) {
     // The server may idle for hours: wait in slices, and stop only when the last rank is gone.
     const auto start = std::chrono::steady_clock::now();
@@ -212,18 +254,22 @@ Status RunPrefillWorker(const EngineConfig& config, Communicator& comm, double t
                                    command[1] != static_cast<int64_t>(PrefillMethod::kTsp))) {
       return Status::Internal("prefill worker: unknown command from rank " + std::to_string(leader));
     }
-    const std::vector<int64_t> bounds(command.begin() + 3, command.end());
+    const std::vector<int64_t> bounds(command.begin() + kCommandHeader, command.end());
     KVFLOW_RETURN_IF_ERROR(ValidatePrefillBounds(bounds, comm.size()));
     const int me = comm.rank();
     std::vector<int32_t> tokens(static_cast<size_t>(bounds[me + 1] - bounds[me]));
     KVFLOW_RETURN_IF_ERROR(comm.Recv(leader, kTokensTag, std::as_writable_bytes(std::span<int32_t>(tokens)), timeout_s));
+    if (command[3] == kNccl && kv_comm == nullptr) {
+      KVFLOW_ASSIGN_OR_RETURN(kv_comm, OpenKvTransport(comm, *backend, timeout_s));
+    }
     DistributedPrefillOptions options;
     options.method = static_cast<PrefillMethod>(command[1]);
     options.timeout_s = timeout_s;
     options.tag_base = static_cast<int>(command[2]);
     std::vector<float> logits;
     DistributedPrefillStats stats;
-    st = RunDistributedPrefill(comm, *backend, tokens, bounds, table, options, logits, &stats);
+    st = RunDistributedPrefill(command[3] == kNccl ? *kv_comm : comm, *backend, tokens, bounds, table, options, logits,
+                               &stats);
     if (!st.ok()) {
       // The last rank fails this prefill too and stops asking.
       spdlog::error("prefill worker {}: {}", comm.Describe(), st.ToString());

@@ -5,10 +5,15 @@
 // prompt_prefill_connector.h); shorter prompts never leave the last rank.
 //
 // Protocol (all between the last rank L and each worker w, on the job's communicator):
-//   at start   w -> L  hello: the worker's model shape and KV format, which must equal L's
-//   a prefill  L -> w  command [kPrefill, method, tag_base, bounds 0..P], then w's chunk tokens;
-//              then the layers' K/V flow as chain_prefill.h says, under tags tag_base + layer
+//   at start   w -> L  hello: the worker's model shape and KV format, which must equal L's, and
+//                      whether it can take the K/V in device memory over NCCL
+//   a prefill  L -> w  command [kPrefill, method, tag_base, transport, bounds 0..P], then w's chunk
+//              tokens; then the layers' K/V flow as chain_prefill.h says, under tags tag_base + layer
 //   at the end L -> w  command [kStop, ...]
+// The K/V travel over NCCL from device buffers when every rank runs a CUDA backend and kvflow was
+// built with NCCL (one GPU per rank: the rank's --device); otherwise over the job's communicator
+// from host buffers. The first prefill that uses NCCL opens its world on every rank (collective),
+// after the command and the tokens went out, and every later one reuses it.
 // A failure anywhere (a worker that errs, a peer that times out) fails that prefill, which the
 // engine then computes on its own, and turns distributed prefill off for good: the workers' state is
 // unknown after it.
@@ -48,10 +53,12 @@ class DistributedPromptPrefiller final : public PromptPrefiller {
 
  private:
   DistributedPromptPrefiller(Communicator& comm, Backend& backend, PrefillMethod method, int64_t min_tokens,
-                             std::optional<PartitionTable> table, double timeout_s);
+                             std::optional<PartitionTable> table, double timeout_s, bool device_transport);
   Status SendCommand(int worker, std::span<const int64_t> command);
 
   Communicator& comm_;
+  bool device_transport_;                     // the K/V go over NCCL (opened at the first prefill)
+  std::unique_ptr<Communicator> kv_comm_;     // that NCCL world, once open
   Backend& backend_;
   PrefillMethod method_;
   int64_t min_tokens_;

@@ -29,11 +29,10 @@ Status RegisterKvOffload(SystemRegistry& registry) {
   KvConnectorPlugin p;
   p.info.name = kKvOffloadConnector;
   p.info.label = "kv_offload";
-  // The tier fetches what the target's own passes read. N-gram speculation runs no passes of its
-  // own (its verification is a target step of several tokens), so it composes.
+  // The tier fetches what the target's own steps read; a verification is a target step of several
+  // tokens. A draft model keeps its (small) pool on the device, and TriForce's middle level reads
+  // copies it keeps resident (OffloadedKvPool::KeepResident), so speculation of every kind composes.
   p.info.excludes = {
-      {"drafter:triforce", "TriForce's middle passes read the KV cache through lanes the offload tier does not fetch"},
-      {"draft model", "the draft model keeps a KV pool of its own on the device"},
       {"swap preemption", "kv_offload keeps the KV pool in host memory already: preemption_mode swap has nowhere to "
                           "swap to; use recompute or auto"},
   };

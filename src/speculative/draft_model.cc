@@ -39,6 +39,9 @@ Result<std::unique_ptr<Backend>> CreateDraftModelBackend(const EngineConfig& con
   files.tensors.reset();
   EngineConfig draft = config;
   draft.num_kv_blocks = target.kv_layout().num_blocks + scratch_blocks;
+  // A draft model's cache is small: it stays on the device when the target's is offloaded (its
+  // passes read views an offloaded pool does not stage, and TriForce wants it resident).
+  draft.kv_offload.enabled = false;
   // The same host pool: the swap space, then the host prefix cache's blocks (resolved by the
   // target's factory).
   draft.host_prefix_cache = HostPrefixCacheConfig{0, std::max(0, config.host_prefix_cache.num_blocks)};

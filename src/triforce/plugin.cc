@@ -6,7 +6,11 @@
 namespace kvflow {
 namespace {
 
-TriForceConfig Config(const EngineConfig& c) { return TriForceConfig::FromOptions(c.speculative, c.max_num_seqs); }
+TriForceConfig Config(const EngineConfig& c) {
+  TriForceConfig t = TriForceConfig::FromOptions(c.speculative, c.max_num_seqs);
+  t.kv_offload = c.kv_offload.enabled;
+  return t;
+}
 
 }  // namespace
 
@@ -23,6 +27,11 @@ Status RegisterTriForce(SystemRegistry& registry) {
     const bool bottom_model = c.speculative.triforce.draft == "draft_model";
     if (bottom_model && c.speculative.model.empty()) {
       return Status::InvalidArgument("triforce_draft draft_model needs speculative_model (--speculative-model)");
+    }
+    if (c.kv_offload.enabled && c.speculative.triforce.draft == "streaming") {
+      return Status::InvalidArgument(
+          "triforce_draft streaming reads the target's own recent window, which kv_offload keeps in host memory; "
+          "with kv_offload use triforce_draft ngram or draft_model (whose cache stays on the device)");
     }
     if (!bottom_model && !c.speculative.model.empty()) {
       return Status::InvalidArgument("speculative_model is for speculative_method draft_model (or triforce with "
@@ -45,6 +54,10 @@ Status RegisterTriForce(SystemRegistry& registry) {
       return Status::Unsupported("triforce scores the target's KV blocks to build its retrieval cache; " +
                                  ctx.target.Describe() + " has no block scoring");
     }
+    // Over an offloaded pool the scratch (lanes, copies for the middle) stays on the device.
+    if (OffloadedKvPool* pool = ctx.target.As<OffloadedKvPool>()) {
+      KVFLOW_RETURN_IF_ERROR(pool->KeepResident(ctx.num_target_blocks - ctx.target_scratch_blocks));
+    }
     return std::unique_ptr<Drafter>(std::make_unique<TriForceDrafter>(
         Config(ctx.config), ctx.target, ctx.num_target_blocks - ctx.target_scratch_blocks, ctx.draft_backend,
         ctx.target.kv_layout().num_blocks));
@@ -61,6 +74,9 @@ Status RegisterTriForce(SystemRegistry& registry) {
                static_cast<double>(s.spec.bottom_passes));
     AddCounter(out, "kvflow:triforce_retrieval_builds_total", "Retrieval caches built or rebuilt.",
                static_cast<double>(s.spec.retrieval_builds));
+    AddCounter(out, "kvflow:triforce_resident_copied_blocks_total",
+               "KV blocks copied to the device for the retrieval level to read (--kv-offload).",
+               static_cast<double>(s.spec.retrieval_copied_blocks));
     AddCounter(out, "kvflow:triforce_plain_steps_total",
                "Sequence steps decoded without drafts because TriForce would not pay (short context, low acceptance).",
                static_cast<double>(s.spec.plain_steps));

@@ -13,6 +13,7 @@ int RecentBlocks(int64_t budget_blocks) { return static_cast<int>(std::max<int64
 
 void RetrievalCache::Build(std::vector<int32_t> selected, int64_t cached) {
   built_ = true;
+  ++builds_;
   selected_ = std::move(selected);
   built_at_ = cached;
   rounds_.clear();

@@ -43,6 +43,8 @@ int RecentBlocks(int64_t budget_blocks);
 class RetrievalCache {
  public:
   bool built() const { return built_; }
+  // Selections made so far (each Build adds one).
+  int64_t builds() const { return builds_; }
   // A new selection (ascending logical indices of full blocks) made with `cached` tokens cached.
   void Build(std::vector<int32_t> selected, int64_t cached);
   // The logical full blocks the middle reads with `cached` tokens cached (those of the partial
@@ -61,6 +63,7 @@ class RetrievalCache {
 
  private:
   bool built_ = false;
+  int64_t builds_ = 0;
   std::vector<int32_t> selected_;
   int64_t built_at_ = 0;  // tokens cached when built: blocks filled after it are appended
   std::deque<std::pair<int64_t, int64_t>> rounds_;  // (drafted, accepted)

@@ -213,9 +213,30 @@ class TriForceDrafter::Bottom {
 
 // ---- the drafter ----------------------------------------------------------------------------------
 
-int TriForceDrafter::TargetScratchBlocks(const TriForceConfig& config, int block_size) {
+int TriForceDrafter::LaneScratchBlocks(const TriForceConfig& config, int block_size) {
   const int lanes = config.bottom == "streaming" ? 2 : 1;
   return lanes * config.max_num_seqs * LanePool::BlocksPerLane(LaneTokens(config), block_size);
+}
+
+int TriForceDrafter::CopyRegionBlocks(const TriForceConfig& config, int block_size) {
+  if (!config.kv_offload) return 0;
+  // The largest selection (the configured budget, or the automatic one's cap), then the blocks that
+  // fill before the next stride rebuild (or, with no stride, as many again: a view that outgrows
+  // its region is rebuilt early).
+  const int64_t budget = RetrievalBudgetTokens(config.retrieval.budget_tokens, int64_t{1} << 40);
+  const int64_t budget_blocks = std::max<int64_t>(1, budget / block_size);
+  const int64_t growth = config.retrieval.rebuild_stride > 0
+                             ? BlocksForTokens(config.retrieval.rebuild_stride, block_size) + 1
+                             : budget_blocks;
+  return static_cast<int>(budget_blocks + growth);
+}
+
+int TriForceDrafter::CopyRegions(const TriForceConfig& config) {
+  return config.kv_offload ? std::min(config.max_num_seqs, kMaxCopyRegions) : 0;
+}
+
+int TriForceDrafter::TargetScratchBlocks(const TriForceConfig& config, int block_size) {
+  return LaneScratchBlocks(config, block_size) + CopyRegions(config) * CopyRegionBlocks(config, block_size);
 }
 
 int TriForceDrafter::DraftScratchBlocks(const TriForceConfig& config, int block_size) {
@@ -235,12 +256,14 @@ TriForceDrafter::TriForceDrafter(const TriForceConfig& config, Backend& target, 
   BlockId bottom_scratch = 0;
   if (config.bottom == "streaming") {
     bottom_backend = &target;
-    bottom_scratch = target_scratch + TargetScratchBlocks(config, block_size_) / 2;
+    bottom_scratch = target_scratch + LaneScratchBlocks(config, block_size_) / 2;
   } else if (config.bottom == "draft_model") {
     bottom_backend = draft;
     bottom_scratch = draft_scratch;
   }
   bottom_ = std::make_unique<Bottom>(config_, bottom_backend, bottom_scratch, target.model_config().vocab_size);
+  copy_regions_ = target_scratch + LaneScratchBlocks(config, block_size_);
+  for (int r = CopyRegions(config) - 1; r >= 0; --r) free_regions_.push_back(r);
 }
 
 TriForceDrafter::~TriForceDrafter() = default;
@@ -314,7 +337,12 @@ Status TriForceDrafter::BuildScored() {
   return Status::Ok();
 }
 
-void TriForceDrafter::Forget(int64_t seq_id) { seqs_.erase(seq_id); }
+void TriForceDrafter::Forget(int64_t seq_id) {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) return;
+  if (it->second.region >= 0) free_regions_.push_back(it->second.region);
+  seqs_.erase(it);
+}
 
 void TriForceDrafter::AddStats(SpecDecodeStats& s) const {
   s.Add(stats_);  // the drafter counts only its own levels
@@ -357,6 +385,19 @@ Status TriForceDrafter::ProposeChunk(std::span<DraftJob* const> jobs) {
   }
   if (works.empty()) return Status::Ok();
 
+  std::vector<bool> placed;
+  KVFLOW_RETURN_IF_ERROR(PlaceMiddleViews(works, placed));
+  if (std::find(placed.begin(), placed.end(), false) != placed.end()) {
+    std::vector<Work> kept;
+    for (size_t i = 0; i < works.size(); ++i) {
+      if (!placed[i]) continue;
+      kept.push_back(std::move(works[i]));
+      kept.back().lane = static_cast<int>(kept.size()) - 1;
+    }
+    works = std::move(kept);
+    if (works.empty()) return Status::Ok();
+  }
+
   std::vector<LanePool::PartialBlock> parts;
   for (const Work& w : works) parts.push_back({w.lane, w.job->block_table, w.cached});
   KVFLOW_RETURN_IF_ERROR(middle_.CopyPartialBlocks(parts));
@@ -378,11 +419,66 @@ Status TriForceDrafter::ProposeChunk(std::span<DraftJob* const> jobs) {
   return Status::Ok();
 }
 
+Status TriForceDrafter::PlaceMiddleViews(std::vector<Work>& works, std::vector<bool>& placed) {
+  placed.assign(works.size(), true);
+  std::vector<int32_t> logical;
+  std::vector<KvTransfer> copies;
+  const int region_blocks = CopyRegionBlocks(config_, block_size_);
+  const int layers = target_.model_config().num_layers;
+  for (size_t i = 0; i < works.size(); ++i) {
+    Work& w = works[i];
+    w.middle_blocks.clear();
+    w.cache->ViewBlocks(w.cached, block_size_, logical);
+    if (!config_.kv_offload) {
+      for (int32_t b : logical) w.middle_blocks.push_back(w.job->block_table[static_cast<size_t>(b)]);
+      continue;
+    }
+    Tracked& tracked = seqs_.at(w.job->seq->id);
+    if (tracked.region < 0 && !free_regions_.empty()) {
+      tracked.region = free_regions_.back();
+      free_regions_.pop_back();
+    }
+    if (tracked.region < 0) {
+      // Every copy region is taken (kMaxCopyRegions drafting sequences): decode plainly.
+      placed[i] = false;
+      ++stats_.plain_steps;
+      continue;
+    }
+    if (static_cast<int>(logical.size()) > region_blocks) {
+      // Outgrew its region since the build: decode plainly until a new selection is made.
+      tracked.want_scores = true;
+      placed[i] = false;
+      ++stats_.plain_steps;
+      continue;
+    }
+    if (tracked.copied_build != w.cache->builds()) {
+      tracked.copied.clear();
+      tracked.copied_build = w.cache->builds();
+    }
+    // The view is the copied prefix and the blocks that filled since: copy those (every layer).
+    const BlockId region = copy_regions_ + static_cast<BlockId>(tracked.region) * region_blocks;
+    for (size_t b = tracked.copied.size(); b < logical.size(); ++b) {
+      KvTransfer t;
+      t.src_block = w.job->block_table[static_cast<size_t>(logical[b])];
+      t.dst_block = region + static_cast<BlockId>(b);
+      t.num_tokens = block_size_;
+      t.layer_end = layers;
+      copies.push_back(t);
+      tracked.copied.push_back(logical[b]);
+    }
+    for (size_t b = 0; b < logical.size(); ++b) w.middle_blocks.push_back(region + static_cast<BlockId>(b));
+  }
+  if (!copies.empty()) {
+    stats_.retrieval_copied_blocks += static_cast<int64_t>(copies.size());
+    KVFLOW_RETURN_IF_ERROR(target_.TransferKv(copies));
+  }
+  return Status::Ok();
+}
+
 Status TriForceDrafter::MiddlePass(std::vector<Work>& works) {
   const auto start = Clock::now();
   std::vector<LaneSlice> slices;
   std::vector<Work*> rows;
-  std::vector<int32_t> logical;
   for (Work& w : works) {
     if (w.done) continue;
     LaneSlice s;
@@ -391,8 +487,7 @@ Status TriForceDrafter::MiddlePass(std::vector<Work>& works) {
     s.first_position = w.pending_position();
     s.tokens.push_back(w.pending());
     s.tokens.insert(s.tokens.end(), w.bottom.begin(), w.bottom.end());
-    w.cache->ViewBlocks(w.cached, block_size_, logical);
-    for (int32_t b : logical) s.blocks.push_back(w.job->block_table[static_cast<size_t>(b)]);
+    s.blocks = w.middle_blocks;
     slices.push_back(std::move(s));
     rows.push_back(&w);
   }

@@ -18,6 +18,15 @@
 // The middle and a streaming bottom run on the target's backend between the engine's steps, their
 // drafted K/V in scratch lanes past the blocks the block manager owns (triforce/lane_pass.h).
 //
+// Over an offloaded KV pool (EngineConfig::kv_offload, the paper's offloading setting) the target's
+// full cache is in host memory and every verification streams it once, layer by layer, for all its
+// gamma2 + 1 rows (offload/kv_prefetch.h). The middle level must not: its scratch (the lanes and a
+// copy region per sequence, for up to kMaxCopyRegions sequences, holding the blocks its retrieval
+// cache reads) is kept resident on the device (OffloadedKvPool::KeepResident), each block copied
+// there once, when it enters the view, so the middle passes read device memory only. The bottom is n-gram or the draft model (whose
+// backend keeps its own cache on the device); the streaming bottom reads the target's recent
+// window, which the host holds, and is refused.
+//
 // The retrieval cache is built inside the engine's own passes, so building costs no pass of its
 // own: when a sequence needs a (new) selection, the drafter asks for its chunks to be scored in the
 // coming step (StepHooks: the query of the sequence's newest token, at every layer, over the full
@@ -52,6 +61,7 @@ struct TriForceConfig {
   int ngram_max = 4;
   int ngram_min = 1;
   int max_num_seqs = 64;  // scratch lanes
+  bool kv_offload = false;  // the target's pool is offloaded: the middle reads resident copies
 
   static TriForceConfig FromOptions(const SpeculativeConfig& config, int max_num_seqs);
   Status Validate() const;
@@ -68,6 +78,15 @@ class TriForceDrafter final : public Drafter, private StepHooks, private LayerHo
 
   // Scratch blocks past the block manager's in the target's pool, and in the draft model's.
   static int TargetScratchBlocks(const TriForceConfig& config, int block_size);
+  // Of the target's: the lanes (middle, then a streaming bottom's), and over an offloaded pool the
+  // copy regions after them, one per lane, of CopyRegionBlocks each.
+  static int LaneScratchBlocks(const TriForceConfig& config, int block_size);
+  static int CopyRegionBlocks(const TriForceConfig& config, int block_size);
+  // Copy regions over an offloaded pool: one per drafting sequence, at most kMaxCopyRegions (each
+  // holds a whole retrieval cache on the device; TriForce's offloading setting serves a few long
+  // sequences). Sequences past them decode plainly.
+  static constexpr int kMaxCopyRegions = 8;
+  static int CopyRegions(const TriForceConfig& config);
   static int DraftScratchBlocks(const TriForceConfig& config, int block_size);
 
   int num_speculative_tokens() const override { return config_.gamma2; }
@@ -83,6 +102,11 @@ class TriForceDrafter final : public Drafter, private StepHooks, private LayerHo
   struct Tracked {
     RetrievalCache cache;
     bool want_scores = false;  // score its chunks in the coming step
+    // Over an offloaded pool: its copy region (-1: none yet), the logical blocks copied there in
+    // view order, and the build they belong to.
+    int region = -1;
+    std::vector<int32_t> copied;
+    int64_t copied_build = -1;
   };
   // A sequence whose chunks the last step scored: its scores in the backend's buffer.
   struct Scored {
@@ -100,6 +124,10 @@ class TriForceDrafter final : public Drafter, private StepHooks, private LayerHo
   // Selects the top chunks of the sequences the last step scored.
   Status BuildScored();
   Status ProposeChunk(std::span<DraftJob* const> jobs);
+  // The physical blocks the middle reads for each work: the table's, or over an offloaded pool the
+  // resident copies (copying what entered the view since the last call). False for a work whose
+  // view does not fit its region (it then decodes plainly until its next build).
+  Status PlaceMiddleViews(std::vector<Work>& works, std::vector<bool>& placed);
   Status MiddlePass(std::vector<Work>& works);
   void VerifyAtMiddle(Work& w, std::span<float> rows);
 
@@ -109,6 +137,8 @@ class TriForceDrafter final : public Drafter, private StepHooks, private LayerHo
   int block_size_;
   LanePool middle_;
   std::unique_ptr<Bottom> bottom_;
+  BlockId copy_regions_ = 0;        // first block of the copy regions (offloaded pool)
+  std::vector<int> free_regions_;
   std::unordered_map<int64_t, Tracked> seqs_;
   std::vector<KvBlockScoreJob> scoring_;
   std::vector<Scored> scored_;

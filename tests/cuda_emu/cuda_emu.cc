@@ -1386,22 +1386,46 @@ const char* cudaGetErrorName(cudaError_t error) {
 
 // ---- device ----
 
+namespace kvflow_emu {
+// KVFLOW_EMU_DEVICES emulated devices (default 1), read at every call so that a test may set it
+// before its first CUDA call. They share one memory (host memory, one KVFLOW_EMU_DEVICE_MEMORY
+// budget); the current device is per host thread, as in CUDA.
+int DeviceCount() {
+  const char* v = std::getenv("KVFLOW_EMU_DEVICES");
+  const int n = v != nullptr ? std::atoi(v) : 1;
+  return std::clamp(n, 1, 16);
+}
+thread_local int t_current_device = 0;
+bool ValidDevice(int device) { return device >= 0 && device < DeviceCount(); }
+}  // namespace kvflow_emu
+
 cudaError_t cudaGetDeviceCount(int* count) {
   if (!count) return emu::SetError(cudaErrorInvalidValue);
-  *count = 1;
+  *count = emu::DeviceCount();
   return cudaSuccess;
 }
 cudaError_t cudaGetDevice(int* device) {
   if (!device) return emu::SetError(cudaErrorInvalidValue);
-  *device = 0;
+  *device = emu::t_current_device;
   return cudaSuccess;
 }
-cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : emu::SetError(cudaErrorInvalidDevice); }
+cudaError_t cudaSetDevice(int device) {
+  if (!emu::ValidDevice(device)) return emu::SetError(cudaErrorInvalidDevice);
+  emu::t_current_device = device;
+  return cudaSuccess;
+}
 cudaError_t cudaSetDeviceFlags(unsigned int) { return cudaSuccess; }
 cudaError_t cudaDeviceReset(void) { return cudaSuccess; }
 cudaError_t cudaDeviceSetLimit(enum cudaLimit, size_t) { return cudaSuccess; }
-cudaError_t cudaDeviceCanAccessPeer(int* can, int, int) {
-  if (can) *can = 0;
+cudaError_t cudaDeviceCanAccessPeer(int* can, int device, int peer) {
+  if (!can) return emu::SetError(cudaErrorInvalidValue);
+  if (!emu::ValidDevice(device) || !emu::ValidDevice(peer)) return emu::SetError(cudaErrorInvalidDevice);
+  *can = device != peer ? 1 : 0;  // one memory: every pair of emulated devices can
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned int flags) {
+  if (flags != 0) return emu::SetError(cudaErrorInvalidValue);
+  if (!emu::ValidDevice(peer) || peer == emu::t_current_device) return emu::SetError(cudaErrorInvalidDevice);
   return cudaSuccess;
 }
 cudaError_t cudaDriverGetVersion(int* v) {
@@ -1417,7 +1441,7 @@ cudaError_t cudaRuntimeGetVersion(int* v) {
 
 cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp* prop, int device) {
   if (!prop) return emu::SetError(cudaErrorInvalidValue);
-  if (device != 0) return emu::SetError(cudaErrorInvalidDevice);
+  if (!emu::ValidDevice(device)) return emu::SetError(cudaErrorInvalidDevice);
   std::memset(prop, 0, sizeof(*prop));
   std::snprintf(prop->name, sizeof(prop->name), "kvflow CUDA emulator (CPU)");
   prop->totalGlobalMem = emu::TotalDeviceMemory();
@@ -1459,7 +1483,7 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp* prop, int device) {
 
 cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int device) {
   if (!value) return emu::SetError(cudaErrorInvalidValue);
-  if (device != 0) return emu::SetError(cudaErrorInvalidDevice);
+  if (!emu::ValidDevice(device)) return emu::SetError(cudaErrorInvalidDevice);
   switch (attr) {
     case cudaDevAttrMaxThreadsPerBlock: *value = 1024; break;
     case cudaDevAttrMaxBlockDimX: *value = 1024; break;
@@ -1659,8 +1683,14 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, enum cudaM
   }));
 }
 
-cudaError_t cudaMemcpyPeer(void* dst, int, const void* src, int, size_t count) {
-  return cudaMemcpy(dst, src, count, cudaMemcpyDefault);
+cudaError_t cudaMemcpyPeer(void* dst, int dst_device, const void* src, int src_device, size_t count) {
+  if (!emu::ValidDevice(dst_device) || !emu::ValidDevice(src_device)) return emu::SetError(cudaErrorInvalidDevice);
+  return cudaMemcpy(dst, src, count, cudaMemcpyDeviceToDevice);
+}
+cudaError_t cudaMemcpyPeerAsync(void* dst, int dst_device, const void* src, int src_device, size_t count,
+                                cudaStream_t stream) {
+  if (!emu::ValidDevice(dst_device) || !emu::ValidDevice(src_device)) return emu::SetError(cudaErrorInvalidDevice);
+  return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
 }
 
 

@@ -66,6 +66,10 @@
 //     crashes with "STACK OVERFLOW in an emulated GPU thread".
 //   - Device memory: KVFLOW_EMU_DEVICE_MEMORY bytes (suffix K/M/G allowed; default 8G) reported by
 //     cudaMemGetInfo/cudaGetDeviceProperties and enforced by cudaMalloc.
+//   - Devices: KVFLOW_EMU_DEVICES (default 1, read at every call) emulated devices; the current
+//     device is per host thread (cudaSetDevice), every pair can access the other (peer copies),
+//     and they share one memory and one KVFLOW_EMU_DEVICE_MEMORY budget, so the emulator does not
+//     catch a pointer used on the wrong device.
 //   - KVFLOW_EMU_QUIET=1 silences the warnings printed for rejected runtime calls.
 //   - Cost: about 7-20 ns per thread per __syncthreads or collective on a 2020s x86 core; a
 //     block of 256 threads with 50 barriers takes ~0.1-0.3 ms.

@@ -170,6 +170,78 @@ TEST(KvOffloadBackend, FetchesExactlyWhatAttentionReads) {
   EXPECT_GT(s.fetch_seconds, 0.0);
 }
 
+// Resident blocks (OffloadedKvPool::KeepResident, TriForce's scratch): a step over them alone
+// fetches and writes through nothing and computes what the resident pool computes, views of block
+// subsets included; KV transfers reach them from the host pool; a step touching both is refused.
+TEST(KvOffloadBackend, ResidentBlocksRunWithoutFetching) {
+  auto resident = TinyBackend(false, 12);
+  auto offloaded = TinyBackend(true, 12);
+  ASSERT_TRUE(resident && offloaded);
+  OffloadedKvPool* pool = offloaded->As<OffloadedKvPool>();
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->resident_begin(), offloaded->kv_layout().num_blocks);
+  EXPECT_FALSE(pool->KeepResident(13).ok()) << "past the pool";
+  ASSERT_TRUE(pool->KeepResident(8).ok());
+  EXPECT_EQ(pool->resident_begin(), 8);
+  const ModelConfig& mc = offloaded->model_config();
+  const std::vector<int32_t> tokens = RandomTokens(40, 8, mc.vocab_size);
+  // 24 tokens prefilled into host pool blocks 3, 1, 5 (a normal, fetching step) ...
+  auto run = [&](Backend& backend, std::vector<float>& logits) -> Status {
+    ForwardBatch prefill;
+    prefill.tokens.assign(tokens.begin(), tokens.begin() + 24);
+    for (int i = 0; i < 24; ++i) prefill.positions.push_back(i);
+    prefill.seqs = {Slice(0, 24, 0, {3, 1})};
+    LlamaModel model(backend);
+    KVFLOW_RETURN_IF_ERROR(model.Forward(prefill, logits));
+    // ... copied to resident blocks 9 and 11 (every layer), then 16 more tokens computed over a
+    // block subset of the copies and a resident lane block 10.
+    std::vector<KvTransfer> copies(2);
+    copies[0].src_block = 3;
+    copies[0].dst_block = 9;
+    copies[1].src_block = 1;
+    copies[1].dst_block = 11;
+    for (KvTransfer& t : copies) {
+      t.num_tokens = 16;
+      t.layer_end = mc.num_layers;
+    }
+    copies[1].num_tokens = 8;
+    KVFLOW_RETURN_IF_ERROR(backend.TransferKv(copies));
+    ForwardBatch lane;
+    lane.tokens.assign(tokens.begin() + 24, tokens.end());
+    SequenceSlice slice = Slice(0, 16, 24, {});
+    slice.logits = LogitsMode::kAll;
+    // Positions 16..23 sit in block 11; the lane block 10 continues them at offset 8.
+    slice.view = KvView::BlockSubset({9, 11, 10}, 40);
+    for (int i = 24; i < 40; ++i) {
+      lane.positions.push_back(i);
+      lane.slot_mapping.push_back(i < 32 ? 11 * 16 + (i - 16) : 10 * 16 + (i - 32));
+    }
+    lane.seqs = {slice};
+    return model.Forward(lane, logits);
+  };
+  std::vector<float> want, got;
+  ASSERT_TRUE(run(*resident, want).ok());
+  const KvOffloadStats before_prefill = pool->kv_offload_stats();
+  Status st = run(*offloaded, got);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(got, want) << "the same numbers, read from resident blocks";
+  const KvOffloadStats after = pool->kv_offload_stats();
+  // Only the prefill wrote through (24 tokens, every layer); the resident step fetched nothing.
+  EXPECT_EQ(after.bytes_written - before_prefill.bytes_written, 24 * mc.num_layers * offloaded->kv_token_bytes());
+  EXPECT_EQ(after.prefetches, before_prefill.prefetches);
+  EXPECT_EQ(after.on_demand_fetches - before_prefill.on_demand_fetches, mc.num_layers) << "the prefill's layers only";
+  // One slice reading host pool blocks and writing a resident one: refused.
+  ForwardBatch mixed;
+  mixed.tokens = {tokens[0]};
+  mixed.positions = {24};
+  mixed.seqs = {Slice(0, 1, 24, {3, 1})};
+  mixed.slot_mapping = {10 * 16};
+  std::vector<float> logits;
+  st = LlamaModel(*offloaded).Forward(mixed, logits);
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported) << st.ToString();
+  EXPECT_FALSE(TinyBackend(false, 12)->As<OffloadedKvPool>()) << "a resident pool has no such capability";
+}
+
 TEST(KvOffloadBackend, RefusesAttentionOverOtherTokensThanPrefetched) {
   auto backend = TinyBackend(true, 12);
   KvPrefetchHooks schedule;
@@ -333,10 +405,36 @@ TEST_F(KvOffloadEngine, ComposesWithNgramSpeculation) {
             test::GenerateAll(*n, test::ThreePrompts(), sampled, /*vary_seed=*/true));
 }
 
+// A draft model keeps its own (small) pool on the device while the target's is offloaded: the
+// outputs are the draft model's speculation's on a resident pool, greedy and seeded.
+TEST_F(KvOffloadEngine, ComposesWithADraftModel) {
+  EngineConfig spec = Config(false);
+  spec.speculative.model = "tiny-random-draft";
+  spec.speculative.num_tokens = 3;
+  EngineConfig both = spec;
+  both.kv_offload.enabled = true;
+  auto p = test::MakeEngine(Config(false));
+  auto s = test::MakeEngine(spec);
+  auto b = test::MakeEngine(both);
+  ASSERT_TRUE(p && s && b);
+  const auto expected = Run(*p);
+  EXPECT_EQ(Run(*s), expected);
+  EXPECT_EQ(Run(*b), expected);
+  EXPECT_GT(b->stats().spec.num_draft_tokens, 0) << "the pair was not exercised";
+  EXPECT_EQ(b->stats().spec.num_accepted_tokens, s->stats().spec.num_accepted_tokens);
+  EXPECT_GT(b->stats().kv_offload.bytes_fetched, 0);
+  SamplingParams sampled = test::Greedy(24);
+  sampled.temperature = 1.0f;
+  EXPECT_EQ(test::GenerateAll(*b, test::ThreePrompts(), sampled, /*vary_seed=*/true),
+            test::GenerateAll(*s, test::ThreePrompts(), sampled, /*vary_seed=*/true));
+}
+
 TEST_F(KvOffloadEngine, RefusesWhatItCannotRun) {
   for (auto bad : std::vector<std::function<void(EngineConfig&)>>{
-           [](EngineConfig& e) { e.speculative.model = "tiny-random-draft"; },
-           [](EngineConfig& e) { e.speculative.method = "triforce"; },
+           [](EngineConfig& e) {
+             e.speculative.method = "triforce";
+             e.speculative.triforce.draft = "streaming";
+           },
            [](EngineConfig& e) { e.preemption_mode = "swap"; },
        }) {
     EngineConfig e = Config(true);

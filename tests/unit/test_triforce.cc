@@ -242,7 +242,9 @@ EngineConfig TriForce(EngineConfig c, const std::string& bottom) {
   c.speculative.triforce.window = 16;
   if (bottom == "draft_model") c.speculative.model = "tiny-random-draft";
   if (c.num_kv_blocks > 0) {
-    c.num_kv_blocks += TriForceDrafter::TargetScratchBlocks(TriForceConfig::FromOptions(c.speculative, c.max_num_seqs), c.block_size);
+    TriForceConfig t = TriForceConfig::FromOptions(c.speculative, c.max_num_seqs);
+    t.kv_offload = c.kv_offload.enabled;
+    c.num_kv_blocks += TriForceDrafter::TargetScratchBlocks(t, c.block_size);
   }
   return c;
 }
@@ -282,6 +284,53 @@ TEST(TriForce, GreedyOutputsEqualPlainDecoding) {
   }
 }
 
+// The target's pool offloaded to host memory (the paper's offloading setting): verification steps
+// stream the full cache through the staging buffers, the middle level reads copies of its
+// retrieval blocks kept resident (fetching nothing), the draft model's cache stays on the device.
+// Greedy outputs stay those of plain resident decoding, and seeded sampling draws exactly what
+// TriForce over the resident pool draws (bit-identical logits at every level).
+TEST(TriForce, OverAnOffloadedPoolKeepsOutputs) {
+  const auto prompts = LongPrompts();
+  for (const char* bottom : {"ngram", "draft_model"}) {
+    for (const test::EngineSetup& setup : test::EngineSetups()) {
+      EngineConfig plain_config = setup.config;
+      plain_config.block_size = 8;
+      if (plain_config.num_kv_blocks > 0) plain_config.num_kv_blocks *= 2;
+      EngineConfig resident_config = TriForce(setup.config, bottom);
+      EngineConfig offload_config = setup.config;
+      offload_config.kv_offload.enabled = true;
+      offload_config.preemption_mode = "recompute";
+      offload_config = TriForce(offload_config, bottom);
+      auto plain = test::MakeEngine(plain_config);
+      auto resident = test::MakeEngine(resident_config);
+      auto offloaded = test::MakeEngine(offload_config);
+      ASSERT_TRUE(plain && resident && offloaded) << bottom << ", " << setup.name;
+      const auto want = test::GenerateAll(*plain, prompts, test::Greedy(80), false);
+      const auto got = test::GenerateAll(*offloaded, prompts, test::Greedy(80), false);
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        EXPECT_EQ(got[i], want[i]) << bottom << ", " << setup.name << ", prompt " << i;
+      }
+      const EngineStats st = offloaded->stats();
+      std::printf("  %-11s %-14s offloaded: top kept %lld/%lld; middle passes %lld; %lld blocks copied to the "
+                  "device for the middle; %.2f MiB fetched for verification, %lld on-demand fetches\n",
+                  bottom, setup.name, (long long)st.spec.num_accepted_tokens, (long long)st.spec.num_draft_tokens,
+                  (long long)st.spec.middle_passes, (long long)st.spec.retrieval_copied_blocks,
+                  st.kv_offload.bytes_fetched / double(1 << 20), (long long)st.kv_offload.on_demand_fetches);
+      EXPECT_GT(st.spec.middle_passes, st.spec.num_drafts) << bottom;
+      EXPECT_GT(st.spec.retrieval_copied_blocks, 0) << bottom;
+      EXPECT_GT(st.kv_offload.bytes_fetched, 0);
+      EXPECT_EQ(st.kv_blocks_free, st.kv_blocks_total) << "every block back";
+      EXPECT_EQ(st.spec.retrieval_caches, 0);
+      SamplingParams sampled = test::Greedy(40);
+      sampled.temperature = 1.0f;
+      sampled.top_k = 8;
+      EXPECT_EQ(test::GenerateAll(*offloaded, prompts, sampled, /*vary_seed=*/true),
+                test::GenerateAll(*resident, prompts, sampled, /*vary_seed=*/true))
+          << bottom << ", " << setup.name << ": seeded sampling over the offloaded pool";
+    }
+  }
+}
+
 TEST(TriForce, ShortContextsDecodePlainly) {
   EngineConfig c = TriForce({}, "ngram");
   c.speculative.triforce.min_context = 1000;
@@ -301,10 +350,15 @@ TEST(TriForce, ShortContextsDecodePlainly) {
 // draft, the middle keeps or replaces it by exact rejection sampling (a distribution on both sides;
 // n-gram drafts are one-hot, a special case of the same rule), and the top verifies what the middle
 // hands up. Every context of every position is checked against the target (spec_distribution.h).
-test::DistributionCheck TriForceCompletionsCheck(int draws, SpecDecodeStats* stats = nullptr) {
-  EngineConfig c = TriForce({}, "streaming");
+test::DistributionCheck TriForceCompletionsCheck(int draws, SpecDecodeStats* stats = nullptr,
+                                                 const std::string& bottom = "streaming", bool offload = false) {
+  EngineConfig base;
+  base.kv_offload.enabled = offload;
+  if (offload) base.preemption_mode = "recompute";
+  EngineConfig c = TriForce(base, bottom);
   c.enable_prefix_caching = true;
-  c.max_num_seqs = 100;
+  // Over an offloaded pool at most kMaxCopyRegions sequences draft at once (the rest decode plainly).
+  c.max_num_seqs = offload ? TriForceDrafter::kMaxCopyRegions : 100;
   c.speculative.triforce.window = 8;
   c.speculative.triforce.budget = 48;
   auto engine = test::MakeEngine(c);
@@ -328,6 +382,23 @@ TEST(TriForce, SampledTokensFollowTheTargetDistribution) {
   EXPECT_LT(s.middle_accepted_tokens, s.middle_draft_tokens * 9 / 10) << "the middle must reject a fair share";
   EXPECT_GT(s.middle_accepted_tokens, s.middle_draft_tokens / 20) << "and keep some";
   EXPECT_GE(check.contexts_tested, 60);
+  EXPECT_FALSE(check.Rejects()) << check.worst;
+}
+
+// The same distribution test with the target's pool offloaded: the draft model's bottom samples,
+// the middle reads its resident copies, the top streams the host pool.
+TEST(TriForce, SampledTokensFollowTheTargetDistributionOverAnOffloadedPool) {
+  const int kDraws = 4000;
+  SpecDecodeStats s;
+  const test::DistributionCheck check = TriForceCompletionsCheck(kDraws, &s, "draft_model", true);
+  std::printf("  offloaded: middle kept %lld of %lld bottom drafts; top kept %lld of %lld; %lld blocks copied\n",
+              (long long)s.middle_accepted_tokens, (long long)s.middle_draft_tokens,
+              (long long)s.num_accepted_tokens, (long long)s.num_draft_tokens, (long long)s.retrieval_copied_blocks);
+  check.Print("TriForce over an offloaded pool, draft-model bottom");
+  EXPECT_GE(s.num_draft_tokens, kDraws);
+  EXPECT_GE(s.middle_draft_tokens, kDraws);
+  EXPECT_GT(s.retrieval_copied_blocks, 0);
+  EXPECT_GE(check.contexts_tested, 40);
   EXPECT_FALSE(check.Rejects()) << check.worst;
 }
 

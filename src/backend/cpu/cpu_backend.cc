@@ -41,6 +41,7 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config
   std::unique_ptr<CpuBackend> backend(new CpuBackend(config, std::move(weights), layout));
   backend->pool_ = std::make_unique<ThreadPool>(std::max(1, num_threads));
   backend->kv_element_ = kv_element;
+  backend->resident_begin_ = layout.num_blocks;
   const size_t bytes = cpu::KvPoolBytes(kv_element, layout.layer_stride() * static_cast<size_t>(layout.num_layers));
   try {
     // Zeroed: a slot read before it is written (a bug) gives finite garbage, never NaN from stale memory.
@@ -140,10 +141,20 @@ Status CpuBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink,
                            const std::function<Status()>& layers, bool capturable) {
   KVFLOW_RETURN_IF_ERROR(ValidateForwardBatch(batch, config_, layout_));
   if (sink.sampled) return Status::Unsupported("the CPU backend samples on the host");
+  resident_step_ = false;
   if (kv_offloaded()) {
+    const OffloadedStep kind =
+        ClassifyOffloadedStep(batch, ResolveSlotMapping(batch, layout_.block_size), resident_begin_, layout_.block_size);
+    if (kind == OffloadedStep::kMixed) {
+      return Status::Unsupported("a step of an offloaded KV pool reads and writes either resident blocks or host "
+                                 "pool blocks, not both");
+    }
+    resident_step_ = kind == OffloadedStep::kResident;
     // The fetch leaves each slice's own tokens to WriteKv, which needs them last in its reads.
     for (const SequenceSlice& slice : batch.seqs) {
-      if (slice.view.kind != KvView::Kind::kFull) return Status::Unsupported("an offloaded KV pool reads whole views only");
+      if (!resident_step_ && slice.view.kind != KvView::Kind::kFull) {
+        return Status::Unsupported("an offloaded KV pool reads whole views only (except from resident blocks)");
+      }
     }
     staged_.Reset();
   }
@@ -286,7 +297,7 @@ Status CpuBackend::WriteKv(int layer) {
   const int64_t D = config_.head_dim, NH = config_.num_heads, KV = config_.num_kv_heads;
   cpu::WriteKvCache(slots_, layout_, qkv_.data() + NH * D, qkv_.data() + (NH + KV) * D, Width(Activation::kQkv),
                     kv_element_, Pool(KvTier::kDevice, 0, layer), Pool(KvTier::kDevice, 1, layer));
-  if (kv_offloaded()) {
+  if (staged_step()) {
     // Written through: the host pool keeps every token, the staging buffer serves this layer's attention.
     cpu::WriteKvCache(slots_, layout_, qkv_.data() + NH * D, qkv_.data() + (NH + KV) * D, Width(Activation::kQkv),
                       kv_element_, Staging(0, layer), Staging(1, layer));
@@ -296,13 +307,24 @@ Status CpuBackend::WriteKv(int layer) {
 }
 
 Status CpuBackend::Attention(int layer) {
-  if (kv_offloaded()) KVFLOW_RETURN_IF_ERROR(EnsureStaged(layer, {}));
+  if (staged_step()) KVFLOW_RETURN_IF_ERROR(EnsureStaged(layer, {}));
   RunAttention(layer, view_slots_);
   return Status::Ok();
 }
 
+Status CpuBackend::KeepResident(BlockId first) {
+  if (!kv_offloaded()) return Status::Unsupported("resident blocks of a KV pool that is not offloaded");
+  if (batch_ != nullptr) return Status::Internal("KeepResident inside a step");
+  if (first < 0 || first > layout_.num_blocks) {
+    return Status::InvalidArgument("resident blocks from " + std::to_string(first) + " of a pool of " +
+                                   std::to_string(layout_.num_blocks));
+  }
+  resident_begin_ = first;
+  return Status::Ok();
+}
+
 Status CpuBackend::PrefetchKv(int layer, std::span<const KvHeadSelection> selection) {
-  if (!kv_offloaded()) return Status::Ok();
+  if (!staged_step()) return Status::Ok();
   if (batch_ == nullptr) return Status::Internal("KV prefetch outside a step");
   if (layer < 0 || layer >= config_.num_layers) return Status::InvalidArgument("KV prefetch: no such layer");
   if (!selection.empty()) KVFLOW_RETURN_IF_ERROR(ValidateKvHeadSelections(selection, *batch_, layout_));
@@ -407,7 +429,7 @@ void CpuBackend::RunAttention(int layer, std::span<const std::vector<int64_t>> v
   io.out_row_stride = Width(Activation::kAttention);
   const float scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
   // An offloaded pool's attention reads the layer's staging buffer (EnsureStaged filled it).
-  const bool staged = kv_offloaded();
+  const bool staged = staged_step();
   cpu::PagedAttention(*batch_, view_slots, layout_, config_.num_heads, io, kv_element_,
                       staged ? Staging(0, layer) : Pool(KvTier::kDevice, 0, layer),
                       staged ? Staging(1, layer) : Pool(KvTier::kDevice, 1, layer), scale);
@@ -478,7 +500,7 @@ void CpuBackend::CopyPacked(int layer, std::span<const int64_t> slots, std::byte
 Status CpuBackend::AttentionOverSelection(int layer, std::span<const KvHeadSelection> selection) {
   if (batch_ == nullptr) return Status::Internal("attention outside a step");
   KVFLOW_RETURN_IF_ERROR(ValidateKvHeadSelections(selection, *batch_, layout_));
-  if (kv_offloaded()) KVFLOW_RETURN_IF_ERROR(EnsureStaged(layer, selection));
+  if (staged_step()) KVFLOW_RETURN_IF_ERROR(EnsureStaged(layer, selection));
   HeadReadLists(selection);
   RunAttention(layer, head_view_slots_);
   return Status::Ok();

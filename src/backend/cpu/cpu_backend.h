@@ -57,6 +57,10 @@ class CpuBackend final : public Backend, public KvBlockScoring, public Offloaded
   bool kv_offloaded() const { return staging_key_ != nullptr; }
   Status PrefetchKv(int layer, std::span<const KvHeadSelection> selection) override;
   KvOffloadStats kv_offload_stats() const override { return offload_stats_; }
+  // The resident blocks stay in the pool's own array (this backend's "device" is host memory too):
+  // a resident step reads and writes them there and stages nothing.
+  Status KeepResident(BlockId first) override;
+  BlockId resident_begin() const override { return resident_begin_; }
 
  protected:
   void* FindCapability(BackendCapability id) const override { return OfferCapabilities(this, id, kv_offloaded()); }
@@ -126,6 +130,10 @@ class CpuBackend final : public Backend, public KvBlockScoring, public Offloaded
   std::unique_ptr<uint8_t[]> staging_value_;
   KvStagingLedger staged_;
   KvOffloadStats offload_stats_;
+  BlockId resident_begin_ = 0;   // KeepResident; num_blocks until then
+  bool resident_step_ = false;   // the step reads and writes resident blocks only
+  // Whether this step's attention reads staging buffers (an offloaded pool's non-resident step).
+  bool staged_step() const { return kv_offloaded() && !resident_step_; }
   // The step being run, its slots and the slots each sequence's view reads.
   const ForwardBatch* batch_ = nullptr;
   int64_t num_tokens_ = 0;

@@ -42,12 +42,14 @@ Status CudaBackend::WriteKv(int layer) {
   const size_t es = cuda::DTypeSize(dtype_);
   const size_t layer_bytes = layout_.layer_stride() * es;
   char* qkv = static_cast<char*>(qkv_);
+  // A resident step writes only the resident arena (its blocks have no host copy).
+  char* key_cache = resident_step_ ? ResidentLayer(0, layer) : key_pool_ + layer * layer_bytes;
+  char* value_cache = resident_step_ ? ResidentLayer(1, layer) : value_pool_ + layer * layer_bytes;
   KVFLOW_KERNEL_RETURN(cuda::ReshapeAndCache(dtype_, qkv + static_cast<size_t>(NH) * D * es, QKV,
-                                             qkv + static_cast<size_t>(NH + KV) * D * es, QKV,
-                                             key_pool_ + layer * layer_bytes, value_pool_ + layer * layer_bytes,
+                                             qkv + static_cast<size_t>(NH + KV) * D * es, QKV, key_cache, value_cache,
                                              device_meta_.slot_mapping, step_.num_tokens, KV, D, layout_.block_size,
                                              stream_));
-  if (options_.kv_offload) {
+  if (staged_step()) {
     // Written through to the host pool (above) and into the layer's staging buffer, after the
     // prefetch that fills it (whose copies of these slots are stale).
     const int buffer = KvStagingLedger::BufferOf(layer);
@@ -69,7 +71,10 @@ Status CudaBackend::Attention(int layer) {
   const size_t layer_bytes = layout_.layer_stride() * cuda::DTypeSize(dtype_);
   const char* key_cache = key_pool_ + layer * layer_bytes;
   const char* value_cache = value_pool_ + layer * layer_bytes;
-  if (options_.kv_offload) {
+  if (resident_step_) {
+    key_cache = ResidentLayer(0, layer);
+    value_cache = ResidentLayer(1, layer);
+  } else if (options_.kv_offload) {
     KVFLOW_RETURN_IF_ERROR(EnsureStaged(layer, {}));
     key_cache = StagingLayer(0, layer);
     value_cache = StagingLayer(1, layer);
@@ -359,13 +364,13 @@ Status CudaBackend::AttentionOverSelection(int layer, std::span<const KvHeadSele
   KVFLOW_CUDA_RETURN(cudaEventRecord(block_meta_copied_, stream_));
 
   const size_t layer_bytes = layout_.layer_stride() * es;
-  const char* key_cache = key_pool_ + layer * layer_bytes;
-  const char* value_cache = value_pool_ + layer * layer_bytes;
+  const char* key_cache = resident_step_ ? ResidentLayer(0, layer) : key_pool_ + layer * layer_bytes;
+  const char* value_cache = resident_step_ ? ResidentLayer(1, layer) : value_pool_ + layer * layer_bytes;
   // Rows reading their views read the pool, or an offloaded pool's staging buffer; selections are
   // gathered from the pool wherever it is (an offloaded one: only the selected rows cross the bus).
   const char* view_key = key_cache;
   const char* view_value = value_cache;
-  if (options_.kv_offload) {
+  if (staged_step()) {
     KVFLOW_RETURN_IF_ERROR(EnsureStaged(layer, selection));
     view_key = StagingLayer(0, layer);
     view_value = StagingLayer(1, layer);
@@ -418,48 +423,6 @@ Status CudaBackend::ReadActivationRows(Activation which, int64_t first_row, int6
 // The slots are gathered on the device into whole blocks (cache_ops GatherSlots, K and V together),
 // the requested pool's copy comes back in one synchronous copy, and the host reorders it to
 // [slot][kv_head][head_dim].
-Status CudaBackend::PackKv(int layer, std::span<const int64_t> slots, std::span<std::byte> out) {
-  KVFLOW_RETURN_IF_ERROR(ValidateKvPack(layer, slots, out.size(), *this));
-  return CopyPacked(layer, slots, out.data(), nullptr);
-}
-
-Status CudaBackend::UnpackKv(int layer, std::span<const int64_t> slots, std::span<const std::byte> in) {
-  KVFLOW_RETURN_IF_ERROR(ValidateKvPack(layer, slots, in.size(), *this));
-  return CopyPacked(layer, slots, nullptr, in.data());
-}
-
-Status CudaBackend::CopyPacked(int layer, std::span<const int64_t> slots, std::byte* pack_to,
-                               const std::byte* unpack_from) {
-  if (slots.empty()) return Status::Ok();
-  KVFLOW_RETURN_IF_ERROR(RefuseUnderCapture("KV packing"));
-  const int64_t n = static_cast<int64_t>(slots.size());
-  const size_t es = cuda::DTypeSize(dtype_);
-  const size_t row_bytes = static_cast<size_t>(layout_.head_dim) * es;
-  const std::vector<KvSlotRun> runs = KvSlotRuns(slots, layout_.block_size);
-  // cudaMemcpyDefault: an offloaded pool is host memory.
-  for (int kv = 0; kv < 2; ++kv) {
-    char* pool = PoolLayer(kv, layer);
-    for (int h = 0; h < layout_.num_kv_heads; ++h) {
-      const size_t head_at = static_cast<size_t>((kv * layout_.num_kv_heads + h) * n) * row_bytes;
-      for (const KvSlotRun& run : runs) {
-        const int block = static_cast<int>(run.first_slot / layout_.block_size);
-        const int offset = static_cast<int>(run.first_slot % layout_.block_size);
-        char* in_pool = pool + layout_.offset(block, h, offset) * es;
-        const size_t at = head_at + static_cast<size_t>(run.index) * row_bytes;
-        const size_t bytes = static_cast<size_t>(run.length) * row_bytes;
-        if (unpack_from != nullptr) {
-          KVFLOW_CUDA_RETURN(cudaMemcpyAsync(in_pool, unpack_from + at, bytes, cudaMemcpyDefault, stream_));
-        } else {
-          KVFLOW_CUDA_RETURN(cudaMemcpyAsync(pack_to + at, in_pool, bytes, cudaMemcpyDefault, stream_));
-        }
-      }
-    }
-  }
-  // The host buffer is the caller's once this returns.
-  KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
-  return Status::Ok();
-}
-
 Status CudaBackend::ReadKv(int layer, int kv, std::span<const int64_t> slots, std::span<float> out) {
   if (layer < 0 || layer >= config_.num_layers || kv < 0 || kv > 1) return Status::InvalidArgument("KV read: no such layer");
   const int KV = layout_.num_kv_heads, D = layout_.head_dim, bs = layout_.block_size;
@@ -485,8 +448,14 @@ Status CudaBackend::ReadKv(int layer, int kv, std::span<const int64_t> slots, st
   char* gathered[2] = {read_arena_.base() + list_bytes, read_arena_.base() + list_bytes + gathered_bytes};
   KVFLOW_CUDA_RETURN(cudaMemcpyAsync(device_slots, read_slots_.data(), padded * sizeof(int64_t),
                                      cudaMemcpyHostToDevice, stream_));
-  const size_t layer_bytes = layout_.layer_stride() * es;
-  KVFLOW_KERNEL_RETURN(cuda::GatherSlots(dtype_, key_pool_ + layer * layer_bytes, value_pool_ + layer * layer_bytes,
+  // An offloaded pool's resident blocks are read from their arena (one side per call).
+  const BlockId first_block = static_cast<BlockId>(slots.front() / bs);
+  for (int64_t slot : slots) {
+    if ((slot / bs >= resident_begin_) != (first_block >= resident_begin_) && options_.kv_offload) {
+      return Status::Unsupported("a KV read of resident and host pool blocks at once");
+    }
+  }
+  KVFLOW_KERNEL_RETURN(cuda::GatherSlots(dtype_, DeviceTierLayer(0, layer, first_block), DeviceTierLayer(1, layer, first_block),
                                          device_slots, static_cast<int>(padded), gathered[0], gathered[1], KV, D, bs,
                                          stream_));
   read_rows_.resize(blocks * layout_.block_stride());

@@ -91,6 +91,7 @@ CudaBackend::~CudaBackend() {
     if (e) cudaEventDestroy(e);
   }
   if (staging_free_) cudaEventDestroy(staging_free_);
+  if (pack_event_) cudaEventDestroy(pack_event_);
   if (stream_) cudaStreamDestroy(stream_);
   if (copy_stream_) cudaStreamDestroy(copy_stream_);
 }
@@ -137,6 +138,7 @@ Status CudaBackend::Init(const LlamaWeights* weights, uint64_t random_seed) {
   KVFLOW_CUDA_RETURN(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
   KVFLOW_CUDA_RETURN(cudaEventCreateWithFlags(&swap_done_, cudaEventDisableTiming));
   KVFLOW_CUDA_RETURN(cudaEventCreateWithFlags(&compute_done_, cudaEventDisableTiming));
+  KVFLOW_CUDA_RETURN(cudaEventCreateWithFlags(&pack_event_, cudaEventDisableTiming));
   if (options_.kv_offload) {
     for (cudaEvent_t& e : staged_) KVFLOW_CUDA_RETURN(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     KVFLOW_CUDA_RETURN(cudaEventCreateWithFlags(&staging_free_, cudaEventDisableTiming));
@@ -371,6 +373,7 @@ Status CudaBackend::AllocatePools() {
         options_.gpu_memory_utilization));
   }
   layout_.num_blocks = static_cast<int>(blocks);
+  resident_begin_ = layout_.num_blocks;
   const size_t pool_bytes = layout_.layer_stride() * layout_.num_layers * es;
   if (options_.kv_offload) {
     KVFLOW_RETURN_IF_ERROR(offload_pool_arena_.Allocate(2 * pool_bytes, "the offloaded KV pool"));

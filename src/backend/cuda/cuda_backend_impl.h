@@ -194,6 +194,11 @@ class CudaBackend final : public Backend, public KvBlockScoring, public Offloade
   Status ReadKv(int layer, int kv, std::span<const int64_t> slots, std::span<float> out) override;
   Status PackKv(int layer, std::span<const int64_t> slots, std::span<std::byte> out) override;
   Status UnpackKv(int layer, std::span<const int64_t> slots, std::span<const std::byte> in) override;
+  int pack_device() const override { return options_.device; }
+  Result<std::unique_ptr<DeviceAllocation>> AllocatePackBuffer(int64_t bytes) override;
+  Status PackKvOnDevice(int layer, std::span<const int64_t> slots, std::span<std::byte> out) override;
+  Status UnpackKvOnDevice(int layer, std::span<const int64_t> slots, std::span<const std::byte> in) override;
+  Result<void*> RecordComputeEvent() override;
   bool SupportsDeviceSampling() const override { return true; }
   bool SupportsDeviceTokenMask() const override { return true; }
   Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) override;
@@ -202,6 +207,8 @@ class CudaBackend final : public Backend, public KvBlockScoring, public Offloade
   bool kv_offloaded() const { return options_.kv_offload; }
   Status PrefetchKv(int layer, std::span<const KvHeadSelection> selection) override;
   KvOffloadStats kv_offload_stats() const override { return offload_stats_; }
+  Status KeepResident(BlockId first) override;
+  BlockId resident_begin() const override { return resident_begin_; }
 
  protected:
   void* FindCapability(BackendCapability id) const override { return OfferCapabilities(this, id, kv_offloaded()); }
@@ -253,15 +260,25 @@ class CudaBackend final : public Backend, public KvBlockScoring, public Offloade
                      const int32_t* query_lens, int count, int max_query, const void* keys, const void* values);
   // Unsupported while stream_ is being captured: `what` uploads per call or waits for the host.
   Status RefuseUnderCapture(const char* what);
-  // The copies of PackKv (into host `pack_to`) and UnpackKv (from host `unpack_from`; pack_to null),
-  // one per KV head and run of slots, ordered on the compute stream; returns once they are done.
-  Status CopyPacked(int layer, std::span<const int64_t> slots, std::byte* pack_to, const std::byte* unpack_from);
+  // An offloaded pool's PackKv (into host `pack_to`) and UnpackKv (from host `unpack_from`; pack_to
+  // null): one copy per KV head and run of slots, ordered on the compute stream; returns once done.
+  Status CopyPackedRuns(int layer, std::span<const int64_t> slots, std::byte* pack_to, const std::byte* unpack_from);
+  // The pack kernel (kernels/kv_pack.cu) between `layer` at `slots` and the device buffer `packed`,
+  // on the compute stream; the slot list goes up through pack_arena_.
+  Status LaunchPack(int layer, std::span<const int64_t> slots, std::byte* packed, bool unpack);
   // Grows `arena` to at least `bytes` (by half again when it grows), waiting for the stream first:
   // queued kernels may still use the old allocation.
   Status GrowScratch(DeviceArena& arena, size_t bytes, const char* what);
   // Offloaded pool: K (kv 0) or V of `layer` in the pool (host) and in its staging buffer (device).
   char* PoolLayer(int kv, int layer) const;
   char* StagingLayer(int kv, int layer) const;
+  // Offloaded pool: K (kv 0) or V of `layer` in the resident blocks' device arena, as the address
+  // block 0 would have there, so that resident block ids index it as they index the pool.
+  char* ResidentLayer(int kv, int layer) const;
+  // Where block `block` of `layer` lives in the device tier: the pool, or the resident arena.
+  char* DeviceTierLayer(int kv, int layer, BlockId block) const;
+  // Whether this step's attention reads staging buffers (an offloaded pool's non-resident step).
+  bool staged_step() const { return options_.kv_offload && !resident_step_; }
   // Copies the cached blocks of every slice that reads its view at `layer` (selection empty or
   // per_head 0) from the pool to the staging buffer on `stream`, one copy per run of blocks.
   Status StageViews(int layer, std::span<const KvHeadSelection> selection, cudaStream_t stream);
@@ -332,6 +349,11 @@ class CudaBackend final : public Backend, public KvBlockScoring, public Offloade
   // The step the primitives act on (for a graph: the bucket's padded shape).
   StepShape step_;
 
+  // KV packing (KV-Runahead's wire format): the slot list of each pack launch, then, for the host
+  // forms, the packed bytes on their way to or from the host.
+  DeviceArena pack_arena_;
+  cudaEvent_t pack_event_ = nullptr;  // RecordComputeEvent's
+
   DeviceArena pairs_;
   PinnedArena staging_;  // metadata mirror
   PinnedArena host_pairs_arena_;
@@ -361,6 +383,11 @@ class CudaBackend final : public Backend, public KvBlockScoring, public Offloade
   cudaEvent_t staged_[KvStagingLedger::kBuffers] = {nullptr, nullptr};
   cudaEvent_t staging_free_ = nullptr;  // the compute issued before a prefetch
   KvOffloadStats offload_stats_;
+  // Blocks [resident_begin_, num_blocks) of an offloaded pool live in resident_arena_ on the device
+  // ([kv][layer][block - resident_begin_]); a resident step reads and writes only them.
+  BlockId resident_begin_ = 0;
+  DeviceArena resident_arena_;
+  bool resident_step_ = false;
 
   // TriForce's chunk scoring (ScoreKvBlocks). The score buffer holds block_scores_size_ floats (the
   // size Reset asked for, as the CPU backend's vector) in an allocation that only grows.

@@ -13,6 +13,13 @@ Status CudaBackend::CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind k
   KVFLOW_RETURN_IF_ERROR(ValidateBlockMoves(moves, kind, layout_.num_blocks, num_host_blocks_));
   if (moves.empty()) return Status::Ok();
   const size_t es = cuda::DTypeSize(dtype_);
+  if (options_.kv_offload) {
+    for (const BlockMove& m : moves) {
+      if (m.src >= resident_begin_ || m.dst >= resident_begin_) {
+        return Status::Internal("block moves reach the block manager's blocks only, not resident ones");
+      }
+    }
+  }
   if (kind == BlockCopyKind::kDeviceToDevice) {
     // The previous pair list may still be in flight to the device.
     KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
@@ -102,8 +109,36 @@ Status CudaBackend::StageViews(int layer, std::span<const KvHeadSelection> selec
   return Status::Ok();
 }
 
+char* CudaBackend::ResidentLayer(int kv, int layer) const {
+  const size_t block_bytes = layout_.block_stride() * cuda::DTypeSize(dtype_);
+  const size_t resident = static_cast<size_t>(layout_.num_blocks - resident_begin_);
+  const size_t at = (static_cast<size_t>(kv) * layout_.num_layers + static_cast<size_t>(layer)) * resident * block_bytes;
+  // Integer arithmetic: the address block 0 would have lies before the arena.
+  return reinterpret_cast<char*>(reinterpret_cast<uintptr_t>(resident_arena_.base()) + at -
+                                 static_cast<uintptr_t>(resident_begin_) * block_bytes);
+}
+
+char* CudaBackend::DeviceTierLayer(int kv, int layer, BlockId block) const {
+  return options_.kv_offload && block >= resident_begin_ ? ResidentLayer(kv, layer) : PoolLayer(kv, layer);
+}
+
+Status CudaBackend::KeepResident(BlockId first) {
+  if (!options_.kv_offload) return Status::Unsupported("resident blocks of a KV pool that is not offloaded");
+  if (in_step_) return Status::Internal("KeepResident inside a step");
+  if (first < 0 || first > layout_.num_blocks) {
+    return Status::InvalidArgument(fmt::format("resident blocks from {} of a pool of {}", first, layout_.num_blocks));
+  }
+  KVFLOW_CUDA_RETURN(cudaSetDevice(options_.device));
+  KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
+  const size_t bytes = 2 * static_cast<size_t>(layout_.num_blocks - first) * layout_.block_stride() *
+                       static_cast<size_t>(layout_.num_layers) * cuda::DTypeSize(dtype_);
+  KVFLOW_RETURN_IF_ERROR(resident_arena_.Allocate(bytes, "the resident KV blocks"));
+  resident_begin_ = first;
+  return Status::Ok();
+}
+
 Status CudaBackend::PrefetchKv(int layer, std::span<const KvHeadSelection> selection) {
-  if (!options_.kv_offload) return Status::Ok();
+  if (!staged_step()) return Status::Ok();
   if (batch_ == nullptr) return Status::Internal("KV prefetch outside a step");
   if (layer < 0 || layer >= config_.num_layers) return Status::InvalidArgument("KV prefetch: no such layer");
   if (!selection.empty()) KVFLOW_RETURN_IF_ERROR(ValidateKvHeadSelections(selection, *batch_, layout_));
@@ -143,12 +178,12 @@ Status CudaBackend::TransferKv(std::span<const KvTransfer> transfers) {
   KVFLOW_RETURN_IF_ERROR(ValidateKvTransfers(transfers, layout_, num_host_blocks_));
   const size_t es = cuda::DTypeSize(dtype_);
   const size_t head_bytes = layout_.head_stride() * es;
-  auto pool = [&](KvTier tier, int kv, int layer) -> char* {
+  auto pool = [&](KvTier tier, int kv, int layer, BlockId block) -> char* {
     if (tier == KvTier::kHost) {
       char* base = kv == 0 ? host_key_pool_ : host_value_pool_;
       return base + static_cast<size_t>(layer) * layout_.block_stride() * es * static_cast<size_t>(num_host_blocks_);
     }
-    return (kv == 0 ? key_pool_ : value_pool_) + static_cast<size_t>(layer) * layout_.layer_stride() * es;
+    return DeviceTierLayer(kv, layer, block);
   };
   for (const KvTransfer& t : transfers) {
     if (t.num_tokens == 0) continue;
@@ -160,8 +195,8 @@ Status CudaBackend::TransferKv(std::span<const KvTransfer> transfers) {
     const size_t width = static_cast<size_t>(t.num_tokens) * layout_.head_dim * es;
     for (int layer = t.layer_begin; layer < t.layer_end; ++layer) {
       for (int kv = 0; kv < 2; ++kv) {
-        const char* src = pool(t.src_tier, kv, layer) + layout_.offset(t.src_block, 0, t.src_offset) * es;
-        char* dst = pool(t.dst_tier, kv, layer) + layout_.offset(t.dst_block, 0, t.dst_offset) * es;
+        const char* src = pool(t.src_tier, kv, layer, t.src_block) + layout_.offset(t.src_block, 0, t.src_offset) * es;
+        char* dst = pool(t.dst_tier, kv, layer, t.dst_block) + layout_.offset(t.dst_block, 0, t.dst_offset) * es;
         KVFLOW_CUDA_RETURN(cudaMemcpy2DAsync(dst, head_bytes, src, head_bytes, width, layout_.num_kv_heads, kind,
                                              stream_));
       }

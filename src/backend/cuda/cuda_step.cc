@@ -291,6 +291,9 @@ Status CudaBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink, c
   KVFLOW_RETURN_IF_ERROR(CheckSink(batch, sink, rows));
   const int T = static_cast<int>(batch.tokens.size());
   if (T == 0) return Status::Ok();
+  // The current device is per host thread: a backend may be driven from a thread other than the
+  // one that created it (a rank's thread), on a machine with several GPUs.
+  KVFLOW_CUDA_RETURN(cudaSetDevice(options_.device));
   const int num_seqs = static_cast<int>(batch.seqs.size());
   // Marks the step (and its batch) for the primitives valid inside `layers` only, and restarts the
   // chunk scoring staging.
@@ -311,9 +314,19 @@ Status CudaBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink, c
         "batch of {} tokens in {} sequences exceeds the CUDA backend's limits ({} tokens, {} sequences)", T, num_seqs,
         max_tokens_, max_seqs_));
   }
+  resident_step_ = false;
   if (options_.kv_offload) {
+    const OffloadedStep kind =
+        ClassifyOffloadedStep(batch, ResolveSlotMapping(batch, layout_.block_size), resident_begin_, layout_.block_size);
+    if (kind == OffloadedStep::kMixed) {
+      return Status::Unsupported("a step of an offloaded KV pool reads and writes either resident blocks or host "
+                                 "pool blocks, not both");
+    }
+    resident_step_ = kind == OffloadedStep::kResident;
     for (const SequenceSlice& slice : batch.seqs) {
-      if (slice.view.kind != KvView::Kind::kFull) return Status::Unsupported("an offloaded KV pool reads whole views only");
+      if (!resident_step_ && slice.view.kind != KvView::Kind::kFull) {
+        return Status::Unsupported("an offloaded KV pool reads whole views only (except from resident blocks)");
+      }
     }
     // The prefetches are issued per step from the host (their block runs differ step to step).
     capturable = false;

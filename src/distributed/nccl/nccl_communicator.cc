@@ -1,5 +1,7 @@
 #include "distributed/nccl/nccl_communicator.h"
 
+#include "distributed/world.h"
+
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <sched.h>
@@ -182,6 +184,23 @@ std::string NcclCommunicator::Describe() const {
   return fmt::format("nccl rank {} of {} (device {})", rank_, size_, impl_->device);
 }
 
+Status NcclCommunicator::OrderAfter(void* device_event) {
+  if (!impl_->failed.ok()) return Status::Unavailable(fmt::format("{}: unusable: {}", Describe(), impl_->failed.message()));
+  if (device_event == nullptr) return Status::Ok();
+  KVFLOW_RETURN_IF_ERROR(CudaError(cudaSetDevice(impl_->device), Describe()));
+  // Operations already posted but not launched are enqueued after this wait too (they launch later).
+  return CudaError(cudaStreamWaitEvent(impl_->stream, static_cast<cudaEvent_t>(device_event), 0),
+                   fmt::format("{}: cudaStreamWaitEvent", Describe()));
+}
+
+void NcclCommunicator::Poll() {
+  if (!impl_->failed.ok() || impl_->posted.empty()) return;
+  // A launch that fails leaves its error to the Wait on its handles: the batch's event is then
+  // null and Wait reports the communicator's state.
+  Status launched = impl_->LaunchOpenBatch(DeadlineAfter(kDefaultCommTimeoutSeconds), Describe());
+  if (!launched.ok()) (void)impl_->Abort(fmt::format("{}: launching posted operations: {}", Describe(), launched.message()));
+}
+
 Result<MessageHandle> NcclCommunicator::ISend(int peer, int tag, std::span<const std::byte> data) {
   if (!impl_->failed.ok()) return Status::Unavailable(fmt::format("{}: unusable: {}", Describe(), impl_->failed.message()));
   KVFLOW_RETURN_IF_ERROR(ValidatePeer(*this, peer, tag));
@@ -285,5 +304,12 @@ Status NcclCommunicator::Barrier(double timeout_s) {
                     fmt::format("{}: rank {} waited {:.1f} s for the other ranks at a barrier", Describe(), rank_,
                                 timeout_s));
 }
+
+Result<std::unique_ptr<Communicator>> OpenNcclCommunicator(Communicator& bootstrap, int device, double timeout_s) {
+  KVFLOW_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicator> nccl, NcclCommunicator::Create(bootstrap, device, timeout_s));
+  return std::unique_ptr<Communicator>(std::move(nccl));
+}
+
+bool HaveNccl() { return true; }
 
 }  // namespace kvflow::dist

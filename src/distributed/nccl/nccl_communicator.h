@@ -5,8 +5,8 @@
 // NCCL has no tags: it matches the sends and receives between two ranks in the order they are
 // posted, so both sides must post them in the same order (tags are checked, not used), and it
 // cannot tell a size mismatch (both sides must agree on sizes, as the partition guarantees).
-// Operations posted between two waits are launched together in one NCCL group at the first Wait,
-// so a rank may post a send and a receive (even to itself) before waiting on either. A wait polls
+// Operations posted between two launches (a Poll, a Wait or a collective) go out together as one NCCL
+// group, so a rank may post a send and a receive (even to itself) before waiting on either. A wait polls
 // a CUDA event against its deadline; on timeout the NCCL communicator is aborted and this
 // communicator is failed: every later call returns kUnavailable.
 #pragma once
@@ -35,6 +35,12 @@ class NcclCommunicator final : public Communicator {
   std::string Describe() const override;
   BufferSpace buffer_space() const override { return BufferSpace::kDevice; }
 
+  // Makes the communicator's stream wait for `device_event` (cudaStreamWaitEvent) before the
+  // operations posted after it.
+  Status OrderAfter(void* device_event) override;
+  // Launches what was posted since the last launch (one NCCL group), so that transfers run while
+  // the caller computes; the NCCL calls return at once (non-blocking communicator).
+  void Poll() override;
   Result<MessageHandle> ISend(int peer, int tag, std::span<const std::byte> data) override;
   Result<MessageHandle> IRecv(int peer, int tag, std::span<std::byte> data) override;
   Status Wait(MessageHandle handle, double timeout_s = kDefaultCommTimeoutSeconds) override;

@@ -56,6 +56,40 @@ TEST(NcclCommunicator, SendsToItselfOnOneDevice) {
   }
 }
 
+// The chain's ordering on a device transport: the payload is produced on another stream, the
+// communicator is ordered after that stream's event (no host wait), Poll launches the posted pair
+// at once, and the receive holds the produced bytes, not the buffer's earlier ones.
+TEST(NcclCommunicator, OrdersAfterADeviceEventAndLaunchesOnPoll) {
+  SKIP_WITHOUT_GPU();
+  auto comm = NcclCommunicator::CreateSingleDevice(0);
+  ASSERT_TRUE(comm.ok()) << comm.status().ToString();
+  const size_t bytes = size_t{32} << 20;
+  const auto payload = RandomBytes(bytes, 17);
+  std::vector<std::byte> pinned_copy(payload);
+  DeviceBytes source(bytes), target(bytes);
+  ASSERT_EQ(cudaMemset(source.data, 0, bytes), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaStream_t producer = nullptr;
+  cudaEvent_t produced = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&producer, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaEventCreateWithFlags(&produced, cudaEventDisableTiming), cudaSuccess);
+  ASSERT_EQ(cudaMemcpyAsync(source.data, pinned_copy.data(), bytes, cudaMemcpyHostToDevice, producer), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(produced, producer), cudaSuccess);
+  ASSERT_TRUE((*comm)->OrderAfter(produced).ok());
+  auto send = (*comm)->ISend(0, 4, source.span());
+  auto recv = (*comm)->IRecv(0, 4, target.span());
+  ASSERT_TRUE(send.ok() && recv.ok());
+  (*comm)->Poll();
+  Status st = (*comm)->Wait(std::move(recv).value(), 30.0);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  ASSERT_TRUE((*comm)->Wait(std::move(send).value(), 30.0).ok());
+  std::vector<std::byte> got(bytes);
+  ASSERT_EQ(cudaMemcpy(got.data(), target.data, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_TRUE(got == payload) << "the send read the buffer before the producer's copy finished";
+  cudaEventDestroy(produced);
+  cudaStreamDestroy(producer);
+}
+
 TEST(NcclCommunicator, AllGatherAndBarrierOnOneRank) {
   SKIP_WITHOUT_GPU();
   auto comm = NcclCommunicator::CreateSingleDevice(0);
