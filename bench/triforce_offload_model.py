@@ -29,7 +29,11 @@ Model per token (one sequence):
 """
 import argparse
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from provenance import provenance  # noqa: E402
 
 GB = 1e9
 ASSUMPTIONS = {
@@ -110,6 +114,7 @@ def main():
     ap.add_argument("--measured", required=True, help="kvflow_bench_triforce JSON with offload-plain and offload-triforce rows")
     ap.add_argument("--json")
     ap.add_argument("--md")
+    ap.add_argument("--png", help="plot: the measured decode rates, and the modeled s/token beside the paper's")
     args = ap.parse_args()
     m = load_measured(args.measured)
 
@@ -140,6 +145,7 @@ def main():
          "paper_speedup": PAPER_SPEEDUP},
     ]
     out = {
+        "provenance": provenance(),
         "note": "MODELED, not measured: arithmetic over ASSUMPTIONS and the counts measured on this machine",
         "assumptions": ASSUMPTIONS,
         "measured": m,
@@ -192,6 +198,37 @@ def main():
     if args.md:
         with open(args.md, "w") as f:
             f.write(text)
+    if args.png:
+        plot(args.measured, t_base, t_tri, args.png)
+
+
+def plot(measured_path, t_base, t_tri, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(measured_path) as f:
+        doc = json.load(f)
+    modes = [m for m in ["plain", "offload-plain", "triforce", "offload-triforce"] if any(r["mode"] == m for r in doc["rows"])]
+    contexts = sorted({r["context"] for r in doc["rows"]})
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(modes)
+    for i, m in enumerate(modes):
+        rates = [next((r["decode_tok_s"] for r in doc["rows"] if r["mode"] == m and r["context"] == c), 0) for c in contexts]
+        a.bar([k + i * width for k in range(len(contexts))], rates, width, label=m)
+    a.set_xticks([k + 0.4 - width / 2 for k in range(len(contexts))], [str(c) for c in contexts])
+    a.set_xlabel("context (tokens)")
+    a.set_ylabel("decode tok/s")
+    a.set_title(f"measured: {doc.get('model')}, {doc.get('threads')} threads, CPU")
+    a.legend(fontsize=8)
+    labels = ["offloading\nbaseline", "TriForce"]
+    b.bar([0, 1], [t_base, t_tri], 0.35, label="modeled (kvflow counts)")
+    b.bar([0.35, 1.35], [PAPER_BASELINE, PAPER_TRIFORCE], 0.35, label="paper")
+    b.set_xticks([0.175, 1.175], labels)
+    b.set_ylabel("s / token")
+    b.set_title("Llama2-7B-128K at 127K, 2x RTX 4090 (modeled)")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

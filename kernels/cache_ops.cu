@@ -8,22 +8,10 @@
 // stride and row length is a multiple of; for the supported head dims (64/128) that is 16 bytes.
 #include "device_utils.cuh"
 
-#include <initializer_list>
-
 #include "cache_ops.h"
 
 namespace kvflow::cuda {
 namespace {
-
-
-// Largest power of two <= 16 dividing all of `values` (byte addresses and byte counts).
-inline int CommonAlignment(std::initializer_list<uint64_t> values) {
-  int align = 16;
-  for (uint64_t v : values) {
-    while (align > 1 && v % static_cast<uint64_t>(align) != 0) align /= 2;
-  }
-  return align;
-}
 
 // ---- reshape_and_cache -------------------------------------------------------------------------------
 //

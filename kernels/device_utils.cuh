@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -87,6 +88,16 @@ struct alignas(8) Word8 {
 };
 using Word4 = uint32_t;
 using Word2 = uint16_t;
+
+// The widest Word (16, 8, 4 or 2 bytes; 1 when none) that every byte address and byte count of
+// `values` is a multiple of: what a launcher of a Word-templated copy kernel instantiates.
+inline int CommonAlignment(std::initializer_list<uint64_t> values) {
+  int align = 16;
+  for (uint64_t v : values) {
+    while (align > 1 && v % static_cast<uint64_t>(align) != 0) align /= 2;
+  }
+  return align;
+}
 
 
 // ---- launch -------------------------------------------------------------------------------------

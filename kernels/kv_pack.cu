@@ -10,20 +10,10 @@
 // the packed row are contiguous, so both sides are coalesced.
 #include "device_utils.cuh"
 
-#include <initializer_list>
-
 #include "kv_pack.h"
 
 namespace kvflow::cuda {
 namespace {
-
-inline int CommonAlignment(std::initializer_list<uint64_t> values) {
-  int align = 16;
-  for (uint64_t v : values) {
-    while (align > 1 && v % static_cast<uint64_t>(align) != 0) align /= 2;
-  }
-  return align;
-}
 
 template <typename W, bool kUnpack>
 __global__ void __launch_bounds__(256)

@@ -300,6 +300,11 @@ Status ValidateBlockMoves(std::span<const BlockMove> moves, BlockCopyKind kind, 
   return Status::Ok();
 }
 
+namespace {
+
+// Which blocks a step of an offloaded pool touches.
+enum class OffloadedStep { kPool, kResident, kMixed };
+
 OffloadedStep ClassifyOffloadedStep(const ForwardBatch& batch, std::span<const int64_t> slots, BlockId resident_begin,
                                     int block_size) {
   bool pool = false, resident = false;
@@ -325,6 +330,23 @@ OffloadedStep ClassifyOffloadedStep(const ForwardBatch& batch, std::span<const i
     if (slot >= 0) see(slot / block_size);
   }
   return pool && resident ? OffloadedStep::kMixed : resident ? OffloadedStep::kResident : OffloadedStep::kPool;
+}
+
+}  // namespace
+
+Result<bool> CheckOffloadedStep(const ForwardBatch& batch, BlockId resident_begin, int block_size) {
+  const OffloadedStep kind = ClassifyOffloadedStep(batch, ResolveSlotMapping(batch, block_size), resident_begin, block_size);
+  if (kind == OffloadedStep::kMixed) {
+    return Status::Unsupported("a step of an offloaded KV pool reads and writes either resident blocks or host pool "
+                               "blocks, not both");
+  }
+  if (kind == OffloadedStep::kResident) return true;
+  for (const SequenceSlice& slice : batch.seqs) {
+    if (slice.view.kind != KvView::Kind::kFull) {
+      return Status::Unsupported("an offloaded KV pool reads whole views only (except from resident blocks)");
+    }
+  }
+  return false;
 }
 
 }  // namespace kvflow

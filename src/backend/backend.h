@@ -260,12 +260,11 @@ class OffloadedKvPool {
   virtual BlockId resident_begin() const = 0;
 };
 
-// Which blocks a step of an offloaded pool touches: the host pool's only, the resident blocks'
-// only (OffloadedKvPool::KeepResident), or both (refused).
-enum class OffloadedStep { kPool, kResident, kMixed };
-// From what every slice reads (its view) and where the step writes (`slots`, resolved).
-OffloadedStep ClassifyOffloadedStep(const ForwardBatch& batch, std::span<const int64_t> slots, BlockId resident_begin,
-                                    int block_size);
+// What an offloaded pool's RunStep checks first, from what every slice reads (its view) and where
+// the step writes: true for a resident step (resident blocks only, OffloadedKvPool::KeepResident);
+// Unsupported for a step that touches both kinds of blocks, or a pool step whose views are not
+// whole tables (the fetch leaves each slice's own tokens to WriteKv, which needs them last).
+Result<bool> CheckOffloadedStep(const ForwardBatch& batch, BlockId resident_begin, int block_size);
 
 // KV exchanged with a peer (KV-Runahead's chain, TSP's all-gather).
 class KvPacking {

@@ -1,5 +1,7 @@
 #include "distributed/in_process_communicator.h"
 
+#include "distributed/deadline.h"
+
 #include <spdlog/fmt/fmt.h>
 
 #include <algorithm>
@@ -14,29 +16,6 @@
 namespace kvflow::dist {
 
 namespace {
-
-// Collectives exchange point-to-point messages under tags no caller can use (ValidatePeer refuses
-// negative tags).
-constexpr int kAllGatherTag = -1;
-constexpr int kBarrierTag = -2;
-
-std::string TagName(int tag) {
-  if (tag == kAllGatherTag) return "all-gather";
-  if (tag == kBarrierTag) return "barrier";
-  return fmt::format("tag {}", tag);
-}
-
-using Clock = std::chrono::steady_clock;
-
-Clock::time_point DeadlineAfter(double timeout_s) {
-  // Clamped so that "wait forever" (a huge timeout) does not overflow the clock.
-  const double seconds = std::clamp(timeout_s, 0.0, 1e7);
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-}
-
-double SecondsLeft(Clock::time_point deadline) {
-  return std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count());
-}
 
 // A posted receive; owned by its handle, listed in its mailbox until a message matches it.
 struct PostedRecv {

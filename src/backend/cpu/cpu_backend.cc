@@ -143,19 +143,7 @@ Status CpuBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink,
   if (sink.sampled) return Status::Unsupported("the CPU backend samples on the host");
   resident_step_ = false;
   if (kv_offloaded()) {
-    const OffloadedStep kind =
-        ClassifyOffloadedStep(batch, ResolveSlotMapping(batch, layout_.block_size), resident_begin_, layout_.block_size);
-    if (kind == OffloadedStep::kMixed) {
-      return Status::Unsupported("a step of an offloaded KV pool reads and writes either resident blocks or host "
-                                 "pool blocks, not both");
-    }
-    resident_step_ = kind == OffloadedStep::kResident;
-    // The fetch leaves each slice's own tokens to WriteKv, which needs them last in its reads.
-    for (const SequenceSlice& slice : batch.seqs) {
-      if (!resident_step_ && slice.view.kind != KvView::Kind::kFull) {
-        return Status::Unsupported("an offloaded KV pool reads whole views only (except from resident blocks)");
-      }
-    }
+    KVFLOW_ASSIGN_OR_RETURN(resident_step_, CheckOffloadedStep(batch, resident_begin_, layout_.block_size));
     staged_.Reset();
   }
   ScopedThreadPool use_pool(pool_.get());

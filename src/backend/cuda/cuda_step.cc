@@ -316,18 +316,7 @@ Status CudaBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink, c
   }
   resident_step_ = false;
   if (options_.kv_offload) {
-    const OffloadedStep kind =
-        ClassifyOffloadedStep(batch, ResolveSlotMapping(batch, layout_.block_size), resident_begin_, layout_.block_size);
-    if (kind == OffloadedStep::kMixed) {
-      return Status::Unsupported("a step of an offloaded KV pool reads and writes either resident blocks or host "
-                                 "pool blocks, not both");
-    }
-    resident_step_ = kind == OffloadedStep::kResident;
-    for (const SequenceSlice& slice : batch.seqs) {
-      if (!resident_step_ && slice.view.kind != KvView::Kind::kFull) {
-        return Status::Unsupported("an offloaded KV pool reads whole views only (except from resident blocks)");
-      }
-    }
+    KVFLOW_ASSIGN_OR_RETURN(resident_step_, CheckOffloadedStep(batch, resident_begin_, layout_.block_size));
     // The prefetches are issued per step from the host (their block runs differ step to step).
     capturable = false;
     ledger_.Reset();

@@ -1,5 +1,7 @@
 #include "distributed/cuda/cuda_peer_communicator.h"
 
+#include "distributed/deadline.h"
+
 #ifdef KVFLOW_CUDA_EMU
 #include "cuda_emu.h"
 #else
@@ -20,26 +22,6 @@
 namespace kvflow::dist {
 
 namespace {
-
-constexpr int kAllGatherTag = -1;
-constexpr int kBarrierTag = -2;
-
-std::string TagName(int tag) {
-  if (tag == kAllGatherTag) return "all-gather";
-  if (tag == kBarrierTag) return "barrier";
-  return fmt::format("tag {}", tag);
-}
-
-using Clock = std::chrono::steady_clock;
-
-Clock::time_point DeadlineAfter(double timeout_s) {
-  const double seconds = std::clamp(timeout_s, 0.0, 1e7);
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-}
-
-double SecondsLeft(Clock::time_point deadline) {
-  return std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count());
-}
 
 Status CudaError(cudaError_t code, std::string_view what) {
   if (code == cudaSuccess) return Status::Ok();

@@ -1,5 +1,7 @@
 #include "distributed/mpi/mpi_communicator.h"
 
+#include "distributed/deadline.h"
+
 #include <mpi.h>
 #include <sched.h>
 #include <spdlog/fmt/fmt.h>
@@ -17,8 +19,6 @@ namespace kvflow::dist {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 // After a timeout, how long a cancelled request gets to finish before it is let go.
 constexpr double kCancelGraceSeconds = 0.5;
 
@@ -35,11 +35,6 @@ bool MpiFinalized() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   return finalized != 0;
-}
-
-Clock::time_point DeadlineAfter(double timeout_s) {
-  const double seconds = std::clamp(timeout_s, 0.0, 1e7);
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
 
 // Between polls: yield at first (a chain hop's answer is usually near), then sleep, up to 1 ms, so

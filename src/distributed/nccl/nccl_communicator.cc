@@ -1,5 +1,6 @@
 #include "distributed/nccl/nccl_communicator.h"
 
+#include "distributed/deadline.h"
 #include "distributed/world.h"
 
 #include <cuda_runtime.h>
@@ -17,15 +18,8 @@ namespace kvflow::dist {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 // How long the destructor lets a healthy communicator finish its work before aborting it.
 constexpr double kFinalizeSeconds = 10.0;
-
-Clock::time_point DeadlineAfter(double timeout_s) {
-  const double seconds = std::clamp(timeout_s, 0.0, 1e7);
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-}
 
 void Pause(int& polls) {
   if (++polls < 200) {
