@@ -1243,8 +1243,15 @@ TEST(CudaEngine, TriForceOverAnOffloadedPoolKeepsOutputs) {
     if (std::string(bottom) == "draft_model") tri.speculative.model = "tiny-random-draft";
     EngineConfig offloaded = tri;
     offloaded.kv_offload.enabled = true;
-    EngineStats stats;
+    EngineStats stats, resident;
     EXPECT_EQ(RunEngine(offloaded, kTokens, &stats), reference) << bottom;
+    EXPECT_EQ(RunEngine(tri, kTokens, &resident), reference) << bottom;
+    // The same chunk scores (read from the staging buffers there), so the same retrieval caches and
+    // the same drafts at every level.
+    EXPECT_EQ(stats.spec.num_draft_tokens, resident.spec.num_draft_tokens) << bottom;
+    EXPECT_EQ(stats.spec.num_accepted_tokens, resident.spec.num_accepted_tokens) << bottom;
+    EXPECT_EQ(stats.spec.middle_accepted_tokens, resident.spec.middle_accepted_tokens) << bottom;
+    EXPECT_EQ(stats.spec.retrieval_builds, resident.spec.retrieval_builds) << bottom;
     std::printf("  offloaded, %s bottom: top kept %lld of %lld; middle passes %lld; %lld blocks copied to the "
                 "resident arena; %.2f MiB fetched for verification\n",
                 bottom, (long long)stats.spec.num_accepted_tokens, (long long)stats.spec.num_draft_tokens,

@@ -114,6 +114,14 @@ Status CudaBackend::ScoreKvBlocks(int layer, std::span<const KvBlockScoreJob> jo
   a.query = qkv_;  // the Q heads lead each kQkv row, rotated by now
   a.query_row_stride = ActivationWidth(Activation::kQkv);
   a.key_cache = key_pool_ + layer * layout_.layer_stride() * cuda::DTypeSize(dtype_);
+  if (resident_step_) {
+    a.key_cache = ResidentLayer(0, layer);
+  } else if (staged_step()) {
+    // An offloaded pool: the layer's keys as attention will read them, fetched once for both (the
+    // jobs' blocks are their slices' views), not read again over the bus from pinned memory.
+    KVFLOW_RETURN_IF_ERROR(EnsureStaged(layer, {}));
+    a.key_cache = StagingLayer(0, layer);
+  }
   a.jobs = reinterpret_cast<const cuda::KvBlockScoreJobDesc*>(device);
   a.num_jobs = static_cast<int>(jobs.size());
   a.block_ids = reinterpret_cast<const int32_t*>(device + jobs_bytes);
