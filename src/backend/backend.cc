@@ -334,8 +334,9 @@ OffloadedStep ClassifyOffloadedStep(const ForwardBatch& batch, std::span<const i
 
 }  // namespace
 
-Result<bool> CheckOffloadedStep(const ForwardBatch& batch, BlockId resident_begin, int block_size) {
-  const OffloadedStep kind = ClassifyOffloadedStep(batch, ResolveSlotMapping(batch, block_size), resident_begin, block_size);
+Result<bool> CheckOffloadedStep(const ForwardBatch& batch, std::span<const int64_t> slots, BlockId resident_begin,
+                                int block_size) {
+  const OffloadedStep kind = ClassifyOffloadedStep(batch, slots, resident_begin, block_size);
   if (kind == OffloadedStep::kMixed) {
     return Status::Unsupported("a step of an offloaded KV pool reads and writes either resident blocks or host pool "
                                "blocks, not both");

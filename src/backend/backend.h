@@ -264,7 +264,9 @@ class OffloadedKvPool {
 // the step writes: true for a resident step (resident blocks only, OffloadedKvPool::KeepResident);
 // Unsupported for a step that touches both kinds of blocks, or a pool step whose views are not
 // whole tables (the fetch leaves each slice's own tokens to WriteKv, which needs them last).
-Result<bool> CheckOffloadedStep(const ForwardBatch& batch, BlockId resident_begin, int block_size);
+// `slots`: the step's resolved slot mapping (ResolveSlotMapping).
+Result<bool> CheckOffloadedStep(const ForwardBatch& batch, std::span<const int64_t> slots, BlockId resident_begin,
+                                int block_size);
 
 // KV exchanged with a peer (KV-Runahead's chain, TSP's all-gather).
 class KvPacking {

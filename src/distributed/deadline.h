@@ -4,9 +4,12 @@
 
 #include <spdlog/fmt/fmt.h>
 
+#include <sched.h>
+
 #include <algorithm>
 #include <chrono>
 #include <string>
+#include <thread>
 
 namespace kvflow::dist {
 
@@ -19,6 +22,16 @@ inline Clock::time_point DeadlineAfter(double timeout_s) {
 
 inline double SecondsLeft(Clock::time_point deadline) {
   return std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count());
+}
+
+// Between two polls of a device event: yield at first (the answer is usually near), then sleep
+// 100 us, so that a long wait leaves the core to the ranks that compute.
+inline void PollPause(int& polls) {
+  if (++polls < 200) {
+    sched_yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
 }
 
 // Collectives built from point-to-point messages use tags no caller can (ValidatePeer refuses

@@ -452,20 +452,20 @@ Status TriForceDrafter::PlaceMiddleViews(std::vector<Work>& works, std::vector<b
       continue;
     }
     if (tracked.copied_build != w.cache->builds()) {
-      tracked.copied.clear();
+      tracked.copied = 0;
       tracked.copied_build = w.cache->builds();
     }
     // The view is the copied prefix and the blocks that filled since: copy those (every layer).
     const BlockId region = copy_regions_ + static_cast<BlockId>(tracked.region) * region_blocks;
-    for (size_t b = tracked.copied.size(); b < logical.size(); ++b) {
+    for (size_t b = tracked.copied; b < logical.size(); ++b) {
       KvTransfer t;
       t.src_block = w.job->block_table[static_cast<size_t>(logical[b])];
       t.dst_block = region + static_cast<BlockId>(b);
       t.num_tokens = block_size_;
       t.layer_end = layers;
       copies.push_back(t);
-      tracked.copied.push_back(logical[b]);
     }
+    tracked.copied = logical.size();
     for (size_t b = 0; b < logical.size(); ++b) w.middle_blocks.push_back(region + static_cast<BlockId>(b));
   }
   if (!copies.empty()) {

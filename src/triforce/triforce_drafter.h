@@ -78,10 +78,6 @@ class TriForceDrafter final : public Drafter, private StepHooks, private LayerHo
 
   // Scratch blocks past the block manager's in the target's pool, and in the draft model's.
   static int TargetScratchBlocks(const TriForceConfig& config, int block_size);
-  // Of the target's: the lanes (middle, then a streaming bottom's), and over an offloaded pool the
-  // copy regions after them, one per lane, of CopyRegionBlocks each.
-  static int LaneScratchBlocks(const TriForceConfig& config, int block_size);
-  static int CopyRegionBlocks(const TriForceConfig& config, int block_size);
   // Copy regions over an offloaded pool: one per drafting sequence, at most kMaxCopyRegions (each
   // holds a whole retrieval cache on the device; TriForce's offloading setting serves a few long
   // sequences). Sequences past them decode plainly.
@@ -102,10 +98,10 @@ class TriForceDrafter final : public Drafter, private StepHooks, private LayerHo
   struct Tracked {
     RetrievalCache cache;
     bool want_scores = false;  // score its chunks in the coming step
-    // Over an offloaded pool: its copy region (-1: none yet), the logical blocks copied there in
-    // view order, and the build they belong to.
+    // Over an offloaded pool: its copy region (-1: none yet), how many of its view's blocks are
+    // copied there (the view's prefix, in order), and the build they belong to.
     int region = -1;
-    std::vector<int32_t> copied;
+    size_t copied = 0;
     int64_t copied_build = -1;
   };
   // A sequence whose chunks the last step scored: its scores in the backend's buffer.
@@ -119,6 +115,10 @@ class TriForceDrafter final : public Drafter, private StepHooks, private LayerHo
   // StepHooks: the scoring jobs of the step's sequences that asked for scores.
   LayerHooks* ForStep(const ForwardBatch& batch, std::span<const int64_t> seq_ids,
                       std::span<const uint8_t> kv_selection) override;
+  // Of the target's scratch: the lanes (middle, then a streaming bottom's), and over an offloaded
+  // pool the CopyRegions copy regions after them, of CopyRegionBlocks each.
+  static int LaneScratchBlocks(const TriForceConfig& config, int block_size);
+  static int CopyRegionBlocks(const TriForceConfig& config, int block_size);
   // LayerHooks: scores this layer's chunks.
   Status BeforeAttention(const LayerContext& ctx) override { return scorer_.ScoreKvBlocks(ctx.layer, scoring_); }
   // Selects the top chunks of the sequences the last step scored.

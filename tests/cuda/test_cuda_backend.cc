@@ -1182,6 +1182,21 @@ void ExpectSeededMatchesCpu(const std::string& what, EngineConfig cuda, int toke
   EXPECT_GT(shared, total / 2) << what;
 }
 
+// TriForce on the tiny model: gamma2 4, gamma1 2, an 8-token retrieval cache, drafting from the
+// start, a 4 + 8 streaming window; the draft model's bottom runs tiny-random-draft.
+EngineConfig TriForceOn(EngineConfig c, const std::string& bottom) {
+  c.speculative.method = "triforce";
+  c.speculative.num_tokens = 4;
+  c.speculative.triforce.draft = bottom;
+  c.speculative.triforce.draft_tokens = 2;
+  c.speculative.triforce.budget = 8;
+  c.speculative.triforce.min_context = 0;
+  c.speculative.triforce.sinks = 4;
+  c.speculative.triforce.window = 8;
+  if (bottom == "draft_model") c.speculative.model = "tiny-random-draft";
+  return c;
+}
+
 // TriForce on the device: chunks scored and selected by the kernels inside the engine's pass, the
 // middle level reading its retrieval cache as a block-table subset through the paged kernels (its
 // lane filled by a KV transfer), the bottom drafting from a StreamingLLM view: greedy outputs stay
@@ -1193,16 +1208,7 @@ TEST(CudaEngine, TriForceKeepsGreedyOutputs) {
   base.block_size = 8;
   const Outputs reference = RunEngine(base, kTokens);
   for (const char* bottom : {"ngram", "streaming", "draft_model"}) {
-    EngineConfig tri = base;
-    tri.speculative.method = "triforce";
-    tri.speculative.num_tokens = 4;
-    tri.speculative.triforce.draft = bottom;
-    tri.speculative.triforce.draft_tokens = 2;
-    tri.speculative.triforce.budget = 8;
-    tri.speculative.triforce.min_context = 0;
-    tri.speculative.triforce.sinks = 4;
-    tri.speculative.triforce.window = 8;
-    if (std::string(bottom) == "draft_model") tri.speculative.model = "tiny-random-draft";
+    const EngineConfig tri = TriForceOn(base, bottom);
     EngineStats stats;
     EXPECT_EQ(RunEngine(tri, kTokens, &stats), reference) << bottom;
     std::printf("  %s bottom: top kept %lld of %lld; middle passes %lld kept %lld of %lld bottom drafts; builds %lld\n",
@@ -1226,13 +1232,7 @@ TEST(CudaEngine, TriForceOverAnOffloadedPoolKeepsOutputs) {
   base.block_size = 8;
   const Outputs reference = RunEngine(base, kTokens);
   for (const char* bottom : {"ngram", "draft_model"}) {
-    EngineConfig tri = base;
-    tri.speculative.method = "triforce";
-    tri.speculative.num_tokens = 4;
-    tri.speculative.triforce.draft = bottom;
-    tri.speculative.triforce.draft_tokens = 2;
-    tri.speculative.triforce.budget = 8;
-    tri.speculative.triforce.min_context = 0;
+    EngineConfig tri = TriForceOn(base, bottom);
     tri.speculative.triforce.rebuild_stride = 32;  // over the offloaded pool: copy regions of 1 + 5 blocks
     tri.num_kv_blocks = 512;                       // room for them
     tri.preemption_mode = "recompute";             // an offloaded pool has no swap space
@@ -1240,7 +1240,6 @@ TEST(CudaEngine, TriForceOverAnOffloadedPoolKeepsOutputs) {
     // the offload: a CUDA graph's decode grid is sized for max_model_len, an eager step's for its
     // context, so their split-KV sums differ in the last bits and a seeded draw at a near-tie can flip.
     tri.enforce_eager = true;
-    if (std::string(bottom) == "draft_model") tri.speculative.model = "tiny-random-draft";
     EngineConfig offloaded = tri;
     offloaded.kv_offload.enabled = true;
     EngineStats stats, resident;

@@ -141,11 +141,6 @@ Status CpuBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink,
                            const std::function<Status()>& layers, bool capturable) {
   KVFLOW_RETURN_IF_ERROR(ValidateForwardBatch(batch, config_, layout_));
   if (sink.sampled) return Status::Unsupported("the CPU backend samples on the host");
-  resident_step_ = false;
-  if (kv_offloaded()) {
-    KVFLOW_ASSIGN_OR_RETURN(resident_step_, CheckOffloadedStep(batch, resident_begin_, layout_.block_size));
-    staged_.Reset();
-  }
   ScopedThreadPool use_pool(pool_.get());
   const int64_t T = static_cast<int64_t>(batch.tokens.size());
   try {
@@ -160,6 +155,11 @@ Status CpuBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink,
     for (size_t s = 0; s < batch.seqs.size(); ++s) ViewSlots(batch.seqs[s], layout_.block_size, view_slots_[s]);
   } catch (const std::bad_alloc&) {
     return Status::OutOfMemory("cannot allocate activations for a batch of " + std::to_string(T) + " tokens");
+  }
+  resident_step_ = false;
+  if (kv_offloaded()) {
+    KVFLOW_ASSIGN_OR_RETURN(resident_step_, CheckOffloadedStep(batch, slots_, resident_begin_, layout_.block_size));
+    staged_.Reset();
   }
   batch_ = &batch;
   num_tokens_ = T;

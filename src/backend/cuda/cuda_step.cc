@@ -316,7 +316,8 @@ Status CudaBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink, c
   }
   resident_step_ = false;
   if (options_.kv_offload) {
-    KVFLOW_ASSIGN_OR_RETURN(resident_step_, CheckOffloadedStep(batch, resident_begin_, layout_.block_size));
+    KVFLOW_ASSIGN_OR_RETURN(resident_step_, CheckOffloadedStep(batch, ResolveSlotMapping(batch, layout_.block_size),
+                                                               resident_begin_, layout_.block_size));
     // The prefetches are issued per step from the host (their block runs differ step to step).
     capturable = false;
     ledger_.Reset();

@@ -7,7 +7,6 @@
 #else
 #include <cuda_runtime.h>
 #endif
-#include <sched.h>
 #include <spdlog/fmt/fmt.h>
 
 #include <algorithm>
@@ -16,7 +15,6 @@
 #include <deque>
 #include <map>
 #include <mutex>
-#include <thread>
 #include <tuple>
 
 namespace kvflow::dist {
@@ -297,11 +295,7 @@ Status CudaPeerCommunicator::Wait(MessageHandle handle, double timeout_s) {
       return Status::Unavailable(fmt::format("{}: the copy from rank {} did not finish within {:.1f} s ({})",
                                              Describe(), op->peer, timeout_s, TagName(op->tag)));
     }
-    if (++polls < 200) {
-      sched_yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
+    PollPause(polls);
   }
 }
 

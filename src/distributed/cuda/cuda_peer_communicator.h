@@ -36,7 +36,6 @@ class CudaPeerCommunicator final : public Communicator {
   int size() const override;
   std::string Describe() const override;
   BufferSpace buffer_space() const override { return BufferSpace::kDevice; }
-  int device() const { return device_; }
 
   Status OrderAfter(void* device_event) override;
   Result<MessageHandle> ISend(int peer, int tag, std::span<const std::byte> data) override;

@@ -5,13 +5,11 @@
 
 #include <cuda_runtime.h>
 #include <nccl.h>
-#include <sched.h>
 #include <spdlog/fmt/fmt.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 namespace kvflow::dist {
@@ -20,14 +18,6 @@ namespace {
 
 // How long the destructor lets a healthy communicator finish its work before aborting it.
 constexpr double kFinalizeSeconds = 10.0;
-
-void Pause(int& polls) {
-  if (++polls < 200) {
-    sched_yield();
-  } else {
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
-}
 
 Status CudaError(cudaError_t code, std::string_view what) {
   if (code == cudaSuccess) return Status::Ok();
@@ -95,7 +85,7 @@ struct NcclCommunicator::Impl {
       if (state == ncclSuccess) return Status::Ok();
       if (state != ncclInProgress) return NcclError(state, what);
       if (Clock::now() >= deadline) return Status::Unavailable(fmt::format("{}: still in progress at the deadline", what));
-      Pause(polls);
+      PollPause(polls);
     }
   }
 
@@ -241,7 +231,7 @@ Status NcclCommunicator::Impl::AwaitEvent(cudaEvent_t event, Clock::time_point d
     ncclCommGetAsyncError(comm, &async);
     if (async != ncclSuccess && async != ncclInProgress) return NcclError(async, on_timeout);
     if (Clock::now() >= deadline) return Abort(on_timeout);
-    Pause(polls);
+    PollPause(polls);
   }
 }
 
