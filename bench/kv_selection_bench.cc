@@ -1,5 +1,6 @@
-// KV selection at long contexts, one sequence at a time on one engine build, in one run: full
-// attention against InfiniGen's speculated tokens, H2O's heavy hitters and a 4-bit KV cache.
+// KV selection at long contexts, on one engine build, in one run: full attention against
+// InfiniGen's speculated tokens, H2O's heavy hitters and a 4-bit KV cache, one sequence at a time
+// or --batches of them decoding together.
 //
 //   kvflow_bench_kv_selection --model smollm2-135m --contexts 2048,4096,8192 --threads 2 \
 //       --json bench/results/kv_selection_speed.json --md bench/results/kv_selection_speed.md
@@ -85,7 +86,7 @@ int main(int argc, char** argv) {
   std::string model = "smollm2-135m", device = "cpu";
   std::string wikitext = std::string(KVFLOW_SOURCE_DIR) + "/../shared/datasets/wikitext-2/test.txt";
   std::string contexts_arg = "2048,4096,8192", modes_arg = "full,infinigen,h2o,int4", json_path, md_path;
-  std::string skew_file, speculate_from = "after-attention";
+  std::string skew_file, speculate_from = "after-attention", speculate_on = "auto", batches_arg = "1", passkey = "on";
   int new_tokens = 64, threads = 2, repeats = 3, passkey_tokens = 16, max_model_len = 8192;
   double alpha = 5.0, max_fraction = 0.2, h2o_budget = 0.2, passkey_depth = 0.5;
   app.add_option("--model", model, "Model path or short name")->capture_default_str();
@@ -101,6 +102,13 @@ int main(int argc, char** argv) {
   app.add_option("--infinigen-max-fraction", max_fraction, "InfiniGen cap")->capture_default_str();
   app.add_option("--infinigen-speculate-from", speculate_from, "after-attention or layer-input")->capture_default_str();
   app.add_option("--infinigen-skew-file", skew_file, "Skewing file (default: <model>.infinigen)");
+  app.add_option("--infinigen-speculate-on", speculate_on, "auto, device or host")->capture_default_str();
+  app.add_option("--batches", batches_arg,
+                 "Comma-separated batch sizes: that many WikiText-2 prompts of the context decode together")
+      ->capture_default_str();
+  app.add_option("--passkey", passkey, "on: also answer a pass-key prompt per context and mode (batch 1); off: speed only")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--h2o-budget", h2o_budget, "H2O's kept fraction of the context")->capture_default_str();
   app.add_option("--passkey-tokens", passkey_tokens, "Greedy tokens of the pass-key answer")->capture_default_str();
   app.add_option("--passkey-depth", passkey_depth, "Where the key sits (0 start .. 1 end)")->capture_default_str();
@@ -114,6 +122,13 @@ int main(int argc, char** argv) {
   std::vector<int> contexts;
   for (const std::string& c : kb::SplitCommaList(contexts_arg)) contexts.push_back(std::stoi(c));
   const std::vector<std::string> modes = kb::SplitCommaList(modes_arg);
+  std::vector<int> batches;
+  for (const std::string& b : kb::SplitCommaList(batches_arg)) batches.push_back(std::stoi(b));
+  if (batches.empty() || *std::min_element(batches.begin(), batches.end()) < 1) {
+    std::fprintf(stderr, "--batches: sizes >= 1\n");
+    return 2;
+  }
+  const int max_batch = *std::max_element(batches.begin(), batches.end());
   for (int c : contexts) {
     if (c > max_model_len || c - new_tokens - 8 < 64) {
       std::fprintf(stderr, "context %d: must be <= --max-model-len %d and leave room for --new-tokens\n", c, max_model_len);
@@ -130,8 +145,8 @@ int main(int argc, char** argv) {
   base.device = device;
   base.num_threads = threads;
   base.max_model_len = max_model_len;
-  base.max_num_seqs = 1;
-  base.num_kv_blocks = (max_model_len + base.block_size - 1) / base.block_size + 32;
+  base.max_num_seqs = max_batch;
+  base.num_kv_blocks = max_batch * ((max_model_len + base.block_size - 1) / base.block_size) + 32;
   kb::ModeEngines engines;
   Json engine_json = Json::object();
   const int created = kb::CreateModeEngines(
@@ -145,6 +160,7 @@ int main(int argc, char** argv) {
           c.kv_selection.infinigen.alpha = alpha;
           c.kv_selection.infinigen.max_fraction = max_fraction;
           c.kv_selection.infinigen.speculate_from = speculate_from;
+          c.kv_selection.infinigen.speculate_on = speculate_on;
           c.kv_selection.infinigen.skew_file = skew_file;
         } else if (method == "h2o") {
           c.kv_selection.method = "h2o";
@@ -163,6 +179,7 @@ int main(int argc, char** argv) {
                     {"infinigen_alpha", c.kv_selection.infinigen.alpha},
                     {"infinigen_max_fraction", c.kv_selection.infinigen.max_fraction},
                     {"infinigen_speculate_from", c.kv_selection.infinigen.speculate_from},
+                    {"infinigen_speculate_on", c.kv_selection.infinigen.speculate_on},
                     {"h2o_budget", c.kv_selection.h2o.budget}};
       },
       engines, engine_json);
@@ -185,10 +202,15 @@ int main(int argc, char** argv) {
 
   Json rows = Json::array();
   std::string table =
-      "| context | mode | decode tok/s | ms/token | vs full | KV read (selected layers) | KV bytes read (all layers) | "
-      "fetched from host / token | pass key |\n|---:|---|---:|---:|---:|---:|---:|---:|---|\n";
+      "| context | batch | mode | decode tok/s | ms/step | vs full | KV read (selected layers) | KV bytes read (all layers) | "
+      "fetched from host / token | pass key |\n|---:|---:|---|---:|---:|---:|---:|---:|---:|---|\n";
   for (int context : contexts) {
-    const std::vector<int32_t> prompt = kb::WikiPrompt(tok, articles, 0, context - new_tokens - 8);
+   for (int batch : batches) {
+    std::vector<std::vector<int32_t>> prompts;
+    for (int i = 0; i < batch; ++i) {
+      prompts.push_back(kb::WikiPrompt(tok, articles, static_cast<size_t>(i) * 7, context - new_tokens - 8));
+    }
+    const bool answer_key = passkey == "on" && batch == 1;
     const kb::Passkey key = kb::PasskeyPrompt(tok, context - 32, passkey_depth, static_cast<uint32_t>(context));
     std::map<std::string, std::vector<double>> tps;
     std::map<std::string, kvflow::KvSelectionStats> selection;
@@ -198,14 +220,15 @@ int main(int argc, char** argv) {
       for (const std::string& mode : modes) {
         kvflow::Engine& e = *engines[mode];
         const kvflow::KvSelectionStats before = e.stats().kv_selection;
-        const kb::TimedRun r = kb::RunTimed(e, prompt, params);
+        const kb::TimedRun r = kb::RunTimedBatch(e, prompts, params);
         if (!r.error.empty()) errors[mode] = r.error;
         tps[mode].push_back(r.decode_s > 0 ? static_cast<double>(r.decode_tokens) / r.decode_s : 0.0);
         if (rep == 0) {
           selection[mode] = Minus(e.stats().kv_selection, before);
           first_run[mode] = r;
         }
-        std::fprintf(stderr, "ctx %d %-9s rep %d: %.1f tok/s%s%s\n", context, mode.c_str(), rep, tps[mode].back(),
+        std::fprintf(stderr, "ctx %d batch %d %-9s rep %d: %.1f tok/s%s%s\n", context, batch, mode.c_str(), rep,
+                     tps[mode].back(),
                      r.error.empty() ? "" : " error: ", r.error.c_str());
       }
     }
@@ -214,7 +237,7 @@ int main(int argc, char** argv) {
     for (const std::string& mode : modes) {
       kvflow::Engine& e = *engines[mode];
       const kvflow::KvSelectionStats before = e.stats().kv_selection;
-      const kb::TimedRun k = kb::RunTimed(e, key.ids, key_params);
+      const kb::TimedRun k = answer_key ? kb::RunTimed(e, key.ids, key_params) : kb::TimedRun{};
       const kvflow::KvSelectionStats key_sel = Minus(e.stats().kv_selection, before);
       const std::string answer = tok.Decode(k.tokens);
       const bool found = answer.find(key.key) != std::string::npos;
@@ -230,18 +253,22 @@ int main(int argc, char** argv) {
       }
       const bool within_spread = !full_runs.empty() && mode != "full" && Overlap(tps[mode], full_runs);
       rows.push_back({{"context", context},
+                      {"batch", batch},
                       {"mode", mode},
-                      {"prompt_tokens", prompt.size()},
+                      {"prompt_tokens", prompts[0].size()},
+                      {"decode_steps", first_run[mode].decode_steps},
+                      {"decode_seconds", first_run[mode].decode_s},
                       {"decode_tokens_per_s", median},
                       {"decode_tokens_per_s_runs", tps[mode]},
                       {"speedup_vs_full_per_repeat", ratios},
                       {"within_run_to_run_spread_of_full", mode == "full" ? Json(nullptr) : Json(within_spread)},
                       {"ms_per_token", median > 0 ? 1000.0 / median : 0.0},
+                      {"ms_per_step", median > 0 ? 1000.0 * batch / median : 0.0},
                       {"speedup_vs_full", full_tps > 0 ? median / full_tps : 0.0},
                       {"selection", SelectionJson(s)},
                       {"offload", OffloadJson(first_run[mode].decode_offload, first_run[mode].decode_tokens)},
                       {"error", errors[mode]},
-                      {"passkey", {{"prompt_tokens", key.ids.size()},
+                      {"passkey", !answer_key ? Json(nullptr) : Json{{"prompt_tokens", key.ids.size()},
                                    {"key", key.key},
                                    {"answer", answer},
                                    {"found", found},
@@ -256,14 +283,16 @@ int main(int argc, char** argv) {
                                   (ratios.size() > 1 && mode != "full" ? " (" + Range(ratios, "{:.2f}") + ")" : std::string()) +
                                   (within_spread ? ", within spread" : "");
       char line[768];
-      std::snprintf(line, sizeof line, "| %d | %s | %s | %.2f | %s | %s | %.1f%% | %s | %s |\n", context, mode.c_str(),
+      std::snprintf(line, sizeof line, "| %d | %d | %s | %s | %.2f | %s | %s | %.1f%% | %s | %s |\n", context, batch,
+                    mode.c_str(),
                     (fmt::format("{:.1f}", median) + (tps[mode].size() > 1 ? " (" + Range(tps[mode], "{:.1f}") + ")" : "")).c_str(),
-                    median > 0 ? 1000.0 / median : 0.0, vs_full.c_str(),
+                    median > 0 ? 1000.0 * batch / median : 0.0, vs_full.c_str(),
                     s.tokens_available > 0 ? (std::to_string(static_cast<int>(100.0 * s.selection_fraction() + 0.5)) + "%").c_str()
                                            : "100%",
-                    100.0 * bytes_fraction, fetched.c_str(), found ? "found" : "missed");
+                    100.0 * bytes_fraction, fetched.c_str(), !answer_key ? "-" : found ? "found" : "missed");
       table += line;
     }
+   }
   }
   std::printf("%s", table.c_str());
   const Json out = {{"benchmark", "kv_selection"},

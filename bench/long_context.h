@@ -155,24 +155,43 @@ struct TimedRun {
   std::string error;
 };
 
-inline TimedRun RunTimed(kvflow::Engine& engine, const std::vector<int32_t>& prompt, const kvflow::SamplingParams& params) {
+// Runs `prompts` as one batch to completion, timing each engine step: prefill = the steps until
+// every sequence has its first token, decode = the rest (a batch decodes together). `tokens` are the
+// first prompt's.
+inline TimedRun RunTimedBatch(kvflow::Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
+                              const kvflow::SamplingParams& params) {
   TimedRun r;
-  r.prompt_tokens = static_cast<int>(prompt.size());
+  r.prompt_tokens = prompts.empty() ? 0 : static_cast<int>(prompts[0].size());
   if (engine.HasUnfinishedRequests()) {
     r.error = "engine not idle";
     return r;
   }
   std::string stream_error;
-  auto id = engine.AddRequest(prompt, params, [&](const kvflow::StreamEvent& e) {
-    for (const auto& t : e.tokens) r.tokens.push_back(t.token);
-    if (e.finish_reason == kvflow::FinishReason::kError) stream_error = e.error.ToString();
-  });
-  if (!id.ok()) {
-    r.error = id.status().ToString();
-    return r;
+  std::vector<int64_t> produced(prompts.size(), 0);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    auto id = engine.AddRequest(prompts[i], params, [&, i](const kvflow::StreamEvent& e) {
+      produced[i] += static_cast<int64_t>(e.tokens.size());
+      if (i == 0) {
+        for (const auto& t : e.tokens) r.tokens.push_back(t.token);
+      }
+      if (e.finish_reason == kvflow::FinishReason::kError) stream_error = e.error.ToString();
+    });
+    if (!id.ok()) {
+      r.error = id.status().ToString();
+      while (engine.HasUnfinishedRequests() && engine.Step().ok()) {
+      }
+      return r;
+    }
   }
+  auto total = [&] {
+    int64_t n = 0;
+    for (int64_t p : produced) n += p;
+    return n;
+  };
+  auto all_started = [&] { return std::all_of(produced.begin(), produced.end(), [](int64_t p) { return p > 0; }); };
+  bool decoding = false;
   while (engine.HasUnfinishedRequests()) {
-    const size_t had = r.tokens.size();
+    const int64_t had = total();
     const auto t0 = std::chrono::steady_clock::now();
     auto step = engine.Step();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -184,21 +203,28 @@ inline TimedRun RunTimed(kvflow::Engine& engine, const std::vector<int32_t>& pro
       r.error = "the engine made no progress (KV cache too small?)";
       break;
     }
-    // Prefill = the steps up to and including the one that sampled the first token. (Not
-    // StepResult::num_prefill_tokens: the engine counts a speculative verification step, which
+    // Prefill = the steps up to and including the one that sampled every sequence's first token.
+    // (Not StepResult::num_prefill_tokens: the engine counts a speculative verification step, which
     // carries several tokens, as prefill too.)
-    if (had == 0) {
+    if (!decoding) {
       r.prefill_s += s;
-      if (!r.tokens.empty()) r.decode_offload.Add(engine.stats().kv_offload, -1);  // decode starts here
+      if (all_started()) {
+        decoding = true;
+        r.decode_offload.Add(engine.stats().kv_offload, -1);  // decode starts here
+      }
     } else {
       r.decode_s += s;
       ++r.decode_steps;
-      r.decode_tokens += static_cast<int64_t>(r.tokens.size() - had);
+      r.decode_tokens += total() - had;
     }
   }
   if (r.error.empty() && !stream_error.empty()) r.error = stream_error;
-  r.decode_offload.Add(engine.stats().kv_offload);
+  if (decoding) r.decode_offload.Add(engine.stats().kv_offload);
   return r;
+}
+
+inline TimedRun RunTimed(kvflow::Engine& engine, const std::vector<int32_t>& prompt, const kvflow::SamplingParams& params) {
+  return RunTimedBatch(engine, {prompt}, params);
 }
 
 // One engine per mode, created once and reused for every context: `configure` sets the mode's

@@ -24,12 +24,19 @@ constexpr size_t kMaxDynamicSmem = 200 * 1024;  // under the 227 KiB opt-in limi
 
 // ---- SkewPartialKeys ------------------------------------------------------------------------------
 
+// Where row r of a partial key cache lives: r itself, or through its chunk table (paged).
+__device__ __forceinline__ int64_t PartialRow(const int32_t* chunks, int chunk_rows, int64_t r) {
+  if (chunks == nullptr) return r;
+  const int64_t chunk = r / chunk_rows;
+  return static_cast<int64_t>(chunks[chunk]) * chunk_rows + (r - chunk * chunk_rows);
+}
+
 // grid = (ceil(max_job_slots / kSkewTokens), num_jobs).
 template <typename T>
 __global__ void __launch_bounds__(kSkewThreads)
     SkewPartialKeysKernel(const T* __restrict__ key_cache, const int64_t* __restrict__ slots,
                           const InfiniGenSkewJob* __restrict__ jobs, int num_kv_heads, int head_dim, int block_size,
-                          int num_cols) {
+                          int num_cols, int chunk_rows) {
   const InfiniGenSkewJob job = jobs[blockIdx.y];
   const int first = static_cast<int>(blockIdx.x) * kSkewTokens;
   if (first >= job.num_slots) return;  // the whole thread block leaves before any barrier
@@ -55,21 +62,39 @@ __global__ void __launch_bounds__(kSkewThreads)
     const float* xt = x + t * D;
     float acc = 0.0f;
     for (int d = 0; d < D; ++d) acc += xt[d] * a[d * P + c];
-    job.dst[(job.dst_row + first + t) * P + c] = acc;
+    job.dst[PartialRow(job.chunks, chunk_rows, job.dst_row + first + t) * P + c] = acc;
   }
 }
 
 // grid = (num_rows, num_heads).
 template <typename T>
 __global__ void __launch_bounds__(kQueryThreads)
-    SkewPartialQueriesKernel(const T* __restrict__ rows, int64_t row_stride, int num_heads, int group, int head_dim,
-                             int num_cols, float scale, const float* __restrict__ matrices,
-                             const int32_t* __restrict__ columns, float* __restrict__ out) {
+    SkewPartialQueriesKernel(const T* __restrict__ rows, int64_t row_stride, const int32_t* __restrict__ row_indices,
+                             const int32_t* __restrict__ positions, const float* __restrict__ inv_freq,
+                             float attention_scale, int num_heads, int group, int head_dim, int num_cols, float scale,
+                             const float* __restrict__ matrices, const int32_t* __restrict__ columns,
+                             float* __restrict__ out) {
   __shared__ float q[kMaxHeadDim];
   const int r = static_cast<int>(blockIdx.x), h = static_cast<int>(blockIdx.y), kvh = h / group;
   const int D = head_dim, P = num_cols;
-  const T* row = rows + r * row_stride + static_cast<int64_t>(h) * D;
-  for (int d = threadIdx.x; d < D; d += kQueryThreads) q[d] = dev::ToFloat(row[d]) * scale;
+  const int source = row_indices ? row_indices[r] : r;
+  const T* row = rows + source * row_stride + static_cast<int64_t>(h) * D;
+  if (positions == nullptr) {
+    for (int d = threadIdx.x; d < D; d += kQueryThreads) q[d] = dev::ToFloat(row[d]) * scale;
+  } else {
+    // ApplyRope's arithmetic (model/rope.cc), then the scale, each in fp32.
+    const int half = D / 2;
+    const float position = static_cast<float>(positions[source]);
+    for (int i = threadIdx.x; i < half; i += kQueryThreads) {
+      const float angle = position * inv_freq[i];
+      const float c = cosf(angle) * attention_scale;
+      const float s = sinf(angle) * attention_scale;
+      const float x0 = dev::ToFloat(row[i]);
+      const float x1 = dev::ToFloat(row[i + half]);
+      q[i] = (x0 * c - x1 * s) * scale;
+      q[i + half] = (x1 * c + x0 * s) * scale;
+    }
+  }
   __syncthreads();
   const float* a = matrices + static_cast<int64_t>(kvh) * D * D;
   const int32_t* cols = columns + static_cast<int64_t>(kvh) * P;
@@ -86,7 +111,7 @@ __global__ void __launch_bounds__(kQueryThreads)
 
 // grid = (ceil(max_tokens / kScoreTokens), num_jobs).
 __global__ void __launch_bounds__(kScoreTokens)
-    ScorePartialKeysKernel(const PartialKeyScoreJob* __restrict__ jobs, int group, int num_cols) {
+    ScorePartialKeysKernel(const PartialKeyScoreJob* __restrict__ jobs, int group, int num_cols, int chunk_rows) {
   const PartialKeyScoreJob job = jobs[blockIdx.y];
   const int first = static_cast<int>(blockIdx.x) * kScoreTokens;
   if (first >= job.num_tokens) return;  // uniform
@@ -97,10 +122,10 @@ __global__ void __launch_bounds__(kScoreTokens)
   float* q = smem;                  // [group][P]
   float* keys = smem + group * P;   // [tokens][stride]
   for (int i = tid; i < group * P; i += kScoreTokens) q[i] = job.queries[i];
-  const float* src = job.keys + static_cast<int64_t>(first) * P;
-  for (int i = tid; i < tokens * P; i += kScoreTokens) {  // coalesced: the tile is contiguous in global
+  // Coalesced: a tile is contiguous in global memory, or runs of chunk_rows rows of it are.
+  for (int i = tid; i < tokens * P; i += kScoreTokens) {
     const int t = i / P, c = i - t * P;
-    keys[t * stride + c] = src[i];
+    keys[t * stride + c] = job.keys[PartialRow(job.chunks, chunk_rows, first + t) * P + c];
   }
   __syncthreads();
   if (tid >= tokens) return;
@@ -271,8 +296,9 @@ __global__ void __launch_bounds__(kGatherThreads)
   const int tokens = min(count + (job.append_position >= 0 ? 1 : 0), capacity);
   if (h == 0 && threadIdx.x == 0 && job.context_len) *job.context_len = tokens;
   const int32_t* positions = job.positions + static_cast<int64_t>(h) * job.position_head_stride;
-  for (int i = threadIdx.x; i < tokens * head_words; i += kGatherThreads) {
-    const int t = i / head_words, w = i - t * head_words;
+  const int first = job.only_appended ? min(count, tokens) : 0;
+  for (int i = threadIdx.x; i < (tokens - first) * head_words; i += kGatherThreads) {
+    const int t = first + i / head_words, w = i - (t - first) * head_words;
     const int pos = t < count ? positions[t] : job.append_position;
     const int64_t block = job.block_table[pos / block_size];
     const int64_t src = ((block * num_kv_heads + h) * block_size + pos % block_size) * head_words + w;
@@ -306,12 +332,12 @@ int SkewPartialKeys(const SkewPartialKeysArgs& a, void* stream) {
   if (smem > kMaxDynamicSmem) return kInvalidValue;
   if (a.num_jobs == 0 || a.max_job_slots == 0) return 0;
   if (a.num_jobs > 65535) return kInvalidValue;
-  if (!a.key_cache || !a.slots || !a.jobs) return kInvalidValue;
+  if (!a.key_cache || !a.slots || !a.jobs || a.chunk_rows < 0) return kInvalidValue;
   const unsigned tiles = static_cast<unsigned>((a.max_job_slots + kSkewTokens - 1) / kSkewTokens);
   KVFLOW_DISPATCH_DTYPE(a.dtype, T, {
     return LaunchKernel(SkewPartialKeysKernel<T>, dim3(tiles, static_cast<unsigned>(a.num_jobs)), dim3(kSkewThreads),
                         smem, stream, static_cast<const T*>(a.key_cache), a.slots, a.jobs, a.num_kv_heads,
-                        a.head_dim, a.block_size, a.num_partial_columns);
+                        a.head_dim, a.block_size, a.num_partial_columns, a.chunk_rows);
   });
   return kInvalidValue;
 }
@@ -327,19 +353,20 @@ int SkewPartialQueries(const SkewPartialQueriesArgs& a, void* stream) {
   if (a.num_rows == 0) return 0;
   if (!a.rows || !a.matrices || !a.columns || !a.out) return kInvalidValue;
   if (a.row_stride < static_cast<int64_t>(a.num_heads) * a.head_dim) return kInvalidValue;
+  if (a.positions && (!a.inv_freq || a.head_dim % 2 != 0)) return kInvalidValue;
   KVFLOW_DISPATCH_DTYPE(a.dtype, T, {
     return LaunchKernel(SkewPartialQueriesKernel<T>,
                         dim3(static_cast<unsigned>(a.num_rows), static_cast<unsigned>(a.num_heads)),
-                        dim3(kQueryThreads), 0, stream, static_cast<const T*>(a.rows), a.row_stride, a.num_heads,
-                        a.num_heads / a.num_kv_heads, a.head_dim, a.num_partial_columns, a.scale, a.matrices,
-                        a.columns, a.out);
+                        dim3(kQueryThreads), 0, stream, static_cast<const T*>(a.rows), a.row_stride, a.row_indices,
+                        a.positions, a.inv_freq, a.attention_scale, a.num_heads, a.num_heads / a.num_kv_heads,
+                        a.head_dim, a.num_partial_columns, a.scale, a.matrices, a.columns, a.out);
   });
   return kInvalidValue;
 }
 
 int ScorePartialKeys(const PartialKeyScoreJob* jobs, int num_jobs, int max_tokens, int group,
-                     int num_partial_columns, void* stream) {
-  if (num_jobs < 0 || max_tokens < 0 || group <= 0 || num_partial_columns <= 0) return kInvalidValue;
+                     int num_partial_columns, void* stream, int chunk_rows) {
+  if (num_jobs < 0 || max_tokens < 0 || group <= 0 || num_partial_columns <= 0 || chunk_rows < 0) return kInvalidValue;
   const size_t smem = (static_cast<size_t>(group) * num_partial_columns +
                        static_cast<size_t>(kScoreTokens) * (num_partial_columns | 1)) * sizeof(float);
   if (smem > kMaxDynamicSmem) return kInvalidValue;
@@ -347,7 +374,7 @@ int ScorePartialKeys(const PartialKeyScoreJob* jobs, int num_jobs, int max_token
   if (num_jobs > 65535 || !jobs) return kInvalidValue;
   const unsigned tiles = static_cast<unsigned>((max_tokens + kScoreTokens - 1) / kScoreTokens);
   return LaunchKernel(ScorePartialKeysKernel, dim3(tiles, static_cast<unsigned>(num_jobs)), dim3(kScoreTokens), smem,
-                      stream, jobs, group, num_partial_columns);
+                      stream, jobs, group, num_partial_columns, chunk_rows);
 }
 
 int SelectSpeculatedTokens(const SelectSpeculatedTokensArgs& a, void* stream) {

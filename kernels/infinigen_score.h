@@ -23,10 +23,15 @@ namespace kvflow::cuda {
 // One (sequence, kv head) of a layer: the keys of slots[first_slot, first_slot + num_slots) of the
 // flattened slot list (physical_block * block_size + offset) are skewed and their partial columns
 // written to rows dst_row, dst_row + 1, ... of dst (num_partial_columns floats per row).
+//
+// A partial key cache may be paged: with `chunks` set, row r lives at row chunks[r / chunk_rows] *
+// chunk_rows + r % chunk_rows of dst (a sequence's rows in fixed-size chunks of a shared pool, as
+// its K/V in blocks), chunk_rows given by the launch (SkewPartialKeysArgs, ScorePartialKeys).
 struct InfiniGenSkewJob {
   const float* matrix = nullptr;     // the (layer, kv head)'s skew A: head_dim x head_dim, row-major
   const int32_t* columns = nullptr;  // [num_partial_columns] the kept columns of x.A
   float* dst = nullptr;              // the partial key cache of (sequence, layer, kv head)
+  const int32_t* chunks = nullptr;   // optional: the rows' chunk table (paged), null: rows contiguous
   int64_t dst_row = 0;
   int32_t kv_head = 0;
   int32_t first_slot = 0;
@@ -44,6 +49,7 @@ struct SkewPartialKeysArgs {
   int head_dim = 0;  // <= 256
   int block_size = 0;
   int num_partial_columns = 0;  // head_dim x num_partial_columns fp32 must fit in shared memory
+  int chunk_rows = 0;           // rows per chunk of the jobs with a chunk table (> 0 where any has one)
 };
 
 // dst[dst_row + i][c] = sum_d key(slot i)[d] * A[d][columns[c]], fp32, d in ascending order as the
@@ -53,13 +59,20 @@ int SkewPartialKeys(const SkewPartialKeysArgs& args, void* stream);
 
 // The speculative query's side: out[r][h] = the partial columns of (scale * q_{r,h}) . A_{h / group},
 // num_partial_columns floats, for query head h of row r (rows of num_heads x head_dim at
-// rows + r * row_stride, already rotated: e.g. the Q part of the fused QKV buffer), the multiply by
-// scale in fp32 before the skew as the CPU path does. out: [num_rows][num_heads][num_partial_columns].
+// rows + r * row_stride: e.g. the Q part of the fused QKV buffer), the multiply by scale in fp32
+// before the skew as the CPU path does. out: [num_rows][num_heads][num_partial_columns].
+// Optionally row r reads source row row_indices[r], and with `positions` set the head is first
+// rotated in fp32 at position positions[source row] as ApplyRope (model/rope.h) does: the
+// speculative projection of a decode token, which no Rotary() pass rotated.
 struct SkewPartialQueriesArgs {
   DType dtype = DType::kBF16;  // of the rows
   const void* rows = nullptr;
   int64_t row_stride = 0;
   int num_rows = 0;
+  const int32_t* row_indices = nullptr;  // optional [num_rows] (device): source rows; null: row r
+  const int32_t* positions = nullptr;    // optional (device, by source row): rotate at these positions
+  const float* inv_freq = nullptr;       // [head_dim / 2] (device), with positions
+  float attention_scale = 1.0f;          // the rope's cos/sin factor (RopeFrequencies::attention_scale)
   int num_heads = 0;
   int num_kv_heads = 0;
   int head_dim = 0;  // <= 256
@@ -79,6 +92,7 @@ int SkewPartialQueries(const SkewPartialQueriesArgs& args, void* stream);
 struct PartialKeyScoreJob {
   const float* queries = nullptr;  // [group][num_partial_columns]: skewed partial columns of the query heads
   const float* keys = nullptr;     // [num_tokens][num_partial_columns]: the partial key cache
+  const int32_t* chunks = nullptr; // optional: key t at row chunks[t / chunk_rows] * chunk_rows + t % chunk_rows
   float* scores = nullptr;         // [num_tokens]
   int32_t num_tokens = 0;
 };
@@ -87,8 +101,9 @@ struct PartialKeyScoreJob {
 // job's queries and a tile of 128 keys in shared memory (coalesced), then each thread takes its
 // group dot products in column order. fp32, no atomics: a rerun gives the same bits.
 // group * p + 128 * p floats must fit in shared memory (p <= 256 with group <= 64 does).
+// chunk_rows: rows per chunk of the jobs with a chunk table (> 0 where any has one).
 int ScorePartialKeys(const PartialKeyScoreJob* jobs, int num_jobs, int max_tokens, int group,
-                     int num_partial_columns, void* stream);
+                     int num_partial_columns, void* stream, int chunk_rows = 0);
 
 // ---- token selection ------------------------------------------------------------------------------
 
@@ -139,6 +154,9 @@ struct SelectedKvGatherJob {
   int32_t position_head_stride = 0;
   const int32_t* count = nullptr;  // device: positions per head (SpeculationSelectJob::count)
   int32_t append_position = -1;    // >= 0: gathered after the selection for every head (the step's own token)
+  // Gathers only the appended token (to index count): the selection itself was gathered earlier, by
+  // a prefetch made before the step's own K/V was written.
+  bool only_appended = false;
   int32_t first_block = 0;         // scratch blocks [first_block, first_block + num_blocks)
   int32_t num_blocks = 0;          // ceil((cap + 1) / block_size) holds any selection and the appended token
   int32_t* context_len = nullptr;  // optional out: tokens gathered per head (count, + 1 if appended)

@@ -25,6 +25,9 @@ struct InfiniGenOptions {
   // never read again at that layer.
   int host_kv_tokens = 0;
   std::string eviction = "counter";
+  // Where speculation runs: "auto" (on the device where the backend can: CUDA, without a host pool
+  // cap), "device" (refuse to start otherwise) or "host" (the CPU reference path everywhere).
+  std::string speculate_on = "auto";
 };
 
 // H2O: keep the heavy hitters by accumulated attention plus a recent window, evicting the rest for good.

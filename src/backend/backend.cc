@@ -96,6 +96,7 @@ uint64_t KvReadSignature(std::span<const KvHeadSelection> selection, size_t num_
       continue;
     }
     mix(static_cast<uint64_t>(selection[s].per_head));
+    if (selection[s].speculated) mix(0x5bec);  // the layer's own speculation, on the device
     for (int64_t slot : selection[s].slots) mix(static_cast<uint64_t>(slot));
   }
   return h;
@@ -161,6 +162,13 @@ Status ValidateKvHeadSelections(std::span<const KvHeadSelection> selection, cons
   for (size_t s = 0; s < selection.size(); ++s) {
     const KvHeadSelection& sel = selection[s];
     if (sel.per_head == 0) continue;
+    if (sel.speculated) {
+      if (!sel.slots.empty() || batch.seqs[s].num_tokens != 1 || sel.per_head < 1) {
+        return Status::InvalidArgument("token selection of sequence " + std::to_string(s) +
+                                       ": a device speculation is one decode token's, with no slots");
+      }
+      continue;
+    }
     if (sel.per_head < batch.seqs[s].num_tokens ||
         static_cast<int64_t>(sel.slots.size()) != static_cast<int64_t>(sel.per_head) * layout.num_kv_heads) {
       return Status::InvalidArgument("token selection of sequence " + std::to_string(s) + ": " +
@@ -170,6 +178,16 @@ Status ValidateKvHeadSelections(std::span<const KvHeadSelection> selection, cons
     }
     for (int64_t slot : sel.slots) {
       if (slot < 0 || slot >= slots) return Status::InvalidArgument("selected slot " + std::to_string(slot) + " outside the pool");
+    }
+  }
+  return Status::Ok();
+}
+
+Status RefuseSpeculatedSelections(std::span<const KvHeadSelection> selection, const std::string& backend) {
+  for (const KvHeadSelection& sel : selection) {
+    if (sel.speculated) {
+      return Status::Unsupported(backend + " cannot read a token selection speculated on a device (it has no "
+                                 "DeviceKvSpeculation)");
     }
   }
   return Status::Ok();

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <type_traits>
 #include <string>
 #include <vector>
 
@@ -122,6 +123,10 @@ struct KvBlockScoreJob {
 struct KvHeadSelection {
   int32_t per_head = 0;
   std::vector<int64_t> slots;  // num_kv_heads * per_head
+  // Chosen on the device by DeviceKvSpeculation::Speculate for this layer (slots empty, a one-token
+  // slice): per_head is then the most tokens a head reads (the speculation's cap and the step's
+  // own token), the count itself staying on the device.
+  bool speculated = false;
 };
 
 // Identifies what a layer's attention reads under `selection` (per slice: its view where the span is
@@ -218,7 +223,7 @@ class DeviceAllocation {
 // Primitives one system needs beyond the core ones. A backend implements those it can and returns
 // them from FindCapability; a system asks for one with Backend::As<Capability>() and refuses to run
 // (a clear error) where it is null.
-enum class BackendCapability { kKvBlockScoring, kOffloadedKvPool, kKvPacking };
+enum class BackendCapability { kKvBlockScoring, kOffloadedKvPool, kKvPacking, kDeviceKvSpeculation };
 
 // TriForce's retrieval scoring: per-block attention scores of the step's queries over cached keys.
 class KvBlockScoring {
@@ -303,6 +308,66 @@ class KvPacking {
   // far, for Communicator::OrderAfter: the transport then sends a buffer only once it is packed and
   // overwrites one only once it is unpacked, and the host never waits. Re-recorded by the next call.
   virtual Result<void*> RecordComputeEvent() { return Status::Unsupported("device events"); }
+};
+
+// InfiniGen's speculation on the device (kernels/infinigen_score.h), so that a decode step's token
+// selection never crosses to the host. The backend keeps a partial key cache in device memory,
+// paged in chunks of partial_key_chunk_rows() rows that the caller assigns to its sequences (as the
+// block manager assigns KV blocks): per layer and KV head, num_partial_columns fp32 per row, row r
+// of a sequence holding the partial columns of its key at position r. A speculation leaves its
+// selection on the device for the attention of the layer it was made for (KvHeadSelection::
+// speculated), and an offloaded pool's PrefetchKv then gathers only the selected rows from the
+// host pool, on the copy stream, while the previous layer computes.
+class DeviceKvSpeculation {
+ public:
+  static constexpr BackendCapability kId = BackendCapability::kDeviceKvSpeculation;
+  virtual ~DeviceKvSpeculation() = default;
+  struct Setup {
+    int num_partial_columns = 0;
+    std::span<const float> matrices;   // [num_layers][num_kv_heads][head_dim][head_dim]: the skews A, row-major
+    std::span<const int32_t> columns;  // [num_layers][num_kv_heads][num_partial_columns]: kept columns of x.A
+    int num_chunks = 0;                // of the partial key cache
+    float alpha = 0.0f;                // SelectSpeculatedTokens' alpha
+  };
+  // Uploads the skews and allocates the partial key cache (ResourceExhausted, naming the bytes,
+  // where the device lacks them). Outside steps, once.
+  virtual Status SetUpSpeculation(const Setup& setup) = 0;
+  virtual int partial_key_chunk_rows() const = 0;
+  // Bytes one chunk of the partial key cache takes (every layer and KV head).
+  virtual int64_t partial_key_chunk_bytes(int num_partial_columns) const = 0;
+  // One sequence of the step: its slice, and the chunks holding its partial key rows in order.
+  struct PartialKeyRows {
+    int32_t slice = 0;
+    std::span<const int32_t> chunks;
+  };
+  // Skews the keys at positions [from, to) of each job's slice (through its block table) into rows
+  // [from, to) of its partial key cache. Valid inside `layers`, after the layer's WriteKv.
+  struct ExtendJob {
+    PartialKeyRows rows;
+    int32_t from = 0;
+    int32_t to = 0;
+  };
+  virtual Status ExtendPartialKeys(int layer, std::span<const ExtendJob> jobs) = 0;
+  // Speculates `layer`'s attention for each job's one-token slice from that token's row of
+  // kSpeculativeQkv: its query heads rotated at the token's position, scaled by 1/sqrt(head_dim)
+  // and skewed, scored against rows [0, candidates) of its partial key cache (a KV head's score the
+  // best of its group), the tokens chosen as SelectSpeculatedTokens with alpha and `cap`. Valid
+  // inside `layers`, after the projection into kSpeculativeQkv and before `layer`'s attention.
+  struct SpeculateJob {
+    PartialKeyRows rows;
+    int32_t candidates = 0;
+    int32_t cap = 0;  // SpeculatedTokenCap(candidates, max_fraction)
+  };
+  virtual Status Speculate(int layer, std::span<const SpeculateJob> jobs) = 0;
+  // Appends the token count of every speculation since the last call, in call and job order, to
+  // `counts` (waits for the work issued so far: call it between steps).
+  virtual Status TakeSpeculatedCounts(std::vector<int32_t>& counts) = 0;
+  // What attention at `layer` reads under `selection` (the speculation made for it this step), as
+  // host slot lists: `out` gets `selection` with each speculated slice's per-head positions
+  // (ascending, the step's own token last) in place of its device selection. Waits for the device:
+  // for observers and tests. Valid inside `layers`, before `layer`'s attention.
+  virtual Status ReadSpeculatedSelection(int layer, std::span<const KvHeadSelection> selection,
+                                         std::vector<KvHeadSelection>& out) = 0;
 };
 
 // A compute backend: it owns the weights, the paged KV pools, the step's activations, and the
@@ -395,8 +460,8 @@ class Backend {
   virtual void* FindCapability(BackendCapability id) const { return nullptr; }
 };
 
-// FindCapability for a backend class that implements every capability, offering OffloadedKvPool
-// only while its pool is `offloaded`.
+// FindCapability for a backend class that implements every capability (DeviceKvSpeculation where
+// it derives from it), offering OffloadedKvPool only while its pool is `offloaded`.
 template <typename BackendClass>
 void* OfferCapabilities(const BackendClass* backend, BackendCapability id, bool offloaded) {
   auto* self = const_cast<BackendClass*>(backend);
@@ -404,6 +469,12 @@ void* OfferCapabilities(const BackendClass* backend, BackendCapability id, bool 
     case BackendCapability::kKvBlockScoring: return static_cast<KvBlockScoring*>(self);
     case BackendCapability::kOffloadedKvPool: return offloaded ? static_cast<OffloadedKvPool*>(self) : nullptr;
     case BackendCapability::kKvPacking: return static_cast<KvPacking*>(self);
+    case BackendCapability::kDeviceKvSpeculation:
+      if constexpr (std::is_base_of_v<DeviceKvSpeculation, BackendClass>) {
+        return static_cast<DeviceKvSpeculation*>(self);
+      } else {
+        return nullptr;
+      }
   }
   return nullptr;
 }
@@ -430,6 +501,9 @@ Status ValidateForwardBatch(const ForwardBatch& batch, const ModelConfig& config
 // tokens, inside the pool.
 Status ValidateKvHeadSelections(std::span<const KvHeadSelection> selection, const ForwardBatch& batch,
                                 const KvCacheLayout& layout);
+// Unsupported where any selection is a device speculation (KvHeadSelection::speculated): for a
+// backend without DeviceKvSpeculation.
+Status RefuseSpeculatedSelections(std::span<const KvHeadSelection> selection, const std::string& backend);
 // Checks that every transfer stays inside its blocks, layers and pools.
 Status ValidateKvTransfers(std::span<const KvTransfer> transfers, const KvCacheLayout& layout, int num_host_blocks);
 // Checks that every move names blocks inside the pools it reads and writes.

@@ -109,6 +109,11 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
                   "overlaps layer i-1's MLP) or at its layer-input (the paper; overlaps all of layer i-1)")
       ->default_val("after-attention")
       ->check(CLI::IsMember({"after-attention", "layer-input"}));
+  app->add_option("--infinigen-speculate-on", c.kv_selection.infinigen.speculate_on,
+                  "infinigen: where the partial key cache, scoring and selection run: auto (the GPU where the "
+                  "backend is CUDA and no host pool cap is set, else the host), device (refuse otherwise) or host")
+      ->default_val("auto")
+      ->check(CLI::IsMember({"auto", "device", "host"}));
   app->add_option("--infinigen-alpha", c.kv_selection.infinigen.alpha,
                   "infinigen: read the tokens whose speculated score is within alpha of each head's max (logits)")
       ->default_val(5.0);

@@ -296,9 +296,8 @@ int RunSkew(SkewCliOptions& opt) {
   c.max_model_len = static_cast<int>(tokens.size());
   c.num_kv_blocks = (c.max_model_len + c.block_size - 1) / c.block_size + 1;
   c.num_host_kv_blocks = 0;
-  auto weights = kvflow::LoadWeightsFor(files.value(), c);
-  if (!weights.ok()) return fail(weights.status());
-  auto backend = kvflow::CreateBackend(c, true, files->config, std::move(weights.value()));
+  // A random:<shape> model's weights are generated on the GPU (its skew then serves speed runs only).
+  auto backend = kvflow::CreateBackendForModel(c, true, files.value());
   if (!backend.ok()) return fail(backend.status());
   spdlog::info("skewing {} ({} layers, {} KV heads of {} query heads, head_dim {}) from {} tokens of {}",
                files->config.name, files->config.num_layers, files->config.num_kv_heads, files->config.num_heads,

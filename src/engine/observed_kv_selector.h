@@ -4,6 +4,7 @@
 // every hook to the selector it wraps and changes nothing.
 #pragma once
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <utility>
@@ -36,6 +37,16 @@ class ObservedKvSelector final : public KvSelector, private LayerHooks {
   Status BeforeAttention(const LayerContext& ctx) override { return hooks_->BeforeAttention(ctx); }
   std::span<const KvHeadSelection> AttentionSelection(const LayerContext& ctx) override {
     const std::span<const KvHeadSelection> selection = hooks_->AttentionSelection(ctx);
+    // A selection speculated on the device is read back (waiting for it) for the observer only.
+    auto* device = ctx.backend.As<DeviceKvSpeculation>();
+    if (device != nullptr &&
+        std::any_of(selection.begin(), selection.end(), [](const KvHeadSelection& s) { return s.speculated; })) {
+      // Failing, the observer sees the slot-less selections (which no oracle accepts).
+      if (device->ReadSpeculatedSelection(ctx.layer, selection, read_back_).ok()) {
+        observer_(ctx.layer, ctx.batch, seq_ids_, read_back_);
+        return selection;
+      }
+    }
     observer_(ctx.layer, ctx.batch, seq_ids_, selection);
     return selection;
   }
@@ -50,6 +61,7 @@ class ObservedKvSelector final : public KvSelector, private LayerHooks {
   KvReadObserver observer_;
   LayerHooks* hooks_ = nullptr;
   std::vector<int64_t> seq_ids_;
+  std::vector<KvHeadSelection> read_back_;
 };
 
 }  // namespace kvflow

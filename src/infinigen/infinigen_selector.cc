@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cmath>
 
+#include <spdlog/spdlog.h>
+
 #include "infinigen/partial_keys.h"
 #include "infinigen/skewing.h"
 #include "infinigen/speculation.h"
@@ -15,6 +17,13 @@ Result<SpeculationPoint> ParseSpeculationPoint(const std::string& name) {
   if (name == "layer-input") return SpeculationPoint::kLayerInput;
   if (name == "after-attention") return SpeculationPoint::kAfterAttention;
   return Status::InvalidArgument("infinigen_speculate_from must be layer-input or after-attention, not '" + name + "'");
+}
+
+Result<SpeculationDevice> ParseSpeculationDevice(const std::string& name) {
+  if (name == "auto") return SpeculationDevice::kAuto;
+  if (name == "device") return SpeculationDevice::kDevice;
+  if (name == "host") return SpeculationDevice::kHost;
+  return Status::InvalidArgument("infinigen_speculate_on must be auto, device or host, not '" + name + "'");
 }
 
 const char* SpeculationPointName(SpeculationPoint p) {
@@ -51,8 +60,81 @@ InfiniGenSelector::InfiniGenSelector(const InfiniGenConfig& config, SkewTable sk
       rope_(ComputeRopeFrequencies(backend.model_config())),
       token_bytes_(backend.kv_token_bytes()) {}
 
+Status InfiniGenSelector::SpeculateOnDevice(int num_chunks) {
+  auto* device = backend_.As<DeviceKvSpeculation>();
+  if (device == nullptr) return Status::Unsupported(backend_.Describe() + " has no device speculation");
+  if (config_.host_kv_tokens > 0) {
+    return Status::Unsupported("a host KV pool cap (infinigen_host_kv_tokens) keeps its eviction state on the host");
+  }
+  if (!seqs_.empty()) return Status::Internal("SpeculateOnDevice after the first step");
+  DeviceKvSpeculation::Setup setup;
+  setup.num_partial_columns = skew_.num_partial_columns;
+  std::vector<float> matrices;
+  std::vector<int32_t> columns;
+  for (int l = 0; l < skew_.num_layers; ++l) {
+    for (int g = 0; g < skew_.num_kv_heads; ++g) {
+      const SkewHead& head = skew_.at(l, g);
+      matrices.insert(matrices.end(), head.matrix.begin(), head.matrix.end());
+      columns.insert(columns.end(), head.columns.begin(), head.columns.end());
+    }
+  }
+  setup.matrices = matrices;
+  setup.columns = columns;
+  setup.num_chunks = num_chunks;
+  setup.alpha = static_cast<float>(config_.alpha);
+  KVFLOW_RETURN_IF_ERROR(device->SetUpSpeculation(setup));
+  device_ = device;
+  chunk_rows_ = device->partial_key_chunk_rows();
+  free_chunks_.resize(static_cast<size_t>(num_chunks));
+  // Handed out from the back: low ids first.
+  for (int32_t c = 0; c < num_chunks; ++c) free_chunks_[static_cast<size_t>(c)] = num_chunks - 1 - c;
+  return Status::Ok();
+}
+
+void InfiniGenSelector::Forget(int64_t seq_id) {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) return;
+  // Its last step's counts (between steps here), before its chunks go back.
+  if (device_ != nullptr) TakeDeviceCounts();
+  const std::vector<int32_t>& chunks = it->second.chunks;
+  free_chunks_.insert(free_chunks_.end(), chunks.rbegin(), chunks.rend());
+  seqs_.erase(it);
+}
+
+bool InfiniGenSelector::EnsureChunks(SequenceState& state, int32_t rows) {
+  const size_t need = static_cast<size_t>((rows + chunk_rows_ - 1) / chunk_rows_);
+  while (state.chunks.size() < need) {
+    if (free_chunks_.empty()) {
+      if (!warned_no_chunks_) {
+        spdlog::warn("InfiniGen: the device's partial key cache is full; sequences that cannot grow theirs read "
+                     "their whole cache until chunks free up");
+        warned_no_chunks_ = true;
+      }
+      return false;
+    }
+    state.chunks.push_back(free_chunks_.back());
+    free_chunks_.pop_back();
+  }
+  return true;
+}
+
+void InfiniGenSelector::TakeDeviceCounts() {
+  counts_.clear();
+  const Status st = device_->TakeSpeculatedCounts(counts_);
+  if (!st.ok()) {
+    spdlog::warn("InfiniGen: the device speculation's counts wait for the next step: {}", st.message());
+    return;
+  }
+  for (int32_t c : counts_) {
+    const int64_t read = c + 1;  // and the step's own token
+    stats_.tokens_selected += read;
+    stats_.bytes_read += read * token_bytes_;
+  }
+}
+
 LayerHooks* InfiniGenSelector::ForStep(const ForwardBatch& batch, std::span<const int64_t> seq_ids,
                                        std::span<const uint8_t> selecting) {
+  if (device_ != nullptr) TakeDeviceCounts();
   active_.clear();
   active_states_.clear();
   prefilling_.clear();
@@ -85,6 +167,8 @@ LayerHooks* InfiniGenSelector::ForStep(const ForwardBatch& batch, std::span<cons
         }
       }
     }
+    // On the device the sequence needs chunks for every row it will hold this step.
+    if (device_ != nullptr && !EnsureChunks(it->second, decode ? slice.context_len - 1 : slice.context_len)) continue;
     (decode ? active_ : prefilling_).push_back(static_cast<int32_t>(s));
     (decode ? active_states_ : prefilling_states_).push_back(&it->second);
   }
@@ -100,10 +184,16 @@ Status InfiniGenSelector::BeforeAttention(const LayerContext& ctx) {
   // The speculation at the previous layer chose this layer's reads.
   if (ctx.layer > 0 && !active_.empty()) std::swap(selection_, next_selection_);
   selection_layer_ = ctx.layer;
+  if (device_ != nullptr && !prefilling_.empty()) {
+    KVFLOW_RETURN_IF_ERROR(ExtendOnDevice(ctx.layer, batch, prefilling_, prefilling_states_,
+                                          [](const SequenceSlice& slice) { return slice.context_len; }));
+  }
   for (size_t p = 0; p < prefilling_.size(); ++p) {
     const size_t s = static_cast<size_t>(prefilling_[p]);
     const SequenceSlice& slice = batch.seqs[s];
-    KVFLOW_RETURN_IF_ERROR(ExtendPartialKeys(ctx.layer, slice, slice.context_len, *prefilling_states_[p]));
+    if (device_ == nullptr) {
+      KVFLOW_RETURN_IF_ERROR(ExtendPartialKeys(ctx.layer, slice, slice.context_len, *prefilling_states_[p]));
+    }
     KVFLOW_RETURN_IF_ERROR(ReadWholePool(ctx.layer, slice, *prefilling_states_[p], selection_[s]));
   }
   if (active_.empty()) return Status::Ok();
@@ -118,8 +208,9 @@ Status InfiniGenSelector::BeforeAttention(const LayerContext& ctx) {
     const int32_t read = selection_[s].per_head > 0 ? selection_[s].per_head : slice.context_len;
     if (ctx.layer > 0 && selection_[s].per_head > 0) {
       stats_.layer_reads_selected += 1;
-      stats_.tokens_selected += read;
       stats_.tokens_available += slice.context_len - evicted;
+      if (selection_[s].speculated) continue;  // its count is on the device (TakeDeviceCounts)
+      stats_.tokens_selected += read;
     } else {
       stats_.layer_reads_full += 1;
     }
@@ -246,7 +337,54 @@ Status InfiniGenSelector::ExtendPartialKeys(int layer, const SequenceSlice& slic
   return Status::Ok();
 }
 
+template <typename PositionsOf>
+Status InfiniGenSelector::ExtendOnDevice(int layer, const ForwardBatch& batch, const std::vector<int32_t>& slices,
+                                         const std::vector<SequenceState*>& states, PositionsOf positions_of) {
+  extend_jobs_.clear();
+  for (size_t a = 0; a < slices.size(); ++a) {
+    const SequenceSlice& slice = batch.seqs[static_cast<size_t>(slices[a])];
+    SequenceState& state = *states[a];
+    int32_t& rows = state.rows[static_cast<size_t>(layer)];
+    const int32_t positions = positions_of(slice);
+    if (rows >= positions) continue;
+    DeviceKvSpeculation::ExtendJob job;
+    job.rows.slice = slices[a];
+    job.rows.chunks = state.chunks;
+    job.from = rows;
+    job.to = positions;
+    extend_jobs_.push_back(job);
+    rows = positions;
+  }
+  return device_->ExtendPartialKeys(layer, extend_jobs_);
+}
+
+Status InfiniGenSelector::SpeculateWithDevice(int layer, const ForwardBatch& batch) {
+  // The partial keys of every cached token (the previous step's among them), the projection, then
+  // the speculation: nothing returns to the host.
+  KVFLOW_RETURN_IF_ERROR(ExtendOnDevice(layer, batch, active_, active_states_,
+                                        [](const SequenceSlice& slice) { return slice.context_len - 1; }));
+  KVFLOW_RETURN_IF_ERROR(backend_.RmsNorm(layer, LayerWeight::kAttnNorm, /*add_delta=*/false));
+  KVFLOW_RETURN_IF_ERROR(backend_.Linear(layer, LayerWeight::kQkv, Activation::kHidden, Activation::kSpeculativeQkv));
+  speculate_jobs_.clear();
+  for (size_t a = 0; a < active_.size(); ++a) {
+    const int32_t s = active_[a];
+    const SequenceSlice& slice = batch.seqs[static_cast<size_t>(s)];
+    DeviceKvSpeculation::SpeculateJob job;
+    job.rows.slice = s;
+    job.rows.chunks = active_states_[a]->chunks;
+    job.candidates = slice.context_len - 1;
+    job.cap = SpeculatedTokenCap(job.candidates, config_.max_fraction);
+    speculate_jobs_.push_back(job);
+    KvHeadSelection& sel = next_selection_[static_cast<size_t>(s)];
+    sel.per_head = job.cap + 1;
+    sel.slots.clear();
+    sel.speculated = true;
+  }
+  return device_->Speculate(layer, speculate_jobs_);
+}
+
 Status InfiniGenSelector::Speculate(int layer, const ForwardBatch& batch) {
+  if (device_ != nullptr) return SpeculateWithDevice(layer, batch);
   const ModelConfig& mc = backend_.model_config();
   const int NH = mc.num_heads, KV = skew_.num_kv_heads, D = skew_.head_dim, P = skew_.num_partial_columns;
   const int group = NH / KV;

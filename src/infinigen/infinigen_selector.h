@@ -76,14 +76,26 @@ struct InfiniGenConfig {
   Status Validate() const;
 };
 
+// Where InfiniGen speculates (InfiniGenOptions::speculate_on).
+enum class SpeculationDevice { kAuto, kDevice, kHost };
+Result<SpeculationDevice> ParseSpeculationDevice(const std::string& name);  // "auto", "device", "host"
+
 class InfiniGenSelector final : public KvSelector, private LayerHooks {
  public:
   // `backend` must outlive the selector; `skew` must be the model's (ReadSkewTable checks it).
   InfiniGenSelector(const InfiniGenConfig& config, SkewTable skew, Backend& backend);
 
+  // Moves the partial key cache, the scoring and the selection onto the backend's device
+  // (DeviceKvSpeculation), the cache in `num_chunks` chunks. Before the first step. Unsupported
+  // where the backend has no device speculation or a host pool cap is set (its eviction state
+  // lives on the host); ResourceExhausted where the device lacks the memory.
+  Status SpeculateOnDevice(int num_chunks);
+  bool on_device() const { return device_ != nullptr; }
+  int partial_columns() const { return skew_.num_partial_columns; }
+
   LayerHooks* ForStep(const ForwardBatch& batch, std::span<const int64_t> seq_ids,
                       std::span<const uint8_t> selecting) override;
-  void Forget(int64_t seq_id) override { seqs_.erase(seq_id); }
+  void Forget(int64_t seq_id) override;
   void AddStats(KvSelectionStats& stats) const override;
 
   // Sequences holding a partial key cache (tests).
@@ -107,6 +119,7 @@ class InfiniGenSelector final : public KvSelector, private LayerHooks {
     std::vector<std::vector<float>> partial_keys;  // layer * kv_heads + kv_head
     std::vector<int32_t> rows;                      // per layer: positions held
     std::vector<LayerPool> pools;                   // per layer; empty without a cap
+    std::vector<int32_t> chunks;                    // on the device: its partial key chunks
   };
 
   Status BeforeAttention(const LayerContext& ctx) override;
@@ -117,6 +130,17 @@ class InfiniGenSelector final : public KvSelector, private LayerHooks {
 
   // Extends the layer's partial keys of `state` to the first `positions` positions of the slice.
   Status ExtendPartialKeys(int layer, const SequenceSlice& slice, int32_t positions, SequenceState& state);
+  // On the device: gives `state` chunks for `rows` rows (false when none are left).
+  bool EnsureChunks(SequenceState& state, int32_t rows);
+  // On the device: extends the layer's partial keys of the slices (indices into the batch) with
+  // their states to the positions `positions_of` gives.
+  template <typename PositionsOf>
+  Status ExtendOnDevice(int layer, const ForwardBatch& batch, const std::vector<int32_t>& slices,
+                        const std::vector<SequenceState*>& states, PositionsOf positions_of);
+  // The device's speculation of `layer` for the step's decode slices.
+  Status SpeculateWithDevice(int layer, const ForwardBatch& batch);
+  // Adds the device speculations' counts made so far to the stats (between steps).
+  void TakeDeviceCounts();
   // Speculates layer `layer`'s attention for the step's selecting slices into next_selection_.
   Status Speculate(int layer, const ForwardBatch& batch);
   // Brings the layer's pool (if capped) to the first `positions` positions: later ones leave it
@@ -148,6 +172,15 @@ class InfiniGenSelector final : public KvSelector, private LayerHooks {
   std::vector<KvHeadSelection> selection_, next_selection_;
   int selection_layer_ = -1;
   int next_selection_layer_ = -1;  // the layer next_selection_ was speculated for
+  // On the device (SpeculateOnDevice): the backend's speculation, and the chunks of its partial key
+  // cache no sequence holds.
+  DeviceKvSpeculation* device_ = nullptr;
+  int chunk_rows_ = 0;
+  std::vector<int32_t> free_chunks_;
+  bool warned_no_chunks_ = false;
+  std::vector<DeviceKvSpeculation::ExtendJob> extend_jobs_;
+  std::vector<DeviceKvSpeculation::SpeculateJob> speculate_jobs_;
+  std::vector<int32_t> counts_;
   // Scratch.
   std::vector<float> qkv_rows_, keys_, scores_, query_;
   std::vector<int32_t> live_, fetched_;

@@ -41,7 +41,7 @@ SpeculatedTokens SelectSpeculatedTokens(std::span<const float> scores, int heads
     const float max = *std::max_element(row, row + tokens);
     total += static_cast<double>(std::count_if(row, row + tokens, [&](float s) { return s > max - alpha; }));
   }
-  const int cap = std::max(1, static_cast<int>(std::floor(max_fraction * tokens)));
+  const int cap = SpeculatedTokenCap(tokens, max_fraction);
   out.count = std::clamp(static_cast<int>(std::lround(total / heads)), 1, cap);
   out.per_head.reserve(static_cast<size_t>(heads));
   for (int h = 0; h < heads; ++h) out.per_head.push_back(TopK(scores.data() + static_cast<size_t>(h) * tokens, tokens, out.count));

@@ -3,6 +3,8 @@
 // The engine-side parts (the skewing tool, the partial key cache, the prefetch) build on these.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -19,6 +21,11 @@ std::vector<int32_t> PartialColumns(std::span<const float> q_abs_sums, std::span
 // heads (rounded to nearest) and capped at max_fraction of the tokens (at least 1), so every head
 // fetches the same number; each head then takes its own top `count` tokens (ties: the lower
 // index), returned ascending per head.
+// The most tokens a layer's selection takes out of `tokens`: max(1, floor(max_fraction * tokens)).
+inline int SpeculatedTokenCap(int tokens, double max_fraction) {
+  return std::max(1, static_cast<int>(std::floor(max_fraction * tokens)));
+}
+
 struct SpeculatedTokens {
   int32_t count = 0;
   std::vector<std::vector<int32_t>> per_head;

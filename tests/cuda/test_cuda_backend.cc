@@ -1441,6 +1441,62 @@ TEST(CudaEngine, InfiniGenReadsAreTheCpuRulesChoice) {
   test::ExpectInfiniGenReadsFollowTheRule(c, o);
 }
 
+// InfiniGen's speculation on the device (the default on CUDA: partial keys, scores and selection in
+// kernels, the selection never crossing to the host) against the host path on the same backend:
+// the same decode steps and selected reads, the same tokens selected but where the device's fp32
+// sums (FMA contraction, cosf) move a score across the cutoff, the same greedy tokens; with the
+// pool offloaded, the selected rows prefetched on the copy stream (the same outputs again, and
+// fewer bytes over the bus than the views would need). A host pool cap keeps the host path (auto).
+TEST(CudaEngine, InfiniGenOnTheDeviceSelectsAsOnTheHost) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  EngineConfig host = CudaConfig("tiny-random");
+  host.kv_selection.method = "infinigen";
+  host.kv_selection.infinigen.alpha = 2.0;
+  host.kv_selection.infinigen.max_fraction = 0.3;
+  host.kv_selection.infinigen.speculate_on = "host";
+  EngineConfig device = host;
+  device.kv_selection.infinigen.speculate_on = "device";
+  for (const char* point : {"after-attention", "layer-input"}) {
+    host.kv_selection.infinigen.speculate_from = device.kv_selection.infinigen.speculate_from = point;
+    KvSelectionStats on_host, on_device, offloaded_sel;
+    const Outputs expected = RunSelectionEngine(host, &on_host);
+    const Outputs got = RunSelectionEngine(device, &on_device);
+    std::printf("  %s: host %lld selected reads, %.3f%% of the tokens; device %lld, %.3f%%\n", point,
+                (long long)on_host.layer_reads_selected, 100.0 * on_host.selection_fraction(),
+                (long long)on_device.layer_reads_selected, 100.0 * on_device.selection_fraction());
+    EXPECT_EQ(got, expected) << point;
+    EXPECT_EQ(on_device.decode_tokens, on_host.decode_tokens);
+    EXPECT_EQ(on_device.layer_reads_selected, on_host.layer_reads_selected);
+    EXPECT_GT(on_device.layer_reads_selected, 0);
+    EXPECT_NEAR(static_cast<double>(on_device.tokens_selected), static_cast<double>(on_host.tokens_selected),
+                0.01 * static_cast<double>(on_host.tokens_selected));
+    EXPECT_LT(on_device.bytes_read, on_device.bytes_full);
+
+    EngineConfig offloaded = device;
+    offloaded.kv_offload.enabled = true;
+    KvOffloadStats moved, moved_full;
+    EXPECT_EQ(RunSelectionEngine(offloaded, &offloaded_sel, &moved), got) << point << ", offloaded";
+    EXPECT_EQ(offloaded_sel.tokens_selected, on_device.tokens_selected);
+    EngineConfig full = offloaded;
+    full.kv_selection.method = "";
+    RunSelectionEngine(full, nullptr, &moved_full);
+    std::printf("  %s, offloaded: %lld prefetches, %.2f MiB fetched against %.2f MiB for full attention\n", point,
+                (long long)moved.prefetches, moved.bytes_fetched / double(1 << 20),
+                moved_full.bytes_fetched / double(1 << 20));
+    EXPECT_GT(moved.prefetches, 0);
+    EXPECT_LT(moved.bytes_fetched, moved_full.bytes_fetched);
+    const Outputs sampled = RunSelectionEngine(device, nullptr, nullptr, Decoding::kSeeded);
+    EXPECT_EQ(RunSelectionEngine(offloaded, nullptr, nullptr, Decoding::kSeeded), sampled) << point << ", seeded";
+  }
+  // Asked for the device where it cannot be: a clear refusal.
+  EngineConfig capped = device;
+  capped.kv_selection.infinigen.host_kv_tokens = 60;
+  capped.kv_selection.infinigen.skew_file = TinySkewFile();
+  auto refused = Engine::Create(capped);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("host KV pool cap"), std::string::npos) << refused.status().ToString();
+}
+
 // The KV pool offloaded to pinned host memory: attention reads two layers' staging buffers, views
 // prefetched on the copy stream and selections gathered from the host pool. It moves bytes, never
 // changes a number: the same greedy and seeded sampled tokens as the resident pool, for full

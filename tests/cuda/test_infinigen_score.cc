@@ -6,7 +6,8 @@
 // (16-bit values widened exactly), so only FMA contraction differs; bound 1e-5 x max(1, |ref|).
 // Selection: count and per-head indices identical to SelectSpeculatedTokens, on heavily tied scores
 // (multiples of 0.25), all-equal rows, +0/-0 and a mean count of exactly x.5.
-// Gather: bit-exact, and every scratch element it must not write keeps its poison.
+// Gather: bit-exact, and every scratch element it must not write keeps its poison, also when the
+// selected rows and the appended token go in two launches.
 // Prefetch: host-to-device copies on a copy stream, a later copy to the same bytes winning, and a
 // compute stream that waits on the event and scores what arrived.
 #include <algorithm>
@@ -24,6 +25,7 @@
 #include "infinigen/speculation.h"
 #include "infinigen_score.h"
 #include "kv/kv_cache_layout.h"
+#include "model/rope.h"
 
 namespace kvflow {
 namespace {
@@ -357,6 +359,225 @@ TEST(InfiniGenScore, ScorePartialKeysMatchesCpu) {
   }
 }
 
+// A partial key cache paged in chunks (a sequence's rows in shuffled chunks of a shared pool, through
+// its chunk table, as CudaBackend keeps it) holds, and scores to, the same bits as contiguous rows.
+TEST(InfiniGenScore, PagedPartialKeyCacheMatchesContiguousRows) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(1611);
+  constexpr int kChunkRows = 16;
+  const DType t = DType::kBF16;
+  for (const Shape& shape : kShapes) {
+    const int KV = shape.num_kv_heads, D = shape.head_dim, P = shape.num_cols;
+    const PagedSequences seqs = MakeSequences(shape, t, SequenceLengths(), rng);
+    std::vector<float> matrices;
+    std::vector<int32_t> columns;
+    for (int h = 0; h < KV; ++h) {
+      const SkewHead head = RandomSkewHead(D, P, rng);
+      matrices.insert(matrices.end(), head.matrix.begin(), head.matrix.end());
+      columns.insert(columns.end(), head.columns.begin(), head.columns.end());
+    }
+    test::DeviceBuffer dpool = test::DeviceBuffer::From(seqs.key_bytes);
+    test::DeviceBuffer dmatrices = test::DeviceBuffer::From(matrices);
+    test::DeviceBuffer dcolumns = test::DeviceBuffer::From(columns);
+    // Contiguous: (s, h) at cache_row[s * KV + h]. Paged: one pool per kv head of shuffled chunks,
+    // each sequence's chunk table shared by its heads.
+    std::vector<int64_t> cache_row;
+    int64_t rows = 0;
+    int num_chunks = 2;  // a couple no sequence owns
+    for (int n : seqs.lengths) {
+      for (int h = 0; h < KV; ++h) {
+        cache_row.push_back(rows);
+        rows += n;
+      }
+      num_chunks += (n + kChunkRows - 1) / kChunkRows;
+    }
+    std::vector<int32_t> perm(static_cast<size_t>(num_chunks));
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::vector<int32_t> chunk_ids;
+    std::vector<int64_t> chunk_first;  // per sequence, into chunk_ids
+    size_t next = 0;
+    for (int n : seqs.lengths) {
+      chunk_first.push_back(static_cast<int64_t>(chunk_ids.size()));
+      for (int c = 0; c < (n + kChunkRows - 1) / kChunkRows; ++c) chunk_ids.push_back(perm[next++]);
+    }
+    const int64_t head_pool = static_cast<int64_t>(num_chunks) * kChunkRows * P;
+    test::DeviceBuffer dchunks = test::DeviceBuffer::From(chunk_ids);
+    test::DeviceBuffer dflat(static_cast<size_t>(rows) * P * sizeof(float));
+    test::DeviceBuffer dpaged(static_cast<size_t>(head_pool) * KV * sizeof(float));
+    dflat.Poison();
+    dpaged.Poison();
+    std::vector<int> have;
+    for (int n : seqs.lengths) have.push_back(std::uniform_int_distribution<int>(0, n)(rng));
+    for (int paged = 0; paged < 2; ++paged) {
+      for (int part = 0; part < 2; ++part) {  // grown in two launches, as decode steps extend it
+        std::vector<cuda::InfiniGenSkewJob> jobs;
+        std::vector<int64_t> slots;
+        int max_slots = 0;
+        for (size_t s = 0; s < seqs.lengths.size(); ++s) {
+          const int from = part == 0 ? 0 : have[s], to = part == 0 ? have[s] : seqs.lengths[s];
+          for (int h = 0; h < KV; ++h) {
+            cuda::InfiniGenSkewJob job;
+            job.matrix = dmatrices.get<float>() + static_cast<size_t>(h) * D * D;
+            job.columns = dcolumns.get<int32_t>() + static_cast<size_t>(h) * P;
+            if (paged) {
+              job.dst = dpaged.get<float>() + h * head_pool;
+              job.chunks = dchunks.get<int32_t>() + chunk_first[s];
+            } else {
+              job.dst = dflat.get<float>() + cache_row[s * KV + static_cast<size_t>(h)] * P;
+            }
+            job.dst_row = from;
+            job.kv_head = h;
+            job.first_slot = static_cast<int32_t>(slots.size());
+            job.num_slots = to - from;
+            for (int pos = from; pos < to; ++pos) slots.push_back(seqs.Slot(s, pos));
+            max_slots = std::max(max_slots, to - from);
+            jobs.push_back(job);
+          }
+        }
+        test::DeviceBuffer djobs = test::DeviceBuffer::From(jobs);
+        test::DeviceBuffer dslots = test::DeviceBuffer::From(slots);
+        cuda::SkewPartialKeysArgs a;
+        a.dtype = t;
+        a.key_cache = dpool.get();
+        a.slots = dslots.get<int64_t>();
+        a.jobs = djobs.get<cuda::InfiniGenSkewJob>();
+        a.num_jobs = static_cast<int>(jobs.size());
+        a.max_job_slots = max_slots;
+        a.num_kv_heads = KV;
+        a.head_dim = D;
+        a.block_size = shape.block_size;
+        a.num_partial_columns = P;
+        a.chunk_rows = paged ? kChunkRows : 0;
+        KVFLOW_CUDA_OK(cuda::SkewPartialKeys(a, nullptr));
+        KVFLOW_CUDA_OK(cudaDeviceSynchronize());
+      }
+    }
+    const std::vector<float> flat = dflat.Download<float>(), pool = dpaged.Download<float>();
+    for (size_t s = 0; s < seqs.lengths.size(); ++s) {
+      for (int h = 0; h < KV; ++h) {
+        for (int r = 0; r < seqs.lengths[s]; ++r) {
+          const int64_t chunk = chunk_ids[static_cast<size_t>(chunk_first[s] + r / kChunkRows)];
+          const float* g = pool.data() + h * head_pool + (chunk * kChunkRows + r % kChunkRows) * P;
+          const float* want = flat.data() + (cache_row[s * KV + static_cast<size_t>(h)] + r) * P;
+          ASSERT_EQ(0, std::memcmp(g, want, P * sizeof(float))) << "sequence " << s << " head " << h << " row " << r;
+        }
+      }
+    }
+    // Scores of a group of random queries over both layouts: the same bits.
+    std::vector<float> queries(seqs.lengths.size() * KV * kGroup * P);
+    FillAwayFromZero(queries, rng);
+    test::DeviceBuffer dqueries = test::DeviceBuffer::From(queries);
+    std::vector<std::vector<float>> scores;
+    int max_tokens = 0;
+    for (int n : seqs.lengths) max_tokens = std::max(max_tokens, n);
+    for (int paged = 0; paged < 2; ++paged) {
+      test::DeviceBuffer dscores(static_cast<size_t>(rows) * sizeof(float));
+      dscores.Poison();
+      std::vector<cuda::PartialKeyScoreJob> jobs;
+      for (size_t s = 0; s < seqs.lengths.size(); ++s) {
+        for (int h = 0; h < KV; ++h) {
+          const size_t j = s * KV + static_cast<size_t>(h);
+          cuda::PartialKeyScoreJob job;
+          job.queries = dqueries.get<float>() + j * kGroup * P;
+          job.keys = paged ? dpaged.get<float>() + h * head_pool : dflat.get<float>() + cache_row[j] * P;
+          job.chunks = paged ? dchunks.get<int32_t>() + chunk_first[s] : nullptr;
+          job.scores = dscores.get<float>() + cache_row[j];
+          job.num_tokens = seqs.lengths[s];
+          jobs.push_back(job);
+        }
+      }
+      test::DeviceBuffer djobs = test::DeviceBuffer::From(jobs);
+      KVFLOW_CUDA_OK(cuda::ScorePartialKeys(djobs.get<cuda::PartialKeyScoreJob>(), static_cast<int>(jobs.size()),
+                                            max_tokens, kGroup, P, nullptr, paged ? kChunkRows : 0));
+      KVFLOW_CUDA_OK(cudaDeviceSynchronize());
+      scores.push_back(dscores.Download<float>());
+    }
+    ASSERT_EQ(0, std::memcmp(scores[0].data(), scores[1].data(), scores[0].size() * sizeof(float)))
+        << "paged scores differ from contiguous ones";
+    std::printf("  paged partial keys kv %d p %2d chunks %d x %d rows: rows and scores bit-identical%s\n", KV, P,
+                num_chunks, kChunkRows, test::IsEmulator() ? "  [emulator]" : "");
+  }
+}
+
+// The speculative query of a decode token, rotated in the kernel (positions and row indices given):
+// ApplyRope's fp32 rotation, the scale, then the skew, as InfiniGenSelector computes it on the host.
+TEST(InfiniGenScore, SkewPartialQueriesRotatesAsApplyRope) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(1612);
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    for (const Shape& shape : kShapes) {
+      const int KV = shape.num_kv_heads, H = KV * kGroup, D = shape.head_dim, P = shape.num_cols;
+      const int source_rows = 9;
+      const std::vector<int32_t> picked = {7, 0, 4};  // rows of the step that speculate, out of order
+      const int rows = static_cast<int>(picked.size());
+      const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+      const int64_t stride = static_cast<int64_t>(H + 2 * KV) * D;
+      std::vector<float> qkv(static_cast<size_t>(source_rows * stride));
+      FillAwayFromZero(qkv, rng, 1.5f);
+      const std::vector<uint8_t> qkv_bytes = test::ToDeviceBytes(qkv, t);
+      const std::vector<float> widened = test::FromDeviceBytes(qkv_bytes, t);
+      std::vector<int32_t> positions(static_cast<size_t>(source_rows));
+      for (int32_t& p : positions) p = std::uniform_int_distribution<int>(0, 40000)(rng);
+      RopeFrequencies rope;
+      for (int i = 0; i < D / 2; ++i) rope.inv_freq.push_back(std::pow(500000.0f, -2.0f * i / D));
+      rope.attention_scale = 1.0f;
+      std::vector<SkewHead> skew;
+      std::vector<float> matrices;
+      std::vector<int32_t> columns;
+      for (int h = 0; h < KV; ++h) {
+        skew.push_back(RandomSkewHead(D, P, rng));
+        matrices.insert(matrices.end(), skew.back().matrix.begin(), skew.back().matrix.end());
+        columns.insert(columns.end(), skew.back().columns.begin(), skew.back().columns.end());
+      }
+      test::DeviceBuffer dqkv = test::DeviceBuffer::From(qkv_bytes);
+      test::DeviceBuffer dpicked = test::DeviceBuffer::From(picked), dpositions = test::DeviceBuffer::From(positions);
+      test::DeviceBuffer dfreq = test::DeviceBuffer::From(rope.inv_freq);
+      test::DeviceBuffer dmatrices = test::DeviceBuffer::From(matrices), dcolumns = test::DeviceBuffer::From(columns);
+      test::DeviceBuffer dout(static_cast<size_t>(rows) * H * P * sizeof(float));
+      dout.Poison();
+      cuda::SkewPartialQueriesArgs a;
+      a.dtype = t;
+      a.rows = dqkv.get();
+      a.row_stride = stride;
+      a.num_rows = rows;
+      a.row_indices = dpicked.get<int32_t>();
+      a.positions = dpositions.get<int32_t>();
+      a.inv_freq = dfreq.get<float>();
+      a.attention_scale = rope.attention_scale;
+      a.num_heads = H;
+      a.num_kv_heads = KV;
+      a.head_dim = D;
+      a.num_partial_columns = P;
+      a.scale = scale;
+      a.matrices = dmatrices.get<float>();
+      a.columns = dcolumns.get<int32_t>();
+      a.out = dout.get<float>();
+      KVFLOW_CUDA_OK(cuda::SkewPartialQueries(a, nullptr));
+      KVFLOW_CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<float> got = dout.Download<float>();
+      Deviation dev;
+      for (int r = 0; r < rows; ++r) {
+        const int src = picked[static_cast<size_t>(r)];
+        for (int h = 0; h < H; ++h) {
+          std::vector<float> q(widened.begin() + src * stride + static_cast<int64_t>(h) * D,
+                               widened.begin() + src * stride + static_cast<int64_t>(h + 1) * D);
+          ApplyRope(q.data(), D, positions[static_cast<size_t>(src)], rope);
+          for (float& x : q) x *= scale;
+          std::vector<float> ref(static_cast<size_t>(P));
+          SkewPartialColumns(q.data(), 1, D, skew[static_cast<size_t>(h / kGroup)], D, ref.data());
+          const float* g = got.data() + (static_cast<size_t>(r) * H + h) * P;
+          for (int c = 0; c < P; ++c) Accumulate(dev, g[c], ref[static_cast<size_t>(c)]);
+        }
+      }
+      // cosf/sinf of angles up to 4e4 rad: the device's differ from libm's by an ulp or two.
+      std::printf("  rotated query skew %-4s heads %2d/%d d %3d p %2d: max|d| = %.3g  max rel = %.3g (bound 1e-4)%s\n",
+                  DTypeName(t), H, KV, D, P, dev.max_abs, dev.max_rel, test::IsEmulator() ? "  [emulator]" : "");
+      EXPECT_LE(dev.max_rel, 1e-4) << DTypeName(t) << " d " << D;
+    }
+  }
+}
+
 // ---- selection ------------------------------------------------------------------------------------
 
 enum class ScoreKind { kTied, kDistinct, kEqual, kSignedZeros, kWide };
@@ -561,10 +782,24 @@ TEST(InfiniGenScore, GatherSelectedKvIsBitExact) {
       test::DeviceBuffer dkey_scratch(scratch.layer_stride() * es), dvalue_scratch(scratch.layer_stride() * es);
       dkey_scratch.Poison();
       dvalue_scratch.Poison();
-      test::DeviceBuffer djobs = test::DeviceBuffer::From(jobs);
+      // Every fourth sequence in two launches, as an offloaded pool's prefetch and attention make
+      // them: the selected rows first (no context out), then only the appended token.
+      std::vector<cuda::SelectedKvGatherJob> first_pass = jobs, appended;
+      for (size_t s = 0; s < jobs.size(); s += 4) {
+        first_pass[s].append_position = -1;
+        first_pass[s].context_len = nullptr;
+        appended.push_back(jobs[s]);
+        appended.back().only_appended = true;
+      }
+      test::DeviceBuffer djobs = test::DeviceBuffer::From(first_pass);
+      test::DeviceBuffer dappended = test::DeviceBuffer::From(appended);
       KVFLOW_CUDA_OK(cuda::GatherSelectedKv(t, dkey_pool.get(), dvalue_pool.get(),
                                             djobs.get<cuda::SelectedKvGatherJob>(), static_cast<int>(jobs.size()),
                                             dkey_scratch.get(), dvalue_scratch.get(), KV, D, bs, nullptr));
+      KVFLOW_CUDA_OK(cuda::GatherSelectedKv(t, dkey_pool.get(), dvalue_pool.get(),
+                                            dappended.get<cuda::SelectedKvGatherJob>(),
+                                            static_cast<int>(appended.size()), dkey_scratch.get(),
+                                            dvalue_scratch.get(), KV, D, bs, nullptr));
       KVFLOW_CUDA_OK(cudaDeviceSynchronize());
 
       // Expected scratch: the selected rows of each head in order, the appended token last, poison

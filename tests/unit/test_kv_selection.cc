@@ -456,6 +456,11 @@ TEST_F(KvSelectionEngine, RefusesMissingSkewFileAndBadSettings) {
            [](EngineConfig& e) { e.kv_selection.infinigen.alpha = 0; },
            [](EngineConfig& e) { e.kv_selection.infinigen.speculate_from = "layer-output"; },
            [](EngineConfig& e) { e.kv_selection.infinigen.max_fraction = 1.5; },
+           [](EngineConfig& e) { e.kv_selection.infinigen.speculate_on = "gpu"; },
+           [](EngineConfig& e) {  // the device cannot keep the host pool's eviction state
+             e.kv_selection.infinigen.speculate_on = "device";
+             e.kv_selection.infinigen.host_kv_tokens = 100;
+           },
            [](EngineConfig& e) { e.kv_selection.h2o.budget = 0; },
            [](EngineConfig& e) { e.speculative.method = "ngram"; },
        }) {
@@ -464,6 +469,15 @@ TEST_F(KvSelectionEngine, RefusesMissingSkewFileAndBadSettings) {
     auto r = test::CreateTinyEngine(e);
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
   }
+  // Speculation on the device asked of a backend without it (the CPU's): refused, naming it; auto
+  // keeps the host path there.
+  EngineConfig device = Config("infinigen");
+  device.kv_selection.infinigen.speculate_on = "device";
+  auto on_device = test::CreateTinyEngine(device);
+  ASSERT_FALSE(on_device.ok());
+  EXPECT_EQ(on_device.status().code(), StatusCode::kUnsupported) << on_device.status().ToString();
+  EXPECT_NE(on_device.status().message().find("no device speculation"), std::string::npos)
+      << on_device.status().ToString();
   // The selectors run on CUDA too (tests/cuda/test_cuda_backend.cc): the config is no longer refused
   // for it (without a GPU the backend itself may still be unavailable).
   EngineConfig cuda = Config("h2o");

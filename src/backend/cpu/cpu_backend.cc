@@ -316,6 +316,7 @@ Status CpuBackend::PrefetchKv(int layer, std::span<const KvHeadSelection> select
   if (batch_ == nullptr) return Status::Internal("KV prefetch outside a step");
   if (layer < 0 || layer >= config_.num_layers) return Status::InvalidArgument("KV prefetch: no such layer");
   if (!selection.empty()) KVFLOW_RETURN_IF_ERROR(ValidateKvHeadSelections(selection, *batch_, layout_));
+  KVFLOW_RETURN_IF_ERROR(RefuseSpeculatedSelections(selection, Describe()));
   StageKv(layer, selection);
   staged_.Record(layer, selection, batch_->seqs.size());
   offload_stats_.prefetches += 1;
@@ -488,6 +489,7 @@ void CpuBackend::CopyPacked(int layer, std::span<const int64_t> slots, std::byte
 Status CpuBackend::AttentionOverSelection(int layer, std::span<const KvHeadSelection> selection) {
   if (batch_ == nullptr) return Status::Internal("attention outside a step");
   KVFLOW_RETURN_IF_ERROR(ValidateKvHeadSelections(selection, *batch_, layout_));
+  KVFLOW_RETURN_IF_ERROR(RefuseSpeculatedSelections(selection, Describe()));
   if (staged_step()) KVFLOW_RETURN_IF_ERROR(EnsureStaged(layer, selection));
   HeadReadLists(selection);
   RunAttention(layer, head_view_slots_);

@@ -173,9 +173,10 @@ Status CudaBackend::RefuseUnderCapture(const char* what) {
   return Status::Ok();
 }
 
-Status CudaBackend::GrowScratch(DeviceArena& arena, size_t bytes, const char* what) {
+Status CudaBackend::GrowScratch(DeviceArena& arena, size_t bytes, const char* what, bool both_streams) {
   if (bytes <= arena.bytes()) return Status::Ok();
   KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
+  if (both_streams) KVFLOW_CUDA_RETURN(cudaStreamSynchronize(copy_stream_));
   // Half again, so a slowly growing selection reallocates (and waits) rarely; exactly `bytes` if
   // that much more does not fit.
   const size_t grown = AlignUp(std::max(bytes, arena.bytes() + arena.bytes() / 2));
@@ -196,6 +197,15 @@ Status CudaBackend::AttentionOverSelection(int layer, std::span<const KvHeadSele
       std::any_of(selection.begin(), selection.end(), [](const KvHeadSelection& s) { return s.per_head > 0; });
   if (!any_selection) return Attention(layer);
   KVFLOW_RETURN_IF_ERROR(RefuseUnderCapture("attention over token selections"));
+  // Device speculations (DeviceKvSpeculation::Speculate): the indices and counts are on the device.
+  const bool speculated =
+      std::any_of(selection.begin(), selection.end(), [](const KvHeadSelection& s) { return s.speculated; });
+  std::vector<int> job_of;
+  if (speculated) {
+    KVFLOW_ASSIGN_OR_RETURN(job_of, SpeculatedJobs(layer, selection));
+  }
+  // An offloaded pool's prefetch gathered the speculated rows already (PrefetchKv).
+  const bool prefetched = speculated && staged_step() && prefetched_selection_layer_[layer % 2] == layer;
   const int bs = layout_.block_size, KV = config_.num_kv_heads;
   // GatherSelectedKv takes int32 positions: a physical slot is one through the identity table.
   const int64_t pool_slots = static_cast<int64_t>(layout_.num_blocks) * bs;
@@ -212,7 +222,7 @@ Status CudaBackend::AttentionOverSelection(int layer, std::span<const KvHeadSele
   std::vector<Row> decode_rows[3], prefill_rows[3];
   int table_stride = 1;
   int64_t next_slot_view_block = 0;  // PlanStep's numbering of the slot-view scratch
-  int64_t selected_blocks = 0, selected_slots = 0;
+  int64_t selected_blocks = 0, selected_slots = 0, speculated_table_blocks = 0;
   int num_selected = 0;
   for (size_t i = 0; i < batch.seqs.size(); ++i) {
     const SequenceSlice& s = batch.seqs[i];
@@ -233,7 +243,11 @@ Status CudaBackend::AttentionOverSelection(int layer, std::span<const KvHeadSele
       const int blocks = (sel.per_head + bs - 1) / bs;
       for (int b = 0; b < blocks; ++b) row.table.push_back(static_cast<int32_t>(selected_blocks + b));
       selected_blocks += blocks;
-      selected_slots += static_cast<int64_t>(sel.per_head) * KV;
+      if (sel.speculated) {
+        speculated_table_blocks += (s.context_len + bs - 1) / bs;
+      } else {
+        selected_slots += static_cast<int64_t>(sel.per_head) * KV;
+      }
       ++num_selected;
     } else if (slot_view) {
       source = kSlotView;
@@ -253,8 +267,10 @@ Status CudaBackend::AttentionOverSelection(int layer, std::span<const KvHeadSele
   // The gathered selections: K then V, selected_blocks blocks each.
   const size_t es = cuda::DTypeSize(dtype_);
   const size_t block_bytes = layout_.block_stride() * es;
-  KVFLOW_RETURN_IF_ERROR(GrowScratch(selection_arena_, 2 * static_cast<size_t>(selected_blocks) * block_bytes,
-                                     "the gathered token selections"));
+  if (!prefetched) {
+    KVFLOW_RETURN_IF_ERROR(GrowScratch(selection_arena_, 2 * static_cast<size_t>(selected_blocks) * block_bytes,
+                                       "the gathered token selections"));
+  }
   selection_blocks_ = static_cast<int64_t>(selection_arena_.bytes() / (2 * block_bytes));
   char* selected_key = selection_arena_.base();
   char* selected_value = selection_arena_.base() + static_cast<size_t>(selection_blocks_) * block_bytes;
@@ -266,7 +282,8 @@ Status CudaBackend::AttentionOverSelection(int layer, std::span<const KvHeadSele
                                   cudaMemcpyHostToDevice));
   }
 
-  // Staged metadata: [gather jobs][per-head counts][selected slots][decode rows][prefill rows].
+  // Staged metadata: [gather jobs][per-head counts][selected slots][decode rows][prefill rows]
+  // [speculated slices' block tables].
   size_t num_decode = 0, num_prefill = 0;
   for (int src = 0; src < 3; ++src) {
     num_decode += decode_rows[src].size();
@@ -278,10 +295,11 @@ Status CudaBackend::AttentionOverSelection(int layer, std::span<const KvHeadSele
   const size_t slots_bytes = AlignUp(static_cast<size_t>(selected_slots) * sizeof(int32_t));
   const size_t decode_bytes = AlignUp(num_decode * (stride + 2) * sizeof(int32_t));
   const size_t prefill_bytes = AlignUp(num_prefill * (stride + 3) * sizeof(int32_t));
+  const size_t tables_bytes = AlignUp(static_cast<size_t>(speculated_table_blocks) * sizeof(int32_t));
   char* host = nullptr;
   char* device = nullptr;
-  KVFLOW_RETURN_IF_ERROR(
-      StageBlockMeta(jobs_bytes + counts_bytes + slots_bytes + decode_bytes + prefill_bytes, &host, &device));
+  KVFLOW_RETURN_IF_ERROR(StageBlockMeta(
+      jobs_bytes + counts_bytes + slots_bytes + decode_bytes + prefill_bytes + tables_bytes, &host, &device));
   // The same offset on both sides.
   auto on_device = [&](const void* host_ptr) {
     return device + (static_cast<const char*>(host_ptr) - host);
@@ -294,7 +312,7 @@ Status CudaBackend::AttentionOverSelection(int layer, std::span<const KvHeadSele
   int64_t slot_at = 0;
   for (size_t i = 0; i < batch.seqs.size(); ++i) {
     const KvHeadSelection& sel = selection[i];
-    if (sel.per_head == 0) continue;
+    if (sel.per_head == 0 || sel.speculated) continue;
     counts[job] = sel.per_head;
     for (int64_t slot : sel.slots) slots[slot_at++] = static_cast<int32_t>(slot);
     cuda::SelectedKvGatherJob& j = jobs[job];
@@ -359,7 +377,19 @@ Status CudaBackend::AttentionOverSelection(int layer, std::span<const KvHeadSele
       ++p;
     }
   }
-  const size_t total_bytes = jobs_bytes + counts_bytes + slots_bytes + decode_bytes + prefill_bytes;
+  // The speculated slices' gathers write their token counts into their decode rows' context lengths
+  // (every speculated slice is a decode row of the kSelected kind, in slice order).
+  int32_t* speculated_context = nullptr;
+  if (speculated) {
+    const size_t first_row = decode_rows[kPool].size() + decode_rows[kSlotView].size();
+    speculated_context = reinterpret_cast<int32_t*>(on_device(decode_context + first_row));
+    auto* tables = reinterpret_cast<int32_t*>(host + jobs_bytes + counts_bytes + slots_bytes + decode_bytes + prefill_bytes);
+    // After a prefetch of the selected rows, only the step's own token, written since.
+    FillSpeculatedGather(layer, selection, job_of, prefetched ? SpeculatedRows::kStepToken : SpeculatedRows::kBoth,
+                         jobs, tables, reinterpret_cast<const int32_t*>(on_device(tables)), speculated_context);
+    job = num_selected;
+  }
+  const size_t total_bytes = jobs_bytes + counts_bytes + slots_bytes + decode_bytes + prefill_bytes + tables_bytes;
   KVFLOW_CUDA_RETURN(cudaMemcpyAsync(device, host, total_bytes, cudaMemcpyHostToDevice, stream_));
   KVFLOW_CUDA_RETURN(cudaEventRecord(block_meta_copied_, stream_));
 
@@ -374,7 +404,13 @@ Status CudaBackend::AttentionOverSelection(int layer, std::span<const KvHeadSele
     KVFLOW_RETURN_IF_ERROR(EnsureStaged(layer, selection));
     view_key = StagingLayer(0, layer);
     view_value = StagingLayer(1, layer);
+    // Speculated rows count when their counts reach the host (TakeSpeculatedCounts).
     offload_stats_.bytes_fetched += selected_slots * 2 * layout_.head_dim * static_cast<int64_t>(es);
+  }
+  if (prefetched) {
+    // EnsureStaged made the stream wait for the prefetch; the gather below appends the step's token.
+    selected_key = prefetched_selection_[layer % 2].base();
+    selected_value = selected_key + static_cast<size_t>(selected_blocks) * block_bytes;
   }
   if (!decode_rows[kSlotView].empty() || !prefill_rows[kSlotView].empty()) {
     KVFLOW_KERNEL_RETURN(cuda::GatherSlots(dtype_, key_cache, value_cache, device_meta_.gather_slots,

@@ -20,9 +20,11 @@
 // InfiniGen's and H2O's token selections (AttentionOverSelection) use the same scheme per KV head:
 // kernels/infinigen_score.h's GatherSelectedKv copies head h's i-th selected slot to scratch block
 // first + i / block_size, head h, offset i % block_size, so one synthetic table serves every head
-// and the unchanged paged kernels read each head's own tokens. The selectors compute on the host:
-// ReadActivationRows and ReadKv copy to the host and wait for the stream (correct, synchronous;
-// the device-side scoring of kernels/infinigen_score.h is the later fast path).
+// and the unchanged paged kernels read each head's own tokens. H2O (and InfiniGen on the host)
+// compute on the host: ReadActivationRows and ReadKv copy to the host and wait for the stream.
+// InfiniGen on the device (DeviceKvSpeculation, cuda_speculation.cc) keeps the partial key cache,
+// the scores and the selection on the device; the gather then takes the count from device memory
+// and writes the tokens it gathered into the decode rows' context lengths.
 //
 // TriForce's chunk scoring (ScoreKvBlocks, per layer inside a step) uploads each call's jobs through
 // pinned staging without waiting on the stream and runs kernels/kv_block_select.cu on the step's Q

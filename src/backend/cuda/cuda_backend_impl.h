@@ -12,6 +12,7 @@
 #include "backend/backend.h"
 #include "backend/cuda/cuda_api.h"
 #include "backend/cuda/cuda_backend.h"
+#include "infinigen_score.h"
 #include "kernel_common.h"
 #include "sampling.h"
 
@@ -168,7 +169,11 @@ struct StepShape {
   int num_gathered_slots = 0;  // scratch slots the step fills (whole blocks)
 };
 
-class CudaBackend final : public Backend, public KvBlockScoring, public OffloadedKvPool, public KvPacking {
+class CudaBackend final : public Backend,
+                          public KvBlockScoring,
+                          public OffloadedKvPool,
+                          public KvPacking,
+                          public DeviceKvSpeculation {
  public:
   CudaBackend(const ModelConfig& config, const CudaBackendOptions& options) : config_(config), options_(options) {}
   ~CudaBackend() override;
@@ -209,6 +214,14 @@ class CudaBackend final : public Backend, public KvBlockScoring, public Offloade
   KvOffloadStats kv_offload_stats() const override { return offload_stats_; }
   Status KeepResident(BlockId first) override;
   BlockId resident_begin() const override { return resident_begin_; }
+  Status SetUpSpeculation(const Setup& setup) override;
+  int partial_key_chunk_rows() const override { return kPartialKeyChunkRows; }
+  int64_t partial_key_chunk_bytes(int num_partial_columns) const override;
+  Status ExtendPartialKeys(int layer, std::span<const ExtendJob> jobs) override;
+  Status Speculate(int layer, std::span<const SpeculateJob> jobs) override;
+  Status TakeSpeculatedCounts(std::vector<int32_t>& counts) override;
+  Status ReadSpeculatedSelection(int layer, std::span<const KvHeadSelection> selection,
+                                 std::vector<KvHeadSelection>& out) override;
 
  protected:
   void* FindCapability(BackendCapability id) const override { return OfferCapabilities(this, id, kv_offloaded()); }
@@ -267,8 +280,26 @@ class CudaBackend final : public Backend, public KvBlockScoring, public Offloade
   // on the compute stream; the slot list goes up through pack_arena_.
   Status LaunchPack(int layer, std::span<const int64_t> slots, std::byte* packed, bool unpack);
   // Grows `arena` to at least `bytes` (by half again when it grows), waiting for the stream first:
-  // queued kernels may still use the old allocation.
-  Status GrowScratch(DeviceArena& arena, size_t bytes, const char* what);
+  // queued kernels may still use the old allocation. `both_streams`: the copy stream's too.
+  Status GrowScratch(DeviceArena& arena, size_t bytes, const char* what, bool both_streams = false);
+  // Device speculation (cuda_speculation.cc). The partial keys of (layer, kv head): chunks of
+  // kPartialKeyChunkRows rows of speculation_columns_ floats.
+  float* PartialKeys(int layer, int kv_head) const;
+  // At a step's start: no speculation made yet, the count log moved to the host if it filled.
+  Status BeginSpeculationStep();
+  // Checks `selection`'s speculated slices against the speculation made for `layer` (the same
+  // slices, in order); the per-slice index of each in it, -1 for the others.
+  Result<std::vector<int>> SpeculatedJobs(int layer, std::span<const KvHeadSelection> selection) const;
+  // Stages GatherSelectedKv jobs for the speculated slices of `selection` (all its selected ones)
+  // into `jobs` (host side of StageBlockMeta), with their block tables after them in `tables`
+  // (room for every slice's table); scratch blocks numbered from 0 in slice order. `step_token`:
+  // the selected rows (a prefetch: the step's own K/V is not written yet), then (attention) the
+  // step's own token alone (`after_prefetch`) or the rows and the token, with each job's
+  // context_len at context_out[k] (device), k counting the jobs.
+  enum class SpeculatedRows { kSelected, kStepToken, kBoth };
+  void FillSpeculatedGather(int layer, std::span<const KvHeadSelection> selection, const std::vector<int>& job_of,
+                            SpeculatedRows rows, cuda::SelectedKvGatherJob* jobs, int32_t* tables,
+                            const int32_t* device_tables, int32_t* context_out) const;
   // Offloaded pool: K (kv 0) or V of `layer` in the pool (host) and in its staging buffer (device).
   char* PoolLayer(int kv, int layer) const;
   char* StagingLayer(int kv, int layer) const;
@@ -373,9 +404,10 @@ class CudaBackend final : public Backend, public KvBlockScoring, public Offloade
   // (offload_pool_arena_; kernels read and write it over the bus: the write-through of new K/V,
   // KV reads, copy-on-write) and attention reads the device staging buffers of two layers (layer l
   // in buffer l % 2). Views are prefetched into them on copy_stream_, whole blocks (cudaMemcpyAsync
-  // per run of consecutive blocks); selections are gathered by AttentionOverSelection straight from
-  // the host pool, only the selected rows crossing the bus (zero-copy reads on the compute stream:
-  // not yet overlapped with the previous layer).
+  // per run of consecutive blocks). Host selections are gathered by AttentionOverSelection straight
+  // from the host pool, only the selected rows crossing the bus (zero-copy reads on the compute
+  // stream); device speculations are gathered the same way but by PrefetchKv on copy_stream_, while
+  // the previous layer computes (prefetched_selection_).
   PinnedArena offload_pool_arena_;
   DeviceArena staging_arena_;
   KvStagingLedger ledger_;  // what each staging buffer holds
@@ -418,6 +450,37 @@ class CudaBackend final : public Backend, public KvBlockScoring, public Offloade
   DeviceArena read_arena_;
   std::vector<int64_t> read_slots_;
   std::vector<uint16_t> read_rows_;
+
+  // InfiniGen's speculation on the device (DeviceKvSpeculation, cuda_speculation.cc). The skews
+  // ([layer][kv_head] matrices, then columns), the paged partial key cache ([layer][kv_head]
+  // [chunk][kPartialKeyChunkRows][columns] fp32), one call's scratch (skewed queries, scores, head
+  // counts), per layer parity the selected indices ([job][kv_head][cap]) that attention at that
+  // layer reads, and the counts of the step's speculations (a log the selector takes between steps).
+  static constexpr int kPartialKeyChunkRows = 64;
+  struct SpeculatedLayer {
+    int layer = -1;
+    std::vector<int32_t> slices, caps;   // per job
+    std::vector<int64_t> index_offset;  // per job, ints into speculated_indices_[parity]
+    std::vector<int64_t> count_offset;  // per job, into the count log
+  };
+  int speculation_columns_ = 0;
+  int speculation_chunks_ = 0;
+  float speculation_alpha_ = 0.0f;
+  DeviceArena skew_arena_;
+  const float* skew_matrices_ = nullptr;
+  const int32_t* skew_columns_ = nullptr;
+  DeviceArena partial_key_arena_;
+  DeviceArena speculation_scratch_;
+  DeviceArena speculated_indices_[2];
+  DeviceArena count_log_arena_;  // [2 steps][num_layers][max_seqs] int32
+  int64_t count_log_used_ = 0;
+  std::vector<int32_t> taken_counts_;  // counts moved to the host before the selector took them
+  SpeculatedLayer speculated_[2];
+  // An offloaded pool's prefetch of speculated rows, per layer parity: K then V gathered from the
+  // host pool on the copy stream (attention appends the step's own token once it is written).
+  DeviceArena prefetched_selection_[2];
+  int prefetched_selection_layer_[2] = {-1, -1};
+  int64_t speculated_fetch_tokens_ = 0;  // offloaded: the counts not yet added to offload_stats_
 
   // CUDA graphs of decode steps, by padded batch size.
   std::vector<int> graph_buckets_;

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "cache_ops.h"
+#include "infinigen_score.h"
 
 namespace kvflow {
 namespace cuda_impl {
@@ -142,11 +143,55 @@ Status CudaBackend::PrefetchKv(int layer, std::span<const KvHeadSelection> selec
   if (batch_ == nullptr) return Status::Internal("KV prefetch outside a step");
   if (layer < 0 || layer >= config_.num_layers) return Status::InvalidArgument("KV prefetch: no such layer");
   if (!selection.empty()) KVFLOW_RETURN_IF_ERROR(ValidateKvHeadSelections(selection, *batch_, layout_));
-  // The buffer held layer - 2, whose attention is queued on the compute stream: copy after it.
   const int buffer = layer % KvStagingLedger::kBuffers;
+  // Device speculations of this layer: only their rows cross the bus, gathered from the host pool
+  // on the copy stream into the layer parity's selection buffer (whose jobs go up first, so the
+  // copy stream's wait below covers them).
+  const bool speculated =
+      std::any_of(selection.begin(), selection.end(), [](const KvHeadSelection& s) { return s.speculated; });
+  const cuda::SelectedKvGatherJob* gather_jobs = nullptr;
+  int num_gathers = 0;
+  int64_t prefetch_blocks = 0;  // K's, then as many of V's
+  if (speculated) {
+    KVFLOW_ASSIGN_OR_RETURN(const std::vector<int> job_of, SpeculatedJobs(layer, selection));
+    const int bs = layout_.block_size;
+    int64_t blocks = 0, table_blocks = 0;
+    for (size_t i = 0; i < selection.size(); ++i) {
+      if (job_of[i] < 0) continue;
+      blocks += (selection[i].per_head + bs - 1) / bs;
+      table_blocks += (batch_->seqs[i].context_len + bs - 1) / bs;
+      ++num_gathers;
+    }
+    const size_t block_bytes = layout_.block_stride() * cuda::DTypeSize(dtype_);
+    KVFLOW_RETURN_IF_ERROR(GrowScratch(prefetched_selection_[buffer], 2 * static_cast<size_t>(blocks) * block_bytes,
+                                       "the prefetched token selections", /*both_streams=*/true));
+    const size_t jobs_bytes = AlignUp(static_cast<size_t>(num_gathers) * sizeof(cuda::SelectedKvGatherJob));
+    const size_t tables_bytes = AlignUp(static_cast<size_t>(table_blocks) * sizeof(int32_t));
+    char* host = nullptr;
+    char* device = nullptr;
+    KVFLOW_RETURN_IF_ERROR(StageBlockMeta(jobs_bytes + tables_bytes, &host, &device));
+    // The selected rows only: the step's own K/V at this layer is written after this (WriteKv).
+    FillSpeculatedGather(layer, selection, job_of, SpeculatedRows::kSelected,
+                         reinterpret_cast<cuda::SelectedKvGatherJob*>(host), reinterpret_cast<int32_t*>(host + jobs_bytes),
+                         reinterpret_cast<const int32_t*>(device + jobs_bytes), nullptr);
+    KVFLOW_CUDA_RETURN(cudaMemcpyAsync(device, host, jobs_bytes + tables_bytes, cudaMemcpyHostToDevice, stream_));
+    KVFLOW_CUDA_RETURN(cudaEventRecord(block_meta_copied_, stream_));
+    gather_jobs = reinterpret_cast<const cuda::SelectedKvGatherJob*>(device);
+    prefetch_blocks = blocks;
+  }
+  // The buffer held layer - 2, whose attention is queued on the compute stream: copy after it.
   KVFLOW_CUDA_RETURN(cudaEventRecord(staging_free_, stream_));
   KVFLOW_CUDA_RETURN(cudaStreamWaitEvent(copy_stream_, staging_free_, 0));
   KVFLOW_RETURN_IF_ERROR(StageViews(layer, selection, copy_stream_));
+  if (num_gathers > 0) {
+    const size_t block_bytes = layout_.block_stride() * cuda::DTypeSize(dtype_);
+    char* key = prefetched_selection_[buffer].base();
+    KVFLOW_KERNEL_RETURN(cuda::GatherSelectedKv(dtype_, PoolLayer(0, layer), PoolLayer(1, layer), gather_jobs,
+                                                num_gathers, key, key + static_cast<size_t>(prefetch_blocks) * block_bytes,
+                                                config_.num_kv_heads, config_.head_dim, layout_.block_size,
+                                                copy_stream_));
+    prefetched_selection_layer_[buffer] = layer;
+  }
   KVFLOW_CUDA_RETURN(cudaEventRecord(staged_[buffer], copy_stream_));
   ledger_.Record(layer, selection, batch_->seqs.size());
   staged_async_[buffer] = true;

@@ -25,10 +25,11 @@ Status CudaBackend::StageBlockMeta(size_t bytes, char** host, char** device) {
   // Both sides (equal unless an allocation below failed half-way).
   const size_t capacity = std::min(block_meta_staging_.bytes(), block_meta_device_.bytes());
   if (block_meta_used_ + bytes > capacity) {
-    // Full: in the first step, or when the jobs grow. Everything queued may still read either side,
-    // so wait for the stream, then start over, with room for a step's every layer of calls this
-    // size so that the next steps need no wait.
+    // Full: in the first step, or when the jobs grow. Everything queued may still read either side
+    // (the copy stream's prefetch gathers too), so wait for the streams, then start over, with room
+    // for a step's every layer of calls this size so that the next steps need no wait.
     KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
+    KVFLOW_CUDA_RETURN(cudaStreamSynchronize(copy_stream_));
     block_meta_used_ = 0;
     const size_t step_bytes = bytes * static_cast<size_t>(std::max(config_.num_layers, 1));
     if (step_bytes > capacity) {

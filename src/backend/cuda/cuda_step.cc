@@ -314,6 +314,7 @@ Status CudaBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink, c
         "batch of {} tokens in {} sequences exceeds the CUDA backend's limits ({} tokens, {} sequences)", T, num_seqs,
         max_tokens_, max_seqs_));
   }
+  if (speculation_columns_ > 0) KVFLOW_RETURN_IF_ERROR(BeginSpeculationStep());
   resident_step_ = false;
   if (options_.kv_offload) {
     KVFLOW_ASSIGN_OR_RETURN(resident_step_, CheckOffloadedStep(batch, ResolveSlotMapping(batch, layout_.block_size),
