@@ -287,6 +287,8 @@ class CudaBackend final : public Backend,
   float* PartialKeys(int layer, int kv_head) const;
   // At a step's start: no speculation made yet, the count log moved to the host if it filled.
   Status BeginSpeculationStep();
+  // Copies the count log to taken_counts_ and empties it (waits for the stream).
+  Status MoveCountLogToHost();
   // Checks `selection`'s speculated slices against the speculation made for `layer` (the same
   // slices, in order); the per-slice index of each in it, -1 for the others.
   Result<std::vector<int>> SpeculatedJobs(int layer, std::span<const KvHeadSelection> selection) const;

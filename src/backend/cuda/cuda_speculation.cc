@@ -303,6 +303,11 @@ Status CudaBackend::BeginSpeculationStep() {
   // The log holds two steps: move it to the host (waiting for the last step) when the selector has
   // not taken it for a whole one.
   if (count_log_used_ <= static_cast<int64_t>(config_.num_layers) * max_seqs_) return Status::Ok();
+  return MoveCountLogToHost();
+}
+
+Status CudaBackend::MoveCountLogToHost() {
+  if (count_log_used_ == 0) return Status::Ok();
   std::vector<int32_t> counts(static_cast<size_t>(count_log_used_));
   KVFLOW_CUDA_RETURN(cudaMemcpyAsync(counts.data(), count_log_arena_.base(), counts.size() * sizeof(int32_t),
                                      cudaMemcpyDeviceToHost, stream_));
@@ -314,15 +319,8 @@ Status CudaBackend::BeginSpeculationStep() {
 
 Status CudaBackend::TakeSpeculatedCounts(std::vector<int32_t>& counts) {
   if (in_step_) return Status::Internal("TakeSpeculatedCounts inside a step");
-  if (count_log_used_ > 0) {
-    KVFLOW_CUDA_RETURN(cudaSetDevice(options_.device));
-    std::vector<int32_t> log(static_cast<size_t>(count_log_used_));
-    KVFLOW_CUDA_RETURN(cudaMemcpyAsync(log.data(), count_log_arena_.base(), log.size() * sizeof(int32_t),
-                                       cudaMemcpyDeviceToHost, stream_));
-    KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
-    taken_counts_.insert(taken_counts_.end(), log.begin(), log.end());
-    count_log_used_ = 0;
-  }
+  KVFLOW_CUDA_RETURN(cudaSetDevice(options_.device));
+  KVFLOW_RETURN_IF_ERROR(MoveCountLogToHost());
   if (options_.kv_offload) {
     // Each speculation's rows (and the step's own token) crossed the bus once.
     for (int32_t c : taken_counts_) offload_stats_.bytes_fetched += static_cast<int64_t>(c + 1) * kv_token_bytes();
