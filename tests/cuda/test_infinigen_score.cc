@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <span>
@@ -121,6 +122,60 @@ void Accumulate(Deviation& dev, float got, float ref) {
   dev.max_rel = std::max(dev.max_rel, d / std::max(1.0, std::fabs(double(ref))));
 }
 
+// Where (sequence, kv head)'s partial key rows go: a destination base and, for a paged cache, the
+// sequence's chunk table (null: contiguous rows).
+struct SkewTarget {
+  float* dst = nullptr;
+  const int32_t* chunks = nullptr;
+};
+
+// Skews every sequence's keys into its partial key cache in two launches, as decode steps extend it:
+// positions [0, have[s]), then [have[s], n), the second writing from row have[s] on.
+void SkewInTwoLaunches(DType t, const Shape& shape, const PagedSequences& seqs, const void* key_pool,
+                       const float* matrices, const int32_t* columns, const std::vector<int>& have,
+                       const std::function<SkewTarget(size_t s, int h)>& target, int chunk_rows) {
+  const int KV = shape.num_kv_heads, D = shape.head_dim, P = shape.num_cols;
+  for (int part = 0; part < 2; ++part) {
+    std::vector<cuda::InfiniGenSkewJob> jobs;
+    std::vector<int64_t> slots;
+    int max_slots = 0;
+    for (size_t s = 0; s < seqs.lengths.size(); ++s) {
+      const int from = part == 0 ? 0 : have[s], to = part == 0 ? have[s] : seqs.lengths[s];
+      for (int h = 0; h < KV; ++h) {
+        const SkewTarget where = target(s, h);
+        cuda::InfiniGenSkewJob job;
+        job.matrix = matrices + static_cast<size_t>(h) * D * D;
+        job.columns = columns + static_cast<size_t>(h) * P;
+        job.dst = where.dst;
+        job.chunks = where.chunks;
+        job.dst_row = from;
+        job.kv_head = h;
+        job.first_slot = static_cast<int32_t>(slots.size());
+        job.num_slots = to - from;
+        for (int pos = from; pos < to; ++pos) slots.push_back(seqs.Slot(s, pos));
+        max_slots = std::max(max_slots, to - from);
+        jobs.push_back(job);
+      }
+    }
+    test::DeviceBuffer djobs = test::DeviceBuffer::From(jobs);
+    test::DeviceBuffer dslots = test::DeviceBuffer::From(slots);
+    cuda::SkewPartialKeysArgs a;
+    a.dtype = t;
+    a.key_cache = key_pool;
+    a.slots = dslots.get<int64_t>();
+    a.jobs = djobs.get<cuda::InfiniGenSkewJob>();
+    a.num_jobs = static_cast<int>(jobs.size());
+    a.max_job_slots = max_slots;
+    a.num_kv_heads = KV;
+    a.head_dim = D;
+    a.block_size = shape.block_size;
+    a.num_partial_columns = P;
+    a.chunk_rows = chunk_rows;
+    KVFLOW_CUDA_OK(cuda::SkewPartialKeys(a, nullptr));
+    KVFLOW_CUDA_OK(cudaDeviceSynchronize());
+  }
+}
+
 TEST(InfiniGenScore, SkewPartialKeysMatchesCpu) {
   KVFLOW_SKIP_WITHOUT_GPU();
   std::mt19937 rng(1601);
@@ -150,46 +205,12 @@ TEST(InfiniGenScore, SkewPartialKeysMatchesCpu) {
       }
       test::DeviceBuffer dcache(static_cast<size_t>(rows) * P * sizeof(float));
       dcache.Poison();
-      // The cache grows in two launches, as decode steps extend it: positions [0, have), then
-      // [have, n), the second writing from row `have` on.
       std::vector<int> have;
       for (int n : seqs.lengths) have.push_back(std::uniform_int_distribution<int>(0, n)(rng));
-      for (int part = 0; part < 2; ++part) {
-        std::vector<cuda::InfiniGenSkewJob> jobs;
-        std::vector<int64_t> slots;
-        int max_slots = 0;
-        for (size_t s = 0; s < seqs.lengths.size(); ++s) {
-          const int from = part == 0 ? 0 : have[s], to = part == 0 ? have[s] : seqs.lengths[s];
-          for (int h = 0; h < KV; ++h) {
-            cuda::InfiniGenSkewJob job;
-            job.matrix = dmatrices.get<float>() + static_cast<size_t>(h) * D * D;
-            job.columns = dcolumns.get<int32_t>() + static_cast<size_t>(h) * P;
-            job.dst = dcache.get<float>() + cache_row[s * KV + static_cast<size_t>(h)] * P;
-            job.dst_row = from;
-            job.kv_head = h;
-            job.first_slot = static_cast<int32_t>(slots.size());
-            job.num_slots = to - from;
-            for (int pos = from; pos < to; ++pos) slots.push_back(seqs.Slot(s, pos));
-            max_slots = std::max(max_slots, to - from);
-            jobs.push_back(job);
-          }
-        }
-        test::DeviceBuffer djobs = test::DeviceBuffer::From(jobs);
-        test::DeviceBuffer dslots = test::DeviceBuffer::From(slots);
-        cuda::SkewPartialKeysArgs a;
-        a.dtype = t;
-        a.key_cache = dpool.get();
-        a.slots = dslots.get<int64_t>();
-        a.jobs = djobs.get<cuda::InfiniGenSkewJob>();
-        a.num_jobs = static_cast<int>(jobs.size());
-        a.max_job_slots = max_slots;
-        a.num_kv_heads = KV;
-        a.head_dim = D;
-        a.block_size = shape.block_size;
-        a.num_partial_columns = P;
-        KVFLOW_CUDA_OK(cuda::SkewPartialKeys(a, nullptr));
-        KVFLOW_CUDA_OK(cudaDeviceSynchronize());
-      }
+      SkewInTwoLaunches(t, shape, seqs, dpool.get(), dmatrices.get<float>(), dcolumns.get<int32_t>(), have,
+                        [&](size_t s, int h) {
+                          return SkewTarget{dcache.get<float>() + cache_row[s * KV + static_cast<size_t>(h)] * P};
+                        }, 0);
       const std::vector<float> got = dcache.Download<float>();
       Deviation dev;
       for (size_t s = 0; s < seqs.lengths.size(); ++s) {
@@ -410,48 +431,11 @@ TEST(InfiniGenScore, PagedPartialKeyCacheMatchesContiguousRows) {
     std::vector<int> have;
     for (int n : seqs.lengths) have.push_back(std::uniform_int_distribution<int>(0, n)(rng));
     for (int paged = 0; paged < 2; ++paged) {
-      for (int part = 0; part < 2; ++part) {  // grown in two launches, as decode steps extend it
-        std::vector<cuda::InfiniGenSkewJob> jobs;
-        std::vector<int64_t> slots;
-        int max_slots = 0;
-        for (size_t s = 0; s < seqs.lengths.size(); ++s) {
-          const int from = part == 0 ? 0 : have[s], to = part == 0 ? have[s] : seqs.lengths[s];
-          for (int h = 0; h < KV; ++h) {
-            cuda::InfiniGenSkewJob job;
-            job.matrix = dmatrices.get<float>() + static_cast<size_t>(h) * D * D;
-            job.columns = dcolumns.get<int32_t>() + static_cast<size_t>(h) * P;
-            if (paged) {
-              job.dst = dpaged.get<float>() + h * head_pool;
-              job.chunks = dchunks.get<int32_t>() + chunk_first[s];
-            } else {
-              job.dst = dflat.get<float>() + cache_row[s * KV + static_cast<size_t>(h)] * P;
-            }
-            job.dst_row = from;
-            job.kv_head = h;
-            job.first_slot = static_cast<int32_t>(slots.size());
-            job.num_slots = to - from;
-            for (int pos = from; pos < to; ++pos) slots.push_back(seqs.Slot(s, pos));
-            max_slots = std::max(max_slots, to - from);
-            jobs.push_back(job);
-          }
-        }
-        test::DeviceBuffer djobs = test::DeviceBuffer::From(jobs);
-        test::DeviceBuffer dslots = test::DeviceBuffer::From(slots);
-        cuda::SkewPartialKeysArgs a;
-        a.dtype = t;
-        a.key_cache = dpool.get();
-        a.slots = dslots.get<int64_t>();
-        a.jobs = djobs.get<cuda::InfiniGenSkewJob>();
-        a.num_jobs = static_cast<int>(jobs.size());
-        a.max_job_slots = max_slots;
-        a.num_kv_heads = KV;
-        a.head_dim = D;
-        a.block_size = shape.block_size;
-        a.num_partial_columns = P;
-        a.chunk_rows = paged ? kChunkRows : 0;
-        KVFLOW_CUDA_OK(cuda::SkewPartialKeys(a, nullptr));
-        KVFLOW_CUDA_OK(cudaDeviceSynchronize());
-      }
+      SkewInTwoLaunches(t, shape, seqs, dpool.get(), dmatrices.get<float>(), dcolumns.get<int32_t>(), have,
+                        [&](size_t s, int h) {
+                          if (paged) return SkewTarget{dpaged.get<float>() + h * head_pool, dchunks.get<int32_t>() + chunk_first[s]};
+                          return SkewTarget{dflat.get<float>() + cache_row[s * KV + static_cast<size_t>(h)] * P};
+                        }, paged ? kChunkRows : 0);
     }
     const std::vector<float> flat = dflat.Download<float>(), pool = dpaged.Download<float>();
     for (size_t s = 0; s < seqs.lengths.size(); ++s) {
