@@ -1441,6 +1441,113 @@ TEST(CudaEngine, InfiniGenReadsAreTheCpuRulesChoice) {
   test::ExpectInfiniGenReadsFollowTheRule(c, o);
 }
 
+// DeviceKvSpeculation's bad calls: clear errors (wrong skew sizes, calls outside a step or before the
+// set-up, slices, rows, chunks and caps out of range, attention over a speculation never made), and
+// the backend keeps serving: a plain step afterwards gives the same logits as before them.
+TEST(CudaBackend, DeviceSpeculationRefusesBadCallsAndKeepsServing) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  ModelConfig config;
+  LlamaWeights weights = TinyWeights(&config);
+  const int kBlocks = 32, kBlockSize = 16, L = config.num_layers, KV = config.num_kv_heads, D = config.head_dim;
+  CudaBackendOptions o;
+  o.dtype = "fp16";
+  o.block_size = kBlockSize;
+  o.num_kv_blocks = kBlocks;
+  o.max_num_seqs = 4;
+  o.max_num_batched_tokens = 160;
+  o.max_model_len = 256;
+  auto gpu = CreateCudaBackend(config, weights, o).value();
+  auto* device = gpu->As<DeviceKvSpeculation>();
+  ASSERT_NE(device, nullptr);
+  const int P = 8, kChunks = 4;
+  std::mt19937 rng(77);
+  std::vector<float> matrices(static_cast<size_t>(L) * KV * D * D);
+  test::FillNormal(matrices, rng, 0.1f);
+  std::vector<int32_t> columns;
+  for (int i = 0; i < L * KV; ++i) {
+    for (int c = 0; c < P; ++c) columns.push_back(c * 3);
+  }
+  DeviceKvSpeculation::Setup setup;
+  setup.num_partial_columns = P;
+  setup.matrices = std::span<const float>(matrices).first(matrices.size() - 1);
+  setup.columns = columns;
+  setup.num_chunks = kChunks;
+  setup.alpha = 2.0f;
+  EXPECT_EQ(device->SetUpSpeculation(setup).code(), StatusCode::kInvalidArgument);  // one float short
+  setup.matrices = matrices;
+  std::vector<DeviceKvSpeculation::ExtendJob> none;
+  EXPECT_EQ(device->ExtendPartialKeys(1, none).code(), StatusCode::kInternal);  // outside a step
+  ASSERT_TRUE(device->SetUpSpeculation(setup).ok());
+  EXPECT_EQ(device->SetUpSpeculation(setup).code(), StatusCode::kInternal);  // once
+
+  BatchPlanner planner(kBlocks, kBlockSize, 5);
+  ForwardBatch prefill;
+  planner.Add(prefill, 0, RandomTokens(rng, 40, config.vocab_size), LogitsMode::kLast);
+  std::vector<float> unused;
+  ASSERT_TRUE(LlamaModel(*gpu).Forward(prefill, unused).ok());
+  ForwardBatch decode;
+  planner.Add(decode, 0, RandomTokens(rng, 1, config.vocab_size), LogitsMode::kLast);  // context 41
+  std::vector<float> before;
+  ASSERT_TRUE(LlamaModel(*gpu).Forward(decode, before).ok());
+
+  // Inside a step, at layer 0 (after WriteKv): every bad job is refused, naming what.
+  struct Misuse final : LayerHooks {
+    DeviceKvSpeculation* device = nullptr;
+    std::vector<int32_t> chunks = {0, 1}, bad_chunk = {0, 7};
+    std::vector<std::pair<std::string, Status>> seen;
+    Status BeforeAttention(const LayerContext& ctx) override {
+      if (ctx.layer != 0) return Status::Ok();
+      using J = DeviceKvSpeculation;
+      auto extend = [&](int32_t slice, std::span<const int32_t> c, int32_t from, int32_t to) {
+        const J::ExtendJob job{{slice, c}, from, to};
+        return device->ExtendPartialKeys(1, std::span<const J::ExtendJob>(&job, 1));
+      };
+      auto speculate = [&](int32_t slice, std::span<const int32_t> c, int32_t candidates, int32_t cap) {
+        const J::SpeculateJob job{{slice, c}, candidates, cap};
+        return device->Speculate(1, std::span<const J::SpeculateJob>(&job, 1));
+      };
+      seen.push_back({"slice out of the batch", extend(3, chunks, 0, 10)});
+      seen.push_back({"rows past the context", extend(0, chunks, 0, 42)});
+      seen.push_back({"rows past the chunks", extend(0, std::span<const int32_t>(chunks).first(0), 0, 10)});
+      seen.push_back({"a chunk outside the cache", extend(0, bad_chunk, 0, 100)});
+      seen.push_back({"candidates past the cached tokens", speculate(0, chunks, 41, 5)});
+      seen.push_back({"a cap above the candidates", speculate(0, chunks, 40, 41)});
+      seen.push_back({"a cap of 0", speculate(0, chunks, 40, 0)});
+      return Status::Ok();
+    }
+  } misuse;
+  misuse.device = device;
+  std::vector<float> during;
+  ASSERT_TRUE(LlamaModel(*gpu, &misuse).Forward(decode, during).ok());
+  ASSERT_EQ(misuse.seen.size(), 7u);
+  for (const auto& [what, st] : misuse.seen) {
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << what << ": " << st.ToString();
+    std::printf("  %-34s -> %s\n", what.c_str(), st.ToString().c_str());
+  }
+
+  // Attention reading a device speculation that was never made: an error, not a read of stale indices.
+  struct Unmade final : LayerHooks {
+    std::vector<KvHeadSelection> selection;
+    std::span<const KvHeadSelection> AttentionSelection(const LayerContext& ctx) override {
+      return ctx.layer == 1 ? std::span<const KvHeadSelection>(selection) : std::span<const KvHeadSelection>{};
+    }
+  } unmade;
+  unmade.selection.resize(1);
+  unmade.selection[0].per_head = 5;
+  unmade.selection[0].speculated = true;
+  const Status st = LlamaModel(*gpu, &unmade).Forward(decode, during);
+  EXPECT_EQ(st.code(), StatusCode::kInternal) << st.ToString();
+  EXPECT_NE(st.message().find("not made for it"), std::string::npos) << st.ToString();
+
+  // Still serving: the same decode step again gives the same logits.
+  std::vector<float> after;
+  ASSERT_TRUE(LlamaModel(*gpu).Forward(decode, after).ok());
+  EXPECT_EQ(after, before);
+  std::vector<int32_t> counts;
+  EXPECT_TRUE(device->TakeSpeculatedCounts(counts).ok());
+  EXPECT_TRUE(counts.empty()) << "no speculation ran";
+}
+
 // InfiniGen's speculation on the device (the default on CUDA: partial keys, scores and selection in
 // kernels, the selection never crossing to the host) against the host path on the same backend:
 // the same decode steps and selected reads, the same tokens selected but where the device's fp32

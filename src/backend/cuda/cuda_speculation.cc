@@ -12,6 +12,12 @@
 
 namespace kvflow {
 namespace cuda_impl {
+namespace {
+
+// Device memory the partial key cache leaves free (as the memory plan's reserve does).
+constexpr size_t kSpeculationReserveBytes = size_t{512} << 20;
+
+}  // namespace
 
 int64_t CudaBackend::partial_key_chunk_bytes(int num_partial_columns) const {
   return static_cast<int64_t>(config_.num_layers) * config_.num_kv_heads * kPartialKeyChunkRows * num_partial_columns *
@@ -45,7 +51,17 @@ Status CudaBackend::SetUpSpeculation(const Setup& setup) {
   if (!(setup.alpha > 0.0f) || !std::isfinite(setup.alpha)) return Status::InvalidArgument("device speculation: alpha must be > 0");
   KVFLOW_CUDA_RETURN(cudaSetDevice(options_.device));
   const size_t cache_bytes = static_cast<size_t>(setup.num_chunks) * static_cast<size_t>(partial_key_chunk_bytes(P));
-  const Status cache = partial_key_arena_.Allocate(cache_bytes, "InfiniGen's partial key cache");
+  // The cache comes after the memory plan (the skewing file is read after the backend is made):
+  // it may take what is free beyond the plan's reserve for CUDA graphs and cuBLAS, no more.
+  size_t free_bytes = 0, total_bytes = 0;
+  KVFLOW_CUDA_RETURN(cudaMemGetInfo(&free_bytes, &total_bytes));
+  Status cache = Status::Ok();
+  if (cache_bytes + kSpeculationReserveBytes > free_bytes) {
+    cache = Status::OutOfMemory(fmt::format("{:.2f} GiB free, {:.2f} GiB of it kept for CUDA graphs and cuBLAS",
+                                            free_bytes / double(1 << 30), kSpeculationReserveBytes / double(1 << 30)));
+  } else {
+    cache = partial_key_arena_.Allocate(cache_bytes, "InfiniGen's partial key cache");
+  }
   if (!cache.ok()) {
     return Status::ResourceExhausted(fmt::format(
         "InfiniGen's partial key cache on the device: {} chunks of {} tokens ({} layers x {} KV heads x {} fp32 "
