@@ -470,6 +470,69 @@ std::optional<ApiError> ParseCompletionRequest(std::string_view body, Completion
   return FinishCommon(out, stream_options_given, out->echo || out->prompt_logprobs, "'echo' or 'prompt_logprobs'");
 }
 
+std::optional<ApiError> ParseTokenizeRequest(std::string_view body, TokenizeRequest* out) {
+  *out = TokenizeRequest{};
+  Json json;
+  if (auto e = ParseObject(body, &json)) return e;
+  bool has_text = false, has_messages = false, add_special_given = false, generation_prompt = true;
+  std::map<std::string, FieldReader> readers;
+  readers["model"] = String(&out->model);
+  auto text = [&](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (has_text) return InvalidRequest("give one of 'prompt' and 'content'", name);
+    if (!v.is_string()) return WrongType(name, "a string", v);
+    has_text = true;
+    out->text = v.get<std::string>();
+    return std::nullopt;
+  };
+  readers["prompt"] = text;   // vLLM
+  readers["content"] = text;  // llama.cpp
+  readers["messages"] = [&](const std::string&, const Json& v) {
+    has_messages = true;
+    return ReadMessages(v, &out->messages);
+  };
+  auto special = [&](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (!v.is_boolean()) return WrongType(name, "a boolean", v);
+    out->add_special = v.get<bool>();
+    add_special_given = true;
+    return std::nullopt;
+  };
+  readers["add_special_tokens"] = special;  // vLLM
+  readers["add_special"] = special;         // llama.cpp
+  readers["with_pieces"] = Bool(&out->with_pieces);
+  readers["add_generation_prompt"] = Bool(&generation_prompt);
+  if (auto e = ReadFields(json, readers)) return e;
+  if (has_text == has_messages) {
+    return InvalidRequest("give the text to tokenize as 'prompt' (or 'content'), or chat 'messages'", "prompt");
+  }
+  out->chat = has_messages;
+  if (out->chat && !generation_prompt) {
+    return InvalidRequest("'add_generation_prompt': false is not supported: kvflow renders chat templates by family "
+                          "and always opens the assistant's turn",
+                          "add_generation_prompt");
+  }
+  // Each server's default: vLLM adds special tokens to a prompt (not to rendered chat, whose
+  // template has them); llama.cpp adds none unless asked.
+  if (!add_special_given) out->add_special = !out->chat && json.contains("prompt");
+  return std::nullopt;
+}
+
+std::optional<ApiError> ParseDetokenizeRequest(std::string_view body, DetokenizeRequest* out) {
+  *out = DetokenizeRequest{};
+  Json json;
+  if (auto e = ParseObject(body, &json)) return e;
+  bool has_tokens = false;
+  std::map<std::string, FieldReader> readers;
+  readers["model"] = String(&out->model);
+  readers["tokens"] = [&](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (!v.is_array()) return WrongType(name, "an array of integer token ids", v);
+    has_tokens = true;
+    return ReadTokenIds(name, v, &out->tokens);
+  };
+  if (auto e = ReadFields(json, readers)) return e;
+  if (!has_tokens) return InvalidRequest("'tokens' is required", "tokens");
+  return std::nullopt;
+}
+
 std::optional<ApiError> ParseChatRequest(std::string_view body, ChatRequest* out) {
   *out = ChatRequest{};
   Json json;

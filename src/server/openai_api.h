@@ -70,6 +70,26 @@ struct ChatRequest : GenerationRequest {
 std::optional<ApiError> ParseCompletionRequest(std::string_view body, CompletionRequest* out);
 std::optional<ApiError> ParseChatRequest(std::string_view body, ChatRequest* out);
 
+// /tokenize, in vLLM's shapes ({"prompt", "add_special_tokens" (default true)}, or {"messages",
+// "add_generation_prompt", "add_special_tokens" (default false)}) and llama.cpp's ({"content",
+// "add_special" (default false), "with_pieces"}).
+struct TokenizeRequest {
+  std::string model;
+  bool chat = false;
+  std::string text;                   // when !chat
+  std::vector<ChatMessage> messages;  // when chat
+  bool add_special = false;           // the tokenizer's BOS, where it adds one
+  bool with_pieces = false;           // llama.cpp: each token with its text
+};
+std::optional<ApiError> ParseTokenizeRequest(std::string_view body, TokenizeRequest* out);
+
+// /detokenize, both servers' shape: {"tokens": [ids]}.
+struct DetokenizeRequest {
+  std::string model;
+  std::vector<int32_t> tokens;
+};
+std::optional<ApiError> ParseDetokenizeRequest(std::string_view body, DetokenizeRequest* out);
+
 // "stop", "length", "abort" (cancelled) or "error".
 const char* OpenAiFinishReason(FinishReason reason);
 

@@ -10,6 +10,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "model/utf8.h"
+
 namespace kvflow::server {
 namespace {
 
@@ -149,6 +151,10 @@ void OpenAiServer::Handle(const HttpRequest& req, HttpExchange& exchange) {
     exchange.Send(HttpResponse{200, "application/json", R"({"version":"0.1.0"})", {}});
     return;
   }
+  if (path == "/tokenize" || path == "/detokenize") {  // vLLM's and llama.cpp's, outside /v1 as there
+    if (req.method != "POST") return method_not_allowed("POST");
+    return path == "/tokenize" ? HandleTokenize(req, exchange) : HandleDetokenize(req, exchange);
+  }
   if (path.rfind("/v1/", 0) == 0 && !Authorized(req)) {
     ApiError e;
     e.status = 401;
@@ -186,6 +192,65 @@ void OpenAiServer::HandleModels(HttpExchange& exchange) {
              {"root", engine_->config().model},
              {"max_model_len", engine_->config().max_model_len}};
   exchange.Send(HttpResponse{200, "application/json", DumpJson(Json{{"object", "list"}, {"data", Json::array({model})}}), {}});
+}
+
+void OpenAiServer::HandleTokenize(const HttpRequest& req, HttpExchange& exchange) {
+  TokenizeRequest request;
+  if (auto error = ParseTokenizeRequest(req.body, &request)) return SendError(exchange, *error);
+  if (auto error = CheckModel(request.model)) return SendError(exchange, *error);
+  const Tokenizer& tok = engine_->tokenizer();
+  std::string text = request.text;
+  if (request.chat) {
+    if (!chat_family_) return SendError(exchange, InvalidRequest(chat_template_error_, "messages"));
+    text = RenderChat(*chat_family_, chat_template_text_, request.messages);
+  }
+  const std::vector<int32_t> ids = tok.Encode(text, request.add_special && tok.add_bos());
+  Json tokens = Json::array();
+  for (int32_t id : ids) {
+    if (!request.with_pieces) {
+      tokens.push_back(id);
+      continue;
+    }
+    // llama.cpp's pieces: the token's text, or its bytes where they are not valid UTF-8 alone.
+    const std::string piece = tok.DecodeBytes({id}, /*skip_special=*/false);
+    Json entry{{"id", id}};
+    bool valid = true;
+    for (size_t at = 0; at < piece.size() && valid;) {
+      const Utf8Step step = DecodeUtf8(piece, at);
+      valid = step.valid;
+      at += step.len;
+    }
+    if (valid) {
+      entry["piece"] = piece;
+    } else {
+      Json bytes = Json::array();
+      for (unsigned char c : piece) bytes.push_back(static_cast<int>(c));
+      entry["piece"] = std::move(bytes);
+    }
+    tokens.push_back(std::move(entry));
+  }
+  Json out{{"count", ids.size()}, {"max_model_len", engine_->config().max_model_len}, {"tokens", std::move(tokens)}};
+  exchange.Send(HttpResponse{200, "application/json", DumpJson(out), {}});
+}
+
+void OpenAiServer::HandleDetokenize(const HttpRequest& req, HttpExchange& exchange) {
+  DetokenizeRequest request;
+  if (auto error = ParseDetokenizeRequest(req.body, &request)) return SendError(exchange, *error);
+  if (auto error = CheckModel(request.model)) return SendError(exchange, *error);
+  const Tokenizer& tok = engine_->tokenizer();
+  for (size_t i = 0; i < request.tokens.size(); ++i) {
+    const int32_t id = request.tokens[i];
+    if (id < 0 || id >= tok.vocab_size()) {
+      return SendError(exchange, InvalidRequest("tokens[" + std::to_string(i) + "] = " + std::to_string(id) +
+                                                    " is not a token id of this model (vocabulary of " +
+                                                    std::to_string(tok.vocab_size()) + ")",
+                                                "tokens"));
+    }
+  }
+  // Special tokens as text, as both servers return them (HF's decode and llama.cpp's default).
+  const std::string text = tok.Decode(request.tokens, /*skip_special=*/false);
+  // vLLM answers "prompt", llama.cpp "content": both, so either client reads its own.
+  exchange.Send(HttpResponse{200, "application/json", DumpJson(Json{{"prompt", text}, {"content", text}}), {}});
 }
 
 // ---- one generation request, from submission to the last byte ---------------------------------

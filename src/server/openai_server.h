@@ -36,6 +36,8 @@ class OpenAiServer {
   void HandleCompletions(const HttpRequest& req, HttpExchange& exchange);
   void HandleChat(const HttpRequest& req, HttpExchange& exchange);
   void HandleModels(HttpExchange& exchange);
+  void HandleTokenize(const HttpRequest& req, HttpExchange& exchange);
+  void HandleDetokenize(const HttpRequest& req, HttpExchange& exchange);
   bool Authorized(const HttpRequest& req) const;
   void SendError(HttpExchange& exchange, const ApiError& error);
   std::optional<ApiError> CheckModel(const std::string& model) const;

@@ -1,5 +1,5 @@
 // libFuzzer target: every input goes through the HTTP request-head parser and body framing, and
-// through both OpenAI request parsers (with their validation); errors are serialised as the
+// through the OpenAI request parsers and /tokenize's and /detokenize's (with their validation); errors are serialised as the
 // server would send them. Any crash, sanitizer report or hang is a bug. tools/fuzz-server builds
 // and runs it.
 #include <cstddef>
@@ -43,5 +43,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       (void)kvflow::RenderChat(family, "", chat.messages);
     }
   }
+  TokenizeRequest tokenize;
+  if (auto error = ParseTokenizeRequest(input, &tokenize)) (void)error->ToJson();
+  DetokenizeRequest detokenize;
+  if (auto error = ParseDetokenizeRequest(input, &detokenize)) (void)error->ToJson();
   return 0;
 }
