@@ -214,6 +214,19 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndGraphs, CudaBackendLogits,
                                   (std::get<2>(info.param) ? "_biases" : "");
                          });
 
+// The small CUDA backends the tests make: a pool of `blocks` blocks of `block_size` tokens, at most 4
+// sequences of 256 tokens, `step_tokens` tokens a step.
+CudaBackendOptions SmallCudaOptions(const std::string& dtype, int blocks, int block_size, int step_tokens) {
+  CudaBackendOptions o;
+  o.dtype = dtype;
+  o.block_size = block_size;
+  o.num_kv_blocks = blocks;
+  o.max_num_seqs = 4;
+  o.max_num_batched_tokens = step_tokens;
+  o.max_model_len = 256;
+  return o;
+}
+
 // The same weights on the CPU backend and the CUDA backend, each with a pool of `blocks` blocks
 // (at most 4 sequences of 256 tokens, 128 tokens a step).
 std::pair<std::unique_ptr<CpuBackend>, std::unique_ptr<Backend>> CpuAndCudaBackends(const ModelConfig& config,
@@ -221,13 +234,7 @@ std::pair<std::unique_ptr<CpuBackend>, std::unique_ptr<Backend>> CpuAndCudaBacke
                                                                                  cuda::DType dtype, int blocks,
                                                                                  int block_size) {
   KvCacheLayout layout{config.num_layers, blocks, config.num_kv_heads, block_size, config.head_dim};
-  CudaBackendOptions o;
-  o.dtype = cuda::DTypeName(dtype);
-  o.block_size = block_size;
-  o.num_kv_blocks = blocks;
-  o.max_num_seqs = 4;
-  o.max_num_batched_tokens = 128;
-  o.max_model_len = 256;
+  const CudaBackendOptions o = SmallCudaOptions(cuda::DTypeName(dtype), blocks, block_size, 128);
   return {CpuBackend::Create(config, weights, layout, 0, 2).value(), CreateCudaBackend(config, weights, o).value()};
 }
 
@@ -585,13 +592,7 @@ TEST(CudaBackendViews, SlotViewsMatchCpuForDecodeAndPrefill) {
   const int kBlocks = 64, kBlockSize = 16;
   KvCacheLayout layout{config.num_layers, kBlocks, config.num_kv_heads, kBlockSize, config.head_dim};
   auto cpu = CpuBackend::Create(config, weights, layout, 0, 2).value();
-  CudaBackendOptions o;
-  o.dtype = "fp16";
-  o.block_size = kBlockSize;
-  o.num_kv_blocks = kBlocks;
-  o.max_num_seqs = 4;
-  o.max_num_batched_tokens = 160;
-  o.max_model_len = 256;
+  CudaBackendOptions o = SmallCudaOptions("fp16", kBlocks, kBlockSize, 160);
   o.max_gathered_tokens = 90;  // 6 blocks of scratch
   auto gpu = CreateCudaBackend(config, weights, o).value();
   std::mt19937 rng(31);
@@ -723,13 +724,7 @@ TEST(CudaBackend, AttentionOverSelectionMatchesCpu) {
   const int kBlocks = 64, kBlockSize = 16, KV = config.num_kv_heads;
   KvCacheLayout layout{config.num_layers, kBlocks, config.num_kv_heads, kBlockSize, config.head_dim};
   auto cpu = CpuBackend::Create(config, weights, layout, 0, 2).value();
-  CudaBackendOptions o;
-  o.dtype = "fp16";
-  o.block_size = kBlockSize;
-  o.num_kv_blocks = kBlocks;
-  o.max_num_seqs = 4;
-  o.max_num_batched_tokens = 160;
-  o.max_model_len = 256;
+  CudaBackendOptions o = SmallCudaOptions("fp16", kBlocks, kBlockSize, 160);
   auto gpu = CreateCudaBackend(config, weights, o).value();
   std::mt19937 rng(41);
   BatchPlanner planner(kBlocks, kBlockSize, 29);
@@ -1449,13 +1444,7 @@ TEST(CudaBackend, DeviceSpeculationRefusesBadCallsAndKeepsServing) {
   ModelConfig config;
   LlamaWeights weights = TinyWeights(&config);
   const int kBlocks = 32, kBlockSize = 16, L = config.num_layers, KV = config.num_kv_heads, D = config.head_dim;
-  CudaBackendOptions o;
-  o.dtype = "fp16";
-  o.block_size = kBlockSize;
-  o.num_kv_blocks = kBlocks;
-  o.max_num_seqs = 4;
-  o.max_num_batched_tokens = 160;
-  o.max_model_len = 256;
+  CudaBackendOptions o = SmallCudaOptions("fp16", kBlocks, kBlockSize, 160);
   auto gpu = CreateCudaBackend(config, weights, o).value();
   auto* device = gpu->As<DeviceKvSpeculation>();
   ASSERT_NE(device, nullptr);

@@ -112,6 +112,23 @@ SkewHead RandomSkewHead(int head_dim, int num_cols, std::mt19937& rng) {
   return head;
 }
 
+// A layer's kv heads' random skews, and their matrices and columns back to back as the kernels take
+// them ([kv_head][head_dim][head_dim], [kv_head][num_cols]).
+struct RandomSkew {
+  std::vector<SkewHead> heads;
+  std::vector<float> matrices;
+  std::vector<int32_t> columns;
+};
+RandomSkew RandomSkews(int num_kv_heads, int head_dim, int num_cols, std::mt19937& rng) {
+  RandomSkew r;
+  for (int h = 0; h < num_kv_heads; ++h) {
+    r.heads.push_back(RandomSkewHead(head_dim, num_cols, rng));
+    r.matrices.insert(r.matrices.end(), r.heads.back().matrix.begin(), r.heads.back().matrix.end());
+    r.columns.insert(r.columns.end(), r.heads.back().columns.begin(), r.heads.back().columns.end());
+  }
+  return r;
+}
+
 // max |got - ref| and max of that over max(1, |ref|); requires the latter <= bound and finite values.
 struct Deviation {
   double max_abs = 0.0, max_rel = 0.0;
@@ -183,14 +200,7 @@ TEST(InfiniGenScore, SkewPartialKeysMatchesCpu) {
     for (const Shape& shape : kShapes) {
       const int KV = shape.num_kv_heads, D = shape.head_dim, P = shape.num_cols;
       const PagedSequences seqs = MakeSequences(shape, t, SequenceLengths(), rng);
-      std::vector<SkewHead> skew;
-      std::vector<float> matrices;
-      std::vector<int32_t> columns;
-      for (int h = 0; h < KV; ++h) {
-        skew.push_back(RandomSkewHead(D, P, rng));
-        matrices.insert(matrices.end(), skew.back().matrix.begin(), skew.back().matrix.end());
-        columns.insert(columns.end(), skew.back().columns.begin(), skew.back().columns.end());
-      }
+      auto [skew, matrices, columns] = RandomSkews(KV, D, P, rng);
       test::DeviceBuffer dpool = test::DeviceBuffer::From(seqs.key_bytes);
       test::DeviceBuffer dmatrices = test::DeviceBuffer::From(matrices);
       test::DeviceBuffer dcolumns = test::DeviceBuffer::From(columns);
@@ -243,14 +253,7 @@ TEST(InfiniGenScore, SkewPartialQueriesMatchesCpu) {
       std::vector<float> qkv(static_cast<size_t>(rows * stride));
       FillAwayFromZero(qkv, rng, 1.5f);
       const std::vector<uint8_t> qkv_bytes = test::ToDeviceBytes(qkv, t);
-      std::vector<SkewHead> skew;
-      std::vector<float> matrices;
-      std::vector<int32_t> columns;
-      for (int h = 0; h < KV; ++h) {
-        skew.push_back(RandomSkewHead(D, P, rng));
-        matrices.insert(matrices.end(), skew.back().matrix.begin(), skew.back().matrix.end());
-        columns.insert(columns.end(), skew.back().columns.begin(), skew.back().columns.end());
-      }
+      auto [skew, matrices, columns] = RandomSkews(KV, D, P, rng);
       test::DeviceBuffer dqkv = test::DeviceBuffer::From(qkv_bytes);
       test::DeviceBuffer dmatrices = test::DeviceBuffer::From(matrices), dcolumns = test::DeviceBuffer::From(columns);
       test::DeviceBuffer dout(static_cast<size_t>(rows) * H * P * sizeof(float));
@@ -390,13 +393,9 @@ TEST(InfiniGenScore, PagedPartialKeyCacheMatchesContiguousRows) {
   for (const Shape& shape : kShapes) {
     const int KV = shape.num_kv_heads, D = shape.head_dim, P = shape.num_cols;
     const PagedSequences seqs = MakeSequences(shape, t, SequenceLengths(), rng);
-    std::vector<float> matrices;
-    std::vector<int32_t> columns;
-    for (int h = 0; h < KV; ++h) {
-      const SkewHead head = RandomSkewHead(D, P, rng);
-      matrices.insert(matrices.end(), head.matrix.begin(), head.matrix.end());
-      columns.insert(columns.end(), head.columns.begin(), head.columns.end());
-    }
+    const RandomSkew skew = RandomSkews(KV, D, P, rng);
+    const std::vector<float>& matrices = skew.matrices;
+    const std::vector<int32_t>& columns = skew.columns;
     test::DeviceBuffer dpool = test::DeviceBuffer::From(seqs.key_bytes);
     test::DeviceBuffer dmatrices = test::DeviceBuffer::From(matrices);
     test::DeviceBuffer dcolumns = test::DeviceBuffer::From(columns);
@@ -506,14 +505,7 @@ TEST(InfiniGenScore, SkewPartialQueriesRotatesAsApplyRope) {
       RopeFrequencies rope;
       for (int i = 0; i < D / 2; ++i) rope.inv_freq.push_back(std::pow(500000.0f, -2.0f * i / D));
       rope.attention_scale = 1.0f;
-      std::vector<SkewHead> skew;
-      std::vector<float> matrices;
-      std::vector<int32_t> columns;
-      for (int h = 0; h < KV; ++h) {
-        skew.push_back(RandomSkewHead(D, P, rng));
-        matrices.insert(matrices.end(), skew.back().matrix.begin(), skew.back().matrix.end());
-        columns.insert(columns.end(), skew.back().columns.begin(), skew.back().columns.end());
-      }
+      auto [skew, matrices, columns] = RandomSkews(KV, D, P, rng);
       test::DeviceBuffer dqkv = test::DeviceBuffer::From(qkv_bytes);
       test::DeviceBuffer dpicked = test::DeviceBuffer::From(picked), dpositions = test::DeviceBuffer::From(positions);
       test::DeviceBuffer dfreq = test::DeviceBuffer::From(rope.inv_freq);

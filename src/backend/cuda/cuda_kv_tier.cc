@@ -149,6 +149,7 @@ Status CudaBackend::PrefetchKv(int layer, std::span<const KvHeadSelection> selec
   // copy stream's wait below covers them).
   const bool speculated =
       std::any_of(selection.begin(), selection.end(), [](const KvHeadSelection& s) { return s.speculated; });
+  const size_t block_bytes = layout_.block_stride() * cuda::DTypeSize(dtype_);
   const cuda::SelectedKvGatherJob* gather_jobs = nullptr;
   int num_gathers = 0;
   int64_t prefetch_blocks = 0;  // K's, then as many of V's
@@ -162,7 +163,6 @@ Status CudaBackend::PrefetchKv(int layer, std::span<const KvHeadSelection> selec
       table_blocks += (batch_->seqs[i].context_len + bs - 1) / bs;
       ++num_gathers;
     }
-    const size_t block_bytes = layout_.block_stride() * cuda::DTypeSize(dtype_);
     KVFLOW_RETURN_IF_ERROR(GrowScratch(prefetched_selection_[buffer], 2 * static_cast<size_t>(blocks) * block_bytes,
                                        "the prefetched token selections", /*both_streams=*/true));
     const size_t jobs_bytes = AlignUp(static_cast<size_t>(num_gathers) * sizeof(cuda::SelectedKvGatherJob));
@@ -184,7 +184,6 @@ Status CudaBackend::PrefetchKv(int layer, std::span<const KvHeadSelection> selec
   KVFLOW_CUDA_RETURN(cudaStreamWaitEvent(copy_stream_, staging_free_, 0));
   KVFLOW_RETURN_IF_ERROR(StageViews(layer, selection, copy_stream_));
   if (num_gathers > 0) {
-    const size_t block_bytes = layout_.block_stride() * cuda::DTypeSize(dtype_);
     char* key = prefetched_selection_[buffer].base();
     KVFLOW_KERNEL_RETURN(cuda::GatherSelectedKv(dtype_, PoolLayer(0, layer), PoolLayer(1, layer), gather_jobs,
                                                 num_gathers, key, key + static_cast<size_t>(prefetch_blocks) * block_bytes,

@@ -17,6 +17,24 @@ namespace {
 // Device memory the partial key cache leaves free (as the memory plan's reserve does).
 constexpr size_t kSpeculationReserveBytes = size_t{512} << 20;
 
+// The checks every job shares: a slice of the step whose chunks hold `rows` rows.
+Status CheckRows(const DeviceKvSpeculation::PartialKeyRows& r, int64_t rows, const ForwardBatch& batch, int num_chunks,
+                 int chunk_rows) {
+  if (r.slice < 0 || static_cast<size_t>(r.slice) >= batch.seqs.size()) {
+    return Status::InvalidArgument(fmt::format("device speculation: slice {} of a batch of {}", r.slice, batch.seqs.size()));
+  }
+  if (static_cast<int64_t>(r.chunks.size()) * chunk_rows < rows) {
+    return Status::InvalidArgument(fmt::format("device speculation: {} partial key chunks cannot hold {} rows",
+                                               r.chunks.size(), rows));
+  }
+  for (int32_t c : r.chunks) {
+    if (c < 0 || c >= num_chunks) {
+      return Status::InvalidArgument(fmt::format("device speculation: partial key chunk {} of {}", c, num_chunks));
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 int64_t CudaBackend::partial_key_chunk_bytes(int num_partial_columns) const {
@@ -83,28 +101,6 @@ Status CudaBackend::SetUpSpeculation(const Setup& setup) {
   speculation_alpha_ = setup.alpha;
   return Status::Ok();
 }
-
-namespace {
-
-// The checks every job shares: a slice of the step whose chunks hold `rows` rows.
-Status CheckRows(const DeviceKvSpeculation::PartialKeyRows& r, int64_t rows, const ForwardBatch& batch, int num_chunks,
-                 int chunk_rows) {
-  if (r.slice < 0 || static_cast<size_t>(r.slice) >= batch.seqs.size()) {
-    return Status::InvalidArgument(fmt::format("device speculation: slice {} of a batch of {}", r.slice, batch.seqs.size()));
-  }
-  if (static_cast<int64_t>(r.chunks.size()) * chunk_rows < rows) {
-    return Status::InvalidArgument(fmt::format("device speculation: {} partial key chunks cannot hold {} rows",
-                                               r.chunks.size(), rows));
-  }
-  for (int32_t c : r.chunks) {
-    if (c < 0 || c >= num_chunks) {
-      return Status::InvalidArgument(fmt::format("device speculation: partial key chunk {} of {}", c, num_chunks));
-    }
-  }
-  return Status::Ok();
-}
-
-}  // namespace
 
 Status CudaBackend::ExtendPartialKeys(int layer, std::span<const ExtendJob> jobs) {
   if (!in_step_ || batch_ == nullptr) return Status::Internal("partial keys outside a step");
