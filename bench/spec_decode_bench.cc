@@ -19,7 +19,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
-#include "engine/chat_template.h"
+#include "chat_template/chat_template.h"
 #include "bench_files.h"
 #include "kvflow/engine.h"
 #include "util/alpaca.h"
@@ -151,9 +151,14 @@ int main(int argc, char** argv) {
     return 1;
   }
   const kvflow::Tokenizer& tok = plain.value()->tokenizer();
-  auto family = kvflow::DetectChatTemplate(tok.chat_template());
+  // The model's own template, without a BOS text (Encode adds the tokenizer's).
+  auto chat_template = kvflow::ChatTemplate::Create(tok.chat_template(), "", "");
   auto chat = [&](const std::string& user) {
-    return family.ok() ? kvflow::RenderChat(family.value(), tok.chat_template(), {{"user", user}}) : user;
+    if (!chat_template.ok()) return user;
+    kvflow::ChatTemplateInput input;
+    input.messages = nlohmann::ordered_json::array({{{"role", "user"}, {"content", user}}});
+    auto prompt = chat_template->Render(input);
+    return prompt.ok() ? prompt.value() : user;
   };
   struct Task {
     std::string name;

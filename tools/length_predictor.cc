@@ -22,7 +22,7 @@
 #include <spdlog/spdlog.h>
 
 #include "cli/engine_flags.h"
-#include "engine/chat_template.h"
+#include "chat_template/chat_template.h"
 #include "kvflow/engine.h"
 #include "model/tensor_source.h"
 #include "model/tiny_random.h"
@@ -184,15 +184,19 @@ class PromptRenderer {
     PromptRenderer r;
     r.chat_ = chat;
     if (chat) {
-      auto family = kvflow::DetectChatTemplate(tok.chat_template());
-      if (!family.ok()) return Status::Unsupported("--chat: " + family.status().message());
-      r.family_ = family.value();
+      // The model's own template, without a BOS text (Tokens adds the tokenizer's).
+      auto chat_template = kvflow::ChatTemplate::Create(tok.chat_template(), "", "");
+      if (!chat_template.ok()) return Status::Unsupported("--chat: " + chat_template.status().message());
+      r.template_ = std::make_shared<kvflow::ChatTemplate>(std::move(chat_template.value()));
     }
-    r.template_ = tok.chat_template();
     return r;
   }
   std::string Render(const std::string& prompt) const {
-    return chat_ ? kvflow::RenderChat(family_, template_, {{"user", prompt}}) : prompt;
+    if (!chat_) return prompt;
+    kvflow::ChatTemplateInput input;
+    input.messages = nlohmann::ordered_json::array({{{"role", "user"}, {"content", prompt}}});
+    auto rendered = template_->Render(input);
+    return rendered.ok() ? rendered.value() : prompt;
   }
   std::vector<int32_t> Tokens(const kvflow::Tokenizer& tok, const std::string& prompt) const {
     return tok.Encode(Render(prompt), tok.add_bos());
@@ -200,8 +204,7 @@ class PromptRenderer {
 
  private:
   bool chat_ = false;
-  kvflow::ChatTemplateFamily family_ = kvflow::ChatTemplateFamily::kChatMl;
-  std::string template_;
+  std::shared_ptr<kvflow::ChatTemplate> template_;
 };
 
 struct Labelled {

@@ -11,6 +11,32 @@
 
 namespace kvflow {
 
+// Structured output (grammar-constrained decoding, through xgrammar): at every position only the
+// tokens that keep the output a prefix of the constraint's language may be sampled, and once the
+// output is complete only EOS. A kvflow built without xgrammar refuses such a request
+// (tools/install-deps fetches it). An invalid spec is refused when the request is added.
+struct StructuredOutput {
+  enum class Kind {
+    kJsonObject,     // any JSON object or array (OpenAI's json_object); `spec` is ignored
+    kJsonSchema,     // `spec`: a JSON Schema (OpenAI's json_schema.schema)
+    kRegex,          // `spec`: a regular expression the whole output matches
+    kChoice,         // `spec`: a JSON array of strings; the output is exactly one of them
+    kGrammar,        // `spec`: an EBNF grammar in xgrammar's (GBNF-like) dialect, root rule `root`
+    kStructuralTag,  // `spec`: an xgrammar structural tag (JSON), e.g. for tool calls
+  };
+  Kind kind = Kind::kJsonObject;
+  std::string spec;
+  // kJsonSchema: objects take no properties and arrays no items beyond those the schema names
+  // unless it allows them (OpenAI's strict); false: JSON Schema's defaults (anything extra allowed).
+  bool strict = true;
+  // JSON kinds: any whitespace between JSON tokens (true); false: compact JSON (", " and ": "
+  // separators, no newlines), which keeps a weak model from emitting whitespace forever.
+  bool any_whitespace = true;
+};
+
+// "json_object", "json_schema", "regex", "choice", "grammar", "structural_tag".
+const char* StructuredOutputKindName(StructuredOutput::Kind kind);
+
 struct SamplingParams {
   // 0 means greedy (argmax); otherwise logits are divided by it before top-k/top-p/min-p.
   float temperature = 1.0f;
@@ -32,6 +58,9 @@ struct SamplingParams {
   // bans the token in practice, +100 all but forces it.
   std::vector<std::pair<int32_t, float>> logit_bias;
   std::vector<std::string> stop;  // stop strings; the matched text is not included in the output
+  // vLLM's: special tokens are left out of the output text (true) or written (false; tool-call
+  // markers such as Mistral's [TOOL_CALLS] are special tokens, and their parsers need them).
+  bool skip_special_tokens = true;
   bool ignore_eos = false;
   int logprobs = 0;  // return this many top alternatives per token (0: only the chosen token's)
   // vLLM's prompt_logprobs: when set, the logprob of every prompt token after the first (given the
@@ -53,6 +82,9 @@ struct SamplingParams {
   // needs temperature 0; scores are cumulative logprob / length^length_penalty (vLLM/HF).
   bool use_beam_search = false;
   float length_penalty = 1.0f;
+  // Constrains the output to a JSON schema, regex, choice or grammar (StructuredOutput); unset:
+  // free text.
+  std::optional<StructuredOutput> structured_output;
 
   bool greedy() const { return temperature <= 0.0f; }
   int num_candidates() const { return best_of.value_or(n); }

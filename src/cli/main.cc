@@ -19,7 +19,8 @@
 #include "cli/prefill_bench.h"
 #include "kv_runahead/prompt_prefill_service.h"
 #include "distributed/world.h"
-#include "engine/chat_template.h"
+#include "chat_template/chat_template.h"
+#include "cli/chat_template_command.h"
 #include "backend/backend_factory.h"
 #include "eval/perplexity.h"
 #include "infinigen/calibration.h"
@@ -59,13 +60,33 @@ int RunGenerate(GenerateOptions& opt) {
   auto& engine = *engine_or.value();
   std::string prompt = opt.prompt;
   if (opt.chat) {
-    const std::string& tmpl = opt.chat_template.empty() ? engine.tokenizer().chat_template() : opt.chat_template;
-    auto family = kvflow::DetectChatTemplate(tmpl);
-    if (!family.ok()) {
-      spdlog::error("--chat: {}", family.status().ToString());
+    const kvflow::Tokenizer& tok = engine.tokenizer();
+    std::string source = tok.chat_template();
+    if (!opt.chat_template.empty()) {
+      auto read = kvflow::ChatTemplate::ReadSource(opt.chat_template);
+      if (!read.ok()) {
+        spdlog::error("--chat-template: {}", read.status().ToString());
+        return 1;
+      }
+      source = read.value();
+    }
+    if (source.empty()) {
+      spdlog::error("--chat: the model has no chat template; give one with --chat-template");
       return 1;
     }
-    prompt = kvflow::RenderChat(family.value(), tmpl, {{"user", opt.prompt}});
+    auto special_text = [&](int32_t id) { return id >= 0 ? tok.DecodeBytes({id}, false) : std::string(); };
+    auto chat_template = kvflow::ChatTemplate::Create(source, special_text(tok.bos_id()), special_text(tok.eos_id()));
+    kvflow::ChatTemplateInput input;
+    input.messages = nlohmann::ordered_json::array({{{"role", "user"}, {"content", opt.prompt}}});
+    auto rendered = chat_template.ok() ? chat_template->Render(input) : kvflow::Result<std::string>(chat_template.status());
+    if (!rendered.ok()) {
+      spdlog::error("--chat: {}", rendered.status().ToString());
+      return 1;
+    }
+    prompt = rendered.value();
+    // Generate adds the tokenizer's BOS; one the template wrote is dropped so it is not doubled.
+    const std::string bos = special_text(tok.bos_id());
+    if (tok.add_bos() && !bos.empty() && prompt.rfind(bos, 0) == 0) prompt.erase(0, bos.size());
   }
 
   const auto start = Clock::now();
@@ -395,10 +416,13 @@ int RunInfo(const std::string& model) {
     const kvflow::Tokenizer& tok = *files->tokenizer;
     std::printf("tokenizer: byte-level BPE, %d tokens, bos %d, eos %d, add_bos %s\n", tok.vocab_size(), tok.bos_id(),
                 tok.eos_id(), tok.add_bos() ? "yes" : "no");
-    auto family = kvflow::DetectChatTemplate(tok.chat_template());
-    std::printf("chat template: %s\n",
-                family.ok() ? (family.value() == kvflow::ChatTemplateFamily::kChatMl ? "chatml" : "llama3")
-                            : family.status().message().c_str());
+    if (tok.chat_template().empty()) {
+      std::printf("chat template: none\n");
+    } else {
+      auto parsed = kvflow::ChatTemplate::Create(tok.chat_template(), "", "");
+      std::printf("chat template: %zu bytes of Jinja, %s\n", tok.chat_template().size(),
+                  parsed.ok() ? "parses" : parsed.status().message().c_str());
+    }
   } else {
     std::printf("tokenizer: none found\n");
   }
@@ -415,6 +439,7 @@ int main(int argc, char** argv) {
       "  kvflow bench --model smollm2-135m --depth 0,1024,4096 --decode-tokens 64\n"
       "  kvflow skew --model smollm2-135m --file wiki.valid.raw   (InfiniGen's skewing file, once)\n"
       "  kvflow perplexity --model smollm2-135m --file wiki.test.raw --kv-selection infinigen --token-by-token\n"
+      "  kvflow chat-template --model smollm2-135m --messages '[{\"role\": \"user\", \"content\": \"Hi\"}]'\n"
       "  kvflow info --model smollm2-135m\n\n"
       "Models: a .gguf file, a .safetensors file or HF directory, or a short name: tiny-random\n"
       "(built in, random weights) or smollm2-135m (run tools/fetch-model first). With --device cuda,\n"
@@ -429,7 +454,8 @@ int main(int argc, char** argv) {
   CLI::App* generate = app.add_subcommand("generate", "Generate text from a prompt, streaming it to stdout");
   generate->add_option("-p,--prompt", gen.prompt, "Prompt text")->required();
   generate->add_flag("--chat", gen.chat, "Wrap the prompt as a user message in the model's chat template");
-  generate->add_option("--chat-template", gen.chat_template, "Override the chat template: chatml or llama3");
+  generate->add_option("--chat-template", gen.chat_template,
+                       "Override the chat template: chatml, llama3, or a file (Jinja, or a tokenizer_config.json)");
   generate->add_option("-n,--max-tokens", gen.sampling.max_tokens, "Tokens to generate at most")->default_val(128);
   generate->add_option("--min-tokens", gen.sampling.min_tokens, "Tokens to generate before EOS/stop may end it");
   generate->add_option("-t,--temperature", gen.sampling.temperature, "0 = greedy")->default_val(0.7);
@@ -535,6 +561,9 @@ int main(int argc, char** argv) {
   double prefill_swap_gib = 0.0;
   kvflow::AddEngineFlags(prefill_bench, &prefill_opt.engine, &prefill_swap_gib);
 
+  kvflow::ChatTemplateCommandOptions chat_template_opt;
+  CLI::App* chat_template_cmd = kvflow::AddChatTemplateCommand(app, &chat_template_opt);
+
   std::string info_model = "smollm2-135m";
   CLI::App* info = app.add_subcommand("info", "Print a model's configuration and tokenizer");
   info->add_option("-m,--model", info_model, "Model path or short name")->default_val("smollm2-135m");
@@ -553,6 +582,7 @@ int main(int argc, char** argv) {
     return RunPerplexity(ppl);
   }
   if (*skew) return RunSkew(skew_opt);
+  if (*chat_template_cmd) return kvflow::RunChatTemplateCommand(chat_template_opt);
   if (*prefill_bench) return kvflow::RunPrefillBench(prefill_opt);
   if (*bench) {
     kvflow::ApplySwapSpace(&bench_opt.engine, bench_swap_gib);

@@ -36,21 +36,34 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
+// The tokens that end a sequence: the model's, then the tokenizer's.
+std::vector<int32_t> EosTokenIds(const ModelConfig& model, const Tokenizer& tokenizer) {
+  std::vector<int32_t> eos(model.eos_token_ids.begin(), model.eos_token_ids.end());
+  if (tokenizer.eos_id() >= 0) eos.push_back(tokenizer.eos_id());
+  return eos;
+}
+
 // What the core needs to know of the engine's configuration and model.
 EngineCoreConfig CoreConfig(const EngineConfig& c, const ModelConfig& model, const Tokenizer& tokenizer,
                             int num_device_blocks, int num_host_blocks, PreemptionMode preemption, Drafter* drafter,
-                            KvSelector* kv_selector) {
+                            KvSelector* kv_selector, std::vector<const LogitsProcessor*> logits_processors) {
   EngineCoreConfig core;
   core.scheduler = SchedulerConfig{c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, preemption};
   core.blocks = BlockManagerConfig{c.block_size, num_device_blocks, num_host_blocks, c.enable_prefix_caching};
   core.vocab_size = model.vocab_size;
-  core.eos_token_ids.assign(model.eos_token_ids.begin(), model.eos_token_ids.end());
-  if (tokenizer.eos_id() >= 0) core.eos_token_ids.push_back(tokenizer.eos_id());
+  core.eos_token_ids = EosTokenIds(model, tokenizer);
   core.seed = c.seed;
   core.drafter = drafter;
   core.kv_selector = kv_selector;
   core.kv_selection_default = c.kv_selection.apply_by_default;
+  core.logits_processors = std::move(logits_processors);
   return core;
+}
+
+std::vector<const LogitsProcessor*> Pointers(const std::vector<std::unique_ptr<LogitsProcessor>>& owned) {
+  std::vector<const LogitsProcessor*> out;
+  for (const auto& p : owned) out.push_back(p.get());
+  return out;
 }
 
 // The public Engine API over the core, the model executor and the backend.
@@ -66,6 +79,8 @@ class EngineImpl final : public EvaluationEngine {
     // blocks at the end of the backend's host pool they keep.
     std::vector<std::unique_ptr<KvConnector>> kv_connectors;
     int connector_host_blocks = 0;
+    // Every registered logits processor (structured output), after the core's built-in ones.
+    std::vector<std::unique_ptr<LogitsProcessor>> logits_processors;
   };
 
   EngineImpl(EngineConfig config, ModelFiles files, std::unique_ptr<Backend> backend, Systems systems,
@@ -80,10 +95,11 @@ class EngineImpl final : public EvaluationEngine {
         drafter_(std::move(systems.drafter)),
         kv_selector_(std::move(systems.kv_selector)),
         kv_connectors_(std::move(systems.kv_connectors)),
+        logits_processors_(std::move(systems.logits_processors)),
         core_(CoreConfig(config_, model_config_, *tokenizer_,
                          backend_->kv_layout().num_blocks - systems.drafter_scratch_blocks,
                          backend_->num_host_blocks() - systems.connector_host_blocks, preemption, drafter_.get(),
-                         kv_selector_.get()),
+                         kv_selector_.get(), Pointers(logits_processors_)),
               std::move(policy), std::move(supervisor), tokenizer_.get()),
         executor_(*backend_, core_.block_manager()) {
     if (draft_backend_) executor_.AddFollower(*draft_backend_);
@@ -222,6 +238,7 @@ class EngineImpl final : public EvaluationEngine {
   std::unique_ptr<Drafter> drafter_;
   std::unique_ptr<KvSelector> kv_selector_;
   std::vector<std::unique_ptr<KvConnector>> kv_connectors_;
+  std::vector<std::unique_ptr<LogitsProcessor>> logits_processors_;  // the core's systems' processors
   EngineCore core_;
   ModelExecutor executor_;
 };
@@ -331,6 +348,11 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
     // other connectors (a prompt cached in a tier is loaded, not recomputed across ranks).
     systems.kv_connectors.push_back(std::make_unique<PromptPrefillConnector>(
         std::move(prompt_prefiller), *backend, config.block_size, config.max_num_batched_tokens));
+  }
+  const std::vector<int32_t> eos = EosTokenIds(mc, *files.tokenizer);
+  for (const LogitsProcessorPlugin& p : registry.LogitsProcessors()) {
+    KVFLOW_ASSIGN_OR_RETURN(auto processor, p.create(LogitsProcessorContext{config, mc, *files.tokenizer, eos}));
+    systems.logits_processors.push_back(std::move(processor));
   }
   auto engine = std::make_unique<EngineImpl>(config, std::move(files), std::move(backend), std::move(systems),
                                              std::move(policy.policy), preemption, std::move(policy.supervisor),

@@ -20,6 +20,7 @@ EngineCore::EngineCore(const EngineCoreConfig& config, std::unique_ptr<Schedulin
       seed_rng_(config_.seed) {
   logits_processors_.Add(MakeMinTokensProcessor(config_.eos_token_ids));
   logits_processors_.Add(MakeLogitBiasProcessor());
+  for (const LogitsProcessor* p : config_.logits_processors) logits_processors_.Add(p);
 }
 
 // ---- requests -------------------------------------------------------------------------------------
@@ -30,6 +31,12 @@ Status EngineCore::ValidateRequest(const std::vector<int32_t>& prompt, const Sam
   if (params.num_candidates() > config_.scheduler.max_num_seqs) {
     return Status::InvalidArgument("best_of/n of " + std::to_string(params.num_candidates()) +
                                    " exceeds max_num_seqs (" + std::to_string(config_.scheduler.max_num_seqs) + ")");
+  }
+  if (params.structured_output && !logits_processors_.HandlesStructuredOutput()) {
+    return Status::Unsupported("structured output (" +
+                               std::string(StructuredOutputKindName(params.structured_output->kind)) +
+                               ") needs the structured-output logits processor, which this engine was built without "
+                               "(Engine::Create adds it)");
   }
   if (config_.vocab_size > 0) {
     KVFLOW_RETURN_IF_ERROR(logits_processors_.Validate(params, config_.vocab_size));
@@ -157,7 +164,7 @@ Result<StepResult> EngineCore::StepInner(Executor& executor) {
       SeqState* st = req.Find(s.seq);
       const SamplingParams& p = req.params;
       DeviceSampleRow row;
-      row.constraint = Constrain(p, st->prompt(), st->output(), step_constraints_[row_index++]);
+      row.constraint = Constrain(p, *st, st->output(), step_constraints_[row_index++]);
       row.params = &req.params;
       row.uniform = p.greedy() ? 0.0 : st->sampler.NextUniform();
       row.prompt = st->prompt();
@@ -242,7 +249,8 @@ bool EngineCore::ExecutorMaySample(const Executor& executor, const SchedulerOutp
     if (!s.needs_logits) continue;
     const RequestState& req = *requests_.at(s.group->request_id);
     if (!req.strategy->ExecutorMaySample() || req.params.logprobs > kMaxDeviceTopLogprobs ||
-        req.params.max_tokens == 0 || (!req.params.logit_bias.empty() && !executor.AppliesTokenMasks())) {
+        req.params.max_tokens == 0 ||
+        ((!req.params.logit_bias.empty() || req.params.structured_output) && !executor.AppliesTokenMasks())) {
       return false;
     }
   }
@@ -345,6 +353,7 @@ Status EngineCore::CommitDrafts(RequestState& req, SeqState& seq, const Schedule
 
 SeqState& EngineCore::Fork(RequestState& req, const SeqState& parent, int index, uint64_t seed) {
   SchedSequence* child = scheduler_.Fork(*req.group, *parent.seq);
+  logits_processors_.Fork(parent.seq->id, child->id);
   req.seqs.push_back(std::make_unique<SeqState>(child, index, req.params, seed, tokenizer_));
   return *req.seqs.back();
 }
@@ -398,6 +407,7 @@ void EngineCore::FinishSequence(SeqState& seq, FinishReason why) {
   seq.finish = why;
   if (config_.drafter) config_.drafter->Forget(seq.seq->id);
   if (config_.kv_selector) config_.kv_selector->Forget(seq.seq->id);
+  logits_processors_.Forget(seq.seq->id);
   scheduler_.FinishSequence(*seq.seq);
 }
 
@@ -414,9 +424,10 @@ bool EngineCore::ReachedLength(const SamplingParams& p, const SchedSequence& seq
   return seq.output_len() >= p.max_tokens || seq.num_tokens() >= config_.scheduler.max_model_len;
 }
 
-const TokenConstraint* EngineCore::Constrain(const SamplingParams& p, std::span<const int32_t> prompt,
+const TokenConstraint* EngineCore::Constrain(const SamplingParams& p, const SeqState& seq,
                                              std::span<const int32_t> output, TokenConstraint& constraint) const {
-  return logits_processors_.Constrain({p, prompt, output, config_.vocab_size}, constraint) ? &constraint : nullptr;
+  const LogitsContext ctx{p, seq.prompt(), output, config_.vocab_size, static_cast<uint64_t>(seq.seq->id)};
+  return logits_processors_.Constrain(ctx, constraint) ? &constraint : nullptr;
 }
 
 std::string EngineCore::Decode(const std::vector<int32_t>& tokens) const {
@@ -463,6 +474,7 @@ void EngineCore::FailRequest(RequestId id, const Status& error, bool in_schedule
   for (const auto& st : req->seqs) {
     if (config_.drafter) config_.drafter->Forget(st->seq->id);
     if (config_.kv_selector) config_.kv_selector->Forget(st->seq->id);
+    logits_processors_.Forget(st->seq->id);
   }
   if (in_scheduler) scheduler_.RemoveGroup(id);
   requests_.erase(it);
@@ -473,6 +485,7 @@ void EngineCore::Forget(RequestId id) {
     for (const auto& st : it->second->seqs) {
       if (config_.drafter) config_.drafter->Forget(st->seq->id);
       if (config_.kv_selector) config_.kv_selector->Forget(st->seq->id);
+      logits_processors_.Forget(st->seq->id);
     }
   }
   scheduler_.RemoveGroup(id);

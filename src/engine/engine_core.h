@@ -48,6 +48,9 @@ struct EngineCoreConfig {
   // unless SamplingParams::kv_selection says otherwise (kv_selection_default). Not owned.
   KvSelector* kv_selector = nullptr;
   bool kv_selection_default = true;
+  // Logits processors of the systems (structured output), applied after the built-in ones
+  // (engine/logits_processor.h). Not owned; they must outlive the core.
+  std::vector<const LogitsProcessor*> logits_processors;
 };
 
 // Watches the core from outside (the serving simulator's measurements).
@@ -109,10 +112,11 @@ class EngineCore {
   bool IsEos(const SamplingParams& p, int32_t token) const;
   static bool IsStopToken(const SamplingParams& p, int32_t token);
   bool ReachedLength(const SamplingParams& p, const SchedSequence& seq) const;
-  // What a sequence may sample after `output` (engine/logits_processor.h), filled into
-  // `constraint`; null when nothing constrains it.
-  const TokenConstraint* Constrain(const SamplingParams& p, std::span<const int32_t> prompt,
-                                   std::span<const int32_t> output, TokenConstraint& constraint) const;
+  // What `seq` may sample after `output` (its output, or under speculative verification its output
+  // and the drafts kept so far; engine/logits_processor.h), filled into `constraint`; null when
+  // nothing constrains it.
+  const TokenConstraint* Constrain(const SamplingParams& p, const SeqState& seq, std::span<const int32_t> output,
+                                   TokenConstraint& constraint) const;
   // Text of `tokens` (empty without a tokenizer).
   std::string Decode(const std::vector<int32_t>& tokens) const;
   // After a speculative sequence's tokens were appended (AppendTokens): counts the drafts and, if

@@ -15,6 +15,21 @@ bool LogitsProcessors::Constrain(const LogitsContext& ctx, TokenConstraint& cons
   return !constraint.empty();
 }
 
+bool LogitsProcessors::HandlesStructuredOutput() const {
+  for (const auto& p : processors_) {
+    if (p->HandlesStructuredOutput()) return true;
+  }
+  return false;
+}
+
+void LogitsProcessors::Fork(uint64_t parent_key, uint64_t child_key) const {
+  for (const auto& p : processors_) p->Fork(parent_key, child_key);
+}
+
+void LogitsProcessors::Forget(uint64_t sequence_key) const {
+  for (const auto& p : processors_) p->Forget(sequence_key);
+}
+
 namespace {
 
 class MinTokensProcessor final : public LogitsProcessor {

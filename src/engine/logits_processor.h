@@ -5,7 +5,9 @@
 // position after a rejected draft is never asked about, and a rolled-back position is asked again.
 // The CPU sampler applies the constraint, and so does the CUDA sampling kernel (device sampling).
 // Built in, in this order: min_tokens (EOS and stop tokens banned until min_tokens were generated)
-// and logit_bias (OpenAI's). Structured output plugs in here.
+// and logit_bias (OpenAI's). Structured output (src/structured_output, registered as a system)
+// plugs in after them; it keeps state per sequence (LogitsContext::sequence_key), which the engine
+// forks with the sequence (Fork) and drops when the sequence ends (Forget).
 #pragma once
 
 #include <cstdint>
@@ -24,6 +26,9 @@ struct LogitsContext {
   std::span<const int32_t> prompt;
   std::span<const int32_t> output;  // generated before this position
   int64_t vocab_size = 0;
+  // The sequence asked about (its scheduler SeqId): unique in the engine for the sequence's life,
+  // so a processor may keep state per sequence (parallel samples and beams each have their own).
+  uint64_t sequence_key = 0;
 };
 
 class LogitsProcessor {
@@ -33,21 +38,39 @@ class LogitsProcessor {
   // Refuses what a request asks of this processor that it cannot do (checked before the request
   // is queued).
   virtual Status Validate(const SamplingParams& params, int64_t vocab_size) const { return Status::Ok(); }
-  // Narrows `constraint` for the position after ctx.output.
+  // Narrows `constraint` for the position after ctx.output. Called on the engine's thread; a
+  // position may be asked about again, and the output may shrink (a rejected draft) or change.
   virtual void Constrain(const LogitsContext& ctx, TokenConstraint& constraint) const = 0;
+  // Whether it implements SamplingParams::structured_output (the engine refuses such a request
+  // when none does).
+  virtual bool HandlesStructuredOutput() const { return false; }
+  // Sequence `child` starts as a copy of `parent` (parallel sampling, beam search): per-sequence
+  // state may be copied rather than rebuilt.
+  virtual void Fork(uint64_t parent_key, uint64_t child_key) const {}
+  // The sequence ended (finished, failed or cancelled): drop what is kept for it.
+  virtual void Forget(uint64_t sequence_key) const {}
 };
 
 // The engine's processors, applied in order.
 class LogitsProcessors {
  public:
-  void Add(std::unique_ptr<LogitsProcessor> processor) { processors_.push_back(std::move(processor)); }
+  void Add(std::unique_ptr<LogitsProcessor> processor) {
+    processors_.push_back(processor.get());
+    owned_.push_back(std::move(processor));
+  }
+  // A processor owned elsewhere (a system's); it must outlive this.
+  void Add(const LogitsProcessor* processor) { processors_.push_back(processor); }
   Status Validate(const SamplingParams& params, int64_t vocab_size) const;
   // Clears `constraint` and lets every processor narrow it; false when nothing constrains the
   // position (the sampler's fast path).
   bool Constrain(const LogitsContext& ctx, TokenConstraint& constraint) const;
+  bool HandlesStructuredOutput() const;
+  void Fork(uint64_t parent_key, uint64_t child_key) const;
+  void Forget(uint64_t sequence_key) const;
 
  private:
-  std::vector<std::unique_ptr<LogitsProcessor>> processors_;
+  std::vector<std::unique_ptr<LogitsProcessor>> owned_;
+  std::vector<const LogitsProcessor*> processors_;
 };
 
 // EOS (`eos_token_ids`, unless ignore_eos) and stop token ids are banned until min_tokens tokens

@@ -22,7 +22,7 @@ struct SeqState {
   // Without a tokenizer there is no text (and no stop strings).
   SeqState(SchedSequence* seq, int index, const SamplingParams& params, uint64_t seed, const Tokenizer* tokenizer)
       : seq(seq), index(index), sampler(params, seed), stop(params.stop) {
-    if (tokenizer) decoder.emplace(*tokenizer);
+    if (tokenizer) decoder.emplace(*tokenizer, params.skip_special_tokens);
   }
 
   std::span<const int32_t> prompt() const {

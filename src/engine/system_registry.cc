@@ -65,6 +65,11 @@ Status SystemRegistry::Register(SchedulingPolicyPlugin plugin) {
   return AddUnique(policies_, std::move(plugin), "scheduling_policy");
 }
 
+Status SystemRegistry::Register(LogitsProcessorPlugin plugin) {
+  if (!plugin.create) return Status::InvalidArgument("logits_processor " + plugin.info.name + " needs a create()");
+  return AddUnique(logits_processors_, std::move(plugin), "logits_processor");
+}
+
 Result<const SchedulingPolicyPlugin*> SystemRegistry::Policy(const std::string& name) const {
   for (const SchedulingPolicyPlugin& p : policies_) {
     if (p.info.name == name) return &p;
@@ -161,6 +166,7 @@ std::vector<SystemMetric> SystemRegistry::Metrics(const EngineStats& stats) cons
   add(prefillers_);
   add(kv_connectors_);
   add(policies_);
+  add(logits_processors_);
   return metrics;
 }
 

@@ -11,6 +11,8 @@
 //   scheduling_policy  scheduling_policy  (sched/policy.h; S3 adds its length supervisor)
 //   kv_connector  its own switch: kv_offload.enabled ("kv_offload"), host_prefix_cache
 //                 ("host_prefix_cache")     (engine/kv_connector.h)
+//   logits_processor  always on; a request's SamplingParams turn it on (structured output)
+//                 (engine/logits_processor.h)
 #pragma once
 
 #include <functional>
@@ -24,6 +26,7 @@
 #include "engine/evaluation.h"
 #include "engine/kv_connector.h"
 #include "engine/kv_selector.h"
+#include "engine/logits_processor.h"
 #include "engine/prompt_prefiller.h"
 #include "kvflow/config.h"
 #include "kvflow/engine_config.h"
@@ -164,6 +167,20 @@ struct KvConnectorPlugin {
   std::function<Result<std::unique_ptr<KvConnector>>(const KvConnectorContext&)> create;
 };
 
+struct LogitsProcessorContext {
+  const EngineConfig& config;
+  const ModelConfig& model;
+  const Tokenizer& tokenizer;
+  std::span<const int32_t> eos_token_ids;  // the model's, then the tokenizer's
+};
+
+// A logits processor every engine runs after the built-in ones; requests turn it on through their
+// SamplingParams (it constrains nothing otherwise).
+struct LogitsProcessorPlugin {
+  SystemInfo info;
+  std::function<Result<std::unique_ptr<LogitsProcessor>>(const LogitsProcessorContext&)> create;
+};
+
 class SystemRegistry {
  public:
   Status Register(DrafterPlugin plugin);
@@ -171,6 +188,7 @@ class SystemRegistry {
   Status Register(PrefillerPlugin plugin);
   Status Register(KvConnectorPlugin plugin);
   Status Register(SchedulingPolicyPlugin plugin);
+  Status Register(LogitsProcessorPlugin plugin);
 
   // The system of that kind and name, or an error listing the registered names.
   Result<const DrafterPlugin*> Drafter(const std::string& name) const;
@@ -179,6 +197,8 @@ class SystemRegistry {
   Result<const SchedulingPolicyPlugin*> Policy(const std::string& name) const;
   // The connectors `config` turns on, in registration order.
   std::vector<const KvConnectorPlugin*> ActiveKvConnectors(const EngineConfig& config) const;
+  // Every registered logits processor, in registration order (each engine makes one of each).
+  const std::vector<LogitsProcessorPlugin>& LogitsProcessors() const { return logits_processors_; }
 
   // The systems `config` names, completed (each system's `complete`), validated and checked
   // against each other's exclusions.
@@ -196,6 +216,7 @@ class SystemRegistry {
   std::vector<PrefillerPlugin> prefillers_;
   std::vector<KvConnectorPlugin> kv_connectors_;
   std::vector<SchedulingPolicyPlugin> policies_;
+  std::vector<LogitsProcessorPlugin> logits_processors_;
 };
 
 }  // namespace kvflow

@@ -20,6 +20,18 @@ Status OutOfRange(const char* field, const char* allowed, T value) {
 
 }  // namespace
 
+const char* StructuredOutputKindName(StructuredOutput::Kind kind) {
+  switch (kind) {
+    case StructuredOutput::Kind::kJsonObject: return "json_object";
+    case StructuredOutput::Kind::kJsonSchema: return "json_schema";
+    case StructuredOutput::Kind::kRegex: return "regex";
+    case StructuredOutput::Kind::kChoice: return "choice";
+    case StructuredOutput::Kind::kGrammar: return "grammar";
+    case StructuredOutput::Kind::kStructuralTag: return "structural_tag";
+  }
+  return "unknown";
+}
+
 Status SamplingParams::Validate() const {
   // Comparisons are written so that NaN fails them.
   if (!(temperature >= 0.0f && std::isfinite(temperature))) {
@@ -65,6 +77,19 @@ Status SamplingParams::Validate() const {
     if (!(bias >= -100.0f && bias <= 100.0f)) {
       return Status::InvalidArgument("logit_bias must be in [-100, 100], got " + std::to_string(bias) + " for token " +
                                      std::to_string(token));
+    }
+  }
+  if (structured_output) {
+    const StructuredOutput& so = *structured_output;
+    const char* kind = StructuredOutputKindName(so.kind);
+    if (std::string(kind) == "unknown") return Status::InvalidArgument("structured_output has an unknown kind");
+    if (so.kind != StructuredOutput::Kind::kJsonObject && so.spec.empty()) {
+      return Status::InvalidArgument(std::string("structured_output ") + kind + " needs a spec");
+    }
+    constexpr size_t kMaxSpecBytes = size_t{1} << 20;
+    if (so.spec.size() > kMaxSpecBytes) {
+      return Status::InvalidArgument(std::string("structured_output ") + kind + " spec has " +
+                                     std::to_string(so.spec.size()) + " bytes; at most 1 MiB");
     }
   }
   for (size_t i = 0; i < stop.size(); ++i) {

@@ -152,7 +152,16 @@ int main(int argc, char** argv) {
   app.add_option("--host", opt.http.host, "Address to listen on")->default_val("127.0.0.1");
   app.add_option("--port", opt.http.port, "Port (0: any free one)")->default_val(8000);
   app.add_option("--api-key", opt.api.api_key, "Require 'Authorization: Bearer KEY' on /v1 (or env KVFLOW_API_KEY)");
-  app.add_option("--chat-template", opt.api.chat_template, "chatml, llama3, or a file with the model's Jinja template");
+  app.add_option("--chat-template", opt.api.chat_template, "The chat template: chatml, llama3, or a file (Jinja, or a tokenizer_config.json); default: the model's own");
+  app.add_option("--tool-call-parser", opt.api.tool_call_parser,
+                 "How the model writes tool calls: auto (from the chat template), hermes, qwen3_coder, llama3_json, "
+                 "mistral, mistral_args, granite, functionary_v3_2, firefunction_v2, command_r7b, deepseek_r1, "
+                 "generic")
+      ->default_val("auto");
+  app.add_option("--reasoning-parser", opt.api.reasoning_parser,
+                 "Return the model's thinking as reasoning_content: auto (from the chat template), deepseek_r1, "
+                 "qwen3, command_r7b, none (left in content)")
+      ->default_val("auto");
   app.add_option("--seed", opt.engine.seed, "Seed for requests that bring none")->default_val(0);
   app.add_option("--max-queue-len", opt.async.max_queue_len, "Waiting requests beyond which new ones get 503 (0: no limit)")
       ->default_val(256);

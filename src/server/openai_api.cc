@@ -264,6 +264,7 @@ std::map<std::string, FieldReader> CommonReaders(GenerationRequest* r, bool* str
       {"min_p", Number(&p->min_p)},
       {"repetition_penalty", Number(&p->repetition_penalty)},
       {"ignore_eos", Bool(&p->ignore_eos)},
+      {"skip_special_tokens", Bool(&p->skip_special_tokens)},
       {"min_tokens", Integer(&p->min_tokens)},
       {"stop_token_ids", stop_token_ids},
       {"use_beam_search", Bool(&p->use_beam_search)},
@@ -279,11 +280,169 @@ std::map<std::string, FieldReader> CommonReaders(GenerationRequest* r, bool* str
   };
 }
 
+// The structured-output constraints, by the names each server's users send.
+void StructuredOutputReaders(std::map<std::string, FieldReader>& readers, GenerationRequest* r) {
+  using Kind = StructuredOutput::Kind;
+  auto set = [r](const std::string& field, Kind kind, std::string spec, bool strict = true) {
+    r->constraint_fields.push_back(field);
+    StructuredOutput so;
+    so.kind = kind;
+    so.spec = std::move(spec);
+    so.strict = strict;
+    r->sampling.structured_output = std::move(so);
+  };
+  // A JSON schema given as an object, or as a string holding one (vLLM accepts both).
+  auto schema_text = [](const std::string& name, const Json& v, std::string* out) -> std::optional<ApiError> {
+    if (v.is_object() || v.is_boolean()) {
+      *out = v.dump();
+      return std::nullopt;
+    }
+    if (v.is_string()) {
+      Json parsed = Json::parse(v.get<std::string>(), nullptr, /*allow_exceptions=*/false);
+      if (parsed.is_discarded() || !(parsed.is_object() || parsed.is_boolean())) {
+        return InvalidRequest("'" + name + "' is not a valid JSON Schema: not a JSON object", name);
+      }
+      *out = v.get<std::string>();
+      return std::nullopt;
+    }
+    return WrongType(name, "a JSON Schema object", v);
+  };
+  auto choice_text = [](const std::string& name, const Json& v, std::string* out) -> std::optional<ApiError> {
+    if (!v.is_array() || v.empty()) return WrongType(name, "a non-empty array of strings", v);
+    for (const Json& c : v) {
+      if (!c.is_string()) return WrongType(name, "a non-empty array of strings", v);
+    }
+    *out = v.dump();
+    return std::nullopt;
+  };
+  auto string_field = [set](Kind kind) {
+    return [set, kind](const std::string& name, const Json& v) -> std::optional<ApiError> {
+      if (v.is_null()) return std::nullopt;
+      if (!v.is_string() || v.get<std::string>().empty()) return WrongType(name, "a non-empty string", v);
+      set(name, kind, v.get<std::string>());
+      return std::nullopt;
+    };
+  };
+  // OpenAI's response_format.
+  readers["response_format"] = [set, schema_text](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null()) return std::nullopt;
+    if (!v.is_object() || !v.contains("type") || !v["type"].is_string()) {
+      return WrongType(name, "an object with a 'type'", v);
+    }
+    const std::string type = v["type"].get<std::string>();
+    if (type == "text") return std::nullopt;
+    if (type == "json_object") {
+      set(name, Kind::kJsonObject, "");
+      return std::nullopt;
+    }
+    if (type == "json_schema") {
+      if (!v.contains("json_schema") || !v["json_schema"].is_object()) {
+        return InvalidRequest("response_format json_schema needs a 'json_schema' object with a 'schema'", name);
+      }
+      const Json& js = v["json_schema"];
+      if (js.contains("strict") && !js["strict"].is_boolean() && !js["strict"].is_null()) {
+        return WrongType(name + ".json_schema.strict", "a boolean", js["strict"]);
+      }
+      std::string schema = "{}";  // OpenAI: no schema means any JSON object
+      if (js.contains("schema") && !js["schema"].is_null()) {
+        if (auto e = schema_text(name + ".json_schema.schema", js["schema"], &schema)) return e;
+      }
+      const bool strict = js.contains("strict") && js["strict"].is_boolean() && js["strict"].get<bool>();
+      set(name, Kind::kJsonSchema, schema, strict);
+      return std::nullopt;
+    }
+    if (type == "structural_tag") {
+      set(name, Kind::kStructuralTag, v.dump());
+      return std::nullopt;
+    }
+    return InvalidRequest("response_format type must be text, json_object, json_schema or structural_tag, not '" +
+                              type + "'",
+                          name);
+  };
+  // vLLM's guided_* fields (and their successor, structured_outputs).
+  readers["guided_json"] = [set, schema_text](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null()) return std::nullopt;
+    std::string schema;
+    if (auto e = schema_text(name, v, &schema)) return e;
+    set(name, Kind::kJsonSchema, schema, false);
+    return std::nullopt;
+  };
+  readers["guided_regex"] = string_field(Kind::kRegex);
+  readers["guided_grammar"] = string_field(Kind::kGrammar);
+  readers["guided_choice"] = [set, choice_text](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null()) return std::nullopt;
+    std::string choices;
+    if (auto e = choice_text(name, v, &choices)) return e;
+    set(name, Kind::kChoice, choices);
+    return std::nullopt;
+  };
+  readers["guided_decoding_backend"] = [](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null() || v == "xgrammar" || v == "auto") return std::nullopt;
+    return InvalidRequest("kvflow decodes structured output with xgrammar only, not " + v.dump(), name);
+  };
+  readers["guided_whitespace_pattern"] = Unsupported("kvflow's JSON grammars allow any whitespace; a pattern is not supported");
+  readers["structured_outputs"] = [r, set, schema_text, choice_text](const std::string& name,
+                                                                     const Json& v) -> std::optional<ApiError> {
+    if (v.is_null()) return std::nullopt;
+    if (!v.is_object()) return WrongType(name, "an object", v);
+    bool any_whitespace = true;
+    int given = 0;
+    for (auto it = v.begin(); it != v.end(); ++it) {
+      const std::string key = it.key();
+      const Json& x = it.value();
+      const std::string field = name + "." + key;
+      if (x.is_null() || key == "backend") continue;
+      if (key == "disable_any_whitespace") {
+        if (!x.is_boolean()) return WrongType(field, "a boolean", x);
+        any_whitespace = !x.get<bool>();
+        continue;
+      }
+      std::string spec;
+      if (key == "json") {
+        if (auto e = schema_text(field, x, &spec)) return e;
+        set(name, Kind::kJsonSchema, spec, false);
+      } else if (key == "json_object") {
+        if (!x.is_boolean()) return WrongType(field, "a boolean", x);
+        if (!x.get<bool>()) continue;
+        set(name, Kind::kJsonObject, "");
+      } else if (key == "choice") {
+        if (auto e = choice_text(field, x, &spec)) return e;
+        set(name, Kind::kChoice, spec);
+      } else if (key == "regex" || key == "grammar" || key == "structural_tag") {
+        if (!x.is_string() || x.get<std::string>().empty()) return WrongType(field, "a non-empty string", x);
+        set(name, key == "regex" ? Kind::kRegex : key == "grammar" ? Kind::kGrammar : Kind::kStructuralTag,
+            x.get<std::string>());
+      } else {
+        return InvalidRequest("Unrecognized request argument supplied: " + field, name);
+      }
+      ++given;
+    }
+    if (given > 1) return InvalidRequest("'" + name + "' takes one of json, regex, choice, grammar, json_object and "
+                                         "structural_tag", name);
+    if (given == 1) r->sampling.structured_output->any_whitespace = any_whitespace;
+    return std::nullopt;
+  };
+  // llama.cpp's json_schema and grammar (GBNF, which xgrammar's EBNF reads).
+  readers["json_schema"] = [set, schema_text](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null()) return std::nullopt;
+    std::string schema;
+    if (auto e = schema_text(name, v, &schema)) return e;
+    set(name, Kind::kJsonSchema, schema, false);
+    return std::nullopt;
+  };
+  readers["grammar"] = string_field(Kind::kGrammar);
+}
+
 // Checks that need every field: run once all were read. max_tokens 0 (only the prompt) is
 // allowed when `zero_ok`; `zero_needs` names what it needs.
 std::optional<ApiError> FinishCommon(GenerationRequest* r, bool stream_options_given, bool zero_ok,
                                      const char* zero_needs) {
   SamplingParams& p = r->sampling;
+  if (r->constraint_fields.size() > 1) {
+    return InvalidRequest("give one structured-output constraint, not both '" + r->constraint_fields[0] + "' and '" +
+                              r->constraint_fields[1] + "'",
+                          r->constraint_fields[1]);
+  }
   if (r->prompt_logprobs) p.prompt_logprobs = std::max(p.prompt_logprobs.value_or(0), *r->prompt_logprobs);
   if (r->max_tokens_given && p.max_tokens < (zero_ok ? 0 : 1)) {
     std::string m = std::string("'max_tokens' must be at least ") + (zero_ok ? "0" : "1") + ", not " +
@@ -355,57 +514,65 @@ std::optional<ApiError> ReadPrompt(const Json& v, std::vector<PromptInput>* prom
   return std::nullopt;
 }
 
-std::optional<ApiError> ReadMessages(const Json& v, std::vector<ChatMessage>* messages) {
+std::optional<ApiError> ReadMessages(const Json& v, Json* messages) {
   if (!v.is_array()) return WrongType("messages", "an array of message objects", v);
-  if (v.empty()) return InvalidRequest("'messages' must not be empty", "messages");
-  messages->clear();
+  *messages = v;
+  Status s = NormalizeChatMessages(messages);
+  if (!s.ok()) return InvalidRequest(s.message(), "messages");
+  return std::nullopt;
+}
+
+// OpenAI's tools: [{"type": "function", "function": {"name", "description"?, "parameters"?,
+// "strict"?}}].
+std::optional<ApiError> ReadTools(const Json& v, Json* tools) {
+  if (v.is_null()) {
+    *tools = nullptr;
+    return std::nullopt;
+  }
+  if (!v.is_array()) return WrongType("tools", "an array of tool objects", v);
   for (size_t i = 0; i < v.size(); ++i) {
-    const Json& m = v[i];
-    const std::string where = "messages[" + std::to_string(i) + "]";
-    if (!m.is_object()) return WrongType(where, "an object", m);
-    ChatMessage msg;
-    bool has_content = false;
-    for (const auto& [key, value] : m.items()) {
-      if (key == "role") {
-        if (!value.is_string()) return WrongType(where + ".role", "a string", value);
-        msg.role = value.get<std::string>();
-      } else if (key == "content") {
-        if (value.is_null()) continue;
-        has_content = true;
-        if (value.is_string()) {
-          msg.content = value.get<std::string>();
-        } else if (value.is_array()) {
-          for (const Json& part : value) {
-            if (!part.is_object() || !part.contains("type") || part["type"] != "text" || !part.contains("text") ||
-                !part["text"].is_string()) {
-              return InvalidRequest(where + ".content: only text parts ({\"type\": \"text\", \"text\": ...}) are "
-                                    "supported", "messages");
-            }
-            msg.content += part["text"].get<std::string>();
-          }
-        } else {
-          return WrongType(where + ".content", "a string or an array of text parts", value);
-        }
-      } else if (key == "name") {
-        if (!value.is_string()) return WrongType(where + ".name", "a string", value);
-      } else if (key == "tool_calls" || key == "function_call" || key == "tool_call_id") {
-        if (!value.is_null() && !(value.is_array() && value.empty())) {
-          return InvalidRequest(where + "." + key + " is not supported: kvflow does not call tools", "messages");
-        }
-      } else {
-        return InvalidRequest("Unrecognized request argument supplied: " + where + "." + key, "messages");
+    const Json& tool = v[i];
+    const std::string where = "tools[" + std::to_string(i) + "]";
+    if (!tool.is_object()) return WrongType(where, "an object", tool);
+    if (tool.value("type", "") != "function") return InvalidRequest(where + ".type must be \"function\"", "tools");
+    if (!tool.contains("function") || !tool["function"].is_object()) {
+      return InvalidRequest(where + ".function must be an object", "tools");
+    }
+    const Json& f = tool["function"];
+    if (!f.contains("name") || !f["name"].is_string() || f["name"].get<std::string>().empty()) {
+      return InvalidRequest(where + ".function.name must be a non-empty string", "tools");
+    }
+    if (f.contains("parameters") && !f["parameters"].is_object() && !f["parameters"].is_null()) {
+      return InvalidRequest(where + ".function.parameters must be a JSON Schema object", "tools");
+    }
+    if (f.contains("description") && !f["description"].is_string() && !f["description"].is_null()) {
+      return InvalidRequest(where + ".function.description must be a string", "tools");
+    }
+  }
+  *tools = v;
+  return std::nullopt;
+}
+
+// The fields that feed the chat template, shared by chat completions, /tokenize and
+// /apply-template.
+void ChatTemplateReaders(std::map<std::string, FieldReader>& readers, ChatTemplateInput* in, bool* has_messages) {
+  readers["messages"] = [in, has_messages](const std::string&, const Json& v) {
+    *has_messages = true;
+    return ReadMessages(v, &in->messages);
+  };
+  readers["tools"] = [in](const std::string&, const Json& v) { return ReadTools(v, &in->tools); };
+  readers["add_generation_prompt"] = Bool(&in->add_generation_prompt);
+  readers["chat_template_kwargs"] = [in](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null()) return std::nullopt;
+    if (!v.is_object()) return WrongType(name, "an object", v);
+    for (auto it = v.begin(); it != v.end(); ++it) {
+      if (it.key() == "messages" || it.key() == "tools" || it.key() == "add_generation_prompt") {
+        return InvalidRequest("chat_template_kwargs cannot set '" + it.key() + "'; give it as a field of the request", name);
       }
     }
-    if (msg.role == "developer") msg.role = "system";  // OpenAI's newer name for the system role
-    if (msg.role != "system" && msg.role != "user" && msg.role != "assistant") {
-      return InvalidRequest(where + ".role must be system, user or assistant, not '" + msg.role + "'", "messages");
-    }
-    if (!has_content && msg.role != "assistant") {
-      return InvalidRequest(where + ".content is required", "messages");
-    }
-    messages->push_back(std::move(msg));
-  }
-  return std::nullopt;
+    in->kwargs = v;
+    return std::nullopt;
+  };
 }
 
 std::string TokenBytes(const Tokenizer& tokenizer, int32_t token) {
@@ -455,6 +622,7 @@ std::optional<ApiError> ParseCompletionRequest(std::string_view body, Completion
   bool stream_options_given = false;
   bool has_prompt = false;
   auto readers = CommonReaders(out, &stream_options_given);
+  StructuredOutputReaders(readers, out);
   readers["prompt"] = [&](const std::string&, const Json& v) {
     has_prompt = true;
     return ReadPrompt(v, &out->prompts);
@@ -474,8 +642,9 @@ std::optional<ApiError> ParseTokenizeRequest(std::string_view body, TokenizeRequ
   *out = TokenizeRequest{};
   Json json;
   if (auto e = ParseObject(body, &json)) return e;
-  bool has_text = false, has_messages = false, add_special_given = false, generation_prompt = true;
+  bool has_text = false, has_messages = false, add_special_given = false;
   std::map<std::string, FieldReader> readers;
+  ChatTemplateReaders(readers, &out->chat_input, &has_messages);
   readers["model"] = String(&out->model);
   auto text = [&](const std::string& name, const Json& v) -> std::optional<ApiError> {
     if (has_text) return InvalidRequest("give one of 'prompt' and 'content'", name);
@@ -486,10 +655,6 @@ std::optional<ApiError> ParseTokenizeRequest(std::string_view body, TokenizeRequ
   };
   readers["prompt"] = text;   // vLLM
   readers["content"] = text;  // llama.cpp
-  readers["messages"] = [&](const std::string&, const Json& v) {
-    has_messages = true;
-    return ReadMessages(v, &out->messages);
-  };
   auto special = [&](const std::string& name, const Json& v) -> std::optional<ApiError> {
     if (!v.is_boolean()) return WrongType(name, "a boolean", v);
     out->add_special = v.get<bool>();
@@ -499,20 +664,31 @@ std::optional<ApiError> ParseTokenizeRequest(std::string_view body, TokenizeRequ
   readers["add_special_tokens"] = special;  // vLLM
   readers["add_special"] = special;         // llama.cpp
   readers["with_pieces"] = Bool(&out->with_pieces);
-  readers["add_generation_prompt"] = Bool(&generation_prompt);
   if (auto e = ReadFields(json, readers)) return e;
   if (has_text == has_messages) {
     return InvalidRequest("give the text to tokenize as 'prompt' (or 'content'), or chat 'messages'", "prompt");
   }
   out->chat = has_messages;
-  if (out->chat && !generation_prompt) {
-    return InvalidRequest("'add_generation_prompt': false is not supported: kvflow renders chat templates by family "
-                          "and always opens the assistant's turn",
-                          "add_generation_prompt");
+  if (!out->chat && (json.contains("tools") || json.contains("chat_template_kwargs"))) {
+    return InvalidRequest("'tools' and 'chat_template_kwargs' go with chat 'messages'", "messages");
   }
   // Each server's default: vLLM adds special tokens to a prompt (not to rendered chat, whose
   // template has them); llama.cpp adds none unless asked.
   if (!add_special_given) out->add_special = !out->chat && json.contains("prompt");
+  return std::nullopt;
+}
+
+std::optional<ApiError> ParseApplyTemplateRequest(std::string_view body, ChatTemplateInput* out) {
+  *out = ChatTemplateInput{};
+  Json json;
+  if (auto e = ParseObject(body, &json)) return e;
+  bool has_messages = false;
+  std::string model;
+  std::map<std::string, FieldReader> readers;
+  readers["model"] = String(&model);
+  ChatTemplateReaders(readers, out, &has_messages);
+  if (auto e = ReadFields(json, readers)) return e;
+  if (!has_messages) return InvalidRequest("'messages' is required", "messages");
   return std::nullopt;
 }
 
@@ -543,34 +719,45 @@ std::optional<ApiError> ParseChatRequest(std::string_view body, ChatRequest* out
   bool max_completion_tokens_given = false;
   int max_completion_tokens = 0;
   auto readers = CommonReaders(out, &stream_options_given);
-  readers["messages"] = [&](const std::string&, const Json& v) {
-    has_messages = true;
-    return ReadMessages(v, &out->messages);
-  };
+  ChatTemplateReaders(readers, &out->chat, &has_messages);
+  StructuredOutputReaders(readers, out);
   readers["logprobs"] = Bool(&out->logprobs);
   readers["top_logprobs"] = Integer(&out->sampling.logprobs, 0, 20, &top_logprobs_given);
   readers["max_completion_tokens"] =
       Integer(&max_completion_tokens, std::numeric_limits<int>::min(), std::numeric_limits<int>::max(),
               &max_completion_tokens_given);
-  readers["tools"] = Unsupported("kvflow does not call tools");
-  readers["functions"] = Unsupported("kvflow does not call tools");
-  readers["tool_choice"] = [](const std::string& name, const Json& v) -> std::optional<ApiError> {
-    if (v.is_null() || v == "none" || v == "auto") return std::nullopt;
-    return InvalidRequest("'tool_choice' is not supported: kvflow does not call tools", name);
+  readers["functions"] = Unsupported("the deprecated 'functions' field is not supported; use 'tools'");
+  readers["tool_choice"] = [out](const std::string& name, const Json& v) -> std::optional<ApiError> {
+    if (v.is_null()) return std::nullopt;
+    auto choice = ParseToolChoice(v);
+    if (!choice.ok()) return InvalidRequest(choice.status().message(), name);
+    out->tool_choice = choice.value();
+    return std::nullopt;
   };
-  readers["function_call"] = readers["tool_choice"];
-  readers["parallel_tool_calls"] = Ignored("a boolean", &Json::is_boolean);
-  readers["response_format"] = [](const std::string& name, const Json& v) -> std::optional<ApiError> {
-    if (v.is_null() || (v.is_object() && v.size() == 1 && v.contains("type") && v["type"] == "text")) {
-      return std::nullopt;
-    }
-    return InvalidRequest("only {\"type\": \"text\"} is supported for 'response_format'", name);
-  };
+  readers["function_call"] = Unsupported("the deprecated 'function_call' field is not supported; use 'tool_choice'");
+  readers["parallel_tool_calls"] = Bool(&out->parallel_tool_calls);
   readers["store"] = Ignored("a boolean", &Json::is_boolean);
   readers["metadata"] = Ignored("an object", &Json::is_object);
   readers["service_tier"] = Ignored("a string", &Json::is_string);
   if (auto e = ReadFields(json, readers)) return e;
   if (!has_messages) return InvalidRequest("'messages' is required", "messages");
+  const bool has_tools = out->chat.tools.is_array() && !out->chat.tools.empty();
+  if (out->tool_choice && out->tool_choice->mode != ToolChoice::Mode::kNone &&
+      out->tool_choice->mode != ToolChoice::Mode::kAuto && !has_tools) {
+    return InvalidRequest("'tool_choice' " + std::string(out->tool_choice->mode == ToolChoice::Mode::kRequired
+                                                             ? "\"required\""
+                                                             : "naming a function") +
+                              " needs 'tools'",
+                          "tool_choice");
+  }
+  if (out->tool_choice && out->tool_choice->mode == ToolChoice::Mode::kNamed) {
+    bool known = false;
+    for (const Json& t : out->chat.tools) known |= t["function"]["name"] == out->tool_choice->name;
+    if (!known) {
+      return InvalidRequest("'tool_choice' names the function '" + out->tool_choice->name + "', which is not in 'tools'",
+                            "tool_choice");
+    }
+  }
   if (max_completion_tokens_given) {
     out->sampling.max_tokens = max_completion_tokens;
     out->max_tokens_given = true;

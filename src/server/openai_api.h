@@ -11,7 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/chat_template.h"
+#include "chat_template/chat_template.h"
+#include "tool_calls/tool_call_constraint.h"
 #include "kvflow/request.h"
 #include "kvflow/sampling.h"
 #include "kvflow/tokenizer.h"
@@ -45,6 +46,9 @@ struct PromptInput {
 struct GenerationRequest {
   std::string model;  // empty: not given
   SamplingParams sampling;
+  // The fields that set sampling.structured_output (response_format, vLLM's structured_outputs and
+  // guided_*, llama.cpp's json_schema and grammar): more than one is refused.
+  std::vector<std::string> constraint_fields;
   bool max_tokens_given = false;  // else the endpoint's default applies
   bool stream = false;
   bool include_usage = false;     // stream_options.include_usage
@@ -60,8 +64,12 @@ struct CompletionRequest : GenerationRequest {
 };
 
 struct ChatRequest : GenerationRequest {
-  std::vector<ChatMessage> messages;
+  // messages (normalised), tools, add_generation_prompt and chat_template_kwargs.
+  ChatTemplateInput chat;
   bool logprobs = false;  // top_logprobs goes to sampling.logprobs
+  // OpenAI's tool_choice: unset means "auto" when there are tools, else "none".
+  std::optional<ToolChoice> tool_choice;
+  bool parallel_tool_calls = true;
 };
 
 // Parse and validate a body. max_tokens 0 (return or score the prompt only) is allowed with
@@ -71,17 +79,21 @@ std::optional<ApiError> ParseCompletionRequest(std::string_view body, Completion
 std::optional<ApiError> ParseChatRequest(std::string_view body, ChatRequest* out);
 
 // /tokenize, in vLLM's shapes ({"prompt", "add_special_tokens" (default true)}, or {"messages",
-// "add_generation_prompt", "add_special_tokens" (default false)}) and llama.cpp's ({"content",
-// "add_special" (default false), "with_pieces"}).
+// "tools", "add_generation_prompt", "chat_template_kwargs", "add_special_tokens" (default false)})
+// and llama.cpp's ({"content", "add_special" (default false), "with_pieces"}).
 struct TokenizeRequest {
   std::string model;
   bool chat = false;
   std::string text;                   // when !chat
-  std::vector<ChatMessage> messages;  // when chat
+  ChatTemplateInput chat_input;       // when chat
   bool add_special = false;           // the tokenizer's BOS, where it adds one
   bool with_pieces = false;           // llama.cpp: each token with its text
 };
 std::optional<ApiError> ParseTokenizeRequest(std::string_view body, TokenizeRequest* out);
+
+// llama.cpp's /apply-template: {"messages", "tools", "add_generation_prompt",
+// "chat_template_kwargs"}, answered with {"prompt": the rendered text}.
+std::optional<ApiError> ParseApplyTemplateRequest(std::string_view body, ChatTemplateInput* out);
 
 // /detokenize, both servers' shape: {"tokens": [ids]}.
 struct DetokenizeRequest {

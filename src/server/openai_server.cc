@@ -11,6 +11,8 @@
 #include <spdlog/spdlog.h>
 
 #include "model/utf8.h"
+#include "structured_output/grammar_compiler.h"
+#include "tool_calls/tool_call_constraint.h"
 
 namespace kvflow::server {
 namespace {
@@ -78,28 +80,52 @@ std::string SseEvent(const Json& json) { return "data: " + DumpJson(json) + "\n\
 Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Create(AsyncEngine* engine, const OpenAiServerOptions& options) {
   std::unique_ptr<OpenAiServer> server(new OpenAiServer(engine, options));
   server->created_ = static_cast<int64_t>(std::time(nullptr));
-  std::string text = options.chat_template;
-  if (!text.empty() && text != "chatml" && text != "llama3") {
-    std::ifstream file(text);
-    if (!file) return Status::NotFound("--chat-template: '" + text + "' is neither chatml, llama3 nor a readable file");
-    std::stringstream ss;
-    ss << file.rdbuf();
-    text = ss.str();
-  }
-  const bool explicit_template = !text.empty();
-  if (!explicit_template) text = engine->tokenizer().chat_template();
-  auto family = DetectChatTemplate(text);
-  if (family.ok()) {
-    server->chat_family_ = family.value();
-    server->chat_template_text_ = text;
-  } else if (explicit_template || family.status().code() != StatusCode::kNotFound) {
-    return Status(family.status().code(), (explicit_template ? "--chat-template: " : "the model's chat template: ") +
-                                              family.status().message() +
-                                              (explicit_template ? "" : "; pass --chat-template chatml|llama3|FILE"));
+  const Tokenizer& tok = engine->tokenizer();
+  std::string source;
+  const bool explicit_template = !options.chat_template.empty();
+  if (explicit_template) {
+    auto read = ChatTemplate::ReadSource(options.chat_template);
+    if (!read.ok()) return Status(read.status().code(), "--chat-template: " + read.status().message());
+    source = std::move(read.value());
   } else {
+    source = tok.chat_template();
+  }
+  if (source.empty()) {
     server->chat_template_error_ = "the model has no chat template; start the server with --chat-template";
     spdlog::warn("{}: /v1/chat/completions will refuse requests", server->chat_template_error_);
+    return server;
   }
+  auto special_text = [&](int32_t id) { return id >= 0 ? tok.DecodeBytes({id}, /*skip_special=*/false) : std::string(); };
+  auto chat_template = ChatTemplate::Create(source, special_text(tok.bos_id()), special_text(tok.eos_id()));
+  if (!chat_template.ok()) {
+    return Status(chat_template.status().code(), (explicit_template ? "--chat-template: " : "the model's chat template: ") +
+                                                     chat_template.status().message() +
+                                                     (explicit_template ? "" : "; pass --chat-template chatml|llama3|FILE"));
+  }
+  server->chat_template_.emplace(std::move(chat_template.value()));
+  spdlog::info("chat template: {} ({} bytes of Jinja)", explicit_template ? options.chat_template : "the model's own",
+               server->chat_template_->source().size());
+  if (options.tool_call_parser == "auto") {
+    server->tool_format_ = DetectToolCallFormat(source);
+  } else {
+    auto format = ToolCallFormatFromName(options.tool_call_parser);
+    if (!format.ok()) return Status::InvalidArgument("--tool-call-parser: " + format.status().message());
+    server->tool_format_ = format.value();
+  }
+  if (options.reasoning_parser == "auto") {
+    server->reasoning_format_ = DetectReasoningFormat(source);
+  } else {
+    auto format = ReasoningFormatFromName(options.reasoning_parser);
+    if (!format.ok()) return Status::InvalidArgument("--reasoning-parser: " + format.status().message());
+    server->reasoning_format_ = format.value();
+  }
+  server->template_accepts_system_ = TemplateAcceptsSystemRole(source);
+  spdlog::info("tool calls: {} format ({}){}; reasoning: {}", ToolCallFormatName(server->tool_format_),
+               options.tool_call_parser == "auto" ? "from the chat template" : "--tool-call-parser",
+               server->tool_format_ == ToolCallFormat::kGeneric && !TemplateReadsTools(source)
+                   ? ", the tools told in a system message"
+                   : "",
+               ReasoningFormatName(server->reasoning_format_));
   return server;
 }
 
@@ -151,8 +177,10 @@ void OpenAiServer::Handle(const HttpRequest& req, HttpExchange& exchange) {
     exchange.Send(HttpResponse{200, "application/json", R"({"version":"0.1.0"})", {}});
     return;
   }
-  if (path == "/tokenize" || path == "/detokenize") {  // vLLM's and llama.cpp's, outside /v1 as there
+  if (path == "/tokenize" || path == "/detokenize" || path == "/apply-template") {
+    // vLLM's and llama.cpp's, outside /v1 as there.
     if (req.method != "POST") return method_not_allowed("POST");
+    if (path == "/apply-template") return HandleApplyTemplate(req, exchange);
     return path == "/tokenize" ? HandleTokenize(req, exchange) : HandleDetokenize(req, exchange);
   }
   if (path.rfind("/v1/", 0) == 0 && !Authorized(req)) {
@@ -199,12 +227,14 @@ void OpenAiServer::HandleTokenize(const HttpRequest& req, HttpExchange& exchange
   if (auto error = ParseTokenizeRequest(req.body, &request)) return SendError(exchange, *error);
   if (auto error = CheckModel(request.model)) return SendError(exchange, *error);
   const Tokenizer& tok = engine_->tokenizer();
-  std::string text = request.text;
+  std::vector<int32_t> ids;
   if (request.chat) {
-    if (!chat_family_) return SendError(exchange, InvalidRequest(chat_template_error_, "messages"));
-    text = RenderChat(*chat_family_, chat_template_text_, request.messages);
+    std::string text;
+    if (auto error = RenderChatPrompt(request.chat_input, &text)) return SendError(exchange, *error);
+    ids = tok.Encode(text, request.add_special && tok.add_bos() && !StartsWithBos(text));
+  } else {
+    ids = tok.Encode(request.text, request.add_special && tok.add_bos());
   }
-  const std::vector<int32_t> ids = tok.Encode(text, request.add_special && tok.add_bos());
   Json tokens = Json::array();
   for (int32_t id : ids) {
     if (!request.with_pieces) {
@@ -231,6 +261,27 @@ void OpenAiServer::HandleTokenize(const HttpRequest& req, HttpExchange& exchange
   }
   Json out{{"count", ids.size()}, {"max_model_len", engine_->config().max_model_len}, {"tokens", std::move(tokens)}};
   exchange.Send(HttpResponse{200, "application/json", DumpJson(out), {}});
+}
+
+std::optional<ApiError> OpenAiServer::RenderChatPrompt(const ChatTemplateInput& input, std::string* prompt) const {
+  if (!chat_template_) return InvalidRequest(chat_template_error_, "messages");
+  auto rendered = chat_template_->Render(input);
+  if (!rendered.ok()) return InvalidRequest("the chat template refused the conversation: " + rendered.status().message(), "messages");
+  *prompt = std::move(rendered.value());
+  return std::nullopt;
+}
+
+bool OpenAiServer::StartsWithBos(const std::string& prompt) const {
+  const std::string& bos = chat_template_ ? chat_template_->bos_token() : std::string();
+  return !bos.empty() && prompt.compare(0, bos.size(), bos) == 0;
+}
+
+void OpenAiServer::HandleApplyTemplate(const HttpRequest& req, HttpExchange& exchange) {
+  ChatTemplateInput input;
+  if (auto error = ParseApplyTemplateRequest(req.body, &input)) return SendError(exchange, *error);
+  std::string prompt;
+  if (auto error = RenderChatPrompt(input, &prompt)) return SendError(exchange, *error);
+  exchange.Send(HttpResponse{200, "application/json", DumpJson(Json{{"prompt", prompt}}), {}});
 }
 
 void OpenAiServer::HandleDetokenize(const HttpRequest& req, HttpExchange& exchange) {
@@ -260,10 +311,25 @@ struct PromptJob {
   std::string echo_text;  // the prompt, when echo is on
 };
 
+// How a chat response's text is read back into an assistant message: reasoning, content and, when
+// the request has tools, tool calls in the model's format.
+struct ChatOutputParsing {
+  bool active = false;
+  ToolCallFormat format = ToolCallFormat::kGeneric;
+  ToolParseOptions options;
+};
+
+// OpenAI's message.tool_calls entry; `id` is the format's own where it carries one.
+Json ToolCallJson(const ParsedToolCall& call) {
+  return Json{{"id", call.id.empty() ? "call_" + RandomHex() : call.id},
+              {"type", "function"},
+              {"function", {{"name", call.name}, {"arguments", call.arguments}}}};
+}
+
 class GenerationRun {
  public:
-  GenerationRun(OpenAiServer& server, HttpExchange& exchange, bool chat)
-      : server_(server), exchange_(exchange), chat_(chat), start_(Clock::now()) {}
+  GenerationRun(OpenAiServer& server, HttpExchange& exchange, bool chat, ChatOutputParsing parsing = {})
+      : server_(server), exchange_(exchange), chat_(chat), parsing_(std::move(parsing)), start_(Clock::now()) {}
 
   // Everything after parsing: length checks, submission, waiting, the response.
   void Run(std::vector<PromptJob> jobs, const GenerationRequest& request, bool echo, bool want_logprobs) {
@@ -311,6 +377,10 @@ class GenerationRun {
       streams_.push_back(stream.value());
     }
     choices_.resize(streams_.size() * static_cast<size_t>(n_));
+    if (chat_ && parsing_.active) {
+      for (size_t k = 0; k < choices_.size(); ++k) parsers_.emplace_back(parsing_.format, parsing_.options);
+      tool_calls_sent_.assign(choices_.size(), 0);
+    }
     id_ = (chat_ ? "chatcmpl-" : "cmpl-") + RandomHex();
     if (stream_) {
       Stream();
@@ -481,7 +551,21 @@ class GenerationRun {
       }
       Json choice{{"index", k}};
       const std::string& echo = echo_texts_[k / static_cast<size_t>(n_)];
-      if (chat_) {
+      std::string finish = OpenAiFinishReason(c.finish);
+      if (chat_ && parsing_.active) {
+        const ParsedAssistant parsed = ParseAssistantOutput(parsing_.format, c.text, parsing_.options);
+        Json message{{"role", "assistant"}};
+        message["content"] = parsed.content.empty() && !parsed.tool_calls.empty() ? Json(nullptr) : Json(parsed.content);
+        if (!parsed.reasoning_content.empty()) message["reasoning_content"] = parsed.reasoning_content;
+        if (!parsed.tool_calls.empty()) {
+          Json calls = Json::array();
+          for (const ParsedToolCall& call : parsed.tool_calls) calls.push_back(ToolCallJson(call));
+          message["tool_calls"] = std::move(calls);
+          if (finish == "stop") finish = "tool_calls";
+        }
+        choice["message"] = std::move(message);
+        choice["logprobs"] = logprobs_ ? ChatLogprobs(server_.engine_->tokenizer(), c.tokens) : Json(nullptr);
+      } else if (chat_) {
         choice["message"] = Json{{"role", "assistant"}, {"content", c.text}};
         choice["logprobs"] = logprobs_ ? ChatLogprobs(server_.engine_->tokenizer(), c.tokens) : Json(nullptr);
       } else {
@@ -496,7 +580,7 @@ class GenerationRun {
         }
         choice["logprobs"] = std::move(logprobs);
       }
-      choice["finish_reason"] = OpenAiFinishReason(c.finish);
+      choice["finish_reason"] = finish;
       if (!chat_ && prompt_logprobs_field_) choice["prompt_logprobs"] = PromptLogprobsFor(k / static_cast<size_t>(n_));
       choices.push_back(std::move(choice));
     }
@@ -533,10 +617,41 @@ class GenerationRun {
     std::string out = "{\"index\":" + std::to_string(k) + ",\"" + field + "\":" + value_json + ",\"logprobs\":";
     out += logprobs.is_null() ? "null" : DumpJson(logprobs);
     out += ",\"finish_reason\":";
-    out += finish ? "\"" + std::string(OpenAiFinishReason(*finish)) + "\"" : "null";
+    out += finish ? "\"" + FinishText(k, *finish) + "\"" : "null";
     out += extra;
     out += "}";
     return out;
+  }
+
+  // OpenAI's finish_reason of choice k: "tool_calls" where it called tools and stopped by itself.
+  std::string FinishText(size_t k, FinishReason reason) const {
+    const std::string text = OpenAiFinishReason(reason);
+    return text == "stop" && k < tool_calls_sent_.size() && tool_calls_sent_[k] > 0 ? "tool_calls" : text;
+  }
+
+  // Streams what the output parser settled for choice k: reasoning, content, a call's name (with its
+  // id), a call's arguments. `logprobs` go with the first chunk (alone when nothing settled).
+  void EmitParsed(size_t k, const std::vector<AssistantDelta>& deltas, Json logprobs) {
+    for (const AssistantDelta& d : deltas) {
+      Json delta;
+      switch (d.kind) {
+        case AssistantDelta::Kind::kContent: delta = Json{{"content", d.text}}; break;
+        case AssistantDelta::Kind::kReasoning: delta = Json{{"reasoning_content", d.text}}; break;
+        case AssistantDelta::Kind::kToolCall:
+          delta = Json{{"tool_calls", Json::array({{{"index", d.index},
+                                                    {"id", d.id.empty() ? "call_" + RandomHex() : d.id},
+                                                    {"type", "function"},
+                                                    {"function", {{"name", d.text}, {"arguments", ""}}}}})}};
+          ++tool_calls_sent_[k];
+          break;
+        case AssistantDelta::Kind::kArguments:
+          delta = Json{{"tool_calls", Json::array({{{"index", d.index}, {"function", {{"arguments", d.text}}}}})}};
+          break;
+      }
+      Emit(ChoiceJson(k, "delta", DumpJson(delta), logprobs, std::nullopt));
+      logprobs = nullptr;
+    }
+    if (!logprobs.is_null()) Emit(ChoiceJson(k, "delta", "{}", logprobs, std::nullopt));
   }
 
   // Whether a prompt's first chunks (the role of chat choices, the echo of completions) need what
@@ -587,7 +702,15 @@ class GenerationRun {
         EmitPrelude(k / static_cast<size_t>(n_), text_offset);
         if (e.tokens.empty() && e.text_delta.empty() && !ends) continue;
         const std::optional<FinishReason> finish = ends ? std::optional(e.finish_reason) : std::nullopt;
-        if (chat_) {
+        if (chat_ && parsing_.active) {
+          StreamingToolCallParser& parser = parsers_[k];
+          EmitParsed(k, parser.Push(e.text_delta),
+                     logprobs_ && !e.tokens.empty() ? ChatLogprobs(server_.engine_->tokenizer(), e.tokens) : Json(nullptr));
+          if (ends) {
+            EmitParsed(k, parser.Finish(), nullptr);
+            Emit(ChoiceJson(k, "delta", "{}", nullptr, finish));
+          }
+        } else if (chat_) {
           const std::string delta =
               e.text_delta.empty() && ends ? "{}" : "{\"content\":" + DumpJson(Json(e.text_delta)) + "}";
           Emit(ChoiceJson(k, "delta", delta,
@@ -616,6 +739,9 @@ class GenerationRun {
   OpenAiServer& server_;
   HttpExchange& exchange_;
   const bool chat_;
+  const ChatOutputParsing parsing_;
+  std::vector<StreamingToolCallParser> parsers_;  // by choice, when parsing_.active and streaming
+  std::vector<int> tool_calls_sent_;              // by choice
   const Clock::time_point start_;
   const int64_t created_ = static_cast<int64_t>(std::time(nullptr));
   Clock::time_point last_client_check_{};
@@ -658,13 +784,75 @@ void OpenAiServer::HandleChat(const HttpRequest& req, HttpExchange& exchange) {
   ChatRequest request;
   if (auto error = ParseChatRequest(req.body, &request)) return SendError(exchange, *error);
   if (auto error = CheckModel(request.model)) return SendError(exchange, *error);
-  if (!chat_family_) return SendError(exchange, InvalidRequest(chat_template_error_, "messages"));
   const Tokenizer& tok = engine_->tokenizer();
+  const bool has_tools = request.chat.tools.is_array() && !request.chat.tools.empty();
+  const ToolChoice choice = request.tool_choice.value_or(
+      ToolChoice{has_tools ? ToolChoice::Mode::kAuto : ToolChoice::Mode::kNone, ""});
+  const bool use_tools = has_tools && choice.mode != ToolChoice::Mode::kNone;
+  const bool forced = choice.mode == ToolChoice::Mode::kRequired || choice.mode == ToolChoice::Mode::kNamed;
+  ChatTemplateInput input = request.chat;
+  bool history_has_tools = false;
+  for (const Json& m : input.messages) history_has_tools |= m["role"] == "tool" || m.contains("tool_calls");
+  if (tool_format_ == ToolCallFormat::kGeneric && (use_tools || history_has_tools)) {
+    // A template that renders no tools: the model learns them, and how to answer, from a system
+    // message, and earlier calls and results become text it can read (llama.cpp's generic format).
+    input.messages = PrepareGenericToolMessages(input.messages, use_tools ? input.tools : Json::array(),
+                                                request.parallel_tool_calls, template_accepts_system_);
+  }
+  std::string prompt;
+  if (auto error = RenderChatPrompt(input, &prompt)) return SendError(exchange, *error);
+
+  ChatOutputParsing parsing;
+  parsing.format = tool_format_;
+  parsing.options.reasoning = reasoning_format_;
+  parsing.options.starts_in_reasoning = PromptOpensReasoning(reasoning_format_, prompt);
+  // A prompt that closed the reasoning block already (Qwen3 with enable_thinking false writes
+  // "<think>\n\n</think>\n\n") leaves no reasoning to the model.
+  const std::string_view close = ReasoningClose(reasoning_format_);
+  const size_t last = prompt.find_last_not_of(" \n\r\t");
+  const bool reasoning_closed = !close.empty() && last != std::string::npos && last + 1 >= close.size() &&
+                                std::string_view(prompt).substr(last + 1 - close.size(), close.size()) == close;
+  parsing.options.parse_tool_calls = use_tools;
+  parsing.options.tools = input.tools;
+  parsing.active = use_tools || reasoning_format_ != ReasoningFormat::kNone;
+  if (use_tools) {
+    // Many formats' markers are special tokens (Mistral's [TOOL_CALLS], Llama's <|python_tag|>):
+    // the parser reads them in the text (as vLLM does for such parsers).
+    request.sampling.skip_special_tokens = false;
+    ToolConstraintOptions constraint_options;
+    constraint_options.reasoning = reasoning_closed ? ReasoningFormat::kNone : reasoning_format_;
+    constraint_options.starts_in_reasoning = parsing.options.starts_in_reasoning;
+    auto grammar = ToolCallConstraint(tool_format_, input.tools, choice, request.parallel_tool_calls, constraint_options);
+    if (!grammar.ok() && forced) {
+      return SendError(exchange, InvalidRequest("tool_choice: " + grammar.status().message(), "tool_choice"));
+    }
+    if (forced && !request.constraint_fields.empty()) {
+      return SendError(exchange, InvalidRequest("a required or named tool_choice cannot be combined with '" +
+                                                    request.constraint_fields[0] + "'",
+                                                "tool_choice"));
+    }
+    if (forced && !StructuredOutputAvailable()) {
+      return SendError(exchange, ErrorFromStatus(NoXgrammarStatus()));
+    }
+    // "auto" is constrained where the format has a trigger and nothing else constrains the output;
+    // otherwise the calls are parsed from free text.
+    if (grammar.ok() && request.constraint_fields.empty() && StructuredOutputAvailable()) {
+      StructuredOutput so;
+      so.kind = grammar->kind == ToolCallGrammar::Kind::kJsonSchema ? StructuredOutput::Kind::kJsonSchema
+                                                                   : StructuredOutput::Kind::kStructuralTag;
+      so.spec = grammar->spec;
+      so.strict = true;
+      so.any_whitespace = false;  // compact JSON: a weak model left free to write whitespace may write nothing else
+      request.sampling.structured_output = std::move(so);
+    }
+  }
   PromptJob job;
-  job.tokens = tok.Encode(RenderChat(*chat_family_, chat_template_text_, request.messages), tok.add_bos());
+  // The template writes the BOS where the model wants one; the tokenizer adds it only where the
+  // template did not (llama.cpp's rule, for GGUF templates that leave it out).
+  job.tokens = tok.Encode(prompt, tok.add_bos() && !StartsWithBos(prompt));
   std::vector<PromptJob> jobs;
   jobs.push_back(std::move(job));
-  GenerationRun run(*this, exchange, /*chat=*/true);
+  GenerationRun run(*this, exchange, /*chat=*/true, std::move(parsing));
   run.Run(std::move(jobs), request, false, request.logprobs);
 }
 

@@ -10,6 +10,7 @@
 #include "s3/plugin.h"
 #include "sched/policy.h"
 #include "speculative/plugin.h"
+#include "structured_output/plugin.h"
 #include "triforce/plugin.h"
 
 namespace kvflow {
@@ -46,7 +47,8 @@ const SystemRegistry& BuiltinSystems() {
     SystemRegistry r;
     for (const Status& st : {RegisterSpeculativeDrafters(r), RegisterTriForce(r), RegisterInfiniGen(r),
                              RegisterH2O(r), RegisterKvRunahead(r), RegisterHostPrefixCache(r),
-                             RegisterKvOffload(r), RegisterBasicPolicies(r), RegisterS3(r)}) {
+                             RegisterKvOffload(r), RegisterBasicPolicies(r), RegisterS3(r),
+                             RegisterStructuredOutput(r)}) {
       // A built-in system that cannot register is a programming error, caught by every test.
       if (!st.ok()) spdlog::critical("registering the built-in systems: {}", st.ToString());
     }

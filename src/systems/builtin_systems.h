@@ -10,7 +10,8 @@
 namespace kvflow {
 
 // Every built-in system: the drafters ngram, draft_model and triforce; the KV selectors infinigen
-// and h2o; the prefillers kv-runahead and tsp; the KV tier kv_offload.
+// and h2o; the prefillers kv-runahead and tsp; the KV tier kv_offload; the logits processor
+// structured_output.
 const SystemRegistry& BuiltinSystems();
 
 // Engine::Create with the evaluation options (tests and benchmarks).

@@ -79,7 +79,8 @@ def test_special_tokens_by_each_servers_default(server):
     ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "or chat 'messages'"),
     ({"prompt": 7}, "prompt"),
     ({"prompt": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
-    ({"messages": [{"role": "user", "content": "b"}], "add_generation_prompt": False}, "add_generation_prompt"),
+    ({"messages": [{"role": "user", "content": "b"}], "add_generation_prompt": "no"}, "add_generation_prompt"),
+    ({"prompt": "a", "tools": []}, "go with chat 'messages'"),
     ({"messages": []}, "must not be empty"),
     ({"prompt": "a", "temperature": 0}, "Unrecognized request argument supplied: temperature"),
 ])

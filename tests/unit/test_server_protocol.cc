@@ -208,21 +208,23 @@ TEST(OpenAiParse, ChatMessagesAndOptions) {
       R"("stream":true,"stream_options":{"include_usage":true},"tool_choice":"none","response_format":{"type":"text"}})",
       &r);
   ASSERT_FALSE(error) << error->message;
-  ASSERT_EQ(r.messages.size(), 3u);
-  EXPECT_EQ(r.messages[0].role, "system");
-  EXPECT_EQ(r.messages[1].content, "hi there");
+  ASSERT_EQ(r.chat.messages.size(), 3u);
+  EXPECT_EQ(r.chat.messages[0]["role"], "system");
+  EXPECT_EQ(r.chat.messages[1]["content"], "hi \nthere");  // text parts joined with \n, as vLLM joins them
+  EXPECT_EQ(r.chat.messages[1]["name"], "bob");
   EXPECT_TRUE(r.logprobs);
   EXPECT_EQ(r.sampling.logprobs, 2);
   EXPECT_EQ(r.sampling.max_tokens, 9);
   EXPECT_TRUE(r.max_tokens_given);
   EXPECT_TRUE(r.include_usage);
 
-  for (const char* bad : {R"({"messages":"hi"})", R"({"messages":[]})", R"({"messages":[{"role":"tool","content":"x"}]})",
+  for (const char* bad : {R"({"messages":"hi"})", R"({"messages":[]})", R"({"messages":[{"role":"robot","content":"x"}]})",
                           R"({"messages":[{"role":"user"}]})", R"({"messages":[{"role":"user","content":"x","k":1}]})",
                           R"({"messages":[{"role":"user","content":[{"type":"image_url"}]}]})",
                           R"({"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]})",
                           R"({"messages":[{"role":"user","content":"x"}],"top_logprobs":2})",
-                          R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}})",
+                          R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema"}})",
+                          R"({"messages":[{"role":"user","content":"x"}],"tool_choice":"required"})",
                           R"({"prompt":"x"})"}) {
     auto e = ParseChatRequest(bad, &r);
     ASSERT_TRUE(e) << bad;

@@ -38,7 +38,7 @@ void BeamSearch::OnLogits(EngineCore& core, RequestState& req, std::span<const S
     std::vector<float>& logits = pending_[beam->index];
     const auto V = static_cast<int64_t>(logits.size());
     TokenConstraint constraint;
-    if (const TokenConstraint* c = core.Constrain(p, beam->prompt(), beam->output(), constraint)) c->ApplyTo(logits);
+    if (const TokenConstraint* c = core.Constrain(p, *beam, beam->output(), constraint)) c->ApplyTo(logits);
     // log-softmax, then the 2 * width best continuations of this beam.
     const float max = *std::max_element(logits.begin(), logits.end());
     double sum = 0.0;
@@ -53,6 +53,8 @@ void BeamSearch::OnLogits(EngineCore& core, RequestState& req, std::span<const S
                                (logits[static_cast<size_t>(a)] == logits[static_cast<size_t>(b)] && a < b);
                       });
     for (size_t k = 0; k < keep; ++k) {
+      // A token the constraint rules out (a structured-output mask) is no continuation.
+      if (logits[static_cast<size_t>(order[k])] == -std::numeric_limits<float>::infinity()) break;
       SampledToken tok;
       tok.token = order[k];
       tok.logprob = static_cast<float>(logits[static_cast<size_t>(tok.token)] - log_z);
@@ -63,6 +65,15 @@ void BeamSearch::OnLogits(EngineCore& core, RequestState& req, std::span<const S
       candidates.push_back({beam, std::move(tok), beam->cumulative_logprob + (logits[static_cast<size_t>(order[k])] - log_z)});
     }
     pending_.erase(beam->index);
+  }
+  if (candidates.empty()) {
+    // The constraint allows no token to any beam (min_tokens banning the EOS a complete grammar
+    // needs): the beams end where they are.
+    for (SeqState* beam : beams) {
+      AddHypothesis(req, *beam, nullptr, beam->cumulative_logprob, FinishReason::kStop);
+      core.FinishSequence(*beam, FinishReason::kStop);
+    }
+    return;
   }
   std::stable_sort(candidates.begin(), candidates.end(),
                    [](const Candidate& a, const Candidate& b) { return a.cumulative > b.cumulative; });

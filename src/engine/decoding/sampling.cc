@@ -15,7 +15,7 @@ uint64_t CandidateSeed(uint64_t seed, int index) {
 
 void SampleAndAppend(EngineCore& core, RequestState& req, SeqState& seq, std::span<float> logits) {
   TokenConstraint constraint;
-  const TokenConstraint* allowed = core.Constrain(req.params, seq.prompt(), seq.output(), constraint);
+  const TokenConstraint* allowed = core.Constrain(req.params, seq, seq.output(), constraint);
   const SampledToken token = seq.sampler.Sample(logits, seq.prompt(), seq.output(), allowed);
   core.AppendTokens(req, seq, {&token, 1});
 }

@@ -60,7 +60,7 @@ void SpeculativeSampling::OnLogits(EngineCore& core, RequestState& req, std::spa
       std::vector<int32_t> output(seq.output().begin(), seq.output().end());
       TokenConstraint constraint;
       for (size_t i = 0; i <= r.drafts.size(); ++i) {
-        const TokenConstraint* allowed = core.Constrain(req.params, seq.prompt(), output, constraint);
+        const TokenConstraint* allowed = core.Constrain(req.params, seq, output, constraint);
         std::span<float> row = r.logits.subspan(i * V, V);
         tokens.push_back(seq.sampler.Sample(row, seq.prompt(), output, allowed));
         if (i == r.drafts.size() || tokens.back().token != r.drafts[i]) break;
@@ -84,7 +84,7 @@ std::vector<SampledToken> SpeculativeSampling::VerifySampledDrafts(EngineCore& c
   std::vector<float> p;
   TokenConstraint constraint;
   for (size_t i = 0; i <= r.drafts.size(); ++i) {
-    const TokenConstraint* allowed = core.Constrain(req.params, seq.prompt(), output, constraint);
+    const TokenConstraint* allowed = core.Constrain(req.params, seq, output, constraint);
     std::span<float> row = r.logits.subspan(i * V, V);
     seq.sampler.Distribution(row, seq.prompt(), output, allowed, p);
     if (i == r.drafts.size()) {  // every draft kept: one more token from the target
