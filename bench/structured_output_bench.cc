@@ -7,6 +7,7 @@
 //   kvflow_bench_structured_output --model smollm2-135m --threads 2 --out-dir bench/results
 //
 // Writes structured_output_<model>.{json,md}.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -46,6 +47,11 @@ constexpr const char* kCheckSchema = R"({
     "name": {"type": "string", "maxLength": 32}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
     "city": {"type": "string", "maxLength": 32}},
   "required": ["name", "age", "city"], "additionalProperties": false})";
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
 
 struct DecodeRun {
   double tok_s = 0.0;
@@ -104,11 +110,13 @@ DecodeRun TimedDecode(kvflow::Engine& engine, const std::vector<std::vector<int3
 int main(int argc, char** argv) {
   CLI::App app{"Structured output (xgrammar JSON schema) vs free decoding on one engine"};
   std::string model = "smollm2-135m", out_dir = "bench/results";
-  int threads = 2, max_tokens = 48;
+  int threads = 2, max_tokens = 48, repeats = 5;
   std::vector<int> batches = {1, 32};
   app.add_option("--model", model, "Model path or short name")->default_val(model);
   app.add_option("--threads", threads, "CPU threads")->default_val(threads);
   app.add_option("--max-tokens", max_tokens, "Tokens generated per sequence in the timed runs")->default_val(max_tokens);
+  app.add_option("--repeats", repeats, "Timed runs of each kind per batch, interleaved; medians are reported")
+      ->default_val(repeats);
   app.add_option("--batches", batches, "Batch sizes, comma-separated")->delimiter(',')->default_str("1,32");
   app.add_option("--out-dir", out_dir)->default_val(out_dir);
   CLI11_PARSE(app, argc, argv);
@@ -187,8 +195,17 @@ int main(int argc, char** argv) {
   (void)TimedDecode(engine, {prompts[0]}, constrained);
   for (int batch : batches) {
     std::vector<std::vector<int32_t>> batch_prompts(prompts.begin(), prompts.begin() + std::min<size_t>(batch, prompts.size()));
-    const DecodeRun a = TimedDecode(engine, batch_prompts, free_params);
-    const DecodeRun b = TimedDecode(engine, batch_prompts, constrained);
+    // Free and constrained runs interleaved, so that a slow spell of this shared machine hits both.
+    std::vector<double> free_rates, constrained_rates;
+    DecodeRun a, b;
+    for (int rep = 0; rep < repeats; ++rep) {
+      a = TimedDecode(engine, batch_prompts, free_params);
+      b = TimedDecode(engine, batch_prompts, constrained);
+      free_rates.push_back(a.tok_s);
+      constrained_rates.push_back(b.tok_s);
+    }
+    a.tok_s = Median(free_rates);
+    b.tok_s = Median(constrained_rates);
     const double slowdown = 1.0 - b.tok_s / std::max(1e-9, a.tok_s);
     char row[256];
     std::snprintf(row, sizeof row, "| %d | %.1f | %.1f | %.1f%% | %lld / %lld |\n", batch, a.tok_s, b.tok_s, 100 * slowdown,
@@ -197,7 +214,8 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     table += row;
     rows.push_back({{"batch", batch}, {"free_decode_tok_s", a.tok_s}, {"constrained_decode_tok_s", b.tok_s},
-                    {"slowdown", slowdown}, {"free_timed_steps", a.steps}, {"constrained_timed_steps", b.steps},
+                    {"slowdown", slowdown}, {"free_runs_tok_s", free_rates},
+                    {"constrained_runs_tok_s", constrained_rates}, {"free_timed_steps", a.steps}, {"constrained_timed_steps", b.steps},
                     {"free_timed_tokens", a.tokens}, {"constrained_timed_tokens", b.tokens},
                     {"sample_constrained_output", b.texts.front().substr(0, 200)}});
   }
@@ -226,6 +244,7 @@ int main(int argc, char** argv) {
               {"engine", engine.Describe()},
               {"threads", threads},
               {"max_tokens", max_tokens},
+              {"repeats", repeats},
               {"schema", Json::parse(kTimedSchema)},
               {"compile", compile},
               {"results", rows},
@@ -237,7 +256,8 @@ int main(int argc, char** argv) {
                               << threads << " threads, greedy\n\nMeasured in one run on one engine ("
                               << engine.Describe() << "). Decode tok/s over the steps in which every sequence of the "
                               << "batch is alive (" << max_tokens << " tokens each; the schema needs at least 40 records, "
-                              << "so no constrained sequence ends early).\n\n" << table
+                              << "so no constrained sequence ends early); medians of " << repeats
+                              << " interleaved runs of each kind.\n\n" << table
                               << "\nSchema compile time for this tokenizer (xgrammar 0.2.8): first "
                               << compile["first_compile_ms"].get<double>() << " ms, from the cache "
                               << compile["cached_compile_ms"].get<double>() << " ms (tokenizer info "

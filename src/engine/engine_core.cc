@@ -269,6 +269,7 @@ void EngineCore::UpdateFromOutput(const SchedulerOutput& sched, ExecutorOutput& 
     }
     return;
   }
+  PrepareConstraints(sched, record);
   // Logit rows by request, in batch order; prompt rows are scored on the way.
   const int64_t V = out.vocab_size;
   std::vector<std::pair<RequestState*, std::vector<SeqLogits>>> by_request;
@@ -422,6 +423,21 @@ bool EngineCore::IsStopToken(const SamplingParams& p, int32_t token) {
 
 bool EngineCore::ReachedLength(const SamplingParams& p, const SchedSequence& seq) const {
   return seq.output_len() >= p.max_tokens || seq.num_tokens() >= config_.scheduler.max_model_len;
+}
+
+void EngineCore::PrepareConstraints(const SchedulerOutput& sched, const StepRecord& record) {
+  prepare_rows_.clear();
+  for (size_t k = 0; k < sched.scheduled.size(); ++k) {
+    const ScheduledSeq& s = sched.scheduled[k];
+    if (!s.needs_logits || record.logits[k] != LogitsMode::kLast) continue;
+    RequestState& req = Get(s.group->request_id);
+    if (!req.params.structured_output || req.params.max_tokens == 0) continue;
+    const SeqState* st = req.Find(s.seq);
+    if (st == nullptr) continue;
+    prepare_rows_.push_back(
+        LogitsContext{req.params, st->prompt(), st->output(), config_.vocab_size, static_cast<uint64_t>(st->seq->id)});
+  }
+  if (!prepare_rows_.empty()) logits_processors_.Prepare(prepare_rows_);
 }
 
 const TokenConstraint* EngineCore::Constrain(const SamplingParams& p, const SeqState& seq,

@@ -147,6 +147,9 @@ class EngineCore {
   // Whether the executor may sample every row of the step itself.
   bool ExecutorMaySample(const Executor& executor, const SchedulerOutput& sched, const StepRecord& record) const;
   // Whether the executor returned a token list (`sampled`) or the logit rows the step asked for.
+  // Host sampling: hands the processors the step's plain decode rows of constrained requests
+  // before they are sampled (LogitsProcessor::Prepare), so masks are filled for the batch at once.
+  void PrepareConstraints(const SchedulerOutput& sched, const StepRecord& record);
   Status CheckOutput(const SchedulerOutput& sched, const ExecutorOutput& out, bool sampled,
                      const StepRecord& record) const;
   // Hands each request its share of the step's output (tokens the executor `sampled`, or logits),
@@ -181,6 +184,7 @@ class EngineCore {
   EngineStats stats_;
   LogitsProcessors logits_processors_;
   std::vector<TokenConstraint> step_constraints_;  // the device-sampled rows' constraints of a step
+  std::vector<LogitsContext> prepare_rows_;        // PrepareConstraints' rows (reused)
   RequestId next_id_ = 1;
   bool in_step_ = false;
 };

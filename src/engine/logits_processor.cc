@@ -22,6 +22,10 @@ bool LogitsProcessors::HandlesStructuredOutput() const {
   return false;
 }
 
+void LogitsProcessors::Prepare(std::span<const LogitsContext> rows) const {
+  for (const auto& p : processors_) p->Prepare(rows);
+}
+
 void LogitsProcessors::Fork(uint64_t parent_key, uint64_t child_key) const {
   for (const auto& p : processors_) p->Fork(parent_key, child_key);
 }

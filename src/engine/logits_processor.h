@@ -41,6 +41,10 @@ class LogitsProcessor {
   // Narrows `constraint` for the position after ctx.output. Called on the engine's thread; a
   // position may be asked about again, and the output may shrink (a rejected draft) or change.
   virtual void Constrain(const LogitsContext& ctx, TokenConstraint& constraint) const = 0;
+  // Called once per step on the host-sampling path, before any Constrain of that step, with the
+  // plain decode rows it will be asked about: a processor may compute all their constraints at
+  // once (structured output fills the masks of a batch in parallel), Constrain then finds them.
+  virtual void Prepare(std::span<const LogitsContext> rows) const {}
   // Whether it implements SamplingParams::structured_output (the engine refuses such a request
   // when none does).
   virtual bool HandlesStructuredOutput() const { return false; }
@@ -65,6 +69,7 @@ class LogitsProcessors {
   // position (the sampler's fast path).
   bool Constrain(const LogitsContext& ctx, TokenConstraint& constraint) const;
   bool HandlesStructuredOutput() const;
+  void Prepare(std::span<const LogitsContext> rows) const;
   void Fork(uint64_t parent_key, uint64_t child_key) const;
   void Forget(uint64_t sequence_key) const;
 

@@ -1,6 +1,7 @@
 #include "structured_output/structured_output_processor.h"
 
 #include <algorithm>
+#include <thread>
 #include <utility>
 
 #include <spdlog/spdlog.h>
@@ -48,6 +49,8 @@ void StructuredOutputProcessor::AllowOnlyEos(TokenConstraint& constraint, int64_
 void StructuredOutputProcessor::CatchUp(Sequence& seq, std::span<const int32_t> output, uint64_t key) const {
   const size_t common = static_cast<size_t>(
       std::mismatch(seq.consumed.begin(), seq.consumed.end(), output.begin(), output.end()).first - seq.consumed.begin());
+  if (common == seq.consumed.size() && common == output.size()) return;  // already there: the mask stands
+  seq.mask_ready = false;
   if (common < seq.consumed.size()) {
     if (common == output.size()) {
       // The output is a prefix of what was consumed (drafts rejected): roll back to it.
@@ -80,6 +83,53 @@ void StructuredOutputProcessor::CatchUp(Sequence& seq, std::span<const int32_t> 
   }
 }
 
+StructuredOutputProcessor::Sequence* StructuredOutputProcessor::Find(const LogitsContext& ctx,
+                                                                     const GrammarCompiler& compiler) const {
+  auto [it, inserted] = sequences_.try_emplace(ctx.sequence_key);
+  Sequence& seq = it->second;
+  if (inserted) {
+    auto matcher = compiler.NewMatcher(*ctx.params.structured_output);
+    if (matcher.ok()) {
+      seq.matcher = std::move(matcher).value();
+    } else {
+      spdlog::error("structured output: sequence {}: {}", ctx.sequence_key, matcher.status().ToString());
+    }
+  }
+  return seq.matcher ? &seq : nullptr;
+}
+
+bool StructuredOutputProcessor::Update(Sequence& seq, const LogitsContext& ctx) const {
+  CatchUp(seq, ctx.output, ctx.sequence_key);
+  if (seq.accepted < seq.consumed.size() || seq.matcher->IsTerminated()) return false;
+  if (!seq.mask_ready) {
+    seq.mask.resize(static_cast<size_t>(seq.matcher->MaskWords()));
+    seq.mask_constrains = seq.matcher->FillNextTokenMask(seq.mask);
+    seq.mask_ready = true;
+  }
+  return true;
+}
+
+void StructuredOutputProcessor::Prepare(std::span<const LogitsContext> rows) const {
+  auto compiler = Compiler();
+  if (!compiler.ok() || rows.size() < 2) return;  // one row: Constrain fills it as fast
+  std::vector<std::pair<Sequence*, const LogitsContext*>> work;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const LogitsContext& ctx : rows) {
+      if (!ctx.params.structured_output || ctx.vocab_size != compiler.value()->vocab_size()) continue;
+      if (Sequence* seq = Find(ctx, *compiler.value())) work.emplace_back(seq, &ctx);
+    }
+  }
+  // Each row has a sequence (and a matcher) of its own, and nothing is inserted meanwhile, so the
+  // rows run in parallel without the lock.
+  std::call_once(pool_once_, [this] {
+    pool_ = std::make_unique<ThreadPool>(static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 8u)));
+  });
+  pool_->ParallelFor(static_cast<int64_t>(work.size()), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) (void)Update(*work[i].first, *work[i].second);
+  }, 1);
+}
+
 void StructuredOutputProcessor::Constrain(const LogitsContext& ctx, TokenConstraint& constraint) const {
   if (!ctx.params.structured_output) return;
   auto compiler = Compiler();
@@ -88,27 +138,12 @@ void StructuredOutputProcessor::Constrain(const LogitsContext& ctx, TokenConstra
     return;
   }
   std::lock_guard<std::mutex> lock(mu_);
-  auto [it, inserted] = sequences_.try_emplace(ctx.sequence_key);
-  Sequence& seq = it->second;
-  if (inserted) {
-    auto matcher = compiler.value()->NewMatcher(*ctx.params.structured_output);
-    if (matcher.ok()) {
-      seq.matcher = std::move(matcher).value();
-    } else {
-      spdlog::error("structured output: sequence {}: {}", ctx.sequence_key, matcher.status().ToString());
-    }
-  }
-  if (!seq.matcher || ctx.vocab_size != compiler.value()->vocab_size()) {
+  Sequence* seq = ctx.vocab_size == compiler.value()->vocab_size() ? Find(ctx, *compiler.value()) : nullptr;
+  if (seq == nullptr || !Update(*seq, ctx)) {
     AllowOnlyEos(constraint, ctx.vocab_size);
     return;
   }
-  CatchUp(seq, ctx.output, ctx.sequence_key);
-  if (seq.accepted < seq.consumed.size() || seq.matcher->IsTerminated()) {
-    AllowOnlyEos(constraint, ctx.vocab_size);
-    return;
-  }
-  seq.mask.resize(static_cast<size_t>(seq.matcher->MaskWords()));
-  if (seq.matcher->FillNextTokenMask(seq.mask)) constraint.AllowOnly(seq.mask);
+  if (seq->mask_constrains) constraint.AllowOnly(seq->mask);
 }
 
 void StructuredOutputProcessor::Fork(uint64_t parent_key, uint64_t child_key) const {
@@ -119,6 +154,9 @@ void StructuredOutputProcessor::Fork(uint64_t parent_key, uint64_t child_key) co
   child.matcher = parent->second.matcher->Fork();
   child.consumed = parent->second.consumed;
   child.accepted = parent->second.accepted;
+  child.mask = parent->second.mask;
+  child.mask_ready = parent->second.mask_ready;
+  child.mask_constrains = parent->second.mask_constrains;
   sequences_[child_key] = std::move(child);
 }
 

@@ -20,6 +20,7 @@
 #include "engine/logits_processor.h"
 #include "kvflow/tokenizer.h"
 #include "structured_output/grammar_compiler.h"
+#include "util/thread_pool.h"
 
 namespace kvflow {
 
@@ -36,6 +37,9 @@ class StructuredOutputProcessor final : public LogitsProcessor {
   // regex, choice list or grammar; Unsupported without xgrammar.
   Status Validate(const SamplingParams& params, int64_t vocab_size) const override;
   void Constrain(const LogitsContext& ctx, TokenConstraint& constraint) const override;
+  // Walks and fills the masks of a step's rows in parallel on a pool of its own (the backend's
+  // threads are idle while the engine samples); Constrain then only copies them.
+  void Prepare(std::span<const LogitsContext> rows) const override;
   bool HandlesStructuredOutput() const override { return true; }
   void Fork(uint64_t parent_key, uint64_t child_key) const override;
   void Forget(uint64_t sequence_key) const override;
@@ -51,7 +55,16 @@ class StructuredOutputProcessor final : public LogitsProcessor {
     // are not fed and only EOS is allowed).
     size_t accepted = 0;
     std::vector<uint32_t> mask;
+    // `mask` holds the allowed tokens after `consumed` (filled by Prepare or an earlier Constrain);
+    // `mask_constrains` false: every token is allowed there.
+    bool mask_ready = false;
+    bool mask_constrains = false;
   };
+  // The sequence's state, its matcher made on first sight; null when its grammar failed (logged).
+  // Call with mu_ held.
+  Sequence* Find(const LogitsContext& ctx, const GrammarCompiler& compiler) const;
+  // Walks `seq` to `output` and fills its mask unless it is ready; false when only EOS may come.
+  bool Update(Sequence& seq, const LogitsContext& ctx) const;
 
   Result<const GrammarCompiler*> Compiler() const;
   // Walks `seq`'s matcher to `output`.
@@ -67,6 +80,8 @@ class StructuredOutputProcessor final : public LogitsProcessor {
   mutable Status compiler_status_;
   mutable std::mutex mu_;  // guards sequences_
   mutable std::unordered_map<uint64_t, Sequence> sequences_;
+  mutable std::once_flag pool_once_;
+  mutable std::unique_ptr<ThreadPool> pool_;  // Prepare's, made on the first batch to prepare
 };
 
 }  // namespace kvflow
