@@ -8,6 +8,7 @@
 #include <map>
 
 #include "model/utf8.h"
+#include "util/json_nesting.h"
 
 namespace kvflow::server {
 namespace {
@@ -28,28 +29,9 @@ ApiError WrongType(const std::string& field, const char* expected, const Json& g
   return InvalidRequest("'" + field + "' must be " + expected + ", not " + TypeName(got), field);
 }
 
-// Depth of [ / { nesting outside strings; refuses hostile bodies before the parser sees them.
-bool NestingWithin(std::string_view body, int limit) {
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (char c : body) {
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > limit) return false;
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return true;
-}
 
 std::optional<ApiError> ParseObject(std::string_view body, Json* out) {
-  if (!NestingWithin(body, kMaxJsonDepth)) {
+  if (!JsonNestingWithin(body, kMaxJsonDepth)) {
     return InvalidRequest("the JSON body is nested deeper than " + std::to_string(kMaxJsonDepth) + " levels");
   }
   *out = Json::parse(body, nullptr, /*allow_exceptions=*/false);

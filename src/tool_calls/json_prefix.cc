@@ -2,6 +2,8 @@
 
 #include <string>
 
+#include "util/json_nesting.h"
+
 namespace kvflow::tool_calls {
 namespace {
 
@@ -34,29 +36,11 @@ struct ErrorPosition : nlohmann::json_sax<ordered_json> {
   }
 };
 
-bool DepthWithin(std::string_view text) {
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      if (++depth > kMaxDepth) return false;
-    } else if (c == '}' || c == ']') {
-      --depth;
-    }
-  }
-  return true;
-}
 
 }  // namespace
 
 bool ParseJsonText(std::string_view text, ordered_json* value) {
-  if (!DepthWithin(text)) return false;
+  if (!JsonNestingWithin(text, kMaxDepth)) return false;
   *value = ordered_json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   return !value->is_discarded();
 }
