@@ -3,8 +3,8 @@
 
 Every template in ../shared/datasets/chat_templates (the 18 real ones) is rendered for a set of
 conversations (system prompts, several turns, tool definitions, assistant tool calls, tool results,
-reasoning, non-ASCII text), with add_generation_prompt true and false and with and without
-enable_thinking=false, by Python's jinja2 configured as transformers' apply_chat_template configures
+reasoning, non-ASCII text), with add_generation_prompt true and false and, where the template reads
+it, with and without enable_thinking=false, by Python's jinja2 configured as transformers' apply_chat_template configures
 it, and by `kvflow chat-template`. The outputs must be equal; where jinja2 fails (the template's
 raise_exception, or an error the conversation provokes) kvflow must fail too, with the same message
 for raise_exception.
@@ -130,8 +130,10 @@ def main():
             source = open(path, encoding="utf-8").read()
             compiled = env.from_string(source)
             for conv, (messages, tools) in CONVERSATIONS.items():
+                # enable_thinking only where the template reads it (it changes nothing elsewhere).
+                kwarg_sets = ({}, {"enable_thinking": False}) if "enable_thinking" in source else ({},)
                 for add_generation_prompt in (True, False):
-                    for kwargs in ({}, {"enable_thinking": False}):
+                    for kwargs in kwarg_sets:
                         if "firefunction" in name:  # its template reads the tools as `functions`
                             kwargs = dict(kwargs, functions=json.dumps([t["function"] for t in tools or []], indent=2))
                         ctx = dict(messages=as_templates_see_them(messages), tools=tools,
