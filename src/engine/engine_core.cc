@@ -431,7 +431,7 @@ void EngineCore::PrepareConstraints(const SchedulerOutput& sched, const StepReco
     const ScheduledSeq& s = sched.scheduled[k];
     if (!s.needs_logits || record.logits[k] != LogitsMode::kLast) continue;
     RequestState& req = Get(s.group->request_id);
-    if (!req.params.structured_output || req.params.max_tokens == 0) continue;
+    if (req.params.max_tokens == 0) continue;
     const SeqState* st = req.Find(s.seq);
     if (st == nullptr) continue;
     prepare_rows_.push_back(

@@ -147,8 +147,8 @@ class EngineCore {
   // Whether the executor may sample every row of the step itself.
   bool ExecutorMaySample(const Executor& executor, const SchedulerOutput& sched, const StepRecord& record) const;
   // Whether the executor returned a token list (`sampled`) or the logit rows the step asked for.
-  // Host sampling: hands the processors the step's plain decode rows of constrained requests
-  // before they are sampled (LogitsProcessor::Prepare), so masks are filled for the batch at once.
+  // Host sampling: hands the logits processors the step's plain decode rows before they are
+  // sampled (LogitsProcessor::Prepare), so that one may fill its constraints for the batch at once.
   void PrepareConstraints(const SchedulerOutput& sched, const StepRecord& record);
   Status CheckOutput(const SchedulerOutput& sched, const ExecutorOutput& out, bool sampled,
                      const StepRecord& record) const;
