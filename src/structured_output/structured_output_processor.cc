@@ -110,8 +110,12 @@ bool StructuredOutputProcessor::Update(Sequence& seq, const LogitsContext& ctx) 
 }
 
 void StructuredOutputProcessor::Prepare(std::span<const LogitsContext> rows) const {
+  // One constrained row: Constrain fills it as fast. None: the compiler is not even made.
+  const auto constrained = std::count_if(rows.begin(), rows.end(),
+                                         [](const LogitsContext& ctx) { return ctx.params.structured_output.has_value(); });
+  if (constrained < 2) return;
   auto compiler = Compiler();
-  if (!compiler.ok() || rows.size() < 2) return;  // one row: Constrain fills it as fast
+  if (!compiler.ok()) return;
   std::vector<std::pair<Sequence*, const LogitsContext*>> work;
   {
     std::lock_guard<std::mutex> lock(mu_);
