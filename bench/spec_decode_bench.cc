@@ -155,9 +155,7 @@ int main(int argc, char** argv) {
   auto chat_template = kvflow::ChatTemplate::Create(tok.chat_template(), "", "");
   auto chat = [&](const std::string& user) {
     if (!chat_template.ok()) return user;
-    kvflow::ChatTemplateInput input;
-    input.messages = nlohmann::ordered_json::array({{{"role", "user"}, {"content", user}}});
-    auto prompt = chat_template->Render(input);
+    auto prompt = chat_template->Render(kvflow::ChatTemplateInput::User(user));
     return prompt.ok() ? prompt.value() : user;
   };
   struct Task {

@@ -168,9 +168,7 @@ int main(int argc, char** argv) {
   auto prompt_for = [&](const std::string& user) {
     std::string text = user;
     if (chat_template.ok()) {
-      kvflow::ChatTemplateInput input;
-      input.messages = Json::array({{{"role", "user"}, {"content", user}}});
-      if (auto r = chat_template->Render(input); r.ok()) text = r.value();
+      if (auto r = chat_template->Render(kvflow::ChatTemplateInput::User(user)); r.ok()) text = r.value();
     }
     return tok.Encode(text, tok.add_bos());
   };

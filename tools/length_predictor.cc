@@ -193,9 +193,7 @@ class PromptRenderer {
   }
   std::string Render(const std::string& prompt) const {
     if (!chat_) return prompt;
-    kvflow::ChatTemplateInput input;
-    input.messages = nlohmann::ordered_json::array({{{"role", "user"}, {"content", prompt}}});
-    auto rendered = template_->Render(input);
+    auto rendered = template_->Render(kvflow::ChatTemplateInput::User(prompt));
     return rendered.ok() ? rendered.value() : prompt;
   }
   std::vector<int32_t> Tokens(const kvflow::Tokenizer& tok, const std::string& prompt) const {

@@ -50,6 +50,11 @@ Result<ChatTemplate> ChatTemplate::Create(const std::string& source, std::string
   return t;
 }
 
+Result<ChatTemplate> ChatTemplate::Create(const std::string& source, const Tokenizer& tokenizer) {
+  auto text = [&](int32_t id) { return id >= 0 ? tokenizer.DecodeBytes({id}, /*skip_special=*/false) : std::string(); };
+  return Create(source, text(tokenizer.bos_id()), text(tokenizer.eos_id()));
+}
+
 Result<std::string> ChatTemplate::ReadSource(const std::string& name_or_path) {
   if (BuiltInChatTemplate(name_or_path)) return name_or_path;
   std::ifstream file(name_or_path, std::ios::binary);

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kvflow/status.h"
+#include "kvflow/tokenizer.h"
 
 namespace kvflow {
 
@@ -24,6 +25,13 @@ struct ChatTemplateInput {
   // Extra template variables (vLLM's chat_template_kwargs, e.g. enable_thinking); they cannot
   // replace messages, tools or add_generation_prompt.
   nlohmann::ordered_json kwargs = nlohmann::ordered_json::object();
+
+  // One user message, opening the assistant's turn (a prompt wrapped for a chat model).
+  static ChatTemplateInput User(const std::string& text) {
+    ChatTemplateInput input;
+    input.messages = nlohmann::ordered_json::array({{{"role", "user"}, {"content", text}}});
+    return input;
+  }
 };
 
 class ChatTemplate {
@@ -31,6 +39,8 @@ class ChatTemplate {
   // `source` is Jinja text, or the name of a built-in template: "chatml" or "llama3".
   // `bos_token` / `eos_token` are the tokenizer's texts of those tokens ("" where it has none).
   static Result<ChatTemplate> Create(const std::string& source, std::string bos_token, std::string eos_token);
+  // The same with `tokenizer`'s BOS and EOS texts (empty where it has none).
+  static Result<ChatTemplate> Create(const std::string& source, const Tokenizer& tokenizer);
   // Reads `source` as a built-in name, or else as a file holding a Jinja template (a
   // chat_template.jinja, or a tokenizer_config.json whose chat_template is taken).
   static Result<std::string> ReadSource(const std::string& name_or_path);

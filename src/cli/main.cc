@@ -74,18 +74,16 @@ int RunGenerate(GenerateOptions& opt) {
       spdlog::error("--chat: the model has no chat template; give one with --chat-template");
       return 1;
     }
-    auto special_text = [&](int32_t id) { return id >= 0 ? tok.DecodeBytes({id}, false) : std::string(); };
-    auto chat_template = kvflow::ChatTemplate::Create(source, special_text(tok.bos_id()), special_text(tok.eos_id()));
-    kvflow::ChatTemplateInput input;
-    input.messages = nlohmann::ordered_json::array({{{"role", "user"}, {"content", opt.prompt}}});
-    auto rendered = chat_template.ok() ? chat_template->Render(input) : kvflow::Result<std::string>(chat_template.status());
+    auto chat_template = kvflow::ChatTemplate::Create(source, tok);
+    auto rendered = chat_template.ok() ? chat_template->Render(kvflow::ChatTemplateInput::User(opt.prompt))
+                                       : kvflow::Result<std::string>(chat_template.status());
     if (!rendered.ok()) {
       spdlog::error("--chat: {}", rendered.status().ToString());
       return 1;
     }
     prompt = rendered.value();
     // Generate adds the tokenizer's BOS; one the template wrote is dropped so it is not doubled.
-    const std::string bos = special_text(tok.bos_id());
+    const std::string& bos = chat_template->bos_token();
     if (tok.add_bos() && !bos.empty() && prompt.rfind(bos, 0) == 0) prompt.erase(0, bos.size());
   }
 

@@ -95,8 +95,7 @@ Result<std::unique_ptr<OpenAiServer>> OpenAiServer::Create(AsyncEngine* engine, 
     spdlog::warn("{}: /v1/chat/completions will refuse requests", server->chat_template_error_);
     return server;
   }
-  auto special_text = [&](int32_t id) { return id >= 0 ? tok.DecodeBytes({id}, /*skip_special=*/false) : std::string(); };
-  auto chat_template = ChatTemplate::Create(source, special_text(tok.bos_id()), special_text(tok.eos_id()));
+  auto chat_template = ChatTemplate::Create(source, tok);
   if (!chat_template.ok()) {
     return Status(chat_template.status().code(), (explicit_template ? "--chat-template: " : "the model's chat template: ") +
                                                      chat_template.status().message() +
