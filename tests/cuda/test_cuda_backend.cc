@@ -1081,10 +1081,34 @@ TEST(CudaEngine, GreedyMatchesCpuEngineOnSmolLM2) {
   ExpectGreedyMatchesCpu(gguf, 32);
 }
 
+// Seeded sampled tokens of two CUDA paths that compute the same distribution with other kernels or
+// on another sampler. The emulator runs every path in the same arithmetic, so there they are the
+// same tokens. On a GPU, fp16 kernels of other shapes (a several-token verification slice against
+// one-token steps) and the host sampler against the device one round differently, and a draw near a
+// probability boundary may go the other way (seen on an H200, 2026-11-27: n-gram speculation's
+// tokens parted after the first 32); a wrong row or random stream parts ways at the first draws, so there
+// every request must share at least its first 8 tokens. The shares are printed.
+void ExpectSameSeededTokens(const std::string& what, const Outputs& got, const Outputs& expected) {
+  if (test::IsEmulator()) {
+    EXPECT_EQ(got, expected) << what;
+    return;
+  }
+  ASSERT_EQ(got.size(), expected.size()) << what;
+  std::string per_prompt;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const size_t shared = CommonPrefix(got[i], expected[i]);
+    per_prompt += (i ? ", " : "") + std::to_string(shared) + "/" + std::to_string(expected[i].size());
+    EXPECT_GE(shared, std::min<size_t>(8, expected[i].size())) << what << ", prompt " << i;
+    EXPECT_EQ(got[i].size(), expected[i].size()) << what << ", prompt " << i;
+  }
+  std::printf("  %s, seeded sampling: shared tokens %s\n", what.c_str(), per_prompt.c_str());
+}
+
 // Multi-token verification on CUDA: n-gram drafts run with their sequence's next token (a
 // several-token slice with every row's logits, sampled on the host) and give the same tokens as
 // plain CUDA decoding (which samples on the device and replays graphs), greedy and seeded: one-hot
-// drafts are verified by the sequence's own sampler, so a seed gives the same tokens either way.
+// drafts are verified by the sequence's own sampler, so a seed gives the same tokens either way
+// (ExpectSameSeededTokens: to the bit on the emulator).
 TEST(CudaEngine, SpeculativeDecodingKeepsGreedyAndSeededOutputs) {
   KVFLOW_SKIP_WITHOUT_GPU();
   const int kTokens = 40;
@@ -1094,7 +1118,9 @@ TEST(CudaEngine, SpeculativeDecodingKeepsGreedyAndSeededOutputs) {
     spec.speculative.method = "ngram";
     spec.speculative.num_tokens = 4;
     EngineStats stats;
-    EXPECT_EQ(RunEngine(spec, kTokens, &stats, d), reference) << Name(d);
+    const Outputs got = RunEngine(spec, kTokens, &stats, d);
+    if (d == Decoding::kGreedy) EXPECT_EQ(got, reference) << Name(d);
+    else ExpectSameSeededTokens("n-gram speculation", got, reference);
     std::printf("  %s: drafts %lld, draft tokens %lld, accepted %lld\n", Name(d), (long long)stats.spec.num_drafts,
                 (long long)stats.spec.num_draft_tokens, (long long)stats.spec.num_accepted_tokens);
     EXPECT_GT(stats.spec.num_draft_tokens, 0) << Name(d);
@@ -1153,7 +1179,8 @@ TEST(CudaEngine, LogitBiasOnTheDeviceSampler) {
 // same configuration and seeds until fp16 moves a draw across a probability boundary, or (TriForce)
 // fp16 chunk scores pick another retrieval cache, which changes the middle's distribution and so
 // the draws after it. A wrong row, level or random stream parts ways at the first drafted token, so
-// every request must share at least its first 8 tokens with the CPU's; the shares are printed.
+// every request must share at least its first 8 tokens with the CPU's; the shares are printed (on
+// an H200, TriForce with the streaming bottom shared 77 of 160, so no overall share is demanded).
 void ExpectSeededMatchesCpu(const std::string& what, EngineConfig cuda, int tokens) {
   const Outputs got = RunEngine(cuda, tokens, nullptr, Decoding::kSeeded);
   EXPECT_EQ(RunEngine(cuda, tokens, nullptr, Decoding::kSeeded), got) << what << ": a seed repeats its tokens";
@@ -1174,7 +1201,6 @@ void ExpectSeededMatchesCpu(const std::string& what, EngineConfig cuda, int toke
   for (size_t i = 0; i < ref.size(); ++i) {
     EXPECT_GE(CommonPrefix(ref[i], got[i]), std::min<size_t>(8, ref[i].size())) << what << ", prompt " << i;
   }
-  EXPECT_GT(shared, total / 2) << what;
 }
 
 // TriForce on the tiny model: gamma2 4, gamma1 2, an 8-token retrieval cache, drafting from the
@@ -1594,10 +1620,11 @@ TEST(CudaEngine, InfiniGenOnTheDeviceSelectsAsOnTheHost) {
 }
 
 // The KV pool offloaded to pinned host memory: attention reads two layers' staging buffers, views
-// prefetched on the copy stream and selections gathered from the host pool. It moves bytes, never
-// changes a number: the same greedy and seeded sampled tokens as the resident pool, for full
-// attention (whose resident decode steps replay CUDA graphs), InfiniGen (also under a host pool cap)
-// and H2O.
+// prefetched on the copy stream and selections gathered from the host pool. It moves bytes: the same
+// greedy tokens as the resident pool, and the same seeded sampled tokens (ExpectSameSeededTokens:
+// to the bit on the emulator; on an H200, full attention, whose resident decode steps replay CUDA
+// graphs while the offloaded ones run eagerly, parted once after 15 tokens), for full attention,
+// InfiniGen (also under a host pool cap) and H2O.
 TEST(CudaEngine, KvOffloadKeepsGreedyAndSeededOutputs) {
   KVFLOW_SKIP_WITHOUT_GPU();
   for (const char* selection : {"", "infinigen", "h2o", "infinigen-capped"}) {
@@ -1623,8 +1650,8 @@ TEST(CudaEngine, KvOffloadKeepsGreedyAndSeededOutputs) {
                 (long long)moved.on_demand_fetches, moved.bytes_written / double(1 << 20));
     const Outputs sampled = RunSelectionEngine(resident, nullptr, nullptr, Decoding::kSeeded);
     EXPECT_NE(sampled, expected) << "sampling draws other tokens than greedy";
-    EXPECT_EQ(RunSelectionEngine(offloaded, nullptr, nullptr, Decoding::kSeeded), sampled)
-        << "selection '" << selection << "', seeded sampling";
+    ExpectSameSeededTokens(std::string("offload, selection '") + selection + "'",
+                           RunSelectionEngine(offloaded, nullptr, nullptr, Decoding::kSeeded), sampled);
   }
 }
 
