@@ -1,5 +1,7 @@
 #include "tool_calls/json_prefix.h"
 
+#include <cctype>
+#include <cstring>
 #include <string>
 
 #include "util/json_nesting.h"
@@ -10,32 +12,6 @@ namespace {
 using nlohmann::ordered_json;
 constexpr int kMaxDepth = 256;
 
-bool IsWs(char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
-
-// Records only where the first syntax error is: past the end of the text means the text stopped
-// early (it can still become JSON), anywhere else means it is wrong already.
-struct ErrorPosition : nlohmann::json_sax<ordered_json> {
-  size_t position = 0;
-  bool failed = false;
-  bool null() override { return true; }
-  bool boolean(bool) override { return true; }
-  bool number_integer(number_integer_t) override { return true; }
-  bool number_unsigned(number_unsigned_t) override { return true; }
-  bool number_float(number_float_t, const string_t&) override { return true; }
-  bool string(string_t&) override { return true; }
-  bool binary(binary_t&) override { return true; }
-  bool start_object(std::size_t) override { return true; }
-  bool key(string_t&) override { return true; }
-  bool end_object() override { return true; }
-  bool start_array(std::size_t) override { return true; }
-  bool end_array() override { return true; }
-  bool parse_error(std::size_t pos, const std::string&, const nlohmann::detail::exception&) override {
-    position = pos;
-    failed = true;
-    return false;
-  }
-};
-
 
 }  // namespace
 
@@ -45,37 +21,180 @@ bool ParseJsonText(std::string_view text, ordered_json* value) {
   return !value->is_discarded();
 }
 
-JsonPrefix ScanJsonValue(std::string_view text, size_t* end, ordered_json* value) {
-  size_t begin = 0;
-  while (begin < text.size() && IsWs(text[begin])) ++begin;
-  if (begin == text.size()) return JsonPrefix::kIncomplete;
-  if (text[begin] != '{' && text[begin] != '[') return JsonPrefix::kInvalid;
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (size_t i = begin; i < text.size(); ++i) {
-    const char c = text[i];
+JsonPrefixScan ScanJsonPrefix(std::string_view text) {
+  size_t i = 0;
+  while (i < text.size() && IsWs(text[i])) ++i;
+  if (i == text.size()) return {text.size(), 0};
+  if (text[i] != '{' && text[i] != '[') return {i, 0};
+
+  // What may come next, outside strings and numbers.
+  enum class Expect { kValue, kValueOrClose, kKey, kKeyOrClose, kColon, kCommaOrClose };
+  enum class Number { kNone, kMinus, kZero, kInt, kDot, kFrac, kExp, kExpSign, kExpDigits };
+  std::string stack;  // '{' and '[' of the open containers
+  Expect expect = Expect::kValue;
+  Number number = Number::kNone;
+  std::string_view literal;  // the rest of true/false/null still to come
+  bool in_string = false, escape = false, want_low_surrogate = false;
+  int hex_left = 0, utf8_left = 0;
+  unsigned code = 0;
+  unsigned char utf8_min = 0x80, utf8_max = 0xBF;  // the next continuation byte's range
+
+  // A value (scalar or container) closed: what the container around it expects, or the end.
+  auto value_done = [&] { expect = stack.empty() ? Expect::kValue : Expect::kCommaOrClose; };
+
+  for (; i < text.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
     if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
+      if (utf8_left > 0) {
+        if (c < utf8_min || c > utf8_max) return {i, 0};
+        --utf8_left;
+        utf8_min = 0x80, utf8_max = 0xBF;
+        continue;
+      }
+      if (hex_left > 0) {
+        if (!std::isxdigit(c)) return {i, 0};
+        code = code * 16 + static_cast<unsigned>(std::isdigit(c) ? c - '0' : (std::tolower(c) - 'a' + 10));
+        if (--hex_left > 0) continue;
+        const bool high = code >= 0xD800 && code <= 0xDBFF, low = code >= 0xDC00 && code <= 0xDFFF;
+        if (want_low_surrogate != low) return {i, 0};  // pairs only, as nlohmann's parser demands
+        want_low_surrogate = high;
+        continue;
+      }
+      if (escape) {
+        escape = false;
+        if (c == 'u') {
+          hex_left = 4;
+          code = 0;
+          continue;
+        }
+        if (want_low_surrogate || std::strchr("\"\\/bfnrt", c) == nullptr || c == 0) return {i, 0};
+        continue;
+      }
+      if (want_low_surrogate && c != '\\') return {i, 0};
+      if (c == '\\') {
+        escape = true;
+      } else if (c == '"') {
+        in_string = false;
+        if (expect == Expect::kKey || expect == Expect::kKeyOrClose) expect = Expect::kColon;
+        else value_done();
+      } else if (c < 0x20) {
+        return {i, 0};
+      } else if (c >= 0x80) {  // a UTF-8 lead byte (RFC 3629's table)
+        if (c >= 0xC2 && c <= 0xDF) utf8_left = 1;
+        else if (c >= 0xE0 && c <= 0xEF) utf8_left = 2;
+        else if (c >= 0xF0 && c <= 0xF4) utf8_left = 3;
+        else return {i, 0};
+        if (c == 0xE0) utf8_min = 0xA0;
+        if (c == 0xED) utf8_max = 0x9F;
+        if (c == 0xF0) utf8_min = 0x90;
+        if (c == 0xF4) utf8_max = 0x8F;
+      }
       continue;
     }
-    if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      if (++depth > kMaxDepth) return JsonPrefix::kInvalid;
-    } else if (c == '}' || c == ']') {
-      if (--depth > 0) continue;
-      // The brackets balance here: this is the value, or it never will be (a mismatched bracket).
-      if (!ParseJsonText(text.substr(begin, i + 1 - begin), value)) return JsonPrefix::kInvalid;
-      *end = i + 1;
-      return JsonPrefix::kComplete;
+    if (!literal.empty()) {
+      if (c != static_cast<unsigned char>(literal[0])) return {i, 0};
+      literal.remove_prefix(1);
+      if (literal.empty()) value_done();
+      continue;
+    }
+    if (number != Number::kNone) {
+      const bool digit = c >= '0' && c <= '9';
+      Number next = Number::kNone;
+      switch (number) {
+        case Number::kMinus: next = c == '0' ? Number::kZero : digit ? Number::kInt : Number::kNone; break;
+        case Number::kZero: next = c == '.' ? Number::kDot : (c == 'e' || c == 'E') ? Number::kExp : Number::kNone; break;
+        case Number::kInt:
+          next = digit ? Number::kInt : c == '.' ? Number::kDot : (c == 'e' || c == 'E') ? Number::kExp : Number::kNone;
+          break;
+        case Number::kDot: next = digit ? Number::kFrac : Number::kNone; break;
+        case Number::kFrac: next = digit ? Number::kFrac : (c == 'e' || c == 'E') ? Number::kExp : Number::kNone; break;
+        case Number::kExp: next = digit ? Number::kExpDigits : (c == '+' || c == '-') ? Number::kExpSign : Number::kNone; break;
+        case Number::kExpSign:
+        case Number::kExpDigits: next = digit ? Number::kExpDigits : Number::kNone; break;
+        case Number::kNone: break;
+      }
+      if (next != Number::kNone) {
+        number = next;
+        continue;
+      }
+      // The number ends here: only after a digit, and never with another digit (a leading 0).
+      if (digit || (number != Number::kZero && number != Number::kInt && number != Number::kFrac &&
+                    number != Number::kExpDigits))
+        return {i, 0};
+      number = Number::kNone;
+      value_done();  // then `c` is read below as what follows the number
+    }
+    if (IsWs(static_cast<char>(c))) continue;
+    switch (expect) {
+      case Expect::kColon:
+        if (c != ':') return {i, 0};
+        expect = Expect::kValue;
+        continue;
+      case Expect::kCommaOrClose:
+        if (c == ',') {
+          expect = stack.back() == '{' ? Expect::kKey : Expect::kValue;
+          continue;
+        }
+        if ((c == '}' && stack.back() == '{') || (c == ']' && stack.back() == '[')) {
+          stack.pop_back();
+          if (stack.empty()) return {i + 1, i + 1};
+          value_done();
+          continue;
+        }
+        return {i, 0};
+      case Expect::kKeyOrClose:
+        if (c == '}') {
+          stack.pop_back();
+          if (stack.empty()) return {i + 1, i + 1};
+          value_done();
+          continue;
+        }
+        [[fallthrough]];
+      case Expect::kKey:
+        if (c != '"') return {i, 0};
+        in_string = true;
+        continue;
+      case Expect::kValueOrClose:
+        if (c == ']') {
+          stack.pop_back();
+          if (stack.empty()) return {i + 1, i + 1};
+          value_done();
+          continue;
+        }
+        [[fallthrough]];
+      case Expect::kValue:
+        if (c == '{' || c == '[') {
+          if (static_cast<int>(stack.size()) >= kMaxDepth) return {i, 0};
+          stack.push_back(static_cast<char>(c));
+          expect = c == '{' ? Expect::kKeyOrClose : Expect::kValueOrClose;
+        } else if (stack.empty()) {
+          return {i, 0};  // only an object or array at the top
+        } else if (c == '"') {
+          in_string = true;
+        } else if (c == '-') {
+          number = Number::kMinus;
+        } else if (c == '0') {
+          number = Number::kZero;
+        } else if (c >= '1' && c <= '9') {
+          number = Number::kInt;
+        } else if (c == 't' || c == 'f' || c == 'n') {
+          literal = c == 't' ? std::string_view("rue") : c == 'f' ? std::string_view("alse") : std::string_view("ull");
+        } else {
+          return {i, 0};
+        }
+        continue;
     }
   }
-  const std::string_view rest = text.substr(begin);
-  ErrorPosition sax;
-  ordered_json::sax_parse(rest.begin(), rest.end(), &sax, ordered_json::input_format_t::json, /*strict=*/false);
-  return sax.failed && sax.position <= rest.size() ? JsonPrefix::kInvalid : JsonPrefix::kIncomplete;
+  return {text.size(), 0};
+}
+
+JsonPrefix ScanJsonValue(std::string_view text, size_t* end, ordered_json* value) {
+  const JsonPrefixScan scan = ScanJsonPrefix(text);
+  if (scan.end == 0) return scan.valid == text.size() ? JsonPrefix::kIncomplete : JsonPrefix::kInvalid;
+  // The scanner's grammar is the parser's; the parse only builds the value.
+  if (!ParseJsonText(text.substr(0, scan.end), value)) return JsonPrefix::kInvalid;
+  *end = scan.end;
+  return JsonPrefix::kComplete;
 }
 
 }  // namespace kvflow::tool_calls

@@ -105,14 +105,16 @@ Result<std::vector<Function>> Functions(const ordered_json& tools, const ToolCho
 ordered_json GenericSchema(const std::vector<Function>& fns, bool required, bool parallel) {
   ordered_json calls = ordered_json::array();
   for (const auto& f : fns) {
-    ordered_json call = {{"type", "object"},
-                         {"properties", {{"name", {{"type", "string"}, {"const", f.name}}}, {"arguments", f.parameters}}},
-                         {"required", {"name", "arguments"}}};
+    ordered_json properties = ordered_json::object();
     if (parallel) {  // llama.cpp asks for ids where several calls may come back
-      // Bounded, unlike llama.cpp's minLength 4: a model writes ids longer than any budget.
-      call["properties"]["id"] = {{"type", "string"}, {"pattern", "^[A-Za-z0-9_-]{4,32}$"}};
-      call["required"].push_back("id");
+      // First, unlike llama.cpp's last: a call streams its arguments only once its id is known
+      // (tool_call_parser.h). Bounded, unlike its minLength 4: a model writes ids longer than any budget.
+      properties["id"] = {{"type", "string"}, {"pattern", "^[A-Za-z0-9_-]{4,32}$"}};
     }
+    properties["name"] = {{"type", "string"}, {"const", f.name}};
+    properties["arguments"] = f.parameters;
+    ordered_json required = parallel ? ordered_json{"id", "name", "arguments"} : ordered_json{"name", "arguments"};
+    ordered_json call = {{"type", "object"}, {"properties", properties}, {"required", required}};
     calls.push_back(std::move(call));
   }
   ordered_json items = calls.size() == 1 ? calls[0] : ordered_json{{"anyOf", calls}};

@@ -135,7 +135,7 @@ std::string GenericToolSystemPrompt(const ordered_json& tools, bool parallel_too
                      "\n\nRespond in JSON format, either with `tool_calls` (a request to call tools) or with "
                      "`response` (a reply to the user's request): ";
   text += parallel_tool_calls
-              ? R"({"tool_calls": [{"name": "<tool name>", "arguments": {<its arguments>}, "id": "<a new id>"}, ...]})"
+              ? R"({"tool_calls": [{"id": "<a new id>", "name": "<tool name>", "arguments": {<its arguments>}}, ...]})"
               : R"({"tool_calls": [{"name": "<tool name>", "arguments": {<its arguments>}}]} (one call at a time))";
   text += R"( or {"response": "<your reply>"}.)";
   return text;
@@ -151,11 +151,12 @@ ordered_json PrepareGenericToolMessages(const ordered_json& messages, const orde
       ordered_json calls = ordered_json::array();
       for (const auto& tc : m["tool_calls"]) {
         const ordered_json& fn = tc.contains("function") ? tc["function"] : tc;
-        ordered_json call = {{"name", fn.value("name", "")}};
+        ordered_json call = ordered_json::object();
+        if (tc.contains("id")) call["id"] = tc["id"];  // first, as the generic schema asks
+        call["name"] = fn.value("name", "");
         ordered_json args = fn.value("arguments", ordered_json::object());
         if (args.is_string()) args = ordered_json::parse(args.get<std::string>(), nullptr, false);
         call["arguments"] = args.is_discarded() ? ordered_json(fn["arguments"]) : args;
-        if (tc.contains("id")) call["id"] = tc["id"];
         calls.push_back(std::move(call));
       }
       out.push_back({{"role", "assistant"}, {"content", ordered_json{{"tool_calls", calls}}.dump(2)}});

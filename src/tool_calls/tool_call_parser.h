@@ -1,10 +1,14 @@
 // Reading a model's output text back into an assistant message: reasoning, content and tool calls, in
 // the model's own format (tool_call_format.h), either whole or as the text streams in.
 //
-// Both run one left-to-right parser, and the streaming one only emits what no later text can change
-// (a call once its block is closed, content up to where a marker might begin), so the deltas of any
-// split of a text add up to exactly what ParseAssistantOutput gives for the whole. Text that looks
-// like a call but does not parse stays content; nothing here throws.
+// Both run one left-to-right parser. The streaming one emits content up to where a marker might
+// begin, and a call as soon as the text settles that it is one (its name, and its id where the
+// format's ids must be kept, known; its arguments object opened), then its arguments as they grow.
+// Every split of a text gives deltas that add up to exactly what ParseAssistantOutput gives for the
+// whole. The rules that make that hold (tool_call_parser.cc): a begun call is reported whatever
+// follows; cut off by the end of the output it keeps the arguments written so far, and if its
+// syntax breaks it ends there and the rest is content. Text that breaks before any call began stays
+// content, markers and all. Nothing here throws.
 #pragma once
 
 #include <memory>
@@ -20,7 +24,10 @@ namespace kvflow {
 
 struct ParsedToolCall {
   std::string name;
-  std::string arguments;  // compact JSON text of an object
+  // The model's JSON object with the whitespace between tokens removed (a string holding one is
+  // parsed and re-dumped; qwen3_coder's parameters are assembled); a call cut off by the end of the
+  // output or by broken syntax keeps what was written, which is then not complete JSON.
+  std::string arguments;
   std::string id;         // where the format carries one (mistral, command_r7b, generic), else ""
 };
 

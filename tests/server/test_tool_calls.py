@@ -106,18 +106,23 @@ def test_streamed_deltas_add_up_to_the_same_calls(srv):
             continue
         d = chunk.choices[0].delta
         for tc in d.tool_calls or []:
-            entry = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            entry = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": "", "pieces": 0})
             if tc.id:
                 entry["id"] = tc.id
             if tc.function and tc.function.name:
                 entry["name"] += tc.function.name
             if tc.function and tc.function.arguments:
                 entry["arguments"] += tc.function.arguments
+                entry["pieces"] += 1
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls]
     assert all(c["id"] for c in calls.values())
+    # Arguments stream as they are generated: a call's arguments come in many chunks, not whole
+    # when its block closes (each holds at least a key and a string value of a token or more).
+    for c in calls.values():
+        assert c["pieces"] >= 3, c
 
 
 def test_tool_results_continue_the_conversation(srv):

@@ -4,11 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <random>
 #include <sstream>
 
 #include "chat_template/chat_template.h"
+#include "tool_calls/json_prefix.h"
 #include "tool_calls/tool_call_constraint.h"
 #include "tool_calls/tool_call_format.h"
 #include "tool_calls/tool_call_parser.h"
@@ -284,6 +286,8 @@ std::vector<Sample> Samples() {
       {F::kDeepSeekR1, "x<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"a\": 1}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
        "x", {{"f", R"({"a":1})"}, {"g", "{}"}}},
       {F::kGeneric, "{\"tool_calls\": [{\"name\": \"f\", \"arguments\": {\"a\": 1}, \"id\": \"c1\"}]}", "", {{"f", R"({"a":1})"}}},
+      {F::kGeneric, "{\"tool_calls\": [{\"id\": \"c1\", \"name\": \"f\", \"arguments\": {\"a\": 1}}, {\"id\": \"c2\", \"name\": \"g\", \"arguments\": {}}]}", "",
+       {{"f", R"({"a":1})"}, {"g", "{}"}}},
       {F::kGeneric, "{\"response\": \"Hello, world\"}", "Hello, world", {}},
       {F::kGeneric, "plain text, no JSON", "plain text, no JSON", {}},
   };
@@ -313,7 +317,7 @@ TEST(ToolCallsParse, IdsWhereTheFormatCarriesThem) {
   EXPECT_EQ(p.tool_calls[0].id, "a1b2c3d4e");
 }
 
-TEST(ToolCallsParse, TruncatedAndMalformedStayContent) {
+TEST(ToolCallsParse, TruncatedAndMalformedStreamAsTheyParse) {
   // Every prefix of every sample (a model stopped by max_tokens), and each with a byte changed: no
   // crash, and streaming still equals whole parsing.
   for (const auto& s : Samples()) {
@@ -329,7 +333,7 @@ TEST(ToolCallsParse, TruncatedAndMalformedStayContent) {
                  std::string(ToolCallFormatName(s.format)) + " broken " + broken);
     }
   }
-  // An unclosed call whose JSON is incomplete is content, markers and all.
+  // A call cut off before its arguments opened is content, markers and all.
   auto p = ParseAssistantOutput(ToolCallFormat::kHermes, "<tool_call>{\"name\": \"f\", \"argu");
   EXPECT_TRUE(p.tool_calls.empty());
   EXPECT_EQ(p.content, "<tool_call>{\"name\": \"f\", \"argu");
@@ -346,14 +350,157 @@ TEST(ToolCallsParse, ContentIsHeldOnlyWhileAMarkerMayBegin) {
   d = parser.Push("box> more");
   ASSERT_EQ(d.size(), 1u);
   EXPECT_EQ(d[0].text, " <toolbox> more");
-  d = parser.Push(" <tool_call>{\"name\": \"f\", \"arguments\": {}}");
-  EXPECT_TRUE(d.empty());
-  d = parser.Push("</tool_call>");
+  d = parser.Push(" <tool_call>{\"name\": \"f\", \"arguments\"");
+  EXPECT_TRUE(d.empty());  // a call, but its arguments have not opened
+  d = parser.Push(": {}}");
   ASSERT_EQ(d.size(), 2u);
   EXPECT_EQ(d[0].kind, AssistantDelta::Kind::kToolCall);
   EXPECT_EQ(d[0].text, "f");
   EXPECT_EQ(d[1].kind, AssistantDelta::Kind::kArguments);
   EXPECT_EQ(d[1].text, "{}");
+  EXPECT_TRUE(parser.Push("</tool_call>").empty());
+}
+
+// Each format's call, fed byte by byte: the call is announced as soon as its arguments open, and
+// its arguments arrive as they are written, not when the block closes.
+TEST(ToolCallsParse, ArgumentsStreamAsTheyAreWritten) {
+  using F = ToolCallFormat;
+  struct Case {
+    F format;
+    std::string text;
+    std::string begins_at;      // the call is announced once the text reaches this
+    std::string args_at_paris;  // its arguments once the text reaches "Par"
+  };
+  const std::vector<Case> cases = {
+      {F::kHermes, "<tool_call>\n{\"name\": \"w\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+       "\"arguments\": {", R"({"city":"Par)"},
+      {F::kQwen3Coder, "<tool_call>\n<function=w>\n<parameter=n>\n1\n</parameter>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+       "<function=w>", R"({"n":1)"},
+      {F::kLlama3Json, "{\"name\": \"w\", \"parameters\": {\"city\": \"Paris\"}}", "\"parameters\": {", R"({"city":"Par)"},
+      {F::kMistralArgs, "[TOOL_CALLS]w[ARGS]{\"city\": \"Paris\"}", "[ARGS]{", R"({"city":"Par)"},
+      {F::kGranite, "<|tool_call|>[{\"name\": \"w\", \"arguments\": {\"city\": \"Paris\"}}]", "\"arguments\": {", R"({"city":"Par)"},
+      {F::kFunctionaryV32, ">>>w\n{\"city\": \"Paris\"}", "w\n{", R"({"city":"Par)"},
+      {F::kFirefunctionV2, "functools[{\"name\": \"w\", \"arguments\": {\"city\": \"Paris\"}}]", "\"arguments\": {", R"({"city":"Par)"},
+      {F::kCommandR7b, "<|START_ACTION|>[{\"tool_call_id\": \"0\", \"tool_name\": \"w\", \"parameters\": {\"city\": \"Paris\"}}]<|END_ACTION|>",
+       "\"parameters\": {", R"({"city":"Par)"},
+      {F::kDeepSeekR1, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>w\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+       "```json\n{", R"({"city":"Par)"},
+      {F::kGeneric, "{\"tool_calls\": [{\"id\": \"c1\", \"name\": \"w\", \"arguments\": {\"city\": \"Paris\"}}]}", "\"arguments\": {",
+       R"({"city":"Par)"},
+  };
+  for (const auto& c : cases) {
+    const std::string what = std::string(ToolCallFormatName(c.format)) + ": " + c.text;
+    StreamingToolCallParser parser(c.format);
+    Collected got;
+    const size_t begins = c.text.find(c.begins_at) + c.begins_at.size();
+    const size_t paris = c.text.find("Par") + 3;
+    for (size_t i = 0; i < c.text.size(); ++i) {
+      got.Add(parser.Push(std::string_view(c.text).substr(i, 1)));
+      EXPECT_EQ(got.message.tool_calls.size(), i + 1 >= begins ? 1u : 0u) << what << " after " << c.text.substr(0, i + 1);
+      if (i + 1 == paris) {
+        ASSERT_EQ(got.message.tool_calls.size(), 1u) << what;
+        EXPECT_EQ(got.message.tool_calls[0].arguments, c.args_at_paris) << what;
+      }
+    }
+    got.Add(parser.Finish());
+    ASSERT_EQ(got.message.tool_calls.size(), 1u) << what;
+    EXPECT_EQ(got.message.tool_calls[0].name, "w") << what;
+    const json expected_args = c.format == F::kQwen3Coder ? json{{"n", 1}, {"city", "Paris"}} : json{{"city", "Paris"}};
+    EXPECT_EQ(json::parse(got.message.tool_calls[0].arguments), expected_args) << what;
+    EXPECT_EQ(got.message.tool_calls[0].id, c.format == F::kCommandR7b ? "0" : c.format == F::kGeneric ? "c1" : "")
+        << what;
+    ExpectStreamingMatches(c.format, c.text);
+  }
+}
+
+// Ids the next turn's template checks are kept: where a format writes them after the arguments
+// (Mistral), the call waits for its object to close; generic's only count ahead of them.
+TEST(ToolCallsParse, IdsAfterTheArguments) {
+  const std::string mistral = "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"a\": 1}, \"id\": \"abcdefghi\"}]";
+  StreamingToolCallParser parser(ToolCallFormat::kMistral);
+  Collected got;
+  got.Add(parser.Push(mistral.substr(0, mistral.size() - 3)));
+  EXPECT_TRUE(got.message.tool_calls.empty());
+  got.Add(parser.Push(mistral.substr(mistral.size() - 3)));
+  ASSERT_EQ(got.message.tool_calls.size(), 1u);
+  EXPECT_EQ(got.message.tool_calls[0].id, "abcdefghi");
+  EXPECT_EQ(got.message.tool_calls[0].arguments, R"({"a":1})");
+  auto p = ParseAssistantOutput(ToolCallFormat::kGeneric,
+                                R"({"tool_calls": [{"name": "f", "arguments": {"a": 1}, "id": "late1"}]})");
+  ASSERT_EQ(p.tool_calls.size(), 1u);
+  EXPECT_EQ(p.tool_calls[0].id, "");  // the server gives it one
+}
+
+// A call that began is reported whatever follows: cut off, with the arguments written so far; broken,
+// up to the break, the rest being content.
+TEST(ToolCallsParse, BegunCallsSurviveTruncationAndBreakage) {
+  auto p = ParseAssistantOutput(ToolCallFormat::kHermes, "<tool_call>{\"name\": \"f\", \"arguments\": {\"q\": \"par");
+  ASSERT_EQ(p.tool_calls.size(), 1u);
+  EXPECT_EQ(p.tool_calls[0].arguments, R"({"q":"par)");
+  EXPECT_EQ(p.content, "");
+  p = ParseAssistantOutput(ToolCallFormat::kHermes, "<tool_call>{\"name\": \"f\", \"arguments\": {\"q\": 1,}} oops</tool_call>");
+  ASSERT_EQ(p.tool_calls.size(), 1u);
+  EXPECT_EQ(p.tool_calls[0].arguments, R"({"q":1,)");
+  EXPECT_EQ(p.content, "}} oops</tool_call>");
+  p = ParseAssistantOutput(ToolCallFormat::kHermes, "<tool_call>{\"name\": \"f\", \"arguments\": {}} and more");
+  ASSERT_EQ(p.tool_calls.size(), 1u);
+  EXPECT_EQ(p.tool_calls[0].arguments, "{}");
+  EXPECT_EQ(p.content, "and more");
+  // A second call that fails before it begins ends the list there.
+  p = ParseAssistantOutput(ToolCallFormat::kMistral,
+                           "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {}}, {\"name\": 5}]");
+  ASSERT_EQ(p.tool_calls.size(), 1u);
+  EXPECT_EQ(p.content, "{\"name\": 5}]");
+  for (const std::string text :
+       {"<tool_call>{\"name\": \"f\", \"arguments\": {\"q\": 1,}} oops</tool_call>",
+        "[TOOL_CALLS][{\"name\": \"f\", \"arguments\": {}}, {\"name\": 5}]"}) {
+    ExpectStreamingMatches(text[0] == '<' ? ToolCallFormat::kHermes : ToolCallFormat::kMistral, text);
+  }
+}
+
+// The JSON prefix scanner that streamed arguments rest on, against nlohmann's parser: on documents
+// of random values with random whitespace, and on each with one byte changed, every prefix is valid
+// exactly as far as the whole text is (validity only grows as text is appended, which keeps streamed
+// arguments a prefix of the final ones), a complete value parses, and a text that parses is
+// complete where the parser says.
+TEST(ToolCallsJsonPrefix, AgreesWithTheParserAndOnlyGrows) {
+  std::mt19937 rng(11);
+  const std::vector<std::string> atoms = {"0", "-0.5e+3", "12", "1E9", "true", "false", "null", "\"\"",
+                                          "\"a\\\"b\\\\c\\u00e9\\ud83d\\ude00\"", "\"\xc3\xa9\xe2\x82\xac\xf0\x9f\x98\x80\""};
+  std::function<std::string(int)> value = [&](int depth) -> std::string {
+    const auto ws = [&] { return std::string(rng() % 3 == 0 ? " \n" : ""); };
+    const int kind = depth == 0 ? static_cast<int>(rng() % 2) : static_cast<int>(rng() % 4);
+    if (kind >= 2 || depth > 3) return atoms[rng() % atoms.size()];
+    std::string out = kind == 0 ? "{" : "[";
+    const int n = static_cast<int>(rng() % 4);
+    for (int i = 0; i < n; ++i) {
+      out += (i ? "," : "") + ws();
+      if (kind == 0) out += "\"k" + std::to_string(i) + "\"" + ws() + ":" + ws();
+      out += value(depth + 1) + ws();
+    }
+    return out + (kind == 0 ? "}" : "]");
+  };
+  const std::string noise = "{}[]\",:0123456789.eE+-tfn\\u \x01\xc3\xa9\xff";
+  int checked = 0, complete = 0;
+  for (int round = 0; round < 400; ++round) {
+    std::string text = value(0);
+    if (round % 2 == 1) text[rng() % text.size()] = noise[rng() % noise.size()];
+    const tool_calls::JsonPrefixScan whole = tool_calls::ScanJsonPrefix(text);
+    for (size_t k = 0; k <= text.size(); ++k) {
+      const tool_calls::JsonPrefixScan part = tool_calls::ScanJsonPrefix(std::string_view(text).substr(0, k));
+      ASSERT_EQ(part.valid, std::min(k, whole.valid)) << text << " at " << k;
+    }
+    nlohmann::ordered_json parsed;
+    const bool parses = tool_calls::ParseJsonText(text, &parsed) && (parsed.is_object() || parsed.is_array());
+    if (whole.end > 0) {
+      EXPECT_TRUE(tool_calls::ParseJsonText(std::string_view(text).substr(0, whole.end), &parsed)) << text;
+      ++complete;
+    }
+    if (parses) EXPECT_EQ(whole.end, text.size()) << text;
+    if (round % 2 == 0) EXPECT_TRUE(parses) << text;
+    ++checked;
+  }
+  EXPECT_GT(complete, checked / 2);
 }
 
 TEST(ToolCallsParse, QwenXmlValuesFollowTheSchema) {
