@@ -84,7 +84,7 @@ Json SupervisorJson(const kvflow::LengthSupervisorStats& s) {
               {"update_us_per_step", s.online_updates > 0 ? Json(1e6 * s.update_seconds / s.online_updates) : Json(nullptr)}};
 }
 Status CostModelExecutor::Run(const kvflow::SchedulerOutput& out, std::span<const kvflow::LogitsMode>,
-           std::optional<std::span<const kvflow::DeviceSampleRow>> sample_rows,
+           const kvflow::DeviceSampling* sampling,
            kvflow::ExecutorOutput& result) {
   StepShape shape, first_time;  // first_time: the step without recomputation and swaps
   shape.swapped_blocks = static_cast<int64_t>(out.swap_in.size() + out.swap_out.size());
@@ -103,10 +103,10 @@ Status CostModelExecutor::Run(const kvflow::SchedulerOutput& out, std::span<cons
   ran_ = !out.empty();
   changed_ = !out.rejected.empty() || out.num_preempted_recompute + out.num_preempted_swap > 0;
   if (out.empty()) return Status::Ok();
-  if (!sample_rows) return Status::Unsupported("the serving simulator samples plain requests only");
+  if (sampling == nullptr) return Status::Unsupported("the serving simulator samples plain requests only");
   kvflow::SampledToken token;
   token.token = kSimulatedToken;
-  result.sampled.assign(sample_rows->size(), {token});
+  result.sampled.assign(sampling->rows.size(), {token});
   return Status::Ok();
 }
 

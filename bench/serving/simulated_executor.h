@@ -42,7 +42,7 @@ class CostModelExecutor final : public kvflow::Executor {
   Status MoveBlocks(const kvflow::SchedulerOutput&) override { return Status::Ok(); }
 
   Status Run(const kvflow::SchedulerOutput& out, std::span<const kvflow::LogitsMode>,
-             std::optional<std::span<const kvflow::DeviceSampleRow>> sample_rows,
+             const kvflow::DeviceSampling* sampling,
              kvflow::ExecutorOutput& result) override;
 
   double now() const { return now_; }

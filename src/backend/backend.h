@@ -98,6 +98,15 @@ struct DeviceSampleRow {
   const TokenConstraint* constraint = nullptr;
 };
 
+// A step's rows to sample on the device, and when their constraints are ready: the engine may still
+// be computing them (grammar masks, on a helper thread) while the forward pass runs. The sampler
+// calls `await_constraints` (when set) once, after it has queued the forward pass and before it
+// reads any row's constraint.
+struct DeviceSampling {
+  std::span<const DeviceSampleRow> rows;
+  std::function<void()> await_constraints;
+};
+
 // Top alternatives a device sampler returns at most per token.
 constexpr int kMaxDeviceTopLogprobs = 20;
 
@@ -193,6 +202,8 @@ struct LogitsSink {
   std::vector<float>* host = nullptr;
   std::span<const DeviceSampleRow> sample_rows;
   std::vector<SampledToken>* sampled = nullptr;
+  // DeviceSampling::await_constraints: called before the first row's constraint is read.
+  const std::function<void()>* await_constraints = nullptr;
 };
 
 // The step's activation buffers, owned by the backend: one row per token of the step.
@@ -424,6 +435,9 @@ class Backend {
   // cross to the host; same semantics as the CPU Sampler given the same uniforms. Every row's
   // params.logprobs <= kMaxDeviceTopLogprobs.
   virtual bool SupportsDeviceSampling() const { return false; }
+  // Whether the forward pass runs on the host's cores (the CPU backend), rather than a device's
+  // while the host waits.
+  virtual bool ComputesOnHost() const { return true; }
   // Whether device sampling applies DeviceSampleRow::constraint's allowed-token mask and biases
   // (its bans it always applies).
   virtual bool SupportsDeviceTokenMask() const { return false; }

@@ -3,6 +3,7 @@
 #include "sampling/logprobs.h"
 
 #include <algorithm>
+#include <future>
 #include <optional>
 #include <utility>
 
@@ -149,35 +150,64 @@ Result<StepResult> EngineCore::StepInner(Executor& executor) {
     for (int64_t i = s.num_real_tokens(); i < s.num_tokens; ++i) record.drafts.back().push_back(s.token(i));
   }
   // The executor samples when it can and every row is a plain one (no forks, no beams): then only
-  // tokens and logprobs come back.
-  std::optional<std::vector<DeviceSampleRow>> sample_rows;
+  // tokens and logprobs come back. A costly constraint (a grammar's mask) is computed on a helper
+  // thread while the forward pass runs on a device: the device sampler awaits the step's
+  // constraints, the host sampler their prepared masks. A cheap one is computed here; on the CPU
+  // backend, whose forward pass keeps every core busy, host-sampled rows' masks are filled after it
+  // (in parallel, UpdateFromOutput).
+  std::optional<DeviceSampling> sampling;
+  std::future<bool> constraints;
+  bool costly = false, constraints_ok = true;
+  host_constraints_prepared_ = false;
   if (!sched.empty() && ExecutorMaySample(executor, sched, record)) {
-    sample_rows.emplace();
-    // Sized before any row points into it.
-    const size_t num_rows = static_cast<size_t>(std::count_if(
-        sched.scheduled.begin(), sched.scheduled.end(), [](const ScheduledSeq& s) { return s.needs_logits; }));
-    if (step_constraints_.size() < num_rows) step_constraints_.resize(num_rows);
-    size_t row_index = 0;
+    device_rows_.clear();
+    prepare_rows_.clear();
     for (const ScheduledSeq& s : sched.scheduled) {
       if (!s.needs_logits) continue;
       RequestState& req = Get(s.group->request_id);
       SeqState* st = req.Find(s.seq);
       const SamplingParams& p = req.params;
       DeviceSampleRow row;
-      row.constraint = Constrain(p, *st, st->output(), step_constraints_[row_index++]);
       row.params = &req.params;
       row.uniform = p.greedy() ? 0.0 : st->sampler.NextUniform();
       row.prompt = st->prompt();
       row.output = st->output();
-      sample_rows->push_back(row);
+      device_rows_.push_back(row);
+      prepare_rows_.push_back(
+          LogitsContext{p, st->prompt(), st->output(), config_.vocab_size, static_cast<uint64_t>(st->seq->id)});
+      costly = costly || logits_processors_.Costly(p);
     }
+    if (step_constraints_.size() < device_rows_.size()) step_constraints_.resize(device_rows_.size());
+    sampling.emplace();
+    sampling->rows = device_rows_;
+    if (costly) {
+      constraints = std::async(std::launch::async, [this] { return FillDeviceConstraints(); });
+      sampling->await_constraints = [&constraints] { constraints.wait(); };
+    } else {
+      constraints_ok = FillDeviceConstraints();
+    }
+  } else if (!sched.empty() && !executor.ForwardUsesHostCores() &&
+             std::any_of(sched.scheduled.begin(), sched.scheduled.end(), [&](const ScheduledSeq& s) {
+               return s.needs_logits && logits_processors_.Costly(requests_.at(s.group->request_id)->params);
+             })) {
+    constraints = std::async(std::launch::async, [this, &sched, &record] {
+      try {
+        PrepareConstraints(sched, record);
+        return true;
+      } catch (const std::exception& e) {
+        spdlog::error("logits processors: {}", e.what());
+        return false;
+      }
+    });
+    host_constraints_prepared_ = true;
   }
   ExecutorOutput out;
-  Status st = executor.Run(sched, record.logits,
-                           sample_rows ? std::optional<std::span<const DeviceSampleRow>>(*sample_rows) : std::nullopt,
-                           out);
+  Status st = executor.Run(sched, record.logits, sampling ? &*sampling : nullptr, out);
+  // Awaited here too: the forward pass may have failed before the sampler asked.
+  if (constraints.valid()) constraints_ok = constraints.get();
+  if (!constraints_ok && st.ok()) st = Status::Internal("a logits processor failed (see the log)");
   if (sched.empty()) return result;
-  if (st.ok()) st = CheckOutput(sched, out, sample_rows.has_value(), record);
+  if (st.ok()) st = CheckOutput(sched, out, sampling.has_value(), record);
   if (!st.ok()) {
     // A failed step fails the requests in it, not the engine.
     spdlog::error("forward pass failed: {}", st.ToString());
@@ -192,7 +222,7 @@ Result<StepResult> EngineCore::StepInner(Executor& executor) {
   ++stats_.num_steps;
   stats_.prompt_tokens_processed += result.num_prefill_tokens;
   if (observer_) observer_->OnStepComputed(sched);
-  UpdateFromOutput(sched, out, sample_rows.has_value(), record);
+  UpdateFromOutput(sched, out, sampling.has_value(), record);
   return result;
 }
 
@@ -269,7 +299,7 @@ void EngineCore::UpdateFromOutput(const SchedulerOutput& sched, ExecutorOutput& 
     }
     return;
   }
-  PrepareConstraints(sched, record);
+  if (!host_constraints_prepared_) PrepareConstraints(sched, record);
   // Logit rows by request, in batch order; prompt rows are scored on the way.
   const int64_t V = out.vocab_size;
   std::vector<std::pair<RequestState*, std::vector<SeqLogits>>> by_request;
@@ -438,6 +468,20 @@ void EngineCore::PrepareConstraints(const SchedulerOutput& sched, const StepReco
         LogitsContext{req.params, st->prompt(), st->output(), config_.vocab_size, static_cast<uint64_t>(st->seq->id)});
   }
   if (!prepare_rows_.empty()) logits_processors_.Prepare(prepare_rows_);
+}
+
+bool EngineCore::FillDeviceConstraints() noexcept {
+  try {
+    logits_processors_.Prepare(prepare_rows_);
+    for (size_t i = 0; i < device_rows_.size(); ++i) {
+      device_rows_[i].constraint =
+          logits_processors_.Constrain(prepare_rows_[i], step_constraints_[i]) ? &step_constraints_[i] : nullptr;
+    }
+    return true;
+  } catch (const std::exception& e) {
+    spdlog::error("logits processors: {}", e.what());
+    return false;
+  }
 }
 
 const TokenConstraint* EngineCore::Constrain(const SamplingParams& p, const SeqState& seq,

@@ -150,6 +150,9 @@ class EngineCore {
   // Host sampling: hands the logits processors the step's plain decode rows before they are
   // sampled (LogitsProcessor::Prepare), so that one may fill its constraints for the batch at once.
   void PrepareConstraints(const SchedulerOutput& sched, const StepRecord& record);
+  // Device sampling: the constraints of device_rows_ (whose contexts are prepare_rows_), prepared
+  // for the batch at once; false if a logits processor threw (the step then fails).
+  bool FillDeviceConstraints() noexcept;
   Status CheckOutput(const SchedulerOutput& sched, const ExecutorOutput& out, bool sampled,
                      const StepRecord& record) const;
   // Hands each request its share of the step's output (tokens the executor `sampled`, or logits),
@@ -185,6 +188,8 @@ class EngineCore {
   LogitsProcessors logits_processors_;
   std::vector<TokenConstraint> step_constraints_;  // the device-sampled rows' constraints of a step
   std::vector<LogitsContext> prepare_rows_;        // PrepareConstraints' rows (reused)
+  std::vector<DeviceSampleRow> device_rows_;       // the rows a step samples on the device (reused)
+  bool host_constraints_prepared_ = false;         // this step's PrepareConstraints already ran
   RequestId next_id_ = 1;
   bool in_step_ = false;
 };

@@ -29,6 +29,9 @@ class Executor {
 
   // Whether Run can sample rows itself (on the device), so that only tokens come back.
   virtual bool SupportsSampling() const = 0;
+  // Whether Run's forward pass keeps the host's cores busy (the CPU backend): then there is no
+  // idle core to compute host-sampled rows' constraints on meanwhile.
+  virtual bool ForwardUsesHostCores() const { return true; }
   // Whether its sampling applies a TokenConstraint's mask and biases (bans it always applies).
   virtual bool AppliesTokenMasks() const { return false; }
   // Carries out the step's block moves: the KV connectors' saves (swap-out among them), their
@@ -37,11 +40,11 @@ class Executor {
   virtual Status MoveBlocks(const SchedulerOutput& sched) = 0;
   // Runs the scheduled sequences; called every step after MoveBlocks, also when nothing was
   // scheduled (a step that only moved blocks). `logits`: the rows each scheduled sequence needs.
-  // Given `sample_rows` (one per sequence that needs logits, batch order; only when every mode is
-  // kNone or kLast) it fills out.sampled, else out.logits. A failure fails the requests in the
-  // batch, not the engine.
-  virtual Status Run(const SchedulerOutput& sched, std::span<const LogitsMode> logits,
-                     std::optional<std::span<const DeviceSampleRow>> sample_rows, ExecutorOutput& out) = 0;
+  // Given `sampling` (its rows: one per sequence that needs logits, batch order; only when every
+  // mode is kNone or kLast) it fills out.sampled, else out.logits. A failure fails the requests in
+  // the batch, not the engine.
+  virtual Status Run(const SchedulerOutput& sched, std::span<const LogitsMode> logits, const DeviceSampling* sampling,
+                     ExecutorOutput& out) = 0;
 };
 
 }  // namespace kvflow

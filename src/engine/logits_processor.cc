@@ -22,6 +22,13 @@ bool LogitsProcessors::HandlesStructuredOutput() const {
   return false;
 }
 
+bool LogitsProcessors::Costly(const SamplingParams& params) const {
+  for (const auto& p : processors_) {
+    if (p->Costly(params)) return true;
+  }
+  return false;
+}
+
 void LogitsProcessors::Prepare(std::span<const LogitsContext> rows) const {
   for (const auto& p : processors_) p->Prepare(rows);
 }

@@ -38,13 +38,17 @@ class LogitsProcessor {
   // Refuses what a request asks of this processor that it cannot do (checked before the request
   // is queued).
   virtual Status Validate(const SamplingParams& params, int64_t vocab_size) const { return Status::Ok(); }
-  // Narrows `constraint` for the position after ctx.output. Called on the engine's thread; a
+  // Narrows `constraint` for the position after ctx.output. Called on the engine's thread, or on
+  // a helper thread while the engine's thread waits for the forward pass (never two at once); a
   // position may be asked about again, and the output may shrink (a rejected draft) or change.
   virtual void Constrain(const LogitsContext& ctx, TokenConstraint& constraint) const = 0;
-  // Called once per step on the host-sampling path, before any Constrain of that step, with the
-  // plain decode rows it will be asked about: a processor may compute all their constraints at
-  // once (structured output fills the masks of a batch in parallel), Constrain then finds them.
+  // Called once per step, before any Constrain of that step, with the plain decode rows it will
+  // be asked about: a processor may compute all their constraints at once (structured output
+  // fills the masks of a batch in parallel), Constrain then finds them. Same threads as Constrain.
   virtual void Prepare(std::span<const LogitsContext> rows) const {}
+  // Whether constraining a request with these parameters costs real work (a grammar's mask): the
+  // engine then computes the step's constraints while the forward pass runs.
+  virtual bool Costly(const SamplingParams& params) const { return false; }
   // Whether it implements SamplingParams::structured_output (the engine refuses such a request
   // when none does).
   virtual bool HandlesStructuredOutput() const { return false; }
@@ -70,6 +74,7 @@ class LogitsProcessors {
   bool Constrain(const LogitsContext& ctx, TokenConstraint& constraint) const;
   bool HandlesStructuredOutput() const;
   void Prepare(std::span<const LogitsContext> rows) const;
+  bool Costly(const SamplingParams& params) const;
   void Fork(uint64_t parent_key, uint64_t child_key) const;
   void Forget(uint64_t sequence_key) const;
 

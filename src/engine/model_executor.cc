@@ -59,7 +59,7 @@ void ModelExecutor::RunFollowers(const ForwardBatch& target_batch) {
 }
 
 Status ModelExecutor::Run(const SchedulerOutput& sched, std::span<const LogitsMode> logits,
-                          std::optional<std::span<const DeviceSampleRow>> sample_rows, ExecutorOutput& out) {
+                          const DeviceSampling* sampling, ExecutorOutput& out) {
   if (sched.empty()) return Status::Ok();
   const ForwardBatch batch = BuildForwardBatch(sched, blocks_, logits);
   chain_.Clear();
@@ -77,16 +77,16 @@ Status ModelExecutor::Run(const SchedulerOutput& sched, std::span<const LogitsMo
     if (WrappingHooks* around = c->layer_hooks()) hooks = around->Wrap(hooks, backend_.model_config().num_layers);
   }
   model_.set_hooks(hooks);
-  const Status st = RunTarget(batch, sample_rows, out);
+  const Status st = RunTarget(batch, sampling, out);
   model_.set_hooks(nullptr);
   return st;
 }
 
-Status ModelExecutor::RunTarget(const ForwardBatch& batch, std::optional<std::span<const DeviceSampleRow>> sample_rows,
+Status ModelExecutor::RunTarget(const ForwardBatch& batch, const DeviceSampling* sampling,
                                 ExecutorOutput& out) {
-  if (sample_rows) {
+  if (sampling) {
     sampled_.clear();
-    KVFLOW_RETURN_IF_ERROR(model_.ForwardAndSample(batch, *sample_rows, sampled_));
+    KVFLOW_RETURN_IF_ERROR(model_.ForwardAndSample(batch, sampling->rows, sampled_, sampling->await_constraints));
     for (SampledToken& t : sampled_) out.sampled.push_back({std::move(t)});
     RunFollowers(batch);
     return Status::Ok();

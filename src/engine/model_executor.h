@@ -46,10 +46,11 @@ class ModelExecutor final : public Executor {
   }
 
   bool SupportsSampling() const override { return backend_.SupportsDeviceSampling(); }
+  bool ForwardUsesHostCores() const override { return backend_.ComputesOnHost(); }
   bool AppliesTokenMasks() const override { return backend_.SupportsDeviceTokenMask(); }
   Status MoveBlocks(const SchedulerOutput& sched) override;
   Status Run(const SchedulerOutput& sched, std::span<const LogitsMode> logits,
-             std::optional<std::span<const DeviceSampleRow>> sample_rows, ExecutorOutput& out) override;
+             const DeviceSampling* sampling, ExecutorOutput& out) override;
 
  private:
   Backend& backend_;
@@ -62,7 +63,7 @@ class ModelExecutor final : public Executor {
   std::vector<int64_t> seq_ids_;
   std::vector<uint8_t> selecting_;
   const BlockManager& blocks_;
-  Status RunTarget(const ForwardBatch& batch, std::optional<std::span<const DeviceSampleRow>> sample_rows,
+  Status RunTarget(const ForwardBatch& batch, const DeviceSampling* sampling,
                    ExecutorOutput& out);
   // Runs the step's batch through every follower (no logits).
   void RunFollowers(const ForwardBatch& target_batch);

@@ -9,11 +9,12 @@ Status LlamaModel::Forward(const ForwardBatch& batch, std::vector<float>& logits
 }
 
 Status LlamaModel::ForwardAndSample(const ForwardBatch& batch, std::span<const DeviceSampleRow> rows,
-                                    std::vector<SampledToken>& sampled) {
+                                    std::vector<SampledToken>& sampled, const std::function<void()>& await_constraints) {
   if (!backend_.SupportsDeviceSampling()) return Status::Unsupported("this backend does not sample on the device");
   LogitsSink sink;
   sink.sample_rows = rows;
   sink.sampled = &sampled;
+  if (await_constraints) sink.await_constraints = &await_constraints;
   return Run(batch, sink);
 }
 

@@ -111,9 +111,9 @@ class LlamaModel {
   // with num_logit_rows() x vocab_size floats.
   Status Forward(const ForwardBatch& batch, std::vector<float>& logits);
   // Runs the decoder and samples each logit row on the device (rows: one per logit row, in order);
-  // needs backend.SupportsDeviceSampling().
+  // needs backend.SupportsDeviceSampling(). `await_constraints`: DeviceSampling's.
   Status ForwardAndSample(const ForwardBatch& batch, std::span<const DeviceSampleRow> rows,
-                          std::vector<SampledToken>& sampled);
+                          std::vector<SampledToken>& sampled, const std::function<void()>& await_constraints = {});
 
   void set_hooks(LayerHooks* hooks) { hooks_ = hooks; }
   Backend& backend() { return backend_; }

@@ -41,6 +41,7 @@ class StructuredOutputProcessor final : public LogitsProcessor {
   // threads are idle while the engine samples); Constrain then only copies them.
   void Prepare(std::span<const LogitsContext> rows) const override;
   bool HandlesStructuredOutput() const override { return true; }
+  bool Costly(const SamplingParams& params) const override { return params.structured_output.has_value(); }
   void Fork(uint64_t parent_key, uint64_t child_key) const override;
   void Forget(uint64_t sequence_key) const override;
 

@@ -3,11 +3,15 @@
 // the first stop ends the sequence, the tokens after it are dropped, the blocks are freed.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/engine_core.h"
@@ -26,9 +30,9 @@ class ScriptedExecutor final : public Executor {
   bool SupportsSampling() const override { return true; }
   Status MoveBlocks(const SchedulerOutput&) override { return Status::Ok(); }
   Status Run(const SchedulerOutput& sched, std::span<const LogitsMode>,
-             std::optional<std::span<const DeviceSampleRow>> sample_rows,
-             ExecutorOutput& out) override {
+             const DeviceSampling* sampling, ExecutorOutput& out) override {
     ++steps_;
+    if (on_run) on_run(sampling);
     for (const ScheduledSeq& s : sched.scheduled) {
       if (!s.needs_logits) continue;
       std::deque<int32_t>& script = scripts_[s.group->request_id];
@@ -45,6 +49,8 @@ class ScriptedExecutor final : public Executor {
     return Status::Ok();
   }
   int steps() const { return steps_; }
+  // Called at the start of each Run, as a backend's forward pass would start.
+  std::function<void(const DeviceSampling*)> on_run;
 
  private:
   int per_step_;
@@ -195,6 +201,62 @@ TEST_F(EngineCoreTest, CancelDuringAStepTakesEffectWhenTheStepEnds) {
   EXPECT_EQ(out_[b].finish, FinishReason::kLength);
   EXPECT_EQ(out_[b].tokens.size(), 20u);
   EXPECT_EQ(out_[a].tokens.size(), 6u);
+}
+
+// A costly constraint (a grammar's mask) is computed on a helper thread while the forward pass runs.
+// The executor signals that its forward pass is queued, then awaits the constraints as a device
+// sampler does; the processor's Prepare waits for that signal, which it would wait for in vain if
+// the engine computed the constraints before the forward pass. Its ban reaches every row.
+class ForwardLatchProcessor final : public LogitsProcessor {
+ public:
+  const char* name() const override { return "forward latch"; }
+  bool Costly(const SamplingParams&) const override { return true; }
+  void Prepare(std::span<const LogitsContext> rows) const override {
+    std::unique_lock<std::mutex> lock(mu);
+    saw_forward.push_back(cv.wait_for(lock, std::chrono::seconds(5), [this] { return forward_queued; }));
+    prepare_threads.push_back(std::this_thread::get_id());
+    forward_queued = false;
+  }
+  void Constrain(const LogitsContext&, TokenConstraint& constraint) const override { constraint.Ban(13); }
+  void ForwardQueued() {
+    std::lock_guard<std::mutex> lock(mu);
+    forward_queued = true;
+    cv.notify_all();
+  }
+
+  mutable std::mutex mu;
+  mutable std::condition_variable cv;
+  mutable bool forward_queued = false;
+  mutable std::vector<bool> saw_forward;
+  mutable std::vector<std::thread::id> prepare_threads;
+};
+
+TEST_F(EngineCoreTest, CostlyConstraintsAreComputedWhileTheForwardPassRuns) {
+  ForwardLatchProcessor latch;
+  EngineCoreConfig c = SmallCore();
+  c.logits_processors = {&latch};
+  Make(c);
+  int rows_seen = 0, rows_banning = 0;
+  executor_.on_run = [&](const DeviceSampling* sampling) {
+    ASSERT_NE(sampling, nullptr);
+    latch.ForwardQueued();
+    ASSERT_TRUE(sampling->await_constraints) << "costly constraints are awaited, not computed before the step";
+    sampling->await_constraints();
+    for (const DeviceSampleRow& row : sampling->rows) {
+      ++rows_seen;
+      if (row.constraint != nullptr && !row.constraint->Allows(13)) ++rows_banning;
+    }
+  };
+  Add(Params(6), {10, 11, 12, 14, 15, 16});
+  Add(Params(6), {20, 21, 22, 23, 24, 25});
+  RunToEnd();
+  ASSERT_FALSE(latch.saw_forward.empty());
+  for (size_t i = 0; i < latch.saw_forward.size(); ++i) {
+    EXPECT_TRUE(latch.saw_forward[i]) << "step " << i << ": the constraints were computed before the forward pass";
+    EXPECT_NE(latch.prepare_threads[i], std::this_thread::get_id()) << "step " << i;
+  }
+  EXPECT_GT(rows_seen, 0);
+  EXPECT_EQ(rows_banning, rows_seen);
 }
 
 }  // namespace

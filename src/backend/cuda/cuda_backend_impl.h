@@ -205,6 +205,7 @@ class CudaBackend final : public Backend,
   Status UnpackKvOnDevice(int layer, std::span<const int64_t> slots, std::span<const std::byte> in) override;
   Result<void*> RecordComputeEvent() override;
   bool SupportsDeviceSampling() const override { return true; }
+  bool ComputesOnHost() const override { return false; }
   bool SupportsDeviceTokenMask() const override { return true; }
   Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) override;
   Status TransferKv(std::span<const KvTransfer> transfers) override;

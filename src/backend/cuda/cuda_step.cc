@@ -369,6 +369,9 @@ Status CudaBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink, c
 // Hands logits rows [first_row, first_row + rows) of the step (now in logits_) to the sink.
 Status CudaBackend::Drain(int first_row, int rows, const LogitsSink& sink) {
   if (!sink.sampled) return CopyLogitsToHost(rows, sink.host->data() + static_cast<size_t>(first_row) * config_.vocab_size);
+  // The forward pass (and this chunk's logits) are queued: the host may now wait for the
+  // constraints the engine computed meanwhile.
+  if (first_row == 0 && sink.await_constraints != nullptr) (*sink.await_constraints)();
   return SampleOnDevice(sink.sample_rows.subspan(static_cast<size_t>(first_row), static_cast<size_t>(rows)),
                         *sink.sampled);
 }
