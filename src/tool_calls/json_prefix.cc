@@ -41,6 +41,12 @@ JsonPrefixScan ScanJsonPrefix(std::string_view text) {
 
   // A value (scalar or container) closed: what the container around it expects, or the end.
   auto value_done = [&] { expect = stack.empty() ? Expect::kValue : Expect::kCommaOrClose; };
+  // The innermost container closes; true when that was the top-level value.
+  auto close = [&] {
+    stack.pop_back();
+    value_done();
+    return stack.empty();
+  };
 
   for (; i < text.size(); ++i) {
     const unsigned char c = static_cast<unsigned char>(text[i]);
@@ -136,17 +142,13 @@ JsonPrefixScan ScanJsonPrefix(std::string_view text) {
           continue;
         }
         if ((c == '}' && stack.back() == '{') || (c == ']' && stack.back() == '[')) {
-          stack.pop_back();
-          if (stack.empty()) return {i + 1, i + 1};
-          value_done();
+          if (close()) return {i + 1, i + 1};
           continue;
         }
         return {i, 0};
       case Expect::kKeyOrClose:
         if (c == '}') {
-          stack.pop_back();
-          if (stack.empty()) return {i + 1, i + 1};
-          value_done();
+          if (close()) return {i + 1, i + 1};
           continue;
         }
         [[fallthrough]];
@@ -156,9 +158,7 @@ JsonPrefixScan ScanJsonPrefix(std::string_view text) {
         continue;
       case Expect::kValueOrClose:
         if (c == ']') {
-          stack.pop_back();
-          if (stack.empty()) return {i + 1, i + 1};
-          value_done();
+          if (close()) return {i + 1, i + 1};
           continue;
         }
         [[fallthrough]];
