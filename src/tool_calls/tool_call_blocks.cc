@@ -5,6 +5,8 @@
 #include <initializer_list>
 #include <utility>
 
+#include "util/json_nesting.h"
+
 namespace kvflow::tool_calls {
 namespace {
 
@@ -27,18 +29,9 @@ std::string Compact(const ordered_json& v) { return v.dump(-1, ' ', false, order
 std::string Tight(string_view json) {
   std::string out;
   out.reserve(json.size());
-  bool in_string = false, escaped = false;
+  JsonStringState strings;
   for (char c : json) {
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (IsWs(c)) {
-      continue;
-    }
-    out += c;
+    if (strings.InString(c) || !IsWs(c)) out += c;
   }
   return out;
 }

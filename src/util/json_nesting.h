@@ -6,18 +6,32 @@
 
 namespace kvflow {
 
+// Walks JSON text a byte at a time: whether each byte is part of a string (its quotes included).
+class JsonStringState {
+ public:
+  bool InString(char c) {
+    if (!in_string_) {
+      in_string_ = c == '"';
+      return in_string_;
+    }
+    if (escaped_) escaped_ = false;
+    else if (c == '\\') escaped_ = true;
+    else if (c == '"') in_string_ = false;
+    return true;
+  }
+
+ private:
+  bool in_string_ = false;
+  bool escaped_ = false;
+};
+
 // Whether the [ / { nesting of `text`, outside strings, stays within `limit`.
 inline bool JsonNestingWithin(std::string_view text, int limit) {
   int depth = 0;
-  bool in_string = false, escaped = false;
+  JsonStringState strings;
   for (char c : text) {
-    if (in_string) {
-      if (escaped) escaped = false;
-      else if (c == '\\') escaped = true;
-      else if (c == '"') in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
+    if (strings.InString(c)) continue;
+    if (c == '[' || c == '{') {
       if (++depth > limit) return false;
     } else if (c == ']' || c == '}') {
       --depth;
