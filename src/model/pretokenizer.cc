@@ -125,11 +125,11 @@ void SplitWith(Matcher match, std::string_view text, const std::vector<Codepoint
 }  // namespace
 
 Result<PreTokenizer> PreTokenizer::FromName(std::string_view name) {
-  if (name == "gpt2") return PreTokenizer(Kind::kGpt2);
+  if (name == "gpt2" || name == "gpt-2") return PreTokenizer(Kind::kGpt2);  // "gpt-2": llama.cpp's GGUF name
   if (name == "smollm") return PreTokenizer(Kind::kSmolLm);
   if (name == "llama-bpe" || name == "llama3") return PreTokenizer(Kind::kLlama3);
   return Status::Unsupported("tokenizer pre-type '" + std::string(name) +
-                             "' is not supported (known: gpt2, smollm, llama-bpe)");
+                             "' is not supported (known: gpt2 or gpt-2, smollm, llama-bpe)");
 }
 
 const char* PreTokenizer::name() const {

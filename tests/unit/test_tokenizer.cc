@@ -2,12 +2,15 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "model/gguf.h"
 #include "model/pretokenizer.h"
 #include "model/tensor_source.h"
 
@@ -388,6 +391,72 @@ TEST_F(TokenizerSmolLm, RoundTripsAndSkipsSpecials) {
   for (int32_t id : ids) streamed += dec.Push(id);
   streamed += dec.Flush();
   EXPECT_EQ(streamed, text);
+}
+
+// ---- Real vocabularies (../shared/datasets/tokenizer_vocabs: vocabulary-only GGUFs with llama.cpp's
+// test vectors, the ids Hugging Face's tokenizer gives) ---------------------------------------------
+
+// What kvflow reads exactly today; the others must be refused with a message that names what.
+const char* const kExactVocabularies[] = {"gpt-2", "llama-bpe"};
+const char* const kAllVocabularies[] = {"deepseek-coder", "falcon",  "gpt-2",  "llama-bpe",
+                                        "llama-spm",      "phi-3",   "qwen2",  "starcoder"};
+
+struct VocabCase {
+  std::string text;
+  std::vector<int32_t> ids;
+};
+
+std::vector<VocabCase> ReadVocabCases(const std::string& gguf) {
+  std::ifstream inp(gguf + ".inp"), out(gguf + ".out");
+  std::stringstream all;
+  all << inp.rdbuf();
+  const std::string text = all.str(), sep = "\n__ggml_vocab_test__\n";
+  std::vector<VocabCase> cases;
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t at = text.find(sep, pos);
+    cases.push_back({text.substr(pos, at == std::string::npos ? std::string::npos : at - pos), {}});
+    if (at == std::string::npos) break;
+    pos = at + sep.size();
+  }
+  std::string line;
+  for (VocabCase& c : cases) {
+    if (!std::getline(out, line)) break;
+    std::istringstream ids(line);
+    for (int32_t id; ids >> id;) c.ids.push_back(id);
+  }
+  return cases;
+}
+
+TEST(TokenizerRealVocabularies, EncodeAsHuggingFaceOrRefuse) {
+  const std::string dir = std::string(KVFLOW_SOURCE_DIR) + "/../shared/datasets/tokenizer_vocabs/";
+  if (!std::filesystem::exists(dir)) GTEST_SKIP() << "no " << dir << " (the ../shared datasets)";
+  for (const char* name : kAllVocabularies) {
+    const std::string path = dir + "ggml-vocab-" + name + ".gguf";
+    auto gguf = GgufFile::Open(path);
+    ASSERT_TRUE(gguf.ok()) << gguf.status().ToString();
+    auto spec = TokenizerSpecFromGguf(*gguf.value());
+    Result<std::unique_ptr<Tokenizer>> tok =
+        spec.ok() ? Tokenizer::FromSpec(std::move(spec).value()) : Result<std::unique_ptr<Tokenizer>>(spec.status());
+    const bool exact = std::any_of(std::begin(kExactVocabularies), std::end(kExactVocabularies),
+                                   [&](const char* n) { return std::string(n) == name; });
+    if (!exact) {
+      ASSERT_FALSE(tok.ok()) << name << " loads: move it to kExactVocabularies once its vectors pass";
+      EXPECT_NE(tok.status().message().find("not supported"), std::string::npos) << tok.status().ToString();
+      std::printf("  %-15s refused: %s\n", name, tok.status().message().c_str());
+      continue;
+    }
+    ASSERT_TRUE(tok.ok()) << name << ": " << tok.status().ToString();
+    const std::vector<VocabCase> cases = ReadVocabCases(path);
+    ASSERT_GT(cases.size(), 20u) << name;
+    int same = 0;
+    for (const VocabCase& c : cases) {
+      const std::vector<int32_t> got = tok.value()->Encode(c.text, /*add_bos=*/false);
+      EXPECT_EQ(got, c.ids) << name << " on \"" << c.text << "\"";
+      EXPECT_EQ(tok.value()->Decode(got, /*skip_special=*/false), c.text) << name << " round trip";
+      same += got == c.ids;
+    }
+    std::printf("  %-15s %d of %zu test vectors identical to Hugging Face's ids\n", name, same, cases.size());
+  }
 }
 
 }  // namespace
