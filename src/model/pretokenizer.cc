@@ -85,7 +85,9 @@ size_t MatchGpt2(const Codepoint* c, size_t n) {
 // One match of the Llama-3 regex at c[0] within c[0, n):
 // (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|
 // \s*[\r\n]+|\s+(?!\S)|\s+
-size_t MatchLlama3(const Codepoint* c, size_t n) {
+// Qwen2's is the same with \p{N} one digit at a time (kMaxDigits 1).
+template <size_t kMaxDigits>
+size_t MatchLlama3Style(const Codepoint* c, size_t n) {
   if (size_t len = MatchContraction(c, n, /*ignore_case=*/true)) return len;
   if (c[0].cls == CharClass::kLetter) return RunLength(c, 0, n, CharClass::kLetter);
   if (c[0].cls != CharClass::kNumber && !IsCrLf(c[0].cp) && n > 1 &&
@@ -93,7 +95,7 @@ size_t MatchLlama3(const Codepoint* c, size_t n) {
     return 1 + RunLength(c, 1, n, CharClass::kLetter);
   }
   if (c[0].cls == CharClass::kNumber) {
-    return std::min<size_t>(3, RunLength(c, 0, n, CharClass::kNumber));
+    return std::min<size_t>(kMaxDigits, RunLength(c, 0, n, CharClass::kNumber));
   }
   const size_t lead = (c[0].cp == ' ' && n > 1 && c[1].cls == CharClass::kOther) ? 1 : 0;
   if (c[lead].cls == CharClass::kOther) {
@@ -128,8 +130,9 @@ Result<PreTokenizer> PreTokenizer::FromName(std::string_view name) {
   if (name == "gpt2" || name == "gpt-2") return PreTokenizer(Kind::kGpt2);  // "gpt-2": llama.cpp's GGUF name
   if (name == "smollm") return PreTokenizer(Kind::kSmolLm);
   if (name == "llama-bpe" || name == "llama3") return PreTokenizer(Kind::kLlama3);
+  if (name == "qwen2") return PreTokenizer(Kind::kQwen2);
   return Status::Unsupported("tokenizer pre-type '" + std::string(name) +
-                             "' is not supported (known: gpt2 or gpt-2, smollm, llama-bpe)");
+                             "' is not supported (known: gpt2 or gpt-2, smollm, llama-bpe, qwen2)");
 }
 
 const char* PreTokenizer::name() const {
@@ -137,6 +140,7 @@ const char* PreTokenizer::name() const {
     case Kind::kGpt2: return "gpt2";
     case Kind::kSmolLm: return "smollm";
     case Kind::kLlama3: return "llama-bpe";
+    case Kind::kQwen2: return "qwen2";
   }
   return "?";
 }
@@ -148,7 +152,10 @@ void PreTokenizer::Split(std::string_view text, std::vector<std::string_view>* o
       SplitWith(MatchGpt2, text, cps, 0, cps.size(), out);
       break;
     case Kind::kLlama3:
-      SplitWith(MatchLlama3, text, cps, 0, cps.size(), out);
+      SplitWith(MatchLlama3Style<3>, text, cps, 0, cps.size(), out);
+      break;
+    case Kind::kQwen2:
+      SplitWith(MatchLlama3Style<1>, text, cps, 0, cps.size(), out);
       break;
     case Kind::kSmolLm: {
       // HF Digits(individual_digits=true) isolates each numeric char before the GPT-2 regex runs

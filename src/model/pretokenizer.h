@@ -26,6 +26,7 @@ class PreTokenizer {
     kGpt2,    // the GPT-2 regex
     kSmolLm,  // every \p{N} code point alone, then the GPT-2 regex on each part
     kLlama3,  // the Llama-3 regex
+    kQwen2,   // the Llama-3 regex with one digit per piece (Qwen2, Qwen2.5, Qwen3)
   };
   explicit PreTokenizer(Kind kind) : kind_(kind) {}
 
