@@ -10,6 +10,21 @@
 #include <spdlog/spdlog.h>
 
 namespace kvflow {
+namespace {
+
+// Runs logits-processor work: one that throws fails the step (logged), not the engine.
+template <typename Work>
+bool Guarded(Work&& work) noexcept {
+  try {
+    work();
+    return true;
+  } catch (const std::exception& e) {
+    spdlog::error("logits processors: {}", e.what());
+    return false;
+  }
+}
+
+}  // namespace
 
 EngineCore::EngineCore(const EngineCoreConfig& config, std::unique_ptr<SchedulingPolicy> policy,
                        std::unique_ptr<LengthSupervisor> supervisor, const Tokenizer* tokenizer)
@@ -157,8 +172,7 @@ Result<StepResult> EngineCore::StepInner(Executor& executor) {
   // (in parallel, UpdateFromOutput).
   std::optional<DeviceSampling> sampling;
   std::future<bool> constraints;
-  bool costly = false, constraints_ok = true;
-  host_constraints_prepared_ = false;
+  bool costly = false, constraints_ok = true, host_constraints_prepared = false;
   if (!sched.empty() && ExecutorMaySample(executor, sched, record)) {
     device_rows_.clear();
     prepare_rows_.clear();
@@ -181,25 +195,18 @@ Result<StepResult> EngineCore::StepInner(Executor& executor) {
     sampling.emplace();
     sampling->rows = device_rows_;
     if (costly) {
-      constraints = std::async(std::launch::async, [this] { return FillDeviceConstraints(); });
+      constraints = std::async(std::launch::async, [this] { return Guarded([this] { FillDeviceConstraints(); }); });
       sampling->await_constraints = [&constraints] { constraints.wait(); };
     } else {
-      constraints_ok = FillDeviceConstraints();
+      constraints_ok = Guarded([this] { FillDeviceConstraints(); });
     }
   } else if (!sched.empty() && !executor.ForwardUsesHostCores() &&
              std::any_of(sched.scheduled.begin(), sched.scheduled.end(), [&](const ScheduledSeq& s) {
                return s.needs_logits && logits_processors_.Costly(requests_.at(s.group->request_id)->params);
              })) {
-    constraints = std::async(std::launch::async, [this, &sched, &record] {
-      try {
-        PrepareConstraints(sched, record);
-        return true;
-      } catch (const std::exception& e) {
-        spdlog::error("logits processors: {}", e.what());
-        return false;
-      }
-    });
-    host_constraints_prepared_ = true;
+    constraints = std::async(std::launch::async,
+                             [this, &sched, &record] { return Guarded([&] { PrepareConstraints(sched, record); }); });
+    host_constraints_prepared = true;
   }
   ExecutorOutput out;
   Status st = executor.Run(sched, record.logits, sampling ? &*sampling : nullptr, out);
@@ -222,7 +229,7 @@ Result<StepResult> EngineCore::StepInner(Executor& executor) {
   ++stats_.num_steps;
   stats_.prompt_tokens_processed += result.num_prefill_tokens;
   if (observer_) observer_->OnStepComputed(sched);
-  UpdateFromOutput(sched, out, sampling.has_value(), record);
+  UpdateFromOutput(sched, out, sampling.has_value(), host_constraints_prepared, record);
   return result;
 }
 
@@ -287,7 +294,7 @@ bool EngineCore::ExecutorMaySample(const Executor& executor, const SchedulerOutp
   return true;
 }
 
-void EngineCore::UpdateFromOutput(const SchedulerOutput& sched, ExecutorOutput& out, bool sampled,
+void EngineCore::UpdateFromOutput(const SchedulerOutput& sched, ExecutorOutput& out, bool sampled, bool prepared,
                                   const StepRecord& record) {
   if (sampled) {
     size_t next = 0;
@@ -299,7 +306,7 @@ void EngineCore::UpdateFromOutput(const SchedulerOutput& sched, ExecutorOutput& 
     }
     return;
   }
-  if (!host_constraints_prepared_) PrepareConstraints(sched, record);
+  if (!prepared) PrepareConstraints(sched, record);
   // Logit rows by request, in batch order; prompt rows are scored on the way.
   const int64_t V = out.vocab_size;
   std::vector<std::pair<RequestState*, std::vector<SeqLogits>>> by_request;
@@ -470,17 +477,11 @@ void EngineCore::PrepareConstraints(const SchedulerOutput& sched, const StepReco
   if (!prepare_rows_.empty()) logits_processors_.Prepare(prepare_rows_);
 }
 
-bool EngineCore::FillDeviceConstraints() noexcept {
-  try {
-    logits_processors_.Prepare(prepare_rows_);
-    for (size_t i = 0; i < device_rows_.size(); ++i) {
-      device_rows_[i].constraint =
-          logits_processors_.Constrain(prepare_rows_[i], step_constraints_[i]) ? &step_constraints_[i] : nullptr;
-    }
-    return true;
-  } catch (const std::exception& e) {
-    spdlog::error("logits processors: {}", e.what());
-    return false;
+void EngineCore::FillDeviceConstraints() {
+  logits_processors_.Prepare(prepare_rows_);
+  for (size_t i = 0; i < device_rows_.size(); ++i) {
+    device_rows_[i].constraint =
+        logits_processors_.Constrain(prepare_rows_[i], step_constraints_[i]) ? &step_constraints_[i] : nullptr;
   }
 }
 

@@ -151,13 +151,14 @@ class EngineCore {
   // sampled (LogitsProcessor::Prepare), so that one may fill its constraints for the batch at once.
   void PrepareConstraints(const SchedulerOutput& sched, const StepRecord& record);
   // Device sampling: the constraints of device_rows_ (whose contexts are prepare_rows_), prepared
-  // for the batch at once; false if a logits processor threw (the step then fails).
-  bool FillDeviceConstraints() noexcept;
+  // for the batch at once.
+  void FillDeviceConstraints();
   Status CheckOutput(const SchedulerOutput& sched, const ExecutorOutput& out, bool sampled,
                      const StepRecord& record) const;
   // Hands each request its share of the step's output (tokens the executor `sampled`, or logits),
-  // then finishes the requests that are done.
-  void UpdateFromOutput(const SchedulerOutput& sched, ExecutorOutput& out, bool sampled, const StepRecord& record);
+  // then finishes the requests that are done. `prepared`: PrepareConstraints ran during the step.
+  void UpdateFromOutput(const SchedulerOutput& sched, ExecutorOutput& out, bool sampled, bool prepared,
+                        const StepRecord& record);
   // Scores the prompt tokens that follow the positions of a slice's rows.
   void RecordPromptLogprobs(RequestState& req, const SchedSequence& seq, int64_t first_position, const float* rows,
                             int64_t num_rows, int64_t vocab_size);
@@ -189,7 +190,6 @@ class EngineCore {
   std::vector<TokenConstraint> step_constraints_;  // the device-sampled rows' constraints of a step
   std::vector<LogitsContext> prepare_rows_;        // PrepareConstraints' rows (reused)
   std::vector<DeviceSampleRow> device_rows_;       // the rows a step samples on the device (reused)
-  bool host_constraints_prepared_ = false;         // this step's PrepareConstraints already ran
   RequestId next_id_ = 1;
   bool in_step_ = false;
 };
