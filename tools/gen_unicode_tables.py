@@ -4,13 +4,14 @@
 Classes follow the regex engines HF `tokenizers` uses (Oniguruma / Rust regex):
   \\p{L}  general category L* (Lu, Ll, Lt, Lm, Lo)
   \\p{N}  general category N* (Nd, Nl, No)
+  \\p{P}  general category P* (Pc, Pd, Ps, Pe, Pi, Pf, Po)
   \\s     Unicode White_Space: U+0009..U+000D, U+0085 and categories Zs, Zl, Zp
 Usage: python3 tools/gen_unicode_tables.py > src/model/unicode_data.cc
 """
 import sys
 import unicodedata
 
-LETTER, NUMBER, WHITESPACE = 1, 2, 4
+LETTER, NUMBER, WHITESPACE, PUNCTUATION = 1, 2, 4, 8
 
 
 def flags_of(cp):
@@ -20,6 +21,8 @@ def flags_of(cp):
         flags |= LETTER
     if cat[0] == "N":
         flags |= NUMBER
+    if cat[0] == "P":
+        flags |= PUNCTUATION
     if 0x09 <= cp <= 0x0D or cp == 0x85 or cat in ("Zs", "Zl", "Zp"):
         flags |= WHITESPACE
     return flags

@@ -29,6 +29,7 @@ gpu_deps_system_complete() {
     ((found)) || return 1
   done
   [[ $(ldconfig -p 2>/dev/null) == *libopenblas.so* ]] || return 1
+  [[ -e /usr/include/utf8proc.h ]] || return 1
   [[ -e /usr/include/cblas.h || -e /usr/include/$GPU_DEPS_ARCH/cblas.h ]] ||
     compgen -G "/usr/include/*openblas*/cblas.h" >/dev/null || compgen -G "/usr/include/$GPU_DEPS_ARCH/openblas*/cblas.h" >/dev/null
 }

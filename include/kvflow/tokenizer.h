@@ -1,4 +1,5 @@
-// Byte-level BPE tokenizer (GPT-2 / Llama-3 / SmolLM2 style).
+// Tokenizers: byte-level BPE (GPT-2, Llama-3, Qwen2, SmolLM2, ...) and SentencePiece-style BPE
+// with byte fallback (Llama-2, Mistral, Phi-3, ...).
 #pragma once
 
 #include <cstdint>
@@ -14,12 +15,30 @@ namespace kvflow {
 
 // Everything needed to build a tokenizer; filled from GGUF metadata or HF tokenizer.json.
 struct TokenizerSpec {
-  // Pre-tokenizer name as llama.cpp spells it in `tokenizer.ggml.pre`:
-  // "gpt2", "llama-bpe" (Llama-3), "smollm" (digits split + GPT-2 regex), ...
+  // The model as llama.cpp spells `tokenizer.ggml.model`: "gpt2" is byte-level BPE; "llama" is
+  // SentencePiece-style BPE over characters, spaces written "▁", with <0xXX> byte fallback.
+  std::string model = "gpt2";
+  // Byte-level BPE: the pre-tokenizer name as llama.cpp spells `tokenizer.ggml.pre`:
+  // "gpt2", "llama-bpe" (Llama-3), "smollm" (digits split + GPT-2 regex), "qwen2", ...
   std::string pre = "gpt2";
-  std::vector<std::string> tokens;    // id -> token text in byte-level (GPT-2 byte-to-unicode) form
-  std::vector<int32_t> token_types;   // GGUF token types: 1 normal, 2 unknown, 3 control, 4 user, 6 byte
-  std::vector<std::string> merges;    // "left right", highest priority first
+  // id -> token text: byte-level (GPT-2 byte-to-unicode) form for "gpt2", "▁" for a space for
+  // "llama".
+  std::vector<std::string> tokens;
+  // GGUF token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
+  std::vector<int32_t> token_types;
+  // "left right", highest priority first. SentencePiece takes either these (HF tokenizer.json)
+  // or `scores` (GGUF: the pair making the highest-scoring token merges first).
+  std::vector<std::string> merges;
+  std::vector<float> scores;
+  // SentencePiece: where "▁" is put before the text. kAfterSpecial: at the start and after each
+  // special token (llama.cpp, HF's legacy Llama normalizer); kFirst: only at the very start (HF
+  // Metaspace prepend_scheme "first").
+  enum class SpacePrefix { kNone, kAfterSpecial, kFirst };
+  SpacePrefix space_prefix = SpacePrefix::kNone;
+  // Text is put in Unicode NFC before it is encoded (HF normalizer "NFC", as Qwen2's has).
+  bool nfc = false;
+  // Special tokens that swallow the whitespace before (lstrip) or after (rstrip) them.
+  std::vector<int32_t> lstrip_ids, rstrip_ids;
   // Use a pre-token found whole in the vocabulary without merging (HF BPE `ignore_merges`).
   // Unset: what llama.cpp does for `pre`, i.e. on for "llama-bpe" only.
   std::optional<bool> ignore_merges;
@@ -36,24 +55,33 @@ class Tokenizer {
   virtual ~Tokenizer() = default;
 
   static Result<std::unique_ptr<Tokenizer>> FromSpec(TokenizerSpec spec);
-  // HF `tokenizer.json` (model type BPE, byte-level). `tokenizer_config.json` beside it is read
-  // for bos/eos and chat template when present.
+  // HF `tokenizer.json` (model type BPE: byte-level, or with byte fallback as SentencePiece
+  // converts). `tokenizer_config.json` beside it is read for bos/eos and chat template when
+  // present.
   static Result<std::unique_ptr<Tokenizer>> FromHfJson(const std::string& path);
 
   // Special/control tokens written literally in `text` become their ids when parse_special.
   virtual std::vector<int32_t> Encode(std::string_view text, bool add_bos = false,
                                       bool parse_special = true) const = 0;
-  // Raw bytes of the tokens (may end in an incomplete UTF-8 sequence).
+  // The raw bytes of one token as it reads inside a text (llama.cpp's token_to_piece): a
+  // SentencePiece word keeps its leading space. Empty for a skipped special token.
+  virtual std::string TokenBytes(int32_t id, bool skip_special = false) const = 0;
+  // A whole text's raw bytes (may end in an incomplete UTF-8 sequence), as HF's decode and
+  // llama.cpp's detokenize give it: a SentencePiece text loses the one leading space its encoder
+  // added.
   virtual std::string DecodeBytes(const std::vector<int32_t>& ids, bool skip_special = true) const = 0;
   // Valid UTF-8 only: invalid/incomplete sequences become U+FFFD.
   virtual std::string Decode(const std::vector<int32_t>& ids, bool skip_special = true) const = 0;
+  // The tokens' pieces joined, as valid UTF-8: text that continues a prompt (generated output)
+  // keeps its leading space.
+  virtual std::string DecodePieces(const std::vector<int32_t>& ids, bool skip_special = true) const = 0;
 
   virtual int32_t vocab_size() const = 0;
   virtual int32_t bos_id() const = 0;
   virtual int32_t eos_id() const = 0;
   virtual bool add_bos() const = 0;
   virtual bool is_special(int32_t id) const = 0;
-  virtual const std::string& token_text(int32_t id) const = 0;  // byte-level form
+  virtual const std::string& token_text(int32_t id) const = 0;  // as the vocabulary spells it
   virtual int32_t token_id(std::string_view text) const = 0;    // -1 if absent
   virtual const std::string& chat_template() const = 0;
 };

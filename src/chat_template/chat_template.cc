@@ -51,7 +51,7 @@ Result<ChatTemplate> ChatTemplate::Create(const std::string& source, std::string
 }
 
 Result<ChatTemplate> ChatTemplate::Create(const std::string& source, const Tokenizer& tokenizer) {
-  auto text = [&](int32_t id) { return id >= 0 ? tokenizer.DecodeBytes({id}, /*skip_special=*/false) : std::string(); };
+  auto text = [&](int32_t id) { return id >= 0 ? tokenizer.TokenBytes(id, /*skip_special=*/false) : std::string(); };
   return Create(source, text(tokenizer.bos_id()), text(tokenizer.eos_id()));
 }
 

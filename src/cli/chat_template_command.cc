@@ -62,8 +62,8 @@ int RunChatTemplateCommand(const ChatTemplateCommandOptions& o) {
     if (!files.ok()) return fail(files.status());
     if (!files->tokenizer) return fail(Status::NotFound("the model '" + o.model + "' has no tokenizer"));
     const Tokenizer& tok = *files->tokenizer;
-    if (tok.bos_id() >= 0 && bos.empty()) bos = tok.DecodeBytes({tok.bos_id()}, /*skip_special=*/false);
-    if (tok.eos_id() >= 0 && eos.empty()) eos = tok.DecodeBytes({tok.eos_id()}, /*skip_special=*/false);
+    if (tok.bos_id() >= 0 && bos.empty()) bos = tok.TokenBytes(tok.bos_id(), /*skip_special=*/false);
+    if (tok.eos_id() >= 0 && eos.empty()) eos = tok.TokenBytes(tok.eos_id(), /*skip_special=*/false);
     source = tok.chat_template();
   }
   if (!o.template_path.empty()) {

@@ -492,7 +492,7 @@ const TokenConstraint* EngineCore::Constrain(const SamplingParams& p, const SeqS
 }
 
 std::string EngineCore::Decode(const std::vector<int32_t>& tokens) const {
-  return tokenizer_ ? tokenizer_->Decode(tokens) : std::string();
+  return tokenizer_ ? tokenizer_->DecodePieces(tokens) : std::string();
 }
 
 // ---- the end of a request -------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cctype>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -502,6 +503,32 @@ Result<std::vector<int64_t>> GgufFile::GetIntArray(const std::string& key) const
   return ints;
 }
 
+Result<std::vector<float>> GgufFile::GetFloatArray(const std::string& key) const {
+  KVFLOW_ASSIGN_OR_RETURN(const Value* value, Lookup(key));
+  if (value->type == GgufType::kArray && IsIntegerType(value->element_type)) {
+    KVFLOW_ASSIGN_OR_RETURN(std::vector<int64_t> ints, GetIntArray(key));
+    return std::vector<float>(ints.begin(), ints.end());
+  }
+  const bool f32 = value->element_type == GgufType::kFloat32;
+  if (value->type != GgufType::kArray || (!f32 && value->element_type != GgufType::kFloat64)) {
+    return Corrupt("metadata '" + key + "' is not an array of numbers");
+  }
+  GgufCursor cursor(file_->data(), file_->size(), value->offset);
+  std::vector<float> out(value->count);
+  for (float& v : out) {
+    bool ok;
+    if (f32) {
+      ok = cursor.Read(&v);
+    } else {
+      double d = 0;
+      ok = cursor.Read(&d);
+      v = static_cast<float>(d);
+    }
+    if (!ok) return Corrupt("metadata '" + key + "' is truncated");
+  }
+  return out;
+}
+
 const TensorInfo* GgufFile::Find(const std::string& name) const {
   auto it = tensor_index_.find(name);
   return it == tensor_index_.end() ? nullptr : &tensors_[it->second];
@@ -534,19 +561,39 @@ Status ReadTokenId(const GgufFile& gguf, const std::string& key, size_t vocab, i
   return Status::Ok();
 }
 
+// llama.cpp marks Phi-3's special tokens as swallowing the whitespace after them (HF's Phi-3
+// tokenizer has rstrip on them), by the model's name, since GGUF has no key for it.
+Status SetPhi3StripAttributes(const GgufFile& gguf, TokenizerSpec* spec) {
+  if (!gguf.Has("general.name")) return Status::Ok();
+  KVFLOW_ASSIGN_OR_RETURN(std::string name, gguf.GetString("general.name"));
+  std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (name.find("phi-3") == std::string::npos && name.find("phi3") == std::string::npos) {
+    return Status::Ok();
+  }
+  for (size_t id = 0; id < spec->tokens.size(); ++id) {
+    const int32_t type = id < spec->token_types.size() ? spec->token_types[id] : 1;
+    const std::string& text = spec->tokens[id];
+    const bool special = type == 2 || type == 3 || type == 4 || text == "</s>";
+    if (special && text != "<unk>" && text != "<s>" && text != "<|endoftext|>") {
+      spec->rstrip_ids.push_back(static_cast<int32_t>(id));
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<TokenizerSpec> TokenizerSpecFromGguf(const GgufFile& gguf) {
   if (!gguf.Has("tokenizer.ggml.model")) {
     return Status::NotFound(gguf.path() + ": no tokenizer metadata (tokenizer.ggml.model)");
   }
-  KVFLOW_ASSIGN_OR_RETURN(std::string model, gguf.GetString("tokenizer.ggml.model"));
-  if (model != "gpt2") {
-    return Status::Unsupported(gguf.path() + ": tokenizer model '" + model +
-                               "' is not supported (only byte-level BPE, 'gpt2')");
-  }
-
   TokenizerSpec spec;
+  KVFLOW_ASSIGN_OR_RETURN(spec.model, gguf.GetString("tokenizer.ggml.model"));
+  if (spec.model != "gpt2" && spec.model != "llama") {
+    return Status::Unsupported(gguf.path() + ": tokenizer model '" + spec.model +
+                               "' is not supported (known: 'gpt2', byte-level BPE; 'llama', "
+                               "SentencePiece)");
+  }
   KVFLOW_ASSIGN_OR_RETURN(spec.tokens, gguf.GetStringArray("tokenizer.ggml.tokens"));
   if (spec.tokens.empty()) return Status::CorruptFile(gguf.path() + ": tokenizer has no tokens");
   if (gguf.Has("tokenizer.ggml.merges")) {
@@ -566,12 +613,43 @@ Result<TokenizerSpec> TokenizerSpecFromGguf(const GgufFile& gguf) {
     KVFLOW_ASSIGN_OR_RETURN(spec.pre, gguf.GetString("tokenizer.ggml.pre"));
   }
   const size_t vocab = spec.tokens.size();
+  const bool spm = spec.model == "llama";
+  if (spm) {
+    // llama.cpp's SentencePiece defaults: ids 1, 2, 0; a "▁" before the text; BOS added.
+    spec.bos_id = 1;
+    spec.eos_id = 2;
+    spec.unk_id = 0;
+    if (vocab < 3) return Status::CorruptFile(gguf.path() + ": SentencePiece vocabulary of " + std::to_string(vocab) + " tokens");
+    if (!gguf.Has("tokenizer.ggml.scores")) {
+      return Status::CorruptFile(gguf.path() + ": SentencePiece tokenizer without tokenizer.ggml.scores");
+    }
+    KVFLOW_ASSIGN_OR_RETURN(spec.scores, gguf.GetFloatArray("tokenizer.ggml.scores"));
+    if (spec.scores.size() < vocab) {
+      return Status::CorruptFile(gguf.path() + ": " + std::to_string(spec.scores.size()) +
+                                 " token scores for " + std::to_string(vocab) + " tokens");
+    }
+    spec.scores.resize(vocab);
+    bool add_space_prefix = true;
+    if (gguf.Has("tokenizer.ggml.add_space_prefix")) {
+      KVFLOW_ASSIGN_OR_RETURN(add_space_prefix, gguf.GetBool("tokenizer.ggml.add_space_prefix"));
+    }
+    spec.space_prefix = add_space_prefix ? TokenizerSpec::SpacePrefix::kAfterSpecial
+                                         : TokenizerSpec::SpacePrefix::kNone;
+    for (const char* key : {"tokenizer.ggml.remove_extra_whitespaces", "tokenizer.ggml.add_eos_token"}) {
+      if (!gguf.Has(key)) continue;
+      KVFLOW_ASSIGN_OR_RETURN(bool on, gguf.GetBool(key));
+      if (on) return Status::Unsupported(gguf.path() + ": " + key + " = true is not supported");
+    }
+    KVFLOW_RETURN_IF_ERROR(SetPhi3StripAttributes(gguf, &spec));
+  }
   KVFLOW_RETURN_IF_ERROR(ReadTokenId(gguf, "tokenizer.ggml.bos_token_id", vocab, &spec.bos_id));
   KVFLOW_RETURN_IF_ERROR(ReadTokenId(gguf, "tokenizer.ggml.eos_token_id", vocab, &spec.eos_id));
   KVFLOW_RETURN_IF_ERROR(ReadTokenId(gguf, "tokenizer.ggml.unknown_token_id", vocab, &spec.unk_id));
   KVFLOW_RETURN_IF_ERROR(ReadTokenId(gguf, "tokenizer.ggml.padding_token_id", vocab, &spec.pad_id));
-  // llama.cpp's default when the key is absent: only the Llama-3 pre-tokenizer adds BOS.
-  spec.add_bos = spec.pre == "llama-bpe" || spec.pre == "llama3";
+  // Qwen2's tokenizer.json puts text in NFC (llama.cpp skips that; HF is the reference).
+  spec.nfc = spec.pre == "qwen2";
+  // llama.cpp's default when the key is absent: SentencePiece and the Llama-3 pre-tokenizer add BOS.
+  spec.add_bos = spm || spec.pre == "llama-bpe" || spec.pre == "llama3";
   if (gguf.Has("tokenizer.ggml.add_bos_token")) {
     KVFLOW_ASSIGN_OR_RETURN(spec.add_bos, gguf.GetBool("tokenizer.ggml.add_bos_token"));
   }

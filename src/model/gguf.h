@@ -71,6 +71,8 @@ class GgufFile : public TensorSource {
   Result<bool> GetBool(const std::string& key) const;
   Result<std::vector<std::string>> GetStringArray(const std::string& key) const;
   Result<std::vector<int64_t>> GetIntArray(const std::string& key) const;
+  // An array of float32 or float64 (or of integers, converted).
+  Result<std::vector<float>> GetFloatArray(const std::string& key) const;
   // Element count of an array value (without decoding it).
   Result<uint64_t> GetArrayLength(const std::string& key) const;
 

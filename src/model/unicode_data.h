@@ -1,4 +1,4 @@
-// Unicode character classes used by the pre-tokenizer regexes (\p{L}, \p{N}, \s).
+// Unicode character classes used by the pre-tokenizer regexes (\p{L}, \p{N}, \p{P}, \s).
 #pragma once
 
 #include <algorithm>
@@ -11,6 +11,7 @@ enum CodepointFlag : uint8_t {
   kCpLetter = 1,      // \p{L}
   kCpNumber = 2,      // \p{N}
   kCpWhitespace = 4,  // \s as Oniguruma / Rust regex define it (Unicode White_Space)
+  kCpPunctuation = 8, // \p{P}
 };
 
 // The flags of code points [first, next range's first). Sorted by `first`.

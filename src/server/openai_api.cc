@@ -558,7 +558,7 @@ void ChatTemplateReaders(std::map<std::string, FieldReader>& readers, ChatTempla
 }
 
 std::string TokenBytes(const Tokenizer& tokenizer, int32_t token) {
-  return tokenizer.DecodeBytes({token}, /*skip_special=*/false);
+  return tokenizer.TokenBytes(token, /*skip_special=*/false);
 }
 
 // A token's text for logprobs: its UTF-8 when it is whole characters, else "bytes:\xNN..." as
@@ -840,7 +840,7 @@ void AppendCompletionLogprobs(Json* to, const Json& more) {
 
 Json PromptLogprobs(const Tokenizer& tokenizer, const std::vector<SampledToken>& logprobs, int top) {
   auto entry = [&](int32_t token, float logprob) {
-    return Json{{"logprob", logprob}, {"decoded_token", tokenizer.Decode({token}, /*skip_special=*/false)}};
+    return Json{{"logprob", logprob}, {"decoded_token", tokenizer.DecodePieces({token}, /*skip_special=*/false)}};
   };
   Json out = Json::array({nullptr});
   for (const SampledToken& t : logprobs) {

@@ -241,7 +241,7 @@ void OpenAiServer::HandleTokenize(const HttpRequest& req, HttpExchange& exchange
       continue;
     }
     // llama.cpp's pieces: the token's text, or its bytes where they are not valid UTF-8 alone.
-    const std::string piece = tok.DecodeBytes({id}, /*skip_special=*/false);
+    const std::string piece = tok.TokenBytes(id, /*skip_special=*/false);
     Json entry{{"id", id}};
     bool valid = true;
     for (size_t at = 0; at < piece.size() && valid;) {

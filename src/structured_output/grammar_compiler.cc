@@ -210,7 +210,7 @@ Result<std::unique_ptr<GrammarCompiler>> GrammarCompiler::Create(const Tokenizer
   std::vector<std::string> vocab(static_cast<size_t>(known));
   for (int64_t id = 0; id < known; ++id) {
     const auto t = static_cast<int32_t>(id);
-    if (!tokenizer.is_special(t)) vocab[static_cast<size_t>(id)] = tokenizer.DecodeBytes({t}, /*skip_special=*/false);
+    if (!tokenizer.is_special(t)) vocab[static_cast<size_t>(id)] = tokenizer.TokenBytes(t, /*skip_special=*/false);
   }
   std::sort(stop_token_ids.begin(), stop_token_ids.end());
   stop_token_ids.erase(std::unique(stop_token_ids.begin(), stop_token_ids.end()), stop_token_ids.end());

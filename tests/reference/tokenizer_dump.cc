@@ -12,6 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include "kvflow/tokenizer.h"
+#include "model/gguf.h"
 #include "model/tensor_source.h"
 
 namespace {
@@ -50,10 +51,14 @@ int main(int argc, char** argv) {
     if (!tok.ok()) return Fail(tok.status().ToString());
     tokenizer = std::move(tok).value();
   } else {
-    auto files = kvflow::OpenModelFiles(gguf_path);
-    if (!files.ok()) return Fail(files.status().ToString());
-    tokenizer = std::move(files.value().tokenizer);
-    if (tokenizer == nullptr) return Fail(gguf_path + ": no tokenizer in the model file");
+    // The tokenizer alone, so that a vocabulary-only GGUF does.
+    auto gguf = kvflow::GgufFile::Open(gguf_path);
+    if (!gguf.ok()) return Fail(gguf.status().ToString());
+    auto spec = kvflow::TokenizerSpecFromGguf(*gguf.value());
+    if (!spec.ok()) return Fail(spec.status().ToString());
+    auto tok = kvflow::Tokenizer::FromSpec(std::move(spec).value());
+    if (!tok.ok()) return Fail(tok.status().ToString());
+    tokenizer = std::move(tok).value();
   }
 
   std::ifstream in(input_path, std::ios::binary);

@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """Checks kvflow's tokenizer against HF `tokenizers` on a text file.
 
-Builds HF tokenizers from a GGUF file's tokenizer metadata with the GGUF's own pre-tokenizer and
-with the Llama-3 and GPT-2 ones, writes each as tokenizer.json (+ tokenizer_config.json), and
-requires `tokenizer_dump` to produce exactly HF's ids for the whole input and for a generated
-stress text (through --tokenizer-json, and through --gguf for the GGUF's own pre-tokenizer).
+Builds HF tokenizers from a GGUF file's tokenizer metadata the way the model's real tokenizer.json
+is made (byte-level BPE with the model's own pre_tokenizer sequence, and with the Llama-3 and
+GPT-2 ones unless --own-pre-only; SentencePiece as transformers' LlamaConverter converts it: BPE
+with byte_fallback, merges from the scores, the legacy "▁" normalizer), writes each as
+tokenizer.json (+ tokenizer_config.json), and requires `tokenizer_dump` to produce exactly HF's
+ids for the whole input and for a generated stress text (through --tokenizer-json, and through
+--gguf for the GGUF's own pre-tokenizer).
 
   tokenizer_reference.py --gguf M.gguf --dump-bin build/tokenizer_dump --input valid.txt --workdir D
 Exit status: 0 all equal, 1 mismatch or error, 77 skipped (model or input missing).
@@ -19,6 +22,8 @@ SKIP = 77
 
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_REGEX = LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 
 
 def read_gguf_tokenizer(path):
@@ -38,18 +43,26 @@ def read_gguf_tokenizer(path):
             return bytes(f.parts[f.data[0]]).decode("utf-8")
         return f.parts[f.data[0]][0].item()
 
+    def floats(name):
+        f = reader.fields[name]
+        return [float(f.parts[i][0]) for i in f.data]
+
     model = field("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in ("gpt2", "llama"):
         raise SystemExit(f"{path}: tokenizer.ggml.model is {model!r}, "
-                         "expected 'gpt2' (byte-level BPE)")
+                         "expected 'gpt2' (byte-level BPE) or 'llama' (SentencePiece)")
+    spm = model == "llama"
     return {
+        "model": model,
+        "name": field("general.name", ""),
         "tokens": field("tokenizer.ggml.tokens"),
-        "merges": field("tokenizer.ggml.merges"),
+        "merges": [] if spm else field("tokenizer.ggml.merges"),
+        "scores": floats("tokenizer.ggml.scores") if spm else None,
         "types": field("tokenizer.ggml.token_type"),
-        "pre": field("tokenizer.ggml.pre", "gpt2"),
-        "bos": field("tokenizer.ggml.bos_token_id", -1),
-        "eos": field("tokenizer.ggml.eos_token_id", -1),
-        "add_bos": bool(field("tokenizer.ggml.add_bos_token", False)),
+        "pre": "spm" if spm else field("tokenizer.ggml.pre", "gpt2"),
+        "bos": field("tokenizer.ggml.bos_token_id", 1 if spm else -1),
+        "eos": field("tokenizer.ggml.eos_token_id", 2 if spm else -1),
+        "add_bos": bool(field("tokenizer.ggml.add_bos_token", spm)),
         "chat_template": field("tokenizer.chat_template", ""),
     }
 
@@ -68,32 +81,88 @@ def write_tokenizer_config(meta, path):
         json.dump(config, f, ensure_ascii=False, indent=2)
 
 
-def build_hf_tokenizer(meta, pre):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+def sentencepiece_merges(tokens, scores):
+    """transformers' SentencePieceExtractor.extract(vocab_scores): every split of a piece into two
+    pieces of the vocabulary is a merge, ranked by the piece's score (ties in vocabulary order)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, score in zip(tokens, scores):
+        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece))
+                 if piece[:k] in vocab and piece[k:] in vocab]
+        merges.extend(sorted(local, key=lambda x: (vocab[x[0]], vocab[x[1]])))
+    merges.sort(key=lambda m: m[2], reverse=True)
+    return [(l, r) for l, r, _ in merges]
 
+
+def build_hf_spm(meta):
+    """Llama-2's tokenizer.json: what LlamaConverter makes of a SentencePiece model."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
+    tokens = meta["tokens"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=sentencepiece_merges(tokens, meta["scores"]),
+                               unk_token=tokens[0], fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                           normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    # Phi-3's special tokens swallow the whitespace after them (llama.cpp sets the same by name).
+    phi3 = "phi3" in meta["name"].lower() or "phi-3" in meta["name"].lower()
+    added = []
+    for t, ty in zip(tokens, meta["types"]):
+        if ty in (2, 3, 4):
+            rstrip = phi3 and (ty != 1 or t == "</s>") and t not in ("<unk>", "<s>", "<|endoftext|>")
+            added.append(AddedToken(t, special=ty != 4, normalized=False, rstrip=rstrip))
+    tok.add_tokens(added)
+    return tok
+
+
+def build_hf_tokenizer(meta, pre):
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    if pre == "spm":
+        return build_hf_spm(meta)
     vocab = {}
     for i, t in enumerate(meta["tokens"]):
         vocab.setdefault(t, i)
     merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
     # Llama-3's real tokenizer.json sets ignore_merges, which llama.cpp mirrors for llama-bpe.
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=(pre == "llama-bpe")))
-    if pre == "gpt2":
+    split = lambda regex: pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in ("gpt2", "gpt-2"):
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    elif pre == "smollm":
+    elif pre in ("smollm", "starcoder"):
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ])
     elif pre == "llama-bpe":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split(LLAMA3_REGEX), byte_level])
+    elif pre == "qwen2":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split(QWEN2_REGEX), byte_level])
+    elif pre == "falcon":
         tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            pre_tokenizers.Punctuation("contiguous"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            pre_tokenizers.Digits(individual_digits=False),
+            split("[0-9][0-9][0-9]"),
+        ])
+    elif pre == "deepseek-coder":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            split(r"[\r\n]"), split(r"\s?\p{L}+"), split(r"\s?\p{P}+"),
+            split("[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"),
+            pre_tokenizers.Digits(individual_digits=True), byte_level,
         ])
     else:
         raise SystemExit(f"pre-tokenizer {pre!r} has no HF reference here")
     tok.decoder = decoders.ByteLevel()
     specials = [t for t, ty in zip(meta["tokens"], meta["types"]) if ty == 3]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    # User-defined tokens are the tokenizer.json's other added tokens (DeepSeek-Coder's "\u00fc").
+    added = [t for t, ty in zip(meta["tokens"], meta["types"]) if ty == 4]
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     return tok
 
 
@@ -109,6 +178,8 @@ STRESS_FRAGMENTS = [
     "\u0645\u0631\u062d\u0628\u0627", "\u041f\u0440\u0438\u0432\u0435\u0442", "e\u0301", "\U0001f600", "\U0001f44d\U0001f3fd",
     "\U0001f468\u200d\U0001f469\u200d\U0001f467", "...", "!?", "--", "@", '"', "(", ")", "<", ">",
     "<|im_start|>", "<|im_end|>", "<|im_start", "|>", "<|endoftext|>", "http://x.y/z?q=1&r=2",
+    "<s>", "</s>", "<unk>", "<|user|>", "<|end|>", "\u2581", "\u00fc", "e\u0301", "\u212b", "\ufb01",
+    "\u00bc", "\u00b3", "$x", "+=", "^", "`", "\u3001", "\u30ab\u30ca", "\u0915\u094d\u0937",
 ]
 
 
@@ -155,6 +226,8 @@ def main():
     ap.add_argument("--dump-bin", required=True)
     ap.add_argument("--input", required=True)
     ap.add_argument("--workdir", required=True)
+    ap.add_argument("--own-pre-only", action="store_true",
+                    help="only the GGUF's own pre-tokenizer, not also the Llama-3 and GPT-2 ones")
     args = ap.parse_args()
 
     for what, path in (("input", args.input), ("model", args.gguf)):
@@ -177,7 +250,8 @@ def main():
     write_stress_text(stress_path)
 
     ok = True
-    for pre in dict.fromkeys([meta["pre"], "llama-bpe", "gpt2"]):
+    pres = [meta["pre"]] if args.own_pre_only or meta["model"] != "gpt2" else [meta["pre"], "llama-bpe", "gpt2"]
+    for pre in dict.fromkeys(pres):
         hf_tok = build_hf_tokenizer(meta, pre)
         json_path = os.path.join(args.workdir, pre, "tokenizer.json")
         os.makedirs(os.path.dirname(json_path), exist_ok=True)

@@ -367,8 +367,10 @@ class ListTokenizer : public Tokenizer {
  public:
   explicit ListTokenizer(std::vector<std::string> tokens) : tokens_(std::move(tokens)) {}
   std::vector<int32_t> Encode(std::string_view, bool, bool) const override { return {}; }
+  std::string TokenBytes(int32_t, bool) const override { return {}; }
   std::string DecodeBytes(const std::vector<int32_t>&, bool) const override { return {}; }
   std::string Decode(const std::vector<int32_t>&, bool) const override { return {}; }
+  std::string DecodePieces(const std::vector<int32_t>&, bool) const override { return {}; }
   int32_t vocab_size() const override { return static_cast<int32_t>(tokens_.size()); }
   int32_t bos_id() const override { return -1; }
   int32_t eos_id() const override { return -1; }
