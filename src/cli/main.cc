@@ -21,6 +21,7 @@
 #include "distributed/world.h"
 #include "chat_template/chat_template.h"
 #include "cli/chat_template_command.h"
+#include "cli/tokenize_command.h"
 #include "backend/backend_factory.h"
 #include "eval/perplexity.h"
 #include "infinigen/calibration.h"
@@ -438,6 +439,7 @@ int main(int argc, char** argv) {
       "  kvflow skew --model smollm2-135m --file wiki.valid.raw   (InfiniGen's skewing file, once)\n"
       "  kvflow perplexity --model smollm2-135m --file wiki.test.raw --kv-selection infinigen --token-by-token\n"
       "  kvflow chat-template --model smollm2-135m --messages '[{\"role\": \"user\", \"content\": \"Hi\"}]'\n"
+      "  kvflow tokenize --model smollm2-135m --text \"Hello world\"\n"
       "  kvflow info --model smollm2-135m\n\n"
       "Models: a .gguf file, a .safetensors file or HF directory, or a short name: tiny-random\n"
       "(built in, random weights) or smollm2-135m (run tools/fetch-model first). With --device cuda,\n"
@@ -562,6 +564,9 @@ int main(int argc, char** argv) {
   kvflow::ChatTemplateCommandOptions chat_template_opt;
   CLI::App* chat_template_cmd = kvflow::AddChatTemplateCommand(app, &chat_template_opt);
 
+  kvflow::TokenizeCommandOptions tokenize_opt;
+  CLI::App* tokenize_cmd = kvflow::AddTokenizeCommand(app, &tokenize_opt);
+
   std::string info_model = "smollm2-135m";
   CLI::App* info = app.add_subcommand("info", "Print a model's configuration and tokenizer");
   info->add_option("-m,--model", info_model, "Model path or short name")->default_val("smollm2-135m");
@@ -581,6 +586,7 @@ int main(int argc, char** argv) {
   }
   if (*skew) return RunSkew(skew_opt);
   if (*chat_template_cmd) return kvflow::RunChatTemplateCommand(chat_template_opt);
+  if (*tokenize_cmd) return kvflow::RunTokenizeCommand(tokenize_opt);
   if (*prefill_bench) return kvflow::RunPrefillBench(prefill_opt);
   if (*bench) {
     kvflow::ApplySwapSpace(&bench_opt.engine, bench_swap_gib);

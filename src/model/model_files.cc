@@ -151,6 +151,33 @@ Result<ModelFiles> OpenModelFiles(const std::string& path) {
   return files;
 }
 
+Result<std::unique_ptr<Tokenizer>> OpenTokenizer(const std::string& path) {
+  if (IsBuiltInModel(path)) {
+    KVFLOW_ASSIGN_OR_RETURN(ModelFiles files, MakeBuiltInModel(path));
+    if (!files.tokenizer) return Status::NotFound(path + " has no tokenizer");
+    return std::move(files.tokenizer);
+  }
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    const fs::path json = fs::path(path) / "tokenizer.json";
+    if (!Exists(json)) return Status::NotFound(path + " is a directory without tokenizer.json");
+    return Tokenizer::FromHfJson(json.string());
+  }
+  if (!Exists(path)) return Status::NotFound("no tokenizer at " + path);
+  if (EndsWith(path, ".json")) return Tokenizer::FromHfJson(path);
+  if (EndsWith(path, ".gguf")) {
+    KVFLOW_ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> gguf, GgufFile::Open(path));
+    KVFLOW_ASSIGN_OR_RETURN(TokenizerSpec spec, TokenizerSpecFromGguf(*gguf));
+    return Tokenizer::FromSpec(std::move(spec));
+  }
+  if (EndsWith(path, ".safetensors")) {
+    const fs::path dir = fs::path(path).parent_path();  // tokenizer.json sits beside the weights
+    return OpenTokenizer(dir.empty() ? "." : dir.string());
+  }
+  return Status::Unsupported(path + " holds no tokenizer kvflow reads; expected a .gguf file (a "
+                             "vocabulary-only one is enough), a tokenizer.json, or a directory with one");
+}
+
 LoadProgress::LoadProgress(std::string what, uint64_t total_bytes)
     : what_(std::move(what)), total_bytes_(total_bytes) {}
 

@@ -77,4 +77,9 @@ class LoadProgress {
 // Progress is logged for big files.
 Result<ModelFiles> OpenModelFiles(const std::string& path);
 
+// The tokenizer alone, without reading weights: from a .gguf file (a vocabulary-only one is
+// enough), a tokenizer.json, a directory holding one, or a built-in model's name. Unlike
+// OpenModelFiles, a tokenizer kvflow cannot run is an error.
+Result<std::unique_ptr<Tokenizer>> OpenTokenizer(const std::string& path);
+
 }  // namespace kvflow

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/cpu/quant_gemm.h"
+#include "kvflow/tokenizer.h"
 #include "model/gguf.h"
 #include "model/tensor_source.h"
 #include "model/weight_matrix.h"
@@ -66,6 +67,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     (void)(*gguf)->GetStringArray(key);
     (void)(*gguf)->GetIntArray(key);
   }
-  (void)kvflow::TokenizerSpecFromGguf(**gguf);
+  auto spec = kvflow::TokenizerSpecFromGguf(**gguf);
+  if (spec.ok()) {
+    auto tok = kvflow::Tokenizer::FromSpec(std::move(spec).value());
+    if (tok.ok()) (void)(*tok)->Decode((*tok)->Encode("Hello <s> w\u00f6rld 123", true, true), false);
+  }
   return 0;
 }

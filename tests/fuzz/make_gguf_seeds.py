@@ -67,8 +67,35 @@ def main():
     ragged[at:at + 8] = struct.pack("<Q", 128)
     with open(os.path.join(OUT, "q4_k_ragged_row.gguf"), "wb") as f:
         f.write(ragged)
+    write_tokenizer_seeds()
     print(f"wrote {len(os.listdir(OUT))} seeds to {OUT}")
 
 
-if __name__ == "__main__":
+def write_tokenizer_seeds():
+    """Vocabulary-only files: a SentencePiece one (scores, <0xXX> byte tokens) and a byte-level BPE
+    one (merges, a pre-tokenizer), so the fuzzer starts inside both tokenizer loaders."""
+    spm = gguf.GGUFWriter(os.path.join(OUT, "vocab_spm.gguf"), "llama")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581", "a", "\u2581a"]
+    spm.add_tokenizer_model("llama")
+    spm.add_token_list(tokens)
+    spm.add_token_scores([0.0] * 259 + [-1.0, -1.0, -0.5])
+    spm.add_token_types([2, 3, 3] + [6] * 256 + [1, 1, 1])
+    spm.add_bos_token_id(1)
+    spm.add_eos_token_id(2)
+    bpe = gguf.GGUFWriter(os.path.join(OUT, "vocab_bpe.gguf"), "llama")
+    bpe.add_tokenizer_model("gpt2")
+    bpe.add_tokenizer_pre("falcon")
+    bpe.add_token_list(["a", "b", "ab", "\u0120", "<|end|>"])
+    bpe.add_token_merges(["a b"])
+    bpe.add_token_types([1, 1, 1, 1, 3])
+    for w in (spm, bpe):
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--tokenizer-only"]:
+    write_tokenizer_seeds()
+elif __name__ == "__main__":
     sys.exit(main())
