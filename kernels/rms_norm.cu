@@ -122,6 +122,30 @@ __global__ void __launch_bounds__(kMaxThreads)
   NormalizeRow<T, V>(res, weight, out + row * n, n, sum, eps);
 }
 
+// One warp per (row, head): each lane sums the squares of elements lane, lane + 32, ..., the warp
+// reduces, then each lane rewrites the elements it read (so in place is safe without a barrier).
+constexpr int kHeadWarps = 4;  // heads per CTA
+
+template <typename T>
+__global__ void __launch_bounds__(32 * kHeadWarps)
+    HeadRmsNormKernel(T* x, int row_stride, int first, int heads, int head_dim, const T* __restrict__ weight,
+                      float eps) {
+  const int head = blockIdx.x * kHeadWarps + threadIdx.x / 32;
+  if (head >= heads) return;
+  const int lane = threadIdx.x % 32;
+  T* h = x + static_cast<int64_t>(blockIdx.y) * row_stride + first + static_cast<int64_t>(head) * head_dim;
+  float sum = 0.0f;
+  for (int i = lane; i < head_dim; i += 32) {
+    const float f = dev::ToFloat(h[i]);
+    sum += f * f;
+  }
+  sum = dev::WarpSum(sum);
+  const float inv = 1.0f / sqrtf(sum / static_cast<float>(head_dim) + eps);
+  for (int i = lane; i < head_dim; i += 32) {
+    h[i] = dev::FromFloat<T>(dev::ToFloat(weight[i]) * (dev::ToFloat(h[i]) * inv));
+  }
+}
+
 // Flat element-wise residual += delta over rows * n (dense rows): grid-stride over V-groups.
 constexpr int kAddThreads = 256;
 
@@ -185,6 +209,21 @@ int FusedAddRmsNorm(DType dtype, float* residual, const void* delta, const void*
     }
     return LaunchKernel(FusedAddRmsNormKernel<T, 1>, dim3(static_cast<unsigned>(rows)), dim3(RowThreads(n, 1)), 0,
                         stream, residual, d, w, o, n, eps);
+  });
+  return kInvalidValue;
+}
+
+int HeadRmsNorm(DType dtype, void* x, int row_stride, int first, int rows, int heads, int head_dim,
+                const void* weight, float eps, void* stream) {
+  if (rows < 0 || heads < 0 || head_dim <= 0 || first < 0 || row_stride < first + heads * head_dim) {
+    return kInvalidValue;
+  }
+  if (rows == 0 || heads == 0) return 0;
+  if (!x || !weight) return kInvalidValue;
+  KVFLOW_DISPATCH_DTYPE(dtype, T, {
+    const dim3 grid(static_cast<unsigned>((heads + kHeadWarps - 1) / kHeadWarps), static_cast<unsigned>(rows));
+    return LaunchKernel(HeadRmsNormKernel<T>, grid, dim3(32 * kHeadWarps), 0, stream, static_cast<T*>(x), row_stride,
+                        first, heads, head_dim, static_cast<const T*>(weight), eps);
   });
   return kInvalidValue;
 }

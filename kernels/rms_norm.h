@@ -17,6 +17,12 @@ int RmsNorm(DType dtype, const float* x, const void* weight, void* out, int rows
 int FusedAddRmsNorm(DType dtype, float* residual, const void* delta, const void* weight, void* out,
                     int rows, int n, float eps, void* stream);
 
+// In place, per head (Qwen3's q_norm / k_norm): for each of `rows` rows of `x` (`row_stride`
+// elements apart, `dtype`) and each of its `heads` heads of head_dim elements from `first`:
+// head = RmsNorm(head) * weight (weight: head_dim, `dtype`). Sums in fp32 as cpu::RmsNorm.
+int HeadRmsNorm(DType dtype, void* x, int row_stride, int first, int rows, int heads, int head_dim,
+                const void* weight, float eps, void* stream);
+
 // residual[r] += delta[r] only (after the last layer, before the final norm of the logit rows).
 int AddToResidual(DType dtype, float* residual, const void* delta, int rows, int n, void* stream);
 

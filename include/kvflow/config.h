@@ -24,9 +24,10 @@ struct RopeScaling {
   float attention_factor = 0.0f;  // 0: derive from factor as HF does
 };
 
-// Shape and hyper-parameters of a Llama-architecture decoder.
+// Shape and hyper-parameters of a decoder of the Llama family: Llama, Mistral, Qwen2, Qwen3. The
+// families differ only in the fields below (biases, q/k norms), which the one model loop honours.
 struct ModelConfig {
-  std::string architecture = "llama";
+  std::string architecture = "llama";  // llama, mistral, qwen2, qwen3
   std::string name;
   int vocab_size = 0;
   int hidden_size = 0;
@@ -46,6 +47,9 @@ struct ModelConfig {
   bool qkv_bias = false;  // q_proj, k_proj, v_proj
   bool o_bias = false;    // o_proj
   bool mlp_bias = false;  // gate_proj, up_proj, down_proj
+  // An RMSNorm over each head of q and of k (weights of head_dim, one for q, one for k) between
+  // the projection and RoPE: Qwen3's q_norm and k_norm.
+  bool qk_norm = false;
   int bos_token_id = -1;
   std::vector<int> eos_token_ids;
 

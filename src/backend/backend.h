@@ -403,6 +403,9 @@ class Backend {
   virtual Status RmsNorm(int layer, LayerWeight norm, bool add_delta) = 0;
   // out = in x weight^T (+ the weight's bias, fp32, where the model has one: HF's nn.Linear).
   virtual Status Linear(int layer, LayerWeight weight, Activation in, Activation out) = 0;
+  // RMSNorm of every Q head and every K head of kQkv in place, with the layer's q and k norm
+  // weights (ModelConfig::qk_norm: Qwen3), before Rotary.
+  virtual Status QkNorm(int layer) = 0;
   // Rotates the Q and K heads of kQkv at the step's positions.
   virtual Status Rotary() = 0;
   // Writes the K and V heads of kQkv into the layer's pools at the step's slots.

@@ -27,10 +27,12 @@ Status LlamaModel::Layers(const ForwardBatch& batch) {
   Backend& b = backend_;
   KVFLOW_RETURN_IF_ERROR(b.Embed());
   const int num_layers = b.model_config().num_layers;
+  const bool qk_norm = b.model_config().qk_norm;
   for (int layer = 0; layer < num_layers; ++layer) {
     // The previous layer's MLP output joins the residual stream inside this norm.
     KVFLOW_RETURN_IF_ERROR(b.RmsNorm(layer, LayerWeight::kAttnNorm, /*add_delta=*/layer > 0));
     KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kQkv, Activation::kHidden, Activation::kQkv));
+    if (qk_norm) KVFLOW_RETURN_IF_ERROR(b.QkNorm(layer));
     KVFLOW_RETURN_IF_ERROR(b.Rotary());
     KVFLOW_RETURN_IF_ERROR(b.WriteKv(layer));
     const LayerContext ctx{layer, batch, b};

@@ -1,11 +1,14 @@
 // The Llama decoder, written once over the primitives every backend provides (backend/backend.h):
 //
-//   embed -> per layer: [attn norm] -> QKV -> RoPE -> KV write -> (hook) -> attention -> (hook)
+//   embed -> per layer: [attn norm] -> QKV -> (q/k norm) -> RoPE -> KV write -> (hook) -> attention -> (hook)
 //            -> O -> [add + ffn norm] -> gate_up -> SiLU*mul -> down -> next layer's [add + norm]
 //   -> add -> head (final norm, LM head) over the rows that want logits
 //
 // Each projection (QKV, O, gate_up, down) is one Linear, which adds the projection's bias when the
 // model has one, so q/k get theirs before RoPE, as in HF.
+//
+// The families (Llama, Mistral, Qwen2, Qwen3) are this one loop: their differences are fields of
+// ModelConfig (biases, q/k norms) that the loop and the primitives honour.
 //
 // Features that act inside the layer loop (speculative prefetch, KV send/recv, KV selection) plug
 // in through LayerHooks, not through a copy of this loop.

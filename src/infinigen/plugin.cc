@@ -85,6 +85,13 @@ Status RegisterInfiniGen(SystemRegistry& registry) {
   };
   p.create = [](const KvSelectorContext& ctx) -> Result<std::unique_ptr<KvSelector>> {
     const InfiniGenOptions& o = ctx.config.kv_selection.infinigen;
+    if (ctx.backend.model_config().qk_norm) {
+      // The speculation multiplies partial rows of the layer's input by partial Q/K weights; a
+      // per-head norm between projection and RoPE needs whole heads, which it does not compute.
+      return Status::Unsupported("kv_selection infinigen: the model normalizes q and k per head (" +
+                                 ctx.backend.model_config().architecture +
+                                 "), which InfiniGen's partial-weight speculation cannot reproduce");
+    }
     const std::string skew_path = o.skew_file.empty() ? DefaultSkewPath(ctx.model_path) : o.skew_file;
     KVFLOW_ASSIGN_OR_RETURN(SkewTable skew, ReadSkewTable(skew_path, ctx.model));
     const std::string host_pool =

@@ -187,7 +187,7 @@ size_t LlamaWeights::num_parameters() const {
   for (const auto& l : layers) {
     n += l.attn_norm.size() + l.wqkv.num_parameters() + l.wo.num_parameters() + l.ffn_norm.size() +
          l.w_gate_up.num_parameters() + l.w_down.num_parameters() + l.bqkv.size() + l.bo.size() +
-         l.b_gate_up.size() + l.b_down.size();
+         l.b_gate_up.size() + l.b_down.size() + l.q_norm.size() + l.k_norm.size();
   }
   return n;
 }
@@ -196,7 +196,7 @@ size_t LlamaWeights::bytes() const {
   size_t n = embed.bytes() + lm_head.bytes() + final_norm.size() * sizeof(float);
   for (const auto& l : layers) {
     n += (l.attn_norm.size() + l.ffn_norm.size() + l.bqkv.size() + l.bo.size() + l.b_gate_up.size() +
-          l.b_down.size()) * sizeof(float) + l.wqkv.bytes() + l.wo.bytes() +
+          l.b_down.size() + l.q_norm.size() + l.k_norm.size()) * sizeof(float) + l.wqkv.bytes() + l.wo.bytes() +
          l.w_gate_up.bytes() + l.w_down.bytes();
   }
   return n;
@@ -211,7 +211,7 @@ bool LlamaWeights::all_f32() const {
   return true;
 }
 
-Status CheckBiases(const ModelConfig& c, const LlamaWeights& w) {
+Status CheckFamilyWeights(const ModelConfig& c, const LlamaWeights& w) {
   const int64_t D = c.head_dim;
   const int64_t qkv = (static_cast<int64_t>(c.num_heads) + 2 * c.num_kv_heads) * D;
   for (size_t i = 0; i < w.layers.size(); ++i) {
@@ -224,11 +224,13 @@ Status CheckBiases(const ModelConfig& c, const LlamaWeights& w) {
     } biases[] = {{"q/k/v", l.bqkv, c.qkv_bias, qkv},
                   {"o", l.bo, c.o_bias, c.hidden_size},
                   {"gate/up", l.b_gate_up, c.mlp_bias, 2 * static_cast<int64_t>(c.intermediate_size)},
-                  {"down", l.b_down, c.mlp_bias, c.hidden_size}};
+                  {"down", l.b_down, c.mlp_bias, c.hidden_size},
+                  {"q norm", l.q_norm, c.qk_norm, D},
+                  {"k norm", l.k_norm, c.qk_norm, D}};
     for (const auto& b : biases) {
       const int64_t want = b.declared ? b.size : 0;
       if (static_cast<int64_t>(b.bias.size()) != want) {
-        return Status::InvalidArgument("layer " + std::to_string(i) + "'s " + b.name + " bias has " +
+        return Status::InvalidArgument("layer " + std::to_string(i) + "'s " + b.name + " weights have " +
                                        std::to_string(b.bias.size()) + " elements, the config implies " +
                                        std::to_string(want));
       }
@@ -279,6 +281,10 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
     KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.up_proj.weight", gg + "ffn_up.weight", F, H, l.w_gate_up));
     KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.down_proj.weight", gg + "ffn_down.weight", H, F, l.w_down));
     KVFLOW_RETURN_IF_ERROR(ReadBiases(r, c, hf, gg, gguf_rope_permuted, l));
+    if (c.qk_norm) {
+      KVFLOW_RETURN_IF_ERROR(r.ReadVector(hf + "self_attn.q_norm.weight", gg + "attn_q_norm.weight", D, l.q_norm));
+      KVFLOW_RETURN_IF_ERROR(r.ReadVector(hf + "self_attn.k_norm.weight", gg + "attn_k_norm.weight", D, l.k_norm));
+    }
   }
   if (const std::vector<std::string> unused = r.Unused(); !unused.empty()) {
     std::string names;

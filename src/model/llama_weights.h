@@ -26,6 +26,9 @@ struct LlamaLayerWeights {
   std::vector<float> bo;         // [hidden]
   std::vector<float> b_gate_up;  // [2 * intermediate]: gate, then up
   std::vector<float> b_down;     // [hidden]
+  // Per-head norms of q and k (ModelConfig::qk_norm), else empty.
+  std::vector<float> q_norm;     // [head_dim]
+  std::vector<float> k_norm;     // [head_dim]
 };
 
 struct LlamaWeights {
@@ -42,9 +45,9 @@ struct LlamaWeights {
   bool all_f32() const;
 };
 
-// Whether the biases of `w` are exactly those `config` declares, of the sizes it implies (what a
-// backend checks before computing with them).
-Status CheckBiases(const ModelConfig& config, const LlamaWeights& w);
+// Whether the biases and q/k norms of `w` are exactly those `config` declares, of the sizes it
+// implies (what a backend checks before computing with them).
+Status CheckFamilyWeights(const ModelConfig& config, const LlamaWeights& w);
 
 // How the matrices are kept: fp32 (exact; the reference and the CUDA backend's input), or in the
 // file's block quantization where CPU kernels exist for it and F16 / BF16 as 16-bit (others become

@@ -16,9 +16,21 @@ namespace {
 
 using nlohmann::json;
 
+constexpr const char* kArchitectures = "llama, mistral, qwen2, qwen3";
+
 bool IsSupportedArchitecture(const std::string& arch) {
-  return arch == "llama" || arch == "mistral";
+  return arch == "llama" || arch == "mistral" || arch == "qwen2" || arch == "qwen3";
 }
+
+// HF's class name of each architecture kvflow runs.
+struct HfArchitecture {
+  const char* hf;
+  const char* arch;
+};
+constexpr HfArchitecture kHfArchitectures[] = {{"LlamaForCausalLM", "llama"},
+                                               {"MistralForCausalLM", "mistral"},
+                                               {"Qwen2ForCausalLM", "qwen2"},
+                                               {"Qwen3ForCausalLM", "qwen3"}};
 
 const char* RopeScalingName(RopeScaling::Type t) {
   switch (t) {
@@ -148,19 +160,53 @@ Status CheckHfArchitecture(const JsonFields& config, const std::string& path, Mo
   if (const json* archs = config.Get("architectures")) {
     if (!archs->is_array()) return config.Wrong("architectures", "a list");
     for (const json& arch : *archs) {
-      if (arch == "LlamaForCausalLM" || arch == "MistralForCausalLM") {
-        out->architecture = arch == "LlamaForCausalLM" ? "llama" : "mistral";
-        return Status::Ok();
+      for (const HfArchitecture& known : kHfArchitectures) {
+        if (arch == known.hf) {
+          out->architecture = known.arch;
+          return Status::Ok();
+        }
       }
     }
-    return Status::Unsupported(path + ": architectures " + archs->dump() +
-                               " not supported (LlamaForCausalLM, MistralForCausalLM)");
+    std::string known_names;
+    for (const HfArchitecture& known : kHfArchitectures) known_names += (known_names.empty() ? "" : ", ") + std::string(known.hf);
+    return Status::Unsupported(path + ": architectures " + archs->dump() + " not supported (" + known_names + ")");
   }
   if (const json* model_type = config.Get("model_type")) {
     if (!model_type->is_string() || !IsSupportedArchitecture(model_type->get<std::string>())) {
       return Status::Unsupported(path + ": model_type " + model_type->dump() + " not supported");
     }
     out->architecture = model_type->get<std::string>();
+  }
+  return Status::Ok();
+}
+
+// What each family's modeling code takes from its config beyond the Llama shape: which biases the
+// projections have, whether q and k are normed, and the activation (every family here: SiLU).
+Status ReadHfFamilyFields(const JsonFields& fields, const std::string& path, ModelConfig* c) {
+  const json* act = fields.Get("hidden_act");
+  if (act != nullptr && *act != "silu") {
+    return Status::Unsupported(path + ": hidden_act " + act->dump() + " is not supported (silu)");
+  }
+  bool attention_bias = false;
+  KVFLOW_RETURN_IF_ERROR(fields.Bool("attention_bias", &attention_bias));
+  KVFLOW_RETURN_IF_ERROR(fields.Bool("mlp_bias", &c->mlp_bias));
+  if (c->architecture == "llama") {
+    // HF Llama: attention_bias puts biases on q, k, v and o_proj, mlp_bias on gate, up and down_proj.
+    c->qkv_bias = c->o_bias = attention_bias;
+    return Status::Ok();
+  }
+  if (c->mlp_bias) {
+    return Status::Unsupported(path + ": mlp_bias is true, but " + c->architecture + "'s MLP has no biases");
+  }
+  if (c->architecture == "mistral") {
+    // Mistral's modeling code has no biases whatever its config says: refuse rather than guess.
+    if (attention_bias) return Status::Unsupported(path + ": attention_bias is true, but Mistral's projections have no biases");
+  } else if (c->architecture == "qwen2") {
+    c->qkv_bias = true;  // Qwen2's q, k and v projections always have biases, o_proj never
+    if (attention_bias) return Status::Unsupported(path + ": attention_bias is not a Qwen2 config field");
+  } else if (c->architecture == "qwen3") {
+    c->qkv_bias = c->o_bias = attention_bias;  // Qwen3: q, k, v and o_proj together
+    c->qk_norm = true;
   }
   return Status::Ok();
 }
@@ -203,18 +249,13 @@ Result<ModelConfig> ModelConfigFromHfJson(const std::string& path) {
     KVFLOW_RETURN_IF_ERROR(fields.Int("bos_token_id", &c.bos_token_id));
     KVFLOW_RETURN_IF_ERROR(fields.IntList("eos_token_id", &c.eos_token_ids));
 
-    // HF Llama: attention_bias puts biases on q, k, v and o_proj, mlp_bias on gate, up and down_proj.
-    // Mistral's modeling code has no biases whatever its config says: refuse rather than guess.
-    bool attention_bias = false;
-    KVFLOW_RETURN_IF_ERROR(fields.Bool("attention_bias", &attention_bias));
-    KVFLOW_RETURN_IF_ERROR(fields.Bool("mlp_bias", &c.mlp_bias));
-    c.qkv_bias = c.o_bias = attention_bias;
-    if (c.architecture == "mistral" && (attention_bias || c.mlp_bias)) {
-      return Status::Unsupported(path + ": " + (attention_bias ? "attention_bias" : "mlp_bias") +
-                                 " is true, but Mistral's projections have no biases");
-    }
+    KVFLOW_RETURN_IF_ERROR(ReadHfFamilyFields(fields, path, &c));
     int sliding_window = 0;
     KVFLOW_RETURN_IF_ERROR(fields.Int("sliding_window", &sliding_window));
+    // Qwen2 and Qwen3 carry a sliding_window that only use_sliding_window turns on.
+    bool use_sliding_window = c.architecture == "llama" || c.architecture == "mistral";
+    KVFLOW_RETURN_IF_ERROR(fields.Bool("use_sliding_window", &use_sliding_window));
+    if (!use_sliding_window) sliding_window = 0;
     if (sliding_window > 0 && sliding_window < c.max_position_embeddings) {
       // Attention spans the whole context, which equals the window's attention only up to the
       // window: lower the context so the model never runs where it would be wrong.
@@ -234,7 +275,7 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& gguf) {
   KVFLOW_ASSIGN_OR_RETURN(c.architecture, gguf.GetString("general.architecture"));
   if (!IsSupportedArchitecture(c.architecture)) {
     return Status::Unsupported(gguf.path() + ": architecture '" + c.architecture +
-                               "' is not supported (llama, mistral)");
+                               "' is not supported (" + kArchitectures + ")");
   }
   const std::string arch = c.architecture + ".";
   auto read_int = [&](const std::string& key, int* out, bool required) -> Status {
@@ -306,6 +347,13 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& gguf) {
   c.qkv_bias = gguf.Find("blk.0.attn_q.bias") != nullptr;
   c.o_bias = gguf.Find("blk.0.attn_output.bias") != nullptr;
   c.mlp_bias = gguf.Find("blk.0.ffn_gate.bias") != nullptr;
+  c.qk_norm = gguf.Find("blk.0.attn_q_norm.weight") != nullptr;
+  if (c.architecture == "qwen3" && !c.qk_norm) {
+    return Status::CorruptFile(gguf.path() + ": a qwen3 model without attn_q_norm.weight");
+  }
+  if (c.qk_norm && c.architecture != "qwen3") {
+    return Status::Unsupported(gguf.path() + ": attn_q_norm.weight in a " + c.architecture + " model");
+  }
 
   KVFLOW_RETURN_IF_ERROR(read_int("tokenizer.ggml.bos_token_id", &c.bos_token_id, false));
   for (const char* key : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"}) {
@@ -323,7 +371,7 @@ Status ModelConfig::Validate() const {
     return Status::InvalidArgument("model config: " + what);
   };
   if (!IsSupportedArchitecture(architecture)) {
-    return invalid("architecture '" + architecture + "' is not llama or mistral");
+    return invalid("architecture '" + architecture + "' is not one of " + kArchitectures);
   }
   const std::pair<const char*, int> sizes[] = {
       {"vocab_size", vocab_size},
@@ -405,6 +453,7 @@ std::string ModelConfig::Describe() const {
           << rope_scaling.original_max_position_embeddings;
       break;
   }
+  if (qk_norm) out << "\nq/k norm:       per head";
   if (qkv_bias || o_bias || mlp_bias) {
     std::string biases;
     if (qkv_bias) biases += " q/k/v";

@@ -75,7 +75,9 @@ Result<ModelFiles> OpenGguf(const std::string& path) {
     KVFLOW_RETURN_IF_ERROR(KeepTokenizerOrWarn(spec.status(), &files));
   }
   KVFLOW_RETURN_IF_ERROR(CheckEmbeddingShape(*gguf, "token_embd.weight", files.config));
-  files.gguf_rope_permuted = true;  // llama.cpp's converter permutes Q/K rows for llama/mistral
+  // llama.cpp's converter permutes Q/K rows for llama and mistral (its RoPE pairs neighbours);
+  // Qwen's keep HF's order (llama.cpp rotates them NEOX-style, HF's rotate_half).
+  files.gguf_rope_permuted = files.config.architecture == "llama" || files.config.architecture == "mistral";
   files.tensors = std::move(gguf);
   return files;
 }

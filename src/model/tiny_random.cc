@@ -68,7 +68,7 @@ Result<ModelFiles> MakeBuiltInModel(const std::string& name) {
   return Status::NotFound("no built-in model named " + name);
 }
 
-Result<ModelFiles> MakeTinyRandomModel(uint64_t seed, int num_layers, bool biases) {
+Result<ModelFiles> MakeTinyRandomModel(uint64_t seed, int num_layers, bool biases, bool qk_norm) {
   if (num_layers < 1 || num_layers > 4) return Status::InvalidArgument("tiny-random has 1 to 4 layers");
   ModelConfig c;
   c.name = num_layers == 4 ? kTinyRandomName : kTinyRandomDraftName;
@@ -135,6 +135,22 @@ Result<ModelFiles> MakeTinyRandomModel(uint64_t seed, int num_layers, bool biase
       source->Add(p + "mlp.gate_proj.bias", {F}, random_bias(F, 0.5f));
       source->Add(p + "mlp.up_proj.bias", {F}, random_bias(F, 0.5f));
       source->Add(p + "mlp.down_proj.bias", {H}, random_bias(H, 0.2f));
+    }
+  }
+
+  if (qk_norm) {
+    c.architecture = "qwen3";
+    c.qk_norm = true;
+    PortableNormal norm_normal(seed ^ 0x716b6e6f726d);  // "qknorm"
+    auto qk_weight = [&]() {
+      std::vector<float> v(static_cast<size_t>(D));
+      for (float& x : v) x = 1.0f + norm_normal(0.3f);
+      return v;
+    };
+    for (int i = 0; i < c.num_layers; ++i) {
+      const std::string p = "model.layers." + std::to_string(i) + ".";
+      source->Add(p + "self_attn.q_norm.weight", {D}, qk_weight());
+      source->Add(p + "self_attn.k_norm.weight", {D}, qk_weight());
     }
   }
 

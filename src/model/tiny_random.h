@@ -20,8 +20,10 @@ inline bool IsBuiltInModel(const std::string& name) {
 
 // `num_layers` < 4 keeps the first layers of the 4-layer model (the same weights). `biases`: the
 // same model with random biases on every projection (HF attention_bias and mlp_bias), drawn from a
-// stream of their own so that every other weight is unchanged.
-Result<ModelFiles> MakeTinyRandomModel(uint64_t seed = 0x6b76666c6f77, int num_layers = 4, bool biases = false);
+// stream of their own so that every other weight is unchanged. `qk_norm`: the same model as a
+// Qwen3 (per-head q and k norms, random around 1, from a stream of their own).
+Result<ModelFiles> MakeTinyRandomModel(uint64_t seed = 0x6b76666c6f77, int num_layers = 4, bool biases = false,
+                                       bool qk_norm = false);
 // The built-in model of that name (IsBuiltInModel).
 Result<ModelFiles> MakeBuiltInModel(const std::string& name);
 

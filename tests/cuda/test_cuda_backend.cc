@@ -46,9 +46,10 @@ namespace {
 
 using test::Greedy;
 
-// tiny-random, or with `biases` the same model with random biases on every projection.
-LlamaWeights TinyWeights(ModelConfig* config, bool biases = false) {
-  auto files = MakeTinyRandomModel(0x6b76666c6f77, 4, biases).value();
+// tiny-random, or with `biases` the same model with random biases on every projection, or with
+// `qk_norm` as a Qwen3 (per-head q/k norms).
+LlamaWeights TinyWeights(ModelConfig* config, bool biases = false, bool qk_norm = false) {
+  auto files = MakeTinyRandomModel(0x6b76666c6f77, 4, biases, qk_norm).value();
   *config = files.config;
   return LoadLlamaWeights(*files.tensors, files.config, files.gguf_rope_permuted).value();
 }
@@ -69,6 +70,8 @@ void RoundWeights(LlamaWeights& w, cuda::DType t) {
     round(l.ffn_norm);
     round_matrix(l.w_gate_up);
     round_matrix(l.w_down);
+    round(l.q_norm);  // 16-bit on the device like the other norms
+    round(l.k_norm);
   }
 }
 
@@ -125,15 +128,21 @@ std::vector<int32_t> ArgmaxRows(const std::vector<float>& logits, int vocab) {
   return out;
 }
 
-// (dtype, CUDA graphs, biases): biases stay fp32 on the device, added after each GEMM.
-class CudaBackendLogits : public ::testing::TestWithParam<std::tuple<cuda::DType, bool, bool>> {};
+// The model families the tiny model comes as: Llama, Llama with every bias, Qwen3 (q/k norms) with
+// every bias.
+enum class TinyFamily { kLlama, kBiases, kQwen3 };
+
+// (dtype, CUDA graphs, family): biases stay fp32 on the device, added after each GEMM.
+class CudaBackendLogits : public ::testing::TestWithParam<std::tuple<cuda::DType, bool, TinyFamily>> {};
 
 TEST_P(CudaBackendLogits, MatchCpuBackendOnTinyRandom) {
   KVFLOW_SKIP_WITHOUT_GPU();
-  const auto [dtype, graphs, biases] = GetParam();
+  const auto [dtype, graphs, family] = GetParam();
+  const bool biases = family != TinyFamily::kLlama, qk_norm = family == TinyFamily::kQwen3;
   ModelConfig config;
-  LlamaWeights weights = TinyWeights(&config, biases);
+  LlamaWeights weights = TinyWeights(&config, biases, qk_norm);
   ASSERT_EQ(config.qkv_bias && config.o_bias && config.mlp_bias, biases);
+  ASSERT_EQ(config.qk_norm, qk_norm);
   RoundWeights(weights, dtype);
   const int kBlocks = 64, kBlockSize = 16;
   KvCacheLayout layout{config.num_layers, kBlocks, config.num_kv_heads, kBlockSize, config.head_dim};
@@ -205,15 +214,18 @@ TEST_P(CudaBackendLogits, MatchCpuBackendOnTinyRandom) {
 }
 
 INSTANTIATE_TEST_SUITE_P(DtypesAndGraphs, CudaBackendLogits,
-                         ::testing::Values(std::make_tuple(cuda::DType::kF16, true, false),
-                                           std::make_tuple(cuda::DType::kBF16, true, false),
-                                           std::make_tuple(cuda::DType::kF16, false, false),
-                                           std::make_tuple(cuda::DType::kF16, true, true),
-                                           std::make_tuple(cuda::DType::kBF16, false, true)),
+                         ::testing::Values(std::make_tuple(cuda::DType::kF16, true, TinyFamily::kLlama),
+                                           std::make_tuple(cuda::DType::kBF16, true, TinyFamily::kLlama),
+                                           std::make_tuple(cuda::DType::kF16, false, TinyFamily::kLlama),
+                                           std::make_tuple(cuda::DType::kF16, true, TinyFamily::kBiases),
+                                           std::make_tuple(cuda::DType::kBF16, false, TinyFamily::kBiases),
+                                           std::make_tuple(cuda::DType::kF16, true, TinyFamily::kQwen3),
+                                           std::make_tuple(cuda::DType::kBF16, false, TinyFamily::kQwen3)),
                          [](const auto& info) {
+                           const TinyFamily f = std::get<2>(info.param);
                            return std::string(cuda::DTypeName(std::get<0>(info.param))) +
                                   (std::get<1>(info.param) ? "_graphs" : "_eager") +
-                                  (std::get<2>(info.param) ? "_biases" : "");
+                                  (f == TinyFamily::kBiases ? "_biases" : f == TinyFamily::kQwen3 ? "_qwen3" : "");
                          });
 
 // The small CUDA backends the tests make: a pool of `blocks` blocks of `block_size` tokens, at most 4

@@ -128,6 +128,46 @@ TEST(RmsNorm, FusedAddMatchesCpuReference) {
   }
 }
 
+// Qwen3's q/k norm: every head of the q part, then of the k part, of qkv rows, in place; rows of
+// q, k and v heads side by side as the QKV projection writes them.
+TEST(RmsNorm, HeadRmsNormMatchesCpuReference) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(25);
+  struct HeadShape {
+    int rows, q_heads, kv_heads, head_dim;
+  };
+  for (DType t : kAllDTypes) {
+    for (const HeadShape& s : {HeadShape{37, 6, 2, 64}, HeadShape{5, 16, 8, 128}, HeadShape{130, 4, 1, 48},
+                               HeadShape{3, 5, 5, 256}}) {
+      const int row = (s.q_heads + 2 * s.kv_heads) * s.head_dim;
+      std::vector<float> x = RandomRows(s.rows, row, rng);
+      std::vector<float> wq = RandomWeight(s.head_dim, rng), wk = RandomWeight(s.head_dim, rng);
+      // Rounded in place to the dtype's values, so both sides start from the same inputs.
+      const std::vector<uint8_t> x_bytes = test::ToDeviceBytes(x, t), wq_bytes = test::ToDeviceBytes(wq, t),
+                                 wk_bytes = test::ToDeviceBytes(wk, t);
+      std::vector<float> ref = x;
+      cpu::HeadRmsNorm(ref.data(), row, 0, s.rows, s.q_heads, s.head_dim, wq.data(), kEps);
+      cpu::HeadRmsNorm(ref.data(), row, s.q_heads * s.head_dim, s.rows, s.kv_heads, s.head_dim, wk.data(), kEps);
+      test::DeviceBuffer dx = test::DeviceBuffer::From(x_bytes), dwq = test::DeviceBuffer::From(wq_bytes),
+                         dwk = test::DeviceBuffer::From(wk_bytes);
+      KVFLOW_CUDA_OK(cuda::HeadRmsNorm(t, dx.get(), row, 0, s.rows, s.q_heads, s.head_dim, dwq.get(), kEps, nullptr));
+      KVFLOW_CUDA_OK(cuda::HeadRmsNorm(t, dx.get(), row, s.q_heads * s.head_dim, s.rows, s.kv_heads, s.head_dim,
+                                       dwk.get(), kEps, nullptr));
+      KVFLOW_CUDA_OK(cudaDeviceSynchronize());
+      const std::vector<float> got = test::FromDeviceBytes(dx.Download<uint8_t>(), t);
+      CheckOutput("head_rms_norm " + std::string(cuda::DTypeName(t)) + " rows" + std::to_string(s.rows) + " d" +
+                      std::to_string(s.head_dim),
+                  got, ref, t);
+      // The v heads are not touched.
+      const int v_first = (s.q_heads + s.kv_heads) * s.head_dim;
+      for (int r = 0; r < s.rows; ++r) {
+        for (int i = v_first; i < row; ++i) ASSERT_EQ(got[static_cast<size_t>(r) * row + i], x[static_cast<size_t>(r) * row + i]);
+      }
+    }
+  }
+  EXPECT_NE(cuda::HeadRmsNorm(DType::kF32, nullptr, 64, 0, 1, 2, 64, nullptr, kEps, nullptr), 0);
+}
+
 TEST(RmsNorm, AddToResidualExact) {
   KVFLOW_SKIP_WITHOUT_GPU();
   std::mt19937 rng(24);

@@ -50,6 +50,9 @@ int main(int argc, char** argv) {
   app.add_option("--beam-width", beam_width, "also run beam search over --greedy-tokens tokens with this width");
   app.add_option("--out-beams", beams_path, "JSON: per prompt, the beams best first");
   std::string device = "cpu", dtype = "fp16";
+  bool keep_quantized = false;
+  app.add_flag("--keep-quantized", keep_quantized,
+               "CPU: keep the file's block quantization and compute with it (as kvflow --dtype auto), not fp32");
   app.add_option("--device", device, "backend: cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--dtype", dtype, "CUDA weights/activations/KV cache: fp16 or bf16")
       ->check(CLI::IsMember({"fp16", "bf16"}));
@@ -71,7 +74,9 @@ int main(int argc, char** argv) {
   auto files = kvflow::OpenModelFiles(model);
   if (!files.ok()) return Fail(files.status());
   const kvflow::ModelConfig config = files->config;
-  auto weights = kvflow::LoadLlamaWeights(*files->tensors, config, files->gguf_rope_permuted);
+  auto weights = kvflow::LoadLlamaWeights(
+      *files->tensors, config, files->gguf_rope_permuted,
+      keep_quantized && !cuda ? kvflow::WeightFormat::kKeepQuantized : kvflow::WeightFormat::kF32);
   if (!weights.ok()) return Fail(weights.status());
 
   kvflow::KvCacheLayout layout{config.num_layers, 0, config.num_kv_heads, block_size, config.head_dim};

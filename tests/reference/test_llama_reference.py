@@ -58,7 +58,7 @@ class Skipped(Exception):
 
 
 def run_dump(dump_bin, model, prompts, workdir, chunk=0, greedy=0, beam_width=0, device="cpu", dtype="fp16",
-             block_size=0):
+             block_size=0, keep_quantized=False):
     prompts_path = os.path.join(workdir, "prompts.json")
     logits_path = os.path.join(workdir, "logits.bin")
     greedy_path = os.path.join(workdir, "greedy.json")
@@ -74,6 +74,8 @@ def run_dump(dump_bin, model, prompts, workdir, chunk=0, greedy=0, beam_width=0,
         cmd += ["--beam-width", str(beam_width), "--out-beams", beams_path]
     if block_size:
         cmd += ["--block-size", str(block_size)]
+    if keep_quantized:
+        cmd += ["--keep-quantized"]
     if device != "cpu":
         cmd += ["--device", device, "--dtype", dtype]
     proc = subprocess.run(cmd)
@@ -253,7 +255,32 @@ TINY_CONFIGS = {
     "attention_bias_only_mqa": dict(hidden_size=64, intermediate_size=120, num_hidden_layers=2, num_attention_heads=4,
                                     num_key_value_heads=1, head_dim=32, vocab_size=181, tie_word_embeddings=True,
                                     attention_bias=True),
+    # Qwen2 (Qwen2ForCausalLM): q, k and v biases always, o_proj none; Qwen's rope_theta; a
+    # sliding_window in the config that use_sliding_window leaves off.
+    "qwen2_gqa": dict(family="qwen2", hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+                      num_attention_heads=6, num_key_value_heads=2, vocab_size=223, tie_word_embeddings=False,
+                      rope_theta=1000000.0, sliding_window=16, use_sliding_window=False),
+    "qwen2_tied": dict(family="qwen2", hidden_size=64, intermediate_size=136, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, vocab_size=197, tie_word_embeddings=True),
 }
+
+
+def tiny_model(kw, seed):
+    """The tiny HF model of a TINY_CONFIGS entry (its family's config and class), randomized."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    kw = dict(kw)
+    family = kw.pop("family", "llama")
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    config = config_class(max_position_embeddings=512, rms_norm_eps=1e-5, **kw)
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    randomize(model, seed=100 + seed)
+    return config, model
+
+
+def has_biases(config):
+    return config.model_type == "qwen2" or getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)
 
 
 # The CUDA attention kernels take head_dim 64 or 128 and KV blocks of 8, 16 or 32 tokens: on the
@@ -261,7 +288,7 @@ TINY_CONFIGS = {
 # linear_rope_headdim) and each a block size, so every kernel variant runs. name: (head_dim, block)
 GPU_TINY = {"gqa_untied": (64, 16), "mha_tied": (128, 8), "mqa_llama3_rope_sharded": (64, 32),
             "linear_rope_headdim": (128, 16), "biases": (64, 16),
-            "attention_bias_only_mqa": (128, 32)}
+            "attention_bias_only_mqa": (128, 32), "qwen2_gqa": (64, 16), "qwen2_tied": (128, 8)}
 
 
 def tiny_config_kwargs(name, args):
@@ -274,7 +301,6 @@ def tiny_config_kwargs(name, args):
 def check_tiny_gpu(args):
     """kvflow's CUDA backend on the tiny models: logits vs transformers (fp32, same GPU) and vs
     kvflow's CPU backend, the first 32 greedy tokens of every prompt, beam search."""
-    from transformers import LlamaConfig, LlamaForCausalLM
     rel_tol = GPU_TOLERANCES[args.dtype]["tiny"]
     print(f"kvflow CUDA ({args.dtype}) vs float32 references: tolerance max|dlogit| <= {rel_tol:g} * max|logit|, "
           f"greedy tokens identical but for near ties within that tolerance")
@@ -283,10 +309,7 @@ def check_tiny_gpu(args):
     ok = True
     for i, name in enumerate(TINY_CONFIGS):
         head_dim, block_size = GPU_TINY[name]
-        config = LlamaConfig(max_position_embeddings=512, rms_norm_eps=1e-5, **tiny_config_kwargs(name, args))
-        torch.manual_seed(i)
-        model = LlamaForCausalLM(config).eval()
-        randomize(model, seed=100 + i)
+        config, model = tiny_model(tiny_config_kwargs(name, args), i)
         with tempfile.TemporaryDirectory(dir=args.workdir) as d:
             shard = "20KB" if "sharded" in name else "10GB"
             model.save_pretrained(d, safe_serialization=True, max_shard_size=shard)
@@ -320,15 +343,11 @@ def check_tiny_gpu(args):
 
 
 def check_tiny(args):
-    from transformers import LlamaConfig, LlamaForCausalLM
     rng = np.random.default_rng(7)
     worst = 0.0
     ok = True
     for i, (name, kw) in enumerate(TINY_CONFIGS.items()):
-        config = LlamaConfig(max_position_embeddings=512, rms_norm_eps=1e-5, **kw)
-        torch.manual_seed(i)
-        model = LlamaForCausalLM(config).eval()
-        randomize(model, seed=100 + i)
+        config, model = tiny_model(kw, i)
         with tempfile.TemporaryDirectory(dir=args.workdir) as d:
             shard = "20KB" if "sharded" in name else "10GB"
             model.save_pretrained(d, safe_serialization=True, max_shard_size=shard)
@@ -342,7 +361,7 @@ def check_tiny(args):
         status = "ok" if err <= 1e-3 else "FAIL"
         ok &= err <= 1e-3
         biases = ""
-        if config.attention_bias or config.mlp_bias:
+        if has_biases(config):
             # The biases must matter far beyond the tolerance, or the comparison proves nothing.
             with torch.no_grad():
                 for pname, p in model.named_parameters():

@@ -451,11 +451,21 @@ TEST_F(GgufTest, TokenizerSpecErrors) {
   ASSERT_TRUE(g.ok());
   EXPECT_EQ(TokenizerSpecFromGguf(**g).status().code(), StatusCode::kCorruptFile);
 
-  GgufWriter spm;
-  spm.AddString("tokenizer.ggml.model", "llama");
-  g = GgufFile::Open(Write(spm.Build()));
+  GgufWriter wordpiece;
+  wordpiece.AddString("tokenizer.ggml.model", "bert");
+  g = GgufFile::Open(Write(wordpiece.Build()));
   ASSERT_TRUE(g.ok());
   EXPECT_EQ(TokenizerSpecFromGguf(**g).status().code(), StatusCode::kUnsupported);
+
+  // SentencePiece merges by score: a vocabulary without scores is broken.
+  GgufWriter spm;
+  spm.AddString("tokenizer.ggml.model", "llama");
+  spm.AddStringArray("tokenizer.ggml.tokens", {"<unk>", "<s>", "</s>", "a"});
+  g = GgufFile::Open(Write(spm.Build()));
+  ASSERT_TRUE(g.ok());
+  const Status no_scores = TokenizerSpecFromGguf(**g).status();
+  EXPECT_EQ(no_scores.code(), StatusCode::kCorruptFile);
+  EXPECT_NE(no_scores.message().find("scores"), std::string::npos) << no_scores.message();
 
   g = GgufFile::Open(Write(GgufWriter().Build()));
   ASSERT_TRUE(g.ok());
@@ -529,6 +539,38 @@ TEST_F(GgufTest, ModelConfigDetectsTiedEmbeddingsAndBadArchitectures) {
   Status st = ModelConfigFromGguf(**g).status();
   EXPECT_EQ(st.code(), StatusCode::kNotFound);
   EXPECT_NE(st.message().find("llama.block_count"), std::string::npos) << st.message();
+}
+
+// q/k norm tensors decide Qwen3's per-head norms; a Qwen3 without them, or another architecture
+// with them, is refused rather than run without (or with) norms it does not expect.
+TEST_F(GgufTest, ModelConfigQkNormFollowsTheTensors) {
+  auto metadata = [](const std::string& arch) {
+    GgufWriter w;
+    w.AddString("general.architecture", arch);
+    for (const char* key : {"embedding_length", "feed_forward_length"}) w.Add(arch + "." + key, test::kU32, uint32_t{64});
+    w.Add(arch + ".block_count", test::kU32, uint32_t{1});
+    w.Add(arch + ".attention.head_count", test::kU32, uint32_t{4});
+    w.AddStringArray("tokenizer.ggml.tokens", std::vector<std::string>(100, "x"));
+    return w;
+  };
+  GgufWriter qwen3 = metadata("qwen3");
+  qwen3.AddTensor("blk.0.attn_q_norm.weight", test::kGgmlF32, {16}, Bytes(16 * 4, 1));
+  Result<std::unique_ptr<GgufFile>> g = GgufFile::Open(Write(qwen3.Build()));
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  Result<ModelConfig> c = ModelConfigFromGguf(**g);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_EQ(c->architecture, "qwen3");
+
+  g = GgufFile::Open(Write(metadata("qwen3").Build()));
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(ModelConfigFromGguf(**g).status().code(), StatusCode::kCorruptFile);
+
+  GgufWriter llama = metadata("llama");
+  llama.AddTensor("blk.0.attn_q_norm.weight", test::kGgmlF32, {16}, Bytes(16 * 4, 1));
+  g = GgufFile::Open(Write(llama.Build()));
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(ModelConfigFromGguf(**g).status().code(), StatusCode::kUnsupported);
 }
 
 // ---- the real SmolLM2 file, when present --------------------------------------------------------

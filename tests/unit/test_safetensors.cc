@@ -352,6 +352,50 @@ TEST_F(ModelConfigTest, BiasFlagsAndASlidingWindowLimitsTheContext) {
   EXPECT_EQ(c->max_position_embeddings, 4096) << "attention over the whole context is exact only within the window";
 }
 
+// Qwen2: q/k/v biases always (no flag), no o bias; a sliding_window that use_sliding_window leaves
+// off. Qwen3: per-head q/k norms, attention_bias for q/k/v/o together. Others' flags are refused.
+TEST_F(ModelConfigTest, QwenFamiliesTakeTheirOwnFields) {
+  json qwen2 = LlamaConfigJson();
+  qwen2["architectures"] = {"Qwen2ForCausalLM"};
+  qwen2["sliding_window"] = 256;
+  qwen2["use_sliding_window"] = false;
+  Result<ModelConfig> c = Parse(qwen2);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->architecture, "qwen2");
+  EXPECT_TRUE(c->qkv_bias);
+  EXPECT_FALSE(c->o_bias || c->mlp_bias || c->qk_norm);
+  EXPECT_EQ(c->max_position_embeddings, 131072) << "the window is off";
+  qwen2["attention_bias"] = true;
+  EXPECT_EQ(Parse(qwen2).status().code(), StatusCode::kUnsupported);
+
+  json qwen3 = LlamaConfigJson();
+  qwen3["architectures"] = {"Qwen3ForCausalLM"};
+  c = Parse(qwen3);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->architecture, "qwen3");
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_FALSE(c->qkv_bias || c->o_bias);
+  EXPECT_NE(c->Describe().find("q/k norm"), std::string::npos) << c->Describe();
+  qwen3["attention_bias"] = true;
+  c = Parse(qwen3);
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE(c->qkv_bias && c->o_bias);
+  qwen3["mlp_bias"] = true;
+  EXPECT_EQ(Parse(qwen3).status().code(), StatusCode::kUnsupported);
+
+  json gelu = LlamaConfigJson();
+  gelu["hidden_act"] = "gelu_pytorch_tanh";
+  const Status st = Parse(gelu).status();
+  EXPECT_EQ(st.code(), StatusCode::kUnsupported);
+  EXPECT_NE(st.message().find("gelu_pytorch_tanh"), std::string::npos) << st.message();
+
+  json gemma = LlamaConfigJson();
+  gemma["architectures"] = {"Gemma2ForCausalLM"};
+  const Status refused = Parse(gemma).status();
+  EXPECT_EQ(refused.code(), StatusCode::kUnsupported);
+  EXPECT_NE(refused.message().find("Qwen3ForCausalLM"), std::string::npos) << "names what it runs: " << refused.message();
+}
+
 TEST_F(ModelConfigTest, RejectsBadConfigs) {
   json other = LlamaConfigJson();
   other["architectures"] = {"GPT2LMHeadModel"};

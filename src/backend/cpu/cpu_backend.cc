@@ -36,7 +36,7 @@ Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config
     return Status::InvalidArgument("the weights have " + std::to_string(weights.layers.size()) +
                                    " layers, the config " + std::to_string(config.num_layers));
   }
-  KVFLOW_RETURN_IF_ERROR(CheckBiases(config, weights));
+  KVFLOW_RETURN_IF_ERROR(CheckFamilyWeights(config, weights));
   cpu::InitBlas();
   std::unique_ptr<CpuBackend> backend(new CpuBackend(config, std::move(weights), layout));
   backend->pool_ = std::make_unique<ThreadPool>(std::max(1, num_threads));
@@ -264,6 +264,16 @@ Status CpuBackend::Linear(int layer, LayerWeight weight, Activation in, Activati
   // The bias joins after the product, whatever format the matrix is in (HF's Linear: x W^T + b).
   const std::vector<float>& bias = Bias(layer, weight);
   if (!bias.empty()) cpu::AddBias(Buffer(out), bias.data(), num_tokens_, matrix.rows);
+  return Status::Ok();
+}
+
+Status CpuBackend::QkNorm(int layer) {
+  const LlamaLayerWeights& l = weights_.layers[static_cast<size_t>(layer)];
+  if (l.q_norm.empty()) return Status::InvalidArgument("QkNorm: the model has no q/k norms");
+  const int64_t D = config_.head_dim, NH = config_.num_heads, KV = config_.num_kv_heads;
+  const int64_t row = Width(Activation::kQkv);
+  cpu::HeadRmsNorm(qkv_.data(), row, 0, num_tokens_, NH, D, l.q_norm.data(), config_.rms_norm_eps);
+  cpu::HeadRmsNorm(qkv_.data(), row, NH * D, num_tokens_, KV, D, l.k_norm.data(), config_.rms_norm_eps);
   return Status::Ok();
 }
 

@@ -36,6 +36,7 @@ class CpuBackend final : public Backend, public KvBlockScoring, public Offloaded
   Status Embed() override;
   Status RmsNorm(int layer, LayerWeight norm, bool add_delta) override;
   Status Linear(int layer, LayerWeight weight, Activation in, Activation out) override;
+  Status QkNorm(int layer) override;
   Status Rotary() override;
   Status WriteKv(int layer) override;
   Status Attention(int layer) override;

@@ -55,6 +55,21 @@ void RmsNorm(const float* x, const float* weight, float* out, int64_t rows, int6
   });
 }
 
+void HeadRmsNorm(float* x, int64_t row_stride, int64_t first, int64_t rows, int64_t heads, int64_t head_dim,
+                 const float* weight, float eps) {
+  ParallelFor(rows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = x + r * row_stride + first + h * head_dim;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < head_dim; ++i) sum += v[i] * v[i];
+        const float inv = 1.0f / std::sqrt(sum / static_cast<float>(head_dim) + eps);
+        for (int64_t i = 0; i < head_dim; ++i) v[i] = weight[i] * (v[i] * inv);
+      }
+    }
+  });
+}
+
 void SiluMul(const float* gate_up, float* out, int64_t rows, int64_t n) {
   // Rows of a decode batch are short: below ~16K elements the work is not worth a wake-up.
   ParallelFor(rows, [&](int64_t r0, int64_t r1) {

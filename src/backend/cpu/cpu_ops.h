@@ -15,6 +15,10 @@ void AddBias(float* y, const float* bias, int64_t rows, int64_t n);
 
 // out[r] = x[r] / rms(x[r]) * weight, for each of `rows` rows of length n.
 void RmsNorm(const float* x, const float* weight, float* out, int64_t rows, int64_t n, float eps);
+// In place, per head: for each of `rows` rows (`row_stride` apart) and each of its `heads` heads of
+// head_dim values from offset `first`, head = RmsNorm(head) * weight (Qwen3's q_norm / k_norm).
+void HeadRmsNorm(float* x, int64_t row_stride, int64_t first, int64_t rows, int64_t heads, int64_t head_dim,
+                 const float* weight, float eps);
 
 // out[r, i] = silu(gate_up[r, i]) * gate_up[r, n + i]: gate and up halves side by side per row.
 void SiluMul(const float* gate_up, float* out, int64_t rows, int64_t n);

@@ -186,6 +186,10 @@ Status CudaBackend::AllocateWeights() {
         l.b_gate_up = c.Take<float>(2 * F);
         l.b_down = c.Take<float>(H);
       }
+      if (config_.qk_norm) {
+        l.q_norm = c.TakeBytes(D * es);
+        l.k_norm = c.TakeBytes(D * es);
+      }
     }
     inv_freq_ = c.Take<float>(D / 2);
   };
@@ -228,9 +232,9 @@ Status CudaBackend::UploadWeights(const LlamaWeights& w) {
   KVFLOW_RETURN_IF_ERROR(upload(w.final_norm, final_norm_));
   if (!w.lm_head.empty()) KVFLOW_RETURN_IF_ERROR(upload_matrix(w.lm_head, lm_head_));
   if (w.layers.size() != layers_.size()) return Status::InvalidArgument("weights have the wrong number of layers");
-  KVFLOW_RETURN_IF_ERROR(CheckBiases(config_, w));
+  KVFLOW_RETURN_IF_ERROR(CheckFamilyWeights(config_, w));
   auto upload_bias = [&](const std::vector<float>& src, float* dst) -> Status {
-    if (dst == nullptr) return Status::Ok();  // CheckBiases: src is empty too
+    if (dst == nullptr) return Status::Ok();  // CheckFamilyWeights: src is empty too
     KVFLOW_CUDA_RETURN(cudaMemcpy(dst, src.data(), src.size() * sizeof(float), cudaMemcpyHostToDevice));
     return Status::Ok();
   };
@@ -247,6 +251,10 @@ Status CudaBackend::UploadWeights(const LlamaWeights& w) {
     KVFLOW_RETURN_IF_ERROR(upload_bias(src.bo, dst.bo));
     KVFLOW_RETURN_IF_ERROR(upload_bias(src.b_gate_up, dst.b_gate_up));
     KVFLOW_RETURN_IF_ERROR(upload_bias(src.b_down, dst.b_down));
+    if (dst.q_norm != nullptr) {
+      KVFLOW_RETURN_IF_ERROR(upload(src.q_norm, dst.q_norm));
+      KVFLOW_RETURN_IF_ERROR(upload(src.k_norm, dst.k_norm));
+    }
   }
   return Status::Ok();
 }
@@ -280,6 +288,10 @@ Status CudaBackend::FillRandomWeights(uint64_t seed) {
     KVFLOW_RETURN_IF_ERROR(fill_bias(l.bo, H));
     KVFLOW_RETURN_IF_ERROR(fill_bias(l.b_gate_up, 2 * F));
     KVFLOW_RETURN_IF_ERROR(fill_bias(l.b_down, H));
+    if (l.q_norm != nullptr) {
+      KVFLOW_RETURN_IF_ERROR(fill(l.q_norm, D, 0.1f, 1.0f));
+      KVFLOW_RETURN_IF_ERROR(fill(l.k_norm, D, 0.1f, 1.0f));
+    }
   }
   KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
   return Status::Ok();

@@ -114,6 +114,9 @@ struct DeviceLayer {
   float* bo = nullptr;
   float* b_gate_up = nullptr;
   float* b_down = nullptr;
+  // Per-head q/k norm weights (`dtype`), nullptr unless ModelConfig::qk_norm.
+  void* q_norm = nullptr;
+  void* k_norm = nullptr;
 };
 
 // Step metadata, laid out identically in pinned staging memory and on the device so that one copy
@@ -185,6 +188,7 @@ class CudaBackend final : public Backend,
   Status Embed() override;
   Status RmsNorm(int layer, LayerWeight norm, bool add_delta) override;
   Status Linear(int layer, LayerWeight weight, Activation in, Activation out) override;
+  Status QkNorm(int layer) override;
   Status Rotary() override;
   Status WriteKv(int layer) override;
   Status Attention(int layer) override;

@@ -227,6 +227,16 @@ Status CudaBackend::Linear(int layer, LayerWeight weight, Activation in, Activat
   return Status::Ok();
 }
 
+Status CudaBackend::QkNorm(int layer) {
+  const DeviceLayer& l = layers_[static_cast<size_t>(layer)];
+  if (l.q_norm == nullptr) return Status::InvalidArgument("QkNorm: the model has no q/k norms");
+  const int D = config_.head_dim, NH = config_.num_heads, KV = config_.num_kv_heads;
+  const int row = ActivationWidth(Activation::kQkv), T = step_.num_tokens;
+  KVFLOW_KERNEL_RETURN(cuda::HeadRmsNorm(dtype_, qkv_, row, 0, T, NH, D, l.q_norm, config_.rms_norm_eps, stream_));
+  KVFLOW_KERNEL_RETURN(cuda::HeadRmsNorm(dtype_, qkv_, row, NH * D, T, KV, D, l.k_norm, config_.rms_norm_eps, stream_));
+  return Status::Ok();
+}
+
 Status CudaBackend::Rotary() {
   KVFLOW_KERNEL_RETURN(cuda::ApplyRotaryEmbedding(dtype_, qkv_, ActivationWidth(Activation::kQkv),
                                                   device_meta_.positions, step_.num_tokens, config_.num_heads,
