@@ -24,10 +24,11 @@ struct RopeScaling {
   float attention_factor = 0.0f;  // 0: derive from factor as HF does
 };
 
-// Shape and hyper-parameters of a decoder of the Llama family: Llama, Mistral, Qwen2, Qwen3. The
-// families differ only in the fields below (biases, q/k norms), which the one model loop honours.
+// Shape and hyper-parameters of a decoder of the Llama family: Llama, Mistral, Qwen2, Qwen3, Phi-3.
+// The families differ only in the fields below (biases, q/k norms) and in how their files lay
+// the weights out (the loader's business); the one model loop honours the fields.
 struct ModelConfig {
-  std::string architecture = "llama";  // llama, mistral, qwen2, qwen3
+  std::string architecture = "llama";  // llama, mistral, qwen2, qwen3, phi3
   std::string name;
   int vocab_size = 0;
   int hidden_size = 0;

@@ -221,16 +221,16 @@ Status CheckFamilyWeights(const ModelConfig& c, const LlamaWeights& w) {
       const std::vector<float>& bias;
       bool declared;
       int64_t size;
-    } biases[] = {{"q/k/v", l.bqkv, c.qkv_bias, qkv},
-                  {"o", l.bo, c.o_bias, c.hidden_size},
-                  {"gate/up", l.b_gate_up, c.mlp_bias, 2 * static_cast<int64_t>(c.intermediate_size)},
-                  {"down", l.b_down, c.mlp_bias, c.hidden_size},
+    } biases[] = {{"q/k/v bias", l.bqkv, c.qkv_bias, qkv},
+                  {"o bias", l.bo, c.o_bias, c.hidden_size},
+                  {"gate/up bias", l.b_gate_up, c.mlp_bias, 2 * static_cast<int64_t>(c.intermediate_size)},
+                  {"down bias", l.b_down, c.mlp_bias, c.hidden_size},
                   {"q norm", l.q_norm, c.qk_norm, D},
                   {"k norm", l.k_norm, c.qk_norm, D}};
     for (const auto& b : biases) {
       const int64_t want = b.declared ? b.size : 0;
       if (static_cast<int64_t>(b.bias.size()) != want) {
-        return Status::InvalidArgument("layer " + std::to_string(i) + "'s " + b.name + " weights have " +
+        return Status::InvalidArgument("layer " + std::to_string(i) + "'s " + b.name + " has " +
                                        std::to_string(b.bias.size()) + " elements, the config implies " +
                                        std::to_string(want));
       }
@@ -263,22 +263,32 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
     if (!gguf_rope_permuted) return {};
     return [&c, heads, H](WeightPart& part) { UnpermuteRopeRows(part, heads, c.head_dim, H); };
   };
+  const bool fused = c.architecture == "phi3";
   w.layers.resize(static_cast<size_t>(c.num_layers));
   for (int i = 0; i < c.num_layers; ++i) {
     const std::string hf = "model.layers." + std::to_string(i) + ".";
     const std::string gg = "blk." + std::to_string(i) + ".";
     LlamaLayerWeights& l = w.layers[static_cast<size_t>(i)];
     KVFLOW_RETURN_IF_ERROR(r.ReadVector(hf + "input_layernorm.weight", gg + "attn_norm.weight", H, l.attn_norm));
-    KVFLOW_RETURN_IF_ERROR(
-        r.ReadRows(hf + "self_attn.q_proj.weight", gg + "attn_q.weight", q_rows, H, l.wqkv, unpermute(c.num_heads)));
-    KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "self_attn.k_proj.weight", gg + "attn_k.weight", kv_rows, H, l.wqkv,
-                                      unpermute(c.num_kv_heads)));
-    KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "self_attn.v_proj.weight", gg + "attn_v.weight", kv_rows, H, l.wqkv));
+    if (fused) {  // Phi-3 stores q|k|v and gate|up as one matrix each, in kvflow's order already
+      KVFLOW_RETURN_IF_ERROR(
+          r.ReadRows(hf + "self_attn.qkv_proj.weight", gg + "attn_qkv.weight", q_rows + 2 * kv_rows, H, l.wqkv));
+    } else {
+      KVFLOW_RETURN_IF_ERROR(
+          r.ReadRows(hf + "self_attn.q_proj.weight", gg + "attn_q.weight", q_rows, H, l.wqkv, unpermute(c.num_heads)));
+      KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "self_attn.k_proj.weight", gg + "attn_k.weight", kv_rows, H, l.wqkv,
+                                        unpermute(c.num_kv_heads)));
+      KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "self_attn.v_proj.weight", gg + "attn_v.weight", kv_rows, H, l.wqkv));
+    }
     KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "self_attn.o_proj.weight", gg + "attn_output.weight", H, q_rows, l.wo));
     KVFLOW_RETURN_IF_ERROR(
         r.ReadVector(hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight", H, l.ffn_norm));
-    KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.gate_proj.weight", gg + "ffn_gate.weight", F, H, l.w_gate_up));
-    KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.up_proj.weight", gg + "ffn_up.weight", F, H, l.w_gate_up));
+    if (fused) {  // llama.cpp keeps Phi-3's gate|up matrix whole as ffn_up
+      KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.gate_up_proj.weight", gg + "ffn_up.weight", 2 * F, H, l.w_gate_up));
+    } else {
+      KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.gate_proj.weight", gg + "ffn_gate.weight", F, H, l.w_gate_up));
+      KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.up_proj.weight", gg + "ffn_up.weight", F, H, l.w_gate_up));
+    }
     KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.down_proj.weight", gg + "ffn_down.weight", H, F, l.w_down));
     KVFLOW_RETURN_IF_ERROR(ReadBiases(r, c, hf, gg, gguf_rope_permuted, l));
     if (c.qk_norm) {

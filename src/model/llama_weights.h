@@ -56,7 +56,9 @@ enum class WeightFormat { kF32, kKeepQuantized };
 
 // Accepts HF names (model.layers.N.self_attn.q_proj.weight) and GGUF names (blk.N.attn_q.weight).
 // `gguf_rope_permuted`: undo llama.cpp's reordering of Q/K rows (and of their biases) so that RoPE
-// uses HF's rotate_half pairing everywhere. Every tensor's shape is checked against the config.
+// uses HF's rotate_half pairing everywhere. Phi-3's fused projections (qkv_proj and gate_up_proj;
+// GGUF attn_qkv and an ffn_up of both halves) are read whole. Every tensor's shape is checked
+// against the config.
 // Biases are read exactly when the config declares them: one it declares but the source lacks is
 // NotFound, one the source has but the config does not declare is Unsupported (as is every other
 // tensor the model would not use).

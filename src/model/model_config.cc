@@ -16,10 +16,10 @@ namespace {
 
 using nlohmann::json;
 
-constexpr const char* kArchitectures = "llama, mistral, qwen2, qwen3";
+constexpr const char* kArchitectures = "llama, mistral, qwen2, qwen3, phi3";
 
 bool IsSupportedArchitecture(const std::string& arch) {
-  return arch == "llama" || arch == "mistral" || arch == "qwen2" || arch == "qwen3";
+  return arch == "llama" || arch == "mistral" || arch == "qwen2" || arch == "qwen3" || arch == "phi3";
 }
 
 // HF's class name of each architecture kvflow runs.
@@ -30,7 +30,8 @@ struct HfArchitecture {
 constexpr HfArchitecture kHfArchitectures[] = {{"LlamaForCausalLM", "llama"},
                                                {"MistralForCausalLM", "mistral"},
                                                {"Qwen2ForCausalLM", "qwen2"},
-                                               {"Qwen3ForCausalLM", "qwen3"}};
+                                               {"Qwen3ForCausalLM", "qwen3"},
+                                               {"Phi3ForCausalLM", "phi3"}};
 
 const char* RopeScalingName(RopeScaling::Type t) {
   switch (t) {
@@ -198,9 +199,19 @@ Status ReadHfFamilyFields(const JsonFields& fields, const std::string& path, Mod
   if (c->mlp_bias) {
     return Status::Unsupported(path + ": mlp_bias is true, but " + c->architecture + "'s MLP has no biases");
   }
-  if (c->architecture == "mistral") {
-    // Mistral's modeling code has no biases whatever its config says: refuse rather than guess.
-    if (attention_bias) return Status::Unsupported(path + ": attention_bias is true, but Mistral's projections have no biases");
+  if (c->architecture == "mistral" || c->architecture == "phi3") {
+    // Their modeling code has no biases whatever the config says: refuse rather than guess.
+    if (attention_bias) {
+      return Status::Unsupported(path + ": attention_bias is true, but " + c->architecture + "'s projections have no biases");
+    }
+    if (c->architecture == "phi3") {
+      float partial_rotary = 1.0f;
+      KVFLOW_RETURN_IF_ERROR(fields.Float("partial_rotary_factor", &partial_rotary));
+      if (partial_rotary != 1.0f) {
+        return Status::Unsupported(path + ": partial_rotary_factor " + std::to_string(partial_rotary) +
+                                   " (RoPE on part of each head, Phi-4-mini) is not supported");
+      }
+    }
   } else if (c->architecture == "qwen2") {
     c->qkv_bias = true;  // Qwen2's q, k and v projections always have biases, o_proj never
     if (attention_bias) return Status::Unsupported(path + ": attention_bias is not a Qwen2 config field");
@@ -253,7 +264,7 @@ Result<ModelConfig> ModelConfigFromHfJson(const std::string& path) {
     int sliding_window = 0;
     KVFLOW_RETURN_IF_ERROR(fields.Int("sliding_window", &sliding_window));
     // Qwen2 and Qwen3 carry a sliding_window that only use_sliding_window turns on.
-    bool use_sliding_window = c.architecture == "llama" || c.architecture == "mistral";
+    bool use_sliding_window = c.architecture != "qwen2" && c.architecture != "qwen3";
     KVFLOW_RETURN_IF_ERROR(fields.Bool("use_sliding_window", &use_sliding_window));
     if (!use_sliding_window) sliding_window = 0;
     if (sliding_window > 0 && sliding_window < c.max_position_embeddings) {
@@ -326,6 +337,21 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& gguf) {
                                   &rope.original_max_position_embeddings, false));
   KVFLOW_RETURN_IF_ERROR(read_float(arch + "rope.scaling.yarn_beta_fast", &rope.beta_fast));
   KVFLOW_RETURN_IF_ERROR(read_float(arch + "rope.scaling.yarn_beta_slow", &rope.beta_slow));
+  for (const char* factors : {"rope_factors_long.weight", "rope_factors_short.weight"}) {
+    if (gguf.Find(factors) != nullptr) {
+      return Status::Unsupported(gguf.path() + ": " + factors + " (Phi-3's LongRoPE) is not supported yet");
+    }
+  }
+  if (gguf.Has(arch + "attention.sliding_window")) {
+    int window = 0;
+    KVFLOW_RETURN_IF_ERROR(read_int(arch + "attention.sliding_window", &window, true));
+    if (window > 0 && window < c.max_position_embeddings) {
+      spdlog::warn("{}: sliding window {}: kvflow attends over the whole context, which is exact only within the "
+                   "window; the context is limited to {} tokens",
+                   gguf.path(), window, window);
+      c.max_position_embeddings = window;
+    }
+  }
   if (gguf.Find("rope_freqs.weight") != nullptr) {
     // llama.cpp bakes Llama-3.1 scaling into per-dimension factors that ModelConfig cannot carry;
     // ignoring them would rotate every position wrong.

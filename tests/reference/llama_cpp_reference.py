@@ -2,10 +2,10 @@
 """kvflow against llama.cpp (and transformers where it has the class) on a tiny random model of each
 architecture kvflow runs, through HF safetensors and through GGUF.
 
-For each family (llama, qwen2, qwen3) one tiny model with random weights is written twice: as an HF
+For each family (llama, qwen2, qwen3, phi3) one tiny model with random weights is written twice: as an HF
 checkpoint (config.json + model.safetensors) and as an fp32 GGUF laid out as llama.cpp's converter
 writes it (Q/K rows permuted for llama). Then:
-  - kvflow's logits through both files, transformers' (llama, qwen2; 4.46 has no Qwen3) and
+  - kvflow's logits through both files, transformers' (llama, qwen2, phi3; 4.46 has no Qwen3) and
     llama.cpp's through the GGUF (fp32 KV cache, no flash attention) agree within 1e-3;
   - greedy continuations of kvflow and llama.cpp on that GGUF are identical;
   - llama.cpp's llama-quantize makes a Q4_K_M of it, and kvflow (keeping the K-quant blocks, as
@@ -40,6 +40,7 @@ FAMILIES = {
     "llama": dict(hf="LlamaForCausalLM", rope_theta=10000.0, qkv_bias=False, qk_norm=False),
     "qwen2": dict(hf="Qwen2ForCausalLM", rope_theta=1000000.0, qkv_bias=True, qk_norm=False),
     "qwen3": dict(hf="Qwen3ForCausalLM", rope_theta=1000000.0, qkv_bias=False, qk_norm=True),
+    "phi3": dict(hf="Phi3ForCausalLM", rope_theta=10000.0, qkv_bias=False, qk_norm=False, fused=True),
 }
 
 
@@ -82,10 +83,14 @@ def random_weights(family, seed):
     for i in range(s["layers"]):
         p = f"model.layers.{i}."
         w.update({p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H),
-                  p + "self_attn.q_proj.weight": mat(q, H), p + "self_attn.k_proj.weight": mat(kv, H),
-                  p + "self_attn.v_proj.weight": mat(kv, H), p + "self_attn.o_proj.weight": mat(H, q),
-                  p + "mlp.gate_proj.weight": mat(F, H), p + "mlp.up_proj.weight": mat(F, H),
-                  p + "mlp.down_proj.weight": mat(H, F)})
+                  p + "self_attn.o_proj.weight": mat(H, q), p + "mlp.down_proj.weight": mat(H, F)})
+        if f.get("fused"):  # Phi-3: q|k|v and gate|up as one matrix each
+            w[p + "self_attn.qkv_proj.weight"] = mat(q + 2 * kv, H)
+            w[p + "mlp.gate_up_proj.weight"] = mat(2 * F, H)
+        else:
+            w.update({p + "self_attn.q_proj.weight": mat(q, H), p + "self_attn.k_proj.weight": mat(kv, H),
+                      p + "self_attn.v_proj.weight": mat(kv, H), p + "mlp.gate_proj.weight": mat(F, H),
+                      p + "mlp.up_proj.weight": mat(F, H)})
         if f["qkv_bias"]:
             for name, n in (("q", q), ("k", kv), ("v", kv)):
                 w[p + f"self_attn.{name}_proj.bias"] = (0.5 * rng.standard_normal(n)).astype(np.float32)
@@ -106,6 +111,8 @@ def write_hf(directory, family, weights):
               "torch_dtype": "float32"}
     if family == "qwen3":
         config["attention_bias"] = False
+    if family == "phi3":
+        config.update(pad_token_id=0, sliding_window=2047, original_max_position_embeddings=512)
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as out:
         json.dump(config, out, indent=1)
@@ -121,7 +128,8 @@ def write_gguf(path, family, weights):
     import gguf
     s, f = SHAPE, FAMILIES[family]
     w = gguf.GGUFWriter(path, family)
-    w.add_name(f"tiny-random-{family}")
+    # Not "phi3": llama.cpp would then set attributes on Phi-3's special tokens, absent here.
+    w.add_name("kvflow tiny random")
     w.add_context_length(512)
     w.add_embedding_length(s["hidden"])
     w.add_feed_forward_length(s["intermediate"])
@@ -149,7 +157,8 @@ def write_gguf(path, family, weights):
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv",
+             "mlp.gate_up_proj": "ffn_up"}
     w.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", weights["model.norm.weight"])
     w.add_tensor("output.weight", weights["lm_head.weight"])

@@ -262,16 +262,22 @@ TINY_CONFIGS = {
                       rope_theta=1000000.0, sliding_window=16, use_sliding_window=False),
     "qwen2_tied": dict(family="qwen2", hidden_size=64, intermediate_size=136, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=4, vocab_size=197, tie_word_embeddings=True),
+    # Phi-3 (Phi3ForCausalLM): fused qkv_proj and gate_up_proj; its sliding window beyond the context.
+    "phi3_gqa": dict(family="phi3", hidden_size=96, intermediate_size=176, num_hidden_layers=2,
+                     num_attention_heads=6, num_key_value_heads=2, vocab_size=229, tie_word_embeddings=False,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=2047),
 }
 
 
 def tiny_model(kw, seed):
     """The tiny HF model of a TINY_CONFIGS entry (its family's config and class), randomized."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
     kw = dict(kw)
     family = kw.pop("family", "llama")
     config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
-                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "phi3": (Phi3Config, Phi3ForCausalLM)}[family]
     config = config_class(max_position_embeddings=512, rms_norm_eps=1e-5, **kw)
     torch.manual_seed(seed)
     model = model_class(config).eval()
@@ -288,7 +294,8 @@ def has_biases(config):
 # linear_rope_headdim) and each a block size, so every kernel variant runs. name: (head_dim, block)
 GPU_TINY = {"gqa_untied": (64, 16), "mha_tied": (128, 8), "mqa_llama3_rope_sharded": (64, 32),
             "linear_rope_headdim": (128, 16), "biases": (64, 16),
-            "attention_bias_only_mqa": (128, 32), "qwen2_gqa": (64, 16), "qwen2_tied": (128, 8)}
+            "attention_bias_only_mqa": (128, 32), "qwen2_gqa": (64, 16), "qwen2_tied": (128, 8),
+            "phi3_gqa": (64, 32)}
 
 
 def tiny_config_kwargs(name, args):

@@ -353,8 +353,9 @@ TEST_F(ModelConfigTest, BiasFlagsAndASlidingWindowLimitsTheContext) {
 }
 
 // Qwen2: q/k/v biases always (no flag), no o bias; a sliding_window that use_sliding_window leaves
-// off. Qwen3: per-head q/k norms, attention_bias for q/k/v/o together. Others' flags are refused.
-TEST_F(ModelConfigTest, QwenFamiliesTakeTheirOwnFields) {
+// off. Qwen3: per-head q/k norms, attention_bias for q/k/v/o together. Phi-3 below. Other
+// families' flags, and what kvflow does not implement, are refused.
+TEST_F(ModelConfigTest, FamiliesTakeTheirOwnFields) {
   json qwen2 = LlamaConfigJson();
   qwen2["architectures"] = {"Qwen2ForCausalLM"};
   qwen2["sliding_window"] = 256;
@@ -382,6 +383,25 @@ TEST_F(ModelConfigTest, QwenFamiliesTakeTheirOwnFields) {
   EXPECT_TRUE(c->qkv_bias && c->o_bias);
   qwen3["mlp_bias"] = true;
   EXPECT_EQ(Parse(qwen3).status().code(), StatusCode::kUnsupported);
+
+  // Phi-3: fused projections (read whole by the loader), no biases, RoPE on whole heads only;
+  // LongRoPE is refused with the other unknown rope types.
+  json phi3 = LlamaConfigJson();
+  phi3["architectures"] = {"Phi3ForCausalLM"};
+  phi3.erase("rope_scaling");
+  phi3["sliding_window"] = 2047;
+  c = Parse(phi3);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->architecture, "phi3");
+  EXPECT_EQ(c->max_position_embeddings, 2047) << "HF Phi-3 masks to its window: the context stops there";
+  for (const auto& [key, value] : {std::pair<const char*, json>{"partial_rotary_factor", 0.75},
+                                   {"attention_bias", true},
+                                   {"rope_scaling", {{"type", "longrope"}, {"short_factor", {1.0}}}}}) {
+    json bad = phi3;
+    bad[key] = value;
+    const Status refused_phi3 = Parse(bad).status();
+    EXPECT_EQ(refused_phi3.code(), StatusCode::kUnsupported) << key;
+  }
 
   json gelu = LlamaConfigJson();
   gelu["hidden_act"] = "gelu_pytorch_tanh";
