@@ -79,19 +79,10 @@ class BpeTokenizer final : public VocabTokenizer {
   }
 
  private:
-  struct MergeResult {
-    int32_t rank;
-    int32_t id;
-  };
   // Cached pre-tokens are bounded so that adversarial input cannot grow memory without end.
   static constexpr size_t kMaxCacheEntries = 1 << 18;
 
   explicit BpeTokenizer(PreTokenizer pre) : pre_(std::move(pre)) {}
-
-  static uint64_t PairKey(int32_t left, int32_t right) {
-    return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) |
-           static_cast<uint32_t>(right);
-  }
 
   Status Init(TokenizerSpec spec) {
     KVFLOW_RETURN_IF_ERROR(InitVocab(spec));
@@ -105,28 +96,7 @@ class BpeTokenizer final : public VocabTokenizer {
       if (!alphabet.Decode(text, &bytes[id])) bytes[id] = text;
     }
     for (int b = 0; b < 256; ++b) byte_token_[b] = token_id(alphabet.Encode(b));
-    return BuildMerges(spec.merges);
-  }
-
-  Status BuildMerges(const std::vector<std::string>& merges) {
-    merges_.reserve(merges.size());
-    for (size_t rank = 0; rank < merges.size(); ++rank) {
-      const std::string& merge = merges[rank];
-      const size_t space = merge.find(' ', 1);
-      auto bad = [&](const std::string& why) {
-        return Status::CorruptFile("tokenizer: merge #" + std::to_string(rank) + " '" + merge +
-                                   "' " + why);
-      };
-      if (space == std::string::npos) return bad("is not two tokens separated by a space");
-      const std::string left = merge.substr(0, space), right = merge.substr(space + 1);
-      const int32_t left_id = token_id(left), right_id = token_id(right);
-      const int32_t merged_id = token_id(left + right);
-      if (left_id < 0 || right_id < 0) return bad("uses a token missing from the vocabulary");
-      if (merged_id < 0) return bad("makes a token missing from the vocabulary");
-      // A repeated pair takes its last rank, as HF's merge map does.
-      merges_[PairKey(left_id, right_id)] = {static_cast<int32_t>(rank), merged_id};
-    }
-    return Status::Ok();
+    return merges_.Build(spec.merges, [this](std::string_view t) { return token_id(t); });
   }
 
   void EncodePiece(std::string_view piece, std::vector<int32_t>* ids) const {
@@ -183,8 +153,9 @@ class BpeTokenizer final : public VocabTokenizer {
     auto push_pair = [&](int32_t pos) {
       const int32_t next = symbols[pos].next;
       if (next < 0) return;
-      auto it = merges_.find(PairKey(symbols[pos].id, symbols[next].id));
-      if (it != merges_.end()) queue.push({it->second.rank, pos, it->second.id});
+      if (const MergeTable::Merge* m = merges_.Find(symbols[pos].id, symbols[next].id)) {
+        queue.push({m->rank, pos, m->merged_id});
+      }
     };
     for (int32_t pos = 0; pos + 1 < static_cast<int32_t>(symbols.size()); ++pos) push_pair(pos);
 
@@ -194,8 +165,8 @@ class BpeTokenizer final : public VocabTokenizer {
       Symbol& left = symbols[top.pos];
       if (left.removed || left.next < 0) continue;
       const int32_t right_pos = left.next;
-      auto it = merges_.find(PairKey(left.id, symbols[right_pos].id));
-      if (it == merges_.end() || it->second.id != top.merged_id) continue;  // stale entry
+      const MergeTable::Merge* m = merges_.Find(left.id, symbols[right_pos].id);
+      if (m == nullptr || m->merged_id != top.merged_id) continue;  // stale entry
       left.id = top.merged_id;
       left.next = symbols[right_pos].next;
       symbols[right_pos].removed = true;
@@ -209,7 +180,7 @@ class BpeTokenizer final : public VocabTokenizer {
   }
 
   PreTokenizer pre_;
-  std::unordered_map<uint64_t, MergeResult> merges_;  // PairKey(left, right) -> merge
+  MergeTable merges_;
   std::array<int32_t, 256> byte_token_{};             // the single-byte token of each byte
   bool ignore_merges_ = false;
 

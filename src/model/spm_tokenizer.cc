@@ -5,7 +5,6 @@
 // lowest-ranked merge (HF BPE with byte_fallback). Leftmost wins ties in both.
 #include <cstdio>
 #include <queue>
-#include <unordered_map>
 
 #include "model/utf8.h"
 #include "model/vocab_tokenizer.h"
@@ -74,11 +73,6 @@ class SpmTokenizer final : public VocabTokenizer {
     }
   };
 
-  static uint64_t PairKey(int32_t left, int32_t right) {
-    return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) |
-           static_cast<uint32_t>(right);
-  }
-
   // Whether nothing but a BOS token has been written yet (prepend_scheme "first").
   bool ids_empty_of_text(const std::vector<int32_t>& ids) const {
     return ids.empty() || (ids.size() == 1 && ids[0] == bos_id());
@@ -144,26 +138,7 @@ class SpmTokenizer final : public VocabTokenizer {
                                    hex + " and no unknown token, so some text cannot be encoded");
       }
     }
-    return BuildMerges(spec.merges);
-  }
-
-  Status BuildMerges(const std::vector<std::string>& merges) {
-    for (size_t rank = 0; rank < merges.size(); ++rank) {
-      const std::string& merge = merges[rank];
-      const size_t space = merge.find(' ', 1);
-      auto bad = [&](const std::string& why) {
-        return Status::CorruptFile("tokenizer: merge #" + std::to_string(rank) + " '" + merge +
-                                   "' " + why);
-      };
-      if (space == std::string::npos) return bad("is not two tokens separated by a space");
-      const std::string left = merge.substr(0, space), right = merge.substr(space + 1);
-      const int32_t left_id = token_id(left), right_id = token_id(right);
-      const int32_t merged_id = token_id(left + right);
-      if (left_id < 0 || right_id < 0) return bad("uses a token missing from the vocabulary");
-      if (merged_id < 0) return bad("makes a token missing from the vocabulary");
-      merge_rank_[PairKey(left_id, right_id)] = {static_cast<int32_t>(rank), merged_id};
-    }
-    return Status::Ok();
+    return merge_rank_.Build(spec.merges, [this](std::string_view t) { return token_id(t); });
   }
 
   // The candidate merge of symbols[left] with the symbol after it, if the vocabulary has one.
@@ -180,9 +155,9 @@ class SpmTokenizer final : public VocabTokenizer {
       return true;
     }
     if (a.id < 0 || b.id < 0) return false;
-    auto it = merge_rank_.find(PairKey(a.id, b.id));
-    if (it == merge_rank_.end()) return false;
-    *out = {-static_cast<double>(it->second.first), left, len, it->second.second};
+    const MergeTable::Merge* m = merge_rank_.Find(a.id, b.id);
+    if (m == nullptr) return false;
+    *out = {-static_cast<double>(m->rank), left, len, m->merged_id};
     return true;
   }
 
@@ -236,7 +211,7 @@ class SpmTokenizer final : public VocabTokenizer {
 
   TokenizerSpec::SpacePrefix space_prefix_ = TokenizerSpec::SpacePrefix::kNone;
   std::vector<float> scores_;  // by token id; empty when merging by rank
-  std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merge_rank_;  // pair -> (rank, merged)
+  MergeTable merge_rank_;  // HF merges; empty when merging by score
   std::array<int32_t, 256> byte_token_{};
 };
 

@@ -53,6 +53,26 @@ std::string Nfc(std::string_view text) {
 
 }  // namespace
 
+Status MergeTable::Build(const std::vector<std::string>& merges,
+                         const std::function<int32_t(std::string_view)>& token_id) {
+  merges_.reserve(merges.size());
+  for (size_t rank = 0; rank < merges.size(); ++rank) {
+    const std::string& merge = merges[rank];
+    const size_t space = merge.find(' ', 1);
+    auto bad = [&](const std::string& why) {
+      return Status::CorruptFile("tokenizer: merge #" + std::to_string(rank) + " '" + merge + "' " + why);
+    };
+    if (space == std::string::npos) return bad("is not two tokens separated by a space");
+    const std::string left = merge.substr(0, space), right = merge.substr(space + 1);
+    const int32_t left_id = token_id(left), right_id = token_id(right);
+    const int32_t merged_id = token_id(left + right);
+    if (left_id < 0 || right_id < 0) return bad("uses a token missing from the vocabulary");
+    if (merged_id < 0) return bad("makes a token missing from the vocabulary");
+    merges_[Key(left_id, right_id)] = {static_cast<int32_t>(rank), merged_id};
+  }
+  return Status::Ok();
+}
+
 Status VocabTokenizer::InitVocab(TokenizerSpec& spec) {
   tokens_ = std::move(spec.tokens);
   types_ = std::move(spec.token_types);

@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -30,6 +31,29 @@ enum TokenType : int32_t {
 struct StringHash {
   using is_transparent = void;
   size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+};
+
+// BPE merges as HF lists them ("left right", highest priority first), keyed by the token pair.
+class MergeTable {
+ public:
+  struct Merge {
+    int32_t rank;
+    int32_t merged_id;
+  };
+  // Resolves each merge's tokens with `token_id`; a merge of tokens the vocabulary lacks is corrupt.
+  // A repeated pair takes its last rank, as HF's merge map does.
+  Status Build(const std::vector<std::string>& merges, const std::function<int32_t(std::string_view)>& token_id);
+  const Merge* Find(int32_t left, int32_t right) const {
+    auto it = merges_.find(Key(left, right));
+    return it == merges_.end() ? nullptr : &it->second;
+  }
+  bool empty() const { return merges_.empty(); }
+
+ private:
+  static uint64_t Key(int32_t left, int32_t right) {
+    return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
+  }
+  std::unordered_map<uint64_t, Merge> merges_;
 };
 
 class VocabTokenizer : public Tokenizer {
