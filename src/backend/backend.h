@@ -419,6 +419,9 @@ class Backend {
   }
   // kMlp = silu(gate) * up of kGateUp.
   virtual Status SiluMul() = 0;
+  // kDelta = the mixture of experts of kHidden (ModelConfig::num_experts > 0): each token's
+  // router-chosen experts' SwiGLU MLPs, weighted by their router probabilities.
+  virtual Status MoeMlp(int layer) = 0;
   // residual += delta (after the last layer).
   virtual Status AddDelta() = 0;
 

@@ -28,6 +28,7 @@ Status LlamaModel::Layers(const ForwardBatch& batch) {
   KVFLOW_RETURN_IF_ERROR(b.Embed());
   const int num_layers = b.model_config().num_layers;
   const bool qk_norm = b.model_config().qk_norm;
+  const bool moe = b.model_config().num_experts > 0;
   for (int layer = 0; layer < num_layers; ++layer) {
     // The previous layer's MLP output joins the residual stream inside this norm.
     KVFLOW_RETURN_IF_ERROR(b.RmsNorm(layer, LayerWeight::kAttnNorm, /*add_delta=*/layer > 0));
@@ -44,10 +45,15 @@ Status LlamaModel::Layers(const ForwardBatch& batch) {
     KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kO, Activation::kAttention, Activation::kDelta));
     if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterAttentionOutput(ctx));
     KVFLOW_RETURN_IF_ERROR(b.RmsNorm(layer, LayerWeight::kFfnNorm, /*add_delta=*/true));
-    KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kGateUp, Activation::kHidden, Activation::kGateUp));
-    if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterMlpInput(ctx));
-    KVFLOW_RETURN_IF_ERROR(b.SiluMul());
-    KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kDown, Activation::kMlp, Activation::kDelta));
+    if (moe) {
+      KVFLOW_RETURN_IF_ERROR(b.MoeMlp(layer));
+      if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterMlpInput(ctx));
+    } else {
+      KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kGateUp, Activation::kHidden, Activation::kGateUp));
+      if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterMlpInput(ctx));
+      KVFLOW_RETURN_IF_ERROR(b.SiluMul());
+      KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kDown, Activation::kMlp, Activation::kDelta));
+    }
     if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterMlpOutput(ctx));
   }
   return b.AddDelta();

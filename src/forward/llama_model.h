@@ -1,14 +1,15 @@
 // The Llama decoder, written once over the primitives every backend provides (backend/backend.h):
 //
 //   embed -> per layer: [attn norm] -> QKV -> (q/k norm) -> RoPE -> KV write -> (hook) -> attention -> (hook)
-//            -> O -> [add + ffn norm] -> gate_up -> SiLU*mul -> down -> next layer's [add + norm]
+//            -> O -> [add + ffn norm] -> gate_up -> SiLU*mul -> down (or the mixture of experts)
+//            -> next layer's [add + norm]
 //   -> add -> head (final norm, LM head) over the rows that want logits
 //
 // Each projection (QKV, O, gate_up, down) is one Linear, which adds the projection's bias when the
 // model has one, so q/k get theirs before RoPE, as in HF.
 //
-// The families (Llama, Mistral, Qwen2, Qwen3, Phi-3) are this one loop: their differences are fields of
-// ModelConfig (biases, q/k norms) that the loop and the primitives honour.
+// The families (Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral) are this one loop: their differences are
+// fields of ModelConfig (biases, q/k norms, experts) that the loop and the primitives honour.
 //
 // Features that act inside the layer loop (speculative prefetch, KV send/recv, KV selection) plug
 // in through LayerHooks, not through a copy of this loop.
@@ -45,8 +46,9 @@ class LayerHooks {
   // offloaded KV pool prefetches it during the previous layer): nullopt: not known yet; an empty
   // span: every slice's view; else one KvHeadSelection per slice, as AttentionSelection will return.
   virtual std::optional<std::span<const KvHeadSelection>> UpcomingSelection(int layer) { return std::nullopt; }
-  // Once the MLP has read its input (kGateUp holds the layer's gate and up projections; the
-  // residual stream holds the layer's input plus its attention output; kHidden is free).
+  // Once the MLP has read its input (kGateUp holds the layer's gate and up projections, or, in a
+  // mixture of experts, the experts have run already; the residual stream holds the layer's input
+  // plus its attention output; kHidden is free).
   virtual Status AfterMlpInput(const LayerContext& ctx) { return Status::Ok(); }
   // After attention, before the output projection.
   virtual Status AfterAttention(const LayerContext& ctx) { return Status::Ok(); }

@@ -85,6 +85,32 @@ class WeightReader {
     return Status::Ok();
   }
 
+  // Appends to each of `out`'s matrices its expert's [rows, cols] rows of a [experts, rows, cols]
+  // tensor (llama.cpp's merged expert tensors).
+  Status ReadExpertRows(const std::string& gguf_name, int64_t rows, int64_t cols, std::vector<WeightMatrix>& out) const {
+    const int64_t experts = static_cast<int64_t>(out.size());
+    KVFLOW_ASSIGN_OR_RETURN(const TensorInfo* info, Find(gguf_name, gguf_name, {experts, rows, cols}));
+    KVFLOW_ASSIGN_OR_RETURN(WeightPart all, ReadWeightPart(*info, keep_quantized_));
+    const size_t row_bytes = all.dtype == DType::kF32 ? sizeof(float) * cols : all.row_bytes(cols);
+    const uint8_t* base = all.dtype == DType::kF32 ? reinterpret_cast<const uint8_t*>(all.f32.data()) : all.blocks.data();
+    for (int64_t e = 0; e < experts; ++e) {
+      WeightPart part;
+      part.dtype = all.dtype;
+      part.rows = rows;
+      const uint8_t* first = base + static_cast<size_t>(e * rows) * row_bytes;
+      if (all.dtype == DType::kF32) {
+        const float* f = reinterpret_cast<const float*>(first);
+        part.f32.assign(f, f + rows * cols);
+      } else {
+        part.blocks.assign(first, first + rows * row_bytes);
+      }
+      out[static_cast<size_t>(e)].cols = cols;
+      out[static_cast<size_t>(e)].Append(std::move(part));
+    }
+    progress_.Advance(info->nbytes);
+    return Status::Ok();
+  }
+
   // Block formats that were asked to stay quantized but have no kernels (none today: every GGUF
   // block format the loader reads has CPU kernels): they are held as fp32, several times their size.
   const std::set<std::string>& dequantized_formats() const { return dequantized_formats_; }
@@ -180,6 +206,30 @@ Status ReadBiases(const WeightReader& r, const ModelConfig& c, const std::string
   return Status::Ok();
 }
 
+// Mixtral's router and experts: HF block_sparse_moe.gate and experts.E.w1 (gate), w3 (up), w2
+// (down); GGUF ffn_gate_inp and the merged ffn_gate_exps / ffn_up_exps / ffn_down_exps.
+Status ReadExperts(const WeightReader& r, const ModelConfig& c, const std::string& hf, const std::string& gg,
+                   LlamaLayerWeights& l) {
+  const int64_t H = c.hidden_size, F = c.intermediate_size, E = c.num_experts;
+  const std::string moe = hf + "block_sparse_moe.";
+  KVFLOW_RETURN_IF_ERROR(r.ReadRows(moe + "gate.weight", gg + "ffn_gate_inp.weight", E, H, l.router));
+  l.expert_gate_up.assign(static_cast<size_t>(E), WeightMatrix{});
+  l.expert_down.assign(static_cast<size_t>(E), WeightMatrix{});
+  if (r.Has(gg + "ffn_gate_exps.weight", gg + "ffn_gate_exps.weight")) {
+    KVFLOW_RETURN_IF_ERROR(r.ReadExpertRows(gg + "ffn_gate_exps.weight", F, H, l.expert_gate_up));
+    KVFLOW_RETURN_IF_ERROR(r.ReadExpertRows(gg + "ffn_up_exps.weight", F, H, l.expert_gate_up));
+    return r.ReadExpertRows(gg + "ffn_down_exps.weight", H, F, l.expert_down);
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string ex = moe + "experts." + std::to_string(e) + ".";
+    WeightMatrix& gate_up = l.expert_gate_up[static_cast<size_t>(e)];
+    KVFLOW_RETURN_IF_ERROR(r.ReadRows(ex + "w1.weight", ex + "w1.weight", F, H, gate_up));
+    KVFLOW_RETURN_IF_ERROR(r.ReadRows(ex + "w3.weight", ex + "w3.weight", F, H, gate_up));
+    KVFLOW_RETURN_IF_ERROR(r.ReadRows(ex + "w2.weight", ex + "w2.weight", H, F, l.expert_down[static_cast<size_t>(e)]));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 size_t LlamaWeights::num_parameters() const {
@@ -187,7 +237,9 @@ size_t LlamaWeights::num_parameters() const {
   for (const auto& l : layers) {
     n += l.attn_norm.size() + l.wqkv.num_parameters() + l.wo.num_parameters() + l.ffn_norm.size() +
          l.w_gate_up.num_parameters() + l.w_down.num_parameters() + l.bqkv.size() + l.bo.size() +
-         l.b_gate_up.size() + l.b_down.size() + l.q_norm.size() + l.k_norm.size();
+         l.b_gate_up.size() + l.b_down.size() + l.q_norm.size() + l.k_norm.size() + l.router.num_parameters();
+    for (const WeightMatrix& m : l.expert_gate_up) n += m.num_parameters();
+    for (const WeightMatrix& m : l.expert_down) n += m.num_parameters();
   }
   return n;
 }
@@ -197,7 +249,9 @@ size_t LlamaWeights::bytes() const {
   for (const auto& l : layers) {
     n += (l.attn_norm.size() + l.ffn_norm.size() + l.bqkv.size() + l.bo.size() + l.b_gate_up.size() +
           l.b_down.size() + l.q_norm.size() + l.k_norm.size()) * sizeof(float) + l.wqkv.bytes() + l.wo.bytes() +
-         l.w_gate_up.bytes() + l.w_down.bytes();
+         l.w_gate_up.bytes() + l.w_down.bytes() + l.router.bytes();
+    for (const WeightMatrix& m : l.expert_gate_up) n += m.bytes();
+    for (const WeightMatrix& m : l.expert_down) n += m.bytes();
   }
   return n;
 }
@@ -206,7 +260,9 @@ bool LlamaWeights::all_f32() const {
   auto f32 = [](const WeightMatrix& m) { return m.empty() || m.is_f32(); };
   if (!f32(embed) || !f32(lm_head)) return false;
   for (const auto& l : layers) {
-    if (!f32(l.wqkv) || !f32(l.wo) || !f32(l.w_gate_up) || !f32(l.w_down)) return false;
+    if (!f32(l.wqkv) || !f32(l.wo) || !f32(l.w_gate_up) || !f32(l.w_down) || !f32(l.router)) return false;
+    for (const WeightMatrix& m : l.expert_gate_up) if (!f32(m)) return false;
+    for (const WeightMatrix& m : l.expert_down) if (!f32(m)) return false;
   }
   return true;
 }
@@ -227,6 +283,13 @@ Status CheckFamilyWeights(const ModelConfig& c, const LlamaWeights& w) {
                   {"down bias", l.b_down, c.mlp_bias, c.hidden_size},
                   {"q norm", l.q_norm, c.qk_norm, D},
                   {"k norm", l.k_norm, c.qk_norm, D}};
+    const size_t experts = static_cast<size_t>(c.num_experts);
+    if (l.expert_gate_up.size() != experts || l.expert_down.size() != experts ||
+        (experts > 0 && (l.router.rows != c.num_experts || l.router.cols != c.hidden_size))) {
+      return Status::InvalidArgument("layer " + std::to_string(i) + " has " + std::to_string(l.expert_gate_up.size()) +
+                                     " experts and a router of " + std::to_string(l.router.rows) +
+                                     " rows; the config implies " + std::to_string(experts));
+    }
     for (const auto& b : biases) {
       const int64_t want = b.declared ? b.size : 0;
       if (static_cast<int64_t>(b.bias.size()) != want) {
@@ -283,13 +346,17 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
     KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "self_attn.o_proj.weight", gg + "attn_output.weight", H, q_rows, l.wo));
     KVFLOW_RETURN_IF_ERROR(
         r.ReadVector(hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight", H, l.ffn_norm));
-    if (fused) {  // llama.cpp keeps Phi-3's gate|up matrix whole as ffn_up
+    if (c.num_experts > 0) {
+      KVFLOW_RETURN_IF_ERROR(ReadExperts(r, c, hf, gg, l));
+    } else if (fused) {  // llama.cpp keeps Phi-3's gate|up matrix whole as ffn_up
       KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.gate_up_proj.weight", gg + "ffn_up.weight", 2 * F, H, l.w_gate_up));
     } else {
       KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.gate_proj.weight", gg + "ffn_gate.weight", F, H, l.w_gate_up));
       KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.up_proj.weight", gg + "ffn_up.weight", F, H, l.w_gate_up));
     }
-    KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.down_proj.weight", gg + "ffn_down.weight", H, F, l.w_down));
+    if (c.num_experts == 0) {
+      KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "mlp.down_proj.weight", gg + "ffn_down.weight", H, F, l.w_down));
+    }
     KVFLOW_RETURN_IF_ERROR(ReadBiases(r, c, hf, gg, gguf_rope_permuted, l));
     if (c.qk_norm) {
       KVFLOW_RETURN_IF_ERROR(r.ReadVector(hf + "self_attn.q_norm.weight", gg + "attn_q_norm.weight", D, l.q_norm));

@@ -16,10 +16,11 @@ namespace {
 
 using nlohmann::json;
 
-constexpr const char* kArchitectures = "llama, mistral, qwen2, qwen3, phi3";
+constexpr const char* kArchitectures = "llama, mistral, qwen2, qwen3, phi3, mixtral";
 
 bool IsSupportedArchitecture(const std::string& arch) {
-  return arch == "llama" || arch == "mistral" || arch == "qwen2" || arch == "qwen3" || arch == "phi3";
+  return arch == "llama" || arch == "mistral" || arch == "qwen2" || arch == "qwen3" || arch == "phi3" ||
+         arch == "mixtral";
 }
 
 // HF's class name of each architecture kvflow runs.
@@ -31,7 +32,8 @@ constexpr HfArchitecture kHfArchitectures[] = {{"LlamaForCausalLM", "llama"},
                                                {"MistralForCausalLM", "mistral"},
                                                {"Qwen2ForCausalLM", "qwen2"},
                                                {"Qwen3ForCausalLM", "qwen3"},
-                                               {"Phi3ForCausalLM", "phi3"}};
+                                               {"Phi3ForCausalLM", "phi3"},
+                                               {"MixtralForCausalLM", "mixtral"}};
 
 const char* RopeScalingName(RopeScaling::Type t) {
   switch (t) {
@@ -199,7 +201,12 @@ Status ReadHfFamilyFields(const JsonFields& fields, const std::string& path, Mod
   if (c->mlp_bias) {
     return Status::Unsupported(path + ": mlp_bias is true, but " + c->architecture + "'s MLP has no biases");
   }
-  if (c->architecture == "mistral" || c->architecture == "phi3") {
+  if (c->architecture == "mixtral") {
+    KVFLOW_RETURN_IF_ERROR(fields.Int("num_local_experts", &c->num_experts, /*required=*/true));
+    KVFLOW_RETURN_IF_ERROR(fields.Int("num_experts_per_tok", &c->experts_per_token, /*required=*/true));
+    c->norm_topk_prob = true;  // MixtralSparseMoeBlock renormalizes the top-k always
+  }
+  if (c->architecture == "mistral" || c->architecture == "phi3" || c->architecture == "mixtral") {
     // Their modeling code has no biases whatever the config says: refuse rather than guess.
     if (attention_bias) {
       return Status::Unsupported(path + ": attention_bias is true, but " + c->architecture + "'s projections have no biases");
@@ -374,6 +381,20 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& gguf) {
   c.o_bias = gguf.Find("blk.0.attn_output.bias") != nullptr;
   c.mlp_bias = gguf.Find("blk.0.ffn_gate.bias") != nullptr;
   c.qk_norm = gguf.Find("blk.0.attn_q_norm.weight") != nullptr;
+  // llama.cpp writes Mixtral as a llama with experts.
+  KVFLOW_RETURN_IF_ERROR(read_int(arch + "expert_count", &c.num_experts, false));
+  KVFLOW_RETURN_IF_ERROR(read_int(arch + "expert_used_count", &c.experts_per_token, false));
+  if (c.num_experts > 0 && gguf.Find("blk.0.ffn_gate_exps.weight") == nullptr) {
+    return Status::Unsupported(gguf.path() + ": a mixture of experts without merged expert tensors (blk.N.ffn_gate_exps; "
+                               "older files store one tensor per expert): reconvert it with a current llama.cpp");
+  }
+  for (const char* key : {"expert_shared_count", "expert_shared_feed_forward_length", "expert_feed_forward_length",
+                          "expert_gating_func", "expert_weights_norm", "expert_weights_scale"}) {
+    if (gguf.Has(arch + key)) {
+      return Status::Unsupported(gguf.path() + ": " + arch + key +
+                                 " (a mixture of experts other than Mixtral's) is not supported yet");
+    }
+  }
   if (c.architecture == "qwen3" && !c.qk_norm) {
     return Status::CorruptFile(gguf.path() + ": a qwen3 model without attn_q_norm.weight");
   }
@@ -417,6 +438,11 @@ Status ModelConfig::Validate() const {
     return invalid("num_heads " + std::to_string(num_heads) +
                    " is not a multiple of num_kv_heads " + std::to_string(num_kv_heads));
   }
+  if (num_experts < 0 || (num_experts > 0 && (experts_per_token < 1 || experts_per_token > num_experts))) {
+    return invalid("experts_per_token " + std::to_string(experts_per_token) + " of " + std::to_string(num_experts) +
+                   " experts");
+  }
+  if (num_experts == 0 && architecture == "mixtral") return invalid("a mixtral model without experts");
   if (head_dim % 2 != 0) {
     return invalid("head_dim " + std::to_string(head_dim) + " is odd; RoPE needs pairs");
   }
@@ -480,6 +506,10 @@ std::string ModelConfig::Describe() const {
       break;
   }
   if (qk_norm) out << "\nq/k norm:       per head";
+  if (num_experts > 0) {
+    out << "\nexperts:        " << experts_per_token << " of " << num_experts << " per token"
+        << (norm_topk_prob ? " (weights renormalized)" : "");
+  }
   if (qkv_bias || o_bias || mlp_bias) {
     std::string biases;
     if (qkv_bias) biases += " q/k/v";

@@ -228,6 +228,26 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndGraphs, CudaBackendLogits,
                                   (f == TinyFamily::kBiases ? "_biases" : f == TinyFamily::kQwen3 ? "_qwen3" : "");
                          });
 
+// A mixture of experts is refused by name, not run as a dense model.
+TEST(CudaBackend, RefusesMixturesOfExperts) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  ModelConfig config;
+  TinyWeights(&config);
+  config.architecture = "mixtral";
+  config.num_experts = 4;
+  config.experts_per_token = 2;
+  CudaBackendOptions o;
+  o.block_size = 16;
+  o.num_kv_blocks = 8;
+  o.max_num_seqs = 1;
+  o.max_num_batched_tokens = 16;
+  o.max_model_len = 64;
+  auto gpu = CreateCudaBackendWithRandomWeights(config, o, 1);
+  ASSERT_FALSE(gpu.ok());
+  EXPECT_EQ(gpu.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(gpu.status().message().find("mixtures of experts"), std::string::npos) << gpu.status().ToString();
+}
+
 // The small CUDA backends the tests make: a pool of `blocks` blocks of `block_size` tokens, at most 4
 // sequences of 256 tokens, `step_tokens` tokens a step.
 CudaBackendOptions SmallCudaOptions(const std::string& dtype, int blocks, int block_size, int step_tokens) {

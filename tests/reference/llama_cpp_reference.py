@@ -2,10 +2,11 @@
 """kvflow against llama.cpp (and transformers where it has the class) on a tiny random model of each
 architecture kvflow runs, through HF safetensors and through GGUF.
 
-For each family (llama, qwen2, qwen3, phi3) one tiny model with random weights is written twice: as an HF
+For each family (llama, qwen2, qwen3, phi3, mixtral) one tiny model with random weights is written twice: as an HF
 checkpoint (config.json + model.safetensors) and as an fp32 GGUF laid out as llama.cpp's converter
 writes it (Q/K rows permuted for llama). Then:
-  - kvflow's logits through both files, transformers' (llama, qwen2, phi3; 4.46 has no Qwen3) and
+  - kvflow's logits through both files, transformers' (llama, qwen2, phi3, mixtral; 4.46 has no
+    Qwen3) and
     llama.cpp's through the GGUF (fp32 KV cache, no flash attention) agree within 1e-3;
   - greedy continuations of kvflow and llama.cpp on that GGUF are identical;
   - llama.cpp's llama-quantize makes a Q4_K_M of it, and kvflow (keeping the K-quant blocks, as
@@ -41,6 +42,9 @@ FAMILIES = {
     "qwen2": dict(hf="Qwen2ForCausalLM", rope_theta=1000000.0, qkv_bias=True, qk_norm=False),
     "qwen3": dict(hf="Qwen3ForCausalLM", rope_theta=1000000.0, qkv_bias=False, qk_norm=True),
     "phi3": dict(hf="Phi3ForCausalLM", rope_theta=10000.0, qkv_bias=False, qk_norm=False, fused=True),
+    # llama.cpp writes Mixtral as a llama with merged expert tensors.
+    "mixtral": dict(hf="MixtralForCausalLM", rope_theta=1000000.0, qkv_bias=False, qk_norm=False, experts=4,
+                    experts_per_token=2, gguf_arch="llama"),
 }
 
 
@@ -84,7 +88,15 @@ def random_weights(family, seed):
         p = f"model.layers.{i}."
         w.update({p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H),
                   p + "self_attn.o_proj.weight": mat(H, q), p + "mlp.down_proj.weight": mat(H, F)})
-        if f.get("fused"):  # Phi-3: q|k|v and gate|up as one matrix each
+        if f.get("experts"):  # Mixtral: a router and SwiGLU experts w1 (gate), w3 (up), w2 (down)
+            w[p + "block_sparse_moe.gate.weight"] = mat(f["experts"], H)
+            for e in range(f["experts"]):
+                ex = p + f"block_sparse_moe.experts.{e}."
+                w.update({ex + "w1.weight": mat(F, H), ex + "w3.weight": mat(F, H), ex + "w2.weight": mat(H, F)})
+            w.update({p + "self_attn.q_proj.weight": mat(q, H), p + "self_attn.k_proj.weight": mat(kv, H),
+                      p + "self_attn.v_proj.weight": mat(kv, H)})
+            del w[p + "mlp.down_proj.weight"]
+        elif f.get("fused"):  # Phi-3: q|k|v and gate|up as one matrix each
             w[p + "self_attn.qkv_proj.weight"] = mat(q + 2 * kv, H)
             w[p + "mlp.gate_up_proj.weight"] = mat(2 * F, H)
         else:
@@ -113,6 +125,8 @@ def write_hf(directory, family, weights):
         config["attention_bias"] = False
     if family == "phi3":
         config.update(pad_token_id=0, sliding_window=2047, original_max_position_embeddings=512)
+    if f.get("experts"):
+        config.update(num_local_experts=f["experts"], num_experts_per_tok=f["experts_per_token"])
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as out:
         json.dump(config, out, indent=1)
@@ -127,7 +141,8 @@ def permute(w, heads):
 def write_gguf(path, family, weights):
     import gguf
     s, f = SHAPE, FAMILIES[family]
-    w = gguf.GGUFWriter(path, family)
+    arch = f.get("gguf_arch", family)
+    w = gguf.GGUFWriter(path, arch)
     # Not "phi3": llama.cpp would then set attributes on Phi-3's special tokens, absent here.
     w.add_name("kvflow tiny random")
     w.add_context_length(512)
@@ -142,6 +157,9 @@ def write_gguf(path, family, weights):
     w.add_rope_freq_base(f["rope_theta"])
     w.add_layer_norm_rms_eps(1e-6)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if f.get("experts"):
+        w.add_expert_count(f["experts"])
+        w.add_expert_used_count(f["experts_per_token"])
     # A byte-level vocabulary: the 256 byte tokens, one merge, control tokens to the model's size.
     alphabet = bytes_to_unicode()
     tokens = [alphabet[b] for b in range(256)] + ["\u0120\u0120"]
@@ -162,12 +180,17 @@ def write_gguf(path, family, weights):
     w.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", weights["model.norm.weight"])
     w.add_tensor("output.weight", weights["lm_head.weight"])
+    for i in range(s["layers"]) if f.get("experts") else []:  # the experts as llama.cpp merges them
+        ex = [f"model.layers.{i}.block_sparse_moe.experts.{e}." for e in range(f["experts"])]
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", weights[f"model.layers.{i}.block_sparse_moe.gate.weight"])
+        for kind, gguf_kind in (("w1", "ffn_gate_exps"), ("w3", "ffn_up_exps"), ("w2", "ffn_down_exps")):
+            w.add_tensor(f"blk.{i}.{gguf_kind}.weight", np.stack([weights[x + kind + ".weight"] for x in ex]))
     for name, value in weights.items():
-        if not name.startswith("model.layers."):
+        if not name.startswith("model.layers.") or "block_sparse_moe" in name:
             continue
         _, _, layer, rest = name.split(".", 3)
         module, kind = rest.rsplit(".", 1)
-        if family == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             value = permute(value, s["heads"] if module == "self_attn.q_proj" else s["kv_heads"])
         w.add_tensor(f"blk.{layer}.{names[module]}.{kind}", value)
     w.write_header_to_file()

@@ -571,6 +571,24 @@ TEST_F(GgufTest, ModelConfigQkNormFollowsTheTensors) {
   g = GgufFile::Open(Write(llama.Build()));
   ASSERT_TRUE(g.ok());
   EXPECT_EQ(ModelConfigFromGguf(**g).status().code(), StatusCode::kUnsupported);
+
+  // Experts: merged tensors are Mixtral's; one tensor per expert (old files) or shared experts are refused.
+  GgufWriter per_expert = metadata("llama");
+  per_expert.Add("llama.expert_count", test::kU32, uint32_t{4});
+  per_expert.Add("llama.expert_used_count", test::kU32, uint32_t{2});
+  g = GgufFile::Open(Write(per_expert.Build()));
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(ModelConfigFromGguf(**g).status().code(), StatusCode::kUnsupported);
+  GgufWriter merged = metadata("llama");
+  merged.Add("llama.expert_count", test::kU32, uint32_t{4});
+  merged.Add("llama.expert_used_count", test::kU32, uint32_t{2});
+  merged.AddTensor("blk.0.ffn_gate_exps.weight", test::kGgmlF32, {64, 64, 4}, Bytes(64 * 64 * 4 * 4, 1));
+  g = GgufFile::Open(Write(merged.Build()));
+  ASSERT_TRUE(g.ok());
+  c = ModelConfigFromGguf(**g);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->num_experts, 4);
+  EXPECT_EQ(c->experts_per_token, 2);
 }
 
 // ---- the real SmolLM2 file, when present --------------------------------------------------------

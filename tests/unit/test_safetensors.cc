@@ -403,6 +403,23 @@ TEST_F(ModelConfigTest, FamiliesTakeTheirOwnFields) {
     EXPECT_EQ(refused_phi3.code(), StatusCode::kUnsupported) << key;
   }
 
+  // Mixtral: num_local_experts and num_experts_per_tok are required, the top-k renormalized.
+  json mixtral = LlamaConfigJson();
+  mixtral["architectures"] = {"MixtralForCausalLM"};
+  mixtral["num_local_experts"] = 8;
+  mixtral["num_experts_per_tok"] = 2;
+  c = Parse(mixtral);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->architecture, "mixtral");
+  EXPECT_EQ(c->num_experts, 8);
+  EXPECT_EQ(c->experts_per_token, 2);
+  EXPECT_TRUE(c->norm_topk_prob);
+  EXPECT_NE(c->Describe().find("2 of 8 per token"), std::string::npos) << c->Describe();
+  mixtral["num_experts_per_tok"] = 9;
+  EXPECT_FALSE(Parse(mixtral)->Validate().ok());
+  mixtral.erase("num_local_experts");
+  EXPECT_EQ(Parse(mixtral).status().code(), StatusCode::kCorruptFile);
+
   json gelu = LlamaConfigJson();
   gelu["hidden_act"] = "gelu_pytorch_tanh";
   const Status st = Parse(gelu).status();

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <new>
+#include <numeric>
 #include <stdexcept>
 
 #include <spdlog/fmt/fmt.h>
@@ -264,6 +265,58 @@ Status CpuBackend::Linear(int layer, LayerWeight weight, Activation in, Activati
   // The bias joins after the product, whatever format the matrix is in (HF's Linear: x W^T + b).
   const std::vector<float>& bias = Bias(layer, weight);
   if (!bias.empty()) cpu::AddBias(Buffer(out), bias.data(), num_tokens_, matrix.rows);
+  return Status::Ok();
+}
+
+Status CpuBackend::MoeMlp(int layer) {
+  const LlamaLayerWeights& l = weights_.layers[static_cast<size_t>(layer)];
+  const int64_t T = num_tokens_, H = config_.hidden_size, F = config_.intermediate_size;
+  const int E = config_.num_experts, K = config_.experts_per_token;
+  if (E == 0) return Status::InvalidArgument("MoeMlp: the model has no experts");
+  router_logits_.resize(static_cast<size_t>(T * E));
+  Matmul(l.router, hidden_.data(), T, router_logits_.data());
+  // Each token's top-k experts and weights, as HF's MixtralSparseMoeBlock: softmax over all
+  // experts in fp32, the k largest (ties to the lower index), renormalized if norm_topk_prob.
+  std::vector<std::vector<std::pair<int64_t, float>>> routed(static_cast<size_t>(E));  // expert -> (token, weight)
+  std::vector<int> order(static_cast<size_t>(E));
+  for (int64_t t = 0; t < T; ++t) {
+    const float* logits = &router_logits_[static_cast<size_t>(t * E)];
+    const float max_logit = *std::max_element(logits, logits + E);
+    std::vector<float> p(static_cast<size_t>(E));
+    float sum = 0.0f;
+    for (int e = 0; e < E; ++e) sum += p[e] = std::exp(logits[e] - max_logit);
+    for (float& v : p) v /= sum;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + K, order.end(),
+                      [&](int a, int b) { return p[a] != p[b] ? p[a] > p[b] : a < b; });
+    float chosen = 0.0f;
+    for (int k = 0; k < K; ++k) chosen += p[order[k]];
+    for (int k = 0; k < K; ++k) {
+      const float w = config_.norm_topk_prob ? p[order[k]] / chosen : p[order[k]];
+      routed[static_cast<size_t>(order[k])].emplace_back(t, w);
+    }
+  }
+  // Expert by expert, over the tokens routed to it: only the chosen experts' weights are read.
+  std::fill(delta_.begin(), delta_.begin() + T * H, 0.0f);
+  for (int e = 0; e < E; ++e) {
+    const auto& tokens = routed[static_cast<size_t>(e)];
+    if (tokens.empty()) continue;
+    const auto n = static_cast<int64_t>(tokens.size());
+    expert_in_.resize(static_cast<size_t>(n * H));
+    for (int64_t i = 0; i < n; ++i) {
+      std::copy_n(&hidden_[static_cast<size_t>(tokens[i].first * H)], H, &expert_in_[static_cast<size_t>(i * H)]);
+    }
+    Matmul(l.expert_gate_up[static_cast<size_t>(e)], expert_in_.data(), n, gate_up_.data());
+    cpu::SiluMul(gate_up_.data(), mlp_.data(), n, F);
+    expert_out_.resize(static_cast<size_t>(n * H));
+    Matmul(l.expert_down[static_cast<size_t>(e)], mlp_.data(), n, expert_out_.data());
+    for (int64_t i = 0; i < n; ++i) {
+      float* d = &delta_[static_cast<size_t>(tokens[i].first * H)];
+      const float* o = &expert_out_[static_cast<size_t>(i * H)];
+      const float w = tokens[i].second;
+      for (int64_t j = 0; j < H; ++j) d[j] += w * o[j];
+    }
+  }
   return Status::Ok();
 }
 

@@ -42,6 +42,7 @@ class CpuBackend final : public Backend, public KvBlockScoring, public Offloaded
   Status Attention(int layer) override;
   Status AttentionOverSelection(int layer, std::span<const KvHeadSelection> selection) override;
   Status SiluMul() override;
+  Status MoeMlp(int layer) override;
   Status AddDelta() override;
 
   Status ReadActivationRows(Activation which, int64_t first_row, int64_t rows, std::span<float> out) override;
@@ -144,6 +145,8 @@ class CpuBackend final : public Backend, public KvBlockScoring, public Offloaded
   std::vector<float> block_scores_;  // chunk scores (ScoreKvBlocks)
   // Activations, reused across steps.
   std::vector<float> residual_, hidden_, qkv_, attention_, delta_, gate_up_, mlp_, final_rows_;
+  // MoeMlp's scratch: router logits, one expert's gathered rows and their outputs.
+  std::vector<float> router_logits_, expert_in_, expert_out_;
   std::vector<float> speculative_qkv_;
   // The input rows of the current product, quantized for a weight format (reused across calls).
   cpu::QuantizedActivations quantized_input_;

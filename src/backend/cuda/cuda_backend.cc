@@ -100,6 +100,10 @@ CudaBackend::~CudaBackend() {
 
 Status CudaBackend::Init(const LlamaWeights* weights, uint64_t random_seed) {
   KVFLOW_RETURN_IF_ERROR(config_.Validate());
+  if (config_.num_experts > 0) {
+    return Status::Unsupported("the CUDA backend does not run mixtures of experts yet (" + config_.architecture + ", " +
+                               std::to_string(config_.num_experts) + " experts); use --device cpu");
+  }
   if (cuda::DeviceCount() == 0) {
     return Status::Unsupported("no CUDA GPU is available: " + cuda::DeviceDescription(0));
   }

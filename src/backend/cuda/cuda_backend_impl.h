@@ -189,6 +189,7 @@ class CudaBackend final : public Backend,
   Status RmsNorm(int layer, LayerWeight norm, bool add_delta) override;
   Status Linear(int layer, LayerWeight weight, Activation in, Activation out) override;
   Status QkNorm(int layer) override;
+  Status MoeMlp(int layer) override;
   Status Rotary() override;
   Status WriteKv(int layer) override;
   Status Attention(int layer) override;

@@ -227,6 +227,10 @@ Status CudaBackend::Linear(int layer, LayerWeight weight, Activation in, Activat
   return Status::Ok();
 }
 
+Status CudaBackend::MoeMlp(int) {
+  return Status::Unsupported("a mixture of experts on the CUDA backend");  // Init refuses such models first
+}
+
 Status CudaBackend::QkNorm(int layer) {
   const DeviceLayer& l = layers_[static_cast<size_t>(layer)];
   if (l.q_norm == nullptr) return Status::InvalidArgument("QkNorm: the model has no q/k norms");
