@@ -25,11 +25,11 @@ struct RopeScaling {
 };
 
 // Shape and hyper-parameters of a decoder of the Llama family: Llama, Mistral, Qwen2, Qwen3, Phi-3,
-// Mixtral.
+// Mixtral, Qwen2-MoE, Qwen3-MoE.
 // The families differ only in the fields below (biases, q/k norms) and in how their files lay
 // the weights out (the loader's business); the one model loop honours the fields.
 struct ModelConfig {
-  std::string architecture = "llama";  // llama, mistral, qwen2, qwen3, phi3, mixtral
+  std::string architecture = "llama";  // llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe
   std::string name;
   int vocab_size = 0;
   int hidden_size = 0;
@@ -49,12 +49,15 @@ struct ModelConfig {
   bool qkv_bias = false;  // q_proj, k_proj, v_proj
   bool o_bias = false;    // o_proj
   bool mlp_bias = false;  // gate_proj, up_proj, down_proj
-  // A mixture of experts in place of the MLP where num_experts > 0 (Mixtral): a router picks
-  // experts_per_token of num_experts SwiGLU experts (each intermediate_size wide) per token, from
-  // the softmax of its logits; with norm_topk_prob the chosen probabilities are renormalized to
-  // sum to 1 (Mixtral always does).
+  // A mixture of experts in place of the MLP where num_experts > 0 (Mixtral, Qwen2-MoE, Qwen3-MoE):
+  // a router picks experts_per_token of num_experts SwiGLU experts (each expert_intermediate_size
+  // wide) per token, from the softmax of its logits; with norm_topk_prob the chosen probabilities
+  // are renormalized to sum to 1 (Mixtral, Qwen3-MoE). Qwen2-MoE adds a shared expert
+  // (shared_expert_intermediate_size wide) that every token runs, scaled by a sigmoid gate.
   int num_experts = 0;
   int experts_per_token = 0;
+  int expert_intermediate_size = 0;
+  int shared_expert_intermediate_size = 0;
   bool norm_topk_prob = true;
   // An RMSNorm over each head of q and of k (weights of head_dim, one for q, one for k) between
   // the projection and RoPE: Qwen3's q_norm and k_norm.

@@ -8,7 +8,7 @@
 // Each projection (QKV, O, gate_up, down) is one Linear, which adds the projection's bias when the
 // model has one, so q/k get theirs before RoPE, as in HF.
 //
-// The families (Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral) are this one loop: their differences are
+// The families (Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen-MoE) are this one loop: their differences are
 // fields of ModelConfig (biases, q/k norms, experts) that the loop and the primitives honour.
 //
 // Features that act inside the layer loop (speculative prefetch, KV send/recv, KV selection) plug

@@ -206,26 +206,58 @@ Status ReadBiases(const WeightReader& r, const ModelConfig& c, const std::string
   return Status::Ok();
 }
 
-// Mixtral's router and experts: HF block_sparse_moe.gate and experts.E.w1 (gate), w3 (up), w2
-// (down); GGUF ffn_gate_inp and the merged ffn_gate_exps / ffn_up_exps / ffn_down_exps.
+// The router and experts. HF: Mixtral's block_sparse_moe.gate and experts.E.w1 (gate), w3 (up),
+// w2 (down); Qwen-MoE's mlp.gate, mlp.experts.E.gate_proj / up_proj / down_proj and the shared
+// expert (mlp.shared_expert.*, mlp.shared_expert_gate). GGUF: ffn_gate_inp, the merged
+// ffn_gate_exps / ffn_up_exps / ffn_down_exps, and ffn_*_shexp, ffn_gate_inp_shexp.
 Status ReadExperts(const WeightReader& r, const ModelConfig& c, const std::string& hf, const std::string& gg,
                    LlamaLayerWeights& l) {
-  const int64_t H = c.hidden_size, F = c.intermediate_size, E = c.num_experts;
-  const std::string moe = hf + "block_sparse_moe.";
+  const int64_t H = c.hidden_size, F = c.expert_intermediate_size, E = c.num_experts;
+  const bool mixtral = c.architecture == "mixtral" || c.architecture == "llama";  // llama.cpp's Mixtral is a llama
+  const std::string moe = hf + (mixtral ? "block_sparse_moe." : "mlp.");
   KVFLOW_RETURN_IF_ERROR(r.ReadRows(moe + "gate.weight", gg + "ffn_gate_inp.weight", E, H, l.router));
   l.expert_gate_up.assign(static_cast<size_t>(E), WeightMatrix{});
   l.expert_down.assign(static_cast<size_t>(E), WeightMatrix{});
   if (r.Has(gg + "ffn_gate_exps.weight", gg + "ffn_gate_exps.weight")) {
     KVFLOW_RETURN_IF_ERROR(r.ReadExpertRows(gg + "ffn_gate_exps.weight", F, H, l.expert_gate_up));
     KVFLOW_RETURN_IF_ERROR(r.ReadExpertRows(gg + "ffn_up_exps.weight", F, H, l.expert_gate_up));
-    return r.ReadExpertRows(gg + "ffn_down_exps.weight", H, F, l.expert_down);
+    KVFLOW_RETURN_IF_ERROR(r.ReadExpertRows(gg + "ffn_down_exps.weight", H, F, l.expert_down));
+  } else {
+    const char* names[3] = {"w1", "w3", "w2"};
+    if (!mixtral) {
+      names[0] = "gate_proj";
+      names[1] = "up_proj";
+      names[2] = "down_proj";
+    }
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string ex = moe + "experts." + std::to_string(e) + ".";
+      WeightMatrix& gate_up = l.expert_gate_up[static_cast<size_t>(e)];
+      for (int k = 0; k < 2; ++k) {
+        const std::string name = ex + names[k] + ".weight";
+        KVFLOW_RETURN_IF_ERROR(r.ReadRows(name, name, F, H, gate_up));
+      }
+      const std::string down = ex + names[2] + ".weight";
+      KVFLOW_RETURN_IF_ERROR(r.ReadRows(down, down, H, F, l.expert_down[static_cast<size_t>(e)]));
+    }
   }
-  for (int64_t e = 0; e < E; ++e) {
-    const std::string ex = moe + "experts." + std::to_string(e) + ".";
-    WeightMatrix& gate_up = l.expert_gate_up[static_cast<size_t>(e)];
-    KVFLOW_RETURN_IF_ERROR(r.ReadRows(ex + "w1.weight", ex + "w1.weight", F, H, gate_up));
-    KVFLOW_RETURN_IF_ERROR(r.ReadRows(ex + "w3.weight", ex + "w3.weight", F, H, gate_up));
-    KVFLOW_RETURN_IF_ERROR(r.ReadRows(ex + "w2.weight", ex + "w2.weight", H, F, l.expert_down[static_cast<size_t>(e)]));
+  if (c.shared_expert_intermediate_size > 0) {
+    const int64_t Fs = c.shared_expert_intermediate_size;
+    const std::string sh = hf + "mlp.shared_expert.";
+    KVFLOW_RETURN_IF_ERROR(r.ReadRows(sh + "gate_proj.weight", gg + "ffn_gate_shexp.weight", Fs, H, l.shared_gate_up));
+    KVFLOW_RETURN_IF_ERROR(r.ReadRows(sh + "up_proj.weight", gg + "ffn_up_shexp.weight", Fs, H, l.shared_gate_up));
+    KVFLOW_RETURN_IF_ERROR(r.ReadRows(sh + "down_proj.weight", gg + "ffn_down_shexp.weight", H, Fs, l.shared_down));
+    // HF's Linear(hidden, 1) is a [1, hidden] matrix; llama.cpp's ffn_gate_inp_shexp a vector.
+    const std::string gate_hf = hf + "mlp.shared_expert_gate.weight", gate_gg = gg + "ffn_gate_inp_shexp.weight";
+    WeightMatrix gate;
+    if (r.Has(gate_hf, "")) {
+      KVFLOW_RETURN_IF_ERROR(r.ReadRows(gate_hf, gate_gg, 1, H, gate));
+    } else {
+      KVFLOW_RETURN_IF_ERROR(r.ReadVector(gate_hf, gate_gg, H, l.shared_gate));
+    }
+    if (!gate.empty()) {
+      l.shared_gate.resize(static_cast<size_t>(H));
+      gate.DequantizeRow(0, l.shared_gate.data());
+    }
   }
   return Status::Ok();
 }
@@ -237,7 +269,8 @@ size_t LlamaWeights::num_parameters() const {
   for (const auto& l : layers) {
     n += l.attn_norm.size() + l.wqkv.num_parameters() + l.wo.num_parameters() + l.ffn_norm.size() +
          l.w_gate_up.num_parameters() + l.w_down.num_parameters() + l.bqkv.size() + l.bo.size() +
-         l.b_gate_up.size() + l.b_down.size() + l.q_norm.size() + l.k_norm.size() + l.router.num_parameters();
+         l.b_gate_up.size() + l.b_down.size() + l.q_norm.size() + l.k_norm.size() + l.router.num_parameters() +
+         l.shared_gate_up.num_parameters() + l.shared_down.num_parameters() + l.shared_gate.size();
     for (const WeightMatrix& m : l.expert_gate_up) n += m.num_parameters();
     for (const WeightMatrix& m : l.expert_down) n += m.num_parameters();
   }
@@ -249,7 +282,8 @@ size_t LlamaWeights::bytes() const {
   for (const auto& l : layers) {
     n += (l.attn_norm.size() + l.ffn_norm.size() + l.bqkv.size() + l.bo.size() + l.b_gate_up.size() +
           l.b_down.size() + l.q_norm.size() + l.k_norm.size()) * sizeof(float) + l.wqkv.bytes() + l.wo.bytes() +
-         l.w_gate_up.bytes() + l.w_down.bytes() + l.router.bytes();
+         l.w_gate_up.bytes() + l.w_down.bytes() + l.router.bytes() + l.shared_gate_up.bytes() +
+         l.shared_down.bytes() + l.shared_gate.size() * sizeof(float);
     for (const WeightMatrix& m : l.expert_gate_up) n += m.bytes();
     for (const WeightMatrix& m : l.expert_down) n += m.bytes();
   }
@@ -260,7 +294,10 @@ bool LlamaWeights::all_f32() const {
   auto f32 = [](const WeightMatrix& m) { return m.empty() || m.is_f32(); };
   if (!f32(embed) || !f32(lm_head)) return false;
   for (const auto& l : layers) {
-    if (!f32(l.wqkv) || !f32(l.wo) || !f32(l.w_gate_up) || !f32(l.w_down) || !f32(l.router)) return false;
+    if (!f32(l.wqkv) || !f32(l.wo) || !f32(l.w_gate_up) || !f32(l.w_down) || !f32(l.router) ||
+        !f32(l.shared_gate_up) || !f32(l.shared_down)) {
+      return false;
+    }
     for (const WeightMatrix& m : l.expert_gate_up) if (!f32(m)) return false;
     for (const WeightMatrix& m : l.expert_down) if (!f32(m)) return false;
   }
@@ -289,6 +326,10 @@ Status CheckFamilyWeights(const ModelConfig& c, const LlamaWeights& w) {
       return Status::InvalidArgument("layer " + std::to_string(i) + " has " + std::to_string(l.expert_gate_up.size()) +
                                      " experts and a router of " + std::to_string(l.router.rows) +
                                      " rows; the config implies " + std::to_string(experts));
+    }
+    const bool shared = c.shared_expert_intermediate_size > 0;
+    if (shared != !l.shared_gate_up.empty() || (shared && l.shared_gate.size() != static_cast<size_t>(c.hidden_size))) {
+      return Status::InvalidArgument("layer " + std::to_string(i) + "'s shared expert does not match the config");
     }
     for (const auto& b : biases) {
       const int64_t want = b.declared ? b.size : 0;

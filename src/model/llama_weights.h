@@ -27,10 +27,14 @@ struct LlamaLayerWeights {
   std::vector<float> b_gate_up;  // [2 * intermediate]: gate, then up
   std::vector<float> b_down;     // [hidden]
   // A mixture of experts (ModelConfig::num_experts > 0) in place of w_gate_up / w_down: the router,
-  // and each expert's fused gate|up and down matrices.
+  // each expert's fused gate|up and down matrices (F = expert_intermediate_size), and Qwen2-MoE's
+  // shared expert (Fs = shared_expert_intermediate_size) with its gate's row.
   WeightMatrix router;                       // [experts, hidden]
-  std::vector<WeightMatrix> expert_gate_up;  // experts x [2 * intermediate, hidden]
-  std::vector<WeightMatrix> expert_down;     // experts x [hidden, intermediate]
+  std::vector<WeightMatrix> expert_gate_up;  // experts x [2F, hidden]
+  std::vector<WeightMatrix> expert_down;     // experts x [hidden, F]
+  WeightMatrix shared_gate_up;               // [2Fs, hidden]
+  WeightMatrix shared_down;                  // [hidden, Fs]
+  std::vector<float> shared_gate;            // [hidden]
   // Per-head norms of q and k (ModelConfig::qk_norm), else empty.
   std::vector<float> q_norm;     // [head_dim]
   std::vector<float> k_norm;     // [head_dim]

@@ -16,11 +16,11 @@ namespace {
 
 using nlohmann::json;
 
-constexpr const char* kArchitectures = "llama, mistral, qwen2, qwen3, phi3, mixtral";
+constexpr const char* kArchitectures = "llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe";
 
 bool IsSupportedArchitecture(const std::string& arch) {
   return arch == "llama" || arch == "mistral" || arch == "qwen2" || arch == "qwen3" || arch == "phi3" ||
-         arch == "mixtral";
+         arch == "mixtral" || arch == "qwen2moe" || arch == "qwen3moe";
 }
 
 // HF's class name of each architecture kvflow runs.
@@ -33,7 +33,9 @@ constexpr HfArchitecture kHfArchitectures[] = {{"LlamaForCausalLM", "llama"},
                                                {"Qwen2ForCausalLM", "qwen2"},
                                                {"Qwen3ForCausalLM", "qwen3"},
                                                {"Phi3ForCausalLM", "phi3"},
-                                               {"MixtralForCausalLM", "mixtral"}};
+                                               {"MixtralForCausalLM", "mixtral"},
+                                               {"Qwen2MoeForCausalLM", "qwen2moe"},
+                                               {"Qwen3MoeForCausalLM", "qwen3moe"}};
 
 const char* RopeScalingName(RopeScaling::Type t) {
   switch (t) {
@@ -204,7 +206,25 @@ Status ReadHfFamilyFields(const JsonFields& fields, const std::string& path, Mod
   if (c->architecture == "mixtral") {
     KVFLOW_RETURN_IF_ERROR(fields.Int("num_local_experts", &c->num_experts, /*required=*/true));
     KVFLOW_RETURN_IF_ERROR(fields.Int("num_experts_per_tok", &c->experts_per_token, /*required=*/true));
+    c->expert_intermediate_size = c->intermediate_size;
     c->norm_topk_prob = true;  // MixtralSparseMoeBlock renormalizes the top-k always
+  } else if (c->architecture == "qwen2moe" || c->architecture == "qwen3moe") {
+    KVFLOW_RETURN_IF_ERROR(fields.Int("num_experts", &c->num_experts, /*required=*/true));
+    KVFLOW_RETURN_IF_ERROR(fields.Int("num_experts_per_tok", &c->experts_per_token, /*required=*/true));
+    KVFLOW_RETURN_IF_ERROR(fields.Int("moe_intermediate_size", &c->expert_intermediate_size, /*required=*/true));
+    c->norm_topk_prob = false;  // both configs' default
+    KVFLOW_RETURN_IF_ERROR(fields.Bool("norm_topk_prob", &c->norm_topk_prob));
+    if (c->architecture == "qwen2moe") {
+      KVFLOW_RETURN_IF_ERROR(fields.Int("shared_expert_intermediate_size", &c->shared_expert_intermediate_size));
+    }
+    // Every layer sparse: kvflow does not mix dense and sparse layers yet.
+    int sparse_step = 1;
+    KVFLOW_RETURN_IF_ERROR(fields.Int("decoder_sparse_step", &sparse_step));
+    const json* dense_layers = fields.Get("mlp_only_layers");
+    if (sparse_step != 1 || (dense_layers != nullptr && !dense_layers->empty())) {
+      return Status::Unsupported(path + ": dense MLP layers among the experts (decoder_sparse_step, mlp_only_layers) "
+                                 "are not supported yet");
+    }
   }
   if (c->architecture == "mistral" || c->architecture == "phi3" || c->architecture == "mixtral") {
     // Their modeling code has no biases whatever the config says: refuse rather than guess.
@@ -219,10 +239,10 @@ Status ReadHfFamilyFields(const JsonFields& fields, const std::string& path, Mod
                                    " (RoPE on part of each head, Phi-4-mini) is not supported");
       }
     }
-  } else if (c->architecture == "qwen2") {
+  } else if (c->architecture == "qwen2" || c->architecture == "qwen2moe") {
     c->qkv_bias = true;  // Qwen2's q, k and v projections always have biases, o_proj never
     if (attention_bias) return Status::Unsupported(path + ": attention_bias is not a Qwen2 config field");
-  } else if (c->architecture == "qwen3") {
+  } else if (c->architecture == "qwen3" || c->architecture == "qwen3moe") {
     c->qkv_bias = c->o_bias = attention_bias;  // Qwen3: q, k, v and o_proj together
     c->qk_norm = true;
   }
@@ -271,7 +291,7 @@ Result<ModelConfig> ModelConfigFromHfJson(const std::string& path) {
     int sliding_window = 0;
     KVFLOW_RETURN_IF_ERROR(fields.Int("sliding_window", &sliding_window));
     // Qwen2 and Qwen3 carry a sliding_window that only use_sliding_window turns on.
-    bool use_sliding_window = c.architecture != "qwen2" && c.architecture != "qwen3";
+    bool use_sliding_window = !c.architecture.starts_with("qwen");
     KVFLOW_RETURN_IF_ERROR(fields.Bool("use_sliding_window", &use_sliding_window));
     if (!use_sliding_window) sliding_window = 0;
     if (sliding_window > 0 && sliding_window < c.max_position_embeddings) {
@@ -384,21 +404,32 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& gguf) {
   // llama.cpp writes Mixtral as a llama with experts.
   KVFLOW_RETURN_IF_ERROR(read_int(arch + "expert_count", &c.num_experts, false));
   KVFLOW_RETURN_IF_ERROR(read_int(arch + "expert_used_count", &c.experts_per_token, false));
+  c.expert_intermediate_size = c.intermediate_size;
+  KVFLOW_RETURN_IF_ERROR(read_int(arch + "expert_feed_forward_length", &c.expert_intermediate_size, false));
+  KVFLOW_RETURN_IF_ERROR(
+      read_int(arch + "expert_shared_feed_forward_length", &c.shared_expert_intermediate_size, false));
+  // llama.cpp's choices for the families without a key for it: Qwen2-MoE keeps the top-k
+  // probabilities as they are, Mixtral and Qwen3-MoE renormalize them.
+  c.norm_topk_prob = c.architecture != "qwen2moe";
   if (c.num_experts > 0 && gguf.Find("blk.0.ffn_gate_exps.weight") == nullptr) {
     return Status::Unsupported(gguf.path() + ": a mixture of experts without merged expert tensors (blk.N.ffn_gate_exps; "
                                "older files store one tensor per expert): reconvert it with a current llama.cpp");
   }
-  for (const char* key : {"expert_shared_count", "expert_shared_feed_forward_length", "expert_feed_forward_length",
-                          "expert_gating_func", "expert_weights_norm", "expert_weights_scale"}) {
+  if (c.shared_expert_intermediate_size > 0 && c.architecture != "qwen2moe") {
+    return Status::Unsupported(gguf.path() + ": a shared expert in a " + c.architecture + " model");
+  }
+  for (const char* key : {"expert_shared_count", "expert_gating_func", "expert_weights_norm", "expert_weights_scale",
+                          "leading_dense_block_count"}) {
     if (gguf.Has(arch + key)) {
       return Status::Unsupported(gguf.path() + ": " + arch + key +
-                                 " (a mixture of experts other than Mixtral's) is not supported yet");
+                                 " (a mixture of experts other than Mixtral's and Qwen's) is not supported yet");
     }
   }
-  if (c.architecture == "qwen3" && !c.qk_norm) {
-    return Status::CorruptFile(gguf.path() + ": a qwen3 model without attn_q_norm.weight");
+  const bool qwen3 = c.architecture == "qwen3" || c.architecture == "qwen3moe";
+  if (qwen3 && !c.qk_norm) {
+    return Status::CorruptFile(gguf.path() + ": a " + c.architecture + " model without attn_q_norm.weight");
   }
-  if (c.qk_norm && c.architecture != "qwen3") {
+  if (c.qk_norm && !qwen3) {
     return Status::Unsupported(gguf.path() + ": attn_q_norm.weight in a " + c.architecture + " model");
   }
 
@@ -442,7 +473,11 @@ Status ModelConfig::Validate() const {
     return invalid("experts_per_token " + std::to_string(experts_per_token) + " of " + std::to_string(num_experts) +
                    " experts");
   }
-  if (num_experts == 0 && architecture == "mixtral") return invalid("a mixtral model without experts");
+  if (num_experts == 0 && (architecture == "mixtral" || architecture.ends_with("moe"))) {
+    return invalid("a " + architecture + " model without experts");
+  }
+  if (num_experts > 0 && expert_intermediate_size <= 0) return invalid("expert_intermediate_size must be positive");
+  if (shared_expert_intermediate_size < 0) return invalid("shared_expert_intermediate_size must not be negative");
   if (head_dim % 2 != 0) {
     return invalid("head_dim " + std::to_string(head_dim) + " is odd; RoPE needs pairs");
   }
@@ -507,8 +542,9 @@ std::string ModelConfig::Describe() const {
   }
   if (qk_norm) out << "\nq/k norm:       per head";
   if (num_experts > 0) {
-    out << "\nexperts:        " << experts_per_token << " of " << num_experts << " per token"
-        << (norm_topk_prob ? " (weights renormalized)" : "");
+    out << "\nexperts:        " << experts_per_token << " of " << num_experts << " per token, "
+        << expert_intermediate_size << " wide" << (norm_topk_prob ? " (weights renormalized)" : "");
+    if (shared_expert_intermediate_size > 0) out << ", a shared expert " << shared_expert_intermediate_size << " wide";
   }
   if (qkv_bias || o_bias || mlp_bias) {
     std::string biases;

@@ -589,6 +589,11 @@ TEST_F(GgufTest, ModelConfigQkNormFollowsTheTensors) {
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->num_experts, 4);
   EXPECT_EQ(c->experts_per_token, 2);
+  EXPECT_TRUE(c->norm_topk_prob) << "llama.cpp's Mixtral renormalizes";
+  merged.Add("llama.expert_shared_feed_forward_length", test::kU32, uint32_t{128});
+  g = GgufFile::Open(Write(merged.Build()));
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(ModelConfigFromGguf(**g).status().code(), StatusCode::kUnsupported) << "a shared expert is Qwen2-MoE's";
 }
 
 // ---- the real SmolLM2 file, when present --------------------------------------------------------

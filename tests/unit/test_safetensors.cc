@@ -420,6 +420,36 @@ TEST_F(ModelConfigTest, FamiliesTakeTheirOwnFields) {
   mixtral.erase("num_local_experts");
   EXPECT_EQ(Parse(mixtral).status().code(), StatusCode::kCorruptFile);
 
+  // Qwen2-MoE / Qwen3-MoE: experts of moe_intermediate_size, norm_topk_prob as configured (default
+  // off), Qwen2-MoE's shared expert; dense layers among the experts are refused.
+  json qwen_moe = LlamaConfigJson();
+  qwen_moe["architectures"] = {"Qwen2MoeForCausalLM"};
+  qwen_moe["num_experts"] = 60;
+  qwen_moe["num_experts_per_tok"] = 4;
+  qwen_moe["moe_intermediate_size"] = 1408;
+  qwen_moe["shared_expert_intermediate_size"] = 5632;
+  c = Parse(qwen_moe);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->architecture, "qwen2moe");
+  EXPECT_TRUE(c->qkv_bias);
+  EXPECT_EQ(c->expert_intermediate_size, 1408);
+  EXPECT_EQ(c->shared_expert_intermediate_size, 5632);
+  EXPECT_FALSE(c->norm_topk_prob);
+  EXPECT_NE(c->Describe().find("a shared expert 5632 wide"), std::string::npos) << c->Describe();
+  qwen_moe["architectures"] = {"Qwen3MoeForCausalLM"};
+  qwen_moe["norm_topk_prob"] = true;
+  qwen_moe.erase("shared_expert_intermediate_size");
+  c = Parse(qwen_moe);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_TRUE(c->qk_norm && c->norm_topk_prob);
+  EXPECT_EQ(c->shared_expert_intermediate_size, 0);
+  for (const auto& [key, value] : {std::pair<const char*, json>{"mlp_only_layers", json::array({0})},
+                                   {"decoder_sparse_step", 2}}) {
+    json mixed = qwen_moe;
+    mixed[key] = value;
+    EXPECT_EQ(Parse(mixed).status().code(), StatusCode::kUnsupported) << key;
+  }
+
   json gelu = LlamaConfigJson();
   gelu["hidden_act"] = "gelu_pytorch_tanh";
   const Status st = Parse(gelu).status();

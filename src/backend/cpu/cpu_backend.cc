@@ -270,19 +270,19 @@ Status CpuBackend::Linear(int layer, LayerWeight weight, Activation in, Activati
 
 Status CpuBackend::MoeMlp(int layer) {
   const LlamaLayerWeights& l = weights_.layers[static_cast<size_t>(layer)];
-  const int64_t T = num_tokens_, H = config_.hidden_size, F = config_.intermediate_size;
+  const int64_t T = num_tokens_, H = config_.hidden_size;
   const int E = config_.num_experts, K = config_.experts_per_token;
   if (E == 0) return Status::InvalidArgument("MoeMlp: the model has no experts");
   router_logits_.resize(static_cast<size_t>(T * E));
   Matmul(l.router, hidden_.data(), T, router_logits_.data());
-  // Each token's top-k experts and weights, as HF's MixtralSparseMoeBlock: softmax over all
-  // experts in fp32, the k largest (ties to the lower index), renormalized if norm_topk_prob.
+  // Each token's top-k experts and weights, as HF's sparse MoE blocks: softmax over all experts in
+  // fp32, the k largest (ties to the lower index), renormalized if norm_topk_prob.
   std::vector<std::vector<std::pair<int64_t, float>>> routed(static_cast<size_t>(E));  // expert -> (token, weight)
   std::vector<int> order(static_cast<size_t>(E));
+  std::vector<float> p(static_cast<size_t>(E));
   for (int64_t t = 0; t < T; ++t) {
     const float* logits = &router_logits_[static_cast<size_t>(t * E)];
     const float max_logit = *std::max_element(logits, logits + E);
-    std::vector<float> p(static_cast<size_t>(E));
     float sum = 0.0f;
     for (int e = 0; e < E; ++e) sum += p[e] = std::exp(logits[e] - max_logit);
     for (float& v : p) v /= sum;
@@ -296,6 +296,16 @@ Status CpuBackend::MoeMlp(int layer) {
       routed[static_cast<size_t>(order[k])].emplace_back(t, w);
     }
   }
+  // One SwiGLU MLP over `n` rows of `in`, into expert_out_.
+  auto swiglu = [&](const WeightMatrix& gate_up, const WeightMatrix& down, const float* in, int64_t n) {
+    const int64_t F = down.cols;
+    expert_gate_up_.resize(static_cast<size_t>(n * 2 * F));
+    expert_act_.resize(static_cast<size_t>(n * F));
+    expert_out_.resize(static_cast<size_t>(n * H));
+    Matmul(gate_up, in, n, expert_gate_up_.data());
+    cpu::SiluMul(expert_gate_up_.data(), expert_act_.data(), n, F);
+    Matmul(down, expert_act_.data(), n, expert_out_.data());
+  };
   // Expert by expert, over the tokens routed to it: only the chosen experts' weights are read.
   std::fill(delta_.begin(), delta_.begin() + T * H, 0.0f);
   for (int e = 0; e < E; ++e) {
@@ -306,14 +316,23 @@ Status CpuBackend::MoeMlp(int layer) {
     for (int64_t i = 0; i < n; ++i) {
       std::copy_n(&hidden_[static_cast<size_t>(tokens[i].first * H)], H, &expert_in_[static_cast<size_t>(i * H)]);
     }
-    Matmul(l.expert_gate_up[static_cast<size_t>(e)], expert_in_.data(), n, gate_up_.data());
-    cpu::SiluMul(gate_up_.data(), mlp_.data(), n, F);
-    expert_out_.resize(static_cast<size_t>(n * H));
-    Matmul(l.expert_down[static_cast<size_t>(e)], mlp_.data(), n, expert_out_.data());
+    swiglu(l.expert_gate_up[static_cast<size_t>(e)], l.expert_down[static_cast<size_t>(e)], expert_in_.data(), n);
     for (int64_t i = 0; i < n; ++i) {
       float* d = &delta_[static_cast<size_t>(tokens[i].first * H)];
       const float* o = &expert_out_[static_cast<size_t>(i * H)];
       const float w = tokens[i].second;
+      for (int64_t j = 0; j < H; ++j) d[j] += w * o[j];
+    }
+  }
+  if (!l.shared_gate_up.empty()) {  // Qwen2-MoE: every token's shared expert, scaled by sigmoid(gate . x)
+    swiglu(l.shared_gate_up, l.shared_down, hidden_.data(), T);
+    for (int64_t t = 0; t < T; ++t) {
+      const float* x = &hidden_[static_cast<size_t>(t * H)];
+      float gate = 0.0f;
+      for (int64_t j = 0; j < H; ++j) gate += l.shared_gate[static_cast<size_t>(j)] * x[j];
+      const float w = 1.0f / (1.0f + std::exp(-gate));
+      float* d = &delta_[static_cast<size_t>(t * H)];
+      const float* o = &expert_out_[static_cast<size_t>(t * H)];
       for (int64_t j = 0; j < H; ++j) d[j] += w * o[j];
     }
   }
