@@ -34,17 +34,6 @@ from llama_cpp_compare import (DEFAULT_LLAMA_CPP_PYTHON, GGML_TYPES, REPO, Bench
 from provenance import provenance  # noqa: E402
 
 
-def bytes_to_unicode():
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 def write_model(path, shape, seed=0):
     """An fp16 Mixtral-shaped GGUF with random weights (scaled so activations stay O(1))."""
     import gguf
@@ -66,6 +55,7 @@ def write_model(path, shape, seed=0):
     w.add_expert_count(E)
     w.add_expert_used_count(shape["experts_used"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode  # GPT-2's byte spelling
     alphabet = bytes_to_unicode()
     tokens = [alphabet[b] for b in range(256)] + ["\u0120\u0120"] + [f"<extra_{i}>" for i in range(V - 257)]
     w.add_tokenizer_model("gpt2")

@@ -192,6 +192,7 @@ def write_gguf(path, family, weights):
     if f.get("shared_ffn"):
         w.add_expert_shared_feed_forward_length(f["shared_ffn"])
     # A byte-level vocabulary: the 256 byte tokens, one merge, control tokens to the model's size.
+    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode  # GPT-2's byte spelling
     alphabet = bytes_to_unicode()
     tokens = [alphabet[b] for b in range(256)] + ["\u0120\u0120"]
     tokens += [f"<extra_{i}>" for i in range(s["vocab"] - len(tokens))]
@@ -236,18 +237,6 @@ def write_gguf(path, family, weights):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-
-
-def bytes_to_unicode():
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
-        list(range(ord("\xae"), ord("\xff") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 def llama_cpp(dumper, model, prompts, workdir):
