@@ -25,11 +25,11 @@ struct RopeScaling {
 };
 
 // Shape and hyper-parameters of a decoder of the Llama family: Llama, Mistral, Qwen2, Qwen3, Phi-3,
-// Mixtral, Qwen2-MoE, Qwen3-MoE.
+// Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE.
 // The families differ only in the fields below (biases, q/k norms) and in how their files lay
 // the weights out (the loader's business); the one model loop honours the fields.
 struct ModelConfig {
-  std::string architecture = "llama";  // llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe
+  std::string architecture = "llama";  // llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe, olmoe
   std::string name;
   int vocab_size = 0;
   int hidden_size = 0;
@@ -60,8 +60,10 @@ struct ModelConfig {
   int shared_expert_intermediate_size = 0;
   bool norm_topk_prob = true;
   // An RMSNorm over each head of q and of k (weights of head_dim, one for q, one for k) between
-  // the projection and RoPE: Qwen3's q_norm and k_norm.
+  // the projection and RoPE: Qwen3's q_norm and k_norm. Without qk_norm_per_head one RMSNorm runs
+  // over all of q and one over all of k (weights of heads * head_dim and kv_heads * head_dim: OLMoE).
   bool qk_norm = false;
+  bool qk_norm_per_head = true;
   int bos_token_id = -1;
   std::vector<int> eos_token_ids;
 

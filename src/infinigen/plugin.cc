@@ -87,8 +87,8 @@ Status RegisterInfiniGen(SystemRegistry& registry) {
     const InfiniGenOptions& o = ctx.config.kv_selection.infinigen;
     if (ctx.backend.model_config().qk_norm) {
       // The speculation multiplies partial rows of the layer's input by partial Q/K weights; a
-      // per-head norm between projection and RoPE needs whole heads, which it does not compute.
-      return Status::Unsupported("kv_selection infinigen: the model normalizes q and k per head (" +
+      // q/k norm between projection and RoPE needs whole heads (or all of q), which it does not compute.
+      return Status::Unsupported("kv_selection infinigen: the model normalizes q and k (" +
                                  ctx.backend.model_config().architecture +
                                  "), which InfiniGen's partial-weight speculation cannot reproduce");
     }

@@ -318,8 +318,8 @@ Status CheckFamilyWeights(const ModelConfig& c, const LlamaWeights& w) {
                   {"o bias", l.bo, c.o_bias, c.hidden_size},
                   {"gate/up bias", l.b_gate_up, c.mlp_bias, 2 * static_cast<int64_t>(c.intermediate_size)},
                   {"down bias", l.b_down, c.mlp_bias, c.hidden_size},
-                  {"q norm", l.q_norm, c.qk_norm, D},
-                  {"k norm", l.k_norm, c.qk_norm, D}};
+                  {"q norm", l.q_norm, c.qk_norm, c.qk_norm_per_head ? D : c.num_heads * D},
+                  {"k norm", l.k_norm, c.qk_norm, c.qk_norm_per_head ? D : c.num_kv_heads * D}};
     const size_t experts = static_cast<size_t>(c.num_experts);
     if (l.expert_gate_up.size() != experts || l.expert_down.size() != experts ||
         (experts > 0 && (l.router.rows != c.num_experts || l.router.cols != c.hidden_size))) {
@@ -400,8 +400,9 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
     }
     KVFLOW_RETURN_IF_ERROR(ReadBiases(r, c, hf, gg, gguf_rope_permuted, l));
     if (c.qk_norm) {
-      KVFLOW_RETURN_IF_ERROR(r.ReadVector(hf + "self_attn.q_norm.weight", gg + "attn_q_norm.weight", D, l.q_norm));
-      KVFLOW_RETURN_IF_ERROR(r.ReadVector(hf + "self_attn.k_norm.weight", gg + "attn_k_norm.weight", D, l.k_norm));
+      const int64_t q_norm = c.qk_norm_per_head ? D : q_rows, k_norm = c.qk_norm_per_head ? D : kv_rows;
+      KVFLOW_RETURN_IF_ERROR(r.ReadVector(hf + "self_attn.q_norm.weight", gg + "attn_q_norm.weight", q_norm, l.q_norm));
+      KVFLOW_RETURN_IF_ERROR(r.ReadVector(hf + "self_attn.k_norm.weight", gg + "attn_k_norm.weight", k_norm, l.k_norm));
     }
   }
   if (const std::vector<std::string> unused = r.Unused(); !unused.empty()) {

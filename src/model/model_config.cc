@@ -16,11 +16,11 @@ namespace {
 
 using nlohmann::json;
 
-constexpr const char* kArchitectures = "llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe";
+constexpr const char* kArchitectures = "llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe, olmoe";
 
 bool IsSupportedArchitecture(const std::string& arch) {
   return arch == "llama" || arch == "mistral" || arch == "qwen2" || arch == "qwen3" || arch == "phi3" ||
-         arch == "mixtral" || arch == "qwen2moe" || arch == "qwen3moe";
+         arch == "mixtral" || arch == "qwen2moe" || arch == "qwen3moe" || arch == "olmoe";
 }
 
 // HF's class name of each architecture kvflow runs.
@@ -35,7 +35,8 @@ constexpr HfArchitecture kHfArchitectures[] = {{"LlamaForCausalLM", "llama"},
                                                {"Phi3ForCausalLM", "phi3"},
                                                {"MixtralForCausalLM", "mixtral"},
                                                {"Qwen2MoeForCausalLM", "qwen2moe"},
-                                               {"Qwen3MoeForCausalLM", "qwen3moe"}};
+                                               {"Qwen3MoeForCausalLM", "qwen3moe"},
+                                               {"OlmoeForCausalLM", "olmoe"}};
 
 const char* RopeScalingName(RopeScaling::Type t) {
   switch (t) {
@@ -208,6 +209,15 @@ Status ReadHfFamilyFields(const JsonFields& fields, const std::string& path, Mod
     KVFLOW_RETURN_IF_ERROR(fields.Int("num_experts_per_tok", &c->experts_per_token, /*required=*/true));
     c->expert_intermediate_size = c->intermediate_size;
     c->norm_topk_prob = true;  // MixtralSparseMoeBlock renormalizes the top-k always
+  } else if (c->architecture == "olmoe") {
+    KVFLOW_RETURN_IF_ERROR(fields.Int("num_experts", &c->num_experts, /*required=*/true));
+    KVFLOW_RETURN_IF_ERROR(fields.Int("num_experts_per_tok", &c->experts_per_token, /*required=*/true));
+    c->expert_intermediate_size = c->intermediate_size;  // OLMoE's experts are intermediate_size wide
+    c->norm_topk_prob = false;
+    KVFLOW_RETURN_IF_ERROR(fields.Bool("norm_topk_prob", &c->norm_topk_prob));
+    if (fields.Get("clip_qkv") != nullptr) {
+      return Status::Unsupported(path + ": clip_qkv (q, k and v clamped after the projection) is not supported");
+    }
   } else if (c->architecture == "qwen2moe" || c->architecture == "qwen3moe") {
     KVFLOW_RETURN_IF_ERROR(fields.Int("num_experts", &c->num_experts, /*required=*/true));
     KVFLOW_RETURN_IF_ERROR(fields.Int("num_experts_per_tok", &c->experts_per_token, /*required=*/true));
@@ -242,9 +252,10 @@ Status ReadHfFamilyFields(const JsonFields& fields, const std::string& path, Mod
   } else if (c->architecture == "qwen2" || c->architecture == "qwen2moe") {
     c->qkv_bias = true;  // Qwen2's q, k and v projections always have biases, o_proj never
     if (attention_bias) return Status::Unsupported(path + ": attention_bias is not a Qwen2 config field");
-  } else if (c->architecture == "qwen3" || c->architecture == "qwen3moe") {
-    c->qkv_bias = c->o_bias = attention_bias;  // Qwen3: q, k, v and o_proj together
+  } else if (c->architecture == "qwen3" || c->architecture == "qwen3moe" || c->architecture == "olmoe") {
+    c->qkv_bias = c->o_bias = attention_bias;  // q, k, v and o_proj together
     c->qk_norm = true;
+    c->qk_norm_per_head = c->architecture != "olmoe";  // OLMoE norms all of q and all of k
   }
   return Status::Ok();
 }
@@ -410,7 +421,7 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& gguf) {
       read_int(arch + "expert_shared_feed_forward_length", &c.shared_expert_intermediate_size, false));
   // llama.cpp's choices for the families without a key for it: Qwen2-MoE keeps the top-k
   // probabilities as they are, Mixtral and Qwen3-MoE renormalize them.
-  c.norm_topk_prob = c.architecture != "qwen2moe";
+  c.norm_topk_prob = c.architecture != "qwen2moe" && c.architecture != "olmoe";
   if (c.num_experts > 0 && gguf.Find("blk.0.ffn_gate_exps.weight") == nullptr) {
     return Status::Unsupported(gguf.path() + ": a mixture of experts without merged expert tensors (blk.N.ffn_gate_exps; "
                                "older files store one tensor per expert): reconvert it with a current llama.cpp");
@@ -425,11 +436,12 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& gguf) {
                                  " (a mixture of experts other than Mixtral's and Qwen's) is not supported yet");
     }
   }
-  const bool qwen3 = c.architecture == "qwen3" || c.architecture == "qwen3moe";
-  if (qwen3 && !c.qk_norm) {
+  const bool normed = c.architecture == "qwen3" || c.architecture == "qwen3moe" || c.architecture == "olmoe";
+  if (normed && !c.qk_norm) {
     return Status::CorruptFile(gguf.path() + ": a " + c.architecture + " model without attn_q_norm.weight");
   }
-  if (c.qk_norm && !qwen3) {
+  c.qk_norm_per_head = c.architecture != "olmoe";
+  if (c.qk_norm && !normed) {
     return Status::Unsupported(gguf.path() + ": attn_q_norm.weight in a " + c.architecture + " model");
   }
 
@@ -477,6 +489,9 @@ Status ModelConfig::Validate() const {
     return invalid("a " + architecture + " model without experts");
   }
   if (num_experts > 0 && expert_intermediate_size <= 0) return invalid("expert_intermediate_size must be positive");
+  if (qk_norm && !qk_norm_per_head && num_heads * head_dim != hidden_size) {
+    return invalid("a norm over all of q needs heads * head_dim == hidden_size");
+  }
   if (shared_expert_intermediate_size < 0) return invalid("shared_expert_intermediate_size must not be negative");
   if (head_dim % 2 != 0) {
     return invalid("head_dim " + std::to_string(head_dim) + " is odd; RoPE needs pairs");
@@ -540,7 +555,7 @@ std::string ModelConfig::Describe() const {
           << rope_scaling.original_max_position_embeddings;
       break;
   }
-  if (qk_norm) out << "\nq/k norm:       per head";
+  if (qk_norm) out << "\nq/k norm:       " << (qk_norm_per_head ? "per head" : "over all of q and all of k");
   if (num_experts > 0) {
     out << "\nexperts:        " << experts_per_token << " of " << num_experts << " per token, "
         << expert_intermediate_size << " wide" << (norm_topk_prob ? " (weights renormalized)" : "");

@@ -2,11 +2,11 @@
 """kvflow against llama.cpp (and transformers where it has the class) on a tiny random model of each
 architecture kvflow runs, through HF safetensors and through GGUF.
 
-For each family (llama, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe) one tiny model with random weights is written twice: as an HF
+For each family (llama, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe, olmoe) one tiny model with random weights is written twice: as an HF
 checkpoint (config.json + model.safetensors) and as an fp32 GGUF laid out as llama.cpp's converter
 writes it (Q/K rows permuted for llama). Then:
-  - kvflow's logits through both files, transformers' (llama, qwen2, phi3, mixtral, qwen2moe; 4.46
-    has no Qwen3 nor Qwen3-MoE) and
+  - kvflow's logits through both files, transformers' (llama, qwen2, phi3, mixtral, qwen2moe, olmoe;
+    4.46 has no Qwen3 nor Qwen3-MoE) and
     llama.cpp's through the GGUF (fp32 KV cache, no flash attention) agree within 1e-3;
   - greedy continuations of kvflow and llama.cpp on that GGUF are identical;
   - llama.cpp's llama-quantize makes a Q4_K_M of it, and kvflow (keeping the K-quant blocks, as
@@ -52,7 +52,16 @@ FAMILIES = {
                      experts_per_token=2, expert_ffn=256, shared_ffn=512, norm_topk=False),
     "qwen3moe": dict(hf="Qwen3MoeForCausalLM", rope_theta=1000000.0, qkv_bias=False, qk_norm=True, experts=4,
                      experts_per_token=2, expert_ffn=256, norm_topk=True),
+    # OLMoE: one RMSNorm over all of q and one over all of k; experts of intermediate_size. Its real
+    # models are MHA, and llama.cpp takes k_norm as wide as q_norm, so here too.
+    "olmoe": dict(hf="OlmoeForCausalLM", rope_theta=10000.0, qkv_bias=False, qk_norm="full", experts=4,
+                  experts_per_token=2, expert_ffn=512, norm_topk=False, kv_heads=4),
 }
+
+
+def shape_of(family):
+    """SHAPE with the family's own overrides."""
+    return dict(SHAPE, **{k: v for k, v in FAMILIES[family].items() if k in SHAPE})
 
 
 def find_llama_cpp():
@@ -83,7 +92,7 @@ def build_tools(build, source, libs, workdir):
 
 def random_weights(family, seed):
     """HF-named fp32 weights, scaled so every layer and position matters (as test_llama_reference)."""
-    s, f = SHAPE, FAMILIES[family]
+    s, f = shape_of(family), FAMILIES[family]
     rng = np.random.default_rng(seed)
     H, F, D, V = s["hidden"], s["intermediate"], s["head_dim"], s["vocab"]
     q, kv = s["heads"] * D, s["kv_heads"] * D
@@ -127,7 +136,10 @@ def random_weights(family, seed):
         if f["qkv_bias"]:
             for name, n in (("q", q), ("k", kv), ("v", kv)):
                 w[p + f"self_attn.{name}_proj.bias"] = (0.5 * rng.standard_normal(n)).astype(np.float32)
-        if f["qk_norm"]:
+        if f["qk_norm"] == "full":  # OLMoE
+            w[p + "self_attn.q_norm.weight"] = norm(q, 0.3)
+            w[p + "self_attn.k_norm.weight"] = norm(kv, 0.3)
+        elif f["qk_norm"]:
             w[p + "self_attn.q_norm.weight"] = norm(D, 0.3)
             w[p + "self_attn.k_norm.weight"] = norm(D, 0.3)
     return w
@@ -135,7 +147,7 @@ def random_weights(family, seed):
 
 def write_hf(directory, family, weights):
     from safetensors.numpy import save_file
-    s, f = SHAPE, FAMILIES[family]
+    s, f = shape_of(family), FAMILIES[family]
     model_type = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(family, family)
     config = {"architectures": [f["hf"]], "model_type": model_type, "hidden_size": s["hidden"],
               "intermediate_size": s["intermediate"], "num_hidden_layers": s["layers"],
@@ -147,7 +159,10 @@ def write_hf(directory, family, weights):
         config["attention_bias"] = False
     if family == "phi3":
         config.update(pad_token_id=0, sliding_window=2047, original_max_position_embeddings=512)
-    if f.get("experts") and "expert_ffn" in f:
+    if family == "olmoe":  # its experts are intermediate_size wide
+        config.update(num_experts=f["experts"], num_experts_per_tok=f["experts_per_token"],
+                      intermediate_size=f["expert_ffn"], norm_topk_prob=f["norm_topk"], pad_token_id=0)
+    elif f.get("experts") and "expert_ffn" in f:
         config.update(num_experts=f["experts"], num_experts_per_tok=f["experts_per_token"],
                       moe_intermediate_size=f["expert_ffn"], norm_topk_prob=f["norm_topk"],
                       shared_expert_intermediate_size=f.get("shared_ffn", 0), decoder_sparse_step=1,
@@ -167,7 +182,7 @@ def permute(w, heads):
 
 def write_gguf(path, family, weights):
     import gguf
-    s, f = SHAPE, FAMILIES[family]
+    s, f = shape_of(family), FAMILIES[family]
     arch = f.get("gguf_arch", family)
     w = gguf.GGUFWriter(path, arch)
     # Not "phi3": llama.cpp would then set attributes on Phi-3's special tokens, absent here.

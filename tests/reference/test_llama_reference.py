@@ -276,20 +276,27 @@ TINY_CONFIGS = {
                      num_attention_heads=4, num_key_value_heads=2, vocab_size=193, tie_word_embeddings=False,
                      num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
                      shared_expert_intermediate_size=96, norm_topk_prob=False),
+    # OLMoE (OlmoeForCausalLM): 2 of 4 experts, not renormalized, one RMSNorm over all of q and one
+    # over all of k.
+    "olmoe": dict(family="olmoe", hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=181, tie_word_embeddings=False, num_experts=4,
+                  num_experts_per_tok=2, norm_topk_prob=False, pad_token_id=0, eos_token_id=1),
 }
 
 
 def tiny_model(kw, seed):
     """The tiny HF model of a TINY_CONFIGS entry (its family's config and class), randomized."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
-                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM)
+                              OlmoeConfig, OlmoeForCausalLM, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen2MoeConfig, Qwen2MoeForCausalLM)
     kw = dict(kw)
     family = kw.pop("family", "llama")
     config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
                                  "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                                  "phi3": (Phi3Config, Phi3ForCausalLM),
                                  "mixtral": (MixtralConfig, MixtralForCausalLM),
-                                 "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}[family]
+                                 "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
+                                 "olmoe": (OlmoeConfig, OlmoeForCausalLM)}[family]
     config = config_class(max_position_embeddings=512, rms_norm_eps=1e-5, **kw)
     torch.manual_seed(seed)
     model = model_class(config).eval()
@@ -308,12 +315,13 @@ def has_biases(config):
 GPU_TINY = {"gqa_untied": (64, 16), "mha_tied": (128, 8), "mqa_llama3_rope_sharded": (64, 32),
             "linear_rope_headdim": (128, 16), "biases": (64, 16),
             "attention_bias_only_mqa": (128, 32), "qwen2_gqa": (64, 16), "qwen2_tied": (128, 8),
-            "phi3_gqa": (64, 32), "mixtral_moe": (64, 16), "qwen2moe": (64, 16)}
+            "phi3_gqa": (64, 32), "mixtral_moe": (64, 16), "qwen2moe": (64, 16), "olmoe": (64, 16)}
 
 
 # What the CUDA backend refuses (and says so) rather than runs.
 GPU_REFUSED = {"mixtral_moe": "the CUDA backend does not run mixtures of experts yet",
-               "qwen2moe": "the CUDA backend does not run mixtures of experts yet"}
+               "qwen2moe": "the CUDA backend does not run mixtures of experts yet",
+               "olmoe": "the CUDA backend does not run mixtures of experts yet"}
 
 
 def tiny_config_kwargs(name, args):

@@ -450,6 +450,22 @@ TEST_F(ModelConfigTest, FamiliesTakeTheirOwnFields) {
     EXPECT_EQ(Parse(mixed).status().code(), StatusCode::kUnsupported) << key;
   }
 
+  // OLMoE: experts of intermediate_size, one norm over all of q and one over all of k.
+  json olmoe = LlamaConfigJson();
+  olmoe["architectures"] = {"OlmoeForCausalLM"};
+  olmoe["num_experts"] = 64;
+  olmoe["num_experts_per_tok"] = 8;
+  c = Parse(olmoe);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->architecture, "olmoe");
+  EXPECT_TRUE(c->qk_norm);
+  EXPECT_FALSE(c->qk_norm_per_head);
+  EXPECT_FALSE(c->norm_topk_prob);
+  EXPECT_EQ(c->expert_intermediate_size, c->intermediate_size);
+  EXPECT_NE(c->Describe().find("over all of q"), std::string::npos) << c->Describe();
+  olmoe["clip_qkv"] = 8.0;
+  EXPECT_EQ(Parse(olmoe).status().code(), StatusCode::kUnsupported);
+
   json gelu = LlamaConfigJson();
   gelu["hidden_act"] = "gelu_pytorch_tanh";
   const Status st = Parse(gelu).status();

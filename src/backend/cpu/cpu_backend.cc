@@ -344,8 +344,12 @@ Status CpuBackend::QkNorm(int layer) {
   if (l.q_norm.empty()) return Status::InvalidArgument("QkNorm: the model has no q/k norms");
   const int64_t D = config_.head_dim, NH = config_.num_heads, KV = config_.num_kv_heads;
   const int64_t row = Width(Activation::kQkv);
-  cpu::HeadRmsNorm(qkv_.data(), row, 0, num_tokens_, NH, D, l.q_norm.data(), config_.rms_norm_eps);
-  cpu::HeadRmsNorm(qkv_.data(), row, NH * D, num_tokens_, KV, D, l.k_norm.data(), config_.rms_norm_eps);
+  // Per head (Qwen3), or one norm over all of q and one over all of k (OLMoE).
+  const bool per_head = config_.qk_norm_per_head;
+  cpu::HeadRmsNorm(qkv_.data(), row, 0, num_tokens_, per_head ? NH : 1, per_head ? D : NH * D, l.q_norm.data(),
+                   config_.rms_norm_eps);
+  cpu::HeadRmsNorm(qkv_.data(), row, NH * D, num_tokens_, per_head ? KV : 1, per_head ? D : KV * D, l.k_norm.data(),
+                   config_.rms_norm_eps);
   return Status::Ok();
 }
 

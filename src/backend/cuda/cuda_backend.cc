@@ -191,8 +191,8 @@ Status CudaBackend::AllocateWeights() {
         l.b_down = c.Take<float>(H);
       }
       if (config_.qk_norm) {
-        l.q_norm = c.TakeBytes(D * es);
-        l.k_norm = c.TakeBytes(D * es);
+        l.q_norm = c.TakeBytes((config_.qk_norm_per_head ? D : NH * D) * es);
+        l.k_norm = c.TakeBytes((config_.qk_norm_per_head ? D : KV * D) * es);
       }
     }
     inv_freq_ = c.Take<float>(D / 2);
@@ -293,8 +293,8 @@ Status CudaBackend::FillRandomWeights(uint64_t seed) {
     KVFLOW_RETURN_IF_ERROR(fill_bias(l.b_gate_up, 2 * F));
     KVFLOW_RETURN_IF_ERROR(fill_bias(l.b_down, H));
     if (l.q_norm != nullptr) {
-      KVFLOW_RETURN_IF_ERROR(fill(l.q_norm, D, 0.1f, 1.0f));
-      KVFLOW_RETURN_IF_ERROR(fill(l.k_norm, D, 0.1f, 1.0f));
+      KVFLOW_RETURN_IF_ERROR(fill(l.q_norm, config_.qk_norm_per_head ? D : NH * D, 0.1f, 1.0f));
+      KVFLOW_RETURN_IF_ERROR(fill(l.k_norm, config_.qk_norm_per_head ? D : KV * D, 0.1f, 1.0f));
     }
   }
   KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));

@@ -236,8 +236,11 @@ Status CudaBackend::QkNorm(int layer) {
   if (l.q_norm == nullptr) return Status::InvalidArgument("QkNorm: the model has no q/k norms");
   const int D = config_.head_dim, NH = config_.num_heads, KV = config_.num_kv_heads;
   const int row = ActivationWidth(Activation::kQkv), T = step_.num_tokens;
-  KVFLOW_KERNEL_RETURN(cuda::HeadRmsNorm(dtype_, qkv_, row, 0, T, NH, D, l.q_norm, config_.rms_norm_eps, stream_));
-  KVFLOW_KERNEL_RETURN(cuda::HeadRmsNorm(dtype_, qkv_, row, NH * D, T, KV, D, l.k_norm, config_.rms_norm_eps, stream_));
+  const bool per_head = config_.qk_norm_per_head;  // else one norm over all of q, one over all of k
+  KVFLOW_KERNEL_RETURN(cuda::HeadRmsNorm(dtype_, qkv_, row, 0, T, per_head ? NH : 1, per_head ? D : NH * D, l.q_norm,
+                                         config_.rms_norm_eps, stream_));
+  KVFLOW_KERNEL_RETURN(cuda::HeadRmsNorm(dtype_, qkv_, row, NH * D, T, per_head ? KV : 1, per_head ? D : KV * D,
+                                         l.k_norm, config_.rms_norm_eps, stream_));
   return Status::Ok();
 }
 
