@@ -236,6 +236,7 @@ TEST(CudaBackend, RefusesMixturesOfExperts) {
   config.architecture = "mixtral";
   config.num_experts = 4;
   config.experts_per_token = 2;
+  config.expert_intermediate_size = config.intermediate_size;
   CudaBackendOptions o;
   o.block_size = 16;
   o.num_kv_blocks = 8;
