@@ -47,7 +47,6 @@ class MergeTable {
     auto it = merges_.find(Key(left, right));
     return it == merges_.end() ? nullptr : &it->second;
   }
-  bool empty() const { return merges_.empty(); }
 
  private:
   static uint64_t Key(int32_t left, int32_t right) {
