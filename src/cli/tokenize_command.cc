@@ -41,15 +41,6 @@ Result<std::vector<int32_t>> ParseIds(const std::string& text, int32_t vocab_siz
   return ids;
 }
 
-bool IsValidUtf8(std::string_view s) {
-  for (size_t pos = 0; pos < s.size();) {
-    const Utf8Step step = DecodeUtf8(s, pos);
-    if (!step.valid) return false;
-    pos += step.len;
-  }
-  return true;
-}
-
 }  // namespace
 
 CLI::App* AddTokenizeCommand(CLI::App& app, TokenizeCommandOptions* o) {

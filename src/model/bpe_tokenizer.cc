@@ -1,7 +1,6 @@
 // Byte-level BPE (GPT-2, Llama-3, Qwen2, SmolLM2, StarCoder, Falcon, DeepSeek-Coder): the text is
 // split by the model's pre-tokenizer, each piece's bytes spelled in GPT-2's printable alphabet and
 // merged by rank, as HF `tokenizers` does.
-#include <algorithm>
 #include <array>
 #include <mutex>
 #include <queue>

@@ -1,6 +1,7 @@
 #include "model/llama_weights.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -223,12 +224,9 @@ Status ReadExperts(const WeightReader& r, const ModelConfig& c, const std::strin
     KVFLOW_RETURN_IF_ERROR(r.ReadExpertRows(gg + "ffn_up_exps.weight", F, H, l.expert_gate_up));
     KVFLOW_RETURN_IF_ERROR(r.ReadExpertRows(gg + "ffn_down_exps.weight", H, F, l.expert_down));
   } else {
-    const char* names[3] = {"w1", "w3", "w2"};
-    if (!mixtral) {
-      names[0] = "gate_proj";
-      names[1] = "up_proj";
-      names[2] = "down_proj";
-    }
+    // gate, up, down
+    const std::array<const char*, 3> names = mixtral ? std::array<const char*, 3>{"w1", "w3", "w2"}
+                                                     : std::array<const char*, 3>{"gate_proj", "up_proj", "down_proj"};
     for (int64_t e = 0; e < E; ++e) {
       const std::string ex = moe + "experts." + std::to_string(e) + ".";
       WeightMatrix& gate_up = l.expert_gate_up[static_cast<size_t>(e)];

@@ -1,14 +1,10 @@
 #include "kvflow/tokenizer.h"
 
 #include <algorithm>
-#include <array>
 #include <filesystem>
 #include <fstream>
-#include <mutex>
 #include <nlohmann/json.hpp>
-#include <queue>
 #include <sstream>
-#include <unordered_map>
 
 #include "model/utf8.h"
 #include "model/vocab_tokenizer.h"

@@ -50,6 +50,16 @@ inline Utf8Step DecodeUtf8(std::string_view s, size_t pos) {
   return {cp, len, true, false};
 }
 
+// Whether all of `s` is valid UTF-8.
+inline bool IsValidUtf8(std::string_view s) {
+  for (size_t pos = 0; pos < s.size();) {
+    const Utf8Step step = DecodeUtf8(s, pos);
+    if (!step.valid) return false;
+    pos += step.len;
+  }
+  return true;
+}
+
 inline void AppendUtf8(uint32_t cp, std::string* out) {
   if (cp < 0x80) {
     out->push_back(static_cast<char>(cp));

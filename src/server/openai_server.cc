@@ -243,13 +243,7 @@ void OpenAiServer::HandleTokenize(const HttpRequest& req, HttpExchange& exchange
     // llama.cpp's pieces: the token's text, or its bytes where they are not valid UTF-8 alone.
     const std::string piece = tok.TokenBytes(id, /*skip_special=*/false);
     Json entry{{"id", id}};
-    bool valid = true;
-    for (size_t at = 0; at < piece.size() && valid;) {
-      const Utf8Step step = DecodeUtf8(piece, at);
-      valid = step.valid;
-      at += step.len;
-    }
-    if (valid) {
+    if (IsValidUtf8(piece)) {
       entry["piece"] = piece;
     } else {
       Json bytes = Json::array();

@@ -277,7 +277,10 @@ Status CpuBackend::MoeMlp(int layer) {
   Matmul(l.router, hidden_.data(), T, router_logits_.data());
   // Each token's top-k experts and weights, as HF's sparse MoE blocks: softmax over all experts in
   // fp32, the k largest (ties to the lower index), renormalized if norm_topk_prob.
-  std::vector<std::vector<std::pair<int64_t, float>>> routed(static_cast<size_t>(E));  // expert -> (token, weight)
+  // Kept across calls so that decode steps do not allocate: expert -> (token, weight).
+  std::vector<std::vector<std::pair<int64_t, float>>>& routed = moe_routed_;
+  routed.resize(static_cast<size_t>(E));
+  for (auto& tokens : routed) tokens.clear();
   std::vector<int> order(static_cast<size_t>(E));
   std::vector<float> p(static_cast<size_t>(E));
   for (int64_t t = 0; t < T; ++t) {

@@ -147,6 +147,7 @@ class CpuBackend final : public Backend, public KvBlockScoring, public Offloaded
   std::vector<float> residual_, hidden_, qkv_, attention_, delta_, gate_up_, mlp_, final_rows_;
   // MoeMlp's scratch: router logits, one expert's gathered rows, its gate|up, activation, output.
   std::vector<float> router_logits_, expert_in_, expert_gate_up_, expert_act_, expert_out_;
+  std::vector<std::vector<std::pair<int64_t, float>>> moe_routed_;  // expert -> (token, weight)
   std::vector<float> speculative_qkv_;
   // The input rows of the current product, quantized for a weight format (reused across calls).
   cpu::QuantizedActivations quantized_input_;
