@@ -324,10 +324,17 @@ GPU_REFUSED = {"mixtral_moe": "the CUDA backend does not run mixtures of experts
                "olmoe": "the CUDA backend does not run mixtures of experts yet"}
 
 
+HF_HEAD_DIM_FROM_HIDDEN = ("qwen2", "phi3", "mixtral", "qwen2moe", "olmoe")
+
+
 def tiny_config_kwargs(name, args):
     kw = dict(TINY_CONFIGS[name])
     if args.device == "cuda":
         kw["head_dim"] = GPU_TINY[name][0]
+        if kw.get("family") in HF_HEAD_DIM_FROM_HIDDEN:
+            # transformers 4.46 sizes these families' heads as hidden_size / heads and ignores
+            # head_dim, so the GPU's head size comes from a wider hidden size instead.
+            kw["hidden_size"] = kw["num_attention_heads"] * kw.pop("head_dim")
     return kw
 
 
