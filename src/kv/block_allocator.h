@@ -15,6 +15,9 @@
 namespace kvflow {
 
 using BlockId = int32_t;
+// A block-table entry whose block was released: its tokens left the sliding window of every
+// query the sequence can still make (BlockManagerConfig::sliding_window). Never read.
+constexpr BlockId kReleasedBlock = -1;
 
 // A copy of one block's content from block src to block dst (in the same pool or across pools).
 struct BlockMove {

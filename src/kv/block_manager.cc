@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cassert>
 #include <functional>
+#include <iterator>
 #include <string>
 #include <unordered_map>
 
@@ -118,7 +119,8 @@ int BlockManager::BlocksToAppend(SeqId seq, int64_t write_from, int64_t write_to
   const int want = BlocksForTokens(std::max(write_to, capacity_tokens), bs);
   const int have = static_cast<int>(s.blocks.size());
   int needed = std::max(0, want - have);
-  for (int i = static_cast<int>(write_from / bs); i < std::min(BlocksForTokens(write_to, bs), have); ++i) {
+  for (int i = std::max(s.released, static_cast<int>(write_from / bs)); i < std::min(BlocksForTokens(write_to, bs), have);
+       ++i) {
     if (device_.refcount(s.blocks[static_cast<size_t>(i)]) > 1) ++needed;
   }
   return needed;
@@ -135,7 +137,9 @@ Status BlockManager::AppendSlots(SeqId seq, int64_t write_from, int64_t write_to
   const int bs = config_.block_size;
   const int want = BlocksForTokens(std::max(write_to, capacity_tokens), bs);
   const int have = static_cast<int>(s.blocks.size());
-  for (int i = static_cast<int>(write_from / bs); i < std::min(BlocksForTokens(write_to, bs), have); ++i) {
+  // Positions in released blocks left every window: nothing writes them again.
+  for (int i = std::max(s.released, static_cast<int>(write_from / bs)); i < std::min(BlocksForTokens(write_to, bs), have);
+       ++i) {
     BlockId& b = s.blocks[static_cast<size_t>(i)];
     if (device_.refcount(b) == 1) {
       device_.Unregister(b);
@@ -164,6 +168,13 @@ Status BlockManager::Truncate(SeqId seq, int64_t num_tokens) {
   }
   const int bs = config_.block_size;
   const size_t keep = static_cast<size_t>(BlocksForTokens(num_tokens, bs));
+  if (config_.sliding_window > 0 &&
+      static_cast<int64_t>(s.released) * bs > std::max<int64_t>(0, num_tokens - config_.sliding_window + 1)) {
+    return Status::InvalidArgument("truncate: sequence " + std::to_string(seq) + " to " + std::to_string(num_tokens) +
+                                   " tokens: its first " + std::to_string(static_cast<int64_t>(s.released) * bs) +
+                                   " tokens left the sliding window of " + std::to_string(config_.sliding_window) +
+                                   " tokens and their KV was released");
+  }
   // Released blocks may stay cached (their content is still the KV of real tokens) or shared.
   for (size_t i = keep; i < s.blocks.size(); ++i) device_.Free(s.blocks[i]);
   if (keep < s.blocks.size()) s.blocks.resize(keep);
@@ -175,7 +186,9 @@ void BlockManager::Fork(SeqId parent, SeqId child) {
   assert(!seqs_.contains(child));
   SeqBlocks copy = Get(parent);
   BlockAllocator& pool = copy.on_host ? host_ : device_;
-  for (BlockId b : copy.blocks) pool.AddRef(b);
+  for (BlockId b : copy.blocks) {
+    if (b != kReleasedBlock) pool.AddRef(b);
+  }
   seqs_.emplace(child, std::move(copy));
 }
 
@@ -183,21 +196,38 @@ void BlockManager::Free(SeqId seq) {
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) return;
   BlockAllocator& pool = it->second.on_host ? host_ : device_;
-  for (BlockId b : it->second.blocks) pool.Free(b);
+  for (BlockId b : it->second.blocks) {
+    if (b != kReleasedBlock) pool.Free(b);
+  }
   seqs_.erase(it);
 }
 
 void BlockManager::MarkComputed(SeqId seq, std::span<const int32_t> tokens, int64_t num_computed) {
-  if (!config_.enable_prefix_caching) return;
   SeqBlocks& s = Get(seq);
   if (s.on_host) return;
-  const int bs = config_.block_size;
   num_computed = std::min<int64_t>(num_computed, static_cast<int64_t>(tokens.size()));
-  for (size_t i = s.hashes.size(); static_cast<int64_t>(i + 1) * bs <= num_computed && i < s.blocks.size(); ++i) {
-    const uint64_t prefix = i == 0 ? 0 : s.hashes[i - 1];
-    auto block_tokens = tokens.subspan(i * static_cast<size_t>(bs), static_cast<size_t>(bs));
-    device_.Register(s.blocks[i], prefix, block_tokens);
-    s.hashes.push_back(HashBlockTokens(prefix, block_tokens));
+  if (config_.enable_prefix_caching) {
+    const int bs = config_.block_size;
+    for (size_t i = s.hashes.size(); static_cast<int64_t>(i + 1) * bs <= num_computed && i < s.blocks.size(); ++i) {
+      const uint64_t prefix = i == 0 ? 0 : s.hashes[i - 1];
+      auto block_tokens = tokens.subspan(i * static_cast<size_t>(bs), static_cast<size_t>(bs));
+      // A released block's content may already serve another prefix; the chain still needs its hash.
+      if (s.blocks[i] != kReleasedBlock) device_.Register(s.blocks[i], prefix, block_tokens);
+      s.hashes.push_back(HashBlockTokens(prefix, block_tokens));
+    }
+  }
+  ReleaseOutOfWindow(s, num_computed);
+}
+
+void BlockManager::ReleaseOutOfWindow(SeqBlocks& s, int64_t num_computed) {
+  if (config_.sliding_window <= 0) return;
+  const int64_t first_visible = std::max<int64_t>(0, num_computed - config_.sliding_window + 1);
+  const int releasable = static_cast<int>(std::min<int64_t>(first_visible / config_.block_size,
+                                                            static_cast<int64_t>(s.blocks.size())));
+  for (; s.released < releasable; ++s.released) {
+    BlockId& b = s.blocks[static_cast<size_t>(s.released)];
+    device_.Free(b);
+    b = kReleasedBlock;
   }
 }
 
@@ -205,7 +235,7 @@ int BlockManager::DistinctBlocks(std::span<const SeqId> group) const {
   std::vector<BlockId> all;
   for (SeqId seq : group) {
     const auto& b = Get(seq).blocks;
-    all.insert(all.end(), b.begin(), b.end());
+    std::copy_if(b.begin(), b.end(), std::back_inserter(all), [](BlockId id) { return id != kReleasedBlock; });
   }
   std::sort(all.begin(), all.end());
   return static_cast<int>(std::unique(all.begin(), all.end()) - all.begin());
@@ -234,6 +264,7 @@ Result<std::vector<BlockMove>> MoveGroup(std::span<const SeqId> group, BlockAllo
   std::vector<BlockMove> moves;
   for (SeqId seq : group) {
     for (BlockId& b : table(seq)) {
+      if (b == kReleasedBlock) continue;
       auto it = mapping.find(b);
       BlockId dst;
       if (it == mapping.end()) {
@@ -286,7 +317,7 @@ std::vector<BlockMove> BlockManager::TakePendingCopies() {
 int64_t BlockManager::NumLogicalDeviceBlocks() const {
   int64_t n = 0;
   for (const auto& [id, s] : seqs_) {
-    if (!s.on_host) n += static_cast<int64_t>(s.blocks.size());
+    if (!s.on_host) n += static_cast<int64_t>(s.blocks.size()) - s.released;
   }
   return n;
 }

@@ -29,6 +29,11 @@ struct BlockManagerConfig {
   bool enable_prefix_caching = false;
   // Blocks kept free at admission so running sequences can still grow (vLLM's 1% watermark).
   double watermark = 0.01;
+  // Tokens each query attends to when every layer attends through a sliding window (Mistral:
+  // the query at position p sees keys p - sliding_window + 1 .. p); 0: the whole context. With a
+  // window, MarkComputed releases the blocks no later query can see (vLLM's sliding-window KV
+  // manager), leaving kReleasedBlock in their table entries.
+  int64_t sliding_window = 0;
 };
 
 // The most blocks one admission can ever take: the pool less the watermark.
@@ -70,15 +75,21 @@ class BlockManager {
   // (a block shared with a fork or the prefix cache stays valid for the others), and the
   // sequence's prefix-cache chain shrinks to the full blocks kept. A kept block that becomes
   // partial keeps its content until the next AppendSlots writes it (see there). Never allocates;
-  // device-resident sequences only: an unknown or swapped-out sequence or a negative count is an
-  // error and changes nothing. Truncating at or past the table's end changes nothing.
+  // device-resident sequences only: an unknown or swapped-out sequence, a negative count, or one
+  // whose next query would see tokens already released from the sliding window is an error and
+  // changes nothing. Truncating at or past the table's end changes nothing.
   Status Truncate(SeqId seq, int64_t num_tokens);
   // `child` shares every block of `parent` (refcount + 1 each).
   void Fork(SeqId parent, SeqId child);
   // Drops the sequence's references, on the device or on the host.
   void Free(SeqId seq);
-  // Publishes the full blocks of tokens[0, num_computed) in the prefix cache (when enabled).
+  // The sequence's KV now holds tokens[0, num_computed): publishes their full blocks in the prefix
+  // cache (when enabled), then, with a sliding window, releases the blocks wholly before
+  // num_computed - sliding_window + 1, the first key the query at num_computed (or any later
+  // one) can see. Released blocks that were published stay in the cache until reclaimed.
   void MarkComputed(SeqId seq, std::span<const int32_t> tokens, int64_t num_computed);
+  // Leading table entries of `seq` released from the sliding window (kReleasedBlock).
+  int ReleasedBlocks(SeqId seq) const { return Get(seq).released; }
 
   // ---- swapping, all-or-nothing per sequence group -------------------------------------------
   // Distinct blocks of the group (blocks shared inside the group count once).
@@ -128,10 +139,13 @@ class BlockManager {
     // Content hashes of the leading full, computed blocks (the prefix-cache chain).
     std::vector<uint64_t> hashes;
     bool on_host = false;
+    int released = 0;  // leading entries of `blocks` that are kReleasedBlock
   };
   SeqBlocks& Get(SeqId seq);
   const SeqBlocks& Get(SeqId seq) const;
   int watermark_blocks() const;
+  // Releases the blocks of `s` that no query from position num_computed on can see.
+  void ReleaseOutOfWindow(SeqBlocks& s, int64_t num_computed);
   // The leading full blocks of `tokens` in the prefix cache, with their chained hashes.
   std::vector<std::pair<BlockId, uint64_t>> CachedPrefix(std::span<const int32_t> tokens) const;
   // Blocks to allocate for `num_tokens` (room for `reserve_tokens`) given those prefix hits.

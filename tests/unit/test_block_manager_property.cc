@@ -4,13 +4,17 @@
 // every operation: refcounts equal the references in the block tables, free and used never
 // overlap, the host pool never holds more than the device pool, every sequence reads back exactly
 // its own tokens through its block table, and every block published in the prefix cache holds
-// exactly the tokens it is published under. At the end every block is free.
+// exactly the tokens it is published under. At the end every block is free. With a sliding window,
+// every sequence holds exactly the blocks its next query can see: those wholly before the window
+// are released (and their references dropped) as soon as the tokens past them are computed, and a
+// truncation back into released tokens is refused.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <map>
 #include <random>
+#include <set>
 
 #include "kv/block_manager.h"
 
@@ -42,12 +46,15 @@ struct Coverage {
   int64_t prefix_hits = 0, copies = 0, swaps_out = 0, swaps_in = 0, forks = 0, recomputes = 0;
   // Truncations; of them those that cut a published block (private or shared), refused ones.
   int64_t truncates = 0, cut_published_private = 0, cut_published_shared = 0, truncates_refused = 0;
+  // Sliding window: blocks released, truncations refused for reaching into released tokens.
+  int64_t released = 0, truncates_refused_window = 0;
 };
 Coverage coverage;
 
 struct Harness {
-  explicit Harness(uint64_t seed, bool prefix, int device_blocks, int host_blocks)
-      : rng(seed),
+  explicit Harness(uint64_t seed, bool prefix, int device_blocks, int host_blocks, int64_t window)
+      : window(window),
+        rng(seed),
         manager([&] {
           BlockManagerConfig c;
           c.block_size = kBlockSize;
@@ -55,18 +62,30 @@ struct Harness {
           c.num_host_blocks = host_blocks;
           c.enable_prefix_caching = prefix;
           c.watermark = 0.0;
+          c.sliding_window = window;
           return c;
         }()),
         device_mem(static_cast<size_t>(device_blocks), std::vector<Slot>(kBlockSize)),
         host_mem(static_cast<size_t>(host_blocks), std::vector<Slot>(kBlockSize)) {}
 
+  int64_t window;  // 0: none
   std::mt19937_64 rng;
   BlockManager manager;
   // What each physical slot holds, as a backend's memory would.
   std::vector<std::vector<Slot>> device_mem, host_mem;
   std::map<SeqId, std::vector<int32_t>> tokens;  // every live sequence's tokens (all computed)
   std::vector<std::vector<SeqId>> groups;        // sequences that swap together
+  // Sequences whose every computed token has been through MarkComputed since their last
+  // truncation: they hold no block before their window.
+  std::set<SeqId> fully_released;
   SeqId next_id = 1;
+
+  void MarkComputed(SeqId seq) {
+    const int before = manager.ReleasedBlocks(seq);
+    manager.MarkComputed(seq, tokens[seq], static_cast<int64_t>(tokens[seq].size()));
+    coverage.released += manager.ReleasedBlocks(seq) - before;
+    fully_released.insert(seq);
+  }
 
   int Rand(int n) { return static_cast<int>(rng() % static_cast<uint64_t>(n)); }
 
@@ -125,7 +144,7 @@ struct Harness {
     tokens[id] = prompt;
     // The cached part must already hold our tokens; we compute (write) only the rest.
     Write(id, cached);
-    manager.MarkComputed(id, prompt, static_cast<int64_t>(prompt.size()));
+    MarkComputed(id);
     groups.push_back({id});
   }
 
@@ -149,7 +168,7 @@ struct Harness {
     Execute(copies, device_mem, device_mem);
     for (int i = 0; i < n; ++i) t.push_back(Rand(50));
     Write(seq, len);
-    manager.MarkComputed(seq, t, static_cast<int64_t>(t.size()));
+    MarkComputed(seq);
   }
 
   void Fork() {
@@ -158,6 +177,7 @@ struct Harness {
     manager.Fork(parent, child);
     ++coverage.forks;
     tokens[child] = tokens[parent];
+    if (fully_released.contains(parent)) fully_released.insert(child);
     GroupOf(parent)->push_back(child);
   }
 
@@ -165,6 +185,7 @@ struct Harness {
     const SeqId seq = RandomSeq();
     manager.Free(seq);
     tokens.erase(seq);
+    fully_released.erase(seq);
     auto* g = GroupOf(seq);
     g->erase(std::find(g->begin(), g->end(), seq));
     if (g->empty()) groups.erase(groups.begin() + (g - groups.data()));
@@ -196,6 +217,7 @@ struct Harness {
     const auto& t = tokens[seq];
     manager.Free(seq);
     if (manager.BlocksToAllocate(t, 0) > manager.device().num_free()) {
+      fully_released.erase(seq);
       tokens.erase(seq);
       auto* g = GroupOf(seq);
       g->erase(std::find(g->begin(), g->end(), seq));
@@ -205,7 +227,7 @@ struct Harness {
     const int64_t cached = manager.Allocate(seq, t, 0).value();
     ++coverage.recomputes;
     Write(seq, cached);
-    manager.MarkComputed(seq, t, static_cast<int64_t>(t.size()));
+    MarkComputed(seq);
   }
 
   // llama.cpp's seq_rm: mostly a few tokens off the end (rejected drafts), sometimes to a block
@@ -222,7 +244,15 @@ struct Harness {
       default: n = len - Rand(static_cast<int>(std::min<int64_t>(len, 6)) + 1);
     }
     const std::vector<BlockId> before = manager.BlockTable(seq);
+    const int released = manager.IsSwapped(seq) ? 0 : manager.ReleasedBlocks(seq);
     const Status st = manager.Truncate(seq, n);
+    if (!manager.IsSwapped(seq) && window > 0 &&
+        static_cast<int64_t>(released) * kBlockSize > std::max<int64_t>(0, n - window + 1)) {
+      ASSERT_EQ(st.code(), StatusCode::kInvalidArgument) << "a truncation into released tokens must be refused";
+      ASSERT_EQ(manager.BlockTable(seq), before);
+      ++coverage.truncates_refused_window;
+      return;
+    }
     if (manager.IsSwapped(seq)) {
       ASSERT_EQ(st.code(), StatusCode::kInvalidArgument);
       ASSERT_EQ(manager.BlockTable(seq), before);
@@ -239,7 +269,10 @@ struct Harness {
       }
     }
     ++coverage.truncates;
-    if (n < len) t.resize(static_cast<size_t>(n));
+    if (n < len) {
+      t.resize(static_cast<size_t>(n));
+      fully_released.erase(seq);
+    }
   }
 
   void CheckInvariants() {
@@ -251,9 +284,28 @@ struct Harness {
       const bool on_host = manager.IsSwapped(seq);
       auto& refs = on_host ? host_refs : device_refs;
       const auto& mem = on_host ? host_mem : device_mem;
-      for (BlockId b : table) ++refs[static_cast<size_t>(b)];
+      // Released entries lead the table: exactly the blocks before the next query's window, or
+      // fewer after a truncation.
+      int released = 0;
+      while (released < static_cast<int>(table.size()) && table[static_cast<size_t>(released)] == kReleasedBlock) {
+        ++released;
+      }
+      const int64_t first_visible = window > 0 ? std::max<int64_t>(0, static_cast<int64_t>(t.size()) - window + 1) : 0;
+      ASSERT_LE(static_cast<int64_t>(released) * kBlockSize, first_visible) << "sequence " << seq;
+      if (!on_host) {
+        ASSERT_EQ(manager.ReleasedBlocks(seq), released);
+        if (fully_released.contains(seq)) {
+          ASSERT_EQ(released, static_cast<int>(std::min<int64_t>(first_visible / kBlockSize,
+                                                                  static_cast<int64_t>(table.size()))))
+              << "sequence " << seq << " keeps blocks no query can see";
+        }
+      }
+      for (size_t i = static_cast<size_t>(released); i < table.size(); ++i) {
+        ASSERT_NE(table[i], kReleasedBlock) << "a released entry after a live one";
+        ++refs[static_cast<size_t>(table[i])];
+      }
       const auto slots = Slots(t);
-      for (size_t i = 0; i < t.size(); ++i) {
+      for (size_t i = static_cast<size_t>(released) * kBlockSize; i < t.size(); ++i) {
         ASSERT_EQ(mem[static_cast<size_t>(table[i / kBlockSize])][i % kBlockSize], slots[i])
             << "sequence " << seq << " reads a wrong token at " << i << (on_host ? " (host)" : " (device)");
       }
@@ -261,7 +313,7 @@ struct Harness {
       uint64_t prefix = 0;
       for (size_t i = 0; !on_host && (i + 1) * kBlockSize <= t.size(); ++i) {
         const std::span<const int32_t> block(t.data() + i * kBlockSize, kBlockSize);
-        if (manager.device().is_cached_content(table[i])) {
+        if (table[i] != kReleasedBlock && manager.device().is_cached_content(table[i])) {
           ASSERT_EQ(manager.device().Peek(prefix, block), std::optional<BlockId>(table[i]))
               << "sequence " << seq << " block " << i << " is published under another prefix";
         }
@@ -292,9 +344,9 @@ struct Harness {
   }
 };
 
-void RunRandomSequence(uint64_t seed, bool prefix, int ops) {
+void RunRandomSequence(uint64_t seed, bool prefix, int ops, int64_t window) {
   const int device_blocks = 8 + static_cast<int>(seed % 24);
-  Harness h(seed, prefix, device_blocks, static_cast<int>(seed % 3) * device_blocks / 2);
+  Harness h(seed, prefix, device_blocks, static_cast<int>(seed % 3) * device_blocks / 2, window);
   for (int op = 0; op < ops; ++op) {
     const int dice = h.tokens.empty() ? 0 : h.Rand(100);
     if (dice < 23) {
@@ -323,10 +375,12 @@ void RunRandomSequence(uint64_t seed, bool prefix, int ops) {
   EXPECT_EQ(h.manager.num_sequences(), 0);
 }
 
-void RunMany(bool prefix) {
+// window > 0: a sliding window of that many tokens, or, with window < 0, of 1 + seed % -window
+// tokens (from one token to a few blocks, not a multiple of the block size or one).
+void RunMany(bool prefix, int64_t window = 0) {
   coverage = {};
   for (uint64_t seed = 1; seed <= 1500; ++seed) {
-    RunRandomSequence(seed, prefix, 120);
+    RunRandomSequence(seed, prefix, 120, window < 0 ? 1 + static_cast<int64_t>(seed % static_cast<uint64_t>(-window)) : window);
     if (::testing::Test::HasFailure()) return;
   }
   std::printf("coverage: %lld prefix hits, %lld CoW copies, %lld swap-outs, %lld swap-ins, %lld forks, %lld recomputes\n",
@@ -343,6 +397,12 @@ void RunMany(bool prefix) {
   EXPECT_GT(coverage.recomputes, 100);
   EXPECT_GT(coverage.truncates, 1000);
   EXPECT_GT(coverage.truncates_refused, 100);
+  if (window != 0) {
+    std::printf("coverage: %lld blocks released from the window, %lld truncations into released tokens refused\n",
+                static_cast<long long>(coverage.released), static_cast<long long>(coverage.truncates_refused_window));
+    EXPECT_GT(coverage.released, 1000);
+    EXPECT_GT(coverage.truncates_refused_window, 100);
+  }
   if (prefix) {
     EXPECT_GT(coverage.prefix_hits, 100);
     EXPECT_GT(coverage.cut_published_private, 100);
@@ -353,6 +413,12 @@ void RunMany(bool prefix) {
 TEST(BlockManagerProperty, RandomOperationSequencesKeepEveryInvariant) { RunMany(false); }
 
 TEST(BlockManagerProperty, RandomOperationSequencesWithPrefixCachingKeepEveryInvariant) { RunMany(true); }
+
+// Windows of 1 to 13 tokens over blocks of 4: released blocks, forks of partly released tables,
+// swaps and recomputes of them, and truncations back into the window.
+TEST(BlockManagerProperty, SlidingWindowReleasesExactlyTheBlocksNoQueryCanSee) { RunMany(false, -13); }
+
+TEST(BlockManagerProperty, SlidingWindowWithPrefixCachingKeepsEveryInvariant) { RunMany(true, -13); }
 
 }  // namespace
 }  // namespace kvflow
