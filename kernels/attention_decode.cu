@@ -93,7 +93,13 @@ struct DecodeParams {
   float* ws_max;     // [num_seqs][num_heads][num_partitions], log2 domain
   float* ws_sum;     // [num_seqs][num_heads][num_partitions]
   float* lse;        // [rows][num_heads] or nullptr
+  int window;        // PagedAttentionArgs::window
 };
+
+// The first key the query at position ctx - 1 sees.
+__device__ __forceinline__ int FirstKey(const DecodeParams& p, int ctx) {
+  return p.window > 0 ? max(0, ctx - p.window) : 0;
+}
 
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -122,9 +128,13 @@ __global__ void __launch_bounds__(kThreads, 3) PagedDecodeKernel(const DecodePar
   // Clamped so that a context_lens[s] above max_context_len cannot index past the workspace.
   const int ctx = min(p.context_lens[seq], p.num_partitions * p.partition_size);
   const int start = part * p.partition_size;
-  if (start >= ctx) return;  // the whole CTA: nothing here for this sequence
+  const int first_key = FirstKey(p, ctx);
+  // The whole CTA: nothing here for this sequence (past its context or before its window).
+  if (start >= ctx || start + p.partition_size <= first_key) return;
   const int len = min(ctx - start, p.partition_size);
-  const bool direct = ctx <= p.partition_size;  // one partition: no reduction for this sequence
+  // One partition holds every key it sees: no reduction for this sequence.
+  const bool direct = (ctx - 1) / p.partition_size == first_key / p.partition_size;
+  const int first = max(0, first_key - start);  // first key of the partition it sees (relative to start)
 
   const int kv_head = blockIdx.y / p.slices;
   const int slice = blockIdx.y - kv_head * p.slices;
@@ -164,8 +174,8 @@ __global__ void __launch_bounds__(kThreads, 3) PagedDecodeKernel(const DecodePar
   const T* vbase = static_cast<const T*>(p.value_cache) + head_offset * kHeadDim;
   const int slot_mask = (1 << p.block_shift) - 1;
   const int last = len - 1;  // last valid token of the partition (relative to start)
-  auto token_offset = [&](int tok) -> int64_t {  // tok relative to start, clamped to the context
-    tok = min(tok, last);
+  auto token_offset = [&](int tok) -> int64_t {  // tok relative to start, clamped to the keys it sees
+    tok = max(min(tok, last), first);
     return s_blocks[tok >> p.block_shift] * p.block_stride + static_cast<int64_t>(tok & slot_mask) * kHeadDim;
   };
 
@@ -182,7 +192,8 @@ __global__ void __launch_bounds__(kThreads, 3) PagedDecodeKernel(const DecodePar
   }
 
   const int num_tiles = (len + kTile - 1) / kTile;
-  for (int tile = warp; tile < num_tiles; tile += kWarps) {
+  // From the tile holding the first key seen, so every tile has a valid token.
+  for (int tile = first / kTile + warp; tile < num_tiles; tile += kWarps) {
     const int t0 = tile * kTile;
     // All loads of the tile first (16 x 16 bytes per lane at head_dim 128).
     Chunk kc[2][kKChunks];  // tokens t0 + g, t0 + 8 + g
@@ -227,7 +238,8 @@ __global__ void __launch_bounds__(kThreads, 3) PagedDecodeKernel(const DecodePar
     for (int n = 0; n < 2; ++n) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        x[n][e] = t0 + 8 * n + 2 * t + e <= last ? s[n][e] * p.scale_log2 : -INFINITY;
+        const int tok = t0 + 8 * n + 2 * t + e;
+        x[n][e] = tok <= last && tok >= first ? s[n][e] * p.scale_log2 : -INFINITY;
         tile_max = fmaxf(tile_max, x[n][e]);
       }
     }
@@ -363,13 +375,14 @@ __global__ void __launch_bounds__(kReduceThreads) PagedDecodeReduceKernel(const 
   const int seq = blockIdx.y;
   const int ctx = min(p.context_lens[seq], p.num_partitions * p.partition_size);
   const int n = (ctx + p.partition_size - 1) / p.partition_size;
-  if (n <= 1) return;
+  const int first_part = FirstKey(p, ctx) / p.partition_size;  // partitions before it saw nothing
+  if (n - first_part <= 1) return;
   const int64_t base = (static_cast<int64_t>(seq) * p.num_heads + head) * p.num_partitions;
   const float* maxes = p.ws_max + base;
   const float* sums = p.ws_sum + base;
 
   float big = -INFINITY;
-  for (int i = threadIdx.x; i < n; i += kReduceThreads) big = fmaxf(big, maxes[i]);
+  for (int i = first_part + threadIdx.x; i < n; i += kReduceThreads) big = fmaxf(big, maxes[i]);
   big = dev::BlockMax(big, scratch);
 
   const int grp = threadIdx.x / kLanesPerPart;
@@ -378,7 +391,7 @@ __global__ void __launch_bounds__(kReduceThreads) PagedDecodeReduceKernel(const 
   float sum = 0.0f;
   float o[4] = {};
 #pragma unroll 4
-  for (int i = grp; i < n; i += kGroups) {
+  for (int i = first_part + grp; i < n; i += kGroups) {
     const float w = exp2f(maxes[i] - big);
     sum += w * sums[i];
     const Float4 v = *reinterpret_cast<const Float4*>(parts + static_cast<int64_t>(i) * kHeadDim);
@@ -467,7 +480,7 @@ int PagedAttentionDecode(const PagedDecodeArgs& a, void* stream) {
   if (a.dtype != DType::kF16 && a.dtype != DType::kBF16) return kInvalidValue;
   if (!PagedDecodeSupports(a.head_dim, a.block_size)) return kInvalidValue;
   if (a.num_heads <= 0 || a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0) return kInvalidValue;
-  if (a.max_context_len <= 0 || a.num_seqs > 65535) return kInvalidValue;
+  if (a.max_context_len <= 0 || a.num_seqs > 65535 || a.window < 0) return kInvalidValue;
   if (!a.out || !a.query || !a.key_cache || !a.value_cache || !a.block_tables || !a.context_lens ||
       !a.query_rows) {
     return kInvalidValue;
@@ -497,6 +510,7 @@ int PagedAttentionDecode(const PagedDecodeArgs& a, void* stream) {
   p.partition_size = PartitionSize(a.num_seqs, a.num_kv_heads, a.max_context_len);
   p.num_partitions = CeilDiv(a.max_context_len, p.partition_size);
   p.scale_log2 = a.scale * 1.4426950408889634f;
+  p.window = a.window;
   p.lse = a.lse;
   if (p.num_partitions > 65535 || static_cast<int64_t>(a.num_kv_heads) * p.slices > 65535) return kInvalidValue;
   if (p.num_partitions > 1) {

@@ -52,6 +52,7 @@ struct PrefillParams {
   int block_shift;  // log2(block_size)
   float scale_log2;  // softmax scale * log2(e): p = exp2(s * scale_log2 - max * scale_log2)
   float* lse;        // [rows][num_kv_heads * group] or nullptr
+  int window;        // PagedAttentionArgs::window
 };
 
 // 16 bytes moved as one vector load/store (ld/st .v4.b32).
@@ -74,6 +75,7 @@ struct PrefillConfig {
 };
 
 __device__ __forceinline__ int IMin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int IMax(int a, int b) { return a > b ? a : b; }
 
 // dev::PackTwo with one paired conversion (cvt.rn.f16x2.f32 / .bf16x2): same rounding, half the
 // conversion instructions, and this runs for every element of P and O.
@@ -120,6 +122,9 @@ __global__ void __launch_bounds__(kThreads) PagedPrefillKernel(const PrefillPara
   // The tile's last row has the largest position: keys 0 .. kv_len - 1 are all it can see.
   const int kv_len = pos0 + (tile_m0 + tile_rows - 1) / group + 1;
   const int n_tiles = (kv_len + kBlockN - 1) / kBlockN;
+  // Sliding window: the tile's first row sees keys from kv_first on, every later row from later.
+  const int kv_first = p.window > 0 ? IMax(0, pos0 + tile_m0 / group - p.window + 1) : 0;
+  const int first_tile = kv_first / kBlockN;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
@@ -171,7 +176,7 @@ __global__ void __launch_bounds__(kThreads) PagedPrefillKernel(const PrefillPara
     for (int i = 0; i < kBlockN / kRowsPerPass; ++i) {
       const int r = load_row0 + i * kRowsPerPass;
       const int key = n0 + r;
-      const bool valid = key < kv_len;
+      const bool valid = key < kv_len && key >= kv_first;
       int64_t offset = 0;
       if (valid) {
         offset = static_cast<int64_t>(block_table[key >> p.block_shift]) * block_stride +
@@ -182,7 +187,7 @@ __global__ void __launch_bounds__(kThreads) PagedPrefillKernel(const PrefillPara
       dev::CpAsync16(sV + dst, valid ? v_base + offset : value_cache, valid);
     }
   };
-  load_kv(0, 0);
+  load_kv(first_tile, 0);
   dev::CpAsyncCommit();
 
   // ---- per-thread row bookkeeping ---------------------------------------------------------------------
@@ -244,8 +249,8 @@ __global__ void __launch_bounds__(kThreads) PagedPrefillKernel(const PrefillPara
     }
   }
 
-  for (int it = 0; it < n_tiles; ++it) {
-    const int stage = it & 1;
+  for (int it = first_tile; it < n_tiles; ++it) {
+    const int stage = (it - first_tile) & 1;
     // Prefetch the next tile into the other stage (freed by the barrier that ended the previous
     // iteration), then wait for this one.
     if (it + 1 < n_tiles) {
@@ -297,14 +302,18 @@ __global__ void __launch_bounds__(kThreads) PagedPrefillKernel(const PrefillPara
       }
 
       // ---- causal mask (also covers the zero-filled keys >= kv_len, which exceed every position) ----
-      if (n0 + kBlockN - 1 > warp_min_pos) {
+      // and the sliding window's (covering the zero-filled keys before kv_first).
+      const bool window_mask = p.window > 0 && n0 <= warp_max_pos - p.window;
+      if (n0 + kBlockN - 1 > warp_min_pos || window_mask) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
           for (int nb = 0; nb < kNB; ++nb) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              if (n0 + nb * 8 + 2 * t + (e & 1) > pos[mt][e >> 1]) s[mt][nb][e] = -INFINITY;
+              const int key = n0 + nb * 8 + 2 * t + (e & 1);
+              const int q = pos[mt][e >> 1];
+              if (key > q || (window_mask && q - key >= p.window)) s[mt][nb][e] = -INFINITY;
             }
           }
         }
@@ -468,7 +477,8 @@ int PagedAttentionPrefillTiled(const PagedPrefillArgs& a, int block_m, void* str
   }
   if (!(a.scale > 0.0f) || a.scale == INFINITY) return kInvalidValue;  // the -inf masking assumes scale > 0
   if (a.num_seqs == 0) return 0;
-  if (a.max_query_len <= 0 || a.block_table_stride <= 0 || a.num_seqs > 65535 || a.num_kv_heads > 65535) {
+  if (a.max_query_len <= 0 || a.block_table_stride <= 0 || a.num_seqs > 65535 || a.num_kv_heads > 65535 ||
+      a.window < 0) {
     return kInvalidValue;
   }
   if (!a.out || !a.query || !a.key_cache || !a.value_cache || !a.block_tables || !a.query_starts ||
@@ -507,6 +517,7 @@ int PagedAttentionPrefillTiled(const PagedPrefillArgs& a, int block_m, void* str
   while ((1 << params.block_shift) < a.block_size) ++params.block_shift;
   params.scale_log2 = a.scale * kLog2e;
   params.lse = a.lse;
+  params.window = a.window;
 
   const int rows = static_cast<int>(max_rows);
   KVFLOW_DISPATCH_HALF_DTYPE(a.dtype, T, {

@@ -26,6 +26,10 @@ struct PagedAttentionArgs {
   int head_dim = 0;      // 64 or 128
   int block_size = 0;    // 8, 16 or 32
   float scale = 1.0f;    // softmax scale, usually 1/sqrt(head_dim)
+  // > 0: sliding-window attention: the query at position q sees keys q - window + 1 .. q only, and
+  // block-table entries wholly before every query's window are never read (they may be -1: blocks
+  // released from the window). 0: keys 0 .. q.
+  int window = 0;
   // Optional (nullptr: not written, no extra work). [rows][num_heads], row r as in `out`: the
   // natural log of sum(exp(scale * q.k)) over the keys query row r, head h sees, as
   // cpu::PagedAttention writes into AttentionIo::lse, so that attentions over disjoint KV sets

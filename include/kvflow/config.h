@@ -39,6 +39,9 @@ struct ModelConfig {
   int num_kv_heads = 0;
   int head_dim = 0;  // hidden_size / num_heads unless the config says otherwise
   int max_position_embeddings = 2048;
+  // Sliding-window attention on every layer (Mistral, Phi-3): the query at position p attends to
+  // keys p - sliding_window + 1 .. p, as Hugging Face's mask does; 0: to the whole context.
+  int sliding_window = 0;
   float rms_norm_eps = 1e-5f;
   float rope_theta = 10000.0f;
   RopeScaling rope_scaling;

@@ -80,8 +80,20 @@ void ViewSlots(const SequenceSlice& s, int block_size, std::vector<int64_t>& slo
   const int64_t n = s.view_size();
   slots.resize(static_cast<size_t>(n));
   for (int64_t t = 0; t < n; ++t) {
-    slots[static_cast<size_t>(t)] = static_cast<int64_t>(table[static_cast<size_t>(t / block_size)]) * block_size + t % block_size;
+    const BlockId block = table[static_cast<size_t>(t / block_size)];
+    slots[static_cast<size_t>(t)] = block == kReleasedBlock ? -1 : static_cast<int64_t>(block) * block_size + t % block_size;
   }
+}
+
+Status CheckSlidingWindowViews(const ForwardBatch& batch, const ModelConfig& config) {
+  if (config.sliding_window <= 0) return Status::Ok();
+  for (const SequenceSlice& s : batch.seqs) {
+    if (s.view.kind != KvView::Kind::kFull) {
+      return Status::Unsupported("a KV view other than the whole context (retrieval, StreamingLLM) in a model with a "
+                                 "sliding window of " + std::to_string(config.sliding_window) + " tokens");
+    }
+  }
+  return Status::Ok();
 }
 
 uint64_t KvReadSignature(std::span<const KvHeadSelection> selection, size_t num_slices) {
@@ -220,7 +232,12 @@ Status ValidateForwardBatch(const ForwardBatch& batch, const ModelConfig& config
       return Status::InvalidArgument("block table of " + std::to_string(s.block_table.size()) +
                                      " blocks cannot hold " + std::to_string(s.context_len) + " tokens");
     }
-    for (BlockId b : s.block_table) {
+    // Blocks released from a sliding window may lead the table, before the first query's window.
+    const int64_t first_key =
+        config.sliding_window > 0 ? std::max<int64_t>(0, s.context_len - s.num_tokens - config.sliding_window + 1) : 0;
+    for (size_t i = 0; i < s.block_table.size(); ++i) {
+      const BlockId b = s.block_table[i];
+      if (b == kReleasedBlock && static_cast<int64_t>(i + 1) * layout.block_size <= first_key) continue;
       if (b < 0 || b >= layout.num_blocks) {
         return Status::InvalidArgument("block id " + std::to_string(b) + " outside the pool");
       }

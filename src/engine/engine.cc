@@ -50,6 +50,7 @@ EngineCoreConfig CoreConfig(const EngineConfig& c, const ModelConfig& model, con
   EngineCoreConfig core;
   core.scheduler = SchedulerConfig{c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, preemption};
   core.blocks = BlockManagerConfig{c.block_size, num_device_blocks, num_host_blocks, c.enable_prefix_caching};
+  core.blocks.sliding_window = model.sliding_window;
   core.vocab_size = model.vocab_size;
   core.eos_token_ids = EosTokenIds(model, tokenizer);
   core.seed = c.seed;
@@ -270,6 +271,25 @@ Status ValidateEngineConfig(const EngineConfig& c) {
   return Status::Ok();
 }
 
+// A sliding window counts positions and releases the blocks behind it (BlockManagerConfig::
+// sliding_window). What reads the KV another way is refused: retrieval and selected tokens
+// (TriForce, InfiniGen, H2O), a draft model over the same block tables, an offloaded pool's
+// staging, a prompt prefilled across ranks. The n-gram drafter only adds tokens to verify.
+Status CheckSlidingWindowSystems(const EngineConfig& c, const ModelConfig& model) {
+  if (model.sliding_window <= 0) return Status::Ok();
+  auto refuse = [&](const std::string& what) {
+    return Status::Unsupported(what + " cannot run with " + model.name + "'s sliding-window attention (window " +
+                               std::to_string(model.sliding_window) + " tokens) yet");
+  };
+  if (!c.speculative.method.empty() && c.speculative.method != "ngram") {
+    return refuse("speculative method " + c.speculative.method);
+  }
+  if (!c.kv_selection.method.empty()) return refuse("kv_selection " + c.kv_selection.method);
+  if (!c.prefill_parallel.method.empty()) return refuse("prefill_parallel " + c.prefill_parallel.method);
+  if (c.kv_offload.enabled) return refuse("kv_offload");
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineConfig& input,
@@ -287,6 +307,7 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
   }
   const ModelConfig& mc = files.config;
   KVFLOW_RETURN_IF_ERROR(mc.Validate());
+  KVFLOW_RETURN_IF_ERROR(CheckSlidingWindowSystems(config, mc));
   if (config.max_model_len == 0 || config.max_model_len > mc.max_position_embeddings) {
     if (config.max_model_len > mc.max_position_embeddings) {
       spdlog::warn("max_model_len {} exceeds the model's context length {}; using {}", config.max_model_len,

@@ -301,17 +301,20 @@ Result<ModelConfig> ModelConfigFromHfJson(const std::string& path) {
     KVFLOW_RETURN_IF_ERROR(ReadHfFamilyFields(fields, path, &c));
     int sliding_window = 0;
     KVFLOW_RETURN_IF_ERROR(fields.Int("sliding_window", &sliding_window));
-    // Qwen2 and Qwen3 carry a sliding_window that only use_sliding_window turns on.
-    bool use_sliding_window = !c.architecture.starts_with("qwen");
+    bool use_sliding_window = false;
     KVFLOW_RETURN_IF_ERROR(fields.Bool("use_sliding_window", &use_sliding_window));
-    if (!use_sliding_window) sliding_window = 0;
-    if (sliding_window > 0 && sliding_window < c.max_position_embeddings) {
-      // Attention spans the whole context, which equals the window's attention only up to the
-      // window: lower the context so the model never runs where it would be wrong.
-      spdlog::warn("{}: sliding_window {}: kvflow attends over the whole context, which is exact only within the "
-                   "window; the context is limited to {} tokens",
-                   path, sliding_window, sliding_window);
-      c.max_position_embeddings = sliding_window;
+    if (c.architecture.starts_with("qwen")) {
+      // Qwen2/Qwen3 carry a sliding_window that only use_sliding_window turns on, and then only
+      // from layer max_window_layers on in transformers' flash-attention path but on every layer in
+      // its eager one: no single reference to be exact against.
+      if (use_sliding_window && sliding_window > 0) {
+        return Status::Unsupported(path + ": use_sliding_window (Qwen's per-layer sliding window from "
+                                   "max_window_layers) is not supported");
+      }
+    } else if (c.architecture == "mistral" || c.architecture == "mixtral" || c.architecture == "phi3") {
+      // Their Hugging Face masks: the query at p sees keys p - sliding_window + 1 .. p. A window at
+      // least the context long changes nothing.
+      if (sliding_window > 0 && sliding_window < c.max_position_embeddings) c.sliding_window = sliding_window;
     }
     return c;
   } catch (const json::exception& e) {
@@ -383,12 +386,8 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& gguf) {
   if (gguf.Has(arch + "attention.sliding_window")) {
     int window = 0;
     KVFLOW_RETURN_IF_ERROR(read_int(arch + "attention.sliding_window", &window, true));
-    if (window > 0 && window < c.max_position_embeddings) {
-      spdlog::warn("{}: sliding window {}: kvflow attends over the whole context, which is exact only within the "
-                   "window; the context is limited to {} tokens",
-                   gguf.path(), window, window);
-      c.max_position_embeddings = window;
-    }
+    // As Hugging Face's mask for the model (llama.cpp runs Phi-3 without its window).
+    if (window > 0 && window < c.max_position_embeddings) c.sliding_window = window;
   }
   if (gguf.Find("rope_freqs.weight") != nullptr) {
     // llama.cpp bakes Llama-3.1 scaling into per-dimension factors that ModelConfig cannot carry;
@@ -493,6 +492,7 @@ Status ModelConfig::Validate() const {
     return invalid("a norm over all of q needs heads * head_dim == hidden_size");
   }
   if (shared_expert_intermediate_size < 0) return invalid("shared_expert_intermediate_size must not be negative");
+  if (sliding_window < 0) return invalid("sliding_window must not be negative");
   if (head_dim % 2 != 0) {
     return invalid("head_dim " + std::to_string(head_dim) + " is odd; RoPE needs pairs");
   }
@@ -556,6 +556,7 @@ std::string ModelConfig::Describe() const {
       break;
   }
   if (qk_norm) out << "\nq/k norm:       " << (qk_norm_per_head ? "per head" : "over all of q and all of k");
+  if (sliding_window > 0) out << "\nsliding window: " << sliding_window << " tokens, every layer";
   if (num_experts > 0) {
     out << "\nexperts:        " << experts_per_token << " of " << num_experts << " per token, "
         << expert_intermediate_size << " wide" << (norm_topk_prob ? " (weights renormalized)" : "");

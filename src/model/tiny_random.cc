@@ -64,6 +64,13 @@ class PortableNormal {
 Result<ModelFiles> MakeBuiltInModel(const std::string& name) {
   if (name == kTinyRandomDraftName) return MakeTinyRandomModel(0x6b76666c6f77, 2);
   if (name == kTinyRandomName) return MakeTinyRandomModel();
+  if (name == kTinyRandomSlidingWindowName) {
+    KVFLOW_ASSIGN_OR_RETURN(ModelFiles files, MakeTinyRandomModel());
+    files.config.name = kTinyRandomSlidingWindowName;
+    files.config.architecture = "mistral";
+    files.config.sliding_window = kTinyRandomSlidingWindow;
+    return files;
+  }
   if (IsRandomShapeModel(name)) return MakeRandomShapeModel(name);
   return Status::NotFound("no built-in model named " + name);
 }

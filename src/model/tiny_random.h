@@ -13,9 +13,14 @@ inline constexpr const char* kTinyRandomName = "tiny-random";
 // Its first two layers, embeddings and head (a layer-skip draft of tiny-random: same tokenizer,
 // a related distribution), for testing draft-model speculative decoding.
 inline constexpr const char* kTinyRandomDraftName = "tiny-random-draft";
-// Built in: tiny-random, tiny-random-draft, and random:<shape> (model/random_shape_model.h).
+// tiny-random as a Mistral with a sliding window of 24 tokens (the blocks behind it released as
+// decoding goes), for the engine's and the server's sliding-window paths.
+inline constexpr const char* kTinyRandomSlidingWindowName = "tiny-random-sliding-window";
+inline constexpr int kTinyRandomSlidingWindow = 24;
+// Built in: tiny-random, tiny-random-draft, tiny-random-sliding-window, and random:<shape> (model/random_shape_model.h).
 inline bool IsBuiltInModel(const std::string& name) {
-  return name == kTinyRandomName || name == kTinyRandomDraftName || name.rfind("random:", 0) == 0;
+  return name == kTinyRandomName || name == kTinyRandomDraftName || name == kTinyRandomSlidingWindowName ||
+         name.rfind("random:", 0) == 0;
 }
 
 // `num_layers` < 4 keeps the first layers of the 4-layer model (the same weights). `biases`: the

@@ -69,6 +69,9 @@ struct Shape {
   bool fused_rows = true;   // query rows of (H + 2 KV) * D elements, output rows of H * D + 8, permuted
   float q_std = 1.0f;       // larger: peakier softmax
   bool lse = true;          // also check the LSE output (false: lse = nullptr)
+  // > 0: sliding-window attention; table entries of blocks wholly before a sequence's window are
+  // -1 (released) and the blocks themselves NaN.
+  int window = 0;
   uint32_t seed = 1;
 };
 
@@ -88,6 +91,7 @@ std::string Describe(const Shape& s) {
   if (!s.fused_rows) os << " dense";
   if (s.q_std != 1.0f) os << " qstd" << s.q_std;
   if (!s.lse) os << " no-lse";
+  if (s.window > 0) os << " window" << s.window;
   return os.str();
 }
 
@@ -151,9 +155,11 @@ Problem::Problem(const Shape& shape) : s(shape) {
     slice.context_len = ctx;
     const int nb = (ctx + bs - 1) / bs;
     slice.block_table.assign(pool.begin() + next_block, pool.begin() + next_block + nb);
-    std::copy(slice.block_table.begin(), slice.block_table.end(), block_tables.begin() + static_cast<long>(i) * bt_stride);
     next_block += nb;
-    for (int t = 0; t < ctx; ++t) slot_used[static_cast<size_t>(slice.block_table[t / bs]) * bs + t % bs] = true;
+    const int released = s.window > 0 ? std::max(0, ctx - s.window) / bs : 0;
+    for (int t = released * bs; t < ctx; ++t) slot_used[static_cast<size_t>(slice.block_table[t / bs]) * bs + t % bs] = true;
+    std::fill_n(slice.block_table.begin(), released, kReleasedBlock);
+    std::copy(slice.block_table.begin(), slice.block_table.end(), block_tables.begin() + static_cast<long>(i) * bt_stride);
     batch.tokens.push_back(0);
     batch.positions.push_back(ctx - 1);
     batch.seqs.push_back(std::move(slice));
@@ -198,6 +204,7 @@ Problem::Problem(const Shape& shape) : s(shape) {
   io.out = ref.data();
   io.out_row_stride = io.query_row_stride;
   io.lse = ref_lse.data();
+  io.window = s.window;
   cpu::PagedAttention(batch, views, layout, H, io, key.data(), value.data(), scale);
 
   d_key = test::DeviceBuffer::From(key_bytes);
@@ -253,6 +260,7 @@ LaunchResult Launch(const Problem& P, const std::vector<int32_t>& tables, const 
   args.workspace = d_ws.get();
   args.workspace_bytes = ws_bytes;
   args.lse = with_lse ? d_lse.get<float>() : nullptr;
+  args.window = P.s.window;
   LaunchResult r;
   r.split = cuda::detail::PagedDecodeWorkspaceNeeded(num_seqs, H, P.KV, D, max_context_len) > 0;
   const int rc = cuda::PagedAttentionDecode(args, nullptr);
@@ -415,6 +423,53 @@ TEST(PagedAttentionDecode, LongContextsSplitMatchCpuReference) {
   c.fused_rows = false;
   c.seed = 103;
   RunCase(c);
+}
+
+// Sliding-window attention (the query at p sees p - window + 1 .. p) with the blocks before each
+// window released (-1 in the table, NaN in the pool): partitions before the window skipped, a
+// window inside one partition or across two (one written directly, one through the reduce), a
+// window of one token, windows longer than the context.
+TEST(PagedAttentionDecode, SlidingWindowMatchesCpuReference) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  Shape a;
+  a.dtype = DType::kF16;
+  a.group = 4;
+  a.contexts = {1100, 37, 1, 300};
+  a.max_context_len = 1152;
+  a.window = 200;
+  a.seed = 111;
+  RunCase(a);
+
+  Shape b;
+  b.dtype = DType::kBF16;
+  b.head_dim = 64;
+  b.block_size = 32;
+  b.num_kv_heads = 1;
+  b.group = 8;
+  b.contexts = {1025, 64, 65};
+  b.window = 64;
+  b.seed = 112;
+  RunCase(b);
+
+  Shape c;
+  c.block_size = 8;
+  c.group = 8;
+  c.contexts = {513, 129, 2};
+  c.max_context_len = 700;
+  c.window = 1;
+  c.fused_rows = false;
+  c.seed = 113;
+  RunCase(c);
+
+  Shape d;
+  d.head_dim = 64;
+  d.num_kv_heads = 8;
+  d.contexts = std::vector<int>(32, 600);
+  d.contexts[0] = 4000;
+  d.contexts[1] = 1030;
+  d.window = 513;
+  d.seed = 114;
+  RunCase(d);
 }
 
 // 32 sequences x 8 kv heads x 2 partitions reach the 512-CTA target with 512-token partitions:

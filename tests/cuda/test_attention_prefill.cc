@@ -70,6 +70,9 @@ struct Shape {
   std::vector<int> block_ms = {0};
   bool lse = true;            // also check the LSE output (false: lse = nullptr)
   bool merge_halves = false;  // also check that two halves of each context merge to the whole
+  // > 0: sliding-window attention; table entries of blocks wholly before a chunk's first query's
+  // window are -1 (released) and the blocks NaN.
+  int window = 0;
   uint32_t seed = 1;
 };
 
@@ -83,6 +86,7 @@ std::string Describe(const Shape& s, int block_m) {
   if (s.max_query_len_extra) os << " maxq+" << s.max_query_len_extra;
   if (s.q_std != 1.0f) os << " qstd" << s.q_std;
   if (!s.lse) os << " no-lse";
+  if (s.window > 0) os << " window" << s.window;
   return os.str();
 }
 
@@ -119,6 +123,8 @@ void RunCase(const Shape& s) {
     slice.context_len = q.context_len;
     const int nb = (q.context_len + bs - 1) / bs;
     slice.block_table.assign(pool.begin() + next_block, pool.begin() + next_block + nb);
+    const int first_key = s.window > 0 ? std::max(0, q.context_len - q.query_len - s.window + 1) : 0;
+    std::fill_n(slice.block_table.begin(), first_key / bs, kReleasedBlock);
     std::copy(slice.block_table.begin(), slice.block_table.end(), block_tables.begin() + static_cast<long>(i) * bt_stride);
     next_block += nb;
     for (int j = 0; j < q.query_len; ++j) {
@@ -141,7 +147,10 @@ void RunCase(const Shape& s) {
   test::FillNormal(v_cache, rng);
   std::vector<char> used(static_cast<size_t>(num_blocks) * bs, 0);
   for (const SequenceSlice& slice : batch.seqs) {
-    for (int t = 0; t < slice.context_len; ++t) used[static_cast<size_t>(slice.block_table[t / bs]) * bs + t % bs] = 1;
+    for (int t = 0; t < slice.context_len; ++t) {
+      const int32_t b = slice.block_table[t / bs];
+      if (b != kReleasedBlock) used[static_cast<size_t>(b) * bs + t % bs] = 1;
+    }
   }
   for (int b = 0; b < num_blocks; ++b) {
     for (int slot = 0; slot < bs; ++slot) {
@@ -182,6 +191,7 @@ void RunCase(const Shape& s) {
     io.out = ref.data();
     io.out_row_stride = io.query_row_stride;
     io.lse = ref_lse.data();
+    io.window = s.window;
     cpu::PagedAttention(batch, views, layout, H, io, k_cache.data(), v_cache.data(), scale);
   }
 
@@ -230,6 +240,7 @@ void RunCase(const Shape& s) {
     args.max_query_len = max_qlen;
     args.scale = scale;
     args.lse = with_lse ? d_lse.get<float>() : nullptr;
+    args.window = s.window;
     const int rc = cuda::detail::PagedAttentionPrefillTiled(args, block_m, nullptr);
     EXPECT_EQ(rc, 0);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -399,6 +410,20 @@ TEST_P(PagedPrefill, RowsInsideWiderRows) {
   s.max_query_len_extra = 150;
   s.seed = 5;
   ForEachLayout(s);
+}
+
+// Sliding-window attention with the blocks before each chunk's window released (-1 in the table,
+// NaN in the pool): whole prompts longer than the window, chunks over a cached prefix, windows
+// shorter than a key tile, spanning several, of one token, and longer than the context.
+TEST_P(PagedPrefill, SlidingWindow) {
+  for (int window : {1, 40, 100}) {
+    Shape s;
+    s.seqs = {{150, 150}, {37, 187}, {1, 200}, {20, 20}, {64, 130}};
+    if (!test::IsEmulator()) s.seqs.insert(s.seqs.end(), {{700, 2100}, {1, 3333}});
+    s.window = window;
+    s.seed = 300 + static_cast<uint32_t>(window);
+    ForEachLayout(s);
+  }
 }
 
 TEST_P(PagedPrefill, PeakedSoftmax) {

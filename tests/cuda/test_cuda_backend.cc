@@ -129,8 +129,8 @@ std::vector<int32_t> ArgmaxRows(const std::vector<float>& logits, int vocab) {
 }
 
 // The model families the tiny model comes as: Llama, Llama with every bias, Qwen3 (q/k norms) with
-// every bias.
-enum class TinyFamily { kLlama, kBiases, kQwen3 };
+// every bias, Mistral with a sliding window of 13 tokens (the prompts and decodes run past it).
+enum class TinyFamily { kLlama, kBiases, kQwen3, kSlidingWindow };
 
 // (dtype, CUDA graphs, family): biases stay fp32 on the device, added after each GEMM.
 class CudaBackendLogits : public ::testing::TestWithParam<std::tuple<cuda::DType, bool, TinyFamily>> {};
@@ -143,6 +143,10 @@ TEST_P(CudaBackendLogits, MatchCpuBackendOnTinyRandom) {
   LlamaWeights weights = TinyWeights(&config, biases, qk_norm);
   ASSERT_EQ(config.qkv_bias && config.o_bias && config.mlp_bias, biases);
   ASSERT_EQ(config.qk_norm, qk_norm);
+  if (family == TinyFamily::kSlidingWindow) {
+    config.architecture = "mistral";
+    config.sliding_window = 13;
+  }
   RoundWeights(weights, dtype);
   const int kBlocks = 64, kBlockSize = 16;
   KvCacheLayout layout{config.num_layers, kBlocks, config.num_kv_heads, kBlockSize, config.head_dim};
@@ -220,12 +224,17 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndGraphs, CudaBackendLogits,
                                            std::make_tuple(cuda::DType::kF16, true, TinyFamily::kBiases),
                                            std::make_tuple(cuda::DType::kBF16, false, TinyFamily::kBiases),
                                            std::make_tuple(cuda::DType::kF16, true, TinyFamily::kQwen3),
-                                           std::make_tuple(cuda::DType::kBF16, false, TinyFamily::kQwen3)),
+                                           std::make_tuple(cuda::DType::kBF16, false, TinyFamily::kQwen3),
+                                           std::make_tuple(cuda::DType::kF16, true, TinyFamily::kSlidingWindow),
+                                           std::make_tuple(cuda::DType::kBF16, false, TinyFamily::kSlidingWindow)),
                          [](const auto& info) {
                            const TinyFamily f = std::get<2>(info.param);
                            return std::string(cuda::DTypeName(std::get<0>(info.param))) +
                                   (std::get<1>(info.param) ? "_graphs" : "_eager") +
-                                  (f == TinyFamily::kBiases ? "_biases" : f == TinyFamily::kQwen3 ? "_qwen3" : "");
+                                  (f == TinyFamily::kBiases         ? "_biases"
+                                   : f == TinyFamily::kQwen3        ? "_qwen3"
+                                   : f == TinyFamily::kSlidingWindow ? "_sliding_window"
+                                                                     : "");
                          });
 
 // A mixture of experts is refused by name, not run as a dense model.

@@ -266,6 +266,15 @@ TINY_CONFIGS = {
     "phi3_gqa": dict(family="phi3", hidden_size=96, intermediate_size=176, num_hidden_layers=2,
                      num_attention_heads=6, num_key_value_heads=2, vocab_size=229, tie_word_embeddings=False,
                      pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=2047),
+    # Mistral (MistralForCausalLM) and Phi-3 with a real sliding window: each query sees the last 21
+    # (19) positions, so the prompts of 33-129 tokens and 32 greedy tokens run far past it, with
+    # blocks released behind it.
+    "mistral_swa": dict(family="mistral", hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                        num_attention_heads=6, num_key_value_heads=2, vocab_size=227, tie_word_embeddings=False,
+                        rope_theta=1000000.0, sliding_window=21),
+    "phi3_swa": dict(family="phi3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=4, vocab_size=233, tie_word_embeddings=False,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=19),
     # Mixtral (MixtralForCausalLM): 2 of 4 SwiGLU experts per token, renormalized router weights.
     "mixtral_moe": dict(family="mixtral", hidden_size=96, intermediate_size=112, num_hidden_layers=2,
                         num_attention_heads=6, num_key_value_heads=2, vocab_size=211, tie_word_embeddings=False,
@@ -286,13 +295,14 @@ TINY_CONFIGS = {
 
 def tiny_model(kw, seed):
     """The tiny HF model of a TINY_CONFIGS entry (its family's config and class), randomized."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
                               OlmoeConfig, OlmoeForCausalLM, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen2MoeConfig, Qwen2MoeForCausalLM)
     kw = dict(kw)
     family = kw.pop("family", "llama")
     config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
                                  "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "mistral": (MistralConfig, MistralForCausalLM),
                                  "phi3": (Phi3Config, Phi3ForCausalLM),
                                  "mixtral": (MixtralConfig, MixtralForCausalLM),
                                  "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
@@ -315,7 +325,8 @@ def has_biases(config):
 GPU_TINY = {"gqa_untied": (64, 16), "mha_tied": (128, 8), "mqa_llama3_rope_sharded": (64, 32),
             "linear_rope_headdim": (128, 16), "biases": (64, 16),
             "attention_bias_only_mqa": (128, 32), "qwen2_gqa": (64, 16), "qwen2_tied": (128, 8),
-            "phi3_gqa": (64, 32), "mixtral_moe": (64, 16), "qwen2moe": (64, 16), "olmoe": (64, 16)}
+            "phi3_gqa": (64, 32), "mistral_swa": (64, 8), "phi3_swa": (128, 16), "mixtral_moe": (64, 16),
+            "qwen2moe": (64, 16), "olmoe": (64, 16)}
 
 
 # What the CUDA backend refuses (and says so) rather than runs.
@@ -396,7 +407,11 @@ def check_tiny(args):
             model.save_pretrained(d, safe_serialization=True, max_shard_size=shard)
             sharded = os.path.exists(os.path.join(d, "model.safetensors.index.json"))
             prompts = [rng.integers(0, config.vocab_size, size=n).tolist() for n in (1, 7, 33, 50, 129)]
-            ours, _ = run_dump(args.dump_bin, d, prompts, d)
+            window = getattr(config, "sliding_window", None)
+            windowed = bool(window) and window < config.max_position_embeddings
+            # A sliding window also runs the engine's greedy decoding, which releases the blocks
+            # behind the window as it goes.
+            ours, greedy = run_dump(args.dump_bin, d, prompts, d, greedy=32 if windowed else 0)
             ref = hf_logits(model, prompts)
         err = max(float(np.abs(a - b).max()) for a, b in zip(ours, ref))
         scale = max(float(np.abs(b).max()) for b in ref)
@@ -404,6 +419,18 @@ def check_tiny(args):
         status = "ok" if err <= 1e-3 else "FAIL"
         ok &= err <= 1e-3
         biases = ""
+        if windowed:
+            # The window must matter far beyond the tolerance, or the comparison proves nothing.
+            model.config.sliding_window = None
+            moved = max(float(np.abs(a - b).max()) for a, b in zip(hf_logits(model, prompts), ref))
+            model.config.sliding_window = window
+            verdicts = [greedy_agreement(model, p, g, hf_greedy(model, p, 32), tie_tol=1e-3)
+                        for p, g in zip(prompts, greedy)]
+            identical = sum(v[1].endswith("identical") for v in verdicts)
+            biases = (f" (window {window}: without it hf's logits move by {moved:.2f}; "
+                      f"greedy32 identical {identical}/{len(prompts)})")
+            if moved < 100 * 1e-3 or not all(v[0] for v in verdicts):
+                status, ok = "FAIL (the window barely matters or greedy parts)", False
         if has_biases(config):
             # The biases must matter far beyond the tolerance, or the comparison proves nothing.
             with torch.no_grad():

@@ -21,6 +21,9 @@ struct Case {
   int num_heads, num_kv_heads, head_dim, block_size;
   std::vector<int> past;  // tokens already cached per sequence
   std::vector<int> fresh; // new tokens per sequence this step
+  // > 0: sliding-window attention; the blocks before each sequence's first query's window are
+  // released (kReleasedBlock in the table, their content poisoned with NaN) as the engine does.
+  int window = 0;
 };
 
 void RunCase(const Case& c, uint32_t seed, cpu::KvElement element = cpu::KvElement::kF32) {
@@ -95,7 +98,23 @@ void RunCase(const Case& c, uint32_t seed, cpu::KvElement element = cpu::KvEleme
                       value_pool);
   }
 
-  const ForwardBatch& batch = step[1];
+  ForwardBatch& batch = step[1];
+  if (c.window > 0) {
+    for (SequenceSlice& slice : batch.seqs) {
+      const int first_key = std::max(0, slice.context_len - slice.num_tokens - c.window + 1);
+      for (int b = 0; (b + 1) * c.block_size <= first_key; ++b) {
+        BlockId& id = slice.block_table[static_cast<size_t>(b)];
+        for (int h = 0; h < c.num_kv_heads; ++h) {
+          const size_t at = layout.offset(id, h, 0);
+          std::fill_n(kc.begin() + static_cast<long>(at), c.block_size * c.head_dim, NAN);
+          std::fill_n(vc.begin() + static_cast<long>(at), c.block_size * c.head_dim, NAN);
+          std::fill_n(kc16.begin() + static_cast<long>(at), c.block_size * c.head_dim, 0x7e00);
+          std::fill_n(vc16.begin() + static_cast<long>(at), c.block_size * c.head_dim, 0x7e00);
+        }
+        id = kReleasedBlock;
+      }
+    }
+  }
   const size_t T = batch.tokens.size();
   std::vector<float> q(T * c.num_heads * c.head_dim), out(q.size(), NAN), lse(T * c.num_heads, NAN);
   for (float& x : q) x = normal(rng);
@@ -108,6 +127,7 @@ void RunCase(const Case& c, uint32_t seed, cpu::KvElement element = cpu::KvEleme
   io.out = out.data();
   io.out_row_stride = io.query_row_stride;
   io.lse = lse.data();
+  io.window = c.window;
   cpu::PagedAttention(batch, views, layout, c.num_heads, io, element, key_pool, value_pool, scale);
 
   double max_err = 0.0, max_lse_err = 0.0;
@@ -122,20 +142,21 @@ void RunCase(const Case& c, uint32_t seed, cpu::KvElement element = cpu::KvEleme
       for (int h = 0; h < c.num_heads; ++h) {
         const int kvh = h / group;
         const float* qh = &q[(static_cast<size_t>(t) * c.num_heads + h) * c.head_dim];
-        std::vector<double> p(static_cast<size_t>(pos + 1));
+        std::vector<double> p(static_cast<size_t>(pos + 1), 0.0);
         double mx = -1e300, denom = 0.0;
-        for (int j = 0; j <= pos; ++j) {
+        const int first = c.window > 0 ? std::max(0, pos - c.window + 1) : 0;
+        for (int j = first; j <= pos; ++j) {
           const float* k = &dense_k[s][(static_cast<size_t>(j) * c.num_kv_heads + kvh) * c.head_dim];
           double dot = 0.0;
           for (int d = 0; d < c.head_dim; ++d) dot += static_cast<double>(qh[d]) * k[d];
           p[j] = dot * scale;
           mx = std::max(mx, p[j]);
         }
-        for (double& x : p) denom += (x = std::exp(x - mx));
+        for (int j = first; j <= pos; ++j) denom += (p[j] = std::exp(p[j] - mx));
         max_lse_err = std::max(max_lse_err, std::abs(lse[static_cast<size_t>(t) * c.num_heads + h] - (mx + std::log(denom))));
         for (int d = 0; d < c.head_dim; ++d) {
           double ref = 0.0;
-          for (int j = 0; j <= pos; ++j) ref += p[j] / denom * dense_v[s][(static_cast<size_t>(j) * c.num_kv_heads + kvh) * c.head_dim + d];
+          for (int j = first; j <= pos; ++j) ref += p[j] / denom * dense_v[s][(static_cast<size_t>(j) * c.num_kv_heads + kvh) * c.head_dim + d];
           const float got = out[(static_cast<size_t>(t) * c.num_heads + h) * c.head_dim + d];
           ASSERT_TRUE(std::isfinite(got)) << "read an unwritten (NaN-poisoned) cache slot";
           max_err = std::max(max_err, std::abs(got - ref));
@@ -157,6 +178,18 @@ TEST(PagedAttention, PrefillMatchesContiguousAttention) {
 TEST(PagedAttention, DecodeOverCachedContextMatches) {
   RunCase({8, 2, 16, 16, {31, 1, 100}, {1, 1, 1}}, 3);
   RunCase({6, 1, 32, 32, {64, 7}, {1, 1}}, 4);  // MQA, block size 32
+}
+
+// Sliding-window attention (Mistral's mask: the query at p sees p - window + 1 .. p) with the blocks
+// before the window released: prefill, chunked prefill over a cached prefix, windows inside one
+// block, across partitions, of one token, and decode of long contexts split across threads.
+TEST(PagedAttention, SlidingWindowMatchesWindowedAttention) {
+  RunCase({8, 2, 16, 16, {0, 0}, {40, 100}, 17}, 31);
+  RunCase({8, 2, 16, 16, {50, 600, 3}, {30, 70, 9}, 33}, 32);
+  RunCase({9, 3, 64, 16, {3000, 1030, 40}, {1, 1, 1}, 700}, 33);
+  RunCase({4, 4, 128, 32, {5000}, {4}, 1300}, 34);
+  RunCase({4, 4, 64, 8, {20, 0}, {5, 12}, 1}, 35);
+  RunCase({9, 3, 64, 16, {600}, {90}, 513}, 36, cpu::KvElement::kF16);
 }
 
 // Sequences decoding over thousands of cached tokens: each context is split into 512-key partitions

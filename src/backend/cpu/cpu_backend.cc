@@ -384,6 +384,8 @@ Status CpuBackend::WriteKv(int layer) {
 }
 
 Status CpuBackend::Attention(int layer) {
+  if (batch_ == nullptr) return Status::Internal("attention outside a step");
+  KVFLOW_RETURN_IF_ERROR(CheckSlidingWindowViews(*batch_, config_));
   if (staged_step()) KVFLOW_RETURN_IF_ERROR(EnsureStaged(layer, {}));
   RunAttention(layer, view_slots_);
   return Status::Ok();
@@ -505,6 +507,7 @@ void CpuBackend::RunAttention(int layer, std::span<const std::vector<int64_t>> v
   io.query_row_stride = Width(Activation::kQkv);
   io.out = attention_.data();
   io.out_row_stride = Width(Activation::kAttention);
+  io.window = config_.sliding_window;
   const float scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
   // An offloaded pool's attention reads the layer's staging buffer (EnsureStaged filled it).
   const bool staged = staged_step();
@@ -579,6 +582,9 @@ Status CpuBackend::AttentionOverSelection(int layer, std::span<const KvHeadSelec
   if (batch_ == nullptr) return Status::Internal("attention outside a step");
   KVFLOW_RETURN_IF_ERROR(ValidateKvHeadSelections(selection, *batch_, layout_));
   KVFLOW_RETURN_IF_ERROR(RefuseSpeculatedSelections(selection, Describe()));
+  if (config_.sliding_window > 0) {
+    return Status::Unsupported("attention over selected tokens in a model with a sliding window");
+  }
   if (staged_step()) KVFLOW_RETURN_IF_ERROR(EnsureStaged(layer, selection));
   HeadReadLists(selection);
   RunAttention(layer, head_view_slots_);

@@ -139,6 +139,8 @@ struct Tile {
   int32_t first_visible;  // view entries its first token sees; each next token sees one more
   int32_t partitions;     // partitions its last token reaches
   int64_t first_state;    // split mode: index of its (kv_head 0, partition 0) state
+  int32_t first_key = 0;  // sliding window: the first view entry any of its tokens sees
+  int32_t first_partition = 0;  // the partition holding first_key
   int32_t last_visible() const { return first_visible + tokens - 1; }
 };
 
@@ -208,6 +210,10 @@ struct AttentionContext {
   float scale;
   const AttentionKernels& kernels;
   bool per_head_views;  // view_slots holds one list per (slice, KV head)
+  int32_t window;       // AttentionIo::window
+
+  // The first view entry a token that sees `visible` entries attends to.
+  int32_t FirstKey(int32_t visible) const { return window > 0 ? std::max(0, visible - window) : 0; }
 
   const std::vector<int64_t>& Slots(int32_t seq, int kv_head) const {
     return view_slots[per_head_views ? static_cast<size_t>(seq) * layout.num_kv_heads + kv_head
@@ -223,6 +229,11 @@ void GatherRows(const AttentionContext<T>& c, const T* cache, int kv_head, const
   const int bs = c.layout.block_size;
   for (int j = 0; j < n;) {
     const int64_t slot = slots[j];
+    if (slot < 0) {  // released from the sliding window: masked, but its row must be finite
+      std::fill(dst + static_cast<size_t>(j) * D, dst + static_cast<size_t>(j + 1) * D, 0.0f);
+      ++j;
+      continue;
+    }
     const int offset = static_cast<int>(slot % bs);
     int run = 1;
     while (j + run < n && offset + run < bs && slots[j + run] == slot + run) ++run;
@@ -264,6 +275,7 @@ void AttendPartition(const AttentionContext<T>& c, const Tile& tile, int kv_head
   float* scores = scratch.scores.data();
   for (int32_t start = begin; start < end; start += kChunk) {
     const int n = std::min(kChunk, end - start);
+    if (start + n <= tile.first_key) continue;  // before every row's window
     GatherRows(c, c.key_cache, kv_head, slots + start, n, scratch.keys.data());
     GatherRows(c, c.value_cache, kv_head, slots + start, n, scratch.values.data());
     c.kernels.scores(scratch.query.data(), rows, scratch.keys.data(), n, D, c.scale, scores, kChunk);
@@ -271,10 +283,12 @@ void AttendPartition(const AttentionContext<T>& c, const Tile& tile, int kv_head
       float* s = scores + static_cast<size_t>(r) * kChunk;
       // Causal in view order: the row's token sees first_visible + its index entries.
       const int32_t visible = tile.first_visible + r / c.group - start;
-      if (visible <= 0) {
+      const int32_t first = c.FirstKey(visible + start) - start;  // its sliding window's start
+      if (visible <= 0 || first >= std::min<int32_t>(visible, n)) {
         std::fill(s, s + kChunk, 0.0f);  // sees nothing here: adds nothing
         continue;
       }
+      if (first > 0) std::fill(s, s + first, -INFINITY);
       std::fill(s + std::min<int32_t>(visible, n), s + kChunk, -INFINITY);
       const float new_max = std::max(state.max[r], c.kernels.row_max(s, kChunk));
       const float sum = c.kernels.exp_and_sum(s, kChunk, new_max);
@@ -319,8 +333,9 @@ void Attention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> 
   if (per_head && view_slots.size() != batch.seqs.size() * KV) {
     throw std::invalid_argument("PagedAttention: view lists are neither one per slice nor one per slice and KV head");
   }
+  if (io.window < 0) throw std::invalid_argument("PagedAttention: a negative sliding window");
   const AttentionContext<T> c{batch,       view_slots, layout, num_heads, group, io, key_cache, value_cache, scale,
-                              SelectAttentionKernels(D), per_head};
+                              SelectAttentionKernels(D), per_head, io.window};
   if (per_head) {
     for (size_t s = 0; s < batch.seqs.size(); ++s) {
       for (int h = 1; h < KV; ++h) {
@@ -342,12 +357,14 @@ void Attention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> 
       Tile tile{static_cast<int32_t>(s), slice.token_offset + first, end - first, size - slice.num_tokens + first + 1, 0,
                 0};
       tile.partitions = (tile.last_visible() + kPartitionKeys - 1) / kPartitionKeys;
+      tile.first_key = c.FirstKey(tile.first_visible);
+      tile.first_partition = tile.first_key / kPartitionKeys;
       tiles.push_back(tile);
     }
   }
   // Split the partitions across threads only when the tiles alone would leave threads idle.
   int64_t split_units = 0;
-  for (const Tile& tile : tiles) split_units += static_cast<int64_t>(tile.partitions) * KV;
+  for (const Tile& tile : tiles) split_units += static_cast<int64_t>(tile.partitions - tile.first_partition) * KV;
   const bool split = static_cast<int64_t>(tiles.size()) * KV < 4 * CurrentThreads() &&
                      split_units > static_cast<int64_t>(tiles.size()) * KV;
   std::vector<Unit> units;
@@ -360,7 +377,7 @@ void Attention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> 
         units.push_back({static_cast<int32_t>(t), h, -1});
         continue;
       }
-      for (int32_t p = 0; p < tile.partitions; ++p) units.push_back({static_cast<int32_t>(t), h, p});
+      for (int32_t p = tile.first_partition; p < tile.partitions; ++p) units.push_back({static_cast<int32_t>(t), h, p});
     }
     if (split) states += static_cast<int64_t>(tile.partitions) * KV;
   }
@@ -388,7 +405,7 @@ void Attention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> 
       const RowStates state = StatesAt(scratch.state.data(), rows, D);
       const RowStates total = StatesAt(scratch.total.data(), rows, D);
       std::fill(total.sum, total.sum + rows, 0.0f);
-      for (int32_t p = 0; p < tile.partitions; ++p) {
+      for (int32_t p = tile.first_partition; p < tile.partitions; ++p) {
         AttendPartition(c, tile, unit.kv_head, p, scratch, state);
         for (int r = 0; r < rows; ++r) Fold(state, r, total, D);
       }
@@ -406,7 +423,7 @@ void Attention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> 
       const int rows = tile.tokens * group;
       const RowStates total = StatesAt(total_buffer.data(), rows, D);
       std::fill(total.sum, total.sum + rows, 0.0f);
-      for (int32_t p = 0; p < tile.partitions; ++p) {
+      for (int32_t p = tile.first_partition; p < tile.partitions; ++p) {
         const RowStates part = StatesAt(split_state(tile, h, p), rows, D);
         for (int r = 0; r < rows; ++r) Fold(part, r, total, D);
       }

@@ -50,6 +50,10 @@ struct AttentionIo {
   float* out = nullptr;
   int64_t out_row_stride = 0;
   float* lse = nullptr;
+  // > 0: a sliding window, in view entries: the query that sees entries [0, e] sees only
+  // [e - window + 1, e]. Entries before every query's window are never read (their slots may be
+  // -1: blocks released from the window).
+  int32_t window = 0;
 };
 
 // Attention of every new token over its sequence's KV view (which already holds the token's own

@@ -67,6 +67,7 @@ Status CudaBackend::WriteKv(int layer) {
 }
 
 Status CudaBackend::Attention(int layer) {
+  if (batch_ != nullptr) KVFLOW_RETURN_IF_ERROR(CheckSlidingWindowViews(*batch_, config_));
   const StepMetadata& m = device_meta_;
   const size_t layer_bytes = layout_.layer_stride() * cuda::DTypeSize(dtype_);
   const char* key_cache = key_pool_ + layer * layer_bytes;
@@ -129,6 +130,7 @@ void CudaBackend::FillAttentionArgs(Args& a, const int32_t* tables, int table_st
   a.head_dim = config_.head_dim;
   a.block_size = layout_.block_size;
   a.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+  a.window = config_.sliding_window;
   a.key_cache = keys;
   a.value_cache = values;
   a.block_tables = tables;
@@ -193,6 +195,9 @@ Status CudaBackend::AttentionOverSelection(int layer, std::span<const KvHeadSele
   if (layer < 0 || layer >= config_.num_layers) return Status::InvalidArgument("attention: layer out of range");
   const ForwardBatch& batch = *batch_;
   KVFLOW_RETURN_IF_ERROR(ValidateKvHeadSelections(selection, batch, layout_));
+  if (config_.sliding_window > 0) {
+    return Status::Unsupported("attention over selected tokens in a model with a sliding window");
+  }
   const bool any_selection =
       std::any_of(selection.begin(), selection.end(), [](const KvHeadSelection& s) { return s.per_head > 0; });
   if (!any_selection) return Attention(layer);
