@@ -411,6 +411,8 @@ def check_tiny(args):
             windowed = bool(window) and window < config.max_position_embeddings
             # A sliding window also runs the engine's greedy decoding, which releases the blocks
             # behind the window as it goes.
+            if windowed:
+                write_byte_tokenizer(d, config.vocab_size)  # the engine wants one; prompts are ids
             ours, greedy = run_dump(args.dump_bin, d, prompts, d, greedy=32 if windowed else 0)
             ref = hf_logits(model, prompts)
         err = max(float(np.abs(a - b).max()) for a, b in zip(ours, ref))

@@ -319,8 +319,8 @@ TEST_F(ModelConfigTest, AppliesDefaultsAndVariants) {
 }
 
 // HF Llama's bias flags: attention_bias puts biases on q, k, v and o_proj, mlp_bias on gate, up and
-// down_proj. What kvflow's Llama would compute wrong is refused or limited to where it is exact.
-TEST_F(ModelConfigTest, BiasFlagsAndASlidingWindowLimitsTheContext) {
+// down_proj. What kvflow's Llama would compute wrong is refused.
+TEST_F(ModelConfigTest, BiasFlagsAndTheSlidingWindow) {
   Result<ModelConfig> plain = Parse(LlamaConfigJson());
   ASSERT_TRUE(plain.ok());
   EXPECT_FALSE(plain->qkv_bias || plain->o_bias || plain->mlp_bias);
@@ -345,11 +345,27 @@ TEST_F(ModelConfigTest, BiasFlagsAndASlidingWindowLimitsTheContext) {
     EXPECT_EQ(st.code(), StatusCode::kUnsupported) << flag;
     EXPECT_NE(st.message().find(flag), std::string::npos) << st.message();
   }
+  // A sliding window is Mistral's (and Phi-3's, Mixtral's) attention, masked per query; the context
+  // stays the model's. Hugging Face's Llama has no window: the field is ignored there, as it does.
   json mistral = LlamaConfigJson();
   mistral["sliding_window"] = 4096;
   Result<ModelConfig> c = Parse(mistral);
   ASSERT_TRUE(c.ok()) << c.status().ToString();
-  EXPECT_EQ(c->max_position_embeddings, 4096) << "attention over the whole context is exact only within the window";
+  EXPECT_EQ(c->sliding_window, 0) << "LlamaForCausalLM has no sliding window";
+  mistral["architectures"] = {"MistralForCausalLM"};
+  c = Parse(mistral);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->sliding_window, 4096);
+  EXPECT_EQ(c->max_position_embeddings, LlamaConfigJson()["max_position_embeddings"].get<int>());
+  EXPECT_NE(c->Describe().find("sliding window: 4096 tokens"), std::string::npos) << c->Describe();
+  mistral["sliding_window"] = c->max_position_embeddings;  // a window as long as the context: none
+  EXPECT_EQ(Parse(mistral)->sliding_window, 0);
+  // Qwen's per-layer window (use_sliding_window from max_window_layers) is refused.
+  json qwen = LlamaConfigJson();
+  qwen["architectures"] = {"Qwen2ForCausalLM"};
+  qwen["sliding_window"] = 4096;
+  qwen["use_sliding_window"] = true;
+  EXPECT_EQ(Parse(qwen).status().code(), StatusCode::kUnsupported);
 }
 
 // Qwen2: q/k/v biases always (no flag), no o bias; a sliding_window that use_sliding_window leaves
