@@ -409,7 +409,8 @@ TEST_F(ModelConfigTest, FamiliesTakeTheirOwnFields) {
   c = Parse(phi3);
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->architecture, "phi3");
-  EXPECT_EQ(c->max_position_embeddings, 2047) << "HF Phi-3 masks to its window: the context stops there";
+  EXPECT_EQ(c->sliding_window, 2047) << "HF Phi-3 masks to its window";
+  EXPECT_EQ(c->max_position_embeddings, 131072) << "the window is a mask, not the context";
   for (const auto& [key, value] : {std::pair<const char*, json>{"partial_rotary_factor", 0.75},
                                    {"attention_bias", true},
                                    {"rope_scaling", {{"type", "longrope"}, {"short_factor", {1.0}}}}}) {
