@@ -28,8 +28,12 @@ struct RopeScaling {
 // Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE.
 // The families differ only in the fields below (biases, q/k norms) and in how their files lay
 // the weights out (the loader's business); the one model loop honours the fields.
+// The gated MLP's activation: SwiGLU's SiLU, or GeGLU's tanh-approximated GELU (Gemma).
+enum class MlpActivation { kSilu, kGeluTanh };
+
 struct ModelConfig {
-  std::string architecture = "llama";  // llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe, olmoe
+  // llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe, olmoe, gemma2
+  std::string architecture = "llama";
   std::string name;
   int vocab_size = 0;
   int hidden_size = 0;
@@ -39,9 +43,12 @@ struct ModelConfig {
   int num_kv_heads = 0;
   int head_dim = 0;  // hidden_size / num_heads unless the config says otherwise
   int max_position_embeddings = 2048;
-  // Sliding-window attention on every layer (Mistral, Phi-3): the query at position p attends to
-  // keys p - sliding_window + 1 .. p, as Hugging Face's mask does; 0: to the whole context.
+  // Sliding-window attention (Mistral, Phi-3: every layer; Gemma-2: every other one): the query at
+  // position p attends to keys p - sliding_window + 1 .. p, as Hugging Face's mask does; 0: to the
+  // whole context. With global_layer_interval > 0, layer i attends to the whole context when
+  // (i + 1) % global_layer_interval == 0 (Gemma-2: 2, its odd layers).
   int sliding_window = 0;
+  int global_layer_interval = 0;
   float rms_norm_eps = 1e-5f;
   float rope_theta = 10000.0f;
   RopeScaling rope_scaling;
@@ -67,8 +74,29 @@ struct ModelConfig {
   // over all of q and one over all of k (weights of heads * head_dim and kv_heads * head_dim: OLMoE).
   bool qk_norm = false;
   bool qk_norm_per_head = true;
+  // Gemma-2's departures from Llama. The softmax scale of q.k (0: 1 / sqrt(head_dim); Gemma:
+  // query_pre_attn_scalar^-0.5); attention scores and final logits soft-capped, x -> cap *
+  // tanh(x / cap), where the caps are > 0; embedding rows scaled by embedding_scale; the attention's
+  // and the MLP's outputs each RMSNormed before they join the residual stream (sandwich_norms); the
+  // gated MLP's activation. Gemma's (1 + w) norm weights are stored as 1 + w.
+  float attention_scale = 0.0f;
+  float attn_logit_softcap = 0.0f;
+  float final_logit_softcap = 0.0f;
+  float embedding_scale = 1.0f;
+  bool sandwich_norms = false;
+  MlpActivation mlp_activation = MlpActivation::kSilu;
   int bos_token_id = -1;
   std::vector<int> eos_token_ids;
+
+  // The sliding window of `layer`'s attention (0: the whole context).
+  int LayerWindow(int layer) const {
+    return global_layer_interval > 0 && (layer + 1) % global_layer_interval == 0 ? 0 : sliding_window;
+  }
+  // The window every layer attends through (0 when some layer attends globally): only then may the
+  // blocks behind it be released.
+  int ReleasableWindow() const { return global_layer_interval > 0 ? 0 : sliding_window; }
+  // The softmax scale of q.k.
+  float AttentionScale() const;
 
   // Checks internal consistency (positive sizes, heads divide, GQA groups).
   Status Validate() const;

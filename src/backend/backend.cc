@@ -233,8 +233,8 @@ Status ValidateForwardBatch(const ForwardBatch& batch, const ModelConfig& config
                                      " blocks cannot hold " + std::to_string(s.context_len) + " tokens");
     }
     // Blocks released from a sliding window may lead the table, before the first query's window.
-    const int64_t first_key =
-        config.sliding_window > 0 ? std::max<int64_t>(0, s.context_len - s.num_tokens - config.sliding_window + 1) : 0;
+    const int64_t window = config.ReleasableWindow();
+    const int64_t first_key = window > 0 ? std::max<int64_t>(0, s.context_len - s.num_tokens - window + 1) : 0;
     for (size_t i = 0; i < s.block_table.size(); ++i) {
       const BlockId b = s.block_table[i];
       if (b == kReleasedBlock && static_cast<int64_t>(i + 1) * layout.block_size <= first_key) continue;

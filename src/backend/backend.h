@@ -225,7 +225,8 @@ enum class Activation {
 // Elements per row of an activation buffer, for a model of this shape.
 int64_t ActivationWidth(const ModelConfig& config, Activation which);
 // The weights of one decoder layer, as the primitives name them.
-enum class LayerWeight { kAttnNorm, kQkv, kO, kFfnNorm, kGateUp, kDown };
+// kPostAttnNorm, kPostFfnNorm: ModelConfig::sandwich_norms (Gemma-2).
+enum class LayerWeight { kAttnNorm, kQkv, kO, kFfnNorm, kGateUp, kDown, kPostAttnNorm, kPostFfnNorm };
 
 // Memory a backend allocated on its device, freed when this is destroyed.
 class DeviceAllocation {
@@ -423,6 +424,14 @@ class Backend {
   }
   // kMlp = silu(gate) * up of kGateUp.
   virtual Status SiluMul() = 0;
+  // kMlp = gelu_tanh(gate) * up of kGateUp (ModelConfig::mlp_activation kGeluTanh: GeGLU).
+  virtual Status GeluTanhMul() { return NotSupported("GeGLU (tanh GELU) MLPs"); }
+  // delta = RMSNorm(delta) * the layer's `norm` weight, before delta joins the residual stream
+  // (ModelConfig::sandwich_norms: kPostAttnNorm after attention, kPostFfnNorm after the MLP).
+  virtual Status NormDelta(int layer, LayerWeight norm) {
+    (void)layer, (void)norm;
+    return NotSupported("norms of the attention and MLP outputs (Gemma-2's sandwich norms)");
+  }
   // kDelta = the mixture of experts of kHidden (ModelConfig::num_experts > 0): each token's
   // router-chosen experts' SwiGLU MLPs, weighted by their router probabilities.
   virtual Status MoeMlp(int layer) = 0;

@@ -50,7 +50,7 @@ EngineCoreConfig CoreConfig(const EngineConfig& c, const ModelConfig& model, con
   EngineCoreConfig core;
   core.scheduler = SchedulerConfig{c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, preemption};
   core.blocks = BlockManagerConfig{c.block_size, num_device_blocks, num_host_blocks, c.enable_prefix_caching};
-  core.blocks.sliding_window = model.sliding_window;
+  core.blocks.sliding_window = model.ReleasableWindow();
   core.vocab_size = model.vocab_size;
   core.eos_token_ids = EosTokenIds(model, tokenizer);
   core.seed = c.seed;

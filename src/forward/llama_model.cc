@@ -27,8 +27,11 @@ Status LlamaModel::Layers(const ForwardBatch& batch) {
   Backend& b = backend_;
   KVFLOW_RETURN_IF_ERROR(b.Embed());
   const int num_layers = b.model_config().num_layers;
-  const bool qk_norm = b.model_config().qk_norm;
-  const bool moe = b.model_config().num_experts > 0;
+  const ModelConfig& config = b.model_config();
+  const bool qk_norm = config.qk_norm;
+  const bool moe = config.num_experts > 0;
+  const bool sandwich = config.sandwich_norms;
+  const bool gelu = config.mlp_activation == MlpActivation::kGeluTanh;
   for (int layer = 0; layer < num_layers; ++layer) {
     // The previous layer's MLP output joins the residual stream inside this norm.
     KVFLOW_RETURN_IF_ERROR(b.RmsNorm(layer, LayerWeight::kAttnNorm, /*add_delta=*/layer > 0));
@@ -43,6 +46,7 @@ Status LlamaModel::Layers(const ForwardBatch& batch) {
     KVFLOW_RETURN_IF_ERROR(selection.empty() ? b.Attention(layer) : b.AttentionOverSelection(layer, selection));
     if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterAttention(ctx));
     KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kO, Activation::kAttention, Activation::kDelta));
+    if (sandwich) KVFLOW_RETURN_IF_ERROR(b.NormDelta(layer, LayerWeight::kPostAttnNorm));
     if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterAttentionOutput(ctx));
     KVFLOW_RETURN_IF_ERROR(b.RmsNorm(layer, LayerWeight::kFfnNorm, /*add_delta=*/true));
     if (moe) {
@@ -51,9 +55,10 @@ Status LlamaModel::Layers(const ForwardBatch& batch) {
     } else {
       KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kGateUp, Activation::kHidden, Activation::kGateUp));
       if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterMlpInput(ctx));
-      KVFLOW_RETURN_IF_ERROR(b.SiluMul());
+      KVFLOW_RETURN_IF_ERROR(gelu ? b.GeluTanhMul() : b.SiluMul());
       KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kDown, Activation::kMlp, Activation::kDelta));
     }
+    if (sandwich) KVFLOW_RETURN_IF_ERROR(b.NormDelta(layer, LayerWeight::kPostFfnNorm));
     if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterMlpOutput(ctx));
   }
   return b.AddDelta();

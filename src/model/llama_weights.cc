@@ -265,8 +265,8 @@ Status ReadExperts(const WeightReader& r, const ModelConfig& c, const std::strin
 size_t LlamaWeights::num_parameters() const {
   size_t n = embed.num_parameters() + final_norm.size() + lm_head.num_parameters();
   for (const auto& l : layers) {
-    n += l.attn_norm.size() + l.wqkv.num_parameters() + l.wo.num_parameters() + l.ffn_norm.size() +
-         l.w_gate_up.num_parameters() + l.w_down.num_parameters() + l.bqkv.size() + l.bo.size() +
+    n += l.attn_norm.size() + l.post_attn_norm.size() + l.post_ffn_norm.size() + l.wqkv.num_parameters() +
+         l.wo.num_parameters() + l.ffn_norm.size() + l.w_gate_up.num_parameters() + l.w_down.num_parameters() + l.bqkv.size() + l.bo.size() +
          l.b_gate_up.size() + l.b_down.size() + l.q_norm.size() + l.k_norm.size() + l.router.num_parameters() +
          l.shared_gate_up.num_parameters() + l.shared_down.num_parameters() + l.shared_gate.size();
     for (const WeightMatrix& m : l.expert_gate_up) n += m.num_parameters();
@@ -278,8 +278,8 @@ size_t LlamaWeights::num_parameters() const {
 size_t LlamaWeights::bytes() const {
   size_t n = embed.bytes() + lm_head.bytes() + final_norm.size() * sizeof(float);
   for (const auto& l : layers) {
-    n += (l.attn_norm.size() + l.ffn_norm.size() + l.bqkv.size() + l.bo.size() + l.b_gate_up.size() +
-          l.b_down.size() + l.q_norm.size() + l.k_norm.size()) * sizeof(float) + l.wqkv.bytes() + l.wo.bytes() +
+    n += (l.attn_norm.size() + l.ffn_norm.size() + l.post_attn_norm.size() + l.post_ffn_norm.size() +
+          l.bqkv.size() + l.bo.size() + l.b_gate_up.size() + l.b_down.size() + l.q_norm.size() + l.k_norm.size()) * sizeof(float) + l.wqkv.bytes() + l.wo.bytes() +
          l.w_gate_up.bytes() + l.w_down.bytes() + l.router.bytes() + l.shared_gate_up.bytes() +
          l.shared_down.bytes() + l.shared_gate.size() * sizeof(float);
     for (const WeightMatrix& m : l.expert_gate_up) n += m.bytes();
@@ -317,7 +317,9 @@ Status CheckFamilyWeights(const ModelConfig& c, const LlamaWeights& w) {
                   {"gate/up bias", l.b_gate_up, c.mlp_bias, 2 * static_cast<int64_t>(c.intermediate_size)},
                   {"down bias", l.b_down, c.mlp_bias, c.hidden_size},
                   {"q norm", l.q_norm, c.qk_norm, c.qk_norm_per_head ? D : c.num_heads * D},
-                  {"k norm", l.k_norm, c.qk_norm, c.qk_norm_per_head ? D : c.num_kv_heads * D}};
+                  {"k norm", l.k_norm, c.qk_norm, c.qk_norm_per_head ? D : c.num_kv_heads * D},
+                  {"post-attention norm", l.post_attn_norm, c.sandwich_norms, c.hidden_size},
+                  {"post-MLP norm", l.post_ffn_norm, c.sandwich_norms, c.hidden_size}};
     const size_t experts = static_cast<size_t>(c.num_experts);
     if (l.expert_gate_up.size() != experts || l.expert_down.size() != experts ||
         (experts > 0 && (l.router.rows != c.num_experts || l.router.cols != c.hidden_size))) {
@@ -354,6 +356,14 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
   LlamaWeights w;
   KVFLOW_RETURN_IF_ERROR(r.ReadRows("model.embed_tokens.weight", "token_embd.weight", V, H, w.embed));
   KVFLOW_RETURN_IF_ERROR(r.ReadVector("model.norm.weight", "output_norm.weight", H, w.final_norm));
+  // Gemma's RMSNorms scale by (1 + w): HF checkpoints store w, llama.cpp's GGUFs 1 + w already.
+  const bool norm_plus_one = c.architecture == "gemma2" && !gguf;
+  auto plus_one = [norm_plus_one](std::vector<float>& norm) {
+    if (norm_plus_one) {
+      for (float& x : norm) x += 1.0f;  // in fp32, as HF's (1.0 + self.weight.float())
+    }
+  };
+  plus_one(w.final_norm);
   if (r.Has("lm_head.weight", "output.weight")) {
     KVFLOW_RETURN_IF_ERROR(r.ReadRows("lm_head.weight", "output.weight", V, H, w.lm_head));
   } else if (!c.tie_word_embeddings) {
@@ -372,6 +382,17 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
     const std::string gg = "blk." + std::to_string(i) + ".";
     LlamaLayerWeights& l = w.layers[static_cast<size_t>(i)];
     KVFLOW_RETURN_IF_ERROR(r.ReadVector(hf + "input_layernorm.weight", gg + "attn_norm.weight", H, l.attn_norm));
+    plus_one(l.attn_norm);
+    if (c.sandwich_norms) {
+      // Gemma-2's post_attention_layernorm norms the attention output; the MLP's input norm is
+      // pre_feedforward_layernorm.
+      KVFLOW_RETURN_IF_ERROR(r.ReadVector(hf + "post_attention_layernorm.weight", gg + "post_attention_norm.weight", H,
+                                          l.post_attn_norm));
+      KVFLOW_RETURN_IF_ERROR(r.ReadVector(hf + "post_feedforward_layernorm.weight", gg + "post_ffw_norm.weight", H,
+                                          l.post_ffn_norm));
+      plus_one(l.post_attn_norm);
+      plus_one(l.post_ffn_norm);
+    }
     if (fused) {  // Phi-3 stores q|k|v and gate|up as one matrix each, in kvflow's order already
       KVFLOW_RETURN_IF_ERROR(
           r.ReadRows(hf + "self_attn.qkv_proj.weight", gg + "attn_qkv.weight", q_rows + 2 * kv_rows, H, l.wqkv));
@@ -383,8 +404,10 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
       KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "self_attn.v_proj.weight", gg + "attn_v.weight", kv_rows, H, l.wqkv));
     }
     KVFLOW_RETURN_IF_ERROR(r.ReadRows(hf + "self_attn.o_proj.weight", gg + "attn_output.weight", H, q_rows, l.wo));
-    KVFLOW_RETURN_IF_ERROR(
-        r.ReadVector(hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight", H, l.ffn_norm));
+    KVFLOW_RETURN_IF_ERROR(r.ReadVector(
+        hf + (c.sandwich_norms ? "pre_feedforward_layernorm.weight" : "post_attention_layernorm.weight"),
+        gg + "ffn_norm.weight", H, l.ffn_norm));
+    plus_one(l.ffn_norm);
     if (c.num_experts > 0) {
       KVFLOW_RETURN_IF_ERROR(ReadExperts(r, c, hf, gg, l));
     } else if (fused) {  // llama.cpp keeps Phi-3's gate|up matrix whole as ffn_up

@@ -18,6 +18,10 @@ struct LlamaLayerWeights {
   WeightMatrix wqkv;             // [(heads + 2 * kv_heads) * head_dim, hidden]
   WeightMatrix wo;               // [hidden, heads * head_dim]
   std::vector<float> ffn_norm;   // [hidden]
+  // ModelConfig::sandwich_norms (Gemma-2): of the attention's output and of the MLP's, each before
+  // it joins the residual stream; else empty.
+  std::vector<float> post_attn_norm;  // [hidden]
+  std::vector<float> post_ffn_norm;   // [hidden]
   WeightMatrix w_gate_up;        // [2 * intermediate, hidden]: gate rows, then up rows
   WeightMatrix w_down;           // [hidden, intermediate]
   // Biases (fp32, whatever the file stores), fused like the matrices; empty when the config has

@@ -16,11 +16,11 @@ namespace {
 
 using nlohmann::json;
 
-constexpr const char* kArchitectures = "llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe, olmoe";
+constexpr const char* kArchitectures = "llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe, olmoe, gemma2";
 
 bool IsSupportedArchitecture(const std::string& arch) {
   return arch == "llama" || arch == "mistral" || arch == "qwen2" || arch == "qwen3" || arch == "phi3" ||
-         arch == "mixtral" || arch == "qwen2moe" || arch == "qwen3moe" || arch == "olmoe";
+         arch == "mixtral" || arch == "qwen2moe" || arch == "qwen3moe" || arch == "olmoe" || arch == "gemma2";
 }
 
 // HF's class name of each architecture kvflow runs.
@@ -36,7 +36,8 @@ constexpr HfArchitecture kHfArchitectures[] = {{"LlamaForCausalLM", "llama"},
                                                {"MixtralForCausalLM", "mixtral"},
                                                {"Qwen2MoeForCausalLM", "qwen2moe"},
                                                {"Qwen3MoeForCausalLM", "qwen3moe"},
-                                               {"OlmoeForCausalLM", "olmoe"}};
+                                               {"OlmoeForCausalLM", "olmoe"},
+                                               {"Gemma2ForCausalLM", "gemma2"}};
 
 const char* RopeScalingName(RopeScaling::Type t) {
   switch (t) {
@@ -53,6 +54,9 @@ const char* RopeScalingName(RopeScaling::Type t) {
 class JsonFields {
  public:
   JsonFields(const json& object, std::string path) : object_(object), path_(std::move(path)) {}
+
+  // Present, null included (HF's null: "off" for some fields, unlike absent: the default).
+  bool Has(const char* key) const { return object_.contains(key); }
 
   const json* Get(const char* key) const {
     auto it = object_.find(key);
@@ -186,9 +190,53 @@ Status CheckHfArchitecture(const JsonFields& config, const std::string& path, Mo
   return Status::Ok();
 }
 
+// Gemma-2 (Gemma2ForCausalLM): GeGLU with the tanh GELU, sqrt(hidden)-scaled embeddings, (1 + w)
+// norms around attention and MLP both, the softmax scale from query_pre_attn_scalar, soft-capped
+// attention scores and logits, and a sliding window on its even layers. Ties its embeddings unless
+// told otherwise.
+Status ReadHfGemma2Fields(const JsonFields& fields, const std::string& path, ModelConfig* c) {
+  for (const char* key : {"hidden_activation", "hidden_act"}) {
+    const json* act = fields.Get(key);
+    if (act != nullptr && *act != "gelu_pytorch_tanh") {
+      return Status::Unsupported(path + ": " + key + " " + act->dump() + " is not supported (gelu_pytorch_tanh)");
+    }
+  }
+  bool attention_bias = false;
+  KVFLOW_RETURN_IF_ERROR(fields.Bool("attention_bias", &attention_bias));
+  if (attention_bias) return Status::Unsupported(path + ": attention_bias in a Gemma-2 model");
+  c->mlp_activation = MlpActivation::kGeluTanh;
+  c->sandwich_norms = true;
+  c->embedding_scale = static_cast<float>(std::sqrt(static_cast<double>(c->hidden_size)));
+  float query_pre_attn_scalar = 224.0f;  // Gemma2Config's defaults
+  c->attn_logit_softcap = 50.0f;
+  c->final_logit_softcap = 30.0f;
+  int window = 4096;
+  KVFLOW_RETURN_IF_ERROR(fields.Float("query_pre_attn_scalar", &query_pre_attn_scalar));
+  if (!(query_pre_attn_scalar > 0.0f)) return Status::CorruptFile(path + ": query_pre_attn_scalar must be positive");
+  c->attention_scale = 1.0f / std::sqrt(query_pre_attn_scalar);
+  // null turns a cap off, as in HF.
+  for (auto [key, cap] : {std::pair<const char*, float*>{"attn_logit_softcapping", &c->attn_logit_softcap},
+                          {"final_logit_softcapping", &c->final_logit_softcap}}) {
+    if (fields.Get(key) == nullptr) {
+      if (fields.Has(key)) *cap = 0.0f;
+      continue;
+    }
+    KVFLOW_RETURN_IF_ERROR(fields.Float(key, cap));
+    if (!(*cap > 0.0f)) return Status::CorruptFile(path + ": " + key + " must be positive");
+  }
+  if (fields.Get("sliding_window") == nullptr && fields.Has("sliding_window")) window = 0;
+  KVFLOW_RETURN_IF_ERROR(fields.Int("sliding_window", &window));
+  if (window < 0) return Status::CorruptFile(path + ": negative sliding_window");
+  // A window as long as the context changes nothing.
+  c->sliding_window = window < c->max_position_embeddings ? window : 0;
+  c->global_layer_interval = c->sliding_window > 0 ? 2 : 0;  // layer i slides when i is even
+  return Status::Ok();
+}
+
 // What each family's modeling code takes from its config beyond the Llama shape: which biases the
 // projections have, whether q and k are normed, and the activation (every family here: SiLU).
 Status ReadHfFamilyFields(const JsonFields& fields, const std::string& path, ModelConfig* c) {
+  if (c->architecture == "gemma2") return ReadHfGemma2Fields(fields, path, c);
   const json* act = fields.Get("hidden_act");
   if (act != nullptr && *act != "silu") {
     return Status::Unsupported(path + ": hidden_act " + act->dump() + " is not supported (silu)");
@@ -294,6 +342,7 @@ Result<ModelConfig> ModelConfigFromHfJson(const std::string& path) {
     KVFLOW_RETURN_IF_ERROR(fields.Float("rms_norm_eps", &c.rms_norm_eps));
     KVFLOW_RETURN_IF_ERROR(fields.Float("rope_theta", &c.rope_theta));
     KVFLOW_RETURN_IF_ERROR(ReadHfRopeScaling(fields, path, &c));
+    c.tie_word_embeddings = c.architecture == "gemma2";  // the families' config defaults
     KVFLOW_RETURN_IF_ERROR(fields.Bool("tie_word_embeddings", &c.tie_word_embeddings));
     KVFLOW_RETURN_IF_ERROR(fields.Int("bos_token_id", &c.bos_token_id));
     KVFLOW_RETURN_IF_ERROR(fields.IntList("eos_token_id", &c.eos_token_ids));
@@ -388,6 +437,21 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& gguf) {
     KVFLOW_RETURN_IF_ERROR(read_int(arch + "attention.sliding_window", &window, true));
     // As Hugging Face's mask for the model (llama.cpp runs Phi-3 without its window).
     if (window > 0 && window < c.max_position_embeddings) c.sliding_window = window;
+  }
+  if (c.architecture == "gemma2") {
+    // As llama.cpp reads Gemma-2 (its defaults where a key is absent). The softmax scale is not in
+    // the file: query_pre_attn_scalar is the head size, but hidden / heads for the 27B (46 layers).
+    c.mlp_activation = MlpActivation::kGeluTanh;
+    c.sandwich_norms = true;
+    c.embedding_scale = static_cast<float>(std::sqrt(static_cast<double>(c.hidden_size)));
+    c.attn_logit_softcap = 50.0f;
+    c.final_logit_softcap = 30.0f;
+    KVFLOW_RETURN_IF_ERROR(read_float(arch + "attn_logit_softcapping", &c.attn_logit_softcap));
+    KVFLOW_RETURN_IF_ERROR(read_float(arch + "final_logit_softcapping", &c.final_logit_softcap));
+    const int scalar = c.num_layers == 46 && c.num_heads > 0 ? c.hidden_size / c.num_heads : c.head_dim;
+    if (scalar > 0) c.attention_scale = 1.0f / std::sqrt(static_cast<float>(scalar));
+    if (!gguf.Has(arch + "attention.sliding_window") && 4096 < c.max_position_embeddings) c.sliding_window = 4096;
+    c.global_layer_interval = c.sliding_window > 0 ? 2 : 0;
   }
   if (gguf.Find("rope_freqs.weight") != nullptr) {
     // llama.cpp bakes Llama-3.1 scaling into per-dimension factors that ModelConfig cannot carry;
@@ -492,7 +556,13 @@ Status ModelConfig::Validate() const {
     return invalid("a norm over all of q needs heads * head_dim == hidden_size");
   }
   if (shared_expert_intermediate_size < 0) return invalid("shared_expert_intermediate_size must not be negative");
-  if (sliding_window < 0) return invalid("sliding_window must not be negative");
+  if (sliding_window < 0 || global_layer_interval < 0) return invalid("sliding_window must not be negative");
+  for (const auto& [name, value] : {std::pair<const char*, float>{"attention_scale", attention_scale},
+                                    {"attn_logit_softcap", attn_logit_softcap},
+                                    {"final_logit_softcap", final_logit_softcap}}) {
+    if (!(value >= 0.0f) || !std::isfinite(value)) return invalid(std::string(name) + " must be finite and not negative");
+  }
+  if (!(embedding_scale > 0.0f) || !std::isfinite(embedding_scale)) return invalid("embedding_scale must be positive");
   if (head_dim % 2 != 0) {
     return invalid("head_dim " + std::to_string(head_dim) + " is odd; RoPE needs pairs");
   }
@@ -527,6 +597,10 @@ Status ModelConfig::Validate() const {
   return Status::Ok();
 }
 
+float ModelConfig::AttentionScale() const {
+  return attention_scale > 0.0f ? attention_scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
+}
+
 std::string ModelConfig::Describe() const {
   std::ostringstream out;
   out << "model:          " << (name.empty() ? "(unnamed)" : name) << " (" << architecture << ")\n"
@@ -556,7 +630,17 @@ std::string ModelConfig::Describe() const {
       break;
   }
   if (qk_norm) out << "\nq/k norm:       " << (qk_norm_per_head ? "per head" : "over all of q and all of k");
-  if (sliding_window > 0) out << "\nsliding window: " << sliding_window << " tokens, every layer";
+  if (sliding_window > 0) {
+    out << "\nsliding window: " << sliding_window << " tokens, "
+        << (global_layer_interval > 0 ? "global attention every " + std::to_string(global_layer_interval) + "th layer"
+                                      : std::string("every layer"));
+  }
+  if (mlp_activation == MlpActivation::kGeluTanh) out << "\nmlp:            GeGLU (tanh GELU)";
+  if (sandwich_norms) out << "\nnorms:          before and after attention and MLP";
+  if (attention_scale > 0.0f) out << "\nattn scale:     " << attention_scale;
+  if (attn_logit_softcap > 0.0f) out << "\nsoftcap:        attention " << attn_logit_softcap;
+  if (final_logit_softcap > 0.0f) out << "\nsoftcap:        logits " << final_logit_softcap;
+  if (embedding_scale != 1.0f) out << "\nembed scale:    " << embedding_scale;
   if (num_experts > 0) {
     out << "\nexperts:        " << experts_per_token << " of " << num_experts << " per token, "
         << expert_intermediate_size << " wide" << (norm_topk_prob ? " (weights renormalized)" : "");

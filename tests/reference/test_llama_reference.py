@@ -100,11 +100,17 @@ def ids(tokens):
 
 def hf_logits(model, prompts):
     with torch.no_grad():
-        return [model(ids(p)).logits[0].float().cpu().numpy() for p in prompts]
+        return [model(ids(p), use_cache=False).logits[0].float().cpu().numpy() for p in prompts]
 
 
 def hf_greedy(model, prompt, n):
     tokens = []
+    if model.config.model_type == "gemma2":
+        # Gemma-2 outside generate() sizes its HybridCache to the prompt: decode without a cache.
+        with torch.no_grad():
+            for _ in range(n):
+                tokens.append(int(model(ids(prompt + tokens), use_cache=False).logits[0, -1].argmax()))
+        return tokens
     with torch.no_grad():
         out = model(ids(prompt), use_cache=True)
         for _ in range(n):
@@ -126,7 +132,7 @@ def greedy_agreement(model, prompt, ours, ref, tie_tol=None):
     if first is None:
         return False, f"greedy: {len(ours)} tokens, expected {len(ref)}"
     with torch.no_grad():
-        logits = model(ids(prompt + ref[:first])).logits[0, -1].double()
+        logits = model(ids(prompt + ref[:first]), use_cache=False).logits[0, -1].double()
     gap = float(logits[ref[first]] - logits[ours[first]])
     where = f"DIFFER at {first} (hf logit gap {gap:.3g} between hf's token {ref[first]} and kvflow's {ours[first]})"
     if tie_tol is not None and gap <= tie_tol:
@@ -275,6 +281,14 @@ TINY_CONFIGS = {
     "phi3_swa": dict(family="phi3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=4, vocab_size=233, tie_word_embeddings=False,
                      pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=19),
+    # Gemma-2 (Gemma2ForCausalLM): GeGLU, sqrt(hidden)-scaled tied embeddings, (1 + w) norms before
+    # and after attention and MLP, the softmax scale from query_pre_attn_scalar (not head_dim), a
+    # window of 11 on the even layers, and soft-capping that bites (scores at 2: the real model's 50
+    # barely touches random weights; logits at its 30).
+    "gemma2": dict(family="gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=241,
+                   query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+                   sliding_window=11, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2),
     # Mixtral (MixtralForCausalLM): 2 of 4 SwiGLU experts per token, renormalized router weights.
     "mixtral_moe": dict(family="mixtral", hidden_size=96, intermediate_size=112, num_hidden_layers=2,
                         num_attention_heads=6, num_key_value_heads=2, vocab_size=211, tie_word_embeddings=False,
@@ -295,7 +309,7 @@ TINY_CONFIGS = {
 
 def tiny_model(kw, seed):
     """The tiny HF model of a TINY_CONFIGS entry (its family's config and class), randomized."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
                               OlmoeConfig, OlmoeForCausalLM, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen2MoeConfig, Qwen2MoeForCausalLM)
     kw = dict(kw)
@@ -303,11 +317,14 @@ def tiny_model(kw, seed):
     config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
                                  "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                                  "mistral": (MistralConfig, MistralForCausalLM),
+                                 "gemma2": (Gemma2Config, Gemma2ForCausalLM),
                                  "phi3": (Phi3Config, Phi3ForCausalLM),
                                  "mixtral": (MixtralConfig, MixtralForCausalLM),
                                  "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM),
                                  "olmoe": (OlmoeConfig, OlmoeForCausalLM)}[family]
     config = config_class(max_position_embeddings=512, rms_norm_eps=1e-5, **kw)
+    if family == "gemma2":
+        config._attn_implementation = "eager"  # HF's SDPA path drops Gemma-2's soft-capping
     torch.manual_seed(seed)
     model = model_class(config).eval()
     randomize(model, seed=100 + seed)
@@ -330,7 +347,8 @@ GPU_TINY = {"gqa_untied": (64, 16), "mha_tied": (128, 8), "mqa_llama3_rope_shard
 
 
 # What the CUDA backend refuses (and says so) rather than runs.
-GPU_REFUSED = {"mixtral_moe": "the CUDA backend does not run mixtures of experts yet",
+GPU_REFUSED = {"gemma2": "the CUDA backend does not run Gemma-2 yet",
+               "mixtral_moe": "the CUDA backend does not run mixtures of experts yet",
                "qwen2moe": "the CUDA backend does not run mixtures of experts yet",
                "olmoe": "the CUDA backend does not run mixtures of experts yet"}
 
@@ -396,6 +414,14 @@ def check_tiny_gpu(args):
     return 0 if ok else 1
 
 
+def set_sliding_window(model, window):
+    """The window HF's attention masks with (None: none). Gemma-2's layers keep their own copy."""
+    model.config.sliding_window = window
+    for layer in model.model.layers:
+        if hasattr(layer, "is_sliding"):
+            layer.sliding_window = window if window is not None else 10 ** 9
+
+
 def check_tiny(args):
     rng = np.random.default_rng(7)
     worst = 0.0
@@ -423,9 +449,9 @@ def check_tiny(args):
         biases = ""
         if windowed:
             # The window must matter far beyond the tolerance, or the comparison proves nothing.
-            model.config.sliding_window = None
+            set_sliding_window(model, None)
             moved = max(float(np.abs(a - b).max()) for a, b in zip(hf_logits(model, prompts), ref))
-            model.config.sliding_window = window
+            set_sliding_window(model, window)
             verdicts = [greedy_agreement(model, p, g, hf_greedy(model, p, 32), tie_tol=1e-3)
                         for p, g in zip(prompts, greedy)]
             identical = sum(v[1].endswith("identical") for v in verdicts)
@@ -433,6 +459,16 @@ def check_tiny(args):
                       f"greedy32 identical {identical}/{len(prompts)})")
             if moved < 100 * 1e-3 or not all(v[0] for v in verdicts):
                 status, ok = "FAIL (the window barely matters or greedy parts)", False
+        if config.model_type == "gemma2":
+            # So must each soft cap.
+            for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+                value = getattr(model.config, cap)
+                setattr(model.config, cap, None)
+                moved = max(float(np.abs(a - b).max()) for a, b in zip(hf_logits(model, prompts), ref))
+                setattr(model.config, cap, value)
+                biases += f" (without {cap} {moved:.2f})"
+                if moved < 100 * 1e-3:
+                    status, ok = f"FAIL ({cap} barely matters)", False
         if has_biases(config):
             # The biases must matter far beyond the tolerance, or the comparison proves nothing.
             with torch.no_grad():

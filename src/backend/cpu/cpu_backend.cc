@@ -187,7 +187,12 @@ int64_t CpuBackend::Width(Activation which) const { return ActivationWidth(confi
 
 const std::vector<float>& CpuBackend::Norm(int layer, LayerWeight which) const {
   const LlamaLayerWeights& w = weights_.layers[static_cast<size_t>(layer)];
-  return which == LayerWeight::kFfnNorm ? w.ffn_norm : w.attn_norm;
+  switch (which) {
+    case LayerWeight::kFfnNorm: return w.ffn_norm;
+    case LayerWeight::kPostAttnNorm: return w.post_attn_norm;
+    case LayerWeight::kPostFfnNorm: return w.post_ffn_norm;
+    default: return w.attn_norm;
+  }
 }
 
 const WeightMatrix& CpuBackend::Matrix(int layer, LayerWeight which) const {
@@ -198,7 +203,9 @@ const WeightMatrix& CpuBackend::Matrix(int layer, LayerWeight which) const {
     case LayerWeight::kGateUp: return w.w_gate_up;
     case LayerWeight::kDown: return w.w_down;
     case LayerWeight::kAttnNorm:
-    case LayerWeight::kFfnNorm: break;
+    case LayerWeight::kFfnNorm:
+    case LayerWeight::kPostAttnNorm:
+    case LayerWeight::kPostFfnNorm: break;
   }
   throw std::logic_error("CpuBackend::Matrix: a norm is not a matrix");
 }
@@ -211,7 +218,9 @@ const std::vector<float>& CpuBackend::Bias(int layer, LayerWeight which) const {
     case LayerWeight::kGateUp: return w.b_gate_up;
     case LayerWeight::kDown: return w.b_down;
     case LayerWeight::kAttnNorm:
-    case LayerWeight::kFfnNorm: break;
+    case LayerWeight::kFfnNorm:
+    case LayerWeight::kPostAttnNorm:
+    case LayerWeight::kPostFfnNorm: break;
   }
   throw std::logic_error("CpuBackend::Bias: a norm has no bias");
 }
@@ -246,6 +255,9 @@ Status CpuBackend::Embed() {
   const int64_t H = config_.hidden_size;
   for (int64_t t = 0; t < num_tokens_; ++t) {
     weights_.embed.DequantizeRow(batch_->tokens[static_cast<size_t>(t)], &residual_[t * H]);
+  }
+  if (config_.embedding_scale != 1.0f) {
+    for (float& x : residual_) x *= config_.embedding_scale;
   }
   return Status::Ok();
 }
@@ -507,8 +519,9 @@ void CpuBackend::RunAttention(int layer, std::span<const std::vector<int64_t>> v
   io.query_row_stride = Width(Activation::kQkv);
   io.out = attention_.data();
   io.out_row_stride = Width(Activation::kAttention);
-  io.window = config_.sliding_window;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+  io.window = config_.LayerWindow(layer);
+  io.softcap = config_.attn_logit_softcap;
+  const float scale = config_.AttentionScale();
   // An offloaded pool's attention reads the layer's staging buffer (EnsureStaged filled it).
   const bool staged = staged_step();
   cpu::PagedAttention(*batch_, view_slots, layout_, config_.num_heads, io, kv_element_,
@@ -628,6 +641,22 @@ Status CpuBackend::SiluMul() {
   return Status::Ok();
 }
 
+Status CpuBackend::GeluTanhMul() {
+  cpu::GeluTanhMul(gate_up_.data(), mlp_.data(), num_tokens_, config_.intermediate_size);
+  return Status::Ok();
+}
+
+Status CpuBackend::NormDelta(int layer, LayerWeight norm) {
+  if (norm != LayerWeight::kPostAttnNorm && norm != LayerWeight::kPostFfnNorm) {
+    return Status::InvalidArgument("NormDelta takes a post-attention or post-MLP norm");
+  }
+  if (!config_.sandwich_norms) return NotSupported("post-attention and post-MLP norms in this model");
+  // In place: RmsNorm reads each row whole before it writes it.
+  cpu::RmsNorm(delta_.data(), Norm(layer, norm).data(), delta_.data(), num_tokens_, config_.hidden_size,
+               config_.rms_norm_eps);
+  return Status::Ok();
+}
+
 Status CpuBackend::AddDelta() {
   const int64_t n = num_tokens_ * config_.hidden_size;
   for (int64_t i = 0; i < n; ++i) residual_[i] += delta_[i];
@@ -650,6 +679,10 @@ Status CpuBackend::Head(const LogitsSink& sink) {
   }
   cpu::RmsNorm(final_rows_.data(), weights_.final_norm.data(), final_rows_.data(), rows, H, config_.rms_norm_eps);
   Matmul(weights_.output_matrix(), final_rows_.data(), rows, sink.host->data());
+  if (const float cap = config_.final_logit_softcap; cap > 0.0f) {
+    float* logits = sink.host->data();
+    for (int64_t i = 0; i < rows * config_.vocab_size; ++i) logits[i] = cap * std::tanh(logits[i] / cap);
+  }
   return Status::Ok();
 }
 

@@ -42,6 +42,8 @@ class CpuBackend final : public Backend, public KvBlockScoring, public Offloaded
   Status Attention(int layer) override;
   Status AttentionOverSelection(int layer, std::span<const KvHeadSelection> selection) override;
   Status SiluMul() override;
+  Status GeluTanhMul() override;
+  Status NormDelta(int layer, LayerWeight norm) override;
   Status MoeMlp(int layer) override;
   Status AddDelta() override;
 

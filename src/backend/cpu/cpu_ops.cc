@@ -82,6 +82,22 @@ void SiluMul(const float* gate_up, float* out, int64_t rows, int64_t n) {
   }, 0, rows * n > 16384 ? 2 : rows + 1);
 }
 
+void GeluTanhMul(const float* gate_up, float* out, int64_t rows, int64_t n) {
+  // PyTorch's gelu(approximate="tanh"): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  ParallelFor(rows, [&](int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* g = gate_up + r * 2 * n;
+    const float* u = g + n;
+    float* o = out + r * n;
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = g[i];
+      o[i] = 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x))) * u[i];
+    }
+  }
+  }, 0, rows * n > 16384 ? 2 : rows + 1);
+}
+
 void InitBlas() { openblas_set_num_threads(1); }
 
 }  // namespace kvflow::cpu

@@ -22,6 +22,8 @@ void HeadRmsNorm(float* x, int64_t row_stride, int64_t first, int64_t rows, int6
 
 // out[r, i] = silu(gate_up[r, i]) * gate_up[r, n + i]: gate and up halves side by side per row.
 void SiluMul(const float* gate_up, float* out, int64_t rows, int64_t n);
+// The same with PyTorch's tanh-approximated GELU (GeGLU, Gemma's gelu_pytorch_tanh).
+void GeluTanhMul(const float* gate_up, float* out, int64_t rows, int64_t n);
 
 // OpenBLAS runs single-threaded inside our pool's threads (its own threads would compete).
 void InitBlas();

@@ -211,6 +211,7 @@ struct AttentionContext {
   const AttentionKernels& kernels;
   bool per_head_views;  // view_slots holds one list per (slice, KV head)
   int32_t window;       // AttentionIo::window
+  float softcap;        // AttentionIo::softcap
 
   // The first view entry a token that sees `visible` entries attends to.
   int32_t FirstKey(int32_t visible) const { return window > 0 ? std::max(0, visible - window) : 0; }
@@ -288,6 +289,9 @@ void AttendPartition(const AttentionContext<T>& c, const Tile& tile, int kv_head
         std::fill(s, s + kChunk, 0.0f);  // sees nothing here: adds nothing
         continue;
       }
+      if (c.softcap > 0.0f) {
+        for (int j = 0; j < n; ++j) s[j] = c.softcap * std::tanh(s[j] / c.softcap);
+      }
       if (first > 0) std::fill(s, s + first, -INFINITY);
       std::fill(s + std::min<int32_t>(visible, n), s + kChunk, -INFINITY);
       const float new_max = std::max(state.max[r], c.kernels.row_max(s, kChunk));
@@ -335,7 +339,7 @@ void Attention(const ForwardBatch& batch, std::span<const std::vector<int64_t>> 
   }
   if (io.window < 0) throw std::invalid_argument("PagedAttention: a negative sliding window");
   const AttentionContext<T> c{batch,       view_slots, layout, num_heads, group, io, key_cache, value_cache, scale,
-                              SelectAttentionKernels(D), per_head, io.window};
+                              SelectAttentionKernels(D), per_head, io.window, io.softcap};
   if (per_head) {
     for (size_t s = 0; s < batch.seqs.size(); ++s) {
       for (int h = 1; h < KV; ++h) {

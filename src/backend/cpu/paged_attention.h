@@ -54,6 +54,8 @@ struct AttentionIo {
   // [e - window + 1, e]. Entries before every query's window are never read (their slots may be
   // -1: blocks released from the window).
   int32_t window = 0;
+  // > 0: scaled scores soft-capped, s -> softcap * tanh(s / softcap), before the mask (Gemma-2).
+  float softcap = 0.0f;
 };
 
 // Attention of every new token over its sequence's KV view (which already holds the token's own

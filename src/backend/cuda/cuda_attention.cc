@@ -68,6 +68,7 @@ Status CudaBackend::WriteKv(int layer) {
 
 Status CudaBackend::Attention(int layer) {
   if (batch_ != nullptr) KVFLOW_RETURN_IF_ERROR(CheckSlidingWindowViews(*batch_, config_));
+  attention_window_ = config_.LayerWindow(layer);
   const StepMetadata& m = device_meta_;
   const size_t layer_bytes = layout_.layer_stride() * cuda::DTypeSize(dtype_);
   const char* key_cache = key_pool_ + layer * layer_bytes;
@@ -129,8 +130,8 @@ void CudaBackend::FillAttentionArgs(Args& a, const int32_t* tables, int table_st
   a.num_kv_heads = config_.num_kv_heads;
   a.head_dim = config_.head_dim;
   a.block_size = layout_.block_size;
-  a.scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
-  a.window = config_.sliding_window;
+  a.scale = config_.AttentionScale();
+  a.window = attention_window_;
   a.key_cache = keys;
   a.value_cache = values;
   a.block_tables = tables;

@@ -104,6 +104,12 @@ Status CudaBackend::Init(const LlamaWeights* weights, uint64_t random_seed) {
     return Status::Unsupported("the CUDA backend does not run mixtures of experts yet (" + config_.architecture + ", " +
                                std::to_string(config_.num_experts) + " experts); use --device cpu");
   }
+  if (config_.sandwich_norms || config_.mlp_activation != MlpActivation::kSilu || config_.attn_logit_softcap > 0.0f ||
+      config_.final_logit_softcap > 0.0f || config_.embedding_scale != 1.0f || config_.global_layer_interval > 0) {
+    return Status::Unsupported("the CUDA backend does not run " + config_.architecture +
+                               " yet (sandwich norms, GeGLU, soft-capping, scaled embeddings, alternating sliding "
+                               "windows); use --device cpu");
+  }
   if (cuda::DeviceCount() == 0) {
     return Status::Unsupported("no CUDA GPU is available: " + cuda::DeviceDescription(0));
   }

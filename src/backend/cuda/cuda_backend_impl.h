@@ -447,6 +447,7 @@ class CudaBackend final : public Backend,
   cudaEvent_t block_meta_copied_ = nullptr;
   bool in_step_ = false;  // inside RunStep: ScoreKvBlocks reads the step's Q
   const ForwardBatch* batch_ = nullptr;  // the step's batch, inside RunStep
+  int attention_window_ = 0;             // the sliding window of the layer Attention runs
 
   // Token selections (AttentionOverSelection): the gathered K and V of one call's selections,
   // selection_blocks_ blocks each laid out like a pool layer, grown on demand; and the identity

@@ -180,6 +180,8 @@ const void* CudaBackend::LayerWeightPtr(int layer, LayerWeight which) const {
     case LayerWeight::kFfnNorm: return w.ffn_norm;
     case LayerWeight::kGateUp: return w.w_gate_up;
     case LayerWeight::kDown: return w.w_down;
+    case LayerWeight::kPostAttnNorm:
+    case LayerWeight::kPostFfnNorm: break;  // Init refuses sandwich norms
   }
   return nullptr;
 }
@@ -192,7 +194,9 @@ const float* CudaBackend::LayerBiasPtr(int layer, LayerWeight which) const {
     case LayerWeight::kGateUp: return w.b_gate_up;
     case LayerWeight::kDown: return w.b_down;
     case LayerWeight::kAttnNorm:
-    case LayerWeight::kFfnNorm: break;
+    case LayerWeight::kFfnNorm:
+    case LayerWeight::kPostAttnNorm:
+    case LayerWeight::kPostFfnNorm: break;
   }
   return nullptr;
 }
