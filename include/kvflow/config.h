@@ -32,7 +32,7 @@ struct RopeScaling {
 enum class MlpActivation { kSilu, kGeluTanh };
 
 struct ModelConfig {
-  // llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe, olmoe, gemma2
+  // llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe, olmoe, gemma2, gemma3
   std::string architecture = "llama";
   std::string name;
   int vocab_size = 0;
@@ -46,9 +46,12 @@ struct ModelConfig {
   // Sliding-window attention (Mistral, Phi-3: every layer; Gemma-2: every other one): the query at
   // position p attends to keys p - sliding_window + 1 .. p, as Hugging Face's mask does; 0: to the
   // whole context. With global_layer_interval > 0, layer i attends to the whole context when
-  // (i + 1) % global_layer_interval == 0 (Gemma-2: 2, its odd layers).
+  // (i + 1) % global_layer_interval == 0 (Gemma-2: 2, its odd layers; Gemma-3: 6).
   int sliding_window = 0;
   int global_layer_interval = 0;
+  // > 0: the sliding-window layers' RoPE base, without rope_scaling, while the global layers keep
+  // rope_theta and rope_scaling (Gemma-3's rope_local_base_freq).
+  float local_rope_theta = 0.0f;
   float rms_norm_eps = 1e-5f;
   float rope_theta = 10000.0f;
   RopeScaling rope_scaling;
@@ -74,7 +77,7 @@ struct ModelConfig {
   // over all of q and one over all of k (weights of heads * head_dim and kv_heads * head_dim: OLMoE).
   bool qk_norm = false;
   bool qk_norm_per_head = true;
-  // Gemma-2's departures from Llama. The softmax scale of q.k (0: 1 / sqrt(head_dim); Gemma:
+  // Gemma-2's (and Gemma-3's) departures from Llama. The softmax scale of q.k (0: 1 / sqrt(head_dim); Gemma:
   // query_pre_attn_scalar^-0.5); attention scores and final logits soft-capped, x -> cap *
   // tanh(x / cap), where the caps are > 0; embedding rows scaled by embedding_scale; the attention's
   // and the MLP's outputs each RMSNormed before they join the residual stream (sandwich_norms); the
@@ -89,8 +92,10 @@ struct ModelConfig {
   std::vector<int> eos_token_ids;
 
   // The sliding window of `layer`'s attention (0: the whole context).
-  int LayerWindow(int layer) const {
-    return global_layer_interval > 0 && (layer + 1) % global_layer_interval == 0 ? 0 : sliding_window;
+  int LayerWindow(int layer) const { return IsGlobalLayer(layer) ? 0 : sliding_window; }
+  // Whether `layer` is one of the global layers between the sliding ones (global_layer_interval).
+  bool IsGlobalLayer(int layer) const {
+    return global_layer_interval > 0 && (layer + 1) % global_layer_interval == 0;
   }
   // The window every layer attends through (0 when some layer attends globally): only then may the
   // blocks behind it be released.

@@ -412,7 +412,7 @@ class Backend {
   // weights (ModelConfig::qk_norm: Qwen3), before Rotary.
   virtual Status QkNorm(int layer) = 0;
   // Rotates the Q and K heads of kQkv at the step's positions.
-  virtual Status Rotary() = 0;
+  virtual Status Rotary(int layer) = 0;
   // Writes the K and V heads of kQkv into the layer's pools at the step's slots.
   virtual Status WriteKv(int layer) = 0;
   // kAttention = attention of the Q heads of kQkv over each sequence's KV view.

@@ -37,7 +37,7 @@ Status LlamaModel::Layers(const ForwardBatch& batch) {
     KVFLOW_RETURN_IF_ERROR(b.RmsNorm(layer, LayerWeight::kAttnNorm, /*add_delta=*/layer > 0));
     KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kQkv, Activation::kHidden, Activation::kQkv));
     if (qk_norm) KVFLOW_RETURN_IF_ERROR(b.QkNorm(layer));
-    KVFLOW_RETURN_IF_ERROR(b.Rotary());
+    KVFLOW_RETURN_IF_ERROR(b.Rotary(layer));
     KVFLOW_RETURN_IF_ERROR(b.WriteKv(layer));
     const LayerContext ctx{layer, batch, b};
     if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->BeforeAttention(ctx));

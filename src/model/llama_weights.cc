@@ -357,7 +357,7 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
   KVFLOW_RETURN_IF_ERROR(r.ReadRows("model.embed_tokens.weight", "token_embd.weight", V, H, w.embed));
   KVFLOW_RETURN_IF_ERROR(r.ReadVector("model.norm.weight", "output_norm.weight", H, w.final_norm));
   // Gemma's RMSNorms scale by (1 + w): HF checkpoints store w, llama.cpp's GGUFs 1 + w already.
-  const bool norm_plus_one = c.architecture == "gemma2" && !gguf;
+  const bool norm_plus_one = c.architecture.starts_with("gemma") && !gguf;
   auto plus_one = [norm_plus_one](std::vector<float>& norm) {
     if (norm_plus_one) {
       for (float& x : norm) x += 1.0f;  // in fp32, as HF's (1.0 + self.weight.float())
@@ -424,6 +424,8 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
       const int64_t q_norm = c.qk_norm_per_head ? D : q_rows, k_norm = c.qk_norm_per_head ? D : kv_rows;
       KVFLOW_RETURN_IF_ERROR(r.ReadVector(hf + "self_attn.q_norm.weight", gg + "attn_q_norm.weight", q_norm, l.q_norm));
       KVFLOW_RETURN_IF_ERROR(r.ReadVector(hf + "self_attn.k_norm.weight", gg + "attn_k_norm.weight", k_norm, l.k_norm));
+      plus_one(l.q_norm);  // Gemma-3's q/k norms are (1 + w) too
+      plus_one(l.k_norm);
     }
   }
   if (const std::vector<std::string> unused = r.Unused(); !unused.empty()) {

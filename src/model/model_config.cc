@@ -16,11 +16,13 @@ namespace {
 
 using nlohmann::json;
 
-constexpr const char* kArchitectures = "llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe, olmoe, gemma2";
+constexpr const char* kArchitectures =
+    "llama, mistral, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe, olmoe, gemma2, gemma3";
 
 bool IsSupportedArchitecture(const std::string& arch) {
   return arch == "llama" || arch == "mistral" || arch == "qwen2" || arch == "qwen3" || arch == "phi3" ||
-         arch == "mixtral" || arch == "qwen2moe" || arch == "qwen3moe" || arch == "olmoe" || arch == "gemma2";
+         arch == "mixtral" || arch == "qwen2moe" || arch == "qwen3moe" || arch == "olmoe" || arch == "gemma2" ||
+         arch == "gemma3";
 }
 
 // HF's class name of each architecture kvflow runs.
@@ -37,7 +39,8 @@ constexpr HfArchitecture kHfArchitectures[] = {{"LlamaForCausalLM", "llama"},
                                                {"Qwen2MoeForCausalLM", "qwen2moe"},
                                                {"Qwen3MoeForCausalLM", "qwen3moe"},
                                                {"OlmoeForCausalLM", "olmoe"},
-                                               {"Gemma2ForCausalLM", "gemma2"}};
+                                               {"Gemma2ForCausalLM", "gemma2"},
+                                               {"Gemma3ForCausalLM", "gemma3"}};
 
 const char* RopeScalingName(RopeScaling::Type t) {
   switch (t) {
@@ -190,11 +193,14 @@ Status CheckHfArchitecture(const JsonFields& config, const std::string& path, Mo
   return Status::Ok();
 }
 
-// Gemma-2 (Gemma2ForCausalLM): GeGLU with the tanh GELU, sqrt(hidden)-scaled embeddings, (1 + w)
-// norms around attention and MLP both, the softmax scale from query_pre_attn_scalar, soft-capped
-// attention scores and logits, and a sliding window on its even layers. Ties its embeddings unless
-// told otherwise.
-Status ReadHfGemma2Fields(const JsonFields& fields, const std::string& path, ModelConfig* c) {
+// Gemma-2 (Gemma2ForCausalLM) and Gemma-3's text model (Gemma3ForCausalLM): GeGLU with the tanh
+// GELU, sqrt(hidden)-scaled embeddings, (1 + w) norms around attention and MLP both, the softmax
+// scale from query_pre_attn_scalar, and a sliding window on all layers but every 2nd (Gemma-2) or
+// 6th (Gemma-3). Gemma-2 soft-caps attention scores and logits; Gemma-3 norms q and k per head and
+// gives its sliding layers a RoPE base of their own. Both tie their embeddings unless told
+// otherwise. The defaults are Gemma2Config's and Gemma3TextConfig's.
+Status ReadHfGemmaFields(const JsonFields& fields, const std::string& path, ModelConfig* c) {
+  const bool gemma3 = c->architecture == "gemma3";
   for (const char* key : {"hidden_activation", "hidden_act"}) {
     const json* act = fields.Get(key);
     if (act != nullptr && *act != "gelu_pytorch_tanh") {
@@ -203,14 +209,37 @@ Status ReadHfGemma2Fields(const JsonFields& fields, const std::string& path, Mod
   }
   bool attention_bias = false;
   KVFLOW_RETURN_IF_ERROR(fields.Bool("attention_bias", &attention_bias));
-  if (attention_bias) return Status::Unsupported(path + ": attention_bias in a Gemma-2 model");
+  if (attention_bias) return Status::Unsupported(path + ": attention_bias in a " + c->architecture + " model");
   c->mlp_activation = MlpActivation::kGeluTanh;
   c->sandwich_norms = true;
   c->embedding_scale = static_cast<float>(std::sqrt(static_cast<double>(c->hidden_size)));
-  float query_pre_attn_scalar = 224.0f;  // Gemma2Config's defaults
-  c->attn_logit_softcap = 50.0f;
-  c->final_logit_softcap = 30.0f;
+  float query_pre_attn_scalar = gemma3 ? 256.0f : 224.0f;
+  c->attn_logit_softcap = gemma3 ? 0.0f : 50.0f;
+  c->final_logit_softcap = gemma3 ? 0.0f : 30.0f;
   int window = 4096;
+  int pattern = gemma3 ? 6 : 2;
+  if (gemma3) {
+    c->qk_norm = true;
+    c->qk_norm_per_head = true;
+    c->local_rope_theta = 10000.0f;
+    KVFLOW_RETURN_IF_ERROR(fields.Float("rope_local_base_freq", &c->local_rope_theta));
+    if (!(c->local_rope_theta > 0.0f)) return Status::CorruptFile(path + ": rope_local_base_freq must be positive");
+    KVFLOW_RETURN_IF_ERROR(fields.Int("sliding_window_pattern", &pattern));
+    if (pattern < 1) return Status::CorruptFile(path + ": sliding_window_pattern must be positive");
+    // Newer configs list each layer's kind: kvflow runs the periodic pattern only.
+    if (const json* types = fields.Get("layer_types")) {
+      if (!types->is_array() || static_cast<int>(types->size()) != c->num_layers) {
+        return Status::CorruptFile(path + ": layer_types is not one entry per layer");
+      }
+      for (int i = 0; i < c->num_layers; ++i) {
+        const std::string want = (i + 1) % pattern == 0 ? "full_attention" : "sliding_attention";
+        if ((*types)[static_cast<size_t>(i)] != want) {
+          return Status::Unsupported(path + ": layer_types other than a full-attention layer every " +
+                                     std::to_string(pattern) + " (layer " + std::to_string(i) + ")");
+        }
+      }
+    }
+  }
   KVFLOW_RETURN_IF_ERROR(fields.Float("query_pre_attn_scalar", &query_pre_attn_scalar));
   if (!(query_pre_attn_scalar > 0.0f)) return Status::CorruptFile(path + ": query_pre_attn_scalar must be positive");
   c->attention_scale = 1.0f / std::sqrt(query_pre_attn_scalar);
@@ -227,16 +256,16 @@ Status ReadHfGemma2Fields(const JsonFields& fields, const std::string& path, Mod
   if (fields.Get("sliding_window") == nullptr && fields.Has("sliding_window")) window = 0;
   KVFLOW_RETURN_IF_ERROR(fields.Int("sliding_window", &window));
   if (window < 0) return Status::CorruptFile(path + ": negative sliding_window");
-  // A window as long as the context changes nothing.
+  // A window as long as the context changes nothing (Gemma-3's local RoPE base still applies).
   c->sliding_window = window < c->max_position_embeddings ? window : 0;
-  c->global_layer_interval = c->sliding_window > 0 ? 2 : 0;  // layer i slides when i is even
+  c->global_layer_interval = pattern;
   return Status::Ok();
 }
 
 // What each family's modeling code takes from its config beyond the Llama shape: which biases the
 // projections have, whether q and k are normed, and the activation (every family here: SiLU).
 Status ReadHfFamilyFields(const JsonFields& fields, const std::string& path, ModelConfig* c) {
-  if (c->architecture == "gemma2") return ReadHfGemma2Fields(fields, path, c);
+  if (c->architecture == "gemma2" || c->architecture == "gemma3") return ReadHfGemmaFields(fields, path, c);
   const json* act = fields.Get("hidden_act");
   if (act != nullptr && *act != "silu") {
     return Status::Unsupported(path + ": hidden_act " + act->dump() + " is not supported (silu)");
@@ -342,7 +371,7 @@ Result<ModelConfig> ModelConfigFromHfJson(const std::string& path) {
     KVFLOW_RETURN_IF_ERROR(fields.Float("rms_norm_eps", &c.rms_norm_eps));
     KVFLOW_RETURN_IF_ERROR(fields.Float("rope_theta", &c.rope_theta));
     KVFLOW_RETURN_IF_ERROR(ReadHfRopeScaling(fields, path, &c));
-    c.tie_word_embeddings = c.architecture == "gemma2";  // the families' config defaults
+    c.tie_word_embeddings = c.architecture.starts_with("gemma");  // the families' config defaults
     KVFLOW_RETURN_IF_ERROR(fields.Bool("tie_word_embeddings", &c.tie_word_embeddings));
     KVFLOW_RETURN_IF_ERROR(fields.Int("bos_token_id", &c.bos_token_id));
     KVFLOW_RETURN_IF_ERROR(fields.IntList("eos_token_id", &c.eos_token_ids));
@@ -438,20 +467,25 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& gguf) {
     // As Hugging Face's mask for the model (llama.cpp runs Phi-3 without its window).
     if (window > 0 && window < c.max_position_embeddings) c.sliding_window = window;
   }
-  if (c.architecture == "gemma2") {
-    // As llama.cpp reads Gemma-2 (its defaults where a key is absent). The softmax scale is not in
-    // the file: query_pre_attn_scalar is the head size, but hidden / heads for the 27B (46 layers).
+  if (c.architecture == "gemma2" || c.architecture == "gemma3") {
+    // As llama.cpp reads Gemma-2 and Gemma-3 (its values where the file has no key). The softmax
+    // scale is not in the file: query_pre_attn_scalar is the head size, but hidden / heads for the
+    // 27Bs (Gemma-2: 46 layers, Gemma-3: 62). Gemma-3: a global layer every 6, the sliding layers'
+    // RoPE base 10000 without scaling, no soft-capping.
+    const bool gemma3 = c.architecture == "gemma3";
     c.mlp_activation = MlpActivation::kGeluTanh;
     c.sandwich_norms = true;
     c.embedding_scale = static_cast<float>(std::sqrt(static_cast<double>(c.hidden_size)));
-    c.attn_logit_softcap = 50.0f;
-    c.final_logit_softcap = 30.0f;
+    c.attn_logit_softcap = gemma3 ? 0.0f : 50.0f;
+    c.final_logit_softcap = gemma3 ? 0.0f : 30.0f;
     KVFLOW_RETURN_IF_ERROR(read_float(arch + "attn_logit_softcapping", &c.attn_logit_softcap));
     KVFLOW_RETURN_IF_ERROR(read_float(arch + "final_logit_softcapping", &c.final_logit_softcap));
-    const int scalar = c.num_layers == 46 && c.num_heads > 0 ? c.hidden_size / c.num_heads : c.head_dim;
+    const bool big = c.num_layers == (gemma3 ? 62 : 46);
+    const int scalar = big && c.num_heads > 0 ? c.hidden_size / c.num_heads : c.head_dim;
     if (scalar > 0) c.attention_scale = 1.0f / std::sqrt(static_cast<float>(scalar));
     if (!gguf.Has(arch + "attention.sliding_window") && 4096 < c.max_position_embeddings) c.sliding_window = 4096;
-    c.global_layer_interval = c.sliding_window > 0 ? 2 : 0;
+    c.global_layer_interval = gemma3 ? 6 : 2;
+    if (gemma3) c.local_rope_theta = 10000.0f;
   }
   if (gguf.Find("rope_freqs.weight") != nullptr) {
     // llama.cpp bakes Llama-3.1 scaling into per-dimension factors that ModelConfig cannot carry;
@@ -499,7 +533,8 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& gguf) {
                                  " (a mixture of experts other than Mixtral's and Qwen's) is not supported yet");
     }
   }
-  const bool normed = c.architecture == "qwen3" || c.architecture == "qwen3moe" || c.architecture == "olmoe";
+  const bool normed = c.architecture == "qwen3" || c.architecture == "qwen3moe" || c.architecture == "olmoe" ||
+                      c.architecture == "gemma3";
   if (normed && !c.qk_norm) {
     return Status::CorruptFile(gguf.path() + ": a " + c.architecture + " model without attn_q_norm.weight");
   }
@@ -559,7 +594,8 @@ Status ModelConfig::Validate() const {
   if (sliding_window < 0 || global_layer_interval < 0) return invalid("sliding_window must not be negative");
   for (const auto& [name, value] : {std::pair<const char*, float>{"attention_scale", attention_scale},
                                     {"attn_logit_softcap", attn_logit_softcap},
-                                    {"final_logit_softcap", final_logit_softcap}}) {
+                                    {"final_logit_softcap", final_logit_softcap},
+                                    {"local_rope_theta", local_rope_theta}}) {
     if (!(value >= 0.0f) || !std::isfinite(value)) return invalid(std::string(name) + " must be finite and not negative");
   }
   if (!(embedding_scale > 0.0f) || !std::isfinite(embedding_scale)) return invalid("embedding_scale must be positive");
@@ -632,7 +668,7 @@ std::string ModelConfig::Describe() const {
   if (qk_norm) out << "\nq/k norm:       " << (qk_norm_per_head ? "per head" : "over all of q and all of k");
   if (sliding_window > 0) {
     out << "\nsliding window: " << sliding_window << " tokens, "
-        << (global_layer_interval > 0 ? "global attention every " + std::to_string(global_layer_interval) + "th layer"
+        << (global_layer_interval > 0 ? "global attention every " + std::to_string(global_layer_interval) + " layers"
                                       : std::string("every layer"));
   }
   if (mlp_activation == MlpActivation::kGeluTanh) out << "\nmlp:            GeGLU (tanh GELU)";
@@ -641,6 +677,7 @@ std::string ModelConfig::Describe() const {
   if (attn_logit_softcap > 0.0f) out << "\nsoftcap:        attention " << attn_logit_softcap;
   if (final_logit_softcap > 0.0f) out << "\nsoftcap:        logits " << final_logit_softcap;
   if (embedding_scale != 1.0f) out << "\nembed scale:    " << embedding_scale;
+  if (local_rope_theta > 0.0f) out << "\nlocal rope:     theta " << local_rope_theta << " on the sliding layers";
   if (num_experts > 0) {
     out << "\nexperts:        " << experts_per_token << " of " << num_experts << " per token, "
         << expert_intermediate_size << " wide" << (norm_topk_prob ? " (weights renormalized)" : "");

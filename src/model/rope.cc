@@ -52,6 +52,15 @@ float YarnScale(std::vector<double>& inv, double base, int dim, const RopeScalin
 
 }  // namespace
 
+ModelConfig LocalRopeConfig(const ModelConfig& config) {
+  ModelConfig local = config;
+  if (config.local_rope_theta > 0.0f) {
+    local.rope_theta = config.local_rope_theta;
+    local.rope_scaling = RopeScaling{};
+  }
+  return local;
+}
+
 RopeFrequencies ComputeRopeFrequencies(const ModelConfig& config) {
   const int dim = config.head_dim;
   const RopeScaling& s = config.rope_scaling;

@@ -15,6 +15,9 @@ struct RopeFrequencies {
 
 // Dynamic NTK is applied statically at max_position_embeddings * factor, as vLLM does.
 RopeFrequencies ComputeRopeFrequencies(const ModelConfig& config);
+// The config whose RoPE the sliding layers use when ModelConfig::local_rope_theta > 0 (Gemma-3):
+// that base, no scaling. Otherwise `config` itself.
+ModelConfig LocalRopeConfig(const ModelConfig& config);
 
 // Rotates one head vector in place, HF `rotate_half` convention: element i pairs with
 // i + head_dim/2.

@@ -258,6 +258,27 @@ TEST(CudaBackend, RefusesMixturesOfExperts) {
   EXPECT_NE(gpu.status().message().find("mixtures of experts"), std::string::npos) << gpu.status().ToString();
 }
 
+// Gemma-2 is refused by name, not run without its norms, GeGLU and caps.
+TEST(CudaBackend, RefusesGemma2) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  ModelConfig config;
+  TinyWeights(&config);
+  config.architecture = "gemma2";
+  config.sandwich_norms = true;
+  config.mlp_activation = MlpActivation::kGeluTanh;
+  config.attn_logit_softcap = 50.0f;
+  CudaBackendOptions o;
+  o.block_size = 16;
+  o.num_kv_blocks = 8;
+  o.max_num_seqs = 1;
+  o.max_num_batched_tokens = 16;
+  o.max_model_len = 64;
+  auto gpu = CreateCudaBackendWithRandomWeights(config, o, 1);
+  ASSERT_FALSE(gpu.ok());
+  EXPECT_EQ(gpu.status().code(), StatusCode::kUnsupported);
+  EXPECT_NE(gpu.status().message().find("gemma2"), std::string::npos) << gpu.status().ToString();
+}
+
 // The small CUDA backends the tests make: a pool of `blocks` blocks of `block_size` tokens, at most 4
 // sequences of 256 tokens, `step_tokens` tokens a step.
 CudaBackendOptions SmallCudaOptions(const std::string& dtype, int blocks, int block_size, int step_tokens) {

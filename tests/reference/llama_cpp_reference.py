@@ -2,12 +2,14 @@
 """kvflow against llama.cpp (and transformers where it has the class) on a tiny random model of each
 architecture kvflow runs, through HF safetensors and through GGUF.
 
-For each family (llama, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe, olmoe, gemma2) one tiny model with random weights is written twice: as an HF
-checkpoint (config.json + model.safetensors) and as an fp32 GGUF laid out as llama.cpp's converter
-writes it (Q/K rows permuted for llama). Then:
-  - kvflow's logits through both files, transformers' (llama, qwen2, phi3, mixtral, qwen2moe, olmoe, gemma2;
-    4.46 has no Qwen3 nor Qwen3-MoE) and
-    llama.cpp's through the GGUF (fp32 KV cache, no flash attention) agree within 1e-3;
+For each family (llama, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe, olmoe, gemma2, gemma3) one
+tiny model with random weights is written twice: as an HF checkpoint (config.json +
+model.safetensors) and as an fp32 GGUF laid out as llama.cpp's converter writes it (Q/K rows
+permuted for llama, Gemma's norms stored as 1 + w). Then:
+  - kvflow's logits through both files, transformers' (llama, qwen2, phi3, mixtral, qwen2moe, olmoe,
+    gemma2; 4.46 has no Qwen3, Qwen3-MoE nor Gemma-3) and llama.cpp's through the GGUF (fp32 KV
+    cache, no flash attention) agree within 1e-3 (5e-3 against llama.cpp for the Gemmas: ggml's CPU
+    GELU goes through an fp16 table);
   - greedy continuations of kvflow and llama.cpp on that GGUF are identical;
   - llama.cpp's llama-quantize makes a Q4_K_M of it, and kvflow (keeping the K-quant blocks, as
     --dtype auto runs it) gives llama.cpp's logits on it within 3% of their scale (each quantizes
@@ -62,8 +64,18 @@ FAMILIES = {
     # global one between two sliding ones. ggml's CPU GELU reads a table of fp16 inputs to fp16
     # outputs (GGML_GELU_FP16), so llama.cpp's fp32 logits sit about 2e-3 from transformers' (kvflow's
     # are within 2e-5 of those): against llama.cpp the tolerance is 5e-3 here.
-    "gemma2": dict(hf="Gemma2ForCausalLM", rope_theta=10000.0, qkv_bias=False, qk_norm=False, gemma2=True,
-                   layers=3, attn_softcap=5.0, final_softcap=30.0, window=16, llama_cpp_tol=5e-3),
+    "gemma2": dict(hf="Gemma2ForCausalLM", rope_theta=10000.0, qkv_bias=False, qk_norm=False, gemma=True,
+                   layers=3, attn_softcap=5.0, final_softcap=30.0, window=16, llama_cpp_tol=5e-3,
+                   must_matter={"attn_logit_softcapping": None, "final_logit_softcapping": None,
+                                "sliding_window": None, "query_pre_attn_scalar": 256}),
+    # Gemma-3's text model (transformers 4.46 has none: llama.cpp is the reference): Gemma-2's
+    # layout without soft-capping, (1 + w) q/k norms per head, a global layer every 6 (so 6 layers,
+    # the last global), the global layers' RoPE base 1e6 with linear scaling 2, the sliding ones'
+    # 10000 without scaling.
+    "gemma3": dict(hf="Gemma3ForCausalLM", rope_theta=1000000.0, qkv_bias=False, qk_norm=True, gemma=True,
+                   layers=6, window=16, local_rope_theta=10000.0, rope_linear=2.0, llama_cpp_tol=5e-3,
+                   must_matter={"rope_local_base_freq": 1000000.0, "rope_scaling": None, "sliding_window": None,
+                                "sliding_window_pattern": 1000}),
 }
 
 
@@ -108,7 +120,7 @@ def random_weights(family, seed):
     norm = lambda n, spread=0.1: (1.0 + spread * rng.standard_normal(n)).astype(np.float32)
     w = {"model.embed_tokens.weight": rng.standard_normal((V, H)).astype(np.float32),
          "model.norm.weight": norm(H), "lm_head.weight": mat(V, H)}
-    if f.get("gemma2"):  # tied embeddings, norms stored as w of (1 + w)
+    if f.get("gemma"):  # tied embeddings, norms stored as w of (1 + w)
         del w["lm_head.weight"]
         w["model.norm.weight"] -= 1.0
     for i in range(s["layers"]):
@@ -144,7 +156,7 @@ def random_weights(family, seed):
             w.update({p + "self_attn.q_proj.weight": mat(q, H), p + "self_attn.k_proj.weight": mat(kv, H),
                       p + "self_attn.v_proj.weight": mat(kv, H), p + "mlp.gate_proj.weight": mat(F, H),
                       p + "mlp.up_proj.weight": mat(F, H)})
-        if f.get("gemma2"):
+        if f.get("gemma"):
             for name in ("input_layernorm", "post_attention_layernorm"):
                 w[p + name + ".weight"] -= 1.0
             w[p + "pre_feedforward_layernorm.weight"] = norm(H) - 1.0
@@ -156,8 +168,8 @@ def random_weights(family, seed):
             w[p + "self_attn.q_norm.weight"] = norm(q, 0.3)
             w[p + "self_attn.k_norm.weight"] = norm(kv, 0.3)
         elif f["qk_norm"]:
-            w[p + "self_attn.q_norm.weight"] = norm(D, 0.3)
-            w[p + "self_attn.k_norm.weight"] = norm(D, 0.3)
+            w[p + "self_attn.q_norm.weight"] = norm(D, 0.3) - (1.0 if f.get("gemma") else 0.0)
+            w[p + "self_attn.k_norm.weight"] = norm(D, 0.3) - (1.0 if f.get("gemma") else 0.0)
     return w
 
 
@@ -173,12 +185,15 @@ def write_hf(directory, family, weights):
               "torch_dtype": "float32"}
     if family == "qwen3":
         config["attention_bias"] = False
-    if family == "gemma2":
+    if f.get("gemma"):
         del config["hidden_act"]
         config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=s["head_dim"],
-                      attn_logit_softcapping=f["attn_softcap"], final_logit_softcapping=f["final_softcap"],
+                      attn_logit_softcapping=f.get("attn_softcap"), final_logit_softcapping=f.get("final_softcap"),
                       sliding_window=f["window"], tie_word_embeddings=True, attention_bias=False,
                       pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    if family == "gemma3":
+        config.update(model_type="gemma3_text", rope_local_base_freq=f["local_rope_theta"], sliding_window_pattern=6,
+                      rope_scaling={"rope_type": "linear", "factor": f["rope_linear"]})
     if family == "phi3":
         config.update(pad_token_id=0, sliding_window=2047, original_max_position_embeddings=512)
     if family == "olmoe":  # its experts are intermediate_size wide
@@ -226,10 +241,15 @@ def write_gguf(path, family, weights):
         w.add_expert_used_count(f["experts_per_token"])
     if "expert_ffn" in f:
         w.add_expert_feed_forward_length(f["expert_ffn"])
-    if f.get("gemma2"):
+    if f.get("attn_softcap"):
         w.add_attn_logit_softcapping(f["attn_softcap"])
+    if f.get("final_softcap"):
         w.add_final_logit_softcapping(f["final_softcap"])
+    if f.get("gemma"):
         w.add_sliding_window(f["window"])
+    if f.get("rope_linear"):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(f["rope_linear"])
     if f.get("shared_ffn"):
         w.add_expert_shared_feed_forward_length(f["shared_ffn"])
     # A byte-level vocabulary: the 256 byte tokens, one merge, control tokens to the model's size.
@@ -250,11 +270,11 @@ def write_gguf(path, family, weights):
              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "self_attn.qkv_proj": "attn_qkv",
              "mlp.gate_up_proj": "ffn_up"}
-    if f.get("gemma2"):
+    if f.get("gemma"):
         names.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                       "post_feedforward_layernorm": "post_ffw_norm"})
     # Gemma's converter stores its (1 + w) norms as 1 + w.
-    norm_offset = 1.0 if f.get("gemma2") else 0.0
+    norm_offset = 1.0 if f.get("gemma") else 0.0
     w.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", weights["model.norm.weight"] + norm_offset)
     if "lm_head.weight" in weights:
@@ -279,7 +299,7 @@ def write_gguf(path, family, weights):
         module, kind = rest.rsplit(".", 1)
         if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
             value = permute(value, s["heads"] if module == "self_attn.q_proj" else s["kv_heads"])
-        if module.endswith("layernorm"):
+        if module.endswith("layernorm") or module in ("self_attn.q_norm", "self_attn.k_norm"):
             value = value + norm_offset
         w.add_tensor(f"blk.{layer}.{names[module]}.{kind}", value)
     w.write_header_to_file()
@@ -350,6 +370,23 @@ def check_family(family, seed, tools, args):
               f"(tolerance {tol:g})  {'ok' if d <= tol else 'FAIL'}")
     if ref_hf is None:
         print(f"{family:6s} fp32  transformers: no reference ({why_not})")
+    # Each config feature the family adds must move kvflow's logits far beyond the tolerance, or
+    # agreeing with the reference proves nothing about it.
+    for key, value in FAMILIES[family].get("must_matter", {}).items():
+        mutated = os.path.join(workdir, "hf_without_" + key)
+        os.makedirs(mutated, exist_ok=True)
+        config = json.load(open(os.path.join(hf_dir, "config.json")))
+        config[key] = value
+        with open(os.path.join(mutated, "config.json"), "w") as out:
+            json.dump(config, out)
+        weights_link = os.path.join(mutated, "model.safetensors")
+        if not os.path.exists(weights_link):
+            os.symlink(os.path.join(hf_dir, "model.safetensors"), weights_link)
+        moved = max_diff(run_dump(args.dump_bin, mutated, prompts, workdir)[0], ours_hf)
+        matters = moved > 100 * FAMILIES[family].get("llama_cpp_tol", F32_TOL)
+        ok &= matters
+        print(f"{family:6s} fp32  {key} = {json.dumps(value)} moves kvflow's logits by {moved:.2f}  "
+              f"{'ok' if matters else 'FAIL (it barely matters)'}")
     same = ours_greedy == lc_greedy
     ok &= same
     print(f"{family:6s} fp32  greedy {GREEDY} tokens of {len(prompts)} prompts: "

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -489,11 +490,91 @@ TEST_F(ModelConfigTest, FamiliesTakeTheirOwnFields) {
   EXPECT_EQ(st.code(), StatusCode::kUnsupported);
   EXPECT_NE(st.message().find("gelu_pytorch_tanh"), std::string::npos) << st.message();
 
+  json deepseek = LlamaConfigJson();
+  deepseek["architectures"] = {"DeepseekV3ForCausalLM"};
+  const Status refused = Parse(deepseek).status();
+  EXPECT_EQ(refused.code(), StatusCode::kUnsupported);
+  EXPECT_NE(refused.message().find("Gemma2ForCausalLM"), std::string::npos) << "names what it runs: " << refused.message();
+}
+
+// Gemma-2: Gemma2Config's defaults where the file is silent (tied embeddings, caps of 50 and 30, a
+// 4096 window on the even layers, query_pre_attn_scalar 224), null turning a cap or the window off,
+// and only its own activation.
+TEST_F(ModelConfigTest, Gemma2TakesItsConfigAndDefaults) {
   json gemma = LlamaConfigJson();
   gemma["architectures"] = {"Gemma2ForCausalLM"};
-  const Status refused = Parse(gemma).status();
-  EXPECT_EQ(refused.code(), StatusCode::kUnsupported);
-  EXPECT_NE(refused.message().find("Qwen3ForCausalLM"), std::string::npos) << "names what it runs: " << refused.message();
+  gemma.erase("tie_word_embeddings");
+  gemma.erase("rope_scaling");
+  gemma["head_dim"] = 256;
+  gemma["hidden_activation"] = "gelu_pytorch_tanh";
+  Result<ModelConfig> c = Parse(gemma);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->architecture, "gemma2");
+  EXPECT_TRUE(c->tie_word_embeddings);
+  EXPECT_TRUE(c->sandwich_norms);
+  EXPECT_EQ(c->mlp_activation, MlpActivation::kGeluTanh);
+  EXPECT_FLOAT_EQ(c->embedding_scale, std::sqrt(static_cast<float>(c->hidden_size)));
+  EXPECT_FLOAT_EQ(c->AttentionScale(), 1.0f / std::sqrt(224.0f));
+  EXPECT_EQ(c->attn_logit_softcap, 50.0f);
+  EXPECT_EQ(c->final_logit_softcap, 30.0f);
+  EXPECT_EQ(c->sliding_window, 4096);
+  EXPECT_EQ(c->LayerWindow(0), 4096);
+  EXPECT_EQ(c->LayerWindow(1), 0) << "odd layers attend globally";
+  EXPECT_EQ(c->ReleasableWindow(), 0) << "global layers need every block";
+  EXPECT_NE(c->Describe().find("GeGLU"), std::string::npos) << c->Describe();
+
+  gemma["attn_logit_softcapping"] = nullptr;
+  gemma["sliding_window"] = nullptr;
+  gemma["query_pre_attn_scalar"] = 144;
+  c = Parse(gemma);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->attn_logit_softcap, 0.0f);
+  EXPECT_EQ(c->final_logit_softcap, 30.0f);
+  EXPECT_EQ(c->sliding_window, 0);
+  EXPECT_EQ(c->LayerWindow(0), 0);
+  EXPECT_FLOAT_EQ(c->AttentionScale(), 1.0f / 12.0f);
+
+  for (const auto& [key, value] : {std::pair<const char*, json>{"hidden_activation", "gelu"},
+                                   {"attention_bias", true},
+                                   {"final_logit_softcapping", -1.0},
+                                   {"query_pre_attn_scalar", 0}}) {
+    json bad = gemma;
+    bad[key] = value;
+    EXPECT_FALSE(Parse(bad).ok()) << key;
+  }
+}
+
+// Gemma-3's text model: q/k norms per head, a global layer every 6 (or as layer_types lists them,
+// if periodic), the sliding layers' own RoPE base, no soft-capping by default.
+TEST_F(ModelConfigTest, Gemma3TakesItsConfigAndDefaults) {
+  json gemma = LlamaConfigJson();
+  gemma["architectures"] = {"Gemma3ForCausalLM"};
+  gemma["model_type"] = "gemma3_text";
+  gemma.erase("rope_scaling");
+  gemma["num_hidden_layers"] = 12;
+  gemma["sliding_window"] = 512;
+  gemma["rope_theta"] = 1000000.0;
+  gemma["rope_local_base_freq"] = 10000.0;
+  gemma["attn_logit_softcapping"] = nullptr;
+  gemma["final_logit_softcapping"] = nullptr;
+  Result<ModelConfig> c = Parse(gemma);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->architecture, "gemma3");
+  EXPECT_TRUE(c->qk_norm && c->qk_norm_per_head && c->sandwich_norms && c->tie_word_embeddings);
+  EXPECT_EQ(c->attn_logit_softcap, 0.0f);
+  EXPECT_EQ(c->final_logit_softcap, 0.0f);
+  EXPECT_EQ(c->local_rope_theta, 10000.0f);
+  EXPECT_FLOAT_EQ(c->AttentionScale(), 1.0f / 16.0f) << "query_pre_attn_scalar defaults to 256";
+  for (int layer = 0; layer < 12; ++layer) {
+    EXPECT_EQ(c->IsGlobalLayer(layer), layer == 5 || layer == 11) << layer;
+    EXPECT_EQ(c->LayerWindow(layer), c->IsGlobalLayer(layer) ? 0 : 512) << layer;
+  }
+  json types = json::array();
+  for (int layer = 0; layer < 12; ++layer) types.push_back((layer + 1) % 6 ? "sliding_attention" : "full_attention");
+  gemma["layer_types"] = types;
+  EXPECT_TRUE(Parse(gemma).ok());
+  gemma["layer_types"][3] = "full_attention";
+  EXPECT_EQ(Parse(gemma).status().code(), StatusCode::kUnsupported);
 }
 
 TEST_F(ModelConfigTest, RejectsBadConfigs) {

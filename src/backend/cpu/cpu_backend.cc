@@ -18,7 +18,11 @@
 namespace kvflow {
 
 CpuBackend::CpuBackend(const ModelConfig& config, LlamaWeights weights, const KvCacheLayout& layout)
-    : config_(config), weights_(std::move(weights)), layout_(layout), rope_(ComputeRopeFrequencies(config)) {}
+    : config_(config),
+      weights_(std::move(weights)),
+      layout_(layout),
+      rope_(ComputeRopeFrequencies(config)),
+      local_rope_(ComputeRopeFrequencies(LocalRopeConfig(config))) {}
 
 Result<std::unique_ptr<CpuBackend>> CpuBackend::Create(const ModelConfig& config, LlamaWeights weights,
                                                        const KvCacheLayout& layout, int num_host_blocks,
@@ -368,15 +372,17 @@ Status CpuBackend::QkNorm(int layer) {
   return Status::Ok();
 }
 
-Status CpuBackend::Rotary() {
+Status CpuBackend::Rotary(int layer) {
   const int64_t D = config_.head_dim, NH = config_.num_heads, KV = config_.num_kv_heads;
+  const RopeFrequencies& rope =
+      config_.local_rope_theta > 0.0f && !config_.IsGlobalLayer(layer) ? local_rope_ : rope_;
   const int64_t row = Width(Activation::kQkv);
   ParallelFor(num_tokens_, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       float* qk = &qkv_[t * row];
       const int pos = batch_->positions[static_cast<size_t>(t)];
       // Q heads, then K heads: one run of NH + KV heads.
-      for (int64_t h = 0; h < NH + KV; ++h) ApplyRope(qk + h * D, static_cast<int>(D), pos, rope_);
+      for (int64_t h = 0; h < NH + KV; ++h) ApplyRope(qk + h * D, static_cast<int>(D), pos, rope);
     }
   });
   return Status::Ok();

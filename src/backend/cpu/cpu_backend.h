@@ -37,7 +37,7 @@ class CpuBackend final : public Backend, public KvBlockScoring, public Offloaded
   Status RmsNorm(int layer, LayerWeight norm, bool add_delta) override;
   Status Linear(int layer, LayerWeight weight, Activation in, Activation out) override;
   Status QkNorm(int layer) override;
-  Status Rotary() override;
+  Status Rotary(int layer) override;
   Status WriteKv(int layer) override;
   Status Attention(int layer) override;
   Status AttentionOverSelection(int layer, std::span<const KvHeadSelection> selection) override;
@@ -120,6 +120,7 @@ class CpuBackend final : public Backend, public KvBlockScoring, public Offloaded
   // The step's parallel loops run here (made current on the stepping thread for the step).
   std::unique_ptr<ThreadPool> pool_;
   RopeFrequencies rope_;
+  RopeFrequencies local_rope_;  // the sliding layers' (ModelConfig::local_rope_theta > 0)
   // K (kv 0) or V (kv 1) pool of one layer in a tier.
   uint8_t* Pool(KvTier tier, int kv, int layer) const;
 

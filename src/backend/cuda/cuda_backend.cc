@@ -105,7 +105,8 @@ Status CudaBackend::Init(const LlamaWeights* weights, uint64_t random_seed) {
                                std::to_string(config_.num_experts) + " experts); use --device cpu");
   }
   if (config_.sandwich_norms || config_.mlp_activation != MlpActivation::kSilu || config_.attn_logit_softcap > 0.0f ||
-      config_.final_logit_softcap > 0.0f || config_.embedding_scale != 1.0f || config_.global_layer_interval > 0) {
+      config_.final_logit_softcap > 0.0f || config_.embedding_scale != 1.0f || config_.global_layer_interval > 0 ||
+      config_.local_rope_theta > 0.0f) {
     return Status::Unsupported("the CUDA backend does not run " + config_.architecture +
                                " yet (sandwich norms, GeGLU, soft-capping, scaled embeddings, alternating sliding "
                                "windows); use --device cpu");

@@ -190,7 +190,7 @@ class CudaBackend final : public Backend,
   Status Linear(int layer, LayerWeight weight, Activation in, Activation out) override;
   Status QkNorm(int layer) override;
   Status MoeMlp(int layer) override;
-  Status Rotary() override;
+  Status Rotary(int layer) override;
   Status WriteKv(int layer) override;
   Status Attention(int layer) override;
   Status AttentionOverSelection(int layer, std::span<const KvHeadSelection> selection) override;

@@ -248,7 +248,7 @@ Status CudaBackend::QkNorm(int layer) {
   return Status::Ok();
 }
 
-Status CudaBackend::Rotary() {
+Status CudaBackend::Rotary(int /*layer: Init refuses per-layer RoPE bases*/) {
   KVFLOW_KERNEL_RETURN(cuda::ApplyRotaryEmbedding(dtype_, qkv_, ActivationWidth(Activation::kQkv),
                                                   device_meta_.positions, step_.num_tokens, config_.num_heads,
                                                   config_.num_kv_heads, config_.head_dim, inv_freq_,
