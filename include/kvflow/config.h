@@ -11,7 +11,7 @@ namespace kvflow {
 
 // How RoPE frequencies are rescaled for long contexts (HF `rope_scaling`).
 struct RopeScaling {
-  enum class Type { kNone, kLinear, kDynamic, kLlama3, kYarn };
+  enum class Type { kNone, kLinear, kDynamic, kLlama3, kYarn, kLongRope };
   Type type = Type::kNone;
   float factor = 1.0f;
   // Llama-3.x ("rope_type": "llama3").
@@ -22,11 +22,21 @@ struct RopeScaling {
   float beta_fast = 32.0f;
   float beta_slow = 1.0f;
   float attention_factor = 0.0f;  // 0: derive from factor as HF does
+  // LongRoPE (Phi-3, "type": "longrope"): per-frequency divisors, head_dim / 2 each, the short ones
+  // for contexts up to original_max_position_embeddings, the long ones beyond; cos and sin scaled
+  // by sqrt(1 + ln(max / original) / ln(original)). Hugging Face picks per forward call (on its
+  // largest position), llama.cpp per context: kvflow, like llama.cpp, uses the long factors for
+  // every position when the engine's max_model_len exceeds the original context
+  // (long_factors, which the engine sets; true by default).
+  std::vector<float> short_factor;
+  std::vector<float> long_factor;
+  bool long_factors = true;
 };
 
 // Shape and hyper-parameters of a decoder of the Llama family: Llama, Mistral, Qwen2, Qwen3, Phi-3,
-// Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE.
-// The families differ only in the fields below (biases, q/k norms) and in how their files lay
+// Gemma-2, Gemma-3, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE.
+// The families differ only in the fields below (biases, q/k norms, windows, Gemma's norms, GeGLU and
+// caps, experts) and in how their files lay
 // the weights out (the loader's business); the one model loop honours the fields.
 // The gated MLP's activation: SwiGLU's SiLU, or GeGLU's tanh-approximated GELU (Gemma).
 enum class MlpActivation { kSilu, kGeluTanh };

@@ -8,6 +8,7 @@
 
 #include "backend/backend_factory.h"
 #include "engine/engine_core.h"
+#include "model/rope.h"
 #include "engine/evaluation.h"
 #include "engine/model_executor.h"
 #include "engine/prompt_prefill_connector.h"
@@ -314,6 +315,12 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
                    mc.max_position_embeddings, mc.max_position_embeddings);
     }
     config.max_model_len = mc.max_position_embeddings;
+  }
+  SelectRopeFactorsForContext(files.config, config.max_model_len);
+  if (mc.rope_scaling.type == RopeScaling::Type::kLongRope) {
+    spdlog::info("LongRoPE: {} factors for max_model_len {} (original context {})",
+                 mc.rope_scaling.long_factors ? "long" : "short", config.max_model_len,
+                 mc.rope_scaling.original_max_position_embeddings);
   }
 
   // The connectors as the configuration asked for them (the factory resolves their host blocks).

@@ -49,6 +49,7 @@ const char* RopeScalingName(RopeScaling::Type t) {
     case RopeScaling::Type::kDynamic: return "dynamic";
     case RopeScaling::Type::kLlama3: return "llama3";
     case RopeScaling::Type::kYarn: return "yarn";
+    case RopeScaling::Type::kLongRope: return "longrope";
   }
   return "?";
 }
@@ -150,6 +151,19 @@ Status ReadHfRopeScaling(const JsonFields& config, const std::string& path, Mode
     rope.type = RopeScaling::Type::kLlama3;
   } else if (name == "yarn") {
     rope.type = RopeScaling::Type::kYarn;
+  } else if (name == "longrope" && out->architecture == "phi3") {
+    rope.type = RopeScaling::Type::kLongRope;
+    for (auto [key, factors] : {std::pair<const char*, std::vector<float>*>{"short_factor", &rope.short_factor},
+                                {"long_factor", &rope.long_factor}}) {
+      const json* list = fields.Get(key);
+      if (list == nullptr || !list->is_array()) return config.Wrong("rope_scaling", "longrope with both factor lists");
+      for (const json& f : *list) {
+        if (!f.is_number()) return config.Wrong("rope_scaling", "longrope factors that are numbers");
+        factors->push_back(f.get<float>());
+      }
+    }
+    // Phi-3 keeps the pretrained context beside rope_scaling.
+    KVFLOW_RETURN_IF_ERROR(config.Int("original_max_position_embeddings", &rope.original_max_position_embeddings));
   } else {
     return Status::Unsupported(path + ": rope_scaling type '" + name + "' is not supported");
   }
@@ -620,7 +634,20 @@ Status ModelConfig::Validate() const {
   if (rope.type != RopeScaling::Type::kNone && !(rope.factor > 0.0f)) {
     return invalid("rope_scaling factor must be positive");
   }
-  if (rope.type == RopeScaling::Type::kLlama3 || rope.type == RopeScaling::Type::kYarn) {
+  if (rope.type == RopeScaling::Type::kLongRope) {
+    const size_t half = static_cast<size_t>(head_dim / 2);
+    if (rope.short_factor.size() != half || rope.long_factor.size() != half) {
+      return invalid("longrope needs head_dim / 2 = " + std::to_string(half) + " short and long factors, got " +
+                     std::to_string(rope.short_factor.size()) + " and " + std::to_string(rope.long_factor.size()));
+    }
+    for (const std::vector<float>* factors : {&rope.short_factor, &rope.long_factor}) {
+      for (float f : *factors) {
+        if (!(f > 0.0f) || !std::isfinite(f)) return invalid("longrope factors must be positive");
+      }
+    }
+  }
+  if (rope.type == RopeScaling::Type::kLlama3 || rope.type == RopeScaling::Type::kYarn ||
+      rope.type == RopeScaling::Type::kLongRope) {
     if (rope.original_max_position_embeddings <= 0) {
       return invalid(std::string(RopeScalingName(rope.type)) +
                      " rope_scaling needs original_max_position_embeddings");
@@ -663,6 +690,10 @@ std::string ModelConfig::Describe() const {
       out << " factor " << rope_scaling.factor << ", beta fast/slow " << rope_scaling.beta_fast
           << "/" << rope_scaling.beta_slow << ", original context "
           << rope_scaling.original_max_position_embeddings;
+      break;
+    case RopeScaling::Type::kLongRope:
+      out << ", original context " << rope_scaling.original_max_position_embeddings << ", "
+          << (rope_scaling.long_factors ? "long" : "short") << " factors";
       break;
   }
   if (qk_norm) out << "\nq/k norm:       " << (qk_norm_per_head ? "per head" : "over all of q and all of k");

@@ -52,6 +52,11 @@ float YarnScale(std::vector<double>& inv, double base, int dim, const RopeScalin
 
 }  // namespace
 
+void SelectRopeFactorsForContext(ModelConfig& config, int64_t max_model_len) {
+  RopeScaling& s = config.rope_scaling;
+  if (s.type == RopeScaling::Type::kLongRope) s.long_factors = max_model_len > s.original_max_position_embeddings;
+}
+
 ModelConfig LocalRopeConfig(const ModelConfig& config) {
   ModelConfig local = config;
   if (config.local_rope_theta > 0.0f) {
@@ -90,6 +95,20 @@ RopeFrequencies ComputeRopeFrequencies(const ModelConfig& config) {
       inv = DefaultInvFreq(base, dim);
       out.attention_scale = YarnScale(inv, base, dim, s, config.max_position_embeddings);
       break;
+    case RopeScaling::Type::kLongRope: {
+      // HF's Phi3LongRoPEScaledRotaryEmbedding: inv_freq = 1 / (factor_i * base^(2i / dim)), in
+      // fp32 as it computes them; cos and sin times sqrt(1 + ln(scale) / ln(original)).
+      const std::vector<float>& factors = s.long_factors ? s.long_factor : s.short_factor;
+      inv.resize(static_cast<size_t>(dim / 2));
+      for (int i = 0; i < dim / 2; ++i) {
+        const float power = std::pow(static_cast<float>(base), static_cast<float>(2 * i) / static_cast<float>(dim));
+        inv[static_cast<size_t>(i)] = 1.0f / (factors[static_cast<size_t>(i)] * power);
+      }
+      const double original = s.original_max_position_embeddings;
+      const double scale = config.max_position_embeddings / original;
+      out.attention_scale = scale <= 1.0 ? 1.0f : static_cast<float>(std::sqrt(1.0 + std::log(scale) / std::log(original)));
+      break;
+    }
   }
   out.inv_freq.assign(inv.begin(), inv.end());
   return out;

@@ -15,6 +15,9 @@ struct RopeFrequencies {
 
 // Dynamic NTK is applied statically at max_position_embeddings * factor, as vLLM does.
 RopeFrequencies ComputeRopeFrequencies(const ModelConfig& config);
+// LongRoPE's choice for a context of max_model_len tokens: the long factors when it exceeds the
+// original context (as llama.cpp chooses per context). No-op for other scalings.
+void SelectRopeFactorsForContext(ModelConfig& config, int64_t max_model_len);
 // The config whose RoPE the sliding layers use when ModelConfig::local_rope_theta > 0 (Gemma-3):
 // that base, no scaling. Otherwise `config` itself.
 ModelConfig LocalRopeConfig(const ModelConfig& config);

@@ -21,6 +21,7 @@
 #include "kv/block_manager.h"
 #include "kvflow/engine.h"
 #include "model/llama_weights.h"
+#include "model/rope.h"
 #include "model/tensor_source.h"
 
 namespace {
@@ -37,12 +38,14 @@ int Fail(const kvflow::Status& st) {
 int main(int argc, char** argv) {
   CLI::App app{"Dump kvflow logits and greedy tokens for the HF reference comparison"};
   std::string model, prompts_path, logits_path, greedy_path;
-  int chunk = 0, greedy_tokens = 0, block_size = 16;
+  int chunk = 0, greedy_tokens = 0, block_size = 16, max_model_len = 0;
   app.add_option("--model", model)->required();
   app.add_option("--prompts", prompts_path, "JSON list of token-id lists")->required();
   app.add_option("--out-logits", logits_path, "float32 logits, prompt after prompt, all positions")->required();
   app.add_option("--chunk", chunk, "prefill the first `chunk` tokens in a separate step (0: half)");
   app.add_option("--block-size", block_size);
+  app.add_option("--max-model-len", max_model_len,
+                 "the context the engine serves (0: the model's); picks LongRoPE's short or long factors");
   app.add_option("--greedy-tokens", greedy_tokens);
   app.add_option("--out-greedy", greedy_path);
   int beam_width = 0;
@@ -73,6 +76,8 @@ int main(int argc, char** argv) {
 
   auto files = kvflow::OpenModelFiles(model);
   if (!files.ok()) return Fail(files.status());
+  kvflow::SelectRopeFactorsForContext(files->config,
+                                      max_model_len > 0 ? max_model_len : files->config.max_position_embeddings);
   const kvflow::ModelConfig config = files->config;
   auto weights = kvflow::LoadLlamaWeights(
       *files->tensors, config, files->gguf_rope_permuted,
@@ -172,7 +177,7 @@ int main(int argc, char** argv) {
     // quantized and the KV cache in fp16).
     ec.dtype = cuda ? dtype : "f32";
     ec.block_size = block_size;
-    ec.max_model_len = 4096;
+    ec.max_model_len = max_model_len > 0 ? max_model_len : 4096;
     auto engine = kvflow::Engine::Create(ec);
     if (!engine.ok()) return Fail(engine.status());
     kvflow::SamplingParams sp;

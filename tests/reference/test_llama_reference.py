@@ -58,7 +58,7 @@ class Skipped(Exception):
 
 
 def run_dump(dump_bin, model, prompts, workdir, chunk=0, greedy=0, beam_width=0, device="cpu", dtype="fp16",
-             block_size=0, keep_quantized=False):
+             block_size=0, keep_quantized=False, max_model_len=0):
     prompts_path = os.path.join(workdir, "prompts.json")
     logits_path = os.path.join(workdir, "logits.bin")
     greedy_path = os.path.join(workdir, "greedy.json")
@@ -76,6 +76,8 @@ def run_dump(dump_bin, model, prompts, workdir, chunk=0, greedy=0, beam_width=0,
         cmd += ["--block-size", str(block_size)]
     if keep_quantized:
         cmd += ["--keep-quantized"]
+    if max_model_len:
+        cmd += ["--max-model-len", str(max_model_len)]
     if device != "cpu":
         cmd += ["--device", device, "--dtype", dtype]
     proc = subprocess.run(cmd)
@@ -281,6 +283,15 @@ TINY_CONFIGS = {
     "phi3_swa": dict(family="phi3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=4, vocab_size=233, tie_word_embeddings=False,
                      pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=19),
+    # Phi-3 with LongRoPE: per-frequency short and long divisors around an original context of 64
+    # (of 512), cos and sin scaled by sqrt(1 + ln 8 / ln 64). transformers picks the factors per
+    # forward call, kvflow per max_model_len (as llama.cpp does): the prompts up to 64 tokens are
+    # compared at max_model_len 64 (short factors), the longer ones at 512 (long factors).
+    "phi3_longrope": dict(family="phi3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=227, tie_word_embeddings=False,
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2, original_max_position_embeddings=64,
+                          rope_scaling=dict(type="longrope", short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                                            long_factor=[1.0, 1.4, 2.2, 3.5, 5.5, 8.6, 13.0, 20.0])),
     # Gemma-2 (Gemma2ForCausalLM): GeGLU, sqrt(hidden)-scaled tied embeddings, (1 + w) norms before
     # and after attention and MLP, the softmax scale from query_pre_attn_scalar (not head_dim), a
     # window of 11 on the even layers, and soft-capping that bites (scores at 2: the real model's 50
@@ -348,6 +359,7 @@ GPU_TINY = {"gqa_untied": (64, 16), "mha_tied": (128, 8), "mqa_llama3_rope_shard
 
 # What the CUDA backend refuses (and says so) rather than runs.
 GPU_REFUSED = {"gemma2": "the CUDA backend does not run Gemma-2 yet",
+               "phi3_longrope": "LongRoPE is compared on the CPU (per-context factors against HF's per-call ones)",
                "mixtral_moe": "the CUDA backend does not run mixtures of experts yet",
                "qwen2moe": "the CUDA backend does not run mixtures of experts yet",
                "olmoe": "the CUDA backend does not run mixtures of experts yet"}
@@ -439,7 +451,18 @@ def check_tiny(args):
             # behind the window as it goes.
             if windowed:
                 write_byte_tokenizer(d, config.vocab_size)  # the engine wants one; prompts are ids
-            ours, greedy = run_dump(args.dump_bin, d, prompts, d, greedy=32 if windowed else 0)
+            longrope = (getattr(config, "rope_scaling", None) or {}).get("type") == "longrope"
+            if longrope:
+                original = config.original_max_position_embeddings
+                short = [p for p in prompts if len(p) <= original]
+                prompts = short + [p for p in prompts if len(p) > original]
+                ours = run_dump(args.dump_bin, d, short, d, max_model_len=original)[0]
+                ours += run_dump(args.dump_bin, d, prompts[len(short):], d)[0]
+                # The factors must matter: the long prompts with the short factors are far off.
+                wrong = run_dump(args.dump_bin, d, prompts[len(short):], d, max_model_len=original)[0]
+                greedy = None
+            else:
+                ours, greedy = run_dump(args.dump_bin, d, prompts, d, greedy=32 if windowed else 0)
             ref = hf_logits(model, prompts)
         err = max(float(np.abs(a - b).max()) for a, b in zip(ours, ref))
         scale = max(float(np.abs(b).max()) for b in ref)
@@ -459,6 +482,11 @@ def check_tiny(args):
                       f"greedy32 identical {identical}/{len(prompts)})")
             if moved < 100 * 1e-3 or not all(v[0] for v in verdicts):
                 status, ok = "FAIL (the window barely matters or greedy parts)", False
+        if longrope:
+            moved = max(float(np.abs(a - b).max()) for a, b in zip(wrong, ours[len(short):]))
+            biases += f" (short factors on the {len(prompts) - len(short)} longer prompts move logits by {moved:.2f})"
+            if moved < 100 * 1e-3:
+                status, ok = "FAIL (the long factors barely matter)", False
         if config.model_type == "gemma2":
             # So must each soft cap.
             for cap in ("attn_logit_softcapping", "final_logit_softcapping"):

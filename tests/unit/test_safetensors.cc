@@ -414,12 +414,30 @@ TEST_F(ModelConfigTest, FamiliesTakeTheirOwnFields) {
   EXPECT_EQ(c->max_position_embeddings, 131072) << "the window is a mask, not the context";
   for (const auto& [key, value] : {std::pair<const char*, json>{"partial_rotary_factor", 0.75},
                                    {"attention_bias", true},
-                                   {"rope_scaling", {{"type", "longrope"}, {"short_factor", {1.0}}}}}) {
+                                   {"attention_bias", true}}) {
     json bad = phi3;
     bad[key] = value;
     const Status refused_phi3 = Parse(bad).status();
     EXPECT_EQ(refused_phi3.code(), StatusCode::kUnsupported) << key;
   }
+  // LongRoPE: both factor lists, head_dim / 2 long, and the original context beside them.
+  json longrope = phi3;
+  const int half = 64 / 8 / 2;  // hidden_size / heads / 2
+  longrope["original_max_position_embeddings"] = 4096;
+  longrope["rope_scaling"] = {{"type", "longrope"},
+                              {"short_factor", std::vector<float>(static_cast<size_t>(half), 1.0f)},
+                              {"long_factor", std::vector<float>(static_cast<size_t>(half), 4.0f)}};
+  c = Parse(longrope);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->rope_scaling.type, RopeScaling::Type::kLongRope);
+  EXPECT_EQ(c->rope_scaling.original_max_position_embeddings, 4096);
+  EXPECT_TRUE(c->rope_scaling.long_factors);
+  longrope["rope_scaling"]["long_factor"] = {1.0, 2.0};
+  c = Parse(longrope);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->Validate().code(), StatusCode::kInvalidArgument) << "too few long factors";
+  longrope["rope_scaling"].erase("long_factor");
+  EXPECT_FALSE(Parse(longrope).ok()) << "no long factors";
 
   // Mixtral: num_local_experts and num_experts_per_tok are required, the top-k renormalized.
   json mixtral = LlamaConfigJson();
