@@ -237,15 +237,8 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndGraphs, CudaBackendLogits,
                                                                      : "");
                          });
 
-// A mixture of experts is refused by name, not run as a dense model.
-TEST(CudaBackend, RefusesMixturesOfExperts) {
-  KVFLOW_SKIP_WITHOUT_GPU();
-  ModelConfig config;
-  TinyWeights(&config);
-  config.architecture = "mixtral";
-  config.num_experts = 4;
-  config.experts_per_token = 2;
-  config.expert_intermediate_size = config.intermediate_size;
+// What the CUDA backend refuses for `config`, on a one-sequence backend: Unsupported, naming `what`.
+void ExpectRefused(const ModelConfig& config, const std::string& what) {
   CudaBackendOptions o;
   o.block_size = 16;
   o.num_kv_blocks = 8;
@@ -255,7 +248,19 @@ TEST(CudaBackend, RefusesMixturesOfExperts) {
   auto gpu = CreateCudaBackendWithRandomWeights(config, o, 1);
   ASSERT_FALSE(gpu.ok());
   EXPECT_EQ(gpu.status().code(), StatusCode::kUnsupported);
-  EXPECT_NE(gpu.status().message().find("mixtures of experts"), std::string::npos) << gpu.status().ToString();
+  EXPECT_NE(gpu.status().message().find(what), std::string::npos) << gpu.status().ToString();
+}
+
+// A mixture of experts is refused by name, not run as a dense model.
+TEST(CudaBackend, RefusesMixturesOfExperts) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  ModelConfig config;
+  TinyWeights(&config);
+  config.architecture = "mixtral";
+  config.num_experts = 4;
+  config.experts_per_token = 2;
+  config.expert_intermediate_size = config.intermediate_size;
+  ExpectRefused(config, "mixtures of experts");
 }
 
 // Gemma-2 is refused by name, not run without its norms, GeGLU and caps.
@@ -267,16 +272,7 @@ TEST(CudaBackend, RefusesGemma2) {
   config.sandwich_norms = true;
   config.mlp_activation = MlpActivation::kGeluTanh;
   config.attn_logit_softcap = 50.0f;
-  CudaBackendOptions o;
-  o.block_size = 16;
-  o.num_kv_blocks = 8;
-  o.max_num_seqs = 1;
-  o.max_num_batched_tokens = 16;
-  o.max_model_len = 64;
-  auto gpu = CreateCudaBackendWithRandomWeights(config, o, 1);
-  ASSERT_FALSE(gpu.ok());
-  EXPECT_EQ(gpu.status().code(), StatusCode::kUnsupported);
-  EXPECT_NE(gpu.status().message().find("gemma2"), std::string::npos) << gpu.status().ToString();
+  ExpectRefused(config, "gemma2");
 }
 
 // The small CUDA backends the tests make: a pool of `blocks` blocks of `block_size` tokens, at most 4
