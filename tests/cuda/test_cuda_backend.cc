@@ -129,8 +129,10 @@ std::vector<int32_t> ArgmaxRows(const std::vector<float>& logits, int vocab) {
 }
 
 // The model families the tiny model comes as: Llama, Llama with every bias, Qwen3 (q/k norms) with
-// every bias, Mistral with a sliding window of 13 tokens (the prompts and decodes run past it).
-enum class TinyFamily { kLlama, kBiases, kQwen3, kSlidingWindow };
+// every bias, Mistral with a sliding window of 13 tokens (the prompts and decodes run past it),
+// Phi-3's LongRoPE (the long factors of a context 4 times the original: the RoPE table both
+// backends share, with its cos/sin scale).
+enum class TinyFamily { kLlama, kBiases, kQwen3, kSlidingWindow, kLongRope };
 
 // (dtype, CUDA graphs, family): biases stay fp32 on the device, added after each GEMM.
 class CudaBackendLogits : public ::testing::TestWithParam<std::tuple<cuda::DType, bool, TinyFamily>> {};
@@ -146,6 +148,17 @@ TEST_P(CudaBackendLogits, MatchCpuBackendOnTinyRandom) {
   if (family == TinyFamily::kSlidingWindow) {
     config.architecture = "mistral";
     config.sliding_window = 13;
+  }
+  if (family == TinyFamily::kLongRope) {
+    config.architecture = "phi3";
+    RopeScaling& rope = config.rope_scaling;
+    rope.type = RopeScaling::Type::kLongRope;
+    rope.original_max_position_embeddings = 1024;  // of 4096: cos and sin scaled by 1.095
+    for (int i = 0; i < config.head_dim / 2; ++i) {
+      rope.short_factor.push_back(1.0f + 0.05f * static_cast<float>(i));
+      rope.long_factor.push_back(1.0f + 0.5f * static_cast<float>(i));
+    }
+    ASSERT_TRUE(config.Validate().ok());
   }
   RoundWeights(weights, dtype);
   const int kBlocks = 64, kBlockSize = 16;
@@ -226,7 +239,8 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndGraphs, CudaBackendLogits,
                                            std::make_tuple(cuda::DType::kF16, true, TinyFamily::kQwen3),
                                            std::make_tuple(cuda::DType::kBF16, false, TinyFamily::kQwen3),
                                            std::make_tuple(cuda::DType::kF16, true, TinyFamily::kSlidingWindow),
-                                           std::make_tuple(cuda::DType::kBF16, false, TinyFamily::kSlidingWindow)),
+                                           std::make_tuple(cuda::DType::kBF16, false, TinyFamily::kSlidingWindow),
+                                           std::make_tuple(cuda::DType::kF16, true, TinyFamily::kLongRope)),
                          [](const auto& info) {
                            const TinyFamily f = std::get<2>(info.param);
                            return std::string(cuda::DTypeName(std::get<0>(info.param))) +
@@ -234,6 +248,7 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndGraphs, CudaBackendLogits,
                                   (f == TinyFamily::kBiases         ? "_biases"
                                    : f == TinyFamily::kQwen3        ? "_qwen3"
                                    : f == TinyFamily::kSlidingWindow ? "_sliding_window"
+                                   : f == TinyFamily::kLongRope      ? "_longrope"
                                                                      : "");
                          });
 
