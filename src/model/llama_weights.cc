@@ -371,6 +371,12 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
                             source.Describe());
   }
 
+  if (gguf && c.rope_scaling.type == RopeScaling::Type::kLongRope) {
+    // Read into the config already (ModelConfigFromGguf); here only accounted for.
+    KVFLOW_RETURN_IF_ERROR(r.Find("", "rope_factors_long.weight", {D / 2}).status());
+    KVFLOW_RETURN_IF_ERROR(r.Find("", "rope_factors_short.weight", {D / 2}).status());
+  }
+
   auto unpermute = [&](int heads) -> std::function<void(WeightPart&)> {
     if (!gguf_rope_permuted) return {};
     return [&c, heads, H](WeightPart& part) { UnpermuteRopeRows(part, heads, c.head_dim, H); };

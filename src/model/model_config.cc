@@ -180,6 +180,8 @@ Status ReadHfRopeScaling(const JsonFields& config, const std::string& path, Mode
   if (rope.type == RopeScaling::Type::kYarn && rope.original_max_position_embeddings == 0) {
     rope.original_max_position_embeddings = out->max_position_embeddings;
   }
+  // Phi-3's rotary class derives its cos/sin scale itself, ignoring an attention_factor.
+  if (rope.type == RopeScaling::Type::kLongRope) rope.attention_factor = 0.0f;
   return Status::Ok();
 }
 
@@ -470,9 +472,26 @@ Result<ModelConfig> ModelConfigFromGguf(const GgufFile& gguf) {
                                   &rope.original_max_position_embeddings, false));
   KVFLOW_RETURN_IF_ERROR(read_float(arch + "rope.scaling.yarn_beta_fast", &rope.beta_fast));
   KVFLOW_RETURN_IF_ERROR(read_float(arch + "rope.scaling.yarn_beta_slow", &rope.beta_slow));
-  for (const char* factors : {"rope_factors_long.weight", "rope_factors_short.weight"}) {
-    if (gguf.Find(factors) != nullptr) {
-      return Status::Unsupported(gguf.path() + ": " + factors + " (Phi-3's LongRoPE) is not supported yet");
+  // Phi-3's LongRoPE: llama.cpp's converter stores the factor lists as tensors.
+  const TensorInfo* long_factors = gguf.Find("rope_factors_long.weight");
+  const TensorInfo* short_factors = gguf.Find("rope_factors_short.weight");
+  if (long_factors != nullptr || short_factors != nullptr) {
+    if (c.architecture != "phi3") {
+      return Status::Unsupported(gguf.path() + ": rope_factors (LongRoPE) in a " + c.architecture + " model");
+    }
+    if (long_factors == nullptr || short_factors == nullptr) {
+      return Status::CorruptFile(gguf.path() + ": LongRoPE needs both rope_factors_long and rope_factors_short");
+    }
+    rope.type = RopeScaling::Type::kLongRope;
+    // The converter writes the cos/sin scale it derived from the HF config.
+    KVFLOW_RETURN_IF_ERROR(read_float(arch + "rope.scaling.attn_factor", &rope.attention_factor));
+    for (auto [info, out] : {std::pair{long_factors, &rope.long_factor}, std::pair{short_factors, &rope.short_factor}}) {
+      if (info->numel() <= 0 || info->numel() > 4096) {
+        return Status::CorruptFile(gguf.path() + ": " + info->name + " has " + std::to_string(info->numel()) +
+                                   " factors");
+      }
+      out->resize(static_cast<size_t>(info->numel()));
+      KVFLOW_RETURN_IF_ERROR(DequantizeToF32(*info, out->data()));
     }
   }
   if (gguf.Has(arch + "attention.sliding_window")) {

@@ -104,9 +104,12 @@ RopeFrequencies ComputeRopeFrequencies(const ModelConfig& config) {
         const float power = std::pow(static_cast<float>(base), static_cast<float>(2 * i) / static_cast<float>(dim));
         inv[static_cast<size_t>(i)] = 1.0f / (factors[static_cast<size_t>(i)] * power);
       }
+      // A GGUF states the scale (attention_factor: the converter's value of the same formula).
       const double original = s.original_max_position_embeddings;
       const double scale = config.max_position_embeddings / original;
-      out.attention_scale = scale <= 1.0 ? 1.0f : static_cast<float>(std::sqrt(1.0 + std::log(scale) / std::log(original)));
+      out.attention_scale = s.attention_factor > 0.0f ? s.attention_factor
+                            : scale <= 1.0            ? 1.0f
+                                                      : static_cast<float>(std::sqrt(1.0 + std::log(scale) / std::log(original)));
       break;
     }
   }

@@ -2,7 +2,8 @@
 """kvflow against llama.cpp (and transformers where it has the class) on a tiny random model of each
 architecture kvflow runs, through HF safetensors and through GGUF.
 
-For each family (llama, qwen2, qwen3, phi3, mixtral, qwen2moe, qwen3moe, olmoe, gemma2, gemma3) one
+For each family (llama, qwen2, qwen3, phi3, phi3 with LongRoPE, mixtral, qwen2moe, qwen3moe, olmoe,
+gemma2, gemma3) one
 tiny model with random weights is written twice: as an HF checkpoint (config.json +
 model.safetensors) and as an fp32 GGUF laid out as llama.cpp's converter writes it (Q/K rows
 permuted for llama, Gemma's norms stored as 1 + w). Then:
@@ -45,6 +46,13 @@ FAMILIES = {
     "qwen2": dict(hf="Qwen2ForCausalLM", rope_theta=1000000.0, qkv_bias=True, qk_norm=False),
     "qwen3": dict(hf="Qwen3ForCausalLM", rope_theta=1000000.0, qkv_bias=False, qk_norm=True),
     "phi3": dict(hf="Phi3ForCausalLM", rope_theta=10000.0, qkv_bias=False, qk_norm=False, fused=True),
+    # Phi-3 with LongRoPE around an original context of 64 (of 512): the GGUF carries the factor
+    # lists as rope_factors_long/short tensors and the cos/sin scale as rope.scaling.attn_factor.
+    # kvflow and llama.cpp both take the long factors for a context past 64; transformers picks per
+    # call (test_llama_reference.py compares it there).
+    "phi3_longrope": dict(hf="Phi3ForCausalLM", model_type="phi3", gguf_arch="phi3", rope_theta=10000.0,
+                          qkv_bias=False, qk_norm=False, fused=True, longrope_original=64,
+                          must_matter={"rope_scaling": None}),
     # llama.cpp writes Mixtral as a llama with merged expert tensors.
     "mixtral": dict(hf="MixtralForCausalLM", rope_theta=1000000.0, qkv_bias=False, qk_norm=False, experts=4,
                     experts_per_token=2, gguf_arch="llama"),
@@ -176,7 +184,7 @@ def random_weights(family, seed):
 def write_hf(directory, family, weights):
     from safetensors.numpy import save_file
     s, f = shape_of(family), FAMILIES[family]
-    model_type = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(family, family)
+    model_type = f.get("model_type", {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}.get(family, family))
     config = {"architectures": [f["hf"]], "model_type": model_type, "hidden_size": s["hidden"],
               "intermediate_size": s["intermediate"], "num_hidden_layers": s["layers"],
               "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"], "head_dim": s["head_dim"],
@@ -194,8 +202,12 @@ def write_hf(directory, family, weights):
     if family == "gemma3":
         config.update(model_type="gemma3_text", rope_local_base_freq=f["local_rope_theta"], sliding_window_pattern=6,
                       rope_scaling={"rope_type": "linear", "factor": f["rope_linear"]})
-    if family == "phi3":
+    if f["hf"] == "Phi3ForCausalLM":
         config.update(pad_token_id=0, sliding_window=2047, original_max_position_embeddings=512)
+    if f.get("longrope_original"):
+        short, long = longrope_factors(s["head_dim"])
+        config.update(original_max_position_embeddings=f["longrope_original"],
+                      rope_scaling={"type": "longrope", "short_factor": short, "long_factor": long})
     if family == "olmoe":  # its experts are intermediate_size wide
         config.update(num_experts=f["experts"], num_experts_per_tok=f["experts_per_token"],
                       intermediate_size=f["expert_ffn"], norm_topk_prob=f["norm_topk"], pad_token_id=0)
@@ -210,6 +222,19 @@ def write_hf(directory, family, weights):
     with open(os.path.join(directory, "config.json"), "w") as out:
         json.dump(config, out, indent=1)
     save_file(weights, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+
+
+def longrope_factors(head_dim):
+    """Short and long LongRoPE divisors, head_dim / 2 each, growing with the frequency index."""
+    half = head_dim // 2
+    return [1.0 + 0.02 * i for i in range(half)], [1.0 + 0.6 * i for i in range(half)]
+
+
+def longrope_attn_factor(original, context=512):
+    """The cos/sin scale llama.cpp's converter writes for Phi-3's LongRoPE."""
+    import math
+    scale = context / original
+    return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
 
 
 def permute(w, heads):
@@ -250,6 +275,12 @@ def write_gguf(path, family, weights):
     if f.get("rope_linear"):
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(f["rope_linear"])
+    if f.get("longrope_original"):
+        w.add_rope_scaling_orig_ctx_len(f["longrope_original"])
+        w.add_rope_scaling_attn_factors(longrope_attn_factor(f["longrope_original"]))
+        short, long = longrope_factors(s["head_dim"])
+        w.add_tensor("rope_factors_long.weight", np.array(long, dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(short, dtype=np.float32))
     if f.get("shared_ffn"):
         w.add_expert_shared_feed_forward_length(f["shared_ffn"])
     # A byte-level vocabulary: the 256 byte tokens, one merge, control tokens to the model's size.
@@ -356,7 +387,10 @@ def check_family(family, seed, tools, args):
     ours_hf, _ = run_dump(args.dump_bin, hf_dir, prompts, workdir)
     ours_gguf, ours_greedy = run_dump(args.dump_bin, gguf_path, prompts, workdir, greedy=GREEDY)
     ref_lc, lc_greedy = llama_cpp(dumper, gguf_path, prompts, workdir)
-    ref_hf, why_not = transformers_logits(hf_dir, prompts)
+    if FAMILIES[family].get("longrope_original"):
+        ref_hf, why_not = None, "it picks LongRoPE's factors per call; test_llama_reference.py compares it"
+    else:
+        ref_hf, why_not = transformers_logits(hf_dir, prompts)
     scale = max(float(np.abs(x).max()) for x in ref_lc)
     pairs = [("kvflow gguf vs llama.cpp", ours_gguf, ref_lc), ("kvflow hf vs llama.cpp", ours_hf, ref_lc),
              ("kvflow gguf vs kvflow hf", ours_gguf, ours_hf)]

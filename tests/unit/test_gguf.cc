@@ -596,6 +596,42 @@ TEST_F(GgufTest, ModelConfigQkNormFollowsTheTensors) {
   EXPECT_EQ(ModelConfigFromGguf(**g).status().code(), StatusCode::kUnsupported) << "a shared expert is Qwen2-MoE's";
 }
 
+// Phi-3's LongRoPE from GGUF: the factor lists are tensors (both needed, and only in a phi3), the
+// original context and the cos/sin scale are keys.
+TEST_F(GgufTest, ModelConfigReadsLongRopeFactorTensors) {
+  auto phi3 = [](bool long_factors, bool short_factors) {
+    GgufWriter w;
+    w.AddString("general.architecture", "phi3");
+    for (const char* key : {"phi3.embedding_length", "phi3.feed_forward_length"}) w.Add(key, test::kU32, uint32_t{64});
+    w.Add("phi3.block_count", test::kU32, uint32_t{1});
+    w.Add("phi3.attention.head_count", test::kU32, uint32_t{4});  // head_dim 16: 8 factors
+    w.Add("phi3.context_length", test::kU32, uint32_t{4096});
+    w.Add("phi3.rope.scaling.original_context_length", test::kU32, uint32_t{1024});
+    w.Add("phi3.rope.scaling.attn_factor", test::kF32, 1.1f);
+    w.AddStringArray("tokenizer.ggml.tokens", std::vector<std::string>(100, "x"));
+    std::vector<float> factors = {1, 2, 3, 4, 5, 6, 7, 8};
+    if (long_factors) w.AddTensor("rope_factors_long.weight", test::kGgmlF32, {8}, test::ToBytes(factors));
+    for (float& f : factors) f *= 0.5f;
+    if (short_factors) w.AddTensor("rope_factors_short.weight", test::kGgmlF32, {8}, test::ToBytes(factors));
+    return w;
+  };
+  Result<std::unique_ptr<GgufFile>> g = GgufFile::Open(Write(phi3(true, true).Build()));
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  Result<ModelConfig> c = ModelConfigFromGguf(**g);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  const RopeScaling& rope = c->rope_scaling;
+  EXPECT_EQ(rope.type, RopeScaling::Type::kLongRope);
+  EXPECT_EQ(rope.original_max_position_embeddings, 1024);
+  EXPECT_FLOAT_EQ(rope.attention_factor, 1.1f);
+  EXPECT_EQ(rope.long_factor, (std::vector<float>{1, 2, 3, 4, 5, 6, 7, 8}));
+  EXPECT_EQ(rope.short_factor, (std::vector<float>{0.5f, 1, 1.5f, 2, 2.5f, 3, 3.5f, 4}));
+  EXPECT_TRUE(c->Validate().ok()) << c->Validate().ToString();
+
+  g = GgufFile::Open(Write(phi3(true, false).Build()));
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(ModelConfigFromGguf(**g).status().code(), StatusCode::kCorruptFile) << "one factor list alone";
+}
+
 // ---- the real SmolLM2 file, when present --------------------------------------------------------
 
 const std::string kSmolLM2Path =

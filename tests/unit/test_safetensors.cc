@@ -402,7 +402,7 @@ TEST_F(ModelConfigTest, FamiliesTakeTheirOwnFields) {
   EXPECT_EQ(Parse(qwen3).status().code(), StatusCode::kUnsupported);
 
   // Phi-3: fused projections (read whole by the loader), no biases, RoPE on whole heads only;
-  // LongRoPE is refused with the other unknown rope types.
+  // partial rotary factors and biases are refused.
   json phi3 = LlamaConfigJson();
   phi3["architectures"] = {"Phi3ForCausalLM"};
   phi3.erase("rope_scaling");
