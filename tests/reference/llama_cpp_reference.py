@@ -46,13 +46,6 @@ FAMILIES = {
     "qwen2": dict(hf="Qwen2ForCausalLM", rope_theta=1000000.0, qkv_bias=True, qk_norm=False),
     "qwen3": dict(hf="Qwen3ForCausalLM", rope_theta=1000000.0, qkv_bias=False, qk_norm=True),
     "phi3": dict(hf="Phi3ForCausalLM", rope_theta=10000.0, qkv_bias=False, qk_norm=False, fused=True),
-    # Phi-3 with LongRoPE around an original context of 64 (of 512): the GGUF carries the factor
-    # lists as rope_factors_long/short tensors and the cos/sin scale as rope.scaling.attn_factor.
-    # kvflow and llama.cpp both take the long factors for a context past 64; transformers picks per
-    # call (test_llama_reference.py compares it there).
-    "phi3_longrope": dict(hf="Phi3ForCausalLM", model_type="phi3", gguf_arch="phi3", rope_theta=10000.0,
-                          qkv_bias=False, qk_norm=False, fused=True, longrope_original=64,
-                          must_matter={"rope_scaling": None}),
     # llama.cpp writes Mixtral as a llama with merged expert tensors.
     "mixtral": dict(hf="MixtralForCausalLM", rope_theta=1000000.0, qkv_bias=False, qk_norm=False, experts=4,
                     experts_per_token=2, gguf_arch="llama"),
@@ -84,6 +77,14 @@ FAMILIES = {
                    layers=6, window=16, local_rope_theta=10000.0, rope_linear=2.0, llama_cpp_tol=5e-3,
                    must_matter={"rope_local_base_freq": 1000000.0, "rope_scaling": None, "sliding_window": None,
                                 "sliding_window_pattern": 1000}),
+    # Phi-3 with LongRoPE around an original context of 64 (of 512): the GGUF carries the factor
+    # lists as rope_factors_long/short tensors and the cos/sin scale as rope.scaling.attn_factor.
+    # kvflow and llama.cpp both take the long factors for a context past 64; transformers picks per
+    # call (test_llama_reference.py compares it there). Last, so that every family before it keeps
+    # its seed (1000 + its index): the mixtures' Q4_K_M check depends on the draw (see check_family).
+    "phi3_longrope": dict(hf="Phi3ForCausalLM", model_type="phi3", gguf_arch="phi3", rope_theta=10000.0,
+                          qkv_bias=False, qk_norm=False, fused=True, longrope_original=64,
+                          must_matter={"rope_scaling": None}),
 }
 
 
