@@ -85,17 +85,6 @@ void ViewSlots(const SequenceSlice& s, int block_size, std::vector<int64_t>& slo
   }
 }
 
-Status CheckSlidingWindowViews(const ForwardBatch& batch, const ModelConfig& config) {
-  if (config.sliding_window <= 0) return Status::Ok();
-  for (const SequenceSlice& s : batch.seqs) {
-    if (s.view.kind != KvView::Kind::kFull) {
-      return Status::Unsupported("a KV view other than the whole context (retrieval, StreamingLLM) in a model with a "
-                                 "sliding window of " + std::to_string(config.sliding_window) + " tokens");
-    }
-  }
-  return Status::Ok();
-}
-
 uint64_t KvReadSignature(std::span<const KvHeadSelection> selection, size_t num_slices) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a
   auto mix = [&h](uint64_t v) {
@@ -231,6 +220,11 @@ Status ValidateForwardBatch(const ForwardBatch& batch, const ModelConfig& config
     if (table_used && static_cast<int64_t>(s.block_table.size()) * layout.block_size < s.context_len) {
       return Status::InvalidArgument("block table of " + std::to_string(s.block_table.size()) +
                                      " blocks cannot hold " + std::to_string(s.context_len) + " tokens");
+    }
+    // A sliding window counts positions, which only the whole-context view keeps.
+    if (config.sliding_window > 0 && s.view.kind != KvView::Kind::kFull) {
+      return Status::Unsupported("a KV view other than the whole context (retrieval, StreamingLLM) in a model with a "
+                                 "sliding window of " + std::to_string(config.sliding_window) + " tokens");
     }
     // Blocks released from a sliding window may lead the table, before the first query's window.
     const int64_t window = config.ReleasableWindow();

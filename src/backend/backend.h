@@ -85,9 +85,6 @@ std::vector<int64_t> ResolveSlotMapping(const ForwardBatch& batch, int block_siz
 // The physical slots a slice's view reads, in view order (-1 for a block released from a sliding
 // window).
 void ViewSlots(const SequenceSlice& slice, int block_size, std::vector<int64_t>& slots);
-// A sliding window counts positions, which only the whole-context view keeps: Unsupported for any
-// other view of a model with ModelConfig::sliding_window.
-Status CheckSlidingWindowViews(const ForwardBatch& batch, const ModelConfig& config);
 
 // One logit row to sample on the device: the request's parameters, the sequence's tokens so far
 // (for the penalties), tokens not allowed now, and the row's uniform draw in [0, 1) from the

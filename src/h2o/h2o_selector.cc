@@ -140,7 +140,7 @@ Status H2OSelector::Accumulate(int layer, const SequenceSlice& slice, SequenceSt
   const ModelConfig& mc = backend_.model_config();
   const int NH = mc.num_heads, KV = mc.num_kv_heads, D = mc.head_dim, group = NH / KV;
   const int bs = backend_.kv_layout().block_size;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const float scale = mc.AttentionScale();
   const int32_t own = slice.context_len - 1;
   qkv_row_.resize(static_cast<size_t>(ActivationWidth(mc, Activation::kQkv)));
   KVFLOW_RETURN_IF_ERROR(backend_.ReadActivationRows(Activation::kQkv, slice.token_offset, 1, qkv_row_));

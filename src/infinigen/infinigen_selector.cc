@@ -390,7 +390,7 @@ Status InfiniGenSelector::Speculate(int layer, const ForwardBatch& batch) {
   const int group = NH / KV;
   const int bs = backend_.kv_layout().block_size;
   const int64_t width = ActivationWidth(mc, Activation::kQkv);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const float scale = mc.AttentionScale();
   // Layer `layer`'s input as far as it is known here: its own RMSNorm of the residual stream (kHidden
   // is free at both speculation points), then its projection (only the selecting rows are read).
   KVFLOW_RETURN_IF_ERROR(backend_.RmsNorm(layer, LayerWeight::kAttnNorm, /*add_delta=*/false));

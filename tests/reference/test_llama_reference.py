@@ -426,6 +426,11 @@ def check_tiny_gpu(args):
     return 0 if ok else 1
 
 
+def max_logit_move(model, prompts, ref):
+    """How far transformers' logits now are from `ref` (after a feature of the model was turned off)."""
+    return max(float(np.abs(a - b).max()) for a, b in zip(hf_logits(model, prompts), ref))
+
+
 def set_sliding_window(model, window):
     """The window HF's attention masks with (None: none). Gemma-2's layers keep their own copy."""
     model.config.sliding_window = window
@@ -473,7 +478,7 @@ def check_tiny(args):
         if windowed:
             # The window must matter far beyond the tolerance, or the comparison proves nothing.
             set_sliding_window(model, None)
-            moved = max(float(np.abs(a - b).max()) for a, b in zip(hf_logits(model, prompts), ref))
+            moved = max_logit_move(model, prompts, ref)
             set_sliding_window(model, window)
             verdicts = [greedy_agreement(model, p, g, hf_greedy(model, p, 32), tie_tol=1e-3)
                         for p, g in zip(prompts, greedy)]
@@ -492,7 +497,7 @@ def check_tiny(args):
             for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
                 value = getattr(model.config, cap)
                 setattr(model.config, cap, None)
-                moved = max(float(np.abs(a - b).max()) for a, b in zip(hf_logits(model, prompts), ref))
+                moved = max_logit_move(model, prompts, ref)
                 setattr(model.config, cap, value)
                 biases += f" (without {cap} {moved:.2f})"
                 if moved < 100 * 1e-3:
@@ -503,7 +508,7 @@ def check_tiny(args):
                 for pname, p in model.named_parameters():
                     if pname.endswith(".bias"):
                         p.zero_()
-            moved = max(float(np.abs(a - b).max()) for a, b in zip(hf_logits(model, prompts), ref))
+            moved = max_logit_move(model, prompts, ref)
             biases = f" (without its biases hf's logits move by {moved:.2f})"
             if moved < 100 * 1e-3:
                 status, ok = "FAIL (the biases barely matter)", False

@@ -402,8 +402,6 @@ Status CpuBackend::WriteKv(int layer) {
 }
 
 Status CpuBackend::Attention(int layer) {
-  if (batch_ == nullptr) return Status::Internal("attention outside a step");
-  KVFLOW_RETURN_IF_ERROR(CheckSlidingWindowViews(*batch_, config_));
   if (staged_step()) KVFLOW_RETURN_IF_ERROR(EnsureStaged(layer, {}));
   RunAttention(layer, view_slots_);
   return Status::Ok();

@@ -67,7 +67,6 @@ Status CudaBackend::WriteKv(int layer) {
 }
 
 Status CudaBackend::Attention(int layer) {
-  if (batch_ != nullptr) KVFLOW_RETURN_IF_ERROR(CheckSlidingWindowViews(*batch_, config_));
   attention_window_ = config_.LayerWindow(layer);
   const StepMetadata& m = device_meta_;
   const size_t layer_bytes = layout_.layer_stride() * cuda::DTypeSize(dtype_);

@@ -291,7 +291,7 @@ Status CudaBackend::Speculate(int layer, std::span<const SpeculateJob> jobs) {
   q.num_kv_heads = KV;
   q.head_dim = D;
   q.num_partial_columns = P;
-  q.scale = 1.0f / std::sqrt(static_cast<float>(D));
+  q.scale = config_.AttentionScale();
   q.matrices = skew_matrices_ + static_cast<size_t>(layer) * KV * D * D;
   q.columns = skew_columns_ + static_cast<size_t>(layer) * KV * P;
   q.out = queries;
