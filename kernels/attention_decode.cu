@@ -94,7 +94,18 @@ struct DecodeParams {
   float* ws_sum;     // [num_seqs][num_heads][num_partitions]
   float* lse;        // [rows][num_heads] or nullptr
   int window;        // PagedAttentionArgs::window
+  // PagedAttentionArgs::softcap > 0: raw scores s become cap_over_scale * tanh(s * scale_over_cap),
+  // so that the later * scale_log2 gives softcap * tanh(scale * s / softcap) * log2(e).
+  float softcap;
+  float scale_over_cap;
+  float cap_over_scale;
 };
+
+// The raw score q.k as the softmax sees it: unchanged, or soft-capped (see DecodeParams::softcap).
+template <typename Params>
+__device__ __forceinline__ float SoftCapped(const Params& p, float s) {
+  return p.softcap > 0.0f ? p.cap_over_scale * tanhf(s * p.scale_over_cap) : s;
+}
 
 // The first key the query at position ctx - 1 sees.
 __device__ __forceinline__ int FirstKey(const DecodeParams& p, int ctx) {
@@ -239,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, 3) PagedDecodeKernel(const DecodePar
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int tok = t0 + 8 * n + 2 * t + e;
-        x[n][e] = tok <= last && tok >= first ? s[n][e] * p.scale_log2 : -INFINITY;
+        x[n][e] = tok <= last && tok >= first ? SoftCapped(p, s[n][e]) * p.scale_log2 : -INFINITY;
         tile_max = fmaxf(tile_max, x[n][e]);
       }
     }
@@ -404,17 +415,18 @@ __global__ void __launch_bounds__(kReduceThreads) PagedDecodeReduceKernel(const 
   *reinterpret_cast<Float4*>(&s_out[grp][d0]) = st;
   if (d0 == 0) s_sum[grp] = sum;
   __syncthreads();
-  if (threadIdx.x < kHeadDim) {
+  // One output dimension per thread, twice over for head_dim 256.
+  for (int d = static_cast<int>(threadIdx.x); d < kHeadDim; d += kReduceThreads) {
     float total = 0.0f, acc = 0.0f;
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
       total += s_sum[g];
-      acc += s_out[g][threadIdx.x];
+      acc += s_out[g][d];
     }
     const int64_t row = p.query_rows[seq];
-    T* dst = static_cast<T*>(p.out) + row * p.out_row_stride + static_cast<int64_t>(head) * kHeadDim + threadIdx.x;
+    T* dst = static_cast<T*>(p.out) + row * p.out_row_stride + static_cast<int64_t>(head) * kHeadDim + d;
     *dst = dev::FromFloat<T>(acc / total);
-    if (p.lse && threadIdx.x == 0) p.lse[row * p.num_heads + head] = (big + log2f(total)) * kLn2;
+    if (p.lse && d == 0) p.lse[row * p.num_heads + head] = (big + log2f(total)) * kLn2;
   }
 }
 
@@ -448,7 +460,7 @@ int Launch(const PagedDecodeArgs& a, const DecodeParams& p, void* stream) {
 }  // namespace
 
 bool PagedDecodeSupports(int head_dim, int block_size) {
-  return (head_dim == 64 || head_dim == 128) && (block_size == 8 || block_size == 16 || block_size == 32);
+  return (head_dim == 64 || head_dim == 128 || head_dim == 256) && (block_size == 8 || block_size == 16 || block_size == 32);
 }
 
 namespace detail {
@@ -480,7 +492,7 @@ int PagedAttentionDecode(const PagedDecodeArgs& a, void* stream) {
   if (a.dtype != DType::kF16 && a.dtype != DType::kBF16) return kInvalidValue;
   if (!PagedDecodeSupports(a.head_dim, a.block_size)) return kInvalidValue;
   if (a.num_heads <= 0 || a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0) return kInvalidValue;
-  if (a.max_context_len <= 0 || a.num_seqs > 65535 || a.window < 0) return kInvalidValue;
+  if (a.max_context_len <= 0 || a.num_seqs > 65535 || a.window < 0 || !(a.softcap >= 0.0f)) return kInvalidValue;
   if (!a.out || !a.query || !a.key_cache || !a.value_cache || !a.block_tables || !a.context_lens ||
       !a.query_rows) {
     return kInvalidValue;
@@ -511,6 +523,9 @@ int PagedAttentionDecode(const PagedDecodeArgs& a, void* stream) {
   p.num_partitions = CeilDiv(a.max_context_len, p.partition_size);
   p.scale_log2 = a.scale * 1.4426950408889634f;
   p.window = a.window;
+  p.softcap = a.softcap;
+  p.scale_over_cap = a.softcap > 0.0f ? a.scale / a.softcap : 0.0f;
+  p.cap_over_scale = a.softcap > 0.0f ? a.softcap / a.scale : 0.0f;
   p.lse = a.lse;
   if (p.num_partitions > 65535 || static_cast<int64_t>(a.num_kv_heads) * p.slices > 65535) return kInvalidValue;
   if (p.num_partitions > 1) {
@@ -523,7 +538,9 @@ int PagedAttentionDecode(const PagedDecodeArgs& a, void* stream) {
     p.ws_sum = p.ws_max + entries;
   }
   KVFLOW_DISPATCH_HALF_DTYPE(a.dtype, T, {
-    return a.head_dim == 64 ? Launch<T, 64>(a, p, stream) : Launch<T, 128>(a, p, stream);
+    if (a.head_dim == 64) return Launch<T, 64>(a, p, stream);
+    if (a.head_dim == 128) return Launch<T, 128>(a, p, stream);
+    return Launch<T, 256>(a, p, stream);
   });
   return kInvalidValue;
 }

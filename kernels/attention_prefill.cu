@@ -53,6 +53,11 @@ struct PrefillParams {
   float scale_log2;  // softmax scale * log2(e): p = exp2(s * scale_log2 - max * scale_log2)
   float* lse;        // [rows][num_kv_heads * group] or nullptr
   int window;        // PagedAttentionArgs::window
+  // PagedAttentionArgs::softcap > 0: raw scores s become cap_over_scale * tanh(s * scale_over_cap)
+  // before the mask, so that * scale_log2 gives softcap * tanh(scale * s / softcap) * log2(e).
+  float softcap;
+  float scale_over_cap;
+  float cap_over_scale;
 };
 
 // 16 bytes moved as one vector load/store (ld/st .v4.b32).
@@ -301,6 +306,17 @@ __global__ void __launch_bounds__(kThreads) PagedPrefillKernel(const PrefillPara
         }
       }
 
+      if (p.softcap > 0.0f) {  // Gemma-2's soft cap, before the mask (it maps -inf nowhere)
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+          for (int nb = 0; nb < kNB; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][nb][e] = p.cap_over_scale * tanhf(s[mt][nb][e] * p.scale_over_cap);
+          }
+        }
+      }
+
       // ---- causal mask (also covers the zero-filled keys >= kv_len, which exceed every position) ----
       // and the sliding window's (covering the zero-filled keys before kv_first).
       const bool window_mask = p.window > 0 && n0 <= warp_max_pos - p.window;
@@ -452,8 +468,13 @@ int DispatchTile(const PrefillParams& params, int block_m, int max_rows, int num
     const int64_t big_ctas = static_cast<int64_t>((max_rows + 127) / 128) * num_kv_heads * num_seqs;
     block_m = max_rows <= 64 || big_ctas < 2 * 132 ? 64 : 128;
   }
-  if (block_m == 64) return LaunchPrefill<T, kHeadDim, 1>(params, max_rows, num_kv_heads, num_seqs, stream);
-  return LaunchPrefill<T, kHeadDim, 2>(params, max_rows, num_kv_heads, num_seqs, stream);
+  // head_dim 256 (Gemma): 64-row tiles only; 32 rows per warp would hold 256 fp32 O accumulators per thread.
+  if constexpr (kHeadDim > 128) {
+    return LaunchPrefill<T, kHeadDim, 1>(params, max_rows, num_kv_heads, num_seqs, stream);
+  } else {
+    if (block_m == 64) return LaunchPrefill<T, kHeadDim, 1>(params, max_rows, num_kv_heads, num_seqs, stream);
+    return LaunchPrefill<T, kHeadDim, 2>(params, max_rows, num_kv_heads, num_seqs, stream);
+  }
 }
 
 bool IsPowerOfTwo(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
@@ -461,7 +482,8 @@ bool IsPowerOfTwo(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
 }  // namespace
 
 bool PagedPrefillSupports(int head_dim, int block_size) {
-  return (head_dim == 64 || head_dim == 128) && IsPowerOfTwo(block_size) && block_size >= 8 && block_size <= 256;
+  return (head_dim == 64 || head_dim == 128 || head_dim == 256) && IsPowerOfTwo(block_size) && block_size >= 8 &&
+         block_size <= 256;
 }
 
 namespace detail {
@@ -478,7 +500,7 @@ int PagedAttentionPrefillTiled(const PagedPrefillArgs& a, int block_m, void* str
   if (!(a.scale > 0.0f) || a.scale == INFINITY) return kInvalidValue;  // the -inf masking assumes scale > 0
   if (a.num_seqs == 0) return 0;
   if (a.max_query_len <= 0 || a.block_table_stride <= 0 || a.num_seqs > 65535 || a.num_kv_heads > 65535 ||
-      a.window < 0) {
+      a.window < 0 || !(a.softcap >= 0.0f)) {
     return kInvalidValue;
   }
   if (!a.out || !a.query || !a.key_cache || !a.value_cache || !a.block_tables || !a.query_starts ||
@@ -518,11 +540,15 @@ int PagedAttentionPrefillTiled(const PagedPrefillArgs& a, int block_m, void* str
   params.scale_log2 = a.scale * kLog2e;
   params.lse = a.lse;
   params.window = a.window;
+  params.softcap = a.softcap;
+  params.scale_over_cap = a.softcap > 0.0f ? a.scale / a.softcap : 0.0f;
+  params.cap_over_scale = a.softcap > 0.0f ? a.softcap / a.scale : 0.0f;
 
   const int rows = static_cast<int>(max_rows);
   KVFLOW_DISPATCH_HALF_DTYPE(a.dtype, T, {
-    return a.head_dim == 64 ? DispatchTile<T, 64>(params, block_m, rows, a.num_kv_heads, a.num_seqs, stream)
-                            : DispatchTile<T, 128>(params, block_m, rows, a.num_kv_heads, a.num_seqs, stream);
+    if (a.head_dim == 64) return DispatchTile<T, 64>(params, block_m, rows, a.num_kv_heads, a.num_seqs, stream);
+    if (a.head_dim == 128) return DispatchTile<T, 128>(params, block_m, rows, a.num_kv_heads, a.num_seqs, stream);
+    return DispatchTile<T, 256>(params, block_m, rows, a.num_kv_heads, a.num_seqs, stream);
   });
   return kInvalidValue;
 }

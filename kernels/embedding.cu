@@ -24,7 +24,7 @@ constexpr int kChunk = kThreads * kPerThread;
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     GatherRowsKernel(const T* __restrict__ src, int64_t src_row_stride, int64_t num_src_rows,
-                     const int32_t* __restrict__ indices, int n, float* __restrict__ dst) {
+                     const int32_t* __restrict__ indices, int n, float scale, float* __restrict__ dst) {
   const int64_t row = blockIdx.x;
   const int32_t index = indices[row];
   const bool valid = index >= 0 && static_cast<int64_t>(index) < num_src_rows;
@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kThreads)
       if (valid) {
         const Vec<T, V> x = *reinterpret_cast<const Vec<T, V>*>(in + i);
 #pragma unroll
-        for (int k = 0; k < V; ++k) f.v[k] = dev::ToFloat(x.v[k]);
+        for (int k = 0; k < V; ++k) f.v[k] = dev::ToFloat(x.v[k]) * scale;
       } else {
 #pragma unroll
         for (int k = 0; k < V; ++k) f.v[k] = NAN;  // bad token id: make it loud downstream
@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int i = begin + j * kThreads + static_cast<int>(threadIdx.x);
-      if (i < n) out[i] = valid ? dev::ToFloat(in[i]) : NAN;
+      if (i < n) out[i] = valid ? dev::ToFloat(in[i]) * scale : NAN;
     }
   }
 }
@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 int GatherRowsToF32(DType src_dtype, const void* src, int64_t src_row_stride, int64_t num_src_rows,
-                    const int32_t* indices, int num_rows, int n, float* dst, void* stream) {
+                    const int32_t* indices, int num_rows, int n, float* dst, void* stream, float scale) {
   if (num_rows < 0 || n < 0 || num_src_rows < 0 || src_row_stride < 0) return kInvalidValue;
   if (num_rows == 0 || n == 0) return 0;
   if (!src || !indices || !dst || (num_src_rows > 1 && src_row_stride < n)) return kInvalidValue;
@@ -77,10 +77,10 @@ int GatherRowsToF32(DType src_dtype, const void* src, int64_t src_row_stride, in
                      reinterpret_cast<uintptr_t>(dst) % 16 == 0;
     if (vec) {
       return LaunchKernel(GatherRowsKernel<T, true>, grid, dim3(kThreads), 0, stream, static_cast<const T*>(src),
-                          src_row_stride, num_src_rows, indices, n, dst);
+                          src_row_stride, num_src_rows, indices, n, scale, dst);
     }
     return LaunchKernel(GatherRowsKernel<T, false>, grid, dim3(kThreads), 0, stream, static_cast<const T*>(src),
-                        src_row_stride, num_src_rows, indices, n, dst);
+                        src_row_stride, num_src_rows, indices, n, scale, dst);
   });
   return kInvalidValue;
 }

@@ -8,10 +8,11 @@
 
 namespace kvflow::cuda {
 
-// dst[i, :] = float(src[indices[i], :]) for i < num_rows; rows of n elements, src rows
-// src_row_stride apart, dst dense. An index outside [0, num_src_rows) writes a row of NaN (the
-// host validates token ids, so this only makes a bug loud).
+// dst[i, :] = float(src[indices[i], :]) * scale for i < num_rows; rows of n elements, src rows
+// src_row_stride apart, dst dense; `scale` is Gemma's embedding scale sqrt(hidden) (fp32, as
+// ModelConfig::embedding_scale), 1 elsewhere. An index outside [0, num_src_rows) writes a row of NaN
+// (the host validates token ids, so this only makes a bug loud).
 int GatherRowsToF32(DType src_dtype, const void* src, int64_t src_row_stride, int64_t num_src_rows,
-                    const int32_t* indices, int num_rows, int n, float* dst, void* stream);
+                    const int32_t* indices, int num_rows, int n, float* dst, void* stream, float scale = 1.0f);
 
 }  // namespace kvflow::cuda

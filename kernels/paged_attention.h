@@ -23,13 +23,17 @@ struct PagedAttentionArgs {
   int num_seqs = 0;
   int num_heads = 0;
   int num_kv_heads = 0;  // divides num_heads; query head h reads kv head h / (num_heads / num_kv_heads)
-  int head_dim = 0;      // 64 or 128
+  int head_dim = 0;      // 64, 128 or 256 (Gemma)
   int block_size = 0;    // 8, 16 or 32
   float scale = 1.0f;    // softmax scale, usually 1/sqrt(head_dim)
   // > 0: sliding-window attention: the query at position q sees keys q - window + 1 .. q only, and
   // block-table entries wholly before every query's window are never read (they may be -1: blocks
   // released from the window). 0: keys 0 .. q.
   int window = 0;
+  // > 0: the scaled scores are soft-capped before the mask and the softmax (Gemma-2):
+  // scale * q.k -> softcap * tanh(scale * q.k / softcap), as cpu::PagedAttention's
+  // AttentionIo::softcap; lse (below) is then over the capped scores. 0: none.
+  float softcap = 0.0f;
   // Optional (nullptr: not written, no extra work). [rows][num_heads], row r as in `out`: the
   // natural log of sum(exp(scale * q.k)) over the keys query row r, head h sees, as
   // cpu::PagedAttention writes into AttentionIo::lse, so that attentions over disjoint KV sets

@@ -1,4 +1,5 @@
-// SiluAndMul (kernels/activation.cu) against cpu::SiluMul on the same (dtype-rounded) inputs.
+// SiluAndMul and GeluTanhAndMul (kernels/activation.cu) against cpu::SiluMul and cpu::GeluTanhMul on
+// the same (dtype-rounded) inputs.
 // Tolerances (atol = rtol * max|ref|):
 //   fp32: 1e-5 (expf within an ulp or two of glibc's; the rest is the same fp32 expression)
 //   fp16: 1e-3, bf16: 8e-3 (one rounding of the output)
@@ -17,7 +18,7 @@ namespace {
 
 using cuda::DType;
 
-void RunSiluAndMul(DType t, int rows, int n, std::mt19937& rng) {
+void RunGated(DType t, int rows, int n, bool gelu, std::mt19937& rng) {
   std::vector<float> gate_up(static_cast<size_t>(rows) * 2 * n);
   test::FillNormal(gate_up, rng, 3.0f);
   // Saturated gates (exp(-g) overflows to inf for g = -100: silu gives -0, not NaN), kept within
@@ -30,17 +31,22 @@ void RunSiluAndMul(DType t, int rows, int n, std::mt19937& rng) {
   }
   const std::vector<uint8_t> bytes = test::ToDeviceBytes(gate_up, t);
   std::vector<float> ref(static_cast<size_t>(rows) * n);
-  cpu::SiluMul(gate_up.data(), ref.data(), rows, n);
+  if (gelu) {
+    cpu::GeluTanhMul(gate_up.data(), ref.data(), rows, n);
+  } else {
+    cpu::SiluMul(gate_up.data(), ref.data(), rows, n);
+  }
 
   test::DeviceBuffer din = test::DeviceBuffer::From(bytes), dout(ref.size() * cuda::DTypeSize(t));
   dout.Poison();
-  const int rc = cuda::SiluAndMul(t, din.get(), dout.get(), rows, n, nullptr);
+  const int rc = gelu ? cuda::GeluTanhAndMul(t, din.get(), dout.get(), rows, n, nullptr)
+                      : cuda::SiluAndMul(t, din.get(), dout.get(), rows, n, nullptr);
   KVFLOW_CUDA_OK(rc);
   KVFLOW_CUDA_OK(cudaDeviceSynchronize());
   const double rtol = t == DType::kF32 ? 1e-5 : t == DType::kF16 ? 1e-3 : 8e-3;
   double scale = 0.0;
   for (float r : ref) scale = std::max(scale, static_cast<double>(std::fabs(r)));
-  test::ExpectClose(std::string("silu_and_mul ") + cuda::DTypeName(t) + " rows" + std::to_string(rows) + " n" +
+  test::ExpectClose(std::string(gelu ? "gelu_tanh_and_mul " : "silu_and_mul ") + cuda::DTypeName(t) + " rows" + std::to_string(rows) + " n" +
                         std::to_string(n),
                     test::FromDeviceBytes(dout.Download<uint8_t>(), t), ref, rtol * scale, rtol);
 }
@@ -56,7 +62,18 @@ TEST(Activation, SiluAndMulMatchesCpuReference) {
       test::IsEmulator() ? std::vector<Shape>{{64, 1536}, {8, 11008}, {16, 4096}, {67, 1000}, {100, 65}, {2, 14336}}
                          : std::vector<Shape>{{257, 1536}, {64, 11008}, {128, 14336}, {300, 1000}, {33, 65}, {1, 4096}};
   for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
-    for (const Shape& s : shapes) RunSiluAndMul(t, s.rows, s.n, rng);
+    for (const Shape& s : shapes) RunGated(t, s.rows, s.n, /*gelu=*/false, rng);
+  }
+}
+
+TEST(Activation, GeluTanhAndMulMatchesCpuReference) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(42);
+  // Gemma-2 2B (9216), Gemma-3 1B (6912), and odd sizes (element-wise path).
+  for (DType t : {DType::kF32, DType::kF16, DType::kBF16}) {
+    RunGated(t, 16, 9216, /*gelu=*/true, rng);
+    RunGated(t, 9, 6912, /*gelu=*/true, rng);
+    RunGated(t, 33, 65, /*gelu=*/true, rng);
   }
 }
 
@@ -66,6 +83,7 @@ TEST(Activation, RejectsBadArguments) {
   EXPECT_EQ(cuda::SiluAndMul(DType::kF16, buf.get(), buf.get(), 1, 0, nullptr), cuda::kInvalidValue);
   EXPECT_EQ(cuda::SiluAndMul(static_cast<DType>(3), buf.get(), buf.get(), 1, 8, nullptr), cuda::kInvalidValue);
   EXPECT_EQ(cuda::SiluAndMul(DType::kF16, buf.get(), buf.get(), 0, 8, nullptr), 0);
+  EXPECT_EQ(cuda::GeluTanhAndMul(DType::kF16, buf.get(), buf.get(), 1, 0, nullptr), cuda::kInvalidValue);
 }
 
 }  // namespace

@@ -72,6 +72,8 @@ struct Shape {
   // > 0: sliding-window attention; table entries of blocks wholly before a sequence's window are
   // -1 (released) and the blocks themselves NaN.
   int window = 0;
+  // > 0: Gemma-2's soft cap on the scaled scores (AttentionIo::softcap).
+  float softcap = 0.0f;
   uint32_t seed = 1;
 };
 
@@ -92,6 +94,7 @@ std::string Describe(const Shape& s) {
   if (s.q_std != 1.0f) os << " qstd" << s.q_std;
   if (!s.lse) os << " no-lse";
   if (s.window > 0) os << " window" << s.window;
+  if (s.softcap > 0) os << " softcap" << s.softcap;
   return os.str();
 }
 
@@ -205,6 +208,7 @@ Problem::Problem(const Shape& shape) : s(shape) {
   io.out_row_stride = io.query_row_stride;
   io.lse = ref_lse.data();
   io.window = s.window;
+  io.softcap = s.softcap;
   cpu::PagedAttention(batch, views, layout, H, io, key.data(), value.data(), scale);
 
   d_key = test::DeviceBuffer::From(key_bytes);
@@ -261,6 +265,7 @@ LaunchResult Launch(const Problem& P, const std::vector<int32_t>& tables, const 
   args.workspace_bytes = ws_bytes;
   args.lse = with_lse ? d_lse.get<float>() : nullptr;
   args.window = P.s.window;
+  args.softcap = P.s.softcap;
   LaunchResult r;
   r.split = cuda::detail::PagedDecodeWorkspaceNeeded(num_seqs, H, P.KV, D, max_context_len) > 0;
   const int rc = cuda::PagedAttentionDecode(args, nullptr);
@@ -365,7 +370,7 @@ TEST(PagedAttentionDecode, ShapesMatchCpuReference) {
   KVFLOW_SKIP_WITHOUT_GPU();
   uint32_t seed = 1;
   for (DType dtype : {DType::kF16, DType::kBF16}) {
-    for (int head_dim : {64, 128}) {
+    for (int head_dim : {64, 128, 256}) {  // 256: Gemma
       for (int block_size : {8, 16, 32}) {
         for (int group : {1, 4}) {
           Shape s;
@@ -470,6 +475,25 @@ TEST(PagedAttentionDecode, SlidingWindowMatchesCpuReference) {
   d.window = 513;
   d.seed = 114;
   RunCase(d);
+}
+
+// Gemma-2's soft cap on peaked scores (capped at 2 after scaling: the cap changes every weight),
+// a context split over partitions (through the reduce), and with a sliding window.
+TEST(PagedAttentionDecode, SoftCapMatchesCpuReference) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  for (DType t : {DType::kF16, DType::kBF16}) {
+    Shape a;
+    a.dtype = t;
+    a.group = 4;
+    a.contexts = {1100, 37, 1};
+    a.q_std = 4.0f;
+    a.softcap = 2.0f;
+    a.seed = 121;
+    RunCase(a);
+    a.window = 100;
+    a.seed = 122;
+    RunCase(a);
+  }
 }
 
 // 32 sequences x 8 kv heads x 2 partitions reach the 512-CTA target with 512-token partitions:
@@ -632,7 +656,8 @@ TEST(PagedAttentionDecode, UnsupportedShapesAreRejected) {
   EXPECT_TRUE(cuda::PagedDecodeSupports(64, 8));
   EXPECT_TRUE(cuda::PagedDecodeSupports(128, 32));
   EXPECT_FALSE(cuda::PagedDecodeSupports(96, 16));
-  EXPECT_FALSE(cuda::PagedDecodeSupports(256, 16));
+  EXPECT_TRUE(cuda::PagedDecodeSupports(256, 16));  // Gemma
+  EXPECT_FALSE(cuda::PagedDecodeSupports(512, 16));
   EXPECT_FALSE(cuda::PagedDecodeSupports(128, 64));
   EXPECT_FALSE(cuda::PagedDecodeSupports(128, 4));
 
@@ -670,7 +695,7 @@ TEST(PagedAttentionDecode, UnsupportedShapesAreRejected) {
     EXPECT_NE(cuda::PagedAttentionDecode(a, nullptr), 0) << what;
   };
   rejected("head_dim 96", [](cuda::PagedDecodeArgs& a) { a.head_dim = 96; });
-  rejected("head_dim 256", [](cuda::PagedDecodeArgs& a) { a.head_dim = 256; });
+  rejected("head_dim 512", [](cuda::PagedDecodeArgs& a) { a.head_dim = 512; });
   rejected("block_size 64", [](cuda::PagedDecodeArgs& a) { a.block_size = 64; });
   rejected("fp32", [](cuda::PagedDecodeArgs& a) { a.dtype = DType::kF32; });
   rejected("heads % kv heads", [](cuda::PagedDecodeArgs& a) { a.num_heads = 3; });

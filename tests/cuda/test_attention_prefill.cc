@@ -1,7 +1,8 @@
 // Paged prefill attention (kernels/attention_prefill.cu) against the CPU reference
 // cpu::PagedAttention on the same ForwardBatch: plain prefills, chunked prefills over a cached
 // prefix, varlen batches, query rows inside wider (fused QKV) rows, a loose max_query_len, both CTA
-// tile heights; fp16 and bf16, head_dim 64 and 128, block_size 8/16/32, GQA group 1 and 3.
+// tile heights; fp16 and bf16, head_dim 64 and 128 (and 256 in bf16: Gemma), block_size 8/16/32, GQA
+// group 1 and 3.
 //
 // Every case: random inputs rounded to the device dtype (the reference sees the same values),
 // physical blocks shuffled, cache slots outside every context filled with NaN (a kernel reading
@@ -73,6 +74,8 @@ struct Shape {
   // > 0: sliding-window attention; table entries of blocks wholly before a chunk's first query's
   // window are -1 (released) and the blocks NaN.
   int window = 0;
+  // > 0: Gemma-2's soft cap on the scaled scores (AttentionIo::softcap).
+  float softcap = 0.0f;
   uint32_t seed = 1;
 };
 
@@ -87,6 +90,7 @@ std::string Describe(const Shape& s, int block_m) {
   if (s.q_std != 1.0f) os << " qstd" << s.q_std;
   if (!s.lse) os << " no-lse";
   if (s.window > 0) os << " window" << s.window;
+  if (s.softcap > 0) os << " softcap" << s.softcap;
   return os.str();
 }
 
@@ -192,6 +196,7 @@ void RunCase(const Shape& s) {
     io.out_row_stride = io.query_row_stride;
     io.lse = ref_lse.data();
     io.window = s.window;
+    io.softcap = s.softcap;
     cpu::PagedAttention(batch, views, layout, H, io, k_cache.data(), v_cache.data(), scale);
   }
 
@@ -241,6 +246,7 @@ void RunCase(const Shape& s) {
     args.scale = scale;
     args.lse = with_lse ? d_lse.get<float>() : nullptr;
     args.window = s.window;
+    args.softcap = s.softcap;
     const int rc = cuda::detail::PagedAttentionPrefillTiled(args, block_m, nullptr);
     EXPECT_EQ(rc, 0);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -426,6 +432,20 @@ TEST_P(PagedPrefill, SlidingWindow) {
   }
 }
 
+// Gemma-2's soft cap on peaked scores (std ~4, capped at 2 after scaling: the cap changes every
+// weight), alone and with a sliding window, the mask after the cap.
+TEST_P(PagedPrefill, SoftCap) {
+  Shape s;
+  s.seqs = {{150, 150}, {37, 187}, {1, 60}};
+  s.q_std = 4.0f;
+  s.softcap = 2.0f;
+  s.seed = 400;
+  ForEachLayout(s);
+  s.window = 40;
+  s.seed = 401;
+  ForEachLayout(s);
+}
+
 TEST_P(PagedPrefill, PeakedSoftmax) {
   // Scores of std ~4: the running max moves a lot between tiles, stressing the rescaling.
   Shape s;
@@ -466,7 +486,7 @@ std::string ComboName(const ::testing::TestParamInfo<Combo>& info) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, PagedPrefill,
                          ::testing::Values(Combo{DType::kF16, 64}, Combo{DType::kF16, 128}, Combo{DType::kBF16, 64},
-                                           Combo{DType::kBF16, 128}),
+                                           Combo{DType::kBF16, 128}, Combo{DType::kBF16, 256}),
                          ComboName);
 
 // Argument checks need no GPU: the launcher refuses before touching the device.
@@ -475,7 +495,8 @@ TEST(PagedPrefillArgs, SupportsAndRejects) {
   EXPECT_TRUE(cuda::PagedPrefillSupports(128, 8));
   EXPECT_TRUE(cuda::PagedPrefillSupports(128, 32));
   EXPECT_FALSE(cuda::PagedPrefillSupports(96, 16));
-  EXPECT_FALSE(cuda::PagedPrefillSupports(256, 16));
+  EXPECT_TRUE(cuda::PagedPrefillSupports(256, 16));  // Gemma
+  EXPECT_FALSE(cuda::PagedPrefillSupports(512, 16));
   EXPECT_FALSE(cuda::PagedPrefillSupports(128, 12));
   EXPECT_FALSE(cuda::PagedPrefillSupports(64, 0));
 

@@ -20,7 +20,7 @@ struct GatherCase {
   int num_rows;
 };
 
-void RunGather(DType dtype, const GatherCase& c, std::mt19937& rng) {
+void RunGather(DType dtype, const GatherCase& c, std::mt19937& rng, float scale = 1.0f) {
   const int64_t stride = c.n + c.row_pad;
   std::vector<float> table(static_cast<size_t>(c.num_src_rows * stride));
   test::FillNormal(table, rng);
@@ -41,7 +41,7 @@ void RunGather(DType dtype, const GatherCase& c, std::mt19937& rng) {
   for (size_t r = 0; r < indices.size(); ++r) {
     if (bad[r]) continue;
     const float* row = &table[static_cast<size_t>(indices[r] * stride)];
-    ref.insert(ref.end(), row, row + c.n);
+    for (int i = 0; i < c.n; ++i) ref.push_back(row[i] * scale);  // one fp32 product, as the kernel
   }
 
   test::DeviceBuffer d_table = test::DeviceBuffer::From(table_bytes);
@@ -49,7 +49,7 @@ void RunGather(DType dtype, const GatherCase& c, std::mt19937& rng) {
   test::DeviceBuffer d_out(static_cast<size_t>(c.num_rows) * c.n * sizeof(float));
   d_out.Poison();
   const int rc = cuda::GatherRowsToF32(dtype, d_table.get(), stride, c.num_src_rows, d_idx.get<int32_t>(), c.num_rows,
-                                       c.n, d_out.get<float>(), nullptr);
+                                       c.n, d_out.get<float>(), nullptr, scale);
   KVFLOW_CUDA_OK(rc);
   KVFLOW_CUDA_OK(cudaDeviceSynchronize());
   const std::vector<float> out = d_out.Download<float>();
@@ -69,7 +69,8 @@ void RunGather(DType dtype, const GatherCase& c, std::mt19937& rng) {
   }
   EXPECT_EQ(nan_rows_ok, nan_rows) << "out-of-range indices must write NaN rows";
   test::ExpectClose(std::string("gather ") + cuda::DTypeName(dtype) + " n" + std::to_string(c.n) + " stride" +
-                        std::to_string(stride) + " rows" + std::to_string(c.num_rows),
+                        std::to_string(stride) + " rows" + std::to_string(c.num_rows) +
+                        (scale != 1.0f ? " scale " + std::to_string(scale) : ""),
                     got, ref, 0.0, 0.0);
 }
 
@@ -85,6 +86,16 @@ TEST(Embedding, GatherRowsToF32AllDTypes) {
   };
   for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
     for (const GatherCase& c : cases) RunGather(dtype, c, rng);
+  }
+}
+
+// Gemma's scaled embeddings: sqrt(2304) = 48 and sqrt(3584), each element one fp32 product.
+TEST(Embedding, GatherRowsToF32Scaled) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(6);
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    RunGather(dtype, {2304, 30, 0, 11}, rng, std::sqrt(2304.0f));
+    RunGather(dtype, {65, 40, 0, 33}, rng, std::sqrt(3584.0f));
   }
 }
 

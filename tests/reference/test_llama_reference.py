@@ -347,22 +347,18 @@ def has_biases(config):
             or getattr(config, "mlp_bias", False))
 
 
-# The CUDA attention kernels take head_dim 64 or 128 and KV blocks of 8, 16 or 32 tokens: on the
+# The CUDA attention kernels take head_dim 64, 128 or 256 and KV blocks of 8, 16 or 32 tokens: on the
 # GPU the tiny models get such head sizes (projections wider than hidden_size / heads, as in
 # linear_rope_headdim) and each a block size, so every kernel variant runs. name: (head_dim, block)
 GPU_TINY = {"gqa_untied": (64, 16), "mha_tied": (128, 8), "mqa_llama3_rope_sharded": (64, 32),
             "linear_rope_headdim": (128, 16), "biases": (64, 16),
             "attention_bias_only_mqa": (128, 32), "qwen2_gqa": (64, 16), "qwen2_tied": (128, 8),
             "phi3_gqa": (64, 32), "mistral_swa": (64, 8), "phi3_swa": (128, 16), "mixtral_moe": (64, 16),
-            "qwen2moe": (64, 16), "olmoe": (64, 16)}
+            "qwen2moe": (64, 16), "olmoe": (64, 16), "gemma2": (256, 16)}
 
 
 # What the CUDA backend refuses (and says so) rather than runs.
-GPU_REFUSED = {"gemma2": "the CUDA backend does not run Gemma-2 yet",
-               "phi3_longrope": "LongRoPE is compared on the CPU (per-context factors against HF's per-call ones)",
-               "mixtral_moe": "the CUDA backend does not run mixtures of experts yet",
-               "qwen2moe": "the CUDA backend does not run mixtures of experts yet",
-               "olmoe": "the CUDA backend does not run mixtures of experts yet"}
+GPU_REFUSED = {"phi3_longrope": "LongRoPE is compared on the CPU (per-context factors against HF's per-call ones)"}
 
 
 HF_HEAD_DIM_FROM_HIDDEN = ("qwen2", "phi3", "mixtral", "qwen2moe", "olmoe")

@@ -131,6 +131,7 @@ void CudaBackend::FillAttentionArgs(Args& a, const int32_t* tables, int table_st
   a.block_size = layout_.block_size;
   a.scale = config_.AttentionScale();
   a.window = attention_window_;
+  a.softcap = config_.attn_logit_softcap;
   a.key_cache = keys;
   a.value_cache = values;
   a.block_tables = tables;

@@ -2,8 +2,10 @@
 //
 //   embedding gather -> per layer: RMSNorm, QKV GEMM, RoPE, reshape_and_cache, paged attention
 //   (decode kernel for one-token slices, prefill kernel for the rest), O GEMM, add + RMSNorm,
-//   gate_up GEMM, SiLU*mul, down GEMM -> gather logit rows, final norm, LM-head GEMM (fp32 out).
-//   A model with biases adds each one (fp32) right after its GEMM (kernels/bias.cu).
+//   gate_up GEMM, SiLU*mul (GeGLU for Gemma), down GEMM -> gather logit rows, final norm, LM-head
+//   GEMM (fp32 out). A model with biases adds each one (fp32) right after its GEMM (kernels/bias.cu);
+//   a mixture of experts replaces the MLP with cuda_moe.cc's routed grouped GEMMs; Gemma adds its
+//   post-norms on delta, scaled embeddings, per-layer RoPE bases and both soft caps.
 //
 // GEMMs run in cuBLAS (fp16/bf16 inputs, fp32 compute); the residual stream stays fp32 so the
 // backend tracks the fp32 CPU reference closely. Step metadata (tokens, positions, slots, block
@@ -34,8 +36,9 @@
 //
 // The class is declared in cuda_backend_impl.h. This file holds construction, memory planning and the
 // weights; the step and forward primitives are in cuda_step.cc, attention and token selections in
-// cuda_attention.cc, TriForce's scoring in cuda_scoring.cc, device sampling in cuda_sampling.cc, and
-// block copies, swaps and the offloaded pool in cuda_kv_tier.cc.
+// cuda_attention.cc, TriForce's scoring in cuda_scoring.cc, device sampling in cuda_sampling.cc,
+// block copies, swaps and the offloaded pool in cuda_kv_tier.cc, and mixtures of experts in
+// cuda_moe.cc.
 #include "backend/cuda/cuda_backend.h"
 
 #include <algorithm>
@@ -100,17 +103,7 @@ CudaBackend::~CudaBackend() {
 
 Status CudaBackend::Init(const LlamaWeights* weights, uint64_t random_seed) {
   KVFLOW_RETURN_IF_ERROR(config_.Validate());
-  if (config_.num_experts > 0) {
-    return Status::Unsupported("the CUDA backend does not run mixtures of experts yet (" + config_.architecture + ", " +
-                               std::to_string(config_.num_experts) + " experts); use --device cpu");
-  }
-  if (config_.sandwich_norms || config_.mlp_activation != MlpActivation::kSilu || config_.attn_logit_softcap > 0.0f ||
-      config_.final_logit_softcap > 0.0f || config_.embedding_scale != 1.0f || config_.global_layer_interval > 0 ||
-      config_.local_rope_theta > 0.0f) {
-    return Status::Unsupported("the CUDA backend does not run " + config_.architecture +
-                               " yet (sandwich norms, GeGLU, soft-capping, scaled embeddings, alternating sliding "
-                               "windows); use --device cpu");
-  }
+  KVFLOW_RETURN_IF_ERROR(CheckMoeSupported());
   if (cuda::DeviceCount() == 0) {
     return Status::Unsupported("no CUDA GPU is available: " + cuda::DeviceDescription(0));
   }
@@ -135,7 +128,7 @@ Status CudaBackend::Init(const LlamaWeights* weights, uint64_t random_seed) {
   if (!cuda::PagedDecodeSupports(config_.head_dim, options_.block_size) ||
       !cuda::PagedPrefillSupports(config_.head_dim, options_.block_size)) {
     return Status::Unsupported(fmt::format(
-        "the CUDA attention kernels support head_dim 64 or 128 and block_size 8, 16 or 32; this model has "
+        "the CUDA attention kernels support head_dim 64, 128 or 256 and block_size 8, 16 or 32; this model has "
         "head_dim {} and the block size is {}",
         config_.head_dim, options_.block_size));
   }
@@ -177,6 +170,8 @@ Status CudaBackend::Init(const LlamaWeights* weights, uint64_t random_seed) {
 Status CudaBackend::AllocateWeights() {
   const size_t H = config_.hidden_size, D = config_.head_dim, F = config_.intermediate_size;
   const size_t NH = config_.num_heads, KV = config_.num_kv_heads, V = config_.vocab_size;
+  const size_t E = config_.num_experts, FE = config_.expert_intermediate_size;
+  const size_t FS = config_.shared_expert_intermediate_size;
   const size_t es = cuda::DTypeSize(dtype_);
   // Dry run to size the arena, then carve it for real.
   auto carve = [&](Carver& c) {
@@ -189,8 +184,19 @@ Status CudaBackend::AllocateWeights() {
       l.wqkv = c.TakeBytes((NH + 2 * KV) * D * H * es);
       l.wo = c.TakeBytes(H * NH * D * es);
       l.ffn_norm = c.TakeBytes(H * es);
-      l.w_gate_up = c.TakeBytes(2 * F * H * es);
-      l.w_down = c.TakeBytes(H * F * es);
+      if (E == 0) {
+        l.w_gate_up = c.TakeBytes(2 * F * H * es);
+        l.w_down = c.TakeBytes(H * F * es);
+      } else {
+        l.router = c.TakeBytes(E * H * es);
+        l.expert_gate_up = c.TakeBytes(E * 2 * FE * H * es);
+        l.expert_down = c.TakeBytes(E * H * FE * es);
+        if (FS > 0) {
+          l.shared_gate_up = c.TakeBytes(2 * FS * H * es);
+          l.shared_down = c.TakeBytes(H * FS * es);
+          l.shared_gate = c.TakeBytes(H * es);
+        }
+      }
       if (config_.qkv_bias) l.bqkv = c.Take<float>((NH + 2 * KV) * D);
       if (config_.o_bias) l.bo = c.Take<float>(H);
       if (config_.mlp_bias) {
@@ -201,8 +207,13 @@ Status CudaBackend::AllocateWeights() {
         l.q_norm = c.TakeBytes((config_.qk_norm_per_head ? D : NH * D) * es);
         l.k_norm = c.TakeBytes((config_.qk_norm_per_head ? D : KV * D) * es);
       }
+      if (config_.sandwich_norms) {
+        l.post_attn_norm = c.TakeBytes(H * es);
+        l.post_ffn_norm = c.TakeBytes(H * es);
+      }
     }
     inv_freq_ = c.Take<float>(D / 2);
+    local_inv_freq_ = config_.local_rope_theta > 0.0f ? c.Take<float>(D / 2) : inv_freq_;
   };
   Carver dry;
   carve(dry);
@@ -216,6 +227,13 @@ Status CudaBackend::AllocateWeights() {
   attention_scale_ = rope.attention_scale;
   KVFLOW_CUDA_RETURN(cudaMemcpy(inv_freq_, rope.inv_freq.data(), rope.inv_freq.size() * sizeof(float),
                                 cudaMemcpyHostToDevice));
+  local_attention_scale_ = attention_scale_;
+  if (local_inv_freq_ != inv_freq_) {
+    const RopeFrequencies local = ComputeRopeFrequencies(LocalRopeConfig(config_));
+    local_attention_scale_ = local.attention_scale;
+    KVFLOW_CUDA_RETURN(cudaMemcpy(local_inv_freq_, local.inv_freq.data(), local.inv_freq.size() * sizeof(float),
+                                  cudaMemcpyHostToDevice));
+  }
   return Status::Ok();
 }
 
@@ -256,8 +274,24 @@ Status CudaBackend::UploadWeights(const LlamaWeights& w) {
     KVFLOW_RETURN_IF_ERROR(upload_matrix(src.wqkv, dst.wqkv));
     KVFLOW_RETURN_IF_ERROR(upload_matrix(src.wo, dst.wo));
     KVFLOW_RETURN_IF_ERROR(upload(src.ffn_norm, dst.ffn_norm));
-    KVFLOW_RETURN_IF_ERROR(upload_matrix(src.w_gate_up, dst.w_gate_up));
-    KVFLOW_RETURN_IF_ERROR(upload_matrix(src.w_down, dst.w_down));
+    if (config_.num_experts == 0) {
+      KVFLOW_RETURN_IF_ERROR(upload_matrix(src.w_gate_up, dst.w_gate_up));
+      KVFLOW_RETURN_IF_ERROR(upload_matrix(src.w_down, dst.w_down));
+    } else {
+      // Expert e's matrices at e times their size (CheckFamilyWeights checked the counts).
+      KVFLOW_RETURN_IF_ERROR(upload_matrix(src.router, dst.router));
+      const size_t gate_up_bytes =
+          2 * static_cast<size_t>(config_.expert_intermediate_size) * config_.hidden_size * cuda::DTypeSize(dtype_);
+      for (size_t e = 0; e < src.expert_gate_up.size(); ++e) {
+        KVFLOW_RETURN_IF_ERROR(upload_matrix(src.expert_gate_up[e], static_cast<char*>(dst.expert_gate_up) + e * gate_up_bytes));
+        KVFLOW_RETURN_IF_ERROR(upload_matrix(src.expert_down[e], static_cast<char*>(dst.expert_down) + e * gate_up_bytes / 2));
+      }
+      if (dst.shared_gate_up != nullptr) {
+        KVFLOW_RETURN_IF_ERROR(upload_matrix(src.shared_gate_up, dst.shared_gate_up));
+        KVFLOW_RETURN_IF_ERROR(upload_matrix(src.shared_down, dst.shared_down));
+        KVFLOW_RETURN_IF_ERROR(upload(src.shared_gate, dst.shared_gate));
+      }
+    }
     KVFLOW_RETURN_IF_ERROR(upload_bias(src.bqkv, dst.bqkv));
     KVFLOW_RETURN_IF_ERROR(upload_bias(src.bo, dst.bo));
     KVFLOW_RETURN_IF_ERROR(upload_bias(src.b_gate_up, dst.b_gate_up));
@@ -265,6 +299,10 @@ Status CudaBackend::UploadWeights(const LlamaWeights& w) {
     if (dst.q_norm != nullptr) {
       KVFLOW_RETURN_IF_ERROR(upload(src.q_norm, dst.q_norm));
       KVFLOW_RETURN_IF_ERROR(upload(src.k_norm, dst.k_norm));
+    }
+    if (dst.post_attn_norm != nullptr) {
+      KVFLOW_RETURN_IF_ERROR(upload(src.post_attn_norm, dst.post_attn_norm));
+      KVFLOW_RETURN_IF_ERROR(upload(src.post_ffn_norm, dst.post_ffn_norm));
     }
   }
   return Status::Ok();
@@ -288,8 +326,21 @@ Status CudaBackend::FillRandomWeights(uint64_t seed) {
     KVFLOW_RETURN_IF_ERROR(fill(l.wqkv, (NH + 2 * KV) * D * H, matrix_scale(H), 0.0f));
     KVFLOW_RETURN_IF_ERROR(fill(l.wo, H * NH * D, matrix_scale(NH * D), 0.0f));
     KVFLOW_RETURN_IF_ERROR(fill(l.ffn_norm, H, 0.1f, 1.0f));
-    KVFLOW_RETURN_IF_ERROR(fill(l.w_gate_up, 2 * F * H, matrix_scale(H), 0.0f));
-    KVFLOW_RETURN_IF_ERROR(fill(l.w_down, H * F, matrix_scale(F), 0.0f));
+    if (l.w_gate_up != nullptr) {
+      KVFLOW_RETURN_IF_ERROR(fill(l.w_gate_up, 2 * F * H, matrix_scale(H), 0.0f));
+      KVFLOW_RETURN_IF_ERROR(fill(l.w_down, H * F, matrix_scale(F), 0.0f));
+    } else {
+      const int64_t E = config_.num_experts, FE = config_.expert_intermediate_size;
+      const int64_t FS = config_.shared_expert_intermediate_size;
+      KVFLOW_RETURN_IF_ERROR(fill(l.router, E * H, matrix_scale(H), 0.0f));
+      KVFLOW_RETURN_IF_ERROR(fill(l.expert_gate_up, E * 2 * FE * H, matrix_scale(H), 0.0f));
+      KVFLOW_RETURN_IF_ERROR(fill(l.expert_down, E * H * FE, matrix_scale(FE), 0.0f));
+      if (FS > 0) {
+        KVFLOW_RETURN_IF_ERROR(fill(l.shared_gate_up, 2 * FS * H, matrix_scale(H), 0.0f));
+        KVFLOW_RETURN_IF_ERROR(fill(l.shared_down, H * FS, matrix_scale(FS), 0.0f));
+        KVFLOW_RETURN_IF_ERROR(fill(l.shared_gate, H, matrix_scale(H), 0.0f));
+      }
+    }
     auto fill_bias = [&](float* p, int64_t count) -> Status {
       if (p == nullptr) return Status::Ok();
       KVFLOW_KERNEL_RETURN(cuda::FillUniform(DType::kF32, p, count, seed * 1000003 + tensor++, 0.1f, 0.0f, stream_));
@@ -302,6 +353,10 @@ Status CudaBackend::FillRandomWeights(uint64_t seed) {
     if (l.q_norm != nullptr) {
       KVFLOW_RETURN_IF_ERROR(fill(l.q_norm, config_.qk_norm_per_head ? D : NH * D, 0.1f, 1.0f));
       KVFLOW_RETURN_IF_ERROR(fill(l.k_norm, config_.qk_norm_per_head ? D : KV * D, 0.1f, 1.0f));
+    }
+    if (l.post_attn_norm != nullptr) {
+      KVFLOW_RETURN_IF_ERROR(fill(l.post_attn_norm, H, 0.1f, 1.0f));
+      KVFLOW_RETURN_IF_ERROR(fill(l.post_ffn_norm, H, 0.1f, 1.0f));
     }
   }
   KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
@@ -333,8 +388,11 @@ Status CudaBackend::AllocatePools() {
     speculative_qkv_ = c.TakeBytes(T * (NH + 2 * KV) * D * es);
     attn_ = c.TakeBytes(T * NH * D * es);
     delta_ = c.TakeBytes(T * H * es);
-    gate_up_ = c.TakeBytes(T * 2 * F * es);
-    act_ = c.TakeBytes(T * F * es);
+    // A mixture of experts has no dense MLP: its buffers are MoeMlp's scratch.
+    const size_t dense_f = config_.num_experts > 0 ? 0 : F;
+    gate_up_ = c.TakeBytes(T * 2 * dense_f * es);
+    act_ = c.TakeBytes(T * dense_f * es);
+    CarveMoeScratch(c);
     final_rows_ = c.Take<float>(R * H);
     final_hidden_ = c.TakeBytes(R * H * es);
     logits_ = c.Take<float>(R * V);

@@ -117,6 +117,19 @@ struct DeviceLayer {
   // Per-head q/k norm weights (`dtype`), nullptr unless ModelConfig::qk_norm.
   void* q_norm = nullptr;
   void* k_norm = nullptr;
+  // Gemma's norms of the attention and MLP outputs (ModelConfig::sandwich_norms), else nullptr.
+  void* post_attn_norm = nullptr;
+  void* post_ffn_norm = nullptr;
+  // A mixture of experts (ModelConfig::num_experts > 0) in place of w_gate_up / w_down: the router
+  // [E][H], every expert's gate|up [E][2F][H] and down [E][H][F] in one allocation each (the
+  // grouped GEMM indexes them by expert), and Qwen2-MoE's shared expert: gate|up [2Fs][H], down
+  // [H][Fs] and its gate's row [1][H]. All `dtype`.
+  void* router = nullptr;
+  void* expert_gate_up = nullptr;
+  void* expert_down = nullptr;
+  void* shared_gate_up = nullptr;
+  void* shared_down = nullptr;
+  void* shared_gate = nullptr;
 };
 
 // Step metadata, laid out identically in pinned staging memory and on the device so that one copy
@@ -195,6 +208,8 @@ class CudaBackend final : public Backend,
   Status Attention(int layer) override;
   Status AttentionOverSelection(int layer, std::span<const KvHeadSelection> selection) override;
   Status SiluMul() override;
+  Status GeluTanhMul() override;
+  Status NormDelta(int layer, LayerWeight norm) override;
   Status AddDelta() override;
   Status ResetKvBlockScores(int64_t size) override;
   Status ScoreKvBlocks(int layer, std::span<const KvBlockScoreJob> jobs) override;
@@ -350,6 +365,9 @@ class CudaBackend final : public Backend,
   void* lm_head_ = nullptr;
   std::vector<DeviceLayer> layers_;
   float* inv_freq_ = nullptr;
+  // The sliding layers' RoPE where ModelConfig::local_rope_theta > 0 (Gemma-3), else inv_freq_.
+  float* local_inv_freq_ = nullptr;
+  float local_attention_scale_ = 1.0f;
   float attention_scale_ = 1.0f;
 
   // Activations and step state.
@@ -362,6 +380,27 @@ class CudaBackend final : public Backend,
   void* delta_ = nullptr;      // [max_tokens, hidden]
   void* gate_up_ = nullptr;    // [max_tokens, 2 * intermediate]
   void* act_ = nullptr;        // [max_tokens, intermediate]
+  // MoeMlp's scratch, for chunks of up to moe_chunk_tokens_ tokens (cuda_moe.cc).
+  struct MoeScratch {
+    int chunk_tokens = 0;
+    float* router_logits = nullptr;  // [chunk, E] fp32
+    int32_t* ids = nullptr;          // [chunk, K]
+    float* weights = nullptr;        // [chunk, K]
+    int32_t* sorted_pairs = nullptr; // cuda::MoeSortedCapacity entries
+    int32_t* tile_expert = nullptr;  // cuda::MoeMaxTiles entries
+    int32_t* num_tiles = nullptr;    // [1]
+    void* gate_up = nullptr;         // [chunk * K, 2F]
+    void* act = nullptr;             // [chunk * K, F]
+    void* out = nullptr;             // [chunk * K, H]
+    void* shared_gate_up = nullptr;  // [chunk, 2Fs]
+    void* shared_act = nullptr;      // [chunk, Fs]
+    void* shared_out = nullptr;      // [chunk, H]
+    float* shared_gate_logit = nullptr;  // [chunk] fp32
+  } moe_;
+  // Carves moe_ (nothing for a dense model).
+  void CarveMoeScratch(Carver& c);
+  // Refuses a mixture of experts the kernels cannot run (kernels/moe.h's limits), naming why.
+  Status CheckMoeSupported() const;
   float* final_rows_ = nullptr;  // [chunk, hidden] fp32
   void* final_hidden_ = nullptr; // [chunk, hidden]
   float* logits_ = nullptr;      // [chunk, vocab] fp32

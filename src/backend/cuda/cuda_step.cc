@@ -12,6 +12,7 @@
 #include "embedding.h"
 #include "rms_norm.h"
 #include "rotary.h"
+#include "softcap.h"
 
 namespace kvflow {
 namespace cuda_impl {
@@ -180,8 +181,8 @@ const void* CudaBackend::LayerWeightPtr(int layer, LayerWeight which) const {
     case LayerWeight::kFfnNorm: return w.ffn_norm;
     case LayerWeight::kGateUp: return w.w_gate_up;
     case LayerWeight::kDown: return w.w_down;
-    case LayerWeight::kPostAttnNorm:
-    case LayerWeight::kPostFfnNorm: break;  // Init refuses sandwich norms
+    case LayerWeight::kPostAttnNorm: return w.post_attn_norm;
+    case LayerWeight::kPostFfnNorm: return w.post_ffn_norm;
   }
   return nullptr;
 }
@@ -204,7 +205,7 @@ const float* CudaBackend::LayerBiasPtr(int layer, LayerWeight which) const {
 Status CudaBackend::Embed() {
   const int H = config_.hidden_size;
   KVFLOW_KERNEL_RETURN(cuda::GatherRowsToF32(dtype_, embed_, H, config_.vocab_size, device_meta_.tokens,
-                                             step_.num_tokens, H, residual_, stream_));
+                                             step_.num_tokens, H, residual_, stream_, config_.embedding_scale));
   return Status::Ok();
 }
 
@@ -231,10 +232,6 @@ Status CudaBackend::Linear(int layer, LayerWeight weight, Activation in, Activat
   return Status::Ok();
 }
 
-Status CudaBackend::MoeMlp(int) {
-  return Status::Unsupported("a mixture of experts on the CUDA backend");  // Init refuses such models first
-}
-
 Status CudaBackend::QkNorm(int layer) {
   const DeviceLayer& l = layers_[static_cast<size_t>(layer)];
   if (l.q_norm == nullptr) return Status::InvalidArgument("QkNorm: the model has no q/k norms");
@@ -248,16 +245,35 @@ Status CudaBackend::QkNorm(int layer) {
   return Status::Ok();
 }
 
-Status CudaBackend::Rotary(int /*layer: Init refuses per-layer RoPE bases*/) {
+Status CudaBackend::Rotary(int layer) {
+  // Gemma-3's sliding layers take their own base (CpuBackend::Rotary).
+  const bool local = config_.local_rope_theta > 0.0f && !config_.IsGlobalLayer(layer);
   KVFLOW_KERNEL_RETURN(cuda::ApplyRotaryEmbedding(dtype_, qkv_, ActivationWidth(Activation::kQkv),
                                                   device_meta_.positions, step_.num_tokens, config_.num_heads,
-                                                  config_.num_kv_heads, config_.head_dim, inv_freq_,
-                                                  attention_scale_, stream_));
+                                                  config_.num_kv_heads, config_.head_dim,
+                                                  local ? local_inv_freq_ : inv_freq_,
+                                                  local ? local_attention_scale_ : attention_scale_, stream_));
   return Status::Ok();
 }
 
 Status CudaBackend::SiluMul() {
   KVFLOW_KERNEL_RETURN(cuda::SiluAndMul(dtype_, gate_up_, act_, step_.num_tokens, config_.intermediate_size, stream_));
+  return Status::Ok();
+}
+
+Status CudaBackend::GeluTanhMul() {
+  KVFLOW_KERNEL_RETURN(
+      cuda::GeluTanhAndMul(dtype_, gate_up_, act_, step_.num_tokens, config_.intermediate_size, stream_));
+  return Status::Ok();
+}
+
+Status CudaBackend::NormDelta(int layer, LayerWeight norm) {
+  const void* weight = LayerWeightPtr(layer, norm);
+  if (weight == nullptr) return Status::InvalidArgument("NormDelta: the model has no such norm");
+  // One "head" as wide as the row: RMSNorm of the 16-bit delta in place, summed in fp32.
+  const int H = config_.hidden_size;
+  KVFLOW_KERNEL_RETURN(cuda::HeadRmsNorm(dtype_, delta_, H, 0, step_.num_tokens, 1, H, weight, config_.rms_norm_eps,
+                                         stream_));
   return Status::Ok();
 }
 
@@ -271,7 +287,11 @@ Status CudaBackend::RunLogits(int first_row, int rows) {
   KVFLOW_KERNEL_RETURN(cuda::GatherRowsToF32(DType::kF32, residual_, H, max_tokens_, device_meta_.logit_rows + first_row,
                                              rows, H, final_rows_, stream_));
   KVFLOW_KERNEL_RETURN(cuda::RmsNorm(dtype_, final_rows_, final_norm_, final_hidden_, rows, H, config_.rms_norm_eps, stream_));
-  return Gemm(final_hidden_, lm_head_, logits_, rows, V, H, DType::kF32);
+  KVFLOW_RETURN_IF_ERROR(Gemm(final_hidden_, lm_head_, logits_, rows, V, H, DType::kF32));
+  if (const float cap = config_.final_logit_softcap; cap > 0.0f) {  // Gemma-2
+    KVFLOW_KERNEL_RETURN(cuda::SoftCap(logits_, static_cast<int64_t>(rows) * V, cap, stream_));
+  }
+  return Status::Ok();
 }
 
 Status CudaBackend::CopyLogitsToHost(int rows, float* dst) {
