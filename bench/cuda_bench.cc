@@ -13,6 +13,12 @@
 //            on and off, after a prefill to --e2e-context tokens: time per step (host to host, greedy
 //            sampling on the device as the engine does) vs the roofline, the bytes a step must read
 //            (DecodeStepBytes) / copy bandwidth. A config that does not fit is recorded as skipped.
+//   moe:     the grouped expert GEMM (kernels/moe.cu) on Qwen3-30B-A3B's, OLMoE's and Mixtral-8x7B's
+//            expert shapes (random fp16 weights, random distinct top-k experts per token), one layer's
+//            gate|up GEMM, SiLU * up and down GEMM at 1..4096 tokens, against one cuBLAS GEMM pair per
+//            routed expert over rows already grouped (the loop a host that knew the counts would run),
+//            and against the limits: the routed experts' bytes / copy bandwidth, and the FLOPs / the
+//            cuBLAS GEMM rate.
 // Kernel times are CUDA events around repeated launches after warm-up (median of repeats). Writes
 // JSON + Markdown (default bench/results/cuda_<gpu>.{json,md}), rewritten after every section and
 // every end-to-end config, so a run cut short by a timeout keeps what it finished.
@@ -47,7 +53,9 @@
 #include "model/model_shapes.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/cuda_device.h"
+#include "activation.h"
 #include "fill.h"
+#include "moe.h"
 
 namespace {
 
@@ -260,6 +268,109 @@ json BenchPrefill(double gemm_tflops) {
                       {"time_ms", ms}, {"tflops", tflops}, {"pct_of_gemm_rate", 100.0 * tflops / gemm_tflops}});
     }
   }
+  return rows;
+}
+
+// ---- Mixture of experts ----
+
+json BenchMoe(double copy_gbs, double gemm_tflops) {
+  json rows = json::array();
+  struct Shape {
+    const char* model;
+    int H, F, E, K;
+  };
+  const Shape shapes[] = {{"qwen3-30b-a3b", 2048, 768, 128, 8},
+                          {"olmoe-1b-7b", 2048, 1024, 64, 8},
+                          {"mixtral-8x7b", 4096, 14336, 8, 2}};
+  cublasHandle_t blas;
+  cublasCreate(&blas);
+  const float one = 1.0f, zero = 0.0f;
+  // y[m, n] = x[m, k] w[n, k]^T, row-major (the backend's Gemm).
+  auto gemm = [&](const void* x, const void* w, void* y, int m, int n, int k) {
+    cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, CUDA_R_16F, k, x, CUDA_R_16F, k, &zero, y,
+                 CUDA_R_16F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  };
+  for (const Shape& sh : shapes) {
+    const size_t H = sh.H, F = sh.F, E = sh.E;
+    DeviceBuffer w_gate_up(E * 2 * F * H * 2), w_down(E * H * F * 2);
+    CHECK_RC(kvflow::cuda::FillUniform(DType::kF16, w_gate_up.p, int64_t(E * 2 * F * H), 21, 0.02f, 0.0f, nullptr));
+    CHECK_RC(kvflow::cuda::FillUniform(DType::kF16, w_down.p, int64_t(E * H * F), 22, 0.02f, 0.0f, nullptr));
+    for (int tokens : {1, 8, 64, 512, 4096}) {
+      const int pairs = tokens * sh.K;
+      // Random distinct experts per token (a trained router's choice is not uniform; this is the
+      // spread a random-weight model gives).
+      std::mt19937 rng(static_cast<uint32_t>(tokens * 31 + sh.E));
+      std::vector<int32_t> ids;
+      std::vector<int> order(E);
+      std::iota(order.begin(), order.end(), 0);
+      for (int t = 0; t < tokens; ++t) {
+        std::shuffle(order.begin(), order.end(), rng);
+        ids.insert(ids.end(), order.begin(), order.begin() + sh.K);
+      }
+      std::vector<int> count(E, 0);
+      for (int32_t e : ids) ++count[e];
+      const int routed = static_cast<int>(std::count_if(count.begin(), count.end(), [](int c) { return c > 0; }));
+      const int tile = kvflow::cuda::MoeTileRows(pairs, sh.E);
+      const int max_tiles = static_cast<int>(kvflow::cuda::MoeMaxTiles(pairs, sh.E, tile));
+      DeviceBuffer d_ids(ids.size() * 4), x(size_t(tokens) * H * 2), gate_up(size_t(pairs) * 2 * F * 2),
+          act(size_t(pairs) * F * 2), out(size_t(pairs) * H * 2), grouped_x(size_t(pairs) * H * 2),
+          sorted(size_t(kvflow::cuda::MoeSortedCapacity(pairs, sh.E, tile)) * 4), tile_expert(size_t(max_tiles) * 4),
+          num_tiles(4);
+      CHECK_CUDA(cudaMemcpy(d_ids.p, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+      CHECK_RC(kvflow::cuda::FillUniform(DType::kF16, x.p, int64_t(tokens) * sh.H, 23, 1.0f, 0.0f, nullptr));
+      CHECK_RC(kvflow::cuda::FillUniform(DType::kF16, grouped_x.p, int64_t(pairs) * sh.H, 24, 1.0f, 0.0f, nullptr));
+      const double group_ms = TimeMs([&] {
+        CHECK_RC(kvflow::cuda::MoeGroupByExpert(d_ids.as<int32_t>(), pairs, sh.E, tile, sorted.as<int32_t>(),
+                                                tile_expert.as<int32_t>(), num_tiles.as<int32_t>(), nullptr));
+      });
+      const double grouped_ms = TimeMs([&] {
+        CHECK_RC(kvflow::cuda::MoeGroupedGemm(DType::kF16, x.p, sh.K, w_gate_up.p, gate_up.p, 2 * sh.F, sh.H,
+                                              sorted.as<int32_t>(), tile_expert.as<int32_t>(), num_tiles.as<int32_t>(),
+                                              max_tiles, tile, nullptr));
+        CHECK_RC(kvflow::cuda::SiluAndMul(DType::kF16, gate_up.p, act.p, pairs, sh.F, nullptr));
+        CHECK_RC(kvflow::cuda::MoeGroupedGemm(DType::kF16, act.p, 1, w_down.p, out.p, sh.H, sh.F, sorted.as<int32_t>(),
+                                              tile_expert.as<int32_t>(), num_tiles.as<int32_t>(), max_tiles, tile,
+                                              nullptr));
+      });
+      // The baseline: the rows already grouped by expert (grouped_x), one cuBLAS GEMM pair per
+      // routed expert; the gather it would need is not timed.
+      const double cublas_ms = TimeMs([&] {
+        size_t row = 0;
+        for (size_t e = 0; e < E; ++e) {
+          const int c = count[e];
+          if (c == 0) continue;
+          char* gu = static_cast<char*>(gate_up.p) + row * 2 * F * 2;
+          char* a = static_cast<char*>(act.p) + row * F * 2;
+          gemm(static_cast<char*>(grouped_x.p) + row * H * 2, static_cast<char*>(w_gate_up.p) + e * 2 * F * H * 2, gu,
+               c, 2 * sh.F, sh.H);
+          CHECK_RC(kvflow::cuda::SiluAndMul(DType::kF16, gu, a, c, sh.F, nullptr));
+          gemm(a, static_cast<char*>(w_down.p) + e * H * F * 2, static_cast<char*>(out.p) + row * H * 2, c, sh.H,
+               sh.F);
+          row += static_cast<size_t>(c);
+        }
+      });
+      const double expert_bytes = double(routed) * 3.0 * H * F * 2;
+      const double act_bytes = double(pairs) * (H + 2 * F + 2 * F + F + F + H) * 2;
+      const double flops = 2.0 * pairs * 3.0 * H * F;
+      const double gbs = (expert_bytes + act_bytes) / (grouped_ms * 1e-3) / 1e9;
+      const double tflops = flops / (grouped_ms * 1e-3) / 1e12;
+      // The limit that binds: reading the routed experts once, or the GEMM rate.
+      const double limit_ms = std::max((expert_bytes + act_bytes) / (copy_gbs * 1e9), flops / (gemm_tflops * 1e12)) * 1e3;
+      spdlog::info("moe {} T={:4d}: {} experts routed, group {:.1f} us, grouped MLP {:.1f} us ({:.0f} GB/s, {:.1f} "
+                   "TFLOP/s, {:.0f}% of the limit), cuBLAS per expert {:.1f} us ({:.2f}x)",
+                   sh.model, tokens, routed, group_ms * 1e3, grouped_ms * 1e3, gbs, tflops,
+                   100.0 * limit_ms / grouped_ms, cublas_ms * 1e3, cublas_ms / grouped_ms);
+      rows.push_back({{"shape", sh.model},        {"hidden", sh.H},
+                      {"expert_width", sh.F},     {"experts", sh.E},
+                      {"top_k", sh.K},            {"tokens", tokens},
+                      {"experts_routed", routed}, {"tile_rows", tile},
+                      {"group_us", group_ms * 1e3}, {"grouped_mlp_us", grouped_ms * 1e3},
+                      {"cublas_per_expert_us", cublas_ms * 1e3}, {"speedup_vs_cublas_per_expert", cublas_ms / grouped_ms},
+                      {"achieved_gbs", gbs},      {"tflops", tflops},
+                      {"limit_us", limit_ms * 1e3}, {"pct_of_limit", 100.0 * limit_ms / grouped_ms}});
+    }
+  }
+  cublasDestroy(blas);
   return rows;
 }
 
@@ -548,6 +659,23 @@ std::string RenderMarkdown(const json& result) {
                         r.contains("ratio_to_sdpa") ? fmt::format("{:.2f}x", r["ratio_to_sdpa"].get<double>()) : "-");
     }
   }
+  if (result.contains("moe")) {
+    md += "\n## Grouped expert GEMM (one MoE layer's experts, random fp16 weights and routing)\n\n";
+    md += "The grouped MLP is the gate|up grouped GEMM, SiLU * up and the down grouped GEMM of kernels/moe.cu over "
+          "the pairs grouped by MoeGroupByExpert (timed apart). cuBLAS per expert: one GEMM pair per routed expert "
+          "over rows already grouped (its gather not timed). The limit is the larger of the routed experts' and the "
+          "activations' bytes / the copy bandwidth and the FLOPs / the cuBLAS GEMM rate, both measured above.\n\n";
+    md += "| shape | tokens | experts routed | tile | group us | grouped MLP us | GB/s | TFLOP/s | % of limit | cuBLAS "
+          "per expert us | grouped vs cuBLAS |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    for (const auto& r : result["moe"]) {
+      md += fmt::format("| {} | {} | {} of {} | {} | {:.1f} | {:.1f} | {:.0f} | {:.1f} | {:.0f}% | {:.1f} | {:.2f}x |\n",
+                        r["shape"].get<std::string>(), r["tokens"].get<int>(), r["experts_routed"].get<int>(),
+                        r["experts"].get<int>(), r["tile_rows"].get<int>(), r["group_us"].get<double>(),
+                        r["grouped_mlp_us"].get<double>(), r["achieved_gbs"].get<double>(), r["tflops"].get<double>(),
+                        r["pct_of_limit"].get<double>(), r["cublas_per_expert_us"].get<double>(),
+                        r["speedup_vs_cublas_per_expert"].get<double>());
+    }
+  }
   if (result.contains("end_to_end")) {
     md += "\n## End-to-end decode (random fp16 weights)\n\n";
     md += "Weights are random: the speed is that of the real shape, the outputs are meaningless. ms/step is host to "
@@ -623,14 +751,14 @@ int main(int argc, char** argv) {
   CLI::App app("kvflow CUDA benchmarks (needs a GPU, but for --print-roofline)");
   std::string out_dir = std::string(KVFLOW_SOURCE_DIR) + "/bench/results";
   std::string sdpa_json, tag;
-  std::string sections_arg = "limits,decode,prefill,e2e";
+  std::string sections_arg = "limits,decode,prefill,moe,e2e";
   std::string shapes_arg = "smollm2-135m,llama-3.1-8b,llama-2-7b", batches_arg = "1,16,64,256", graphs_arg = "on,off";
   bool skip_e2e = false, print_roofline = false;
   int e2e_context = 1024, e2e_steps = 32;
   app.add_option("--out-dir", out_dir, "Where cuda_<tag>.json/.md go");
   app.add_option("--tag", tag, "File name tag (default: the GPU's name)");
   app.add_option("--sdpa-json", sdpa_json, "PyTorch SDPA figures from bench/prefill_sdpa_torch.py");
-  app.add_option("--sections", sections_arg, "Comma list of limits,decode,prefill,e2e (limits always runs)")
+  app.add_option("--sections", sections_arg, "Comma list of limits,decode,prefill,moe,e2e (limits always runs)")
       ->default_val(sections_arg);
   app.add_flag("--skip-e2e", skip_e2e, "Leave out the e2e section");
   app.add_option("--e2e-shapes", shapes_arg, "Comma list of model shapes for e2e")->default_val(shapes_arg);
@@ -645,8 +773,8 @@ int main(int argc, char** argv) {
 
   std::set<std::string> sections;
   for (const std::string& s : kvflow::bench::SplitCommaList(sections_arg)) {
-    if (s != "limits" && s != "decode" && s != "prefill" && s != "e2e") {
-      std::fprintf(stderr, "--sections: unknown section '%s' (limits, decode, prefill, e2e)\n", s.c_str());
+    if (s != "limits" && s != "decode" && s != "prefill" && s != "moe" && s != "e2e") {
+      std::fprintf(stderr, "--sections: unknown section '%s' (limits, decode, prefill, moe, e2e)\n", s.c_str());
       return 2;
     }
     sections.insert(s);
@@ -723,6 +851,10 @@ int main(int argc, char** argv) {
       }
     }
     MatchSdpa(result);
+    checkpoint(result);
+  }
+  if (sections.count("moe")) {
+    result["moe"] = BenchMoe(copy_gbs, gemm);
     checkpoint(result);
   }
   if (sections.count("e2e")) {

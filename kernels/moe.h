@@ -25,6 +25,12 @@ inline constexpr int kMoeMaxExperts = 1024;
 inline constexpr int kMoeSmallTile = 16;
 inline constexpr int kMoeLargeTile = 64;
 
+// The tile height for `num_pairs` pairs over `num_experts`: decode-sized batches (fewer than 32 rows
+// per expert on average) take the 16-row tiles, whose padding wastes less.
+constexpr int MoeTileRows(int64_t num_pairs, int num_experts) {
+  return num_pairs >= int64_t{32} * num_experts ? kMoeLargeTile : kMoeSmallTile;
+}
+
 // Entries the sorted pair list needs (each expert's run rounded up to a whole tile), and the most
 // tiles it can hold.
 constexpr int64_t MoeSortedCapacity(int64_t num_pairs, int num_experts, int tile_rows) {

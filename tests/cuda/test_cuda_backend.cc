@@ -213,8 +213,12 @@ std::vector<int32_t> ArgmaxRows(const std::vector<float>& logits, int vocab) {
 // every bias, Mistral with a sliding window of 13 tokens (the prompts and decodes run past it),
 // Phi-3's LongRoPE (the long factors of a context 4 times the original: the RoPE table both
 // backends share, with its cos/sin scale).
-// Mixtral and Qwen2-MoE: MakeMoe's experts in place of the MLPs; Gemma-2 and Gemma-3: MakeGemma's.
-enum class TinyFamily { kLlama, kBiases, kQwen3, kSlidingWindow, kLongRope, kMixtral, kQwen2Moe, kGemma2, kGemma3 };
+// Mixtral and Qwen2-MoE: MakeMoe's experts in place of the MLPs; Qwen3-MoE: the Qwen3 (per-head q/k
+// norms) with Mixtral's experts (top 2, renormalized); OLMoE: Qwen2-MoE's experts without the shared
+// one and one q/k norm over all heads; Gemma-2 and Gemma-3: MakeGemma's.
+enum class TinyFamily {
+  kLlama, kBiases, kQwen3, kSlidingWindow, kLongRope, kMixtral, kQwen2Moe, kQwen3Moe, kOlmoe, kGemma2, kGemma3
+};
 
 // (dtype, CUDA graphs, family): biases stay fp32 on the device, added after each GEMM.
 class CudaBackendLogits : public ::testing::TestWithParam<std::tuple<cuda::DType, bool, TinyFamily>> {};
@@ -222,11 +226,13 @@ class CudaBackendLogits : public ::testing::TestWithParam<std::tuple<cuda::DType
 TEST_P(CudaBackendLogits, MatchCpuBackendOnTinyRandom) {
   KVFLOW_SKIP_WITHOUT_GPU();
   const auto [dtype, graphs, family] = GetParam();
-  const bool moe = family == TinyFamily::kMixtral || family == TinyFamily::kQwen2Moe;
+  const bool moe = family == TinyFamily::kMixtral || family == TinyFamily::kQwen2Moe ||
+                   family == TinyFamily::kQwen3Moe || family == TinyFamily::kOlmoe;
   const bool gemma = family == TinyFamily::kGemma2 || family == TinyFamily::kGemma3;
   const bool biases = family == TinyFamily::kBiases || family == TinyFamily::kQwen3 ||
                       family == TinyFamily::kSlidingWindow || family == TinyFamily::kLongRope;
-  const bool qk_norm = family == TinyFamily::kQwen3 || family == TinyFamily::kGemma3;
+  const bool qk_norm = family == TinyFamily::kQwen3 || family == TinyFamily::kGemma3 ||
+                       family == TinyFamily::kQwen3Moe || family == TinyFamily::kOlmoe;
   ModelConfig config;
   LlamaWeights weights = TinyWeights(&config, biases, qk_norm);
   ASSERT_EQ(config.qkv_bias && config.o_bias && config.mlp_bias, biases);
@@ -251,7 +257,25 @@ TEST_P(CudaBackendLogits, MatchCpuBackendOnTinyRandom) {
     ASSERT_TRUE(config.Validate().ok()) << config.Validate().ToString();
   }
   if (moe) {
-    MakeMoe(config, weights, family == TinyFamily::kQwen2Moe);
+    const bool qwen2_style = family == TinyFamily::kQwen2Moe || family == TinyFamily::kOlmoe;
+    MakeMoe(config, weights, qwen2_style);
+    if (family == TinyFamily::kQwen3Moe) config.architecture = "qwen3moe";
+    if (family == TinyFamily::kOlmoe) {
+      config.architecture = "olmoe";
+      config.shared_expert_intermediate_size = 0;
+      config.qk_norm_per_head = false;  // one norm over all of q, one over all of k
+      std::mt19937 rng(85);
+      std::uniform_real_distribution<float> u(0.8f, 1.2f);
+      for (LlamaLayerWeights& l : weights.layers) {
+        l.shared_gate_up = {};
+        l.shared_down = {};
+        l.shared_gate.clear();
+        l.q_norm.resize(static_cast<size_t>(config.num_heads * config.head_dim));
+        l.k_norm.resize(static_cast<size_t>(config.num_kv_heads * config.head_dim));
+        for (float& x : l.q_norm) x = u(rng);
+        for (float& x : l.k_norm) x = u(rng);
+      }
+    }
     ASSERT_TRUE(config.Validate().ok()) << config.Validate().ToString();
   }
   RoundWeights(weights, dtype);
@@ -344,6 +368,8 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndGraphs, CudaBackendLogits,
                                            std::make_tuple(cuda::DType::kF16, false, TinyFamily::kMixtral),
                                            std::make_tuple(cuda::DType::kF16, true, TinyFamily::kQwen2Moe),
                                            std::make_tuple(cuda::DType::kF16, false, TinyFamily::kQwen2Moe),
+                                           std::make_tuple(cuda::DType::kF16, true, TinyFamily::kQwen3Moe),
+                                           std::make_tuple(cuda::DType::kF16, true, TinyFamily::kOlmoe),
                                            std::make_tuple(cuda::DType::kF16, true, TinyFamily::kGemma2),
                                            std::make_tuple(cuda::DType::kBF16, false, TinyFamily::kGemma2),
                                            std::make_tuple(cuda::DType::kF16, true, TinyFamily::kGemma3)),
@@ -357,6 +383,8 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndGraphs, CudaBackendLogits,
                                    : f == TinyFamily::kLongRope      ? "_longrope"
                                    : f == TinyFamily::kMixtral       ? "_mixtral"
                                    : f == TinyFamily::kQwen2Moe      ? "_qwen2moe"
+                                   : f == TinyFamily::kQwen3Moe      ? "_qwen3moe"
+                                   : f == TinyFamily::kOlmoe         ? "_olmoe"
                                    : f == TinyFamily::kGemma2        ? "_gemma2"
                                    : f == TinyFamily::kGemma3        ? "_gemma3"
                                                                      : "");
@@ -389,6 +417,27 @@ TEST(CudaBackend, RefusesMixturesOfExpertsBeyondItsKernels) {
   config.num_experts = 8;
   config.expert_intermediate_size = 100;  // rows of 200 bytes: not 16-byte aligned
   ExpectRefused(config, "multiples of 8");
+}
+
+// An expert matrix of the wrong shape is refused naming it, not copied over its neighbour's slot.
+TEST(CudaBackend, RefusesMisshapenExperts) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  ModelConfig config;
+  LlamaWeights weights = TinyWeights(&config);
+  MakeMoe(config, weights, /*qwen=*/false);
+  WeightMatrix& down = weights.layers[1].expert_down[3];
+  down.rows -= 8;
+  down.parts[0].rows -= 8;
+  down.parts[0].f32.resize(static_cast<size_t>(down.rows * down.cols));
+  CudaBackendOptions o;
+  o.block_size = 16;
+  o.num_kv_blocks = 8;
+  o.max_num_seqs = 1;
+  o.max_num_batched_tokens = 16;
+  o.max_model_len = 64;
+  auto gpu = CreateCudaBackend(config, weights, o);
+  ASSERT_FALSE(gpu.ok());
+  EXPECT_NE(gpu.status().message().find("layer 1 expert 3"), std::string::npos) << gpu.status().ToString();
 }
 
 // The random-weight path (random:<shape>) fills every tensor of a mixture of experts with a shared

@@ -72,7 +72,6 @@ TEST(SharingSavings, ParallelSamplingAndBeamSearchOnAlpaca) {
                            {"block_size", c.block_size}, {"prompts", kNumPrompts}, {"max_output", kMaxOutput}};
   std::printf("blocks saved by sharing on %d Alpaca prompts (%s, block size %d, outputs = reference length <= %d)\n",
               kNumPrompts, real_model ? "SmolLM2-135M" : "tiny-random", c.block_size, kMaxOutput);
-  double parallel_max = 0.0, beam_min = 1.0;
   for (int width : {2, 4, 6}) {
     SamplingParams sample;
     sample.temperature = 1.0f;
@@ -90,10 +89,10 @@ TEST(SharingSavings, ParallelSamplingAndBeamSearchOnAlpaca) {
     report["parallel_sampling"][std::to_string(width)] = ps.saved;
     report["beam_search"][std::to_string(width)] = bs.saved;
     EXPECT_GT(ps.saved, 0.0);
-    parallel_max = std::max(parallel_max, ps.saved);
-    beam_min = std::min(beam_min, bs.saved);
+    // At the same width (the comparison the vLLM paper makes): across widths it depends on the
+    // model's outputs (on an AVX2-only CPU, beams of 2 save 46.6% against 55.3% for 6 samples).
+    EXPECT_GT(bs.saved, ps.saved) << "n = " << width << ": beams share more than independent samples";
   }
-  EXPECT_GT(beam_min, parallel_max) << "beams share more than independent samples";
   std::ofstream("sharing_savings.json") << report.dump(2) << "\n";
 }
 

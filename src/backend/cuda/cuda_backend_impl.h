@@ -380,7 +380,7 @@ class CudaBackend final : public Backend,
   void* delta_ = nullptr;      // [max_tokens, hidden]
   void* gate_up_ = nullptr;    // [max_tokens, 2 * intermediate]
   void* act_ = nullptr;        // [max_tokens, intermediate]
-  // MoeMlp's scratch, for chunks of up to moe_chunk_tokens_ tokens (cuda_moe.cc).
+  // MoeMlp's scratch, for chunks of up to chunk_tokens tokens of the step (cuda_moe.cc).
   struct MoeScratch {
     int chunk_tokens = 0;
     float* router_logits = nullptr;  // [chunk, E] fp32

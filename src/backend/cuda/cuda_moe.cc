@@ -25,11 +25,6 @@ namespace {
 // prefill chunks large enough that each expert's tile rows fill.
 constexpr int kMoeChunkTokens = 1024;
 
-// Decode-sized chunks (fewer than 32 rows per expert on average) take the 16-row tiles.
-int TileRows(int64_t pairs, int experts) {
-  return pairs >= int64_t{32} * experts ? cuda::kMoeLargeTile : cuda::kMoeSmallTile;
-}
-
 }  // namespace
 
 Status CudaBackend::CheckMoeSupported() const {
@@ -93,7 +88,7 @@ Status CudaBackend::MoeMlp(int layer) {
     KVFLOW_KERNEL_RETURN(cuda::MoeRouteTopK(moe_.router_logits, n, E, K, config_.norm_topk_prob, moe_.ids,
                                             moe_.weights, stream_));
     const int pairs = n * K;
-    const int tile = TileRows(pairs, E);
+    const int tile = cuda::MoeTileRows(pairs, E);
     const int max_tiles = static_cast<int>(cuda::MoeMaxTiles(pairs, E, tile));
     KVFLOW_KERNEL_RETURN(
         cuda::MoeGroupByExpert(moe_.ids, pairs, E, tile, moe_.sorted_pairs, moe_.tile_expert, moe_.num_tiles, stream_));
