@@ -853,14 +853,15 @@ int main(int argc, char** argv) {
     MatchSdpa(result);
     checkpoint(result);
   }
-  if (sections.count("moe")) {
-    result["moe"] = BenchMoe(copy_gbs, gemm);
-    checkpoint(result);
-  }
   if (sections.count("e2e")) {
     result["end_to_end"] = json::array();
     BenchEndToEnd(copy_gbs, shapes, batches, graph_modes, e2e_context, e2e_steps, result["end_to_end"],
                   [&] { checkpoint(result); });
+  }
+  // Last: the newest section, so that a failure in it leaves every earlier figure written.
+  if (sections.count("moe")) {
+    result["moe"] = BenchMoe(copy_gbs, gemm);
+    checkpoint(result);
   }
   return 0;
 }
