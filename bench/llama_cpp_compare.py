@@ -68,10 +68,21 @@ SECTIONS = ("decode", "prefill", "ppl", "greedy", "server")
 
 # The build: portable x86-64 with the AVX-512 family this VM has; AMX off (the CPU reports it, the VM
 # traps it, so GGML_NATIVE=ON dies with an illegal instruction).
+def cpu_isa_flags():
+    """ggml's instruction-set options, each ON exactly when this CPU has it (/proc/cpuinfo): a build
+    for AVX-512 dies with SIGILL on an AVX2-only machine, and one without it is slow on an AVX-512 one."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            have = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        have = []
+    options = {"AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2", "AVX512": "avx512f",
+               "AVX512_VNNI": "avx512_vnni", "AVX512_VBMI": "avx512vbmi", "AVX512_BF16": "avx512_bf16"}
+    return [f"-DGGML_{opt}={'ON' if flag in have else 'OFF'}" for opt, flag in options.items()]
+
+
 LLAMA_CMAKE_FLAGS = [
-    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF",
-    "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
-    "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_BF16=ON",
+    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF", *cpu_isa_flags(),
     "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
     "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_APP=OFF",
