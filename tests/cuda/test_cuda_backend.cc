@@ -408,15 +408,20 @@ INSTANTIATE_TEST_SUITE_P(DtypesAndGraphs, CudaBackendLogits,
                                                                      : "");
                          });
 
-// What the CUDA backend refuses for `config`, on a one-sequence backend: Unsupported, naming `what`.
-void ExpectRefused(const ModelConfig& config, const std::string& what) {
+// A small backend: 8 blocks of 16 tokens, contexts of up to 64.
+CudaBackendOptions SmallOptions(int max_num_seqs = 1, int max_num_batched_tokens = 16) {
   CudaBackendOptions o;
   o.block_size = 16;
   o.num_kv_blocks = 8;
-  o.max_num_seqs = 1;
-  o.max_num_batched_tokens = 16;
+  o.max_num_seqs = max_num_seqs;
+  o.max_num_batched_tokens = max_num_batched_tokens;
   o.max_model_len = 64;
-  auto gpu = CreateCudaBackendWithRandomWeights(config, o, 1);
+  return o;
+}
+
+// What the CUDA backend refuses for `config`, on a one-sequence backend: Unsupported, naming `what`.
+void ExpectRefused(const ModelConfig& config, const std::string& what) {
+  auto gpu = CreateCudaBackendWithRandomWeights(config, SmallOptions(), 1);
   ASSERT_FALSE(gpu.ok());
   EXPECT_EQ(gpu.status().code(), StatusCode::kUnsupported);
   EXPECT_NE(gpu.status().message().find(what), std::string::npos) << gpu.status().ToString();
@@ -447,13 +452,7 @@ TEST(CudaBackend, RefusesMisshapenExperts) {
   down.rows -= 8;
   down.parts[0].rows -= 8;
   down.parts[0].f32.resize(static_cast<size_t>(down.rows * down.cols));
-  CudaBackendOptions o;
-  o.block_size = 16;
-  o.num_kv_blocks = 8;
-  o.max_num_seqs = 1;
-  o.max_num_batched_tokens = 16;
-  o.max_model_len = 64;
-  auto gpu = CreateCudaBackend(config, weights, o);
+  auto gpu = CreateCudaBackend(config, weights, SmallOptions());
   ASSERT_FALSE(gpu.ok());
   EXPECT_NE(gpu.status().message().find("layer 1 expert 3"), std::string::npos) << gpu.status().ToString();
 }
@@ -470,13 +469,7 @@ TEST(CudaBackend, RandomWeightMoeAndGemmaRun) {
     } else {
       MakeMoe(config, weights, /*qwen=*/true);
     }
-    CudaBackendOptions o;
-    o.block_size = 16;
-    o.num_kv_blocks = 8;
-    o.max_num_seqs = 2;
-    o.max_num_batched_tokens = 32;
-    o.max_model_len = 64;
-    auto gpu = CreateCudaBackendWithRandomWeights(config, o, 7);
+    auto gpu = CreateCudaBackendWithRandomWeights(config, SmallOptions(2, 32), 7);
     ASSERT_TRUE(gpu.ok()) << gpu.status().ToString();
     BatchPlanner planner(8, 16, 3);
     std::mt19937 rng(8);

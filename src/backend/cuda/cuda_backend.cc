@@ -278,21 +278,20 @@ Status CudaBackend::UploadWeights(const LlamaWeights& w) {
       KVFLOW_RETURN_IF_ERROR(upload_matrix(src.w_gate_up, dst.w_gate_up));
       KVFLOW_RETURN_IF_ERROR(upload_matrix(src.w_down, dst.w_down));
     } else {
-      // Expert e's matrices at e times their size (CheckFamilyWeights checked the counts).
       KVFLOW_RETURN_IF_ERROR(upload_matrix(src.router, dst.router));
-      const size_t gate_up_bytes =
-          2 * static_cast<size_t>(config_.expert_intermediate_size) * config_.hidden_size * cuda::DTypeSize(dtype_);
+      // Expert e's gate|up [2FE][H] and down [H][FE] at e times their size in the layer's blocks
+      // (CheckFamilyWeights checked the counts): a misshapen one would spill into the next slot.
       const int64_t H = config_.hidden_size, FE = config_.expert_intermediate_size;
+      const size_t down_bytes = static_cast<size_t>(H * FE) * cuda::DTypeSize(dtype_);
       for (size_t e = 0; e < src.expert_gate_up.size(); ++e) {
-        // Each expert fills a fixed slot of the layer's block: a misshapen one would spill into the next.
         const WeightMatrix &gu = src.expert_gate_up[e], &dn = src.expert_down[e];
         if (gu.rows != 2 * FE || gu.cols != H || dn.rows != H || dn.cols != FE) {
           return Status::InvalidArgument(fmt::format(
               "layer {} expert {}: gate|up is [{}, {}] and down [{}, {}]; the config implies [{}, {}] and [{}, {}]", i,
               e, gu.rows, gu.cols, dn.rows, dn.cols, 2 * FE, H, H, FE));
         }
-        KVFLOW_RETURN_IF_ERROR(upload_matrix(src.expert_gate_up[e], static_cast<char*>(dst.expert_gate_up) + e * gate_up_bytes));
-        KVFLOW_RETURN_IF_ERROR(upload_matrix(src.expert_down[e], static_cast<char*>(dst.expert_down) + e * gate_up_bytes / 2));
+        KVFLOW_RETURN_IF_ERROR(upload_matrix(gu, static_cast<char*>(dst.expert_gate_up) + e * 2 * down_bytes));
+        KVFLOW_RETURN_IF_ERROR(upload_matrix(dn, static_cast<char*>(dst.expert_down) + e * down_bytes));
       }
       if (dst.shared_gate_up != nullptr) {
         KVFLOW_RETURN_IF_ERROR(upload_matrix(src.shared_gate_up, dst.shared_gate_up));
