@@ -57,6 +57,32 @@ inline float MaxAbsDiff(std::span<const float> a, std::span<const float> b) {
   return worst;
 }
 
+struct Q4Comparison {
+  float worst_in_steps = 0;  // the largest difference over `float_tol`, in the reference group's q4 steps
+  int64_t off_values = 0;    // values differing by more than `float_tol`
+  double off_fraction = 0;
+};
+
+// Two dequantized q4 KV reads (groups of 32 along head_dim, Q4_1: min + q * step): the step of each
+// group is its range / 15 (its extreme values take codes 0 and 15).
+inline Q4Comparison CompareQ4Kv(std::span<const float> got, std::span<const float> reference, float float_tol) {
+  EXPECT_EQ(got.size(), reference.size());
+  EXPECT_EQ(reference.size() % 32, 0u);
+  Q4Comparison out;
+  for (size_t g = 0; g + 32 <= std::min(got.size(), reference.size()); g += 32) {
+    const auto [lo, hi] = std::minmax_element(reference.begin() + g, reference.begin() + g + 32);
+    const float step = (*hi - *lo) / 15.0f;
+    for (size_t i = g; i < g + 32; ++i) {
+      const float diff = std::fabs(got[i] - reference[i]);
+      if (diff <= float_tol) continue;
+      ++out.off_values;
+      out.worst_in_steps = std::max(out.worst_in_steps, step > 0 ? (diff - float_tol) / step : INFINITY);
+    }
+  }
+  out.off_fraction = reference.empty() ? 0.0 : static_cast<double>(out.off_values) / reference.size();
+  return out;
+}
+
 struct Reference {
   std::vector<float> kv;
   std::vector<float> logits;

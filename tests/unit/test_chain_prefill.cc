@@ -20,7 +20,9 @@ namespace {
 
 using test::KvPrefix;
 using test::kPoolTokens;
+using test::CompareQ4Kv;
 using test::MaxAbsDiff;
+using test::Q4Comparison;
 using test::RandomTokens;
 using test::ReadWholeKv;
 using test::Reference;
@@ -98,10 +100,17 @@ TEST_P(ChainPrefillTest, LastRankEqualsChunkedSingleProcessPrefill) {
     EXPECT_EQ(last.kv, chunked.kv);
     // And a one-pass prefill differs only by the order of float sums.
     const float logit_err = MaxAbsDiff(last.logits, one_pass.logits);
-    const float kv_err = MaxAbsDiff(last.kv, one_pass.kv);
     RecordProperty("max_logit_error_vs_one_pass", std::to_string(logit_err));
     EXPECT_LT(logit_err, kv_dtype == "f32" ? 1e-3f : 2e-2f);
-    EXPECT_LT(kv_err, kv_dtype == "f32" ? 1e-3f : 2e-2f);
+    if (kv_dtype == "q4") {
+      // q4 rounds each value to a step of its group of 32; another float sum order may carry a value
+      // across a rounding boundary (by -O level and instruction set): at most one step, in few values.
+      const Q4Comparison q4 = CompareQ4Kv(last.kv, one_pass.kv, 2e-2f);
+      EXPECT_LE(q4.worst_in_steps, 1.0f + 1e-3f);
+      EXPECT_LT(q4.off_fraction, 1e-3) << q4.off_values << " of " << last.kv.size() << " values off by a step";
+    } else {
+      EXPECT_LT(MaxAbsDiff(last.kv, one_pass.kv), kv_dtype == "f32" ? 1e-3f : 2e-2f);
+    }
     if (method == PrefillMethod::kTsp) {
       // Every rank all-gathered the whole cache.
       for (int r = 0; r + 1 < p; ++r) EXPECT_EQ(ranks[r].kv, chunked.kv) << "rank " << r;
