@@ -35,14 +35,15 @@ from provenance import provenance  # noqa: E402
 
 
 def write_model(path, shape, seed=0):
-    """An fp16 Mixtral-shaped GGUF with random weights (scaled so activations stay O(1))."""
+    """An fp16 Mixtral-shaped GGUF with random weights (scaled so activations stay O(1)); with
+    shape["experts"] == 0 a dense Llama of that shape (one SwiGLU MLP of width ffn per layer)."""
     import gguf
     H, F, L, E = shape["hidden"], shape["ffn"], shape["layers"], shape["experts"]
     NH, KV, D, V = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["vocab"]
     rng = np.random.default_rng(seed)
     mat = lambda *s: (rng.standard_normal(s, dtype=np.float32) / np.sqrt(s[-1])).astype(np.float16)
     w = gguf.GGUFWriter(path, "llama")
-    w.add_name("random Mixtral shape")
+    w.add_name("random Mixtral shape" if E else "random Llama shape")
     w.add_context_length(4096)
     w.add_embedding_length(H)
     w.add_feed_forward_length(F)
@@ -52,8 +53,9 @@ def write_model(path, shape, seed=0):
     w.add_rope_dimension_count(D)
     w.add_rope_freq_base(1000000.0)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_expert_count(E)
-    w.add_expert_used_count(shape["experts_used"])
+    if E:
+        w.add_expert_count(E)
+        w.add_expert_used_count(shape["experts_used"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode  # GPT-2's byte spelling
     alphabet = bytes_to_unicode()
@@ -76,6 +78,11 @@ def write_model(path, shape, seed=0):
         w.add_tensor(b + "attn_k.weight", mat(KV * D, H))
         w.add_tensor(b + "attn_v.weight", mat(KV * D, H))
         w.add_tensor(b + "attn_output.weight", mat(H, NH * D))
+        if not E:
+            w.add_tensor(b + "ffn_gate.weight", mat(F, H))
+            w.add_tensor(b + "ffn_up.weight", mat(F, H))
+            w.add_tensor(b + "ffn_down.weight", mat(H, F))
+            continue
         w.add_tensor(b + "ffn_gate_inp.weight", mat(E, H).astype(np.float32))
         w.add_tensor(b + "ffn_gate_exps.weight", mat(E, F, H))
         w.add_tensor(b + "ffn_up_exps.weight", mat(E, F, H))

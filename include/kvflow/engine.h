@@ -34,6 +34,16 @@ struct SystemMetric {
   std::string labels;  // Prometheus labels without braces, e.g. position="0"; empty: none
 };
 
+// Tensor parallelism's communication, seen from the driver rank (EngineConfig::tensor_parallel_size > 1).
+struct ModelParallelStats {
+  int ranks = 1;
+  int64_t steps = 0;              // batches sent to the workers
+  int64_t all_reduces = 0;        // two a layer a step
+  int64_t all_reduce_bytes = 0;   // this rank's part of each sum
+  double all_reduce_seconds = 0;  // in the sums, waiting for the slowest rank included
+  double send_seconds = 0;        // sending the steps' block moves and batches
+};
+
 struct EngineStats {
   int num_waiting = 0;  // requests
   int num_running = 0;
@@ -63,6 +73,7 @@ struct EngineStats {
   KvSelectionStats kv_selection;
   KvOffloadStats kv_offload;
   HostPrefixCacheStats host_prefix_cache;
+  ModelParallelStats model_parallel;
 };
 
 // What one Step() did.

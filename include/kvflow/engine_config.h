@@ -51,6 +51,11 @@ struct EngineConfig {
   std::string kv_cache_dtype = "auto";
   bool enforce_eager = false;  // CUDA: no CUDA graphs for decode steps
 
+  // Tensor parallelism (Megatron-style) under `mpirun -np N`: the model's attention heads and MLP
+  // width split across tensor_parallel_size ranks (N of them; CPU backends over MPI for now). Rank 0
+  // runs the engine and samples; every other rank runs each step's share with it.
+  int tensor_parallel_size = 1;
+
   // The systems, each configured in its own section.
   S3Config s3;
   SpeculativeConfig speculative;

@@ -441,6 +441,12 @@ class Backend {
   virtual Status ReadActivationRows(Activation which, int64_t first_row, int64_t rows, std::span<float> out) {
     return NotSupported("activation reads");
   }
+  // The step's rows of an activation (rows x width floats) in host memory, to change in place:
+  // tensor parallelism sums kDelta across the ranks there. Host-computing backends; valid inside
+  // `layers`.
+  virtual Result<std::span<float>> HostActivation(Activation which) {
+    return NotSupported("host activations (tensor parallelism on this backend)");
+  }
   // The cached K (kv 0) or V (kv 1) of `layer` at device `slots` as fp32, [slots][kv_heads][head_dim]
   // into `out` (post-RoPE keys, as attention reads them); valid inside `layers`.
   virtual Status ReadKv(int layer, int kv, std::span<const int64_t> slots, std::span<float> out) {

@@ -21,11 +21,12 @@ struct DecodeBenchOptions {
   int repeats = 3;         // timed runs; the results are their medians
   bool warmup = true;      // one short untimed run first (allocations, page faults, thread start)
   uint32_t seed = 1;       // for the synthetic prompt's token ids
+  int batch = 1;           // sequences decoding together, each with its own prompt of `depth` tokens
 };
 
 struct DecodeBenchRun {
-  int prompt_tokens = 0;
-  int decode_steps = 0;
+  int prompt_tokens = 0;  // over the batch
+  int decode_steps = 0;   // tokens decoded over the batch
   double prefill_s = 0.0;  // the steps that prefilled the prompt (and sampled the first token)
   double decode_s = 0.0;   // the one-token decode steps after it
 };
@@ -57,20 +58,24 @@ inline std::vector<int32_t> SyntheticPrompt(int n, int vocab_size, uint32_t seed
   return tokens;
 }
 
-// One request through an otherwise idle engine, every Step() timed and attributed to prefill (steps
-// that carry prompt tokens) or decode (one-token steps after the prompt).
-inline Result<DecodeBenchRun> TimeDecodeRun(Engine& engine, std::vector<int32_t> prompt, int decode_tokens) {
+// Requests (one per prompt, added together) through an otherwise idle engine, every Step() timed
+// and attributed to prefill (steps that carry prompt tokens: with one request its time to first
+// token) or decode (steps of one token per sequence after the prompts).
+inline Result<DecodeBenchRun> TimeDecodeRun(Engine& engine, std::vector<std::vector<int32_t>> prompts, int decode_tokens) {
   using Clock = std::chrono::steady_clock;
   if (engine.HasUnfinishedRequests()) return Status::InvalidArgument("bench: the engine must be idle");
-  if (prompt.empty()) return Status::InvalidArgument("bench: the prompt needs at least one token");
   SamplingParams p;
   p.temperature = 0.0f;
   p.ignore_eos = true;
   p.max_tokens = decode_tokens + 1;  // the prefill samples the first token, each decode step one more
   DecodeBenchRun run;
-  run.prompt_tokens = static_cast<int>(prompt.size());
-  KVFLOW_ASSIGN_OR_RETURN(auto id, engine.AddRequest(std::move(prompt), p));
-  (void)id;
+  for (std::vector<int32_t>& prompt : prompts) {
+    if (prompt.empty()) return Status::InvalidArgument("bench: the prompt needs at least one token");
+    run.prompt_tokens += static_cast<int>(prompt.size());
+    KVFLOW_ASSIGN_OR_RETURN(auto id, engine.AddRequest(std::move(prompt), p));
+    (void)id;
+  }
+  const int expected_decode = decode_tokens * static_cast<int>(prompts.size());
   int prefilled = 0;
   while (engine.HasUnfinishedRequests()) {
     const auto start = Clock::now();
@@ -86,9 +91,9 @@ inline Result<DecodeBenchRun> TimeDecodeRun(Engine& engine, std::vector<int32_t>
       return Status::Internal("bench: the engine made no progress (KV cache too small for the prompt?)");
     }
   }
-  if (prefilled != run.prompt_tokens || run.decode_steps != decode_tokens) {
+  if (prefilled != run.prompt_tokens || run.decode_steps != expected_decode) {
     return Status::Internal("bench: expected " + std::to_string(run.prompt_tokens) + " prefill and " +
-                            std::to_string(decode_tokens) + " decode tokens, the engine ran " +
+                            std::to_string(expected_decode) + " decode tokens, the engine ran " +
                             std::to_string(prefilled) + " and " + std::to_string(run.decode_steps) +
                             " (preempted? use a larger KV cache)");
   }
@@ -96,14 +101,17 @@ inline Result<DecodeBenchRun> TimeDecodeRun(Engine& engine, std::vector<int32_t>
 }
 
 inline Result<DecodeBenchResult> RunDecodeBench(Engine& engine, const DecodeBenchOptions& opt) {
-  if (opt.depth < 0 || opt.decode_tokens < 0 || opt.repeats < 1) {
-    return Status::InvalidArgument("bench: depth and decode tokens must be >= 0 and repeats >= 1");
+  if (opt.depth < 0 || opt.decode_tokens < 0 || opt.repeats < 1 || opt.batch < 1) {
+    return Status::InvalidArgument("bench: depth and decode tokens must be >= 0, repeats and batch >= 1");
   }
   const int vocab = engine.model_config().vocab_size;
-  const std::vector<int32_t> prompt = SyntheticPrompt(std::max(1, opt.depth), vocab, opt.seed);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < opt.batch; ++i) {
+    prompts.push_back(SyntheticPrompt(std::max(1, opt.depth), vocab, opt.seed + static_cast<uint32_t>(i)));
+  }
   if (opt.warmup) {
-    const int n = std::min<int>(16, static_cast<int>(prompt.size()));
-    KVFLOW_ASSIGN_OR_RETURN(auto ignored, TimeDecodeRun(engine, {prompt.begin(), prompt.begin() + n},
+    const int n = std::min<int>(16, static_cast<int>(prompts[0].size()));
+    KVFLOW_ASSIGN_OR_RETURN(auto ignored, TimeDecodeRun(engine, {{prompts[0].begin(), prompts[0].begin() + n}},
                                                         std::min(opt.decode_tokens, 4)));
     (void)ignored;
   }
@@ -112,7 +120,7 @@ inline Result<DecodeBenchResult> RunDecodeBench(Engine& engine, const DecodeBenc
   result.decode_tokens = opt.decode_tokens;
   std::vector<double> prefill_rates, decode_rates;
   for (int r = 0; r < opt.repeats; ++r) {
-    KVFLOW_ASSIGN_OR_RETURN(DecodeBenchRun run, TimeDecodeRun(engine, prompt, opt.decode_tokens));
+    KVFLOW_ASSIGN_OR_RETURN(DecodeBenchRun run, TimeDecodeRun(engine, prompts, opt.decode_tokens));
     prefill_rates.push_back(run.prefill_s > 0 ? run.prompt_tokens / run.prefill_s : 0.0);
     if (run.decode_steps > 0) decode_rates.push_back(run.decode_s > 0 ? run.decode_steps / run.decode_s : 0.0);
     result.runs.push_back(run);

@@ -148,6 +148,12 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
       ->default_val(2048);
   app->add_option("--partition-table", c.prefill_parallel.partition_table,
                   "KV-Runahead's partition lookup table (kvflow prefill-bench --search); none: even split");
+  app->add_option("--tensor-parallel-size,--tp", c.tensor_parallel_size,
+                  "Tensor parallelism: under mpirun -np N, split the model's attention heads and MLP across N "
+                  "ranks (N must divide the heads, the KV heads or be a multiple of them, and the MLP width). Rank 0 "
+                  "serves and samples; the others run each step's share. CPU ranks over MPI")
+      ->default_val(1)
+      ->check(CLI::Range(1, 4096));
   app->add_option("--ngram-max,--prompt-lookup-max", c.speculative.ngram.max, "ngram: longest suffix looked up")->default_val(4);
   app->add_option("--ngram-min,--prompt-lookup-min", c.speculative.ngram.min, "ngram: shortest suffix looked up")->default_val(1);
   app->add_option("--threads", c.num_threads, "CPU threads (0 = all cores)")->default_val(0);

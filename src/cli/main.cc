@@ -18,6 +18,7 @@
 #include "cli/engine_flags.h"
 #include "cli/prefill_bench.h"
 #include "kv_runahead/prompt_prefill_service.h"
+#include "tensor_parallel/tensor_parallel_service.h"
 #include "distributed/world.h"
 #include "chat_template/chat_template.h"
 #include "cli/chat_template_command.h"
@@ -51,11 +52,18 @@ int RunGenerate(GenerateOptions& opt) {
     return 1;
   }
   if (worker.value()) return 0;
+  // Under mpirun with --tensor-parallel-size, every rank but rank 0 runs its share of each step.
+  auto tp_worker = kvflow::tp::RunTensorParallelWorkerIfNotDriver(opt.engine);
+  if (!tp_worker.ok()) {
+    spdlog::error("{}", tp_worker.status().ToString());
+    return 1;
+  }
+  if (tp_worker.value()) return 0;
   auto engine_or = kvflow::Engine::Create(opt.engine);
   if (!engine_or.ok()) {
     spdlog::error("{}", engine_or.status().ToString());
     // The prefill workers wait for this rank: end the whole job.
-    if (!opt.engine.prefill_parallel.method.empty()) kvflow::dist::AbortJob(1);
+    if (!opt.engine.prefill_parallel.method.empty() || opt.engine.tensor_parallel_size > 1) kvflow::dist::AbortJob(1);
     return 1;
   }
   auto& engine = *engine_or.value();
@@ -345,6 +353,7 @@ int RunSkew(SkewCliOptions& opt) {
 struct BenchCliOptions {
   kvflow::EngineConfig engine;
   std::vector<int> depths = {0};
+  int batch = 1;
   int decode_tokens = 64;
   int repeats = 3;
   std::string json_out;
@@ -355,34 +364,63 @@ struct BenchCliOptions {
 int RunBench(BenchCliOptions& opt) {
   const int deepest = *std::max_element(opt.depths.begin(), opt.depths.end());
   if (opt.engine.max_model_len == 0) opt.engine.max_model_len = std::max(1, deepest) + opt.decode_tokens + 1;
+  opt.engine.max_num_seqs = std::max(opt.engine.max_num_seqs, opt.batch);
+  // The whole batch's prompts prefill in one step (as llama-bench's -p), so no decode step mixes
+  // with a prefill chunk and each is timed as what it is.
+  opt.engine.max_num_batched_tokens = std::max(opt.engine.max_num_batched_tokens, opt.batch * std::max(1, deepest));
+  // Under mpirun with --tensor-parallel-size, every rank but rank 0 runs its share of each step.
+  auto tp_worker = kvflow::tp::RunTensorParallelWorkerIfNotDriver(opt.engine);
+  if (!tp_worker.ok()) {
+    spdlog::error("{}", tp_worker.status().ToString());
+    return 1;
+  }
+  if (tp_worker.value()) return 0;
   auto engine_or = kvflow::Engine::Create(opt.engine);
   if (!engine_or.ok()) {
     spdlog::error("{}", engine_or.status().ToString());
+    if (opt.engine.tensor_parallel_size > 1) kvflow::dist::AbortJob(1);  // the workers wait for rank 0
     return 1;
   }
   auto& engine = *engine_or.value();
-  spdlog::info("bench: {}, {} decode tokens, {} repeats (medians)", engine.Describe(), opt.decode_tokens, opt.repeats);
-  std::printf("%8s %8s %14s %14s\n", "depth", "decode", "prefill tok/s", "decode tok/s");
+  spdlog::info("bench: {}, batch {}, {} decode tokens, {} repeats (medians)", engine.Describe(), opt.batch,
+               opt.decode_tokens, opt.repeats);
+  std::printf("%8s %6s %8s %14s %14s %10s\n", "depth", "batch", "decode", "prefill tok/s", "decode tok/s", "comm");
   nlohmann::json runs = nlohmann::json::array();
   for (const int depth : opt.depths) {
     kvflow::DecodeBenchOptions b;
     b.depth = depth;
     b.decode_tokens = opt.decode_tokens;
     b.repeats = opt.repeats;
+    b.batch = opt.batch;
+    const kvflow::ModelParallelStats before = engine.stats().model_parallel;
+    const auto started = std::chrono::steady_clock::now();
     auto r = kvflow::RunDecodeBench(engine, b);
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    const kvflow::ModelParallelStats after = engine.stats().model_parallel;
+    // Tensor parallelism: the share of the bench's wall time rank 0 spent in all-reduces and sends.
+    const double comm_s = (after.all_reduce_seconds - before.all_reduce_seconds) + (after.send_seconds - before.send_seconds);
     if (!r.ok()) {
       spdlog::error("depth {}: {}", depth, r.status().ToString());
       return 1;
     }
-    std::printf("%8d %8d %14.1f %14.2f\n", depth, opt.decode_tokens, r->prefill_tok_s, r->decode_tok_s);
+    std::printf("%8d %6d %8d %14.1f %14.2f %9.1f%%\n", depth, opt.batch, opt.decode_tokens, r->prefill_tok_s,
+                r->decode_tok_s, 100.0 * comm_s / elapsed);
     std::fflush(stdout);
     nlohmann::json samples = nlohmann::json::array();
     for (const auto& run : r->runs) {
       samples.push_back({{"prompt_tokens", run.prompt_tokens}, {"prefill_s", run.prefill_s},
                          {"decode_steps", run.decode_steps}, {"decode_s", run.decode_s}});
     }
-    runs.push_back({{"depth", depth}, {"decode_tokens", opt.decode_tokens}, {"prefill_tok_s", r->prefill_tok_s},
-                    {"decode_tok_s", r->decode_tok_s}, {"runs", samples}});
+    runs.push_back({{"depth", depth}, {"batch", opt.batch}, {"decode_tokens", opt.decode_tokens},
+                    {"prefill_tok_s", r->prefill_tok_s}, {"decode_tok_s", r->decode_tok_s}, {"runs", samples},
+                    {"seconds", elapsed},
+                    {"tensor_parallel",
+                     {{"ranks", after.ranks},
+                      {"all_reduce_seconds", after.all_reduce_seconds - before.all_reduce_seconds},
+                      {"send_seconds", after.send_seconds - before.send_seconds},
+                      {"all_reduces", after.all_reduces - before.all_reduces},
+                      {"all_reduce_bytes", after.all_reduce_bytes - before.all_reduce_bytes},
+                      {"comm_share", comm_s / elapsed}}}});
   }
   if (!opt.json_out.empty()) {
     nlohmann::json j = {{"model", engine.model_config().name}, {"engine", engine.Describe()},
@@ -505,6 +543,10 @@ int main(int argc, char** argv) {
   bench->add_option("-d,--depth", bench_opt.depths, "Prompt tokens before decoding, comma-separated (0: one token)")
       ->delimiter(',')
       ->default_str("0");
+  bench->add_option("-b,--batch", bench_opt.batch, "Sequences decoding together, each with a prompt of DEPTH tokens "
+                                                  "(prefill tok/s then counts the whole batch's prompts)")
+      ->default_val(1)
+      ->check(CLI::Range(1, 4096));
   bench->add_option("-n,--decode-tokens", bench_opt.decode_tokens, "Timed decode steps (0: prefill only)")
       ->default_val(64);
   bench->add_option("-r,--repeats", bench_opt.repeats, "Timed runs per depth; medians are reported")->default_val(3);

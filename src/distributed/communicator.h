@@ -1,5 +1,5 @@
 // Point-to-point and collective messages between the ranks of one distributed job (KV-Runahead's
-// chain prefill, TSP's all-gather). One interface, four transports:
+// chain prefill, TSP's all-gather, tensor parallelism's step messages and all-reduce). One interface, four transports:
 //   - InProcessWorld (in_process_communicator.h): ranks are threads of one process; unit tests.
 //   - MpiCommunicator (mpi/mpi_communicator.h): ranks are processes started by mpirun, one machine
 //     or many; built when MPI is found.
@@ -75,6 +75,10 @@ class Communicator {
   // bytes) receives rank 0's, then rank 1's, ... on every rank.
   virtual Status AllGather(std::span<const std::byte> mine, std::span<std::byte> all,
                            double timeout_s = kDefaultCommTimeoutSeconds) = 0;
+  // Every rank's `data` (the same length on every rank, host memory) becomes the elementwise sum
+  // over the ranks, with the same bits on every rank: the parts are all-gathered and summed in rank
+  // order, so every rank's residual stream stays identical under tensor parallelism.
+  Status AllReduceSum(std::span<float> data, double timeout_s = kDefaultCommTimeoutSeconds);
   // Returns once every rank has called it.
   virtual Status Barrier(double timeout_s = kDefaultCommTimeoutSeconds) = 0;
 

@@ -1,6 +1,7 @@
 #include "distributed/world.h"
 
 #include <cstdlib>
+#include <mutex>
 
 #include "distributed/in_process_communicator.h"
 
@@ -21,6 +22,16 @@ void AbortJob(int exit_code) {
 Result<std::unique_ptr<Communicator>> OpenWorldCommunicator() {
   if (LaunchedByMpi()) return OpenMpiWorldCommunicator();
   return std::move(InProcessWorld::Create(1).front());
+}
+
+Result<Communicator*> ProcessWorldCommunicator() {
+  static std::mutex mutex;
+  static std::unique_ptr<Communicator> world;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!world) {
+    KVFLOW_ASSIGN_OR_RETURN(world, OpenWorldCommunicator());
+  }
+  return world.get();
 }
 
 }  // namespace kvflow::dist

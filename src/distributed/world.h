@@ -23,6 +23,10 @@ Result<std::unique_ptr<Communicator>> OpenMpiWorldCommunicator();
 // `device`: the device transport of a job whose ranks run CUDA backends. Defined by the NCCL
 // transport (src/distributed/nccl/) or, in builds without NCCL, by its stub (Unsupported).
 Result<std::unique_ptr<Communicator>> OpenNcclCommunicator(Communicator& bootstrap, int device, double timeout_s);
+// The process's world communicator (MPI_COMM_WORLD under mpirun, else a world of one), opened once:
+// the MPI world is process-wide, and every part of the process must use the same one.
+Result<Communicator*> ProcessWorldCommunicator();
+
 // Whether this build has the NCCL transport.
 bool HaveNccl();
 

@@ -83,6 +83,9 @@ class EngineImpl final : public EvaluationEngine {
     int connector_host_blocks = 0;
     // Every registered logits processor (structured output), after the core's built-in ones.
     std::vector<std::unique_ptr<LogitsProcessor>> logits_processors;
+    // A model split across ranks (model_parallel): the other ranks and the layers' sum over them.
+    std::unique_ptr<StepMirror> mirror;
+    std::unique_ptr<DeltaReducer> reducer;
   };
 
   EngineImpl(EngineConfig config, ModelFiles files, std::unique_ptr<Backend> backend, Systems systems,
@@ -98,12 +101,15 @@ class EngineImpl final : public EvaluationEngine {
         kv_selector_(std::move(systems.kv_selector)),
         kv_connectors_(std::move(systems.kv_connectors)),
         logits_processors_(std::move(systems.logits_processors)),
+        mirror_(std::move(systems.mirror)),
+        reducer_(std::move(systems.reducer)),
         core_(CoreConfig(config_, model_config_, *tokenizer_,
                          backend_->kv_layout().num_blocks - systems.drafter_scratch_blocks,
                          backend_->num_host_blocks() - systems.connector_host_blocks, preemption, drafter_.get(),
                          kv_selector_.get(), Pointers(logits_processors_)),
               std::move(policy), std::move(supervisor), tokenizer_.get()),
         executor_(*backend_, core_.block_manager()) {
+    if (mirror_) executor_.SetModelParallel(mirror_.get(), reducer_.get());
     if (draft_backend_) executor_.AddFollower(*draft_backend_);
     executor_.AddStepHooks(kv_selector_.get());
     if (drafter_) executor_.AddStepHooks(drafter_->step_hooks());
@@ -169,6 +175,7 @@ class EngineImpl final : public EvaluationEngine {
   EngineStats stats() const override {
     EngineStats s = core_.stats();
     for (const auto& connector : kv_connectors_) connector->AddStats(s);
+    if (mirror_) s.model_parallel = mirror_->stats();
     return s;
   }
   std::vector<SystemMetric> SystemMetrics(const EngineStats& stats) const override {
@@ -187,6 +194,7 @@ class EngineImpl final : public EvaluationEngine {
     const std::string selection = config_.kv_selection.method.empty() ? "" : ", KV selection " + config_.kv_selection.method;
     std::string connectors;
     for (const auto& connector : kv_connectors_) connectors += ", " + connector->Describe();
+    if (mirror_) connectors += ", " + mirror_->Describe();
     return model_config_.name + " on " + backend_->Describe() + draft + ", swap " + std::to_string(blocks.host().num_blocks()) +
            " blocks, max_model_len " + std::to_string(config_.max_model_len) + selection + ", policy " +
            std::string(scheduler.policy().name()) + ", preemption " +
@@ -241,6 +249,8 @@ class EngineImpl final : public EvaluationEngine {
   std::unique_ptr<KvSelector> kv_selector_;
   std::vector<std::unique_ptr<KvConnector>> kv_connectors_;
   std::vector<std::unique_ptr<LogitsProcessor>> logits_processors_;  // the core's systems' processors
+  std::unique_ptr<StepMirror> mirror_;  // destroyed after the executor: it stops the other ranks
+  std::unique_ptr<DeltaReducer> reducer_;
   EngineCore core_;
   ModelExecutor executor_;
 };
@@ -325,8 +335,19 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
 
   // The connectors as the configuration asked for them (the factory resolves their host blocks).
   const std::vector<const KvConnectorPlugin*> connectors = registry.ActiveKvConnectors(config);
-  KVFLOW_ASSIGN_OR_RETURN(auto backend, CreateBackendForModel(config, input.max_model_len > 0, files));
   EngineImpl::Systems systems;
+  KVFLOW_ASSIGN_OR_RETURN(const ModelParallelPlugin* split, registry.ActiveModelParallel(config));
+  std::unique_ptr<Backend> backend;
+  if (split != nullptr) {
+    KVFLOW_ASSIGN_OR_RETURN(ModelParallelParts parts,
+                            split->create(ModelParallelContext{config, input.max_model_len > 0, files,
+                                                               evaluation.model_parallel_communicator}));
+    backend = std::move(parts.backend);
+    systems.mirror = std::move(parts.mirror);
+    systems.reducer = std::move(parts.reducer);
+  } else {
+    KVFLOW_ASSIGN_OR_RETURN(backend, CreateBackendForModel(config, input.max_model_len > 0, files));
+  }
   if (!config.speculative.method.empty()) {
     KVFLOW_ASSIGN_OR_RETURN(const DrafterPlugin* drafter, registry.Drafter(config.speculative.method));
     if (drafter->create_draft_backend && !config.speculative.model.empty()) {

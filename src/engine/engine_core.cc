@@ -146,7 +146,13 @@ Result<StepResult> EngineCore::StepInner(Executor& executor) {
   }
   if (config_.warn_on_preemption) WarnAboutPreemptions(sched);
   // Block moves first: swap-out frees device blocks this step may reuse.
-  KVFLOW_RETURN_IF_ERROR(executor.MoveBlocks(sched));
+  if (Status moved = executor.MoveBlocks(sched); !moved.ok()) {
+    // The KV the step's requests need is unknown now: they fail (and the step, as before), so a
+    // caller stepping until every request is done never spins on a failure.
+    spdlog::error("block moves failed: {}", moved.ToString());
+    FailScheduled(sched, moved);
+    return moved;
+  }
 
   StepResult result;
   for (const ScheduledSeq& s : sched.scheduled) {
@@ -218,11 +224,7 @@ Result<StepResult> EngineCore::StepInner(Executor& executor) {
   if (!st.ok()) {
     // A failed step fails the requests in it, not the engine.
     spdlog::error("forward pass failed: {}", st.ToString());
-    std::vector<RequestId> failed;
-    for (const ScheduledSeq& s : sched.scheduled) failed.push_back(s.group->request_id);
-    std::sort(failed.begin(), failed.end());
-    failed.erase(std::unique(failed.begin(), failed.end()), failed.end());
-    for (RequestId id : failed) FailRequest(id, st, true);
+    FailScheduled(sched, st);
     return result;
   }
   scheduler_.CompleteStep(sched);
@@ -519,6 +521,14 @@ void EngineCore::ReportLength(const RequestState& req) {
   // A trace replay knows the true length: reaching it is the request's natural end.
   if (req.group->true_output_len && longest == *req.group->true_output_len) natural = true;
   if (longest >= 0) supervisor_->OnFinished(*req.group, longest, natural);
+}
+
+void EngineCore::FailScheduled(const SchedulerOutput& sched, const Status& error) {
+  std::vector<RequestId> failed;
+  for (const ScheduledSeq& s : sched.scheduled) failed.push_back(s.group->request_id);
+  std::sort(failed.begin(), failed.end());
+  failed.erase(std::unique(failed.begin(), failed.end()), failed.end());
+  for (RequestId id : failed) FailRequest(id, error, true);
 }
 
 void EngineCore::FailRequest(RequestId id, const Status& error, bool in_scheduler) {

@@ -170,6 +170,8 @@ class EngineCore {
   void ReportLength(const RequestState& req);
   // Ends a request with an error or cancellation: one final event, blocks freed at once.
   void FailRequest(RequestId id, const Status& error, bool in_scheduler);
+  // Fails every request with a sequence in the step (each once).
+  void FailScheduled(const SchedulerOutput& sched, const Status& error);
   void Forget(RequestId id);
   void ReapCancelled();
   RequestState& Get(RequestId id) { return *requests_.at(id); }

@@ -42,6 +42,7 @@ Status ModelExecutor::MoveBlocks(const SchedulerOutput& sched) {
     for (KvConnector* c : connectors_) KVFLOW_RETURN_IF_ERROR(c->Load(sched, planned(c), backend));
     return backend.CopyBlocks(sched.copies, BlockCopyKind::kDeviceToDevice);
   };
+  if (mirror_) KVFLOW_RETURN_IF_ERROR(mirror_->MirrorMoves(sched));
   KVFLOW_RETURN_IF_ERROR(move(backend_));
   for (LlamaModel& follower : followers_) KVFLOW_RETURN_IF_ERROR(move(follower.backend()));
   return Status::Ok();
@@ -77,6 +78,12 @@ Status ModelExecutor::Run(const SchedulerOutput& sched, std::span<const LogitsMo
     if (WrappingHooks* around = c->layer_hooks()) hooks = around->Wrap(hooks, backend_.model_config().num_layers);
   }
   model_.set_hooks(hooks);
+  if (mirror_) {
+    if (Status st = mirror_->MirrorBatch(batch); !st.ok()) {
+      model_.set_hooks(nullptr);
+      return st;
+    }
+  }
   const Status st = RunTarget(batch, sampling, out);
   model_.set_hooks(nullptr);
   return st;

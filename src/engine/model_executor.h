@@ -9,6 +9,7 @@
 #include "engine/executor.h"
 #include "engine/kv_connector.h"
 #include "kv/block_manager.h"
+#include "engine/model_parallel.h"
 #include "forward/llama_model.h"
 
 namespace kvflow {
@@ -45,6 +46,14 @@ class ModelExecutor final : public Executor {
     if (connector != nullptr) connectors_.push_back(connector);
   }
 
+  // A model split across ranks: `mirror` hears every step's moves and batch before this executor
+  // runs them, and the model sums each layer's partial outputs through `reducer`; both must outlive
+  // the executor.
+  void SetModelParallel(StepMirror* mirror, DeltaReducer* reducer) {
+    mirror_ = mirror;
+    model_.set_delta_reducer(reducer);
+  }
+
   bool SupportsSampling() const override { return backend_.SupportsDeviceSampling(); }
   bool ForwardUsesHostCores() const override { return backend_.ComputesOnHost(); }
   bool AppliesTokenMasks() const override { return backend_.SupportsDeviceTokenMask(); }
@@ -63,6 +72,7 @@ class ModelExecutor final : public Executor {
   std::vector<int64_t> seq_ids_;
   std::vector<uint8_t> selecting_;
   const BlockManager& blocks_;
+  StepMirror* mirror_ = nullptr;
   Status RunTarget(const ForwardBatch& batch, const DeviceSampling* sampling,
                    ExecutorOutput& out);
   // Runs the step's batch through every follower (no logits).

@@ -70,6 +70,23 @@ Status SystemRegistry::Register(LogitsProcessorPlugin plugin) {
   return AddUnique(logits_processors_, std::move(plugin), "logits_processor");
 }
 
+Status SystemRegistry::Register(ModelParallelPlugin plugin) {
+  if (!plugin.create) return Status::InvalidArgument("model_parallel " + plugin.info.name + " needs a create()");
+  return AddUnique(model_parallel_, std::move(plugin), "model_parallel");
+}
+
+Result<const ModelParallelPlugin*> SystemRegistry::ActiveModelParallel(const EngineConfig& c) const {
+  if (c.tensor_parallel_size == 1) return static_cast<const ModelParallelPlugin*>(nullptr);
+  if (c.tensor_parallel_size < 1) {
+    return Status::InvalidArgument("tensor_parallel_size must be at least 1, got " + std::to_string(c.tensor_parallel_size));
+  }
+  for (const ModelParallelPlugin& p : model_parallel_) {
+    if (p.info.name == kTensorParallel) return &p;
+  }
+  return Status::Unsupported("tensor parallelism is not built into this kvflow (no model_parallel system '" +
+                             std::string(kTensorParallel) + "' registered)");
+}
+
 Result<const SchedulingPolicyPlugin*> SystemRegistry::Policy(const std::string& name) const {
   for (const SchedulingPolicyPlugin& p : policies_) {
     if (p.info.name == name) return &p;
@@ -102,6 +119,8 @@ Result<std::vector<const SystemInfo*>> SystemRegistry::ActiveSystems(const Engin
     active.push_back(&p->info);
   }
   for (const KvConnectorPlugin* p : ActiveKvConnectors(c)) active.push_back(&p->info);
+  KVFLOW_ASSIGN_OR_RETURN(const ModelParallelPlugin* split, ActiveModelParallel(c));
+  if (split != nullptr) active.push_back(&split->info);
   KVFLOW_ASSIGN_OR_RETURN(const SchedulingPolicyPlugin* policy, Policy(c.scheduling_policy));
   active.push_back(&policy->info);
   return active;
@@ -140,6 +159,7 @@ Status SystemRegistry::CompleteAndCheck(EngineConfig& config) const {
   KVFLOW_RETURN_IF_ERROR(check_off(prefillers_));
   KVFLOW_RETURN_IF_ERROR(check_off(kv_connectors_));
   KVFLOW_RETURN_IF_ERROR(check_off(policies_));
+  KVFLOW_RETURN_IF_ERROR(check_off(model_parallel_));
   const std::vector<ActiveFeature> features = ActiveFeatures(config, active);
   for (const SystemInfo* s : active) {
     const std::string self = s->kind + ":" + s->name;
@@ -167,6 +187,7 @@ std::vector<SystemMetric> SystemRegistry::Metrics(const EngineStats& stats) cons
   add(kv_connectors_);
   add(policies_);
   add(logits_processors_);
+  add(model_parallel_);
   return metrics;
 }
 

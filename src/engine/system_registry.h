@@ -13,6 +13,7 @@
 //                 ("host_prefix_cache")     (engine/kv_connector.h)
 //   logits_processor  always on; a request's SamplingParams turn it on (structured output)
 //                 (engine/logits_processor.h)
+//   model_parallel    tensor_parallel_size > 1 ("tensor")  (engine/model_parallel.h)
 #pragma once
 
 #include <functional>
@@ -27,11 +28,13 @@
 #include "engine/kv_connector.h"
 #include "engine/kv_selector.h"
 #include "engine/logits_processor.h"
+#include "engine/model_parallel.h"
 #include "engine/prompt_prefiller.h"
 #include "kvflow/config.h"
 #include "kvflow/engine_config.h"
 #include "kvflow/status.h"
 #include "kvflow/tokenizer.h"
+#include "model/tensor_source.h"
 #include "sched/length_supervisor.h"
 #include "sched/policy.h"
 
@@ -181,6 +184,23 @@ struct LogitsProcessorPlugin {
   std::function<Result<std::unique_ptr<LogitsProcessor>>(const LogitsProcessorContext&)> create;
 };
 
+// The model_parallel system EngineConfig::tensor_parallel_size > 1 turns on.
+inline constexpr const char* kTensorParallel = "tensor";
+
+struct ModelParallelContext {
+  EngineConfig& config;          // the factory may lower max_model_len to what the pool holds
+  bool max_model_len_requested;  // whether the user set it (then it is refused instead)
+  ModelFiles& files;
+  dist::Communicator* communicator;  // null: the process's MPI world
+};
+
+// Splits the model across the job's ranks: builds this (driver) rank's backend for its share, and
+// starts driving the others.
+struct ModelParallelPlugin {
+  SystemInfo info;
+  std::function<Result<ModelParallelParts>(const ModelParallelContext&)> create;
+};
+
 class SystemRegistry {
  public:
   Status Register(DrafterPlugin plugin);
@@ -189,12 +209,15 @@ class SystemRegistry {
   Status Register(KvConnectorPlugin plugin);
   Status Register(SchedulingPolicyPlugin plugin);
   Status Register(LogitsProcessorPlugin plugin);
+  Status Register(ModelParallelPlugin plugin);
 
   // The system of that kind and name, or an error listing the registered names.
   Result<const DrafterPlugin*> Drafter(const std::string& name) const;
   Result<const KvSelectorPlugin*> KvSelector(const std::string& name) const;
   Result<const PrefillerPlugin*> Prefiller(const std::string& name) const;
   Result<const SchedulingPolicyPlugin*> Policy(const std::string& name) const;
+  // The model_parallel system `config` turns on, or null when the model is whole on this rank.
+  Result<const ModelParallelPlugin*> ActiveModelParallel(const EngineConfig& config) const;
   // The connectors `config` turns on, in registration order.
   std::vector<const KvConnectorPlugin*> ActiveKvConnectors(const EngineConfig& config) const;
   // Every registered logits processor, in registration order (each engine makes one of each).
@@ -217,6 +240,7 @@ class SystemRegistry {
   std::vector<KvConnectorPlugin> kv_connectors_;
   std::vector<SchedulingPolicyPlugin> policies_;
   std::vector<LogitsProcessorPlugin> logits_processors_;
+  std::vector<ModelParallelPlugin> model_parallel_;
 };
 
 }  // namespace kvflow

@@ -19,7 +19,8 @@ Status LlamaModel::ForwardAndSample(const ForwardBatch& batch, std::span<const D
 }
 
 Status LlamaModel::Run(const ForwardBatch& batch, const LogitsSink& sink) {
-  const bool capturable = hooks_ == nullptr || hooks_->capturable();
+  // A reducer talks to the other ranks from the host between kernels: no graph holds that.
+  const bool capturable = (hooks_ == nullptr || hooks_->capturable()) && reducer_ == nullptr;
   return backend_.RunStep(batch, sink, [&] { return Layers(batch); }, capturable);
 }
 
@@ -46,6 +47,7 @@ Status LlamaModel::Layers(const ForwardBatch& batch) {
     KVFLOW_RETURN_IF_ERROR(selection.empty() ? b.Attention(layer) : b.AttentionOverSelection(layer, selection));
     if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterAttention(ctx));
     KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kO, Activation::kAttention, Activation::kDelta));
+    if (reducer_) KVFLOW_RETURN_IF_ERROR(reducer_->ReduceDelta(b));
     if (sandwich) KVFLOW_RETURN_IF_ERROR(b.NormDelta(layer, LayerWeight::kPostAttnNorm));
     if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterAttentionOutput(ctx));
     KVFLOW_RETURN_IF_ERROR(b.RmsNorm(layer, LayerWeight::kFfnNorm, /*add_delta=*/true));
@@ -57,6 +59,7 @@ Status LlamaModel::Layers(const ForwardBatch& batch) {
       if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterMlpInput(ctx));
       KVFLOW_RETURN_IF_ERROR(gelu ? b.GeluTanhMul() : b.SiluMul());
       KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kDown, Activation::kMlp, Activation::kDelta));
+      if (reducer_) KVFLOW_RETURN_IF_ERROR(reducer_->ReduceDelta(b));
     }
     if (sandwich) KVFLOW_RETURN_IF_ERROR(b.NormDelta(layer, LayerWeight::kPostFfnNorm));
     if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterMlpOutput(ctx));

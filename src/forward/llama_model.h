@@ -107,6 +107,15 @@ class HookChain final : public LayerHooks {
   std::vector<LayerHooks*> hooks_;
 };
 
+// Tensor parallelism's seam (tensor_parallel/): after each row-parallel projection (the attention's
+// output and the MLP's down projection) every rank holds a partial sum of kDelta; the reducer makes
+// it the whole sum on every rank, before the sandwich norms and the hooks see it.
+class DeltaReducer {
+ public:
+  virtual ~DeltaReducer() = default;
+  virtual Status ReduceDelta(Backend& backend) = 0;
+};
+
 class LlamaModel {
  public:
   // `backend` holds the weights and the KV pools; it must outlive the model.
@@ -121,6 +130,8 @@ class LlamaModel {
                           std::vector<SampledToken>& sampled, const std::function<void()>& await_constraints = {});
 
   void set_hooks(LayerHooks* hooks) { hooks_ = hooks; }
+  // Null: the model is whole on this backend.
+  void set_delta_reducer(DeltaReducer* reducer) { reducer_ = reducer; }
   Backend& backend() { return backend_; }
 
  private:
@@ -129,6 +140,7 @@ class LlamaModel {
 
   Backend& backend_;
   LayerHooks* hooks_ = nullptr;
+  DeltaReducer* reducer_ = nullptr;
 };
 
 }  // namespace kvflow

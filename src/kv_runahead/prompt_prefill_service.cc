@@ -281,16 +281,6 @@ Status RunPrefillWorker(const EngineConfig& config, Communicator& comm, double t
   }
 }
 
-Result<Communicator*> ProcessWorldCommunicator() {
-  static std::mutex mutex;
-  static std::unique_ptr<Communicator> world;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (!world) {
-    KVFLOW_ASSIGN_OR_RETURN(world, OpenWorldCommunicator());
-  }
-  return world.get();
-}
-
 Result<bool> RunPrefillWorkerIfNotLastRank(const EngineConfig& config) {
   if (config.prefill_parallel.method.empty()) return false;
   KVFLOW_ASSIGN_OR_RETURN(Communicator * comm, ProcessWorldCommunicator());

@@ -28,6 +28,7 @@
 #include "backend/backend.h"
 #include "kv_runahead/chain_prefill.h"
 #include "distributed/communicator.h"
+#include "distributed/world.h"
 #include "kv_runahead/partition_table.h"
 #include "engine/prompt_prefiller.h"
 #include "kvflow/engine_config.h"
@@ -79,10 +80,6 @@ Result<std::unique_ptr<Backend>> CreatePrefillRankBackend(EngineConfig config, i
 // it, Ok after a stop; `ready` (optional) tells whether it got as far as its hello.
 Status RunPrefillWorker(const EngineConfig& config, Communicator& comm,
                         double timeout_s = kDefaultCommTimeoutSeconds, bool* ready = nullptr);
-
-// The process's world communicator (MPI_COMM_WORLD under mpirun, else a world of one), opened once:
-// the MPI world is process-wide, and every part of the process must use the same one.
-Result<Communicator*> ProcessWorldCommunicator();
 
 // For the server's and the CLI's main: with config.prefill_parallel set, a process that is not the
 // job's last rank runs the prefill worker and returns true when it ends (the caller exits); the

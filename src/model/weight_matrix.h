@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
+#include <utility>
 #include <vector>
 
 #include "kvflow/status.h"
@@ -45,6 +47,13 @@ struct WeightMatrix {
   // "Q4_1" or "Q4_1+Q6_K" or "F32" or "BF16".
   std::string FormatName() const;
 };
+
+// The rows [first, first + count) of each range, in order, in their formats (rows are whole in
+// every format: tensor parallelism's column-parallel split).
+WeightMatrix SliceRows(const WeightMatrix& m, std::span<const std::pair<int64_t, int64_t>> ranges);
+// The columns [first, first + count) of every row (the row-parallel split). A quantized part splits
+// only along whole blocks: InvalidArgument naming the format and its block size otherwise.
+Result<WeightMatrix> SliceColumns(const WeightMatrix& m, int64_t first, int64_t count);
 
 // Converts one tensor to a part: quantized formats the CPU kernels compute with, and F16 / BF16,
 // stay as they are when `keep_quantized`, everything else becomes fp32.

@@ -10,6 +10,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -147,6 +148,13 @@ class Metrics:
     def has(self, name):
         return any(n == name for n, _, _ in self.samples)
 
+
+# mpirun for the tests that serve under it (prefill across ranks, tensor parallelism). CI runs as
+# root in a container: let Open MPI run there, on few cores, over shared memory.
+MPIRUN = shutil.which("mpirun")
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1", "OMPI_MCA_hwloc_base_binding_policy": "none",
+           "OMPI_MCA_btl": "self,vader", "OMPI_MCA_btl_vader_single_copy_mechanism": "none"}
 
 # ---------------------------------------------------------------------------------------------
 # The server process

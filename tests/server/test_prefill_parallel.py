@@ -4,20 +4,14 @@ served from the last rank's prefix cache: completions (greedy and seeded samplin
 single-process server that prefills in the same chunks, short prompts stay local, a client that
 disconnects mid-stream costs nothing, and SIGTERM to mpirun shuts the whole job down cleanly."""
 
-import shutil
 import signal
 
 import pytest
 
-from conftest import TINY, start_server
+from conftest import MPI_ENV, MPIRUN, TINY, start_server
 
-MPIRUN = shutil.which("mpirun")
 pytestmark = pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (tools/install-deps installs Open MPI)")
 
-# CI runs as root in a container: let Open MPI run there, on few cores, over shared memory.
-MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-           "OMPI_MCA_rmaps_base_oversubscribe": "1", "OMPI_MCA_hwloc_base_binding_policy": "none",
-           "OMPI_MCA_btl": "self,vader", "OMPI_MCA_btl_vader_single_copy_mechanism": "none"}
 COMMON = ["--block-size", "16", "--max-model-len", "512", "--threads", "1"]
 LONG = "KV-Runahead fills the KV cache ahead: each rank passes its KV on to the next. " * 4
 SHORT = "a short prompt"

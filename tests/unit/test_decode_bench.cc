@@ -32,7 +32,7 @@ TEST(DecodeBench, PrefillChunksAndDecodeStepsAreCountedSeparately) {
   c.max_model_len = 256;
   auto engine = test::MakeEngine(c);
   ASSERT_NE(engine, nullptr);
-  auto run = TimeDecodeRun(*engine, SyntheticPrompt(100, engine->model_config().vocab_size, 1), 10);
+  auto run = TimeDecodeRun(*engine, {SyntheticPrompt(100, engine->model_config().vocab_size, 1)}, 10);
   ASSERT_TRUE(run.ok()) << run.status().ToString();
   EXPECT_EQ(run->prompt_tokens, 100);
   EXPECT_EQ(run->decode_steps, 10);
@@ -40,7 +40,7 @@ TEST(DecodeBench, PrefillChunksAndDecodeStepsAreCountedSeparately) {
   EXPECT_GT(run->decode_s, 0.0);
   EXPECT_FALSE(engine->HasUnfinishedRequests());
 
-  auto prefill_only = TimeDecodeRun(*engine, {5, 6, 7}, 0);
+  auto prefill_only = TimeDecodeRun(*engine, {{5, 6, 7}}, 0);
   ASSERT_TRUE(prefill_only.ok()) << prefill_only.status().ToString();
   EXPECT_EQ(prefill_only->decode_steps, 0);
   EXPECT_EQ(prefill_only->decode_s, 0.0);
@@ -66,6 +66,13 @@ TEST(DecodeBench, RepeatsGiveOneRunEachAndMedianRates) {
   }
   EXPECT_DOUBLE_EQ(r->decode_tok_s, Median(decode_rates));
   EXPECT_GT(r->prefill_tok_s, 0.0);
+
+  opt.batch = 4;  // four sequences decoding together
+  auto batched = RunDecodeBench(*engine, opt);
+  ASSERT_TRUE(batched.ok()) << batched.status().ToString();
+  EXPECT_EQ(batched->runs[0].prompt_tokens, 4 * 40);
+  EXPECT_EQ(batched->runs[0].decode_steps, 4 * 8);
+  opt.batch = 1;
 
   opt.depth = 0;  // a one-token prompt
   auto shallow = RunDecodeBench(*engine, opt);

@@ -533,6 +533,12 @@ void CpuBackend::RunAttention(int layer, std::span<const std::vector<int64_t>> v
                       staged ? Staging(1, layer) : Pool(KvTier::kDevice, 1, layer), scale);
 }
 
+Result<std::span<float>> CpuBackend::HostActivation(Activation which) {
+  if (batch_ == nullptr) return Status::Internal("activation access outside a step");
+  std::vector<float>& buffer = Storage(which);
+  return std::span<float>(buffer.data(), static_cast<size_t>(num_tokens_ * Width(which)));
+}
+
 Status CpuBackend::ReadActivationRows(Activation which, int64_t first_row, int64_t rows, std::span<float> out) {
   if (batch_ == nullptr) return Status::Internal("activation read outside a step");
   const int64_t width = Width(which);

@@ -90,10 +90,12 @@ Result<std::shared_ptr<MpiSession>> MpiSession::Acquire() {
   MPI_Initialized(&initialized);
   if (!initialized) {
     int provided = 0;
-    KVFLOW_RETURN_IF_ERROR(CheckMpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread"));
-    if (provided < MPI_THREAD_FUNNELED) {
+    // SERIALIZED, not FUNNELED: the server opens the world on its main thread and its engine thread
+    // then drives it (one thread at a time).
+    KVFLOW_RETURN_IF_ERROR(CheckMpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread"));
+    if (provided < MPI_THREAD_SERIALIZED) {
       MPI_Finalize();
-      return Status::Unsupported("this MPI does not provide MPI_THREAD_FUNNELED");
+      return Status::Unsupported("this MPI does not provide MPI_THREAD_SERIALIZED");
     }
   }
   std::shared_ptr<MpiSession> session(new MpiSession(/*finalize_at_end=*/!initialized));

@@ -17,8 +17,9 @@
 
 namespace kvflow::dist {
 
-// MPI for this process. The first Acquire initialises it (MPI_THREAD_FUNNELED: one thread drives
-// the communicators) unless the application already did; the last holder to let go finalises it,
+// MPI for this process. The first Acquire initialises it (MPI_THREAD_SERIALIZED: one thread at a
+// time drives the communicators, not necessarily the one that initialised MPI) unless the
+// application already did; the last holder to let go finalises it,
 // and only if Acquire initialised it. MPI cannot start again once finalised. Thread-safe.
 class MpiSession {
  public:
@@ -39,7 +40,7 @@ struct MpiCommunicatorOptions {
 };
 
 // Owns its duplicate of MPI_COMM_WORLD (freed with it) and a share of the MpiSession. One thread
-// at a time; it must be the thread that initialised MPI.
+// at a time.
 class MpiCommunicator final : public Communicator {
  public:
   // Collective: every rank of MPI_COMM_WORLD creates its communicator together.

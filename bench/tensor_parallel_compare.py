@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Tensor parallelism's overhead on this machine, in one run: one rank of 2 threads against
+tensor_parallel_size 2 (mpirun -np 2, 1 thread each), same model, same cores.
+
+The model is a random-weight Llama shape (8 layers of hidden 1024, 16 heads with 4 KV heads of 64,
+an MLP of 2816, vocabulary 8192; fp16 GGUF in .cache/tp-bench/, written once by moe_compare.py's
+writer), large enough that the matrices dominate a step and small enough for 2 cores. Each
+configuration runs `kvflow bench` (medians of --repeats timed runs) at batch 1 and batch 32:
+  decode tok/s   tokens decoded per second over the batch, after a prompt of --depth tokens
+  TTFT           batch 1's prefill time of the --depth-token prompt (its first token)
+  comm share     rank 0's seconds in all-reduces and in sending steps, over the bench's wall time
+The configurations alternate (single, tp, single, tp ...) for --rounds rounds; the table quotes the
+median round. On two cores two ranks cannot beat one rank of two threads (the same cores do the
+same arithmetic, plus the sums): what this measures is the overhead, and where it comes from.
+
+  .venv/bin/python bench/tensor_parallel_compare.py     # ~5 min on 2 cores
+Writes OUT.json and OUT.md (OUT: --out-prefix, default bench/results/tensor_parallel_cpu). Not CI.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama_cpp_compare import REPO, BenchError, device_info, log, rel, run  # noqa: E402
+from moe_compare import write_model  # noqa: E402
+from provenance import provenance  # noqa: E402
+
+SHAPE = {"hidden": 1024, "ffn": 2816, "layers": 8, "experts": 0, "experts_used": 0, "heads": 16, "kv_heads": 4,
+         "head_dim": 64, "vocab": 8192}
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+           "OMPI_MCA_rmaps_base_oversubscribe": "1", "OMPI_MCA_hwloc_base_binding_policy": "none",
+           "OMPI_MCA_btl": "self,vader", "OMPI_MCA_btl_vader_single_copy_mechanism": "none"}
+
+
+def bench(cli, model, ranks, threads, batch, depth, n, repeats):
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    cmd = [cli, "bench", "-m", model, "--threads", str(threads), "-d", str(depth), "-n", str(n), "-b", str(batch),
+           "-r", str(repeats), "--json", path]
+    if ranks > 1:
+        cmd = ["mpirun", "-np", str(ranks), "--oversubscribe"] + cmd + ["--tensor-parallel-size", str(ranks)]
+    try:
+        run(cmd, what=f"kvflow bench ({ranks} rank(s), batch {batch})", env={**os.environ, **MPI_ENV}, timeout=1800)
+        row = json.load(open(path))["results"][0]
+    finally:
+        os.unlink(path)
+    runs = row["runs"]
+    ttft = statistics.median(r["prefill_s"] for r in runs)
+    return {"decode_tok_s": row["decode_tok_s"], "prefill_tok_s": row["prefill_tok_s"], "ttft_s": ttft,
+            "comm_share": row["tensor_parallel"]["comm_share"],
+            "all_reduce_seconds": row["tensor_parallel"]["all_reduce_seconds"],
+            "send_seconds": row["tensor_parallel"]["send_seconds"], "seconds": row["seconds"]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cli", default=os.path.join(REPO, "build", "kvflow"))
+    ap.add_argument("--depth", type=int, default=128)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--out-prefix", default=os.path.join(REPO, "bench", "results", "tensor_parallel_cpu"))
+    args = ap.parse_args()
+    model = os.path.join(REPO, ".cache", "tp-bench", "random-llama-1024x8.f16.gguf")
+    if not os.path.exists(model):
+        os.makedirs(os.path.dirname(model), exist_ok=True)
+        log(f"writing the random-weight model to {rel(model)}")
+        write_model(model, SHAPE)
+    configs = [("1 rank x 2 threads", 1, 2), ("TP=2 x 1 thread", 2, 1)]
+    batches = [int(b) for b in args.batches.split(",")]
+    results = {name: {b: [] for b in batches} for name, _, _ in configs}
+    for r in range(args.rounds):
+        for batch in batches:
+            for name, ranks, threads in configs:
+                log(f"round {r + 1}: {name}, batch {batch}")
+                results[name][batch].append(bench(args.cli, model, ranks, threads, batch, args.depth,
+                                                  args.decode_tokens, args.repeats))
+    rows = []
+    for batch in batches:
+        for name, ranks, threads in configs:
+            rounds = results[name][batch]
+            rows.append({"config": name, "ranks": ranks, "threads_per_rank": threads, "batch": batch,
+                         "decode_tok_s": statistics.median(x["decode_tok_s"] for x in rounds),
+                         "ttft_s": statistics.median(x["ttft_s"] for x in rounds),
+                         "comm_share": statistics.median(x["comm_share"] for x in rounds), "rounds": rounds})
+    for batch in batches:
+        single = next(r for r in rows if r["batch"] == batch and r["ranks"] == 1)
+        for r in rows:
+            if r["batch"] == batch:
+                r["decode_vs_single"] = r["decode_tok_s"] / single["decode_tok_s"]
+                r["ttft_vs_single"] = r["ttft_s"] / single["ttft_s"]
+    doc = {"what": "tensor parallelism's overhead: 1 rank x 2 threads vs TP=2 x 1 thread (mpirun), measured",
+           "model": {"path": rel(model), "shape": SHAPE, "weights": "random, fp16 GGUF"},
+           "depth": args.depth, "decode_tokens": args.decode_tokens, "repeats": args.repeats, "rounds": args.rounds,
+           "device": device_info(), "rows": rows, "provenance": provenance(per_run_figures="rows[].rounds")}
+    with open(args.out_prefix + ".json", "w") as f:
+        json.dump(doc, f, indent=1)
+    write_markdown(doc, args.out_prefix + ".md")
+    log(f"wrote {rel(args.out_prefix)}.json and .md")
+
+
+def write_markdown(doc, path):
+    rows, device = doc["rows"], doc["device"]
+    machine = f"{device.get('cpu')}, {device.get('cores')} cores, {device.get('memory')}, {device.get('simd')}"
+    with open(path, "w") as f:
+        f.write("# Tensor parallelism on this CPU: the overhead, measured\n\n")
+        f.write(f"Random-weight Llama shape ({SHAPE['layers']} layers, hidden {SHAPE['hidden']}, {SHAPE['heads']} heads / "
+                f"{SHAPE['kv_heads']} KV heads, MLP {SHAPE['ffn']}, fp16), prompt {doc['depth']} tokens, "
+                f"{doc['decode_tokens']} decode tokens; medians of {doc['rounds']} alternating rounds of "
+                f"`kvflow bench -r {doc['repeats']}`, measured on {machine}.\n\n")
+        f.write("| config | batch | decode tok/s | vs 1 rank | TTFT (s) | vs 1 rank | rank 0 in communication |\n")
+        f.write("|---|---:|---:|---:|---:|---:|---:|\n")
+        for r in rows:
+            f.write(f"| {r['config']} | {r['batch']} | {r['decode_tok_s']:.1f} | {r['decode_vs_single']:.2f}x | "
+                    f"{r['ttft_s']:.3f} | {r['ttft_vs_single']:.2f}x | {100 * r['comm_share']:.1f}% |\n")
+        f.write("\nTTFT is batch 1's prefill; at batch 32 it is the whole batch's prefill time. Communication is rank 0's "
+                "time in the layers' all-reduces (which includes waiting for the slower rank) and in sending each "
+                "step's batch. Two ranks on two cores do the same arithmetic as one rank of two threads, plus the "
+                "sums: the ratio is the overhead, not a speed-up.\n")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--markdown-from":  # redraw the table from a saved JSON
+        doc = json.load(open(sys.argv[2]))
+        write_markdown(doc, sys.argv[2][:-len(".json")] + ".md")
+        sys.exit(0)
+    try:
+        main()
+    except BenchError as e:
+        sys.exit(f"tensor_parallel_compare: {e}")

@@ -1,0 +1,415 @@
+// Tensor parallelism (tensor_parallel/, model/tensor_parallel_shard.h) on in-process ranks: the
+// weight split of every storage format, the step messages, a sharded forward pass against one
+// process (logits within float rounding: the ranks sum partial products in another order), and
+// whole engines whose worker ranks run on threads, token for token against one process, under
+// prefix caching, swap and recompute preemption and parallel sampling; and what it refuses.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <thread>
+
+#include "distributed/in_process_communicator.h"
+#include "engine/evaluation.h"
+#include "engine_test_util.h"
+#include "kv_selection_test_util.h"
+#include "model/tensor_parallel_shard.h"
+#include "model/tiny_random.h"
+#include "model_file_writers.h"
+#include "systems/builtin_systems.h"
+#include "tensor_parallel/step_messages.h"
+#include "tensor_parallel/tensor_parallel_service.h"
+
+namespace kvflow {
+namespace {
+
+using dist::Communicator;
+using dist::InProcessCommunicator;
+using dist::InProcessWorld;
+
+std::vector<float> RandomFloats(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+std::vector<float> Dequantized(const WeightMatrix& m) {
+  std::vector<float> out(static_cast<size_t>(m.rows * m.cols));
+  for (int64_t r = 0; r < m.rows; ++r) m.DequantizeRow(r, out.data() + r * m.cols);
+  return out;
+}
+
+// A [rows, cols] matrix whose first `f32_rows` rows are fp32 and the rest Q4_1 (as a Q4_K_M file
+// mixes formats inside one fused matrix).
+WeightMatrix MixedMatrix(int64_t rows, int64_t cols, int64_t f32_rows) {
+  const std::vector<float> values = RandomFloats(static_cast<size_t>(rows * cols), 5);
+  WeightMatrix m;
+  m.cols = cols;
+  WeightPart dense;
+  dense.rows = f32_rows;
+  dense.f32.assign(values.begin(), values.begin() + f32_rows * cols);
+  m.Append(std::move(dense));
+  WeightPart q;
+  q.dtype = DType::kQ4_1;
+  q.rows = rows - f32_rows;
+  for (int64_t r = f32_rows; r < rows; ++r) {
+    const std::vector<float> row(values.begin() + r * cols, values.begin() + (r + 1) * cols);
+    const test::Bytes b = test::QuantizeQ4_1(row);
+    q.blocks.insert(q.blocks.end(), b.begin(), b.end());
+  }
+  m.Append(std::move(q));
+  return m;
+}
+
+TEST(WeightSlicing, RowsAndColumnsKeepEveryFormatsValues) {
+  const WeightMatrix m = MixedMatrix(12, 128, 5);
+  const std::vector<float> whole = Dequantized(m);
+  // Rows across the format boundary, in two ranges.
+  const std::vector<std::pair<int64_t, int64_t>> ranges = {{3, 4}, {9, 2}};
+  const WeightMatrix rows = SliceRows(m, ranges);
+  ASSERT_EQ(rows.rows, 6);
+  EXPECT_EQ(rows.FormatName(), "F32+Q4_1");  // rows 3-4 fp32; 5-6 and 9-10 Q4_1, merged into one part
+  const std::vector<float> got_rows = Dequantized(rows);
+  int64_t at = 0;
+  for (auto [first, count] : ranges) {
+    for (int64_t r = first; r < first + count; ++r, ++at) {
+      for (int64_t c = 0; c < 128; ++c) ASSERT_EQ(got_rows[at * 128 + c], whole[r * 128 + c]) << r << "," << c;
+    }
+  }
+  // Columns along whole Q4_1 blocks of 32.
+  auto cols = SliceColumns(m, 32, 64);
+  ASSERT_TRUE(cols.ok()) << cols.status().ToString();
+  const std::vector<float> got_cols = Dequantized(cols.value());
+  for (int64_t r = 0; r < 12; ++r) {
+    for (int64_t c = 0; c < 64; ++c) ASSERT_EQ(got_cols[r * 64 + c], whole[r * 128 + 32 + c]) << r << "," << c;
+  }
+  // Inside a block: refused, naming the format.
+  auto bad = SliceColumns(m, 16, 64);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("Q4_1"), std::string::npos) << bad.status().ToString();
+  EXPECT_FALSE(SliceColumns(m, 96, 64).ok());
+}
+
+TEST(StepMessages, BatchesAndMovesRoundTripAndMalformedOnesAreRefused) {
+  ForwardBatch batch;
+  batch.tokens = {5, 6, 7, 8};
+  batch.positions = {0, 1, 2, 9};
+  SequenceSlice a;
+  a.num_tokens = 3;
+  a.context_len = 3;
+  a.block_table = {4, 2};
+  a.logits = LogitsMode::kAll;
+  SequenceSlice b;
+  b.token_offset = 3;
+  b.num_tokens = 1;
+  b.context_len = 10;
+  b.block_table = {7};
+  b.view = KvView::Slots({112, 113, 121});
+  batch.seqs = {a, b};
+  const std::vector<int64_t> words = tp::EncodeBatch(batch);
+  auto back = tp::DecodeBatch(words);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->tokens, batch.tokens);
+  EXPECT_EQ(back->positions, batch.positions);
+  ASSERT_EQ(back->seqs.size(), 2u);
+  EXPECT_EQ(back->seqs[0].block_table, a.block_table);
+  EXPECT_EQ(back->seqs[0].logits, LogitsMode::kNone) << "workers produce no logits";
+  EXPECT_EQ(back->seqs[1].view.kind, KvView::Kind::kSlots);
+  EXPECT_EQ(back->seqs[1].view.slots, b.view.slots);
+  EXPECT_EQ(back->seqs[1].token_offset, 3);
+  for (size_t cut = 0; cut < words.size(); ++cut) {
+    EXPECT_FALSE(tp::DecodeBatch(std::span<const int64_t>(words.data(), cut)).ok()) << cut;
+  }
+  std::vector<int64_t> huge = words;
+  huge[0] = int64_t{1} << 60;
+  EXPECT_FALSE(tp::DecodeBatch(huge).ok());
+
+  SchedulerOutput sched;
+  sched.swap_out = {{1, 0}};
+  sched.copies = {{3, 4}, {5, 6}};
+  auto moves = tp::DecodeMoves(tp::EncodeMoves(sched));
+  ASSERT_TRUE(moves.ok());
+  EXPECT_EQ(moves->swap_out, sched.swap_out);
+  EXPECT_TRUE(moves->swap_in.empty());
+  EXPECT_EQ(moves->copies, sched.copies);
+  EXPECT_FALSE(tp::DecodeMoves(std::vector<int64_t>{2, 1, 0}).ok());
+}
+
+// Sums each rank's partial kDelta through an in-process world.
+class TestReducer final : public DeltaReducer {
+ public:
+  explicit TestReducer(Communicator& comm) : comm_(comm) {}
+  Status ReduceDelta(Backend& backend) override {
+    KVFLOW_ASSIGN_OR_RETURN(std::span<float> delta, backend.HostActivation(Activation::kDelta));
+    return comm_.AllReduceSum(delta);
+  }
+
+ private:
+  Communicator& comm_;
+};
+
+// Prefill of one sequence with every row's logits, then a decode step beside a second sequence's
+// prefill, through `model`'s backend: every logit row the two steps produce.
+std::vector<float> TwoSteps(LlamaModel& model, bool logits) {
+  const std::vector<int32_t> prompt = test::RandomTokens(37, 3, 256);
+  const std::vector<int32_t> other = test::RandomTokens(21, 4, 256);
+  ForwardBatch first;
+  SequenceSlice s;
+  s.num_tokens = 36;
+  s.context_len = 36;
+  s.block_table = {5, 1, 7};
+  s.logits = logits ? LogitsMode::kAll : LogitsMode::kNone;
+  first.tokens.assign(prompt.begin(), prompt.end() - 1);
+  for (int i = 0; i < 36; ++i) first.positions.push_back(i);
+  first.seqs.push_back(s);
+  std::vector<float> out, step;
+  EXPECT_TRUE(model.Forward(first, out).ok());
+  ForwardBatch second;
+  second.tokens = {prompt.back()};
+  second.positions = {36};
+  s.num_tokens = 1;
+  s.context_len = 37;
+  s.logits = logits ? LogitsMode::kLast : LogitsMode::kNone;
+  second.seqs.push_back(s);
+  SequenceSlice t;
+  t.token_offset = 1;
+  t.num_tokens = 21;
+  t.context_len = 21;
+  t.block_table = {2, 0};
+  t.logits = logits ? LogitsMode::kAll : LogitsMode::kNone;
+  second.tokens.insert(second.tokens.end(), other.begin(), other.end());
+  for (int i = 0; i < 21; ++i) second.positions.push_back(i);
+  second.seqs.push_back(t);
+  EXPECT_TRUE(model.Forward(second, step).ok());
+  out.insert(out.end(), step.begin(), step.end());
+  return out;
+}
+
+std::unique_ptr<Backend> ShardBackend(const ModelConfig& config, const LlamaWeights& whole, int rank, int size) {
+  const TensorShard shard = ShardOf(config, rank, size);
+  auto mine = ShardWeights(whole, config, shard);
+  EXPECT_TRUE(mine.ok()) << mine.status().ToString();
+  const ModelConfig sc = ShardConfig(config, shard);
+  KvCacheLayout layout{sc.num_layers, 8, sc.num_kv_heads, 16, sc.head_dim};
+  return CpuBackend::Create(sc, std::move(mine).value(), layout, 0, 1).value();
+}
+
+TEST(TensorParallel, ShardedForwardEqualsOneProcess) {
+  for (const bool biases : {false, true}) {
+    SCOPED_TRACE(biases ? "with biases" : "no biases");
+    auto files = MakeTinyRandomModel(0x6b76666c6f77, 4, biases);
+    ASSERT_TRUE(files.ok());
+    const ModelConfig& config = files->config;
+    auto whole = LoadLlamaWeights(*files->tensors, config, false);
+    ASSERT_TRUE(whole.ok());
+    ASSERT_TRUE(CheckTensorParallelSplit(config, 2).ok());
+    KvCacheLayout layout{config.num_layers, 8, config.num_kv_heads, 16, config.head_dim};
+    auto one = CpuBackend::Create(config, LlamaWeights(whole.value()), layout, 0, 1).value();
+    LlamaModel one_model(*one);
+    const std::vector<float> expected = TwoSteps(one_model, true);
+
+    auto comms = InProcessWorld::Create(2);
+    std::vector<float> got, worker_rows;
+    std::thread worker([&] {
+      auto backend = ShardBackend(config, whole.value(), 1, 2);
+      TestReducer reducer(*comms[1]);
+      LlamaModel model(*backend);
+      model.set_delta_reducer(&reducer);
+      worker_rows = TwoSteps(model, false);
+    });
+    auto backend = ShardBackend(config, whole.value(), 0, 2);
+    TestReducer reducer(*comms[0]);
+    LlamaModel model(*backend);
+    model.set_delta_reducer(&reducer);
+    got = TwoSteps(model, true);
+    worker.join();
+    EXPECT_TRUE(worker_rows.empty());
+    ASSERT_EQ(got.size(), expected.size());
+    float worst = 0, largest = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      worst = std::max(worst, std::fabs(got[i] - expected[i]));
+      largest = std::max(largest, std::fabs(expected[i]));
+    }
+    RecordProperty("max_logit_error", std::to_string(worst));
+    EXPECT_GT(largest, 1.0f) << "logits of a real size";
+    EXPECT_LT(worst, 1e-4f) << "largest logit " << largest;
+  }
+}
+
+TEST(TensorParallel, SplitsAndReplicatesKvHeadsAsVllmDoes) {
+  ModelConfig c;
+  c.num_heads = 8;
+  c.num_kv_heads = 2;
+  c.intermediate_size = 64;
+  c.head_dim = 16;
+  ASSERT_TRUE(CheckTensorParallelSplit(c, 4).ok());
+  for (int r = 0; r < 4; ++r) {
+    const TensorShard s = ShardOf(c, r, 4);
+    EXPECT_EQ(s.first_head, 2 * r);
+    EXPECT_EQ(s.num_kv_heads, 1);
+    // Query heads 2r, 2r + 1 read KV head (2r) / 4.
+    EXPECT_EQ(s.first_kv_head, (2 * r) / 4);
+  }
+  ASSERT_TRUE(CheckTensorParallelSplit(c, 2).ok());
+  EXPECT_EQ(ShardOf(c, 1, 2).first_kv_head, 1);
+  EXPECT_EQ(CheckTensorParallelSplit(c, 3).code(), StatusCode::kInvalidArgument);  // 8 heads
+  c.num_kv_heads = 4;
+  c.num_heads = 12;
+  EXPECT_FALSE(CheckTensorParallelSplit(c, 6).ok());  // 4 KV heads: neither divides nor is divided by 6
+  c.num_heads = 8;
+  c.num_experts = 4;
+  c.experts_per_token = 2;
+  EXPECT_EQ(CheckTensorParallelSplit(c, 2).code(), StatusCode::kUnsupported);
+}
+
+EngineConfig TpConfig() {
+  EngineConfig c;
+  c.model = "tiny-random";
+  c.num_threads = 1;
+  c.tensor_parallel_size = 2;
+  return c;
+}
+
+// A world of `ranks`: the workers on threads, the engine on rank 0.
+class TpWorld {
+ public:
+  TpWorld(int ranks, const EngineConfig& config) : comms_(InProcessWorld::Create(ranks)) {
+    for (int r = 1; r < ranks; ++r) {
+      workers_.emplace_back([this, r, config] { results_[r] = tp::RunTensorParallelWorker(config, *comms_[r], 30.0); });
+    }
+  }
+  ~TpWorld() { Join(); }
+  Communicator& driver() { return *comms_[0]; }
+  InProcessCommunicator& rank(int r) { return static_cast<InProcessCommunicator&>(*comms_[r]); }
+  void Join() {
+    for (std::thread& t : workers_) t.join();
+    workers_.clear();
+  }
+  const Status& result(int r) const { return results_[r]; }
+
+ private:
+  std::vector<std::unique_ptr<Communicator>> comms_;
+  std::vector<std::thread> workers_;
+  Status results_[8];
+};
+
+Result<std::unique_ptr<EvaluationEngine>> DriverEngine(const EngineConfig& c, Communicator& comm) {
+  EvaluationOptions options;
+  options.model_parallel_communicator = &comm;
+  return CreateEvaluationEngine(c, options);
+}
+
+TEST(TensorParallel, EngineOutputsEqualOneProcessUnderEveryMemorySetup) {
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 6; ++i) prompts.push_back(test::RandomTokens(20 + 7 * i, 50 + i, 256));
+  prompts.push_back(prompts[0]);  // a shared prefix for the prefix cache
+  for (const test::EngineSetup& setup : test::EngineSetups()) {
+    SCOPED_TRACE(setup.name);
+    EngineConfig single = setup.config;
+    single.model = "tiny-random";
+    single.num_threads = 1;
+    EngineConfig tp = single;
+    tp.tensor_parallel_size = 2;
+    auto reference = CreateEvaluationEngine(single, {});
+    ASSERT_TRUE(reference.ok()) << reference.status().ToString();
+    TpWorld world(2, tp);
+    auto engine = DriverEngine(tp, world.driver());
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    // Greedy, then seeded sampling with two samples a request (parallel sampling forks blocks).
+    EXPECT_EQ(test::GenerateAll(*engine.value(), prompts, test::Greedy(90), false),
+              test::GenerateAll(*reference.value(), prompts, test::Greedy(90), false));
+    SamplingParams sampled;
+    sampled.temperature = 0.8f;
+    sampled.max_tokens = 40;
+    sampled.ignore_eos = true;
+    sampled.n = 2;
+    EXPECT_EQ(test::GenerateAll(*engine.value(), prompts, sampled, true),
+              test::GenerateAll(*reference.value(), prompts, sampled, true));
+    const EngineStats stats = engine.value()->stats();
+    if (std::string(setup.name) == "swap") EXPECT_GT(stats.num_preemptions_swap, 0);
+    if (std::string(setup.name) == "recompute") EXPECT_GT(stats.num_preemptions - stats.num_preemptions_swap, 0);
+    engine.value().reset();  // tells the worker to stop
+    world.Join();
+    EXPECT_TRUE(world.result(1).ok()) << world.result(1).ToString();
+  }
+}
+
+TEST(TensorParallel, RefusesWhatItCannotSplitOrRun) {
+  auto refused = [](EngineConfig c, const std::string& expected) {
+    auto comms = InProcessWorld::Create(std::max(1, c.tensor_parallel_size));
+    EvaluationOptions options;
+    options.model_parallel_communicator = comms[0].get();
+    auto engine = CreateEvaluationEngine(c, options);
+    ASSERT_FALSE(engine.ok()) << expected;
+    EXPECT_NE(engine.status().message().find(expected), std::string::npos) << engine.status().ToString();
+  };
+  EngineConfig c = TpConfig();
+  c.tensor_parallel_size = 3;
+  refused(c, "does not divide the model's 2 attention heads");
+  c = TpConfig();
+  c.speculative.method = "ngram";
+  refused(c, "tensor parallelism cannot run with");
+  c = TpConfig();
+  c.device = "cuda";
+  refused(c, "CUDA ranks over NCCL");
+  c = TpConfig();
+  c.tensor_parallel_size = 0;
+  refused(c, "at least 1");
+  // A job of another size than the split.
+  {
+    auto comms = InProcessWorld::Create(3);
+    EvaluationOptions options;
+    options.model_parallel_communicator = comms[0].get();
+    auto engine = CreateEvaluationEngine(TpConfig(), options);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_NE(engine.status().message().find("mpirun -np 2"), std::string::npos) << engine.status().ToString();
+  }
+}
+
+TEST(TensorParallel, RefusesAWorkerOfAnotherModel) {
+  EngineConfig other = TpConfig();
+  other.kv_cache_dtype = "f16";  // the worker's pool differs in bytes per token
+  TpWorld world(2, other);
+  auto engine = DriverEngine(TpConfig(), world.driver());
+  ASSERT_FALSE(engine.ok());
+  EXPECT_NE(engine.status().message().find("every rank must run the same model"), std::string::npos)
+      << engine.status().ToString();
+  world.rank(0).MarkGone();
+  world.Join();
+  EXPECT_FALSE(world.result(1).ok());
+}
+
+// A worker that goes away mid-job: the driver's next steps fail their requests with an error that
+// says so (no hang, no wrong tokens), and the engine keeps answering.
+TEST(TensorParallel, AWorkerThatGoesAwayFailsTheRequestsClearly) {
+  EngineConfig c = TpConfig();
+  TpWorld world(2, c);
+  auto engine = DriverEngine(c, world.driver());
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  EXPECT_EQ(test::GenerateAll(*engine.value(), {test::RandomTokens(12, 1, 256)}, test::Greedy(4), false)[0].size(), 4u);
+  world.rank(1).MarkGone();
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    Status error;
+    FinishReason reason = FinishReason::kNone;
+    auto id = engine.value()->AddRequest(test::RandomTokens(12, 2 + attempt, 256), test::Greedy(4),
+                                         [&](const StreamEvent& e) {
+                                           if (e.request_finished) {
+                                             reason = e.finish_reason;
+                                             error = e.error;
+                                           }
+                                         });
+    ASSERT_TRUE(id.ok());
+    while (engine.value()->HasUnfinishedRequests()) (void)engine.value()->Step();
+    EXPECT_EQ(reason, FinishReason::kError) << attempt;
+    EXPECT_NE(error.message().find("tensor parallel"), std::string::npos) << error.ToString();
+  }
+  // The worker, still waiting on a driver that is now gone too, ends with an error, not a hang.
+  engine.value().reset();
+  world.rank(0).MarkGone();
+  world.Join();
+  EXPECT_EQ(world.result(1).code(), StatusCode::kUnavailable) << world.result(1).ToString();
+}
+
+}  // namespace
+}  // namespace kvflow
