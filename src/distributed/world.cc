@@ -24,6 +24,29 @@ Result<std::unique_ptr<Communicator>> OpenWorldCommunicator() {
   return std::move(InProcessWorld::Create(1).front());
 }
 
+namespace {
+std::mutex g_broken_mutex;
+std::function<void(const Status&)> g_broken_handler;
+bool g_broken_reported = false;
+}  // namespace
+
+void SetJobBrokenHandler(std::function<void(const Status&)> handler) {
+  std::lock_guard<std::mutex> lock(g_broken_mutex);
+  g_broken_handler = std::move(handler);
+  g_broken_reported = false;
+}
+
+void ReportJobBroken(const Status& why) {
+  std::function<void(const Status&)> handler;
+  {
+    std::lock_guard<std::mutex> lock(g_broken_mutex);
+    if (g_broken_reported || !g_broken_handler) return;
+    g_broken_reported = true;
+    handler = g_broken_handler;
+  }
+  handler(why);
+}
+
 Result<Communicator*> ProcessWorldCommunicator() {
   static std::mutex mutex;
   static std::unique_ptr<Communicator> world;

@@ -1,6 +1,7 @@
 // The communicator a process runs in: the MPI world when mpirun started it, else a world of one.
 #pragma once
 
+#include <functional>
 #include <memory>
 
 #include "distributed/communicator.h"
@@ -29,6 +30,12 @@ Result<Communicator*> ProcessWorldCommunicator();
 
 // Whether this build has the NCCL transport.
 bool HaveNccl();
+
+// A part of the job that cannot go on (rank 0 of a tensor-parallel job whose worker stopped
+// answering) reports why here, once or more; the handler (the server's: end the job cleanly after
+// failing what is in flight) runs on the reporting thread, the first time only. No handler: nothing.
+void SetJobBrokenHandler(std::function<void(const Status&)> handler);
+void ReportJobBroken(const Status& why);
 
 // Ends the whole job with `exit_code`: a rank that cannot go on (a server that failed to start)
 // must not leave the other ranks waiting for it. MPI_Abort under MPI, else std::exit.

@@ -41,6 +41,8 @@ struct Options {
 // Signals may land on any thread (OpenBLAS starts its own before main), so they are caught by a
 // handler on whichever thread gets them and passed to the main thread through a pipe.
 int g_signal_pipe[2] = {-1, -1};
+// Written to the signal pipe by the job-broken handler (no signal has this number).
+constexpr char kJobBroken = 127;
 std::atomic<int> g_signals_seen{0};
 
 void OnSignal(int sig) {
@@ -139,9 +141,17 @@ int Serve(Options& opt) {
                opt.api.served_model_name, engine->Describe(), load_s,
                opt.api.api_key.empty() ? "" : " | API key required");
 
+  // A tensor-parallel job whose worker stopped answering cannot compute again: its requests fail
+  // with the reason, then the job ends (non-zero) instead of serving errors.
+  kvflow::dist::SetJobBrokenHandler([](const kvflow::Status& why) {
+    spdlog::error("ending the job: {}", why.ToString());
+    const char byte = kJobBroken;
+    (void)!write(g_signal_pipe[1], &byte, 1);
+  });
   const int sig = WaitForSignal();
-  spdlog::info("{}: refusing new connections; finishing {} request(s) (deadline {:.0f} s)", strsignal(sig),
-               engine->num_unfinished(), opt.shutdown_timeout_s);
+  const bool broken = sig == kJobBroken;
+  spdlog::info("{}: refusing new connections; finishing {} request(s) (deadline {:.0f} s)",
+               broken ? "the job is broken" : strsignal(sig), engine->num_unfinished(), opt.shutdown_timeout_s);
   http->StopAccepting();
   api->BeginShutdown();
   engine->Drain(std::chrono::steady_clock::now() +
@@ -151,6 +161,8 @@ int Serve(Options& opt) {
   const kvflow::EngineStats s = engine->stats();
   engine.reset();
   spdlog::info("stopped: {} prompt and {} generated tokens served", s.prompt_tokens_processed, s.generated_tokens);
+  kvflow::dist::SetJobBrokenHandler(nullptr);
+  if (broken) kvflow::dist::AbortJob(1);  // the other ranks may hang: mpirun ends them
   return 0;
 }
 

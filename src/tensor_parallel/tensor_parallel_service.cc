@@ -88,7 +88,12 @@ class AllReduceDeltaReducer final : public DeltaReducer {
     stats_->all_reduce_seconds += SecondsSince(start);
     ++stats_->all_reduces;
     stats_->all_reduce_bytes += static_cast<int64_t>(delta.size_bytes());
-    if (!st.ok()) return Status::Unavailable("tensor parallel all-reduce: " + st.ToString());
+    if (!st.ok()) {
+      st = Status::Unavailable("tensor parallel all-reduce: " + st.ToString() +
+                               " (a rank died or hangs: the model's other shares are gone)");
+      dist::ReportJobBroken(st);
+      return st;
+    }
     return Status::Ok();
   }
 
@@ -163,6 +168,7 @@ class WorkerMirror final : public StepMirror {
       broken_ = Status::Unavailable("tensor parallel: a worker rank stopped answering (" + st.ToString() +
                                     "); the model's other shares are gone, so this engine cannot run steps");
       spdlog::error("{}", broken_.ToString());
+      dist::ReportJobBroken(broken_);
     }
     return broken_;
   }

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "distributed/in_process_communicator.h"
+#include "distributed/world.h"
 #include "engine/evaluation.h"
 #include "engine_test_util.h"
 #include "kv_selection_test_util.h"
@@ -388,6 +389,12 @@ TEST(TensorParallel, AWorkerThatGoesAwayFailsTheRequestsClearly) {
   auto engine = DriverEngine(c, world.driver());
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   EXPECT_EQ(test::GenerateAll(*engine.value(), {test::RandomTokens(12, 1, 256)}, test::Greedy(4), false)[0].size(), 4u);
+  int broken_reports = 0;
+  std::string broken_reason;
+  dist::SetJobBrokenHandler([&](const Status& why) {
+    ++broken_reports;
+    broken_reason = why.ToString();
+  });
   world.rank(1).MarkGone();
   for (int attempt = 0; attempt < 2; ++attempt) {
     Status error;
@@ -404,6 +411,10 @@ TEST(TensorParallel, AWorkerThatGoesAwayFailsTheRequestsClearly) {
     EXPECT_EQ(reason, FinishReason::kError) << attempt;
     EXPECT_NE(error.message().find("tensor parallel"), std::string::npos) << error.ToString();
   }
+  // The server's handler hears it once (it ends the job after failing what is in flight).
+  dist::SetJobBrokenHandler(nullptr);
+  EXPECT_EQ(broken_reports, 1);
+  EXPECT_NE(broken_reason.find("tensor parallel"), std::string::npos) << broken_reason;
   // The worker, still waiting on a driver that is now gone too, ends with an error, not a hang.
   engine.value().reset();
   world.rank(0).MarkGone();
