@@ -22,7 +22,8 @@ Status Communicator::AllReduceSum(std::span<float> data, double timeout_s) {
     return Status::Unsupported(Describe() + ": the all-reduce of host buffers runs on a host transport");
   }
   if (size() == 1) return Status::Ok();
-  std::vector<float> all(data.size() * static_cast<size_t>(size()));
+  std::vector<float>& all = reduce_scratch_;
+  all.resize(data.size() * static_cast<size_t>(size()));
   KVFLOW_RETURN_IF_ERROR(AllGather(std::as_bytes(data), std::as_writable_bytes(std::span<float>(all)), timeout_s));
   // Rank order, the same on every rank.
   std::copy(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(data.size()), data.begin());

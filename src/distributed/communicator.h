@@ -19,6 +19,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "kvflow/status.h"
 
@@ -85,6 +86,11 @@ class Communicator {
   // Blocking forms.
   Status Send(int peer, int tag, std::span<const std::byte> data, double timeout_s = kDefaultCommTimeoutSeconds);
   Status Recv(int peer, int tag, std::span<std::byte> data, double timeout_s = kDefaultCommTimeoutSeconds);
+
+ private:
+  // AllReduceSum's gathered parts, kept across calls (two sums a layer a step under tensor
+  // parallelism); one thread at a time uses a communicator.
+  std::vector<float> reduce_scratch_;
 };
 
 // Checks a peer rank and a tag against a communicator (InvalidArgument naming what is wrong).

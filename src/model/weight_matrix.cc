@@ -56,10 +56,30 @@ std::string WeightMatrix::FormatName() const {
   return name;
 }
 
-// Bytes one element range of `cols` columns of a part's row takes (whole blocks for quantized parts).
-static size_t PartRowBytes(const WeightPart& p, int64_t cols) {
-  return p.dtype == DType::kF32 ? static_cast<size_t>(cols) * sizeof(float) : p.row_bytes(cols);
+namespace {
+
+// A part's rows as bytes (fp32 parts keep theirs as floats), and a part of `rows` rows of
+// `row_bytes` each in `dtype`, with its storage sized.
+const uint8_t* PartBytes(const WeightPart& p) {
+  return p.dtype == DType::kF32 ? reinterpret_cast<const uint8_t*>(p.f32.data()) : p.blocks.data();
 }
+
+WeightPart EmptyPart(DType dtype, int64_t rows, size_t row_bytes, uint8_t** bytes) {
+  WeightPart part;
+  part.dtype = dtype;
+  part.rows = rows;
+  const size_t total = static_cast<size_t>(rows) * row_bytes;
+  if (dtype == DType::kF32) {
+    part.f32.resize(total / sizeof(float));
+    *bytes = reinterpret_cast<uint8_t*>(part.f32.data());
+  } else {
+    part.blocks.resize(total);
+    *bytes = part.blocks.data();
+  }
+  return part;
+}
+
+}  // namespace
 
 WeightMatrix SliceRows(const WeightMatrix& m, std::span<const std::pair<int64_t, int64_t>> ranges) {
   WeightMatrix out;
@@ -69,18 +89,10 @@ WeightMatrix SliceRows(const WeightMatrix& m, std::span<const std::pair<int64_t,
     for (const WeightPart& p : m.parts) {
       const int64_t lo = std::max(first, part_first), hi = std::min(first + count, part_first + p.rows);
       if (lo < hi) {
-        WeightPart piece;
-        piece.dtype = p.dtype;
-        piece.rows = hi - lo;
-        const size_t row = PartRowBytes(p, m.cols);
-        const auto* src = p.dtype == DType::kF32 ? reinterpret_cast<const uint8_t*>(p.f32.data()) : p.blocks.data();
-        const uint8_t* begin = src + static_cast<size_t>(lo - part_first) * row;
-        if (p.dtype == DType::kF32) {
-          piece.f32.assign(reinterpret_cast<const float*>(begin),
-                           reinterpret_cast<const float*>(begin + static_cast<size_t>(piece.rows) * row));
-        } else {
-          piece.blocks.assign(begin, begin + static_cast<size_t>(piece.rows) * row);
-        }
+        const size_t row = p.row_bytes(m.cols);
+        uint8_t* dst = nullptr;
+        WeightPart piece = EmptyPart(p.dtype, hi - lo, row, &dst);
+        std::memcpy(dst, PartBytes(p) + static_cast<size_t>(lo - part_first) * row, static_cast<size_t>(hi - lo) * row);
         out.Append(std::move(piece));
       }
       part_first += p.rows;
@@ -97,27 +109,18 @@ Result<WeightMatrix> SliceColumns(const WeightMatrix& m, int64_t first, int64_t 
   WeightMatrix out;
   out.cols = count;
   for (const WeightPart& p : m.parts) {
-    const int64_t block = p.dtype == DType::kF32 ? 1 : DTypeBlockElements(p.dtype);
+    const int64_t block = DTypeBlockElements(p.dtype);
     if (first % block != 0 || count % block != 0) {
       return Status::InvalidArgument(std::string("a ") + DTypeName(p.dtype) + " matrix splits only along whole blocks of " +
                                      std::to_string(block) + " columns, not at columns " + std::to_string(first) +
                                      " and " + std::to_string(first + count));
     }
-    WeightPart piece;
-    piece.dtype = p.dtype;
-    piece.rows = p.rows;
-    const size_t in_row = PartRowBytes(p, m.cols), out_row = PartRowBytes(p, count);
-    const size_t skip = PartRowBytes(p, first);
-    const auto* src = p.dtype == DType::kF32 ? reinterpret_cast<const uint8_t*>(p.f32.data()) : p.blocks.data();
-    std::vector<uint8_t> bytes(static_cast<size_t>(p.rows) * out_row);
+    const size_t in_row = p.row_bytes(m.cols), out_row = p.row_bytes(count), skip = p.row_bytes(first);
+    uint8_t* dst = nullptr;
+    WeightPart piece = EmptyPart(p.dtype, p.rows, out_row, &dst);
+    const uint8_t* src = PartBytes(p);
     for (int64_t r = 0; r < p.rows; ++r) {
-      std::memcpy(bytes.data() + static_cast<size_t>(r) * out_row, src + static_cast<size_t>(r) * in_row + skip, out_row);
-    }
-    if (p.dtype == DType::kF32) {
-      piece.f32.resize(bytes.size() / sizeof(float));
-      std::memcpy(piece.f32.data(), bytes.data(), bytes.size());
-    } else {
-      piece.blocks = std::move(bytes);
+      std::memcpy(dst + static_cast<size_t>(r) * out_row, src + static_cast<size_t>(r) * in_row + skip, out_row);
     }
     out.Append(std::move(piece));
   }

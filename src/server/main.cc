@@ -76,21 +76,18 @@ int Serve(Options& opt) {
   sigaction(SIGINT, &action, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
-  // Under mpirun with --prefill-parallel, every rank but the last is a prefill worker. mpirun
-  // forwards SIGTERM to every rank: a worker leaves when the last rank, shutting down, tells it.
-  // With --tensor-parallel-size, every rank but rank 0 is a worker the same way.
-  if (opt.engine.tensor_parallel_size > 1) {
+  // Under mpirun with --prefill-parallel, every rank but the last is a prefill worker; with
+  // --tensor-parallel-size, every rank but rank 0 runs its share of the steps. mpirun forwards
+  // SIGTERM to every rank: a worker leaves when the serving rank, shutting down, tells it.
+  const bool prefill = !opt.engine.prefill_parallel.method.empty(), tensor = opt.engine.tensor_parallel_size > 1;
+  if (prefill || tensor) {
     auto world = kvflow::dist::ProcessWorldCommunicator();
-    if (world.ok() && world.value()->rank() != 0) {
-      signal(SIGTERM, SIG_IGN);
-      signal(SIGINT, SIG_IGN);
-    }
-  }
-  if (!opt.engine.prefill_parallel.method.empty()) {
-    auto world = kvflow::dist::ProcessWorldCommunicator();
-    if (world.ok() && world.value()->rank() + 1 < world.value()->size()) {
-      signal(SIGTERM, SIG_IGN);
-      signal(SIGINT, SIG_IGN);
+    if (world.ok()) {
+      const int rank = world.value()->rank();
+      if ((prefill && rank + 1 < world.value()->size()) || (tensor && rank != 0)) {
+        signal(SIGTERM, SIG_IGN);
+        signal(SIGINT, SIG_IGN);
+      }
     }
   }
   auto worker = kvflow::dist::RunPrefillWorkerIfNotLastRank(opt.engine);

@@ -78,7 +78,7 @@ Result<std::unique_ptr<Backend>> CreateShardBackend(EngineConfig& config, bool m
 // Sums each layer's partial kDelta across the ranks.
 class AllReduceDeltaReducer final : public DeltaReducer {
  public:
-  AllReduceDeltaReducer(Communicator& comm, double timeout_s, std::shared_ptr<TensorParallelStats> stats)
+  AllReduceDeltaReducer(Communicator& comm, double timeout_s, std::shared_ptr<ModelParallelStats> stats)
       : comm_(comm), timeout_s_(timeout_s), stats_(std::move(stats)) {}
 
   Status ReduceDelta(Backend& backend) override {
@@ -100,13 +100,13 @@ class AllReduceDeltaReducer final : public DeltaReducer {
  private:
   Communicator& comm_;
   double timeout_s_;
-  std::shared_ptr<TensorParallelStats> stats_;
+  std::shared_ptr<ModelParallelStats> stats_;
 };
 
 // The driver's view of its workers.
 class WorkerMirror final : public StepMirror {
  public:
-  WorkerMirror(Communicator& comm, double timeout_s, std::shared_ptr<TensorParallelStats> stats)
+  WorkerMirror(Communicator& comm, double timeout_s, std::shared_ptr<ModelParallelStats> stats)
       : comm_(comm), timeout_s_(timeout_s), stats_(std::move(stats)) {}
 
   ~WorkerMirror() override {
@@ -116,7 +116,7 @@ class WorkerMirror final : public StepMirror {
     if (!st.ok()) spdlog::warn("tensor parallel: telling the workers to stop: {}", st.ToString());
     spdlog::info("tensor parallel: {} steps; {} all-reduces ({:.1f} MiB) took {:.3f} s, sending steps {:.3f} s",
                  stats_->steps, stats_->all_reduces, stats_->all_reduce_bytes / 1048576.0, stats_->all_reduce_seconds,
-                 stats_->mirror_seconds);
+                 stats_->send_seconds);
   }
 
   Status MirrorMoves(const SchedulerOutput& sched) override {
@@ -129,16 +129,7 @@ class WorkerMirror final : public StepMirror {
     return Broadcast(StepMessageKind::kForward, EncodeBatch(batch), timeout_s_);
   }
 
-  ModelParallelStats stats() const override {
-    ModelParallelStats s;
-    s.ranks = comm_.size();
-    s.steps = stats_->steps;
-    s.all_reduces = stats_->all_reduces;
-    s.all_reduce_bytes = stats_->all_reduce_bytes;
-    s.all_reduce_seconds = stats_->all_reduce_seconds;
-    s.send_seconds = stats_->mirror_seconds;
-    return s;
-  }
+  ModelParallelStats stats() const override { return *stats_; }
 
   std::string Describe() const override {
     return "tensor parallel over " + std::to_string(comm_.size()) + " ranks (" + comm_.Describe() + ")";
@@ -163,7 +154,7 @@ class WorkerMirror final : public StepMirror {
       Status w = comm_.Wait(std::move(h), timeout_s);
       if (st.ok() && !w.ok()) st = w;
     }
-    stats_->mirror_seconds += SecondsSince(start);
+    stats_->send_seconds += SecondsSince(start);
     if (!st.ok()) {
       broken_ = Status::Unavailable("tensor parallel: a worker rank stopped answering (" + st.ToString() +
                                     "); the model's other shares are gone, so this engine cannot run steps");
@@ -175,7 +166,7 @@ class WorkerMirror final : public StepMirror {
 
   Communicator& comm_;
   double timeout_s_;
-  std::shared_ptr<TensorParallelStats> stats_;
+  std::shared_ptr<ModelParallelStats> stats_;
   Status broken_ = Status::Ok();
 };
 
@@ -230,7 +221,8 @@ Result<ModelParallelParts> CreateTensorParallelDriver(const ModelParallelContext
                                      " (every rank must run the same model, dtype and settings)");
     }
   }
-  auto stats = std::make_shared<TensorParallelStats>();
+  auto stats = std::make_shared<ModelParallelStats>();
+  stats->ranks = size;
   ModelParallelParts parts;
   parts.backend = std::move(backend);
   parts.reducer = std::make_unique<AllReduceDeltaReducer>(*comm, timeout_s, stats);
@@ -274,7 +266,7 @@ Status RunTensorParallelWorker(const EngineConfig& input, Communicator& comm, do
   if (!built.ok()) return built.status();
   std::unique_ptr<Backend> backend = std::move(built).value();
   if (ready) *ready = true;
-  auto stats = std::make_shared<TensorParallelStats>();
+  auto stats = std::make_shared<ModelParallelStats>();
   AllReduceDeltaReducer reducer(comm, timeout_s, stats);
   LlamaModel model(*backend);
   model.set_delta_reducer(&reducer);

@@ -12,8 +12,6 @@
 // (TensorParallelGroupFailed); never a silent hang.
 #pragma once
 
-#include <atomic>
-#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -23,15 +21,6 @@
 #include "kvflow/engine_config.h"
 
 namespace kvflow::tp {
-
-// Time and bytes a rank spent in tensor parallelism's communication.
-struct TensorParallelStats {
-  int64_t all_reduces = 0;
-  int64_t all_reduce_bytes = 0;  // this rank's part of each sum
-  double all_reduce_seconds = 0;
-  int64_t steps = 0;
-  double mirror_seconds = 0;  // the driver: sending moves and batches
-};
 
 // The driver's parts over `ctx.communicator` (null: the process's world), whose size must be
 // ctx.config.tensor_parallel_size and whose rank must be 0.

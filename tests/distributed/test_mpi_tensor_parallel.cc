@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "../unit/engine_test_util.h"
 #include "../unit/kv_selection_test_util.h"
 #include "distributed/mpi/mpi_communicator.h"
 #include "engine/evaluation.h"
@@ -17,33 +18,8 @@
 namespace kvflow::tp {
 namespace {
 
-struct Outputs {
-  std::vector<std::vector<int32_t>> tokens;
-  std::vector<std::vector<float>> logprobs;
-};
-
-Outputs RunAll(Engine& engine, const std::vector<std::vector<int32_t>>& prompts, const SamplingParams& base) {
-  Outputs out;
-  out.tokens.resize(prompts.size());
-  out.logprobs.resize(prompts.size());
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    SamplingParams p = base;
-    p.seed = 1000 + i;
-    auto id = engine.AddRequest(prompts[i], p, [&out, i](const StreamEvent& e) {
-      for (const auto& t : e.tokens) {
-        out.tokens[i].push_back(t.token);
-        out.logprobs[i].push_back(t.logprob);
-      }
-    });
-    EXPECT_TRUE(id.ok()) << id.status().ToString();
-  }
-  while (engine.HasUnfinishedRequests()) {
-    auto st = engine.Step();
-    EXPECT_TRUE(st.ok()) << st.status().ToString();
-    if (!st.ok()) break;
-  }
-  return out;
-}
+using test::Generated;
+using test::GenerateAllWithLogprobs;
 
 TEST(MpiTensorParallel, EngineOutputsEqualOneProcess) {
   auto comm_or = dist::MpiCommunicator::Create();
@@ -81,19 +57,19 @@ TEST(MpiTensorParallel, EngineOutputsEqualOneProcess) {
   }
   EngineConfig single = config;
   single.tensor_parallel_size = 1;
-  Outputs expected_greedy, expected_sampled;
+  Generated expected_greedy, expected_sampled;
   {
     auto reference = CreateEvaluationEngine(single, {});
     ASSERT_TRUE(reference.ok()) << reference.status().ToString();
-    expected_greedy = RunAll(*reference.value(), prompts, greedy);
-    expected_sampled = RunAll(*reference.value(), prompts, sampled);
+    expected_greedy = GenerateAllWithLogprobs(*reference.value(), prompts, greedy, true);
+    expected_sampled = GenerateAllWithLogprobs(*reference.value(), prompts, sampled, true);
   }
   EvaluationOptions options;
   options.model_parallel_communicator = &comm;
   auto engine = CreateEvaluationEngine(config, options);
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-  const Outputs got_greedy = RunAll(*engine.value(), prompts, greedy);
-  const Outputs got_sampled = RunAll(*engine.value(), prompts, sampled);
+  const Generated got_greedy = GenerateAllWithLogprobs(*engine.value(), prompts, greedy, true);
+  const Generated got_sampled = GenerateAllWithLogprobs(*engine.value(), prompts, sampled, true);
   EXPECT_GT(engine.value()->stats().num_preemptions, 0) << "the small pool preempts";
   engine.value().reset();  // the workers stop
   EXPECT_EQ(got_greedy.tokens, expected_greedy.tokens);

@@ -40,16 +40,26 @@ inline SamplingParams Greedy(int max_tokens) {
   return p;
 }
 
-// Runs every prompt to completion in one batch and returns each one's tokens; with vary_seed,
-// request i gets seed 1000 + i.
-inline std::vector<std::vector<int32_t>> GenerateAll(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
-                                                     const SamplingParams& base, bool vary_seed) {
-  std::vector<std::vector<int32_t>> out(prompts.size());
+struct Generated {
+  std::vector<std::vector<int32_t>> tokens;  // per prompt
+  std::vector<std::vector<float>> logprobs;  // each token's
+};
+
+// Runs every prompt to completion in one batch and returns each one's tokens and their logprobs;
+// with vary_seed, request i gets seed 1000 + i.
+inline Generated GenerateAllWithLogprobs(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
+                                         const SamplingParams& base, bool vary_seed) {
+  Generated out;
+  out.tokens.resize(prompts.size());
+  out.logprobs.resize(prompts.size());
   for (size_t i = 0; i < prompts.size(); ++i) {
     SamplingParams p = base;
     if (vary_seed) p.seed = 1000 + i;
     auto id = engine.AddRequest(prompts[i], p, [&out, i](const StreamEvent& e) {
-      for (const auto& t : e.tokens) out[i].push_back(t.token);
+      for (const auto& t : e.tokens) {
+        out.tokens[i].push_back(t.token);
+        out.logprobs[i].push_back(t.logprob);
+      }
     });
     EXPECT_TRUE(id.ok()) << id.status().ToString();
   }
@@ -59,6 +69,12 @@ inline std::vector<std::vector<int32_t>> GenerateAll(Engine& engine, const std::
     if (!st.ok()) break;
   }
   return out;
+}
+
+// GenerateAllWithLogprobs' tokens.
+inline std::vector<std::vector<int32_t>> GenerateAll(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
+                                                     const SamplingParams& base, bool vary_seed) {
+  return GenerateAllWithLogprobs(engine, prompts, base, vary_seed).tokens;
 }
 
 struct EngineSetup {

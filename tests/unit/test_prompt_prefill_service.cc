@@ -4,13 +4,13 @@
 // process that prefills the prompt in the same chunks (bit-identical logits make them equal).
 #include <gtest/gtest.h>
 
-#include <thread>
 
 #include "distributed/in_process_communicator.h"
 #include "kv_runahead/prompt_prefill_service.h"
 #include "engine/evaluation.h"
 #include "systems/builtin_systems.h"
 #include "engine_test_util.h"
+#include "in_process_job.h"
 #include "kv_selection_test_util.h"
 
 namespace kvflow::dist {
@@ -28,28 +28,11 @@ EngineConfig TinyConfig() {
   return c;
 }
 
-// A world of `ranks`: workers 0..ranks-2 on threads, the engine on the last rank.
-class PrefillWorld {
- public:
-  PrefillWorld(int ranks, const EngineConfig& config) : comms_(InProcessWorld::Create(ranks)) {
-    for (int r = 0; r + 1 < ranks; ++r) {
-      workers_.emplace_back([this, r, config] { results_[r] = RunPrefillWorker(config, *comms_[r], 30.0); });
-    }
-  }
-  ~PrefillWorld() { Join(); }
-  Communicator& leader() { return *comms_.back(); }
-  InProcessCommunicator& rank(int r) { return static_cast<InProcessCommunicator&>(*comms_[r]); }
-  void Join() {
-    for (std::thread& t : workers_) t.join();
-    workers_.clear();
-  }
-  // The workers' results, once joined.
-  const Status& result(int r) const { return results_[r]; }
-
- private:
-  std::vector<std::unique_ptr<Communicator>> comms_;
-  std::vector<std::thread> workers_;
-  Status results_[8];
+// A world of `ranks`: prefill workers 0..ranks-2 on threads, the engine on the last rank.
+struct PrefillWorld : test::InProcessJob {
+  PrefillWorld(int ranks, const EngineConfig& config)
+      : InProcessJob(ranks, ranks - 1, [config](Communicator& comm) { return RunPrefillWorker(config, comm, 30.0); }) {}
+  Communicator& leader() { return serving(); }
 };
 
 std::unique_ptr<EvaluationEngine> LeaderEngine(EngineConfig c, Communicator& comm) {

@@ -12,6 +12,7 @@
 #include "distributed/world.h"
 #include "engine/evaluation.h"
 #include "engine_test_util.h"
+#include "in_process_job.h"
 #include "kv_selection_test_util.h"
 #include "model/tensor_parallel_shard.h"
 #include "model/tiny_random.h"
@@ -24,7 +25,6 @@ namespace kvflow {
 namespace {
 
 using dist::Communicator;
-using dist::InProcessCommunicator;
 using dist::InProcessWorld;
 
 std::vector<float> RandomFloats(size_t n, uint32_t seed) {
@@ -273,26 +273,10 @@ EngineConfig TpConfig() {
 }
 
 // A world of `ranks`: the workers on threads, the engine on rank 0.
-class TpWorld {
- public:
-  TpWorld(int ranks, const EngineConfig& config) : comms_(InProcessWorld::Create(ranks)) {
-    for (int r = 1; r < ranks; ++r) {
-      workers_.emplace_back([this, r, config] { results_[r] = tp::RunTensorParallelWorker(config, *comms_[r], 30.0); });
-    }
-  }
-  ~TpWorld() { Join(); }
-  Communicator& driver() { return *comms_[0]; }
-  InProcessCommunicator& rank(int r) { return static_cast<InProcessCommunicator&>(*comms_[r]); }
-  void Join() {
-    for (std::thread& t : workers_) t.join();
-    workers_.clear();
-  }
-  const Status& result(int r) const { return results_[r]; }
-
- private:
-  std::vector<std::unique_ptr<Communicator>> comms_;
-  std::vector<std::thread> workers_;
-  Status results_[8];
+struct TpWorld : test::InProcessJob {
+  TpWorld(int ranks, const EngineConfig& config)
+      : InProcessJob(ranks, 0, [config](Communicator& comm) { return tp::RunTensorParallelWorker(config, comm, 30.0); }) {}
+  Communicator& driver() { return serving(); }
 };
 
 Result<std::unique_ptr<EvaluationEngine>> DriverEngine(const EngineConfig& c, Communicator& comm) {
