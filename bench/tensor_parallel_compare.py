@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Tensor parallelism's overhead on this machine, in one run: one rank of 2 threads against
-tensor_parallel_size 2 (mpirun -np 2, 1 thread each), same model, same cores.
+"""Tensor and pipeline parallelism's overhead on this machine, in one run: one rank of 2 threads
+against tensor_parallel_size 2 and against pipeline_parallel_size 2 (mpirun -np 2, 1 thread each),
+same model, same cores.
 
 The model is a random-weight Llama shape (8 layers of hidden 1024, 16 heads with 4 KV heads of 64,
 an MLP of 2816, vocabulary 8192; fp16 GGUF in .cache/tp-bench/, written once by moe_compare.py's
@@ -8,8 +9,11 @@ writer), large enough that the matrices dominate a step and small enough for 2 c
 configuration runs `kvflow bench` (medians of --repeats timed runs) at batch 1 and batch 32:
   decode tok/s   tokens decoded per second over the batch, after a prompt of --depth tokens
   TTFT           batch 1's prefill time of the --depth-token prompt (its first token)
-  comm share     rank 0's seconds in all-reduces and in sending steps, over the bench's wall time
-The configurations alternate (single, tp, single, tp ...) for --rounds rounds; the table quotes the
+  comm share     rank 0's seconds in all-reduces, in sending steps and (PP) in sending the residual
+                 stream on, over the bench's wall time
+  logits wait    PP: rank 0's seconds waiting for the last stage's logits after its own layers
+                 (the second stage's time it did not overlap), over the bench's wall time
+The configurations alternate (single, tp, pp, single, tp, pp ...) for --rounds rounds; the table quotes the
 median round. On two cores two ranks cannot beat one rank of two threads (the same cores do the
 same arithmetic, plus the sums): what this measures is the overhead, and where it comes from.
 
@@ -35,13 +39,15 @@ MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "OMPI_MCA_btl": "self,vader", "OMPI_MCA_btl_vader_single_copy_mechanism": "none"}
 
 
-def bench(cli, model, ranks, threads, batch, depth, n, repeats):
+def bench(cli, model, tp, pp, threads, batch, depth, n, repeats):
+    ranks = tp * pp
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     cmd = [cli, "bench", "-m", model, "--threads", str(threads), "-d", str(depth), "-n", str(n), "-b", str(batch),
            "-r", str(repeats), "--json", path]
     if ranks > 1:
-        cmd = ["mpirun", "-np", str(ranks), "--oversubscribe"] + cmd + ["--tensor-parallel-size", str(ranks)]
+        cmd = ["mpirun", "-np", str(ranks), "--oversubscribe"] + cmd + ["--tensor-parallel-size", str(tp),
+                                                                         "--pipeline-parallel-size", str(pp)]
     try:
         run(cmd, what=f"kvflow bench ({ranks} rank(s), batch {batch})", env={**os.environ, **MPI_ENV}, timeout=1800)
         row = json.load(open(path))["results"][0]
@@ -49,10 +55,12 @@ def bench(cli, model, ranks, threads, batch, depth, n, repeats):
         os.unlink(path)
     runs = row["runs"]
     ttft = statistics.median(r["prefill_s"] for r in runs)
+    mp = row["model_parallel"]
     return {"decode_tok_s": row["decode_tok_s"], "prefill_tok_s": row["prefill_tok_s"], "ttft_s": ttft,
-            "comm_share": row["tensor_parallel"]["comm_share"],
-            "all_reduce_seconds": row["tensor_parallel"]["all_reduce_seconds"],
-            "send_seconds": row["tensor_parallel"]["send_seconds"], "seconds": row["seconds"]}
+            "comm_share": mp["comm_share"], "logits_wait_share": mp["logits_wait_share"],
+            "all_reduce_seconds": mp["all_reduce_seconds"], "send_seconds": mp["send_seconds"],
+            "residual_send_seconds": mp["residual_send_seconds"], "logits_wait_seconds": mp["logits_wait_seconds"],
+            "microbatches": mp["microbatches"], "steps": mp["steps"], "seconds": row["seconds"]}
 
 
 def main():
@@ -70,30 +78,34 @@ def main():
         os.makedirs(os.path.dirname(model), exist_ok=True)
         log(f"writing the random-weight model to {rel(model)}")
         write_model(model, SHAPE)
-    configs = [("1 rank x 2 threads", 1, 2), ("TP=2 x 1 thread", 2, 1)]
+    configs = [("1 rank x 2 threads", 1, 1, 2), ("TP=2 x 1 thread", 2, 1, 1), ("PP=2 x 1 thread", 1, 2, 1)]
     batches = [int(b) for b in args.batches.split(",")]
-    results = {name: {b: [] for b in batches} for name, _, _ in configs}
+    results = {name: {b: [] for b in batches} for name, *_ in configs}
     for r in range(args.rounds):
         for batch in batches:
-            for name, ranks, threads in configs:
+            for name, tp, pp, threads in configs:
                 log(f"round {r + 1}: {name}, batch {batch}")
-                results[name][batch].append(bench(args.cli, model, ranks, threads, batch, args.depth,
+                results[name][batch].append(bench(args.cli, model, tp, pp, threads, batch, args.depth,
                                                   args.decode_tokens, args.repeats))
     rows = []
     for batch in batches:
-        for name, ranks, threads in configs:
+        for name, tp, pp, threads in configs:
             rounds = results[name][batch]
-            rows.append({"config": name, "ranks": ranks, "threads_per_rank": threads, "batch": batch,
+            rows.append({"config": name, "ranks": tp * pp, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                         "threads_per_rank": threads, "batch": batch,
                          "decode_tok_s": statistics.median(x["decode_tok_s"] for x in rounds),
                          "ttft_s": statistics.median(x["ttft_s"] for x in rounds),
-                         "comm_share": statistics.median(x["comm_share"] for x in rounds), "rounds": rounds})
+                         "comm_share": statistics.median(x["comm_share"] for x in rounds),
+                         "logits_wait_share": statistics.median(x["logits_wait_share"] for x in rounds),
+                         "rounds": rounds})
     for batch in batches:
         single = next(r for r in rows if r["batch"] == batch and r["ranks"] == 1)
         for r in rows:
             if r["batch"] == batch:
                 r["decode_vs_single"] = r["decode_tok_s"] / single["decode_tok_s"]
                 r["ttft_vs_single"] = r["ttft_s"] / single["ttft_s"]
-    doc = {"what": "tensor parallelism's overhead: 1 rank x 2 threads vs TP=2 x 1 thread (mpirun), measured",
+    doc = {"what": "tensor and pipeline parallelism's overhead: 1 rank x 2 threads vs TP=2 and PP=2 x 1 thread "
+                   "(mpirun), measured",
            "model": {"path": rel(model), "shape": SHAPE, "weights": "random, fp16 GGUF"},
            "depth": args.depth, "decode_tokens": args.decode_tokens, "repeats": args.repeats, "rounds": args.rounds,
            "device": device_info(), "rows": rows, "provenance": provenance(per_run_figures="rows[].rounds")}
@@ -107,20 +119,26 @@ def write_markdown(doc, path):
     rows, device = doc["rows"], doc["device"]
     machine = f"{device.get('cpu')}, {device.get('cores')} cores, {device.get('memory')}, {device.get('simd')}"
     with open(path, "w") as f:
-        f.write("# Tensor parallelism on this CPU: the overhead, measured\n\n")
+        f.write("# Tensor and pipeline parallelism on this CPU: the overhead, measured\n\n")
         f.write(f"Random-weight Llama shape ({SHAPE['layers']} layers, hidden {SHAPE['hidden']}, {SHAPE['heads']} heads / "
                 f"{SHAPE['kv_heads']} KV heads, MLP {SHAPE['ffn']}, fp16), prompt {doc['depth']} tokens, "
                 f"{doc['decode_tokens']} decode tokens; medians of {doc['rounds']} alternating rounds of "
                 f"`kvflow bench -r {doc['repeats']}`, measured on {machine}.\n\n")
-        f.write("| config | batch | decode tok/s | vs 1 rank | TTFT (s) | vs 1 rank | rank 0 in communication |\n")
-        f.write("|---|---:|---:|---:|---:|---:|---:|\n")
+        f.write("| config | batch | decode tok/s | vs 1 rank | TTFT (s) | vs 1 rank | rank 0 in communication "
+                "| rank 0 waiting for logits |\n")
+        f.write("|---|---:|---:|---:|---:|---:|---:|---:|\n")
         for r in rows:
+            wait = r.get("logits_wait_share", 0.0)
             f.write(f"| {r['config']} | {r['batch']} | {r['decode_tok_s']:.1f} | {r['decode_vs_single']:.2f}x | "
-                    f"{r['ttft_s']:.3f} | {r['ttft_vs_single']:.2f}x | {100 * r['comm_share']:.1f}% |\n")
+                    f"{r['ttft_s']:.3f} | {r['ttft_vs_single']:.2f}x | {100 * r['comm_share']:.1f}% | "
+                    f"{100 * wait:.1f}% |\n")
         f.write("\nTTFT is batch 1's prefill; at batch 32 it is the whole batch's prefill time. Communication is rank 0's "
                 "time in the layers' all-reduces (which includes waiting for the slower rank) and in sending each "
-                "step's batch. Two ranks on two cores do the same arithmetic as one rank of two threads, plus the "
-                "sums: the ratio is the overhead, not a speed-up.\n")
+                "step's batch (and, under PP, the residual stream to the second stage). Under PP rank 0 also waits for "
+                "the last stage's logits: the part of the second stage's time its own layers did not overlap (with "
+                "2 micro-batches a step, at best half of it; a batch of 1 cannot be cut, so none overlaps). Two ranks "
+                "on two cores do the same arithmetic as one rank of two threads, plus the communication: the ratio is "
+                "the overhead, not a speed-up.\n")
 
 
 if __name__ == "__main__":

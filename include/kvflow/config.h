@@ -59,6 +59,10 @@ struct ModelConfig {
   // (i + 1) % global_layer_interval == 0 (Gemma-2: 2, its odd layers; Gemma-3: 6).
   int sliding_window = 0;
   int global_layer_interval = 0;
+  // Pipeline parallelism: the whole model's index of this config's layer 0, where a rank holds a
+  // run of the layers (num_layers of them), so per-layer patterns (global_layer_interval) stay the
+  // whole model's.
+  int first_layer = 0;
   // > 0: the sliding-window layers' RoPE base, without rope_scaling, while the global layers keep
   // rope_theta and rope_scaling (Gemma-3's rope_local_base_freq).
   float local_rope_theta = 0.0f;
@@ -105,7 +109,7 @@ struct ModelConfig {
   int LayerWindow(int layer) const { return IsGlobalLayer(layer) ? 0 : sliding_window; }
   // Whether `layer` is one of the global layers between the sliding ones (global_layer_interval).
   bool IsGlobalLayer(int layer) const {
-    return global_layer_interval > 0 && (layer + 1) % global_layer_interval == 0;
+    return global_layer_interval > 0 && (first_layer + layer + 1) % global_layer_interval == 0;
   }
   // The window every layer attends through (0 when some layer attends globally): only then may the
   // blocks behind it be released.

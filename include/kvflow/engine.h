@@ -34,14 +34,25 @@ struct SystemMetric {
   std::string labels;  // Prometheus labels without braces, e.g. position="0"; empty: none
 };
 
-// Tensor parallelism's communication, seen from the driver rank (EngineConfig::tensor_parallel_size > 1).
+// Tensor and pipeline parallelism's communication, seen from the driver rank
+// (EngineConfig::tensor_parallel_size or pipeline_parallel_size > 1).
 struct ModelParallelStats {
   int ranks = 1;
-  int64_t steps = 0;              // batches sent to the workers
-  int64_t all_reduces = 0;        // two a layer a step
+  int tensor_parallel_size = 1;
+  int pipeline_parallel_size = 1;
+  int64_t steps = 0;              // steps run across the ranks
+  int64_t microbatches = 0;       // batches sent to the workers (a step's micro-batches each)
+  int64_t all_reduces = 0;        // two a layer a step (tensor parallelism)
   int64_t all_reduce_bytes = 0;   // this rank's part of each sum
   double all_reduce_seconds = 0;  // in the sums, waiting for the slowest rank included
   double send_seconds = 0;        // sending the steps' block moves and batches
+  // Pipeline parallelism: the driver's residual sends to the second stage, and its wait for the
+  // last stage's logits once its own layers have run (the later stages' time it does not overlap).
+  int64_t residual_bytes = 0;
+  double residual_send_seconds = 0;
+  double logits_wait_seconds = 0;
+  // Seconds the driver spent in steps run across the ranks, all of it (its own layers included).
+  double step_seconds = 0;
 };
 
 struct EngineStats {

@@ -55,6 +55,15 @@ struct EngineConfig {
   // width split across tensor_parallel_size ranks (N of them; CPU backends over MPI for now). Rank 0
   // runs the engine and samples; every other rank runs each step's share with it.
   int tensor_parallel_size = 1;
+  // Pipeline parallelism under `mpirun -np tensor_parallel_size * pipeline_parallel_size`: the
+  // layers split into pipeline_parallel_size stages (runs of consecutive layers), each on its own
+  // rank or tensor-parallel group; the residual stream passes from stage to stage point to point.
+  int pipeline_parallel_size = 1;
+  // Micro-batches each step's batch is cut into (by sequence), so that stage k runs one while stage
+  // k+1 runs the one before; 0: pipeline_parallel_size (never more than the batch's sequences).
+  int pipeline_microbatches = 0;
+  // The ranks a split model needs (1: the model is whole on this process).
+  int model_parallel_ranks() const { return tensor_parallel_size * pipeline_parallel_size; }
 
   // The systems, each configured in its own section.
   S3Config s3;

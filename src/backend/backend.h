@@ -447,6 +447,12 @@ class Backend {
   virtual Result<std::span<float>> HostActivation(Activation which) {
     return NotSupported("host activations (tensor parallelism on this backend)");
   }
+  // The step's residual stream (tokens x hidden fp32) in host memory, to read or overwrite:
+  // pipeline parallelism passes it from stage to stage. Host-computing backends; valid inside
+  // `layers`.
+  virtual Result<std::span<float>> HostResidual() {
+    return NotSupported("host residual stream (pipeline parallelism on this backend)");
+  }
   // The cached K (kv 0) or V (kv 1) of `layer` at device `slots` as fp32, [slots][kv_heads][head_dim]
   // into `out` (post-RoPE keys, as attention reads them); valid inside `layers`.
   virtual Status ReadKv(int layer, int kv, std::span<const int64_t> slots, std::span<float> out) {

@@ -149,11 +149,22 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
   app->add_option("--partition-table", c.prefill_parallel.partition_table,
                   "KV-Runahead's partition lookup table (kvflow prefill-bench --search); none: even split");
   app->add_option("--tensor-parallel-size,--tp", c.tensor_parallel_size,
-                  "Tensor parallelism: under mpirun -np N, split the model's attention heads and MLP across N "
+                  "Tensor parallelism: under mpirun -np N (N*P with --pipeline-parallel-size P), split the model's attention heads and MLP across N "
                   "ranks (N must divide the heads, the KV heads or be a multiple of them, and the MLP width). Rank 0 "
                   "serves and samples; the others run each step's share. CPU ranks over MPI")
       ->default_val(1)
       ->check(CLI::Range(1, 4096));
+  app->add_option("--pipeline-parallel-size,--pp", c.pipeline_parallel_size,
+                  "Pipeline parallelism: split the model's layers into P stages of consecutive layers, one per "
+                  "rank (or per tensor-parallel group: mpirun -np TP*PP); the residual stream passes from stage to "
+                  "stage. Rank 0 (the first stage) serves and samples. CPU ranks over MPI")
+      ->default_val(1)
+      ->check(CLI::Range(1, 4096));
+  app->add_option("--pipeline-microbatches", c.pipeline_microbatches,
+                  "Pipeline parallelism: micro-batches each step's batch is cut into (by sequence), so the stages "
+                  "work at once; 0 = the number of stages")
+      ->default_val(0)
+      ->check(CLI::Range(0, 4096));
   app->add_option("--ngram-max,--prompt-lookup-max", c.speculative.ngram.max, "ngram: longest suffix looked up")->default_val(4);
   app->add_option("--ngram-min,--prompt-lookup-min", c.speculative.ngram.min, "ngram: shortest suffix looked up")->default_val(1);
   app->add_option("--threads", c.num_threads, "CPU threads (0 = all cores)")->default_val(0);

@@ -18,7 +18,7 @@
 #include "cli/engine_flags.h"
 #include "cli/prefill_bench.h"
 #include "kv_runahead/prompt_prefill_service.h"
-#include "tensor_parallel/tensor_parallel_service.h"
+#include "model_parallel/model_parallel_service.h"
 #include "distributed/world.h"
 #include "chat_template/chat_template.h"
 #include "cli/chat_template_command.h"
@@ -52,18 +52,19 @@ int RunGenerate(GenerateOptions& opt) {
     return 1;
   }
   if (worker.value()) return 0;
-  // Under mpirun with --tensor-parallel-size, every rank but rank 0 runs its share of each step.
-  auto tp_worker = kvflow::tp::RunTensorParallelWorkerIfNotDriver(opt.engine);
-  if (!tp_worker.ok()) {
-    spdlog::error("{}", tp_worker.status().ToString());
+  // Under mpirun with --tensor-parallel-size / --pipeline-parallel-size, every rank but rank 0 runs
+  // its share of each step.
+  auto split_worker = kvflow::mp::RunModelParallelWorkerIfNotDriver(opt.engine);
+  if (!split_worker.ok()) {
+    spdlog::error("{}", split_worker.status().ToString());
     return 1;
   }
-  if (tp_worker.value()) return 0;
+  if (split_worker.value()) return 0;
   auto engine_or = kvflow::Engine::Create(opt.engine);
   if (!engine_or.ok()) {
     spdlog::error("{}", engine_or.status().ToString());
     // The prefill workers wait for this rank: end the whole job.
-    if (!opt.engine.prefill_parallel.method.empty() || opt.engine.tensor_parallel_size > 1) kvflow::dist::AbortJob(1);
+    if (!opt.engine.prefill_parallel.method.empty() || opt.engine.model_parallel_ranks() > 1) kvflow::dist::AbortJob(1);
     return 1;
   }
   auto& engine = *engine_or.value();
@@ -368,17 +369,18 @@ int RunBench(BenchCliOptions& opt) {
   // The whole batch's prompts prefill in one step (as llama-bench's -p), so no decode step mixes
   // with a prefill chunk and each is timed as what it is.
   opt.engine.max_num_batched_tokens = std::max(opt.engine.max_num_batched_tokens, opt.batch * std::max(1, deepest));
-  // Under mpirun with --tensor-parallel-size, every rank but rank 0 runs its share of each step.
-  auto tp_worker = kvflow::tp::RunTensorParallelWorkerIfNotDriver(opt.engine);
-  if (!tp_worker.ok()) {
-    spdlog::error("{}", tp_worker.status().ToString());
+  // Under mpirun with --tensor-parallel-size / --pipeline-parallel-size, every rank but rank 0 runs
+  // its share of each step.
+  auto split_worker = kvflow::mp::RunModelParallelWorkerIfNotDriver(opt.engine);
+  if (!split_worker.ok()) {
+    spdlog::error("{}", split_worker.status().ToString());
     return 1;
   }
-  if (tp_worker.value()) return 0;
+  if (split_worker.value()) return 0;
   auto engine_or = kvflow::Engine::Create(opt.engine);
   if (!engine_or.ok()) {
     spdlog::error("{}", engine_or.status().ToString());
-    if (opt.engine.tensor_parallel_size > 1) kvflow::dist::AbortJob(1);  // the workers wait for rank 0
+    if (opt.engine.model_parallel_ranks() > 1) kvflow::dist::AbortJob(1);  // the workers wait for rank 0
     return 1;
   }
   auto& engine = *engine_or.value();
@@ -397,8 +399,14 @@ int RunBench(BenchCliOptions& opt) {
     auto r = kvflow::RunDecodeBench(engine, b);
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     const kvflow::ModelParallelStats after = engine.stats().model_parallel;
-    // Tensor parallelism: the share of the bench's wall time rank 0 spent in all-reduces and sends.
-    const double comm_s = (after.all_reduce_seconds - before.all_reduce_seconds) + (after.send_seconds - before.send_seconds);
+    // A split model: the share of the bench's wall time rank 0 spent communicating (all-reduces,
+    // sending steps, sending the residual stream on) and, under pipeline parallelism, waiting for
+    // the last stage's logits once its own layers had run.
+    using kvflow::ModelParallelStats;
+    auto delta = [&](double ModelParallelStats::*field) { return after.*field - before.*field; };
+    const double comm_s = delta(&ModelParallelStats::all_reduce_seconds) + delta(&ModelParallelStats::send_seconds) +
+                          delta(&ModelParallelStats::residual_send_seconds);
+    const double wait_s = delta(&ModelParallelStats::logits_wait_seconds);
     if (!r.ok()) {
       spdlog::error("depth {}: {}", depth, r.status().ToString());
       return 1;
@@ -414,13 +422,21 @@ int RunBench(BenchCliOptions& opt) {
     runs.push_back({{"depth", depth}, {"batch", opt.batch}, {"decode_tokens", opt.decode_tokens},
                     {"prefill_tok_s", r->prefill_tok_s}, {"decode_tok_s", r->decode_tok_s}, {"runs", samples},
                     {"seconds", elapsed},
-                    {"tensor_parallel",
+                    {"model_parallel",
                      {{"ranks", after.ranks},
-                      {"all_reduce_seconds", after.all_reduce_seconds - before.all_reduce_seconds},
-                      {"send_seconds", after.send_seconds - before.send_seconds},
+                      {"tensor_parallel_size", after.tensor_parallel_size},
+                      {"pipeline_parallel_size", after.pipeline_parallel_size},
+                      {"steps", after.steps - before.steps},
+                      {"microbatches", after.microbatches - before.microbatches},
+                      {"all_reduce_seconds", delta(&ModelParallelStats::all_reduce_seconds)},
+                      {"send_seconds", delta(&ModelParallelStats::send_seconds)},
+                      {"residual_send_seconds", delta(&ModelParallelStats::residual_send_seconds)},
+                      {"logits_wait_seconds", wait_s},
                       {"all_reduces", after.all_reduces - before.all_reduces},
                       {"all_reduce_bytes", after.all_reduce_bytes - before.all_reduce_bytes},
-                      {"comm_share", comm_s / elapsed}}}});
+                      {"residual_bytes", after.residual_bytes - before.residual_bytes},
+                      {"comm_share", comm_s / elapsed},
+                      {"logits_wait_share", wait_s / elapsed}}}});
   }
   if (!opt.json_out.empty()) {
     nlohmann::json j = {{"model", engine.model_config().name}, {"engine", engine.Describe()},

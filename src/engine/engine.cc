@@ -83,9 +83,8 @@ class EngineImpl final : public EvaluationEngine {
     int connector_host_blocks = 0;
     // Every registered logits processor (structured output), after the core's built-in ones.
     std::vector<std::unique_ptr<LogitsProcessor>> logits_processors;
-    // A model split across ranks (model_parallel): the other ranks and the layers' sum over them.
+    // A model split across ranks (model_parallel): runs each step with the other ranks.
     std::unique_ptr<StepMirror> mirror;
-    std::unique_ptr<DeltaReducer> reducer;
   };
 
   EngineImpl(EngineConfig config, ModelFiles files, std::unique_ptr<Backend> backend, Systems systems,
@@ -102,14 +101,13 @@ class EngineImpl final : public EvaluationEngine {
         kv_connectors_(std::move(systems.kv_connectors)),
         logits_processors_(std::move(systems.logits_processors)),
         mirror_(std::move(systems.mirror)),
-        reducer_(std::move(systems.reducer)),
         core_(CoreConfig(config_, model_config_, *tokenizer_,
                          backend_->kv_layout().num_blocks - systems.drafter_scratch_blocks,
                          backend_->num_host_blocks() - systems.connector_host_blocks, preemption, drafter_.get(),
                          kv_selector_.get(), Pointers(logits_processors_)),
               std::move(policy), std::move(supervisor), tokenizer_.get()),
         executor_(*backend_, core_.block_manager()) {
-    if (mirror_) executor_.SetModelParallel(mirror_.get(), reducer_.get());
+    if (mirror_) executor_.SetModelParallel(mirror_.get());
     if (draft_backend_) executor_.AddFollower(*draft_backend_);
     executor_.AddStepHooks(kv_selector_.get());
     if (drafter_) executor_.AddStepHooks(drafter_->step_hooks());
@@ -250,7 +248,6 @@ class EngineImpl final : public EvaluationEngine {
   std::vector<std::unique_ptr<KvConnector>> kv_connectors_;
   std::vector<std::unique_ptr<LogitsProcessor>> logits_processors_;  // the core's systems' processors
   std::unique_ptr<StepMirror> mirror_;  // destroyed after the executor: it stops the other ranks
-  std::unique_ptr<DeltaReducer> reducer_;
   EngineCore core_;
   ModelExecutor executor_;
 };
@@ -344,7 +341,6 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
                                                                evaluation.model_parallel_communicator}));
     backend = std::move(parts.backend);
     systems.mirror = std::move(parts.mirror);
-    systems.reducer = std::move(parts.reducer);
   } else {
     KVFLOW_ASSIGN_OR_RETURN(backend, CreateBackendForModel(config, input.max_model_len > 0, files));
   }

@@ -34,7 +34,7 @@ struct EvaluationOptions {
   // null: the process's MPI world. Not owned.
   dist::Communicator* prefill_communicator = nullptr;
   // tensor_parallel_size's ranks (tests: an in-process world whose other ranks run
-  // RunTensorParallelWorker); null: the process's MPI world. Not owned.
+  // RunModelParallelWorker); null: the process's MPI world. Not owned.
   dist::Communicator* model_parallel_communicator = nullptr;
   // KV selection tests: told what every layer's attention reads under the engine's KV selector
   // (engine/observed_kv_selector.h); unset: nothing is observed.

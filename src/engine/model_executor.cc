@@ -78,15 +78,18 @@ Status ModelExecutor::Run(const SchedulerOutput& sched, std::span<const LogitsMo
     if (WrappingHooks* around = c->layer_hooks()) hooks = around->Wrap(hooks, backend_.model_config().num_layers);
   }
   model_.set_hooks(hooks);
-  if (mirror_) {
-    if (Status st = mirror_->MirrorBatch(batch); !st.ok()) {
-      model_.set_hooks(nullptr);
-      return st;
-    }
-  }
-  const Status st = RunTarget(batch, sampling, out);
+  const Status st = mirror_ ? RunAcrossRanks(batch, sampling, out) : RunTarget(batch, sampling, out);
   model_.set_hooks(nullptr);
   return st;
+}
+
+Status ModelExecutor::RunAcrossRanks(const ForwardBatch& batch, const DeviceSampling* sampling, ExecutorOutput& out) {
+  // The model_parallel plugin's validation keeps split models on host-sampling backends.
+  if (sampling != nullptr) return Status::Internal("a model split across ranks samples on the host");
+  KVFLOW_RETURN_IF_ERROR(mirror_->RunStep(model_, batch, logits_));
+  out.vocab_size = backend_.model_config().vocab_size;
+  out.logits = std::span<float>(logits_.data(), static_cast<size_t>(batch.num_logit_rows() * out.vocab_size));
+  return Status::Ok();
 }
 
 Status ModelExecutor::RunTarget(const ForwardBatch& batch, const DeviceSampling* sampling,

@@ -46,13 +46,9 @@ class ModelExecutor final : public Executor {
     if (connector != nullptr) connectors_.push_back(connector);
   }
 
-  // A model split across ranks: `mirror` hears every step's moves and batch before this executor
-  // runs them, and the model sums each layer's partial outputs through `reducer`; both must outlive
-  // the executor.
-  void SetModelParallel(StepMirror* mirror, DeltaReducer* reducer) {
-    mirror_ = mirror;
-    model_.set_delta_reducer(reducer);
-  }
+  // A model split across ranks: `mirror` hears every step's block moves before this executor makes
+  // them, and runs every step's batch with the other ranks; it must outlive the executor.
+  void SetModelParallel(StepMirror* mirror) { mirror_ = mirror; }
 
   bool SupportsSampling() const override { return backend_.SupportsDeviceSampling(); }
   bool ForwardUsesHostCores() const override { return backend_.ComputesOnHost(); }
@@ -75,6 +71,8 @@ class ModelExecutor final : public Executor {
   StepMirror* mirror_ = nullptr;
   Status RunTarget(const ForwardBatch& batch, const DeviceSampling* sampling,
                    ExecutorOutput& out);
+  // The step through the mirror (a model split across ranks).
+  Status RunAcrossRanks(const ForwardBatch& batch, const DeviceSampling* sampling, ExecutorOutput& out);
   // Runs the step's batch through every follower (no logits).
   void RunFollowers(const ForwardBatch& target_batch);
 

@@ -76,15 +76,21 @@ Status SystemRegistry::Register(ModelParallelPlugin plugin) {
 }
 
 Result<const ModelParallelPlugin*> SystemRegistry::ActiveModelParallel(const EngineConfig& c) const {
-  if (c.tensor_parallel_size == 1) return static_cast<const ModelParallelPlugin*>(nullptr);
-  if (c.tensor_parallel_size < 1) {
-    return Status::InvalidArgument("tensor_parallel_size must be at least 1, got " + std::to_string(c.tensor_parallel_size));
+  if (c.tensor_parallel_size < 1 || c.pipeline_parallel_size < 1) {
+    return Status::InvalidArgument("tensor_parallel_size and pipeline_parallel_size must be at least 1, got " +
+                                   std::to_string(c.tensor_parallel_size) + " and " +
+                                   std::to_string(c.pipeline_parallel_size));
   }
+  if (c.pipeline_microbatches < 0) {
+    return Status::InvalidArgument("pipeline_microbatches must be 0 (auto) or more, got " +
+                                   std::to_string(c.pipeline_microbatches));
+  }
+  if (c.model_parallel_ranks() == 1) return static_cast<const ModelParallelPlugin*>(nullptr);
   for (const ModelParallelPlugin& p : model_parallel_) {
-    if (p.info.name == kTensorParallel) return &p;
+    if (p.info.name == kModelParallel) return &p;
   }
-  return Status::Unsupported("tensor parallelism is not built into this kvflow (no model_parallel system '" +
-                             std::string(kTensorParallel) + "' registered)");
+  return Status::Unsupported("tensor and pipeline parallelism are not built into this kvflow (no model_parallel system '" +
+                             std::string(kModelParallel) + "' registered)");
 }
 
 Result<const SchedulingPolicyPlugin*> SystemRegistry::Policy(const std::string& name) const {

@@ -13,7 +13,8 @@
 //                 ("host_prefix_cache")     (engine/kv_connector.h)
 //   logits_processor  always on; a request's SamplingParams turn it on (structured output)
 //                 (engine/logits_processor.h)
-//   model_parallel    tensor_parallel_size > 1 ("tensor")  (engine/model_parallel.h)
+//   model_parallel    tensor_parallel_size or pipeline_parallel_size > 1 ("model_parallel")
+//                     (engine/model_parallel.h)
 #pragma once
 
 #include <functional>
@@ -184,8 +185,9 @@ struct LogitsProcessorPlugin {
   std::function<Result<std::unique_ptr<LogitsProcessor>>(const LogitsProcessorContext&)> create;
 };
 
-// The model_parallel system EngineConfig::tensor_parallel_size > 1 turns on.
-inline constexpr const char* kTensorParallel = "tensor";
+// The model_parallel system EngineConfig::tensor_parallel_size or pipeline_parallel_size > 1 turns
+// on: tensor and pipeline parallelism over the ranks of one job.
+inline constexpr const char* kModelParallel = "model_parallel";
 
 struct ModelParallelContext {
   EngineConfig& config;          // the factory may lower max_model_len to what the pool holds

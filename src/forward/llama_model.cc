@@ -20,13 +20,17 @@ Status LlamaModel::ForwardAndSample(const ForwardBatch& batch, std::span<const D
 
 Status LlamaModel::Run(const ForwardBatch& batch, const LogitsSink& sink) {
   // A reducer talks to the other ranks from the host between kernels: no graph holds that.
-  const bool capturable = (hooks_ == nullptr || hooks_->capturable()) && reducer_ == nullptr;
+  const bool capturable = (hooks_ == nullptr || hooks_->capturable()) && reducer_ == nullptr && stage_ == nullptr;
   return backend_.RunStep(batch, sink, [&] { return Layers(batch); }, capturable);
 }
 
 Status LlamaModel::Layers(const ForwardBatch& batch) {
   Backend& b = backend_;
-  KVFLOW_RETURN_IF_ERROR(b.Embed());
+  if (stage_ != nullptr && !stage_->first()) {
+    KVFLOW_RETURN_IF_ERROR(stage_->ReceiveResidual(b));
+  } else {
+    KVFLOW_RETURN_IF_ERROR(b.Embed());
+  }
   const int num_layers = b.model_config().num_layers;
   const ModelConfig& config = b.model_config();
   const bool qk_norm = config.qk_norm;
@@ -63,8 +67,11 @@ Status LlamaModel::Layers(const ForwardBatch& batch) {
     }
     if (sandwich) KVFLOW_RETURN_IF_ERROR(b.NormDelta(layer, LayerWeight::kPostFfnNorm));
     if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterMlpOutput(ctx));
+    if (stage_) stage_->AfterLayer();
   }
-  return b.AddDelta();
+  KVFLOW_RETURN_IF_ERROR(b.AddDelta());
+  if (stage_ != nullptr && !stage_->last()) KVFLOW_RETURN_IF_ERROR(stage_->SendResidual(b));
+  return Status::Ok();
 }
 
 Status HookChain::BeforeAttention(const LayerContext& ctx) {

@@ -116,6 +116,24 @@ class DeltaReducer {
   virtual Status ReduceDelta(Backend& backend) = 0;
 };
 
+// Pipeline parallelism's seam (model_parallel/): the model on this rank is one stage, a run of
+// consecutive layers. Every stage but the first takes the residual stream from the stage before in
+// place of the embedding; every stage but the last hands it to the stage after once its layers have
+// run (the batch it runs then asks for no logits).
+class PipelineStage {
+ public:
+  virtual ~PipelineStage() = default;
+  virtual bool first() const = 0;
+  virtual bool last() const = 0;
+  // Fills backend.HostResidual() with the previous stage's output for this batch.
+  virtual Status ReceiveResidual(Backend& backend) = 0;
+  // Sends backend.HostResidual() on (it may return before the next stage has it).
+  virtual Status SendResidual(Backend& backend) = 0;
+  // After each layer: lets the transfers in flight advance (MPI moves a large message only inside
+  // its calls).
+  virtual void AfterLayer() {}
+};
+
 class LlamaModel {
  public:
   // `backend` holds the weights and the KV pools; it must outlive the model.
@@ -132,6 +150,8 @@ class LlamaModel {
   void set_hooks(LayerHooks* hooks) { hooks_ = hooks; }
   // Null: the model is whole on this backend.
   void set_delta_reducer(DeltaReducer* reducer) { reducer_ = reducer; }
+  // Null: the model's layers are all on this rank.
+  void set_pipeline_stage(PipelineStage* stage) { stage_ = stage; }
   Backend& backend() { return backend_; }
 
  private:
@@ -141,6 +161,7 @@ class LlamaModel {
   Backend& backend_;
   LayerHooks* hooks_ = nullptr;
   DeltaReducer* reducer_ = nullptr;
+  PipelineStage* stage_ = nullptr;
 };
 
 }  // namespace kvflow

@@ -19,7 +19,7 @@
 #include <spdlog/spdlog.h>
 
 #include "kv_runahead/prompt_prefill_service.h"
-#include "tensor_parallel/tensor_parallel_service.h"
+#include "model_parallel/model_parallel_service.h"
 #include "distributed/world.h"
 #include "cli/engine_flags.h"
 #include "kvflow/async_engine.h"
@@ -77,14 +77,14 @@ int Serve(Options& opt) {
   signal(SIGPIPE, SIG_IGN);
 
   // Under mpirun with --prefill-parallel, every rank but the last is a prefill worker; with
-  // --tensor-parallel-size, every rank but rank 0 runs its share of the steps. mpirun forwards
+  // --tensor-parallel-size or --pipeline-parallel-size, every rank but rank 0 runs its share of the steps. mpirun forwards
   // SIGTERM to every rank: a worker leaves when the serving rank, shutting down, tells it.
-  const bool prefill = !opt.engine.prefill_parallel.method.empty(), tensor = opt.engine.tensor_parallel_size > 1;
-  if (prefill || tensor) {
+  const bool prefill = !opt.engine.prefill_parallel.method.empty(), split = opt.engine.model_parallel_ranks() > 1;
+  if (prefill || split) {
     auto world = kvflow::dist::ProcessWorldCommunicator();
     if (world.ok()) {
       const int rank = world.value()->rank();
-      if ((prefill && rank + 1 < world.value()->size()) || (tensor && rank != 0)) {
+      if ((prefill && rank + 1 < world.value()->size()) || (split && rank != 0)) {
         signal(SIGTERM, SIG_IGN);
         signal(SIGINT, SIG_IGN);
       }
@@ -96,20 +96,21 @@ int Serve(Options& opt) {
     return 1;
   }
   if (worker.value()) return 0;
-  // Under mpirun with --tensor-parallel-size, every rank but rank 0 runs its share of each step.
-  auto tp_worker = kvflow::tp::RunTensorParallelWorkerIfNotDriver(opt.engine);
-  if (!tp_worker.ok()) {
-    spdlog::error("{}", tp_worker.status().ToString());
+  // Under mpirun with --tensor-parallel-size / --pipeline-parallel-size, every rank but rank 0 runs
+  // its share of each step.
+  auto split_worker = kvflow::mp::RunModelParallelWorkerIfNotDriver(opt.engine);
+  if (!split_worker.ok()) {
+    spdlog::error("{}", split_worker.status().ToString());
     return 1;
   }
-  if (tp_worker.value()) return 0;
+  if (split_worker.value()) return 0;
   spdlog::info("loading model '{}' on {}", opt.engine.model, opt.engine.device);
   const auto load_start = std::chrono::steady_clock::now();
   auto engine_or = kvflow::AsyncEngine::Create(opt.engine, opt.async);
   if (!engine_or.ok()) {
     spdlog::error("{}", engine_or.status().ToString());
     // The prefill workers wait for this rank: end the whole job.
-    if (!opt.engine.prefill_parallel.method.empty() || opt.engine.tensor_parallel_size > 1) kvflow::dist::AbortJob(1);
+    if (!opt.engine.prefill_parallel.method.empty() || opt.engine.model_parallel_ranks() > 1) kvflow::dist::AbortJob(1);
     return 1;
   }
   std::unique_ptr<kvflow::AsyncEngine> engine = std::move(engine_or).value();

@@ -11,7 +11,7 @@
 #include "sched/policy.h"
 #include "speculative/plugin.h"
 #include "structured_output/plugin.h"
-#include "tensor_parallel/plugin.h"
+#include "model_parallel/plugin.h"
 #include "triforce/plugin.h"
 
 namespace kvflow {
@@ -49,7 +49,7 @@ const SystemRegistry& BuiltinSystems() {
     for (const Status& st : {RegisterSpeculativeDrafters(r), RegisterTriForce(r), RegisterInfiniGen(r),
                              RegisterH2O(r), RegisterKvRunahead(r), RegisterHostPrefixCache(r),
                              RegisterKvOffload(r), RegisterBasicPolicies(r), RegisterS3(r),
-                             RegisterStructuredOutput(r), RegisterTensorParallel(r)}) {
+                             RegisterStructuredOutput(r), RegisterModelParallel(r)}) {
       // A built-in system that cannot register is a programming error, caught by every test.
       if (!st.ok()) spdlog::critical("registering the built-in systems: {}", st.ToString());
     }

@@ -539,6 +539,11 @@ Result<std::span<float>> CpuBackend::HostActivation(Activation which) {
   return std::span<float>(buffer.data(), static_cast<size_t>(num_tokens_ * Width(which)));
 }
 
+Result<std::span<float>> CpuBackend::HostResidual() {
+  if (batch_ == nullptr) return Status::Internal("residual stream access outside a step");
+  return std::span<float>(residual_.data(), static_cast<size_t>(num_tokens_ * config_.hidden_size));
+}
+
 Status CpuBackend::ReadActivationRows(Activation which, int64_t first_row, int64_t rows, std::span<float> out) {
   if (batch_ == nullptr) return Status::Internal("activation read outside a step");
   const int64_t width = Width(which);
@@ -678,6 +683,9 @@ Status CpuBackend::Head(const LogitsSink& sink) {
   const int64_t rows = batch_->num_logit_rows();
   if (rows == 0) return Status::Ok();
   const int64_t H = config_.hidden_size;
+  if (weights_.final_norm.size() != static_cast<size_t>(H) || weights_.output_matrix().empty()) {
+    return Status::InvalidArgument("this backend holds no LM head (a pipeline stage before the last): it makes no logits");
+  }
   final_rows_.resize(static_cast<size_t>(rows * H));
   int64_t row = 0;
   for (const SequenceSlice& s : batch_->seqs) {

@@ -46,6 +46,7 @@ class CpuBackend final : public Backend, public KvBlockScoring, public Offloaded
   Status NormDelta(int layer, LayerWeight norm) override;
   Status MoeMlp(int layer) override;
   Result<std::span<float>> HostActivation(Activation which) override;
+  Result<std::span<float>> HostResidual() override;
   Status AddDelta() override;
 
   Status ReadActivationRows(Activation which, int64_t first_row, int64_t rows, std::span<float> out) override;

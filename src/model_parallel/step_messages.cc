@@ -1,8 +1,9 @@
-#include "tensor_parallel/step_messages.h"
+#include "model_parallel/step_messages.h"
 
+#include <algorithm>
 #include <string>
 
-namespace kvflow::tp {
+namespace kvflow::mp {
 namespace {
 
 void PutMoves(std::vector<int64_t>& out, std::span<const BlockMove> moves) {
@@ -58,7 +59,7 @@ class Reader {
   }
   Status Finish(const char* what) const {
     if (bad_ || at_ != words_.size()) {
-      return Status::InvalidArgument(std::string("tensor parallel: a malformed ") + what + " message of " +
+      return Status::InvalidArgument(std::string("model parallel: a malformed ") + what + " message of " +
                                      std::to_string(words_.size()) + " words");
     }
     return Status::Ok();
@@ -100,6 +101,7 @@ std::vector<int64_t> EncodeBatch(const ForwardBatch& batch) {
     out.push_back(s.token_offset);
     out.push_back(s.num_tokens);
     out.push_back(s.context_len);
+    out.push_back(static_cast<int64_t>(s.logits));
     PutList(out, std::span<const BlockId>(s.block_table));
     out.push_back(static_cast<int64_t>(s.view.kind));
     PutList(out, std::span<const BlockId>(s.view.blocks));
@@ -115,17 +117,22 @@ Result<ForwardBatch> DecodeBatch(std::span<const int64_t> words) {
   batch.tokens = in.List<int32_t>();
   batch.positions = in.List<int32_t>();
   batch.slot_mapping = in.List<int64_t>();
-  const int64_t seqs = in.Count(8);  // a slice takes at least 8 words
+  const int64_t seqs = in.Count(9);  // a slice takes at least 9 words
   for (int64_t i = 0; i < seqs; ++i) {
     SequenceSlice s;
     s.token_offset = static_cast<int32_t>(in.Next());
     s.num_tokens = static_cast<int32_t>(in.Next());
     s.context_len = static_cast<int32_t>(in.Next());
+    const int64_t logits = in.Next();
+    if (logits != static_cast<int64_t>(LogitsMode::kNone) && logits != static_cast<int64_t>(LogitsMode::kLast) &&
+        logits != static_cast<int64_t>(LogitsMode::kAll)) {
+      return Status::InvalidArgument("model parallel: a batch message names logits mode " + std::to_string(logits));
+    }
+    s.logits = static_cast<LogitsMode>(logits);
     s.block_table = in.List<BlockId>();
-    s.logits = LogitsMode::kNone;
     const int64_t kind = in.Next();
     if (kind < static_cast<int64_t>(KvView::Kind::kFull) || kind > static_cast<int64_t>(KvView::Kind::kSlots)) {
-      return Status::InvalidArgument("tensor parallel: a batch message names KV view kind " + std::to_string(kind));
+      return Status::InvalidArgument("model parallel: a batch message names KV view kind " + std::to_string(kind));
     }
     s.view.kind = static_cast<KvView::Kind>(kind);
     s.view.blocks = in.List<BlockId>();
@@ -137,4 +144,37 @@ Result<ForwardBatch> DecodeBatch(std::span<const int64_t> words) {
   return batch;
 }
 
-}  // namespace kvflow::tp
+std::vector<ForwardBatch> SplitIntoMicrobatches(const ForwardBatch& batch, int parts) {
+  const int64_t num_seqs = static_cast<int64_t>(batch.seqs.size());
+  parts = static_cast<int>(std::clamp<int64_t>(parts, 1, std::max<int64_t>(1, num_seqs)));
+  if (parts == 1) return {batch};
+  const int64_t total = static_cast<int64_t>(batch.tokens.size());
+  std::vector<ForwardBatch> out;
+  ForwardBatch* mb = nullptr;
+  int64_t done = 0;  // tokens in the micro-batches closed so far and the open one
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const SequenceSlice& s = batch.seqs[static_cast<size_t>(i)];
+    // Open a new micro-batch when the open one has its share of the tokens, or when each part
+    // still to open needs one of the sequences left.
+    const int64_t opened = static_cast<int64_t>(out.size());
+    const bool share_full = mb != nullptr && done * parts >= opened * total;
+    const bool must_open = num_seqs - i <= parts - opened;
+    if (mb == nullptr || (opened < parts && (share_full || must_open))) {
+      mb = &out.emplace_back();
+    }
+    SequenceSlice slice = s;
+    slice.token_offset = static_cast<int32_t>(mb->tokens.size());
+    const auto first = static_cast<size_t>(s.token_offset), last = first + static_cast<size_t>(s.num_tokens);
+    mb->tokens.insert(mb->tokens.end(), batch.tokens.begin() + first, batch.tokens.begin() + last);
+    mb->positions.insert(mb->positions.end(), batch.positions.begin() + first, batch.positions.begin() + last);
+    if (!batch.slot_mapping.empty()) {
+      mb->slot_mapping.insert(mb->slot_mapping.end(), batch.slot_mapping.begin() + first,
+                              batch.slot_mapping.begin() + last);
+    }
+    mb->seqs.push_back(std::move(slice));
+    done += s.num_tokens;
+  }
+  return out;
+}
+
+}  // namespace kvflow::mp

@@ -1,5 +1,5 @@
-// What the driver rank of a tensor-parallel job sends its workers each step, as int64 words: the
-// step's block moves, its batch, or stop. The decoder checks every count against the message's
+// What the driver rank of a model-parallel job sends its workers each step, as int64 words: the
+// step's block moves, its batches (one a micro-batch), or stop. The decoder checks every count against the message's
 // length (a message it cannot read is an error, never a crash); the backend validates the batch.
 #pragma once
 
@@ -11,7 +11,7 @@
 #include "kvflow/status.h"
 #include "sched/scheduler.h"
 
-namespace kvflow::tp {
+namespace kvflow::mp {
 
 enum class StepMessageKind : int64_t { kMoves = 1, kForward = 2, kStop = 3 };
 
@@ -22,8 +22,13 @@ struct StepMoves {
 
 std::vector<int64_t> EncodeMoves(const SchedulerOutput& sched);
 Result<StepMoves> DecodeMoves(std::span<const int64_t> words);
-// Every slice's logits are dropped: only the driver samples.
+// With each slice's logits mode: the last pipeline stage makes the logits the driver samples.
 std::vector<int64_t> EncodeBatch(const ForwardBatch& batch);
 Result<ForwardBatch> DecodeBatch(std::span<const int64_t> words);
 
-}  // namespace kvflow::tp
+// `batch` cut into at most `parts` micro-batches of whole sequences, in order, with about as many
+// tokens each (each a batch of its own: token offsets from 0, its part of the slot mapping). Their
+// logit rows, one after the other, are the batch's.
+std::vector<ForwardBatch> SplitIntoMicrobatches(const ForwardBatch& batch, int parts);
+
+}  // namespace kvflow::mp

@@ -1,0 +1,576 @@
+#include "model_parallel/model_parallel_service.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <deque>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <spdlog/spdlog.h>
+
+#include "backend/backend_factory.h"
+#include "distributed/subgroup_communicator.h"
+#include "distributed/world.h"
+#include "forward/llama_model.h"
+#include "kvflow/models.h"
+#include "model/pipeline_stage_split.h"
+#include "model/rope.h"
+#include "model/tensor_parallel_shard.h"
+#include "model_parallel/step_messages.h"
+
+namespace kvflow::mp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using dist::Communicator;
+
+// Tags of the driver's setup, the workers' answers, each step message's header and words, the
+// residual stream between stages and the last stage's logits.
+constexpr int kSetupTag = 7100;
+constexpr int kHelloTag = 7101;
+constexpr int kHeaderTag = 7102;
+constexpr int kWordsTag = 7103;
+constexpr int kResidualTag = 7104;
+constexpr int kLogitsTag = 7105;
+// A stage's tensor-parallel group shifts its tags past the world's.
+constexpr int kGroupTagOffset = 20000;
+constexpr int kDriver = 0;
+// Sends a rank leaves in flight while it goes on (each holds its buffer).
+constexpr size_t kMaxPendingSends = 8;
+
+double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// Where a rank sits in the tp x pp grid.
+struct GridPosition {
+  int tp = 1, pp = 1, rank = 0;
+  int stage() const { return rank / tp; }
+  int tp_rank() const { return rank % tp; }
+  int RankOf(int stage, int tp_rank) const { return stage * tp + tp_rank; }
+  bool last_stage() const { return stage() == pp - 1; }
+  // Whether this rank's batches ask for logits: the last stage's tp rank 0, which sends them to the
+  // driver (the LM head is whole on every rank of the last stage: one computes it).
+  bool makes_logits() const { return last_stage() && tp_rank() == 0; }
+  std::string Describe() const {
+    return "stage " + std::to_string(stage()) + " of " + std::to_string(pp) + ", tensor rank " +
+           std::to_string(tp_rank()) + " of " + std::to_string(tp);
+  }
+};
+
+std::string DescribeSplit(int tp, int pp) {
+  if (pp == 1) return "tensor parallel " + std::to_string(tp);
+  if (tp == 1) return "pipeline parallel " + std::to_string(pp);
+  return "tensor parallel " + std::to_string(tp) + " x pipeline parallel " + std::to_string(pp);
+}
+
+// What fixes the shape of a rank's pools: sent by the driver, taken by every worker.
+struct Setup {
+  static constexpr size_t kWords = 4;
+  int64_t max_model_len = 0, num_kv_blocks = 0, num_host_kv_blocks = 0, block_size = 0;
+};
+
+// What a rank built; the driver checks every worker's against what that rank's place in the grid
+// implies. ok = 0: the worker could not build its share (its log says why).
+struct Hello {
+  static constexpr size_t kWords = 13;
+  int64_t words[kWords] = {};
+};
+constexpr size_t kHelloFirstLayer = 1, kHelloNumLayers = 2;
+
+Hello HelloOf(const Backend& b, bool ok) {
+  const ModelConfig& m = b.model_config();
+  const KvCacheLayout& l = b.kv_layout();
+  return Hello{{ok ? 1 : 0, m.first_layer, m.num_layers, m.hidden_size, m.vocab_size, m.num_heads, m.num_kv_heads,
+                m.head_dim, m.intermediate_size, l.num_blocks, b.num_host_blocks(), l.block_size,
+                b.kv_token_bytes()}};
+}
+
+std::string DescribeHello(const Hello& h) {
+  static const char* const kNames[Hello::kWords] = {
+      "ok",       "first_layer", "layers",      "hidden",     "vocab",      "heads", "kv_heads",
+      "head_dim", "mlp_width",   "kv_blocks",   "host_blocks", "block_size", "kv_token_bytes"};
+  std::string out;
+  for (size_t i = 1; i < Hello::kWords; ++i) out += (i > 1 ? " " : "") + std::string(kNames[i]) + "=" + std::to_string(h.words[i]);
+  return out;
+}
+
+Status CheckGrid(const ModelConfig& config, int tp, int pp) {
+  KVFLOW_RETURN_IF_ERROR(CheckTensorParallelSplit(config, tp));
+  return CheckPipelineSplit(config, pp);
+}
+
+// The rank's backend for its share of the model: its stage's layers, split tp ways.
+Result<std::unique_ptr<Backend>> CreateRankBackend(EngineConfig& config, bool max_model_len_requested,
+                                                   const ModelFiles& files, const GridPosition& at) {
+  KVFLOW_RETURN_IF_ERROR(CheckGrid(files.config, at.tp, at.pp));
+  KVFLOW_ASSIGN_OR_RETURN(LlamaWeights whole, LoadWeightsFor(files, config));
+  // The KV element follows the whole model's weights (a stage's alone could differ from another's).
+  if (config.kv_cache_dtype == "auto") config.kv_cache_dtype = whole.all_f32() ? "f32" : "f16";
+  const PipelineStageRange range = StageOf(files.config, at.stage(), at.pp);
+  const ModelConfig stage_config = StageConfig(files.config, range);
+  LlamaWeights stage = StageWeights(std::move(whole), range);  // only the stage's layers stay in memory
+  const TensorShard shard = ShardOf(stage_config, at.tp_rank(), at.tp);
+  LlamaWeights mine;
+  if (at.tp > 1) {
+    KVFLOW_ASSIGN_OR_RETURN(mine, ShardWeights(stage, stage_config, shard));
+  } else {
+    mine = std::move(stage);
+  }
+  stage = LlamaWeights{};
+  spdlog::info("model parallel rank {} ({}): layers [{}, {}), query heads [{}, {}), KV heads [{}, {}), MLP columns [{}, {})",
+               at.rank, at.Describe(), range.first_layer, range.first_layer + range.num_layers, shard.first_head,
+               shard.first_head + shard.num_heads, shard.first_kv_head, shard.first_kv_head + shard.num_kv_heads,
+               shard.first_ffn, shard.first_ffn + shard.ffn_width);
+  return CreateBackend(config, max_model_len_requested, ShardConfig(stage_config, shard), std::move(mine));
+}
+
+// The communicator of this rank's stage's tensor-parallel group; null without tensor parallelism,
+// or when the stage is the whole world (tensor parallelism alone: the sums run over the world).
+Result<std::unique_ptr<Communicator>> StageGroup(Communicator& world, const GridPosition& at) {
+  if (at.tp == 1 || at.pp == 1) return std::unique_ptr<Communicator>();
+  std::vector<int> members;
+  for (int i = 0; i < at.tp; ++i) members.push_back(at.RankOf(at.stage(), i));
+  KVFLOW_ASSIGN_OR_RETURN(auto group, dist::SubgroupCommunicator::Create(world, std::move(members), kGroupTagOffset));
+  return std::unique_ptr<Communicator>(std::move(group));
+}
+
+// Sums each layer's partial kDelta across the stage's tensor-parallel group.
+class AllReduceDeltaReducer final : public DeltaReducer {
+ public:
+  AllReduceDeltaReducer(Communicator& group, double timeout_s, std::shared_ptr<ModelParallelStats> stats)
+      : group_(group), timeout_s_(timeout_s), stats_(std::move(stats)) {}
+
+  Status ReduceDelta(Backend& backend) override {
+    KVFLOW_ASSIGN_OR_RETURN(std::span<float> delta, backend.HostActivation(Activation::kDelta));
+    const auto start = Clock::now();
+    Status st = group_.AllReduceSum(delta, timeout_s_);
+    stats_->all_reduce_seconds += SecondsSince(start);
+    ++stats_->all_reduces;
+    stats_->all_reduce_bytes += static_cast<int64_t>(delta.size_bytes());
+    if (!st.ok()) {
+      st = Status::Unavailable("tensor parallel all-reduce: " + st.ToString() +
+                               " (a rank died or hangs: the model's other shares are gone)");
+      dist::ReportJobBroken(st);
+      return st;
+    }
+    return Status::Ok();
+  }
+
+ private:
+  Communicator& group_;
+  double timeout_s_;
+  std::shared_ptr<ModelParallelStats> stats_;
+};
+
+// Sends a rank has in flight, each with the buffer it reads.
+class PendingSends {
+ public:
+  // Keeps `buffer` until the send is done; waits for the oldest beyond kMaxPendingSends.
+  Status Add(Communicator& comm, int peer, int tag, std::vector<float> buffer, double timeout_s) {
+    KVFLOW_ASSIGN_OR_RETURN(dist::MessageHandle h,
+                            comm.ISend(peer, tag, std::as_bytes(std::span<const float>(buffer))));
+    sends_.push_back({std::move(h), std::move(buffer)});
+    while (sends_.size() > kMaxPendingSends) KVFLOW_RETURN_IF_ERROR(WaitOldest(comm, timeout_s));
+    return Status::Ok();
+  }
+  Status WaitAll(Communicator& comm, double timeout_s) {
+    Status st = Status::Ok();
+    while (!sends_.empty()) {
+      Status w = WaitOldest(comm, timeout_s);
+      if (st.ok()) st = w;
+    }
+    return st;
+  }
+  // A spent buffer to fill for the next send (saves an allocation a micro-batch).
+  std::vector<float> TakeBuffer() {
+    if (spare_.empty()) return {};
+    std::vector<float> b = std::move(spare_.back());
+    spare_.pop_back();
+    return b;
+  }
+
+ private:
+  struct Send {
+    dist::MessageHandle handle;
+    std::vector<float> buffer;
+  };
+  Status WaitOldest(Communicator& comm, double timeout_s) {
+    Send s = std::move(sends_.front());
+    sends_.pop_front();
+    Status st = comm.Wait(std::move(s.handle), timeout_s);
+    spare_.push_back(std::move(s.buffer));
+    return st;
+  }
+  std::deque<Send> sends_;
+  std::vector<std::vector<float>> spare_;
+};
+
+// One rank's place in the pipeline: takes the residual stream from the previous stage's rank of
+// the same tensor rank, hands it to the next one's.
+class GridStage final : public PipelineStage {
+ public:
+  GridStage(Communicator& world, const GridPosition& at, double timeout_s, std::shared_ptr<ModelParallelStats> stats)
+      : world_(world), at_(at), timeout_s_(timeout_s), stats_(std::move(stats)) {}
+
+  bool first() const override { return at_.stage() == 0; }
+  bool last() const override { return at_.last_stage(); }
+
+  Status ReceiveResidual(Backend& backend) override {
+    KVFLOW_ASSIGN_OR_RETURN(std::span<float> residual, backend.HostResidual());
+    Status st = world_.Recv(at_.RankOf(at_.stage() - 1, at_.tp_rank()), kResidualTag, std::as_writable_bytes(residual),
+                            timeout_s_);
+    return Broken(st, "receiving the residual stream from the stage before");
+  }
+
+  Status SendResidual(Backend& backend) override {
+    KVFLOW_ASSIGN_OR_RETURN(std::span<float> residual, backend.HostResidual());
+    const auto start = Clock::now();
+    std::vector<float> buffer = sends_.TakeBuffer();
+    buffer.assign(residual.begin(), residual.end());
+    Status st = sends_.Add(world_, at_.RankOf(at_.stage() + 1, at_.tp_rank()), kResidualTag, std::move(buffer),
+                           timeout_s_);
+    stats_->residual_send_seconds += SecondsSince(start);
+    stats_->residual_bytes += static_cast<int64_t>(residual.size_bytes());
+    return Broken(st, "sending the residual stream to the next stage");
+  }
+
+  void AfterLayer() override { world_.Poll(); }
+
+  // The last stage's tp rank 0: the micro-batch's logits to the driver.
+  Status SendLogits(std::vector<float> logits) {
+    return Broken(sends_.Add(world_, kDriver, kLogitsTag, std::move(logits), timeout_s_), "sending logits to rank 0");
+  }
+  std::vector<float> TakeBuffer() { return sends_.TakeBuffer(); }
+
+  Status FinishSends() { return Broken(sends_.WaitAll(world_, timeout_s_), "finishing its sends"); }
+
+ private:
+  Status Broken(Status st, const char* doing) {
+    if (st.ok()) return st;
+    st = Status::Unavailable("pipeline parallel rank " + std::to_string(at_.rank) + " (" + at_.Describe() + "), " +
+                             doing + ": " + st.ToString() + " (a rank died or hangs: the model's other shares are gone)");
+    dist::ReportJobBroken(st);
+    return st;
+  }
+
+  Communicator& world_;
+  GridPosition at_;
+  double timeout_s_;
+  std::shared_ptr<ModelParallelStats> stats_;
+  PendingSends sends_;
+};
+
+// The driver's view of its workers.
+class WorkerMirror final : public StepMirror {
+ public:
+  WorkerMirror(Communicator& world, std::unique_ptr<Communicator> group, const GridPosition& at, int microbatches,
+               double timeout_s)
+      : world_(world), group_(std::move(group)), at_(at), microbatches_(microbatches), timeout_s_(timeout_s),
+        stats_(std::make_shared<ModelParallelStats>()) {
+    stats_->ranks = at.tp * at.pp;
+    stats_->tensor_parallel_size = at.tp;
+    stats_->pipeline_parallel_size = at.pp;
+    if (at.tp > 1) reducer_ = std::make_unique<AllReduceDeltaReducer>(group_ ? *group_ : world, timeout_s, stats_);
+    if (at.pp > 1) stage_ = std::make_unique<GridStage>(world, at, timeout_s, stats_);
+  }
+
+  ~WorkerMirror() override {
+    if (!broken_.ok()) return;
+    // The workers leave their loops; one that is gone already is no reason to wait long.
+    Status st = Broadcast(StepMessageKind::kStop, {}, 10.0);
+    if (!st.ok()) spdlog::warn("model parallel: telling the workers to stop: {}", st.ToString());
+    const ModelParallelStats& s = *stats_;
+    spdlog::info("model parallel ({}): {} steps ({} micro-batches) in {:.3f} s; all-reduces {:.1f} MiB in {:.3f} s, "
+                 "sending steps {:.3f} s, residual {:.1f} MiB, waiting for logits {:.3f} s",
+                 DescribeSplit(at_.tp, at_.pp), s.steps, s.microbatches, s.step_seconds, s.all_reduce_bytes / 1048576.0,
+                 s.all_reduce_seconds, s.send_seconds, s.residual_bytes / 1048576.0, s.logits_wait_seconds);
+  }
+
+  Status MirrorMoves(const SchedulerOutput& sched) override {
+    if (sched.swap_out.empty() && sched.swap_in.empty() && sched.copies.empty()) return Status::Ok();
+    return Broadcast(StepMessageKind::kMoves, EncodeMoves(sched), timeout_s_);
+  }
+
+  Status RunStep(LlamaModel& model, const ForwardBatch& batch, std::vector<float>& logits) override {
+    KVFLOW_RETURN_IF_ERROR(broken_);
+    const auto start = Clock::now();
+    model.set_delta_reducer(reducer_.get());
+    model.set_pipeline_stage(stage_.get());
+    Status st = at_.pp == 1 ? RunWhole(model, batch, logits) : RunPipelined(model, batch, logits);
+    model.set_delta_reducer(nullptr);
+    model.set_pipeline_stage(nullptr);
+    ++stats_->steps;
+    stats_->step_seconds += SecondsSince(start);
+    return st;
+  }
+
+  ModelParallelStats stats() const override { return *stats_; }
+
+  std::string Describe() const override {
+    return DescribeSplit(at_.tp, at_.pp) + " over " + std::to_string(world_.size()) + " ranks (" + world_.Describe() + ")";
+  }
+
+ private:
+  // Tensor parallelism alone: every rank runs the whole batch; this one makes the logits.
+  Status RunWhole(LlamaModel& model, const ForwardBatch& batch, std::vector<float>& logits) {
+    ++stats_->microbatches;
+    KVFLOW_RETURN_IF_ERROR(Broadcast(StepMessageKind::kForward, EncodeBatch(batch), timeout_s_));
+    return model.Forward(batch, logits);
+  }
+
+  // The batch in micro-batches through the stages: this rank runs each through the first stage and
+  // sends it on, then takes the last stage's logits of each, in order.
+  Status RunPipelined(LlamaModel& model, const ForwardBatch& batch, std::vector<float>& logits) {
+    const int parts = microbatches_ > 0 ? microbatches_ : at_.pp;
+    std::vector<ForwardBatch> mbs = SplitIntoMicrobatches(batch, parts);
+    std::vector<int64_t> mb_rows;
+    for (ForwardBatch& mb : mbs) {
+      ++stats_->microbatches;
+      mb_rows.push_back(mb.num_logit_rows());
+      KVFLOW_RETURN_IF_ERROR(Broadcast(StepMessageKind::kForward, EncodeBatch(mb), timeout_s_));
+      for (SequenceSlice& s : mb.seqs) s.logits = LogitsMode::kNone;  // the last stage makes them
+      KVFLOW_RETURN_IF_ERROR(model.Forward(mb, no_logits_));
+    }
+    const int64_t vocab = model.backend().model_config().vocab_size;
+    const int64_t rows = batch.num_logit_rows();
+    logits.resize(static_cast<size_t>(rows * vocab));
+    const auto wait_start = Clock::now();
+    const int last = at_.RankOf(at_.pp - 1, 0);
+    int64_t row = 0;
+    Status st = Status::Ok();
+    // The last stage sends a micro-batch's logits only where it has rows.
+    for (size_t k = 0; k < mbs.size() && st.ok(); ++k) {
+      if (mb_rows[k] == 0) continue;
+      const std::span<float> rows_k(logits.data() + row * vocab, static_cast<size_t>(mb_rows[k] * vocab));
+      st = world_.Recv(last, kLogitsTag, std::as_writable_bytes(rows_k), timeout_s_);
+      row += mb_rows[k];
+    }
+    stats_->logits_wait_seconds += SecondsSince(wait_start);
+    if (st.ok()) st = stage_->FinishSends();
+    if (!st.ok()) return MarkBroken(st, "waiting for the last stage's logits");
+    return Status::Ok();
+  }
+
+  Status MarkBroken(const Status& st, const std::string& doing) {
+    if (broken_.ok()) {
+      broken_ = Status::Unavailable("model parallel: " + doing + ": " + st.ToString() +
+                                    "; the model's other shares are gone, so this engine cannot run steps");
+      spdlog::error("{}", broken_.ToString());
+      dist::ReportJobBroken(broken_);
+    }
+    return broken_;
+  }
+
+  Status Broadcast(StepMessageKind kind, const std::vector<int64_t>& words, double timeout_s) {
+    KVFLOW_RETURN_IF_ERROR(broken_);
+    const auto start = Clock::now();
+    const int64_t header[2] = {static_cast<int64_t>(kind), static_cast<int64_t>(words.size())};
+    std::vector<dist::MessageHandle> sent;
+    Status st = Status::Ok();
+    for (int r = 0; r < world_.size() && st.ok(); ++r) {
+      if (r == world_.rank()) continue;
+      auto h = world_.ISend(r, kHeaderTag, std::as_bytes(std::span<const int64_t>(header)));
+      if (h.ok()) sent.push_back(std::move(h).value());
+      if (h.ok() && !words.empty()) h = world_.ISend(r, kWordsTag, std::as_bytes(std::span<const int64_t>(words)));
+      if (h.ok() && !words.empty()) sent.push_back(std::move(h).value());
+      if (!h.ok()) st = h.status();
+    }
+    for (dist::MessageHandle& h : sent) {
+      Status w = world_.Wait(std::move(h), timeout_s);
+      if (st.ok() && !w.ok()) st = w;
+    }
+    stats_->send_seconds += SecondsSince(start);
+    if (!st.ok()) return MarkBroken(st, "a worker rank died or hangs");
+    return Status::Ok();
+  }
+
+  Communicator& world_;
+  std::unique_ptr<Communicator> group_;
+  GridPosition at_;
+  int microbatches_;
+  double timeout_s_;
+  std::shared_ptr<ModelParallelStats> stats_;
+  std::unique_ptr<AllReduceDeltaReducer> reducer_;
+  std::unique_ptr<GridStage> stage_;
+  std::vector<float> no_logits_;
+  Status broken_ = Status::Ok();
+};
+
+// Threads per rank when the user gave none: the cores shared among the ranks on this machine.
+void DefaultThreadsPerRank(EngineConfig& config) {
+  if (config.num_threads != 0) return;
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  const int ranks_here = local ? std::max(1, std::atoi(local)) : 1;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  config.num_threads = std::max(1, cores / ranks_here);
+}
+
+Status CheckJobSize(const EngineConfig& config, const Communicator& comm) {
+  const int ranks = config.model_parallel_ranks();
+  if (comm.size() == ranks) return Status::Ok();
+  return Status::InvalidArgument(DescribeSplit(config.tensor_parallel_size, config.pipeline_parallel_size) + " needs a job of " +
+                                 std::to_string(ranks) + " ranks (mpirun -np " + std::to_string(ranks) +
+                                 "); this one has " + std::to_string(comm.size()) + " (" + comm.Describe() + ")");
+}
+
+}  // namespace
+
+Result<ModelParallelParts> CreateModelParallelDriver(const ModelParallelContext& ctx) {
+  EngineConfig& config = ctx.config;
+  Communicator* comm = ctx.communicator;
+  if (comm == nullptr) {
+    KVFLOW_ASSIGN_OR_RETURN(comm, dist::ProcessWorldCommunicator());
+  }
+  KVFLOW_RETURN_IF_ERROR(CheckJobSize(config, *comm));
+  if (comm->rank() != kDriver) {
+    return Status::Internal("the model-parallel engine runs on rank 0; this is " + comm->Describe());
+  }
+  DefaultThreadsPerRank(config);
+  const double timeout_s = dist::kDefaultCommTimeoutSeconds;
+  const GridPosition at{config.tensor_parallel_size, config.pipeline_parallel_size, kDriver};
+  KVFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
+                          CreateRankBackend(config, ctx.max_model_len_requested, ctx.files, at));
+  // Every worker builds its pools to the driver's sizes, then says what it built.
+  const int64_t setup[Setup::kWords] = {config.max_model_len, backend->kv_layout().num_blocks,
+                                        backend->num_host_blocks(), config.block_size};
+  const Hello mine = HelloOf(*backend, true);
+  for (int r = 1; r < comm->size(); ++r) {
+    KVFLOW_RETURN_IF_ERROR(comm->Send(r, kSetupTag, std::as_bytes(std::span<const int64_t>(setup)), timeout_s));
+  }
+  for (int r = 1; r < comm->size(); ++r) {
+    Hello theirs;
+    // A worker loads its weights now: give it the load's time.
+    KVFLOW_RETURN_IF_ERROR(comm->Recv(r, kHelloTag, std::as_writable_bytes(std::span<int64_t>(theirs.words)), 600.0));
+    if (theirs.words[0] != 1) {
+      return Status::Unavailable("model parallel: rank " + std::to_string(r) +
+                                 " could not build its share of the model (its log says why)");
+    }
+    // What rank r should have built: the driver's shapes, its own stage's layers.
+    Hello expected = mine;
+    const GridPosition them{at.tp, at.pp, r};
+    const PipelineStageRange range = StageOf(ctx.files.config, them.stage(), at.pp);
+    expected.words[kHelloFirstLayer] = range.first_layer;
+    expected.words[kHelloNumLayers] = range.num_layers;
+    if (!std::equal(std::begin(expected.words), std::end(expected.words), std::begin(theirs.words))) {
+      return Status::InvalidArgument("model parallel: rank " + std::to_string(r) + " built " + DescribeHello(theirs) +
+                                     ", rank 0 expected " + DescribeHello(expected) +
+                                     " (every rank must run the same model, dtype and settings)");
+    }
+  }
+  KVFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> group, StageGroup(*comm, at));
+  ModelParallelParts parts;
+  parts.backend = std::move(backend);
+  parts.mirror = std::make_unique<WorkerMirror>(*comm, std::move(group), at, config.pipeline_microbatches, timeout_s);
+  spdlog::info("model parallel: {} ranks ready ({}, {})", comm->size(), DescribeSplit(at.tp, at.pp), comm->Describe());
+  return parts;
+}
+
+Status RunModelParallelWorker(const EngineConfig& input, Communicator& comm, double timeout_s, bool* ready) {
+  if (ready) *ready = false;
+  if (comm.rank() == kDriver) return Status::Internal("rank 0 drives the model-parallel job; it runs no worker");
+  KVFLOW_RETURN_IF_ERROR(CheckJobSize(input, comm));
+  EngineConfig config = input;
+  DefaultThreadsPerRank(config);
+  const GridPosition at{config.tensor_parallel_size, config.pipeline_parallel_size, comm.rank()};
+  // The driver loads its share first: wait in slices until it says how to build ours.
+  int64_t setup[Setup::kWords] = {};
+  for (;;) {
+    const auto start = Clock::now();
+    Status st = comm.Recv(kDriver, kSetupTag, std::as_writable_bytes(std::span<int64_t>(setup)), 60.0);
+    if (st.ok()) break;
+    if (st.code() == StatusCode::kUnavailable && SecondsSince(start) >= 59.0) continue;
+    return st;
+  }
+  config.max_model_len = static_cast<int>(setup[0]);
+  config.num_kv_blocks = static_cast<int>(setup[1]);
+  config.num_host_kv_blocks = static_cast<int>(setup[2]);
+  config.block_size = static_cast<int>(setup[3]);
+  auto build = [&]() -> Result<std::unique_ptr<Backend>> {
+    KVFLOW_ASSIGN_OR_RETURN(std::string path, ResolveModel(config.model));
+    KVFLOW_ASSIGN_OR_RETURN(ModelFiles files, OpenModelFiles(path));
+    KVFLOW_RETURN_IF_ERROR(files.config.Validate());
+    SelectRopeFactorsForContext(files.config, config.max_model_len);
+    return CreateRankBackend(config, true, files, at);
+  };
+  Result<std::unique_ptr<Backend>> built = build();
+  const Hello hello = built.ok() ? HelloOf(*built.value(), true) : Hello{};
+  KVFLOW_RETURN_IF_ERROR(comm.Send(kDriver, kHelloTag, std::as_bytes(std::span<const int64_t>(hello.words)), timeout_s));
+  if (!built.ok()) return built.status();
+  std::unique_ptr<Backend> backend = std::move(built).value();
+  if (ready) *ready = true;
+  auto stats = std::make_shared<ModelParallelStats>();
+  KVFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> group, StageGroup(comm, at));
+  std::unique_ptr<AllReduceDeltaReducer> reducer;
+  if (at.tp > 1) reducer = std::make_unique<AllReduceDeltaReducer>(group ? *group : comm, timeout_s, stats);
+  std::unique_ptr<GridStage> stage;
+  if (at.pp > 1) stage = std::make_unique<GridStage>(comm, at, timeout_s, stats);
+  LlamaModel model(*backend);
+  model.set_delta_reducer(reducer.get());
+  model.set_pipeline_stage(stage.get());
+  spdlog::info("model parallel worker {} ({}) ready: {} on {}", comm.Describe(), at.Describe(),
+               backend->model_config().name, backend->Describe());
+  std::vector<int64_t> words;
+  std::vector<float> no_logits;
+  for (;;) {
+    // The server may idle for hours: wait for the next step in slices.
+    int64_t header[2] = {};
+    const auto start = Clock::now();
+    Status st = comm.Recv(kDriver, kHeaderTag, std::as_writable_bytes(std::span<int64_t>(header)), 60.0);
+    if (!st.ok()) {
+      if (st.code() == StatusCode::kUnavailable && SecondsSince(start) >= 59.0) continue;
+      return st;
+    }
+    const auto kind = static_cast<StepMessageKind>(header[0]);
+    if (kind == StepMessageKind::kStop) {
+      if (stage) KVFLOW_RETURN_IF_ERROR(stage->FinishSends());
+      spdlog::info("model parallel worker {}: stopped after {} micro-batches ({} all-reduces, {:.3f} s)", comm.Describe(),
+                   stats->microbatches, stats->all_reduces, stats->all_reduce_seconds);
+      return Status::Ok();
+    }
+    if ((kind != StepMessageKind::kMoves && kind != StepMessageKind::kForward) || header[1] < 0 ||
+        header[1] > (int64_t{1} << 31)) {
+      return Status::Internal("model parallel worker: an unknown message from rank 0");
+    }
+    words.resize(static_cast<size_t>(header[1]));
+    if (!words.empty()) {
+      KVFLOW_RETURN_IF_ERROR(comm.Recv(kDriver, kWordsTag, std::as_writable_bytes(std::span<int64_t>(words)), timeout_s));
+    }
+    if (kind == StepMessageKind::kMoves) {
+      KVFLOW_ASSIGN_OR_RETURN(StepMoves moves, DecodeMoves(words));
+      KVFLOW_RETURN_IF_ERROR(backend->CopyBlocks(moves.swap_out, BlockCopyKind::kDeviceToHost));
+      KVFLOW_RETURN_IF_ERROR(backend->CopyBlocks(moves.swap_in, BlockCopyKind::kHostToDevice));
+      KVFLOW_RETURN_IF_ERROR(backend->CopyBlocks(moves.copies, BlockCopyKind::kDeviceToDevice));
+      continue;
+    }
+    KVFLOW_ASSIGN_OR_RETURN(ForwardBatch batch, DecodeBatch(words));
+    ++stats->microbatches;
+    if (!at.makes_logits()) {
+      for (SequenceSlice& s : batch.seqs) s.logits = LogitsMode::kNone;
+    }
+    // The driver's step fails too (its all-reduce, send or wait times out); this rank cannot go on
+    // without it.
+    if (at.makes_logits() && at.pp > 1) {
+      std::vector<float> logits = stage->TakeBuffer();
+      KVFLOW_RETURN_IF_ERROR(model.Forward(batch, logits));
+      if (!logits.empty()) KVFLOW_RETURN_IF_ERROR(stage->SendLogits(std::move(logits)));
+      continue;
+    }
+    KVFLOW_RETURN_IF_ERROR(model.Forward(batch, no_logits));
+  }
+}
+
+Result<bool> RunModelParallelWorkerIfNotDriver(const EngineConfig& config) {
+  if (config.model_parallel_ranks() == 1) return false;
+  KVFLOW_ASSIGN_OR_RETURN(Communicator * comm, dist::ProcessWorldCommunicator());
+  if (comm->rank() == kDriver) return false;
+  Status st = RunModelParallelWorker(config, *comm);
+  if (!st.ok()) {
+    // The driver cannot compute without this rank's share: end the whole job.
+    spdlog::error("model parallel worker {} failed, ending the job: {}", comm->Describe(), st.ToString());
+    dist::AbortJob(1);
+  }
+  return true;
+}
+
+}  // namespace kvflow::mp

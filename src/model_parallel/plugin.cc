@@ -1,0 +1,52 @@
+#include "model_parallel/plugin.h"
+
+#include "model_parallel/model_parallel_service.h"
+
+namespace kvflow {
+
+Status RegisterModelParallel(SystemRegistry& registry) {
+  ModelParallelPlugin p;
+  p.info.name = kModelParallel;
+  p.info.label = "tensor and pipeline parallelism";
+  // The workers run the model's plain layers on the steps' batches: what reads or moves KV beyond
+  // the swap and copy-on-write moves, or runs a second model, has no path to them yet.
+  p.info.excludes = {
+      {"kv_connector", "the workers' shares of the KV cache would not be saved or loaded"},
+      {"kv_selector", "the selection runs on the driver's heads and layers alone"},
+      {"drafter", "speculative decoding's lanes and draft passes are not mirrored to the workers yet"},
+      {"prefiller", "a prompt prefilled across ranks would fill only the driver's share"},
+      {"draft model", "a draft model would run on the driver alone"},
+  };
+  p.info.validate = [](const EngineConfig& c) -> Status {
+    if (c.device != "cpu") {
+      return Status::Unsupported("tensor and pipeline parallelism run CPU ranks over MPI; CUDA ranks over NCCL (device " +
+                                 c.device + ") are not implemented yet");
+    }
+    return Status::Ok();
+  };
+  p.info.metrics = [](const EngineStats& stats, std::vector<SystemMetric>& out) {
+    const ModelParallelStats& m = stats.model_parallel;
+    AddGauge(out, "kvflow:tensor_parallel_ranks", "Ranks each layer is split across (1: whole)", m.tensor_parallel_size);
+    AddGauge(out, "kvflow:pipeline_parallel_stages", "Stages the layers are split into (1: one)", m.pipeline_parallel_size);
+    AddCounter(out, "kvflow:model_parallel_steps_total", "Steps rank 0 ran across the ranks", static_cast<double>(m.steps));
+    AddCounter(out, "kvflow:model_parallel_step_seconds_total",
+               "Rank 0's seconds in steps run across the ranks (its own layers and its waits)", m.step_seconds);
+    AddCounter(out, "kvflow:pipeline_parallel_microbatches_total", "Batches rank 0 sent its workers (micro-batches)",
+               static_cast<double>(m.microbatches));
+    AddCounter(out, "kvflow:tensor_parallel_all_reduce_seconds_total",
+               "Rank 0's seconds in the layers' all-reduces (waiting for the slowest rank included)",
+               m.all_reduce_seconds);
+    AddCounter(out, "kvflow:tensor_parallel_all_reduce_bytes_total", "Rank 0's bytes into the layers' all-reduces",
+               static_cast<double>(m.all_reduce_bytes));
+    AddCounter(out, "kvflow:model_parallel_send_seconds_total", "Rank 0's seconds sending steps to its workers",
+               m.send_seconds);
+    AddCounter(out, "kvflow:pipeline_parallel_residual_bytes_total",
+               "Bytes of residual stream rank 0 sent the second stage", static_cast<double>(m.residual_bytes));
+    AddCounter(out, "kvflow:pipeline_parallel_logits_wait_seconds_total",
+               "Rank 0's seconds waiting for the last stage's logits after its own layers", m.logits_wait_seconds);
+  };
+  p.create = [](const ModelParallelContext& ctx) { return mp::CreateModelParallelDriver(ctx); };
+  return registry.Register(std::move(p));
+}
+
+}  // namespace kvflow
