@@ -148,7 +148,8 @@ Result<std::unique_ptr<Backend>> MakeCudaBackend(EngineConfig& config, bool requ
 
 }  // namespace
 
-Result<LlamaWeights> LoadWeightsFor(const ModelFiles& files, const EngineConfig& config) {
+Result<LlamaWeights> LoadWeightsFor(const ModelFiles& files, const EngineConfig& config,
+                                    const WeightSelection& selection) {
   if (files.random_weights) {
     return Status::Unsupported("model " + files.config.name +
                                " has no weights to load: its random weights are generated on the GPU, by the engine's "
@@ -162,7 +163,7 @@ Result<LlamaWeights> LoadWeightsFor(const ModelFiles& files, const EngineConfig&
                                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   ThreadPool pool(threads);
   ScopedThreadPool use_pool(&pool);
-  return LoadLlamaWeights(*files.tensors, files.config, files.gguf_rope_permuted, format);
+  return LoadLlamaWeights(*files.tensors, files.config, files.gguf_rope_permuted, format, selection);
 }
 
 Result<int> ParseDevice(const std::string& device) {

@@ -23,8 +23,9 @@ bool IsQ4KvCacheDtype(const std::string& kv_cache_dtype);
 // The model's weights in the format config.device computes with: the CPU keeps a GGUF's quantized
 // matrices as they are unless config.dtype is f32; the CUDA backend takes fp32 and converts them to
 // its dtype. Conversions run on a pool of config.num_threads threads. Unsupported for a random:<shape>
-// model, which has no host weights.
-Result<LlamaWeights> LoadWeightsFor(const ModelFiles& files, const EngineConfig& config);
+// model, which has no host weights. `selection`: one rank's share (model/llama_weights.h).
+Result<LlamaWeights> LoadWeightsFor(const ModelFiles& files, const EngineConfig& config,
+                                    const WeightSelection& selection = {});
 
 // The backend for config.device. A sequence must fit the pool alone: a max_model_len the user asked
 // for (`max_model_len_requested`) that the pool cannot hold is refused, a defaulted one is lowered

@@ -33,7 +33,7 @@ struct EvaluationOptions {
   // prefill_parallel's ranks (tests: an in-process world whose other ranks run RunPrefillWorker);
   // null: the process's MPI world. Not owned.
   dist::Communicator* prefill_communicator = nullptr;
-  // tensor_parallel_size's ranks (tests: an in-process world whose other ranks run
+  // model_parallel_ranks() ranks (tests: an in-process world whose other ranks run
   // RunModelParallelWorker); null: the process's MPI world. Not owned.
   dist::Communicator* model_parallel_communicator = nullptr;
   // KV selection tests: told what every layer's attention reads under the engine's KV selector

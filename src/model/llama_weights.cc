@@ -60,10 +60,15 @@ class WeightReader {
     return info;
   }
 
+  // While set, the Read* calls check and account for their tensors but read no data (a tensor of
+  // another rank's share: a mapped file's pages for it are never touched).
+  void set_skip_data(bool skip) { skip_data_ = skip; }
+
   // A 1-D tensor (norm weights, biases) as fp32, appended to `out` when `append`.
   Status ReadVector(const std::string& hf_name, const std::string& gguf_name, int64_t n, std::vector<float>& out,
                     bool append = false) const {
     KVFLOW_ASSIGN_OR_RETURN(const TensorInfo* info, Find(hf_name, gguf_name, {n}));
+    if (Skipped(*info)) return Status::Ok();
     const size_t first = append ? out.size() : 0;
     out.resize(first + static_cast<size_t>(n));
     KVFLOW_RETURN_IF_ERROR(DequantizeToF32(*info, out.data() + first));
@@ -75,6 +80,7 @@ class WeightReader {
   Status ReadRows(const std::string& hf_name, const std::string& gguf_name, int64_t rows, int64_t cols,
                   WeightMatrix& out, const std::function<void(WeightPart&)>& fix_rows = {}) const {
     KVFLOW_ASSIGN_OR_RETURN(const TensorInfo* info, Find(hf_name, gguf_name, {rows, cols}));
+    if (Skipped(*info)) return Status::Ok();
     KVFLOW_ASSIGN_OR_RETURN(WeightPart part, ReadWeightPart(*info, keep_quantized_));
     if (keep_quantized_ && part.dtype == DType::kF32 && DTypeBlockElements(info->dtype) > 1) {
       dequantized_formats_.insert(DTypeName(info->dtype));
@@ -91,6 +97,7 @@ class WeightReader {
   Status ReadExpertRows(const std::string& gguf_name, int64_t rows, int64_t cols, std::vector<WeightMatrix>& out) const {
     const int64_t experts = static_cast<int64_t>(out.size());
     KVFLOW_ASSIGN_OR_RETURN(const TensorInfo* info, Find(gguf_name, gguf_name, {experts, rows, cols}));
+    if (Skipped(*info)) return Status::Ok();
     KVFLOW_ASSIGN_OR_RETURN(WeightPart all, ReadWeightPart(*info, keep_quantized_));
     const size_t row_bytes = all.dtype == DType::kF32 ? sizeof(float) * cols : all.row_bytes(cols);
     const uint8_t* base = all.dtype == DType::kF32 ? reinterpret_cast<const uint8_t*>(all.f32.data()) : all.blocks.data();
@@ -121,6 +128,11 @@ class WeightReader {
   }
 
  private:
+  bool Skipped(const TensorInfo& info) const {
+    if (skip_data_) progress_.Advance(info.nbytes);
+    return skip_data_;
+  }
+
   static uint64_t TotalBytes(const TensorSource& source) {
     uint64_t total = 0;
     for (const std::string& name : source.Names()) total += source.Find(name)->nbytes;
@@ -130,6 +142,7 @@ class WeightReader {
   const TensorSource& source_;
   bool gguf_;
   bool keep_quantized_;
+  bool skip_data_ = false;
   mutable LoadProgress progress_;
   mutable std::unordered_set<std::string> used_;
   mutable std::set<std::string> dequantized_formats_;
@@ -344,7 +357,7 @@ Status CheckFamilyWeights(const ModelConfig& c, const LlamaWeights& w) {
 }
 
 Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelConfig& c, bool gguf_rope_permuted,
-                                      WeightFormat format) {
+                                      WeightFormat format, const WeightSelection& selection) {
   KVFLOW_RETURN_IF_ERROR(c.Validate());
   const bool gguf = source.Find("token_embd.weight") != nullptr;
   WeightReader r(source, gguf, format == WeightFormat::kKeepQuantized);
@@ -352,9 +365,18 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
   const int64_t q_rows = static_cast<int64_t>(c.num_heads) * D;
   const int64_t kv_rows = static_cast<int64_t>(c.num_kv_heads) * D;
 
+  const int first_layer = selection.first_layer;
+  const int end_layer = selection.num_layers < 0 ? c.num_layers : first_layer + selection.num_layers;
+  if (first_layer < 0 || end_layer > c.num_layers || first_layer >= end_layer) {
+    return Status::InvalidArgument("layers [" + std::to_string(first_layer) + ", " + std::to_string(end_layer) +
+                                   ") are not a run of the model's " + std::to_string(c.num_layers));
+  }
+  const bool untied = r.Has("lm_head.weight", "output.weight");
   const auto start = std::chrono::steady_clock::now();
   LlamaWeights w;
+  r.set_skip_data(!selection.embedding && !(selection.head && !untied));  // a tied head reads the embedding
   KVFLOW_RETURN_IF_ERROR(r.ReadRows("model.embed_tokens.weight", "token_embd.weight", V, H, w.embed));
+  r.set_skip_data(!selection.head);
   KVFLOW_RETURN_IF_ERROR(r.ReadVector("model.norm.weight", "output_norm.weight", H, w.final_norm));
   // Gemma's RMSNorms scale by (1 + w): HF checkpoints store w, llama.cpp's GGUFs 1 + w already.
   const bool norm_plus_one = c.architecture.starts_with("gemma") && !gguf;
@@ -364,7 +386,7 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
     }
   };
   plus_one(w.final_norm);
-  if (r.Has("lm_head.weight", "output.weight")) {
+  if (untied) {
     KVFLOW_RETURN_IF_ERROR(r.ReadRows("lm_head.weight", "output.weight", V, H, w.lm_head));
   } else if (!c.tie_word_embeddings) {
     return Status::NotFound("the config says embeddings are untied but there is no lm_head.weight in " +
@@ -382,11 +404,14 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
     return [&c, heads, H](WeightPart& part) { UnpermuteRopeRows(part, heads, c.head_dim, H); };
   };
   const bool fused = c.architecture == "phi3";
-  w.layers.resize(static_cast<size_t>(c.num_layers));
+  w.layers.reserve(static_cast<size_t>(end_layer - first_layer));
   for (int i = 0; i < c.num_layers; ++i) {
     const std::string hf = "model.layers." + std::to_string(i) + ".";
     const std::string gg = "blk." + std::to_string(i) + ".";
-    LlamaLayerWeights& l = w.layers[static_cast<size_t>(i)];
+    const bool selected = i >= first_layer && i < end_layer;
+    r.set_skip_data(!selected);
+    LlamaLayerWeights skipped;
+    LlamaLayerWeights& l = selected ? w.layers.emplace_back() : skipped;
     KVFLOW_RETURN_IF_ERROR(r.ReadVector(hf + "input_layernorm.weight", gg + "attn_norm.weight", H, l.attn_norm));
     plus_one(l.attn_norm);
     if (c.sandwich_norms) {
@@ -433,7 +458,9 @@ Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelCon
       plus_one(l.q_norm);  // Gemma-3's q/k norms are (1 + w) too
       plus_one(l.k_norm);
     }
+    if (selected && selection.per_layer) KVFLOW_RETURN_IF_ERROR(selection.per_layer(i, l));
   }
+  r.set_skip_data(false);
   if (const std::vector<std::string> unused = r.Unused(); !unused.empty()) {
     std::string names;
     for (size_t i = 0; i < unused.size() && i < 4; ++i) names += (i ? ", " : "") + unused[i];

@@ -2,6 +2,8 @@
 // with the matrices kept in the file's block quantization where the CPU kernels compute with it.
 #pragma once
 
+#include <functional>
+
 #include <vector>
 
 #include "kvflow/config.h"
@@ -75,7 +77,22 @@ enum class WeightFormat { kF32, kKeepQuantized };
 // Biases are read exactly when the config declares them: one it declares but the source lacks is
 // NotFound, one the source has but the config does not declare is Unsupported (as is every other
 // tensor the model would not use).
+//
+// `selection` loads one rank's share (tensor and pipeline parallelism): a run of the layers, the
+// embedding and the head where the rank needs them, each layer cut to its share as soon as it is
+// read. Every tensor's shape is still checked and accounted for; the others' data is never read
+// (from a mapped file, their pages are never touched), so a rank's memory holds its share and one
+// layer more.
+struct WeightSelection {
+  int first_layer = 0;
+  int num_layers = -1;   // -1: to the last layer
+  bool embedding = true;  // (read anyway where `head` reads it: tied embeddings)
+  bool head = true;       // the final norm and the LM head
+  // Applied to each selected layer (its index in the whole model) once it is read.
+  std::function<Status(int layer, LlamaLayerWeights& weights)> per_layer;
+};
 Result<LlamaWeights> LoadLlamaWeights(const TensorSource& source, const ModelConfig& config,
-                                      bool gguf_rope_permuted, WeightFormat format = WeightFormat::kF32);
+                                      bool gguf_rope_permuted, WeightFormat format = WeightFormat::kF32,
+                                      const WeightSelection& selection = {});
 
 }  // namespace kvflow

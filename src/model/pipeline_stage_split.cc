@@ -1,8 +1,6 @@
 #include "model/pipeline_stage_split.h"
 
-#include <iterator>
 #include <string>
-#include <utility>
 
 namespace kvflow {
 
@@ -30,19 +28,6 @@ ModelConfig StageConfig(const ModelConfig& config, const PipelineStageRange& ran
   c.first_layer = config.first_layer + range.first_layer;
   c.num_layers = range.num_layers;
   return c;
-}
-
-LlamaWeights StageWeights(LlamaWeights whole, const PipelineStageRange& range) {
-  LlamaWeights w;
-  auto first = whole.layers.begin() + range.first_layer;
-  w.layers.assign(std::make_move_iterator(first), std::make_move_iterator(first + range.num_layers));
-  const bool tied = whole.lm_head.empty();
-  if (range.first() || (range.last() && tied)) w.embed = std::move(whole.embed);
-  if (range.last()) {
-    w.final_norm = std::move(whole.final_norm);
-    w.lm_head = std::move(whole.lm_head);
-  }
-  return w;
 }
 
 }  // namespace kvflow

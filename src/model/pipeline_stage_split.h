@@ -1,12 +1,12 @@
 // Pipeline parallelism's split of one model into `stages` runs of consecutive layers, as vLLM's
 // get_pp_indices does: stage s holds its layers (the first stages one more each when the count does
 // not divide), the first stage the embedding, the last the final norm and the LM head (and the
-// embedding too when the head is tied to it).
+// embedding too when the head is tied to it): a rank loads that share alone (WeightSelection,
+// model/llama_weights.h).
 #pragma once
 
 #include "kvflow/config.h"
 #include "kvflow/status.h"
-#include "model/llama_weights.h"
 
 namespace kvflow {
 
@@ -26,8 +26,5 @@ PipelineStageRange StageOf(const ModelConfig& config, int stage, int stages);
 // The config stage `range` computes with: its layers (num_layers), numbered from
 // ModelConfig::first_layer so that per-layer patterns stay the whole model's.
 ModelConfig StageConfig(const ModelConfig& config, const PipelineStageRange& range);
-// Stage `range`'s weights of the whole model's `whole` (moved from it): its layers; the embedding
-// where the stage embeds or its head reads it (tied); the final norm and LM head on the last stage.
-LlamaWeights StageWeights(LlamaWeights whole, const PipelineStageRange& range);
 
 }  // namespace kvflow

@@ -73,9 +73,10 @@ std::vector<T> Gather(const std::vector<T>& v, const std::vector<std::pair<int64
 
 }  // namespace
 
-Result<LlamaWeights> ShardWeights(const LlamaWeights& full, const ModelConfig& config, const TensorShard& shard) {
+Result<LlamaLayerWeights> ShardLayer(const LlamaLayerWeights& in, const ModelConfig& config, const TensorShard& shard,
+                                     int layer) {
   if (shard.size == 1) {
-    return Status::InvalidArgument("ShardWeights with one rank: use the whole model");
+    return Status::InvalidArgument("ShardLayer with one rank: use the whole layer");
   }
   const int64_t d = config.head_dim, q_rows = int64_t{config.num_heads} * d, kv_rows = int64_t{config.num_kv_heads} * d;
   const int64_t F = config.intermediate_size;
@@ -85,38 +86,45 @@ Result<LlamaWeights> ShardWeights(const LlamaWeights& full, const ModelConfig& c
       {q_rows + kv_rows + shard.first_kv_head * d, shard.num_kv_heads * d}};
   const std::vector<std::pair<int64_t, int64_t>> gate_up = {{shard.first_ffn, shard.ffn_width},
                                                             {F + shard.first_ffn, shard.ffn_width}};
+  LlamaLayerWeights l;
+  l.attn_norm = in.attn_norm;
+  l.ffn_norm = in.ffn_norm;
+  l.post_attn_norm = in.post_attn_norm;
+  l.post_ffn_norm = in.post_ffn_norm;
+  l.q_norm = in.q_norm;
+  l.k_norm = in.k_norm;
+  l.wqkv = SliceRows(in.wqkv, qkv);
+  l.bqkv = Gather(in.bqkv, qkv);
+  l.w_gate_up = SliceRows(in.w_gate_up, gate_up);
+  l.b_gate_up = Gather(in.b_gate_up, gate_up);
+  const std::string where = "layer " + std::to_string(layer) + ": ";
+  auto wo = SliceColumns(in.wo, shard.first_head * d, shard.num_heads * d);
+  if (!wo.ok()) return Status::InvalidArgument(where + "o_proj: " + wo.status().message());
+  l.wo = std::move(wo).value();
+  auto down = SliceColumns(in.w_down, shard.first_ffn, shard.ffn_width);
+  if (!down.ok()) return Status::InvalidArgument(where + "down_proj: " + down.status().message());
+  l.w_down = std::move(down).value();
+  // The row-parallel biases join the sum once.
+  l.bo = in.bo;
+  l.b_down = in.b_down;
+  if (shard.rank != 0) {
+    std::fill(l.bo.begin(), l.bo.end(), 0.0f);
+    std::fill(l.b_down.begin(), l.b_down.end(), 0.0f);
+  }
+  return l;
+}
+
+Result<LlamaWeights> ShardWeights(const LlamaWeights& full, const ModelConfig& config, const TensorShard& shard) {
+  if (shard.size == 1) {
+    return Status::InvalidArgument("ShardWeights with one rank: use the whole model");
+  }
   LlamaWeights out;
   out.embed = full.embed;
   out.final_norm = full.final_norm;
   out.lm_head = full.lm_head;
   out.layers.reserve(full.layers.size());
   for (size_t i = 0; i < full.layers.size(); ++i) {
-    const LlamaLayerWeights& in = full.layers[i];
-    LlamaLayerWeights l;
-    l.attn_norm = in.attn_norm;
-    l.ffn_norm = in.ffn_norm;
-    l.post_attn_norm = in.post_attn_norm;
-    l.post_ffn_norm = in.post_ffn_norm;
-    l.q_norm = in.q_norm;
-    l.k_norm = in.k_norm;
-    l.wqkv = SliceRows(in.wqkv, qkv);
-    l.bqkv = Gather(in.bqkv, qkv);
-    l.w_gate_up = SliceRows(in.w_gate_up, gate_up);
-    l.b_gate_up = Gather(in.b_gate_up, gate_up);
-    const std::string where = "layer " + std::to_string(i) + ": ";
-    auto wo = SliceColumns(in.wo, shard.first_head * d, shard.num_heads * d);
-    if (!wo.ok()) return Status::InvalidArgument(where + "o_proj: " + wo.status().message());
-    l.wo = std::move(wo).value();
-    auto down = SliceColumns(in.w_down, shard.first_ffn, shard.ffn_width);
-    if (!down.ok()) return Status::InvalidArgument(where + "down_proj: " + down.status().message());
-    l.w_down = std::move(down).value();
-    // The row-parallel biases join the sum once.
-    l.bo = in.bo;
-    l.b_down = in.b_down;
-    if (shard.rank != 0) {
-      std::fill(l.bo.begin(), l.bo.end(), 0.0f);
-      std::fill(l.b_down.begin(), l.b_down.end(), 0.0f);
-    }
+    KVFLOW_ASSIGN_OR_RETURN(LlamaLayerWeights l, ShardLayer(full.layers[i], config, shard, static_cast<int>(i)));
     out.layers.push_back(std::move(l));
   }
   return out;

@@ -35,5 +35,9 @@ ModelConfig ShardConfig(const ModelConfig& config, const TensorShard& shard);
 // columns of wo / w_down; the o and down biases on rank 0 only (zeros elsewhere: added once to the
 // sum). Quantized matrices split along whole blocks (InvalidArgument naming the format otherwise).
 Result<LlamaWeights> ShardWeights(const LlamaWeights& full, const ModelConfig& config, const TensorShard& shard);
+// One layer's share (`layer`: its index, for errors); what ShardWeights does to each layer, for a
+// loader that cuts each layer as it reads it (WeightSelection::per_layer).
+Result<LlamaLayerWeights> ShardLayer(const LlamaLayerWeights& layer_weights, const ModelConfig& config,
+                                     const TensorShard& shard, int layer);
 
 }  // namespace kvflow

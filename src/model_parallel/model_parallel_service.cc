@@ -1,6 +1,7 @@
 #include "model_parallel/model_parallel_service.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdlib>
 #include <deque>
@@ -104,20 +105,27 @@ Status CheckGrid(const ModelConfig& config, int tp, int pp) {
 Result<std::unique_ptr<Backend>> CreateRankBackend(EngineConfig& config, bool max_model_len_requested,
                                                    const ModelFiles& files, const GridPosition& at) {
   KVFLOW_RETURN_IF_ERROR(CheckGrid(files.config, at.tp, at.pp));
-  KVFLOW_ASSIGN_OR_RETURN(LlamaWeights whole, LoadWeightsFor(files, config));
-  // The KV element follows the whole model's weights (a stage's alone could differ from another's).
-  if (config.kv_cache_dtype == "auto") config.kv_cache_dtype = whole.all_f32() ? "f32" : "f16";
   const PipelineStageRange range = StageOf(files.config, at.stage(), at.pp);
   const ModelConfig stage_config = StageConfig(files.config, range);
-  LlamaWeights stage = StageWeights(std::move(whole), range);  // only the stage's layers stay in memory
   const TensorShard shard = ShardOf(stage_config, at.tp_rank(), at.tp);
-  LlamaWeights mine;
+  // Only the rank's share is read: its stage's layers, each cut to its shard as soon as it is read,
+  // the embedding on the first stage and the head on the last.
+  WeightSelection selection;
+  selection.first_layer = range.first_layer;
+  selection.num_layers = range.num_layers;
+  selection.embedding = range.first();
+  selection.head = range.last();
   if (at.tp > 1) {
-    KVFLOW_ASSIGN_OR_RETURN(mine, ShardWeights(stage, stage_config, shard));
-  } else {
-    mine = std::move(stage);
+    selection.per_layer = [&](int layer, LlamaLayerWeights& weights) -> Status {
+      KVFLOW_ASSIGN_OR_RETURN(weights, ShardLayer(weights, stage_config, shard, layer));
+      return Status::Ok();
+    };
   }
-  stage = LlamaWeights{};
+  KVFLOW_ASSIGN_OR_RETURN(LlamaWeights mine, LoadWeightsFor(files, config, selection));
+  // The KV element follows the model's weights: a stage that holds no embedding must pick what the
+  // stages that do pick (the file's matrices share one storage class in practice; the hello check
+  // catches a mismatch).
+  if (config.kv_cache_dtype == "auto") config.kv_cache_dtype = mine.all_f32() ? "f32" : "f16";
   spdlog::info("model parallel rank {} ({}): layers [{}, {}), query heads [{}, {}), KV heads [{}, {}), MLP columns [{}, {})",
                at.rank, at.Describe(), range.first_layer, range.first_layer + range.num_layers, shard.first_head,
                shard.first_head + shard.num_heads, shard.first_kv_head, shard.first_kv_head + shard.num_kv_heads,
@@ -328,9 +336,11 @@ class WorkerMirror final : public StepMirror {
     for (ForwardBatch& mb : mbs) {
       ++stats_->microbatches;
       mb_rows.push_back(mb.num_logit_rows());
-      KVFLOW_RETURN_IF_ERROR(Broadcast(StepMessageKind::kForward, EncodeBatch(mb), timeout_s_));
+      KVFLOW_RETURN_IF_ERROR(PostBroadcast(StepMessageKind::kForward, EncodeBatch(mb)));
       for (SequenceSlice& s : mb.seqs) s.logits = LogitsMode::kNone;  // the last stage makes them
-      KVFLOW_RETURN_IF_ERROR(model.Forward(mb, no_logits_));
+      // The later stages have this micro-batch and wait for its residual stream: without it they
+      // cannot go on, so a failure here ends the job.
+      if (Status st = model.Forward(mb, no_logits_); !st.ok()) return MarkBroken(st, "running the first stage");
     }
     const int64_t vocab = model.backend().model_config().vocab_size;
     const int64_t rows = batch.num_logit_rows();
@@ -347,6 +357,7 @@ class WorkerMirror final : public StepMirror {
       row += mb_rows[k];
     }
     stats_->logits_wait_seconds += SecondsSince(wait_start);
+    if (st.ok()) st = FinishBroadcasts(timeout_s_);
     if (st.ok()) st = stage_->FinishSends();
     if (!st.ok()) return MarkBroken(st, "waiting for the last stage's logits");
     return Status::Ok();
@@ -362,28 +373,59 @@ class WorkerMirror final : public StepMirror {
     return broken_;
   }
 
-  Status Broadcast(StepMessageKind kind, const std::vector<int64_t>& words, double timeout_s) {
+  // A message to every worker, waited for before returning.
+  Status Broadcast(StepMessageKind kind, std::vector<int64_t> words, double timeout_s) {
+    KVFLOW_RETURN_IF_ERROR(PostBroadcast(kind, std::move(words)));
+    return FinishBroadcasts(timeout_s);
+  }
+
+  // Starts sending a message to every worker and returns: under pipeline parallelism rank 0 goes
+  // on with its own stage while the second stage, busy with the micro-batch before, has not yet
+  // posted the receive a large message waits for. FinishBroadcasts waits for them all.
+  Status PostBroadcast(StepMessageKind kind, std::vector<int64_t> words) {
     KVFLOW_RETURN_IF_ERROR(broken_);
     const auto start = Clock::now();
-    const int64_t header[2] = {static_cast<int64_t>(kind), static_cast<int64_t>(words.size())};
-    std::vector<dist::MessageHandle> sent;
+    Outgoing& m = outgoing_.emplace_back();
+    m.header = {static_cast<int64_t>(kind), static_cast<int64_t>(words.size())};
+    m.words = std::move(words);
     Status st = Status::Ok();
     for (int r = 0; r < world_.size() && st.ok(); ++r) {
       if (r == world_.rank()) continue;
-      auto h = world_.ISend(r, kHeaderTag, std::as_bytes(std::span<const int64_t>(header)));
-      if (h.ok()) sent.push_back(std::move(h).value());
-      if (h.ok() && !words.empty()) h = world_.ISend(r, kWordsTag, std::as_bytes(std::span<const int64_t>(words)));
-      if (h.ok() && !words.empty()) sent.push_back(std::move(h).value());
+      auto h = world_.ISend(r, kHeaderTag, std::as_bytes(std::span<const int64_t>(m.header)));
+      if (h.ok()) m.sent.push_back(std::move(h).value());
+      if (h.ok() && !m.words.empty()) h = world_.ISend(r, kWordsTag, std::as_bytes(std::span<const int64_t>(m.words)));
+      if (h.ok() && !m.words.empty()) m.sent.push_back(std::move(h).value());
       if (!h.ok()) st = h.status();
     }
-    for (dist::MessageHandle& h : sent) {
-      Status w = world_.Wait(std::move(h), timeout_s);
-      if (st.ok() && !w.ok()) st = w;
+    stats_->send_seconds += SecondsSince(start);
+    if (!st.ok()) {
+      (void)FinishBroadcasts(1.0);  // the handles posted so far are spent before the buffers go
+      return MarkBroken(st, "a worker rank died or hangs");
     }
+    return Status::Ok();
+  }
+
+  Status FinishBroadcasts(double timeout_s) {
+    const auto start = Clock::now();
+    Status st = Status::Ok();
+    for (Outgoing& m : outgoing_) {
+      for (dist::MessageHandle& h : m.sent) {
+        Status w = world_.Wait(std::move(h), timeout_s);
+        if (st.ok() && !w.ok()) st = w;
+      }
+    }
+    outgoing_.clear();
     stats_->send_seconds += SecondsSince(start);
     if (!st.ok()) return MarkBroken(st, "a worker rank died or hangs");
     return Status::Ok();
   }
+
+  // A message in flight to the workers, with the buffers its sends read.
+  struct Outgoing {
+    std::array<int64_t, 2> header{};
+    std::vector<int64_t> words;
+    std::vector<dist::MessageHandle> sent;
+  };
 
   Communicator& world_;
   std::unique_ptr<Communicator> group_;
@@ -394,6 +436,7 @@ class WorkerMirror final : public StepMirror {
   std::unique_ptr<AllReduceDeltaReducer> reducer_;
   std::unique_ptr<GridStage> stage_;
   std::vector<float> no_logits_;
+  std::deque<Outgoing> outgoing_;  // a deque: the sends read buffers that must not move
   Status broken_ = Status::Ok();
 };
 

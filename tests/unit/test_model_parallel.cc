@@ -404,44 +404,47 @@ TEST(TensorParallel, RefusesAWorkerOfAnotherModel) {
 // A worker that goes away mid-job: the driver's next steps fail their requests with an error that
 // says so (no hang, no wrong tokens), and the engine keeps answering.
 TEST(TensorParallel, AWorkerThatGoesAwayFailsTheRequestsClearly) {
-  EngineConfig c = TpConfig();
-  TpWorld world(2, c);
-  auto engine = DriverEngine(c, world.driver());
-  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-  EXPECT_EQ(test::GenerateAll(*engine.value(), {test::RandomTokens(12, 1, 256)}, test::Greedy(4), false)[0].size(), 4u);
-  int broken_reports = 0;
-  std::string broken_reason;
-  dist::SetJobBrokenHandler([&](const Status& why) {
-    ++broken_reports;
-    broken_reason = why.ToString();
-  });
-  world.rank(1).MarkGone();
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    Status error;
-    FinishReason reason = FinishReason::kNone;
-    auto id = engine.value()->AddRequest(test::RandomTokens(12, 2 + attempt, 256), test::Greedy(4),
-                                         [&](const StreamEvent& e) {
-                                           if (e.request_finished) {
-                                             reason = e.finish_reason;
-                                             error = e.error;
-                                           }
-                                         });
-    ASSERT_TRUE(id.ok());
-    while (engine.value()->HasUnfinishedRequests()) (void)engine.value()->Step();
-    EXPECT_EQ(reason, FinishReason::kError) << attempt;
-    EXPECT_NE(error.message().find("died or hangs"), std::string::npos) << error.ToString();
+  for (const bool pipeline : {false, true}) {
+    SCOPED_TRACE(pipeline ? "pipeline parallel 2" : "tensor parallel 2");
+    EngineConfig c = TpConfig();
+    if (pipeline) std::swap(c.tensor_parallel_size, c.pipeline_parallel_size);
+    TpWorld world(2, c);
+    auto engine = DriverEngine(c, world.driver());
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    EXPECT_EQ(test::GenerateAll(*engine.value(), {test::RandomTokens(12, 1, 256)}, test::Greedy(4), false)[0].size(), 4u);
+    int broken_reports = 0;
+    std::string broken_reason;
+    dist::SetJobBrokenHandler([&](const Status& why) {
+      ++broken_reports;
+      broken_reason = why.ToString();
+    });
+    world.rank(1).MarkGone();
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      Status error;
+      FinishReason reason = FinishReason::kNone;
+      auto id = engine.value()->AddRequest(test::RandomTokens(12, 2 + attempt, 256), test::Greedy(4),
+                                           [&](const StreamEvent& e) {
+                                             if (e.request_finished) {
+                                               reason = e.finish_reason;
+                                               error = e.error;
+                                             }
+                                           });
+      ASSERT_TRUE(id.ok());
+      while (engine.value()->HasUnfinishedRequests()) (void)engine.value()->Step();
+      EXPECT_EQ(reason, FinishReason::kError) << attempt;
+      EXPECT_NE(error.message().find("died or hangs"), std::string::npos) << error.ToString();
+    }
+    // The server's handler hears it once (it ends the job after failing what is in flight).
+    dist::SetJobBrokenHandler(nullptr);
+    EXPECT_EQ(broken_reports, 1);
+    EXPECT_NE(broken_reason.find("died or hangs"), std::string::npos) << broken_reason;
+    // The worker, still waiting on a driver that is now gone too, ends with an error, not a hang.
+    engine.value().reset();
+    world.rank(0).MarkGone();
+    world.Join();
+    EXPECT_EQ(world.result(1).code(), StatusCode::kUnavailable) << world.result(1).ToString();
   }
-  // The server's handler hears it once (it ends the job after failing what is in flight).
-  dist::SetJobBrokenHandler(nullptr);
-  EXPECT_EQ(broken_reports, 1);
-  EXPECT_NE(broken_reason.find("died or hangs"), std::string::npos) << broken_reason;
-  // The worker, still waiting on a driver that is now gone too, ends with an error, not a hang.
-  engine.value().reset();
-  world.rank(0).MarkGone();
-  world.Join();
-  EXPECT_EQ(world.result(1).code(), StatusCode::kUnavailable) << world.result(1).ToString();
 }
-
 
 // ---- pipeline parallelism -----------------------------------------------------------------------
 
@@ -502,6 +505,22 @@ float MaxDifference(const std::vector<float>& a, const std::vector<float>& b) {
   return worst;
 }
 
+// Stage `r`'s weights as a rank loads them: only its layers read, the embedding on the first stage,
+// the head on the last.
+LlamaWeights StageOnly(const ModelFiles& files, const PipelineStageRange& r) {
+  WeightSelection selection;
+  selection.first_layer = r.first_layer;
+  selection.num_layers = r.num_layers;
+  selection.embedding = r.first();
+  selection.head = r.last();
+  auto w = LoadLlamaWeights(*files.tensors, files.config, false, WeightFormat::kF32, selection);
+  EXPECT_TRUE(w.ok()) << w.status().ToString();
+  EXPECT_EQ(w->layers.size(), static_cast<size_t>(r.num_layers));
+  EXPECT_EQ(w->embed.empty(), !r.first() && !(r.last() && files.config.tie_word_embeddings));
+  EXPECT_EQ(w->final_norm.empty(), !r.last());
+  return std::move(w).value();
+}
+
 // The whole model's two steps against the same steps through `stages` stages run one after the
 // other (each stage's backend holds only its layers). Gemma-2's pattern of sliding and global
 // layers checks that a stage numbers its layers as the whole model does.
@@ -528,7 +547,7 @@ TEST(PipelineParallel, StagedForwardEqualsOneProcess) {
       ModelConfig sc = StageConfig(config, r);
       if (!renumber) sc.first_layer = 0;  // the mutation: every stage numbers its layers from 0
       KvCacheLayout l{sc.num_layers, 8, sc.num_kv_heads, 16, sc.head_dim};
-      backends.push_back(CpuBackend::Create(sc, StageWeights(LlamaWeights(whole.value()), r), l, 0, 1).value());
+      backends.push_back(CpuBackend::Create(sc, StageOnly(*files, r), l, 0, 1).value());
       seams.push_back(std::make_unique<LocalStage>(r.first(), r.last(), handoff));
       models.push_back(std::make_unique<LlamaModel>(*backends.back()));
       models.back()->set_pipeline_stage(seams.back().get());
@@ -550,12 +569,10 @@ TEST(PipelineParallel, AStageBeforeTheLastMakesNoLogits) {
   auto files = MakeTinyRandomModel(0x6b76666c6f77, 4, false);
   ASSERT_TRUE(files.ok());
   const ModelConfig& config = files->config;
-  auto whole = LoadLlamaWeights(*files->tensors, config, false);
-  ASSERT_TRUE(whole.ok());
   const PipelineStageRange r = StageOf(config, 0, 2);
   const ModelConfig sc = StageConfig(config, r);
   KvCacheLayout l{sc.num_layers, 8, sc.num_kv_heads, 16, sc.head_dim};
-  auto backend = CpuBackend::Create(sc, StageWeights(std::move(whole).value(), r), l, 0, 1).value();
+  auto backend = CpuBackend::Create(sc, StageOnly(*files, r), l, 0, 1).value();
   LlamaModel model(*backend);
   ForwardBatch batch;
   batch.tokens = {1, 2, 3};
