@@ -39,7 +39,7 @@ MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "OMPI_MCA_btl": "self,vader", "OMPI_MCA_btl_vader_single_copy_mechanism": "none"}
 
 
-def bench(cli, model, tp, pp, threads, batch, depth, n, repeats):
+def bench(cli, model, tp, pp, microbatches, threads, batch, depth, n, repeats):
     ranks = tp * pp
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
@@ -47,7 +47,8 @@ def bench(cli, model, tp, pp, threads, batch, depth, n, repeats):
            "-r", str(repeats), "--json", path]
     if ranks > 1:
         cmd = ["mpirun", "-np", str(ranks), "--oversubscribe"] + cmd + ["--tensor-parallel-size", str(tp),
-                                                                         "--pipeline-parallel-size", str(pp)]
+                                                                         "--pipeline-parallel-size", str(pp),
+                                                                         "--pipeline-microbatches", str(microbatches)]
     try:
         run(cmd, what=f"kvflow bench ({ranks} rank(s), batch {batch})", env={**os.environ, **MPI_ENV}, timeout=1800)
         row = json.load(open(path))["results"][0]
@@ -78,20 +79,27 @@ def main():
         os.makedirs(os.path.dirname(model), exist_ok=True)
         log(f"writing the random-weight model to {rel(model)}")
         write_model(model, SHAPE)
-    configs = [("1 rank x 2 threads", 1, 1, 2), ("TP=2 x 1 thread", 2, 1, 1), ("PP=2 x 1 thread", 1, 2, 1)]
+    # (name, tp, pp, micro-batches a step (0: pp), threads a rank)
+    configs = [("1 rank x 2 threads", 1, 1, 0, 2), ("TP=2 x 1 thread", 2, 1, 0, 1), ("PP=2 x 1 thread", 1, 2, 0, 1),
+               ("PP=2 x 1 thread, 4 micro-batches", 1, 2, 4, 1)]
     batches = [int(b) for b in args.batches.split(",")]
     results = {name: {b: [] for b in batches} for name, *_ in configs}
     for r in range(args.rounds):
         for batch in batches:
-            for name, tp, pp, threads in configs:
+            for name, tp, pp, mbs, threads in configs:
+                if batch == 1 and mbs:
+                    continue  # a batch of one sequence is never cut
                 log(f"round {r + 1}: {name}, batch {batch}")
-                results[name][batch].append(bench(args.cli, model, tp, pp, threads, batch, args.depth,
+                results[name][batch].append(bench(args.cli, model, tp, pp, mbs, threads, batch, args.depth,
                                                   args.decode_tokens, args.repeats))
     rows = []
     for batch in batches:
-        for name, tp, pp, threads in configs:
+        for name, tp, pp, mbs, threads in configs:
             rounds = results[name][batch]
+            if not rounds:
+                continue
             rows.append({"config": name, "ranks": tp * pp, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                         "pipeline_microbatches": mbs or pp,
                          "threads_per_rank": threads, "batch": batch,
                          "decode_tok_s": statistics.median(x["decode_tok_s"] for x in rounds),
                          "ttft_s": statistics.median(x["ttft_s"] for x in rounds),
@@ -104,8 +112,8 @@ def main():
             if r["batch"] == batch:
                 r["decode_vs_single"] = r["decode_tok_s"] / single["decode_tok_s"]
                 r["ttft_vs_single"] = r["ttft_s"] / single["ttft_s"]
-    doc = {"what": "tensor and pipeline parallelism's overhead: 1 rank x 2 threads vs TP=2 and PP=2 x 1 thread "
-                   "(mpirun), measured",
+    doc = {"what": "tensor and pipeline parallelism's overhead: 1 rank x 2 threads vs TP=2 and PP=2 (2 and 4 "
+                   "micro-batches a step) x 1 thread (mpirun), measured",
            "model": {"path": rel(model), "shape": SHAPE, "weights": "random, fp16 GGUF"},
            "depth": args.depth, "decode_tokens": args.decode_tokens, "repeats": args.repeats, "rounds": args.rounds,
            "device": device_info(), "rows": rows, "provenance": provenance(per_run_figures="rows[].rounds")}
@@ -135,10 +143,12 @@ def write_markdown(doc, path):
         f.write("\nTTFT is batch 1's prefill; at batch 32 it is the whole batch's prefill time. Communication is rank 0's "
                 "time in the layers' all-reduces (which includes waiting for the slower rank) and in sending each "
                 "step's batch (and, under PP, the residual stream to the second stage). Under PP rank 0 also waits for "
-                "the last stage's logits: the part of the second stage's time its own layers did not overlap (with "
-                "2 micro-batches a step, at best half of it; a batch of 1 cannot be cut, so none overlaps). Two ranks "
-                "on two cores do the same arithmetic as one rank of two threads, plus the communication: the ratio is "
-                "the overhead, not a speed-up.\n")
+                "the last stage's logits: the second stage's time its own layers did not overlap. With M "
+                "micro-batches a step over 2 stages each stage is busy M of the M + 1 slots of a step (GPipe's bubble: "
+                "at best 0.67x of one rank at M = 2, 0.8x at M = 4, less the LM head that only the last stage runs); a "
+                "batch of 1 cannot be cut, so nothing overlaps (0.5x at best). Two ranks on two cores do the same "
+                "arithmetic as one rank of two threads, plus the communication: the ratio is the overhead, not a "
+                "speed-up.\n")
 
 
 if __name__ == "__main__":

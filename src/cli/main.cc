@@ -1,6 +1,7 @@
 // `kvflow` command line: generate text, measure perplexity or speed, inspect a model.
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -44,6 +45,19 @@ struct GenerateOptions {
   bool show_logprobs = false;
 };
 
+// Under mpirun with --tensor-parallel-size / --pipeline-parallel-size, every rank but rank 0 runs
+// its share of each step: the exit code of a process that was such a worker, nullopt on rank 0
+// (and whenever the model is whole).
+std::optional<int> RunAsModelParallelWorker(const kvflow::EngineConfig& config) {
+  auto worker = kvflow::mp::RunModelParallelWorkerIfNotDriver(config);
+  if (!worker.ok()) {
+    spdlog::error("{}", worker.status().ToString());
+    return 1;
+  }
+  if (worker.value()) return 0;
+  return std::nullopt;
+}
+
 int RunGenerate(GenerateOptions& opt) {
   // Under mpirun with --prefill-parallel, every rank but the last is a prefill worker.
   auto worker = kvflow::dist::RunPrefillWorkerIfNotLastRank(opt.engine);
@@ -52,14 +66,7 @@ int RunGenerate(GenerateOptions& opt) {
     return 1;
   }
   if (worker.value()) return 0;
-  // Under mpirun with --tensor-parallel-size / --pipeline-parallel-size, every rank but rank 0 runs
-  // its share of each step.
-  auto split_worker = kvflow::mp::RunModelParallelWorkerIfNotDriver(opt.engine);
-  if (!split_worker.ok()) {
-    spdlog::error("{}", split_worker.status().ToString());
-    return 1;
-  }
-  if (split_worker.value()) return 0;
+  if (auto exit_code = RunAsModelParallelWorker(opt.engine)) return *exit_code;
   auto engine_or = kvflow::Engine::Create(opt.engine);
   if (!engine_or.ok()) {
     spdlog::error("{}", engine_or.status().ToString());
@@ -194,9 +201,11 @@ int RunPerplexity(PerplexityCliOptions& opt) {
     opt.engine.max_num_batched_tokens = 1;
     opt.windows_in_flight = 1;
   }
+  if (auto exit_code = RunAsModelParallelWorker(opt.engine)) return *exit_code;
   auto engine_or = kvflow::Engine::Create(opt.engine);
   if (!engine_or.ok()) {
     spdlog::error("{}", engine_or.status().ToString());
+    if (opt.engine.model_parallel_ranks() > 1) kvflow::dist::AbortJob(1);  // the workers wait for rank 0
     return 1;
   }
   auto& engine = *engine_or.value();
@@ -369,14 +378,7 @@ int RunBench(BenchCliOptions& opt) {
   // The whole batch's prompts prefill in one step (as llama-bench's -p), so no decode step mixes
   // with a prefill chunk and each is timed as what it is.
   opt.engine.max_num_batched_tokens = std::max(opt.engine.max_num_batched_tokens, opt.batch * std::max(1, deepest));
-  // Under mpirun with --tensor-parallel-size / --pipeline-parallel-size, every rank but rank 0 runs
-  // its share of each step.
-  auto split_worker = kvflow::mp::RunModelParallelWorkerIfNotDriver(opt.engine);
-  if (!split_worker.ok()) {
-    spdlog::error("{}", split_worker.status().ToString());
-    return 1;
-  }
-  if (split_worker.value()) return 0;
+  if (auto exit_code = RunAsModelParallelWorker(opt.engine)) return *exit_code;
   auto engine_or = kvflow::Engine::Create(opt.engine);
   if (!engine_or.ok()) {
     spdlog::error("{}", engine_or.status().ToString());

@@ -51,7 +51,7 @@ def bundle(tmp_path_factory):
         pytest.skip(f"no kvflow_gpu_* binaries in {BUILD} (a build without CUDA)")
     d = tmp_path_factory.mktemp("bundle") / "gpu-session"
     p = subprocess.run(["bash", str(PREPARE), "--no-build", "--no-wheels", "--build-dir", str(BUILD), "--out", str(d),
-                        "--jobs", "2"],
+                        "--jobs", "2", "--fast-xz"],
                        capture_output=True, text=True, timeout=900, cwd=REPO)
     print(p.stdout[-3000:], p.stderr[-3000:])
     assert p.returncode == 0, p.stderr
@@ -117,7 +117,7 @@ def test_hung_test_is_cut_at_its_cap_and_the_rest_runs(tmp_path, bundle):
 
 def test_hang_past_the_deadline_leaves_a_complete_summary(tmp_path, bundle):
     d, _ = bundle
-    deadline = 40
+    deadline = 25
     p, summary, secs, out = run_session(tmp_path, "--force", "--bundle", str(d), "--deadline", str(deadline),
                                         "--cap", "kernel_test=1000", "--cap", "kernels=1000",
                                         env={"KVFLOW_GPU_SESSION_HANG": "activation"})
