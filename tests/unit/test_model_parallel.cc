@@ -389,38 +389,50 @@ Result<std::unique_ptr<EvaluationEngine>> DriverEngine(const EngineConfig& c, Co
   return CreateEvaluationEngine(c, options);
 }
 
-TEST(TensorParallel, EngineOutputsEqualOneProcessUnderEveryMemorySetup) {
+// An engine whose model is split tp x pp over in-process ranks against one process: greedy, then
+// seeded sampling with two samples a request (parallel sampling forks blocks).
+void ExpectSplitEngineEqualsOneProcess(const test::EngineSetup& setup, int tp, int pp) {
   std::vector<std::vector<int32_t>> prompts;
   for (int i = 0; i < 6; ++i) prompts.push_back(test::RandomTokens(20 + 7 * i, 50 + i, 256));
   prompts.push_back(prompts[0]);  // a shared prefix for the prefix cache
+  EngineConfig single = setup.config;
+  single.model = "tiny-random";
+  single.num_threads = 1;
+  EngineConfig split = single;
+  split.tensor_parallel_size = tp;
+  split.pipeline_parallel_size = pp;
+  auto reference = CreateEvaluationEngine(single, {});
+  ASSERT_TRUE(reference.ok()) << reference.status().ToString();
+  TpWorld world(tp * pp, split);
+  auto engine = DriverEngine(split, world.driver());
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  EXPECT_EQ(test::GenerateAll(*engine.value(), prompts, test::Greedy(90), false),
+            test::GenerateAll(*reference.value(), prompts, test::Greedy(90), false));
+  SamplingParams sampled;
+  sampled.temperature = 0.8f;
+  sampled.max_tokens = 40;
+  sampled.ignore_eos = true;
+  sampled.n = 2;
+  EXPECT_EQ(test::GenerateAll(*engine.value(), prompts, sampled, true),
+            test::GenerateAll(*reference.value(), prompts, sampled, true));
+  const EngineStats stats = engine.value()->stats();
+  if (std::string(setup.name) == "swap") EXPECT_GT(stats.num_preemptions_swap, 0);
+  if (std::string(setup.name) == "recompute") EXPECT_GT(stats.num_preemptions - stats.num_preemptions_swap, 0);
+  EXPECT_EQ(stats.model_parallel.tensor_parallel_size, tp);
+  EXPECT_EQ(stats.model_parallel.pipeline_parallel_size, pp);
+  if (pp > 1) {
+    EXPECT_GT(stats.model_parallel.microbatches, stats.model_parallel.steps) << "batches of several sequences split";
+    EXPECT_GT(stats.model_parallel.residual_bytes, 0);
+  }
+  engine.value().reset();  // tells the workers to stop
+  world.Join();
+  for (int r = 1; r < tp * pp; ++r) EXPECT_TRUE(world.result(r).ok()) << r << ": " << world.result(r).ToString();
+}
+
+TEST(TensorParallel, EngineOutputsEqualOneProcessUnderEveryMemorySetup) {
   for (const test::EngineSetup& setup : test::EngineSetups()) {
     SCOPED_TRACE(setup.name);
-    EngineConfig single = setup.config;
-    single.model = "tiny-random";
-    single.num_threads = 1;
-    EngineConfig tp = single;
-    tp.tensor_parallel_size = 2;
-    auto reference = CreateEvaluationEngine(single, {});
-    ASSERT_TRUE(reference.ok()) << reference.status().ToString();
-    TpWorld world(2, tp);
-    auto engine = DriverEngine(tp, world.driver());
-    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-    // Greedy, then seeded sampling with two samples a request (parallel sampling forks blocks).
-    EXPECT_EQ(test::GenerateAll(*engine.value(), prompts, test::Greedy(90), false),
-              test::GenerateAll(*reference.value(), prompts, test::Greedy(90), false));
-    SamplingParams sampled;
-    sampled.temperature = 0.8f;
-    sampled.max_tokens = 40;
-    sampled.ignore_eos = true;
-    sampled.n = 2;
-    EXPECT_EQ(test::GenerateAll(*engine.value(), prompts, sampled, true),
-              test::GenerateAll(*reference.value(), prompts, sampled, true));
-    const EngineStats stats = engine.value()->stats();
-    if (std::string(setup.name) == "swap") EXPECT_GT(stats.num_preemptions_swap, 0);
-    if (std::string(setup.name) == "recompute") EXPECT_GT(stats.num_preemptions - stats.num_preemptions_swap, 0);
-    engine.value().reset();  // tells the worker to stop
-    world.Join();
-    EXPECT_TRUE(world.result(1).ok()) << world.result(1).ToString();
+    ExpectSplitEngineEqualsOneProcess(setup, 2, 1);
   }
 }
 
@@ -754,43 +766,6 @@ TEST(SubgroupCommunicator, SumsWithinEachGroupOnly) {
   EXPECT_FALSE(dist::SubgroupCommunicator::Create(*world[0], {1, 2}, 0).ok()) << "a rank outside its group";
   EXPECT_FALSE(dist::SubgroupCommunicator::Create(*world[0], {0, 0}, 0).ok()) << "a rank twice";
   EXPECT_FALSE(dist::SubgroupCommunicator::Create(*world[0], {0, 7}, 0).ok()) << "a rank outside the world";
-}
-
-// Engines over in-process ranks against one process, as TensorParallel.Engine... does, for PP=2
-// under every memory setup and TP=2 x PP=2 under the default one.
-void ExpectSplitEngineEqualsOneProcess(const test::EngineSetup& setup, int tp, int pp) {
-  std::vector<std::vector<int32_t>> prompts;
-  for (int i = 0; i < 6; ++i) prompts.push_back(test::RandomTokens(20 + 7 * i, 50 + i, 256));
-  prompts.push_back(prompts[0]);  // a shared prefix for the prefix cache
-  EngineConfig single = setup.config;
-  single.model = "tiny-random";
-  single.num_threads = 1;
-  EngineConfig split = single;
-  split.tensor_parallel_size = tp;
-  split.pipeline_parallel_size = pp;
-  auto reference = CreateEvaluationEngine(single, {});
-  ASSERT_TRUE(reference.ok()) << reference.status().ToString();
-  TpWorld world(tp * pp, split);
-  auto engine = DriverEngine(split, world.driver());
-  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-  EXPECT_EQ(test::GenerateAll(*engine.value(), prompts, test::Greedy(90), false),
-            test::GenerateAll(*reference.value(), prompts, test::Greedy(90), false));
-  SamplingParams sampled;
-  sampled.temperature = 0.8f;
-  sampled.max_tokens = 40;
-  sampled.ignore_eos = true;
-  sampled.n = 2;
-  EXPECT_EQ(test::GenerateAll(*engine.value(), prompts, sampled, true),
-            test::GenerateAll(*reference.value(), prompts, sampled, true));
-  const EngineStats stats = engine.value()->stats();
-  if (std::string(setup.name) == "swap") EXPECT_GT(stats.num_preemptions_swap, 0);
-  if (std::string(setup.name) == "recompute") EXPECT_GT(stats.num_preemptions - stats.num_preemptions_swap, 0);
-  EXPECT_EQ(stats.model_parallel.pipeline_parallel_size, pp);
-  EXPECT_GT(stats.model_parallel.microbatches, stats.model_parallel.steps) << "batches of several sequences split";
-  EXPECT_GT(stats.model_parallel.residual_bytes, 0);
-  engine.value().reset();  // tells the workers to stop
-  world.Join();
-  for (int r = 1; r < tp * pp; ++r) EXPECT_TRUE(world.result(r).ok()) << r << ": " << world.result(r).ToString();
 }
 
 TEST(PipelineParallel, EngineOutputsEqualOneProcessUnderEveryMemorySetup) {
