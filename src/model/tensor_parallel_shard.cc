@@ -114,20 +114,4 @@ Result<LlamaLayerWeights> ShardLayer(const LlamaLayerWeights& in, const ModelCon
   return l;
 }
 
-Result<LlamaWeights> ShardWeights(const LlamaWeights& full, const ModelConfig& config, const TensorShard& shard) {
-  if (shard.size == 1) {
-    return Status::InvalidArgument("ShardWeights with one rank: use the whole model");
-  }
-  LlamaWeights out;
-  out.embed = full.embed;
-  out.final_norm = full.final_norm;
-  out.lm_head = full.lm_head;
-  out.layers.reserve(full.layers.size());
-  for (size_t i = 0; i < full.layers.size(); ++i) {
-    KVFLOW_ASSIGN_OR_RETURN(LlamaLayerWeights l, ShardLayer(full.layers[i], config, shard, static_cast<int>(i)));
-    out.layers.push_back(std::move(l));
-  }
-  return out;
-}
-
 }  // namespace kvflow

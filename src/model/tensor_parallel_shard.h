@@ -31,12 +31,11 @@ Status CheckTensorParallelSplit(const ModelConfig& config, int size);
 TensorShard ShardOf(const ModelConfig& config, int rank, int size);
 // The config rank `shard` computes with: its head counts and MLP width (head_dim kept).
 ModelConfig ShardConfig(const ModelConfig& config, const TensorShard& shard);
-// Rank `shard`'s weights of the whole model's `full`: rows of wqkv / w_gate_up (and their biases),
-// columns of wo / w_down; the o and down biases on rank 0 only (zeros elsewhere: added once to the
-// sum). Quantized matrices split along whole blocks (InvalidArgument naming the format otherwise).
-Result<LlamaWeights> ShardWeights(const LlamaWeights& full, const ModelConfig& config, const TensorShard& shard);
-// One layer's share (`layer`: its index, for errors); what ShardWeights does to each layer, for a
-// loader that cuts each layer as it reads it (WeightSelection::per_layer).
+// One layer's share of the whole model's layer `layer_weights` (`layer`: its index, for errors):
+// rows of wqkv / w_gate_up (and their biases), columns of wo / w_down; the o and down biases on
+// rank 0 only (zeros elsewhere: added once to the sum). Quantized matrices split along whole
+// blocks (InvalidArgument naming the format otherwise). A loader applies it to each layer as it
+// reads it (WeightSelection::per_layer), so only the share stays in memory.
 Result<LlamaLayerWeights> ShardLayer(const LlamaLayerWeights& layer_weights, const ModelConfig& config,
                                      const TensorShard& shard, int layer);
 

@@ -122,10 +122,6 @@ Result<std::unique_ptr<Backend>> CreateRankBackend(EngineConfig& config, bool ma
     };
   }
   KVFLOW_ASSIGN_OR_RETURN(LlamaWeights mine, LoadWeightsFor(files, config, selection));
-  // The KV element follows the model's weights: a stage that holds no embedding must pick what the
-  // stages that do pick (the file's matrices share one storage class in practice; the hello check
-  // catches a mismatch).
-  if (config.kv_cache_dtype == "auto") config.kv_cache_dtype = mine.all_f32() ? "f32" : "f16";
   spdlog::info("model parallel rank {} ({}): layers [{}, {}), query heads [{}, {}), KV heads [{}, {}), MLP columns [{}, {})",
                at.rank, at.Describe(), range.first_layer, range.first_layer + range.num_layers, shard.first_head,
                shard.first_head + shard.num_heads, shard.first_kv_head, shard.first_kv_head + shard.num_kv_heads,

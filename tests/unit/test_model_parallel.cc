@@ -224,13 +224,22 @@ std::vector<float> TwoStepsThrough(std::vector<std::unique_ptr<LlamaModel>>& sta
   return out;
 }
 
-std::unique_ptr<Backend> ShardBackend(const ModelConfig& config, const LlamaWeights& whole, int rank, int size) {
+// Rank `rank` of `size`'s backend, its weights loaded as a rank loads them: each layer cut to its
+// shard as it is read (WeightSelection::per_layer).
+std::unique_ptr<Backend> ShardBackend(const ModelFiles& files, int rank, int size,
+                                      WeightFormat format = WeightFormat::kF32) {
+  const ModelConfig& config = files.config;
   const TensorShard shard = ShardOf(config, rank, size);
-  auto mine = ShardWeights(whole, config, shard);
+  WeightSelection selection;
+  selection.per_layer = [&](int layer, LlamaLayerWeights& weights) -> Status {
+    KVFLOW_ASSIGN_OR_RETURN(weights, ShardLayer(weights, config, shard, layer));
+    return Status::Ok();
+  };
+  auto mine = LoadLlamaWeights(*files.tensors, config, files.gguf_rope_permuted, format, selection);
   EXPECT_TRUE(mine.ok()) << mine.status().ToString();
   const ModelConfig sc = ShardConfig(config, shard);
   KvCacheLayout layout{sc.num_layers, 8, sc.num_kv_heads, 16, sc.head_dim};
-  return CpuBackend::Create(sc, std::move(mine).value(), layout, 0, 1).value();
+  return CpuBackend::Create(sc, std::move(mine).value(), layout, 0, 1, cpu::KvElement::kF32).value();
 }
 
 TEST(TensorParallel, ShardedForwardEqualsOneProcess) {
@@ -243,20 +252,21 @@ TEST(TensorParallel, ShardedForwardEqualsOneProcess) {
     ASSERT_TRUE(whole.ok());
     ASSERT_TRUE(CheckTensorParallelSplit(config, 2).ok());
     KvCacheLayout layout{config.num_layers, 8, config.num_kv_heads, 16, config.head_dim};
-    auto one = CpuBackend::Create(config, LlamaWeights(whole.value()), layout, 0, 1).value();
+    auto one = CpuBackend::Create(config, std::move(whole).value(), layout, 0, 1).value();
     LlamaModel one_model(*one);
     const std::vector<float> expected = TwoSteps(one_model, true);
 
     auto comms = InProcessWorld::Create(2);
     std::vector<float> got, worker_rows;
+    auto worker_backend = ShardBackend(*files, 1, 2);
     std::thread worker([&] {
-      auto backend = ShardBackend(config, whole.value(), 1, 2);
+      auto& backend = worker_backend;
       TestReducer reducer(*comms[1]);
       LlamaModel model(*backend);
       model.set_delta_reducer(&reducer);
       worker_rows = TwoSteps(model, false);
     });
-    auto backend = ShardBackend(config, whole.value(), 0, 2);
+    auto backend = ShardBackend(*files, 0, 2);
     TestReducer reducer(*comms[0]);
     LlamaModel model(*backend);
     model.set_delta_reducer(&reducer);
@@ -303,15 +313,12 @@ TEST(TensorParallel, QuantizedShardsStayWithinTheActivationQuantizationsNoise) {
   ASSERT_FALSE(whole->all_f32());
   auto comms = InProcessWorld::Create(3);
   std::vector<std::vector<float>> got(3);
+  std::vector<std::unique_ptr<Backend>> backends;
+  for (int r = 0; r < 3; ++r) backends.push_back(ShardBackend(*files, r, 3, WeightFormat::kKeepQuantized));
   std::vector<std::thread> ranks;
   for (int r = 0; r < 3; ++r) {
     ranks.emplace_back([&, r] {
-      const TensorShard shard = ShardOf(config, r, 3);
-      auto mine = ShardWeights(whole.value(), config, shard);
-      ASSERT_TRUE(mine.ok()) << mine.status().ToString();
-      const ModelConfig sc = ShardConfig(config, shard);
-      KvCacheLayout l{sc.num_layers, 8, sc.num_kv_heads, 16, sc.head_dim};
-      auto backend = CpuBackend::Create(sc, std::move(mine).value(), l, 0, 1, cpu::KvElement::kF32).value();
+      Backend* backend = backends[r].get();
       TestReducer reducer(*comms[r]);
       LlamaModel model(*backend);
       model.set_delta_reducer(&reducer);
