@@ -9,7 +9,8 @@ it, and by `kvflow chat-template`. The outputs must be equal; where jinja2 fails
 raise_exception, or an error the conversation provokes) kvflow must fail too, with the same message
 for raise_exception.
 
-  chat_template_reference.py --cli build/kvflow [--templates DIR] [--only NAME]
+  chat_template_reference.py --cli build/kvflow --dump-bin build/tests/kvflow_chat_template_dump
+      [--templates DIR] [--only NAME]
 Exits 77 (ctest: skipped) when the templates or jinja2 are absent.
 """
 import argparse
@@ -110,6 +111,7 @@ def jinja_env():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cli", required=True)
+    ap.add_argument("--dump-bin", required=True, help="kvflow_chat_template_dump (every case in one process)")
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--templates", default=os.path.join(here, "..", "..", "..", "shared", "datasets", "chat_templates"))
     ap.add_argument("--only", default="")
@@ -123,62 +125,99 @@ def main():
         print("SKIP: jinja2 is not installed (tools/install-deps --python)")
         return SKIP
     names = sorted(n for n in os.listdir(args.templates) if n.endswith(".jinja") and args.only in n)
-    total = mismatches = rendered = 0
+    cases = []  # (label, case for the dump tool, expected text or None, raised, failed)
+    for name in names:
+        path = os.path.join(args.templates, name)
+        source = open(path, encoding="utf-8").read()
+        compiled = env.from_string(source)
+        for conv, (messages, tools) in CONVERSATIONS.items():
+            # enable_thinking only where the template reads it (it changes nothing elsewhere).
+            kwarg_sets = ({}, {"enable_thinking": False}) if "enable_thinking" in source else ({},)
+            for add_generation_prompt in (True, False):
+                for kwargs in kwarg_sets:
+                    if "firefunction" in name:  # its template reads the tools as `functions`
+                        kwargs = dict(kwargs, functions=json.dumps([t["function"] for t in tools or []], indent=2))
+                    ctx = dict(messages=as_templates_see_them(messages), tools=tools,
+                               add_generation_prompt=add_generation_prompt,
+                               bos_token="<s>", eos_token="</s>", **kwargs)
+                    expected = raised = failed = None
+                    try:
+                        expected = compiled.render(**ctx)
+                    except jinja2.exceptions.UndefinedError as e:
+                        failed = str(e)
+                    except jinja2.exceptions.TemplateError as e:
+                        raised = str(e)
+                    except Exception as e:  # a Python error the conversation provokes in the template
+                        failed = f"{type(e).__name__}: {e}"
+                    case = {"template": path, "messages": messages, "tools": tools, "kwargs": kwargs,
+                            "add_generation_prompt": add_generation_prompt, "bos_token": "<s>", "eos_token": "</s>"}
+                    label = f"{name} / {conv} / add_generation_prompt={add_generation_prompt} {kwargs}"
+                    cases.append((label, case, expected, raised, failed))
+
+    lines = "".join(json.dumps(c[1], ensure_ascii=False) + "\n" for c in cases)
+    out = subprocess.run([args.dump_bin], input=lines.encode("utf-8"), capture_output=True)
+    if out.returncode != 0:
+        print(f"FAIL: {args.dump_bin} exited {out.returncode}: {out.stderr.decode('utf-8', 'replace')[-800:]}")
+        return 1
+    results = [json.loads(line) for line in out.stdout.decode("utf-8").splitlines()]
+    if len(results) != len(cases):
+        print(f"FAIL: {len(cases)} cases, {len(results)} results")
+        return 1
+
+    mismatches = rendered = 0
+    for (label, _, expected, raised, failed), got in zip(cases, results):
+        if raised is not None:
+            ok = not got["ok"] and raised in got["error"]
+            what = f"raise_exception({raised!r})"
+        elif failed is not None:
+            ok = not got["ok"]
+            what = f"jinja2 failed: {failed}"
+        else:
+            ok = got["ok"] and got["text"] == expected
+            rendered += ok
+            what = expected
+        if not ok:
+            mismatches += 1
+            if mismatches <= 5:
+                print(f"MISMATCH {label}")
+                print(f"  jinja2: {what[:800]!r}\n  kvflow: {got.get('text', '')[:800]!r} {got.get('error', '')[-400:]!r}")
+
+    # `kvflow chat-template` renders as the dump tool does: the first case of each template and every
+    # refused case of the first template that refuses, through the CLI.
+    cli_checked = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            path = os.path.join(args.templates, name)
-            source = open(path, encoding="utf-8").read()
-            compiled = env.from_string(source)
-            for conv, (messages, tools) in CONVERSATIONS.items():
-                # enable_thinking only where the template reads it (it changes nothing elsewhere).
-                kwarg_sets = ({}, {"enable_thinking": False}) if "enable_thinking" in source else ({},)
-                for add_generation_prompt in (True, False):
-                    for kwargs in kwarg_sets:
-                        if "firefunction" in name:  # its template reads the tools as `functions`
-                            kwargs = dict(kwargs, functions=json.dumps([t["function"] for t in tools or []], indent=2))
-                        ctx = dict(messages=as_templates_see_them(messages), tools=tools,
-                                   add_generation_prompt=add_generation_prompt,
-                                   bos_token="<s>", eos_token="</s>", **kwargs)
-                        raised = failed = None
-                        try:
-                            expected = compiled.render(**ctx)
-                        except jinja2.exceptions.UndefinedError as e:
-                            failed = str(e)
-                        except jinja2.exceptions.TemplateError as e:
-                            raised = str(e)
-                        except Exception as e:  # a Python error the conversation provokes in the template
-                            failed = f"{type(e).__name__}: {e}"
-                        files = {}
-                        for key, value in (("messages", messages), ("tools", tools), ("kwargs", kwargs)):
-                            files[key] = os.path.join(tmp, key + ".json")
-                            with open(files[key], "w", encoding="utf-8") as f:
-                                json.dump(value, f, ensure_ascii=False)
-                        cmd = [args.cli, "chat-template", "--template", path, "--messages", "@" + files["messages"],
-                               "--kwargs", "@" + files["kwargs"], "--bos-token", "<s>", "--eos-token", "</s>"]
-                        if tools is not None:
-                            cmd += ["--tools", "@" + files["tools"]]
-                        if not add_generation_prompt:
-                            cmd.append("--no-generation-prompt")
-                        out = subprocess.run(cmd, capture_output=True)
-                        got, err = out.stdout.decode("utf-8", "replace"), out.stderr.decode("utf-8", "replace")
-                        total += 1
-                        if raised is not None:
-                            ok = out.returncode != 0 and raised in err
-                            what = f"raise_exception({raised!r})"
-                        elif failed is not None:
-                            ok = out.returncode != 0
-                            what = f"jinja2 failed: {failed}"
-                        else:
-                            ok = out.returncode == 0 and got == expected
-                            rendered += ok
-                            what = expected
-                        if not ok:
-                            mismatches += 1
-                            if mismatches <= 5:
-                                print(f"MISMATCH {name} / {conv} / add_generation_prompt={add_generation_prompt} {kwargs}")
-                                print(f"  jinja2: {what[:800]!r}\n  kvflow: {got[:800]!r} {err[-400:]!r}")
+        first_of_each = {}
+        for i, (label, case, *_ ) in enumerate(cases):
+            first_of_each.setdefault(case["template"], i)
+        refused = [i for i, r in enumerate(results) if not r["ok"]][:3]
+        for i in sorted(set(first_of_each.values()) | set(refused)):
+            label, case = cases[i][0], cases[i][1]
+            files = {}
+            for key in ("messages", "tools", "kwargs"):
+                files[key] = os.path.join(tmp, key + ".json")
+                with open(files[key], "w", encoding="utf-8") as f:
+                    json.dump(case[key], f, ensure_ascii=False)
+            cmd = [args.cli, "chat-template", "--template", case["template"], "--messages", "@" + files["messages"],
+                   "--kwargs", "@" + files["kwargs"], "--bos-token", "<s>", "--eos-token", "</s>"]
+            if case["tools"] is not None:
+                cmd += ["--tools", "@" + files["tools"]]
+            if not case["add_generation_prompt"]:
+                cmd.append("--no-generation-prompt")
+            cli = subprocess.run(cmd, capture_output=True)
+            cli_checked += 1
+            want = results[i]
+            if want["ok"]:
+                same = cli.returncode == 0 and cli.stdout.decode("utf-8", "replace") == want["text"]
+            else:
+                same = cli.returncode != 0 and want["error"] in cli.stderr.decode("utf-8", "replace")
+            if not same:
+                mismatches += 1
+                print(f"CLI DIFFERS from the dump tool: {label}: rc {cli.returncode}, "
+                      f"{cli.stderr.decode('utf-8', 'replace')[-400:]!r}")
+    total = len(cases)
     print(f"{total - mismatches}/{total} cases agree over {len(names)} templates "
-          f"({rendered} rendered byte for byte, the rest refused by both)")
+          f"({rendered} rendered byte for byte, the rest refused by both); "
+          f"kvflow chat-template agrees on {cli_checked} of them")
     return 1 if mismatches or not names else 0
 
 
