@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""MODELED, not measured: tensor-parallel decode of Llama-3.1-8B and -70B shapes on 1-8 H100 SXM GPUs
+"""MODELED, not measured: tensor- and pipeline-parallel decode of Llama-3.1-8B and -70B shapes on 1-8 H100 SXM GPUs
 over NVLink, from counted bytes and FLOPs, as kvflow splits them (Megatron-style: heads and MLP width
 across the ranks, KV heads replicated when fewer than ranks; vocab-parallel embedding and LM head
 assumed, which kvflow's CPU path does not do yet) with two all-reduces of the hidden state per layer.
@@ -11,6 +11,15 @@ Per decode step of batch B at context C, on each of T ranks:
   compute  = max(bytes / (HBM x eff_bw), flops / (peak x eff_flops))
   comm     = 2 x layers x (latency + 2 (T-1)/T x B x hidden x 2 bytes / NVLink bus bandwidth)  (ring)
   step     = compute + comm (no overlap assumed: NCCL's all-reduce sits between the projections)
+Pipeline parallelism over P GPUs (a stage of layers / P each; the first also holds the embedding,
+the last the LM head), as kvflow runs it: each step's batch cut into M = min(P, B) micro-batches that
+follow each other through the stages, so
+  stage(b) = the formulas above for layers / P layers at batch b, T = 1 (a micro-batch reads the
+             stage's weights again: decode is bound by weight reads, so micro-batches cost)
+  step     = (P - 1) x stage(B / M) + M x last(B / M) + (P - 1) x (latency + B / M x hidden x 2 bytes / NVLink)
+             (last: the last stage's time, the LM head's included; it sets the pace)
+and, beside it, what P batches in flight across steps would give (vLLM V1's batch queue; kvflow
+does not do that yet): B / (stage(B) + one hop) tokens a second per batch, P batches at once.
 Constants (stated, not fitted): HBM 3.35 TB/s at 75% (kvflow's measured decode on an H200 reaches
 73-74% of its roofline), 989 TFLOP/s bf16 dense at 60%, NVLink 4 at 450 GB/s per direction with
 NCCL's ring reaching ~80% of it on large messages, 8 us per all-reduce on small ones (NCCL's latency
@@ -59,6 +68,38 @@ def step(shape, T, B, C):
             "tok_s": B / (compute + comm), "comm_share": comm / (compute + comm), "fits": fits}
 
 
+def stage_time(shape, P, b, C, head):
+    """Seconds one stage of P spends on a micro-batch of b sequences; `head`: the last stage, which
+    also runs the LM head."""
+    s = shape
+    layers = s["layers"] / P
+    head_params = s["vocab"] * s["hidden"] if head else 0
+    read = 2 * (layers * layer_params(s) + head_params)
+    kv = b * C * layers * 2 * s["kv_heads"] * s["head_dim"] * 2
+    flops = 2 * b * (layers * layer_params(s) + head_params) + 4 * b * C * layers * s["heads"] * s["head_dim"]
+    return max((read + kv) / (GPU["hbm_bytes_s"] * GPU["bw_eff"]), flops / (GPU["flops"] * GPU["flops_eff"]))
+
+
+def step_pp(shape, P, B, C):
+    s = shape
+    M = min(P, B)
+    hop = GPU["allreduce_latency_s"] + (B / M) * s["hidden"] * 2 / (GPU["nvlink_bytes_s"] * GPU["ring_eff"])
+    inner, last = stage_time(shape, P, B / M, C, False), stage_time(shape, P, B / M, C, True)
+    # The first micro-batch crosses every stage; each later one leaves the last stage one of its
+    # (the busiest) stage times after the one before.
+    step = (P - 1) * inner + last + (M - 1) * last + (P - 1) * hop
+    # The first stage holds the embedding, the last the LM head (Llama-3.1 does not tie them).
+    weights = 2 * (s["layers"] / P * layer_params(s) + s["vocab"] * s["hidden"])
+    kv = B * C * s["layers"] / P * 2 * s["kv_heads"] * s["head_dim"] * 2
+    in_flight_tok_s = B / (stage_time(shape, P, B, C, True) + hop)  # P batches of B at once
+    # P batches of B in flight hold P times the KV of one on every stage.
+    fits_in_flight = weights + P * kv < 0.9 * GPU["memory_bytes"]
+    return {"pp": P, "microbatches": M, "batch": B, "context": C, "weight_gb_per_gpu": weights / 1e9,
+            "kv_gb_per_gpu": kv / 1e9, "stage_ms": last * 1e3, "step_ms": step * 1e3, "tok_s": B / step,
+            "bubble_share": 1 - M * last / step, "fits": weights + kv < 0.9 * GPU["memory_bytes"],
+            "in_flight_tok_s": in_flight_tok_s if fits_in_flight else None}
+
+
 def main():
     rows = []
     for name, shape in SHAPES.items():
@@ -71,8 +112,17 @@ def main():
                     base = r
                 r["speedup_vs_smallest_fit"] = r["tok_s"] / base["tok_s"] if base else None
                 rows.append(r)
-    doc = {"what": "MODELED tensor-parallel decode on H100s over NVLink (not measured)", "gpu": GPU,
-           "shapes": SHAPES, "rows": rows, "provenance": provenance()}
+    pp_rows = []
+    for name, shape in SHAPES.items():
+        for B in (1, 64):
+            for P in (2, 4, 8):
+                r = step_pp(shape, P, B, 4096)
+                r["model"] = name
+                tp = next(t for t in rows if t["model"] == name and t["batch"] == B and t["tp"] == P)
+                r["tp_tok_s_same_gpus"] = tp["tok_s"] if tp["fits"] else None
+                pp_rows.append(r)
+    doc = {"what": "MODELED tensor- and pipeline-parallel decode on H100s over NVLink (not measured)", "gpu": GPU,
+           "shapes": SHAPES, "rows": rows, "pipeline_rows": pp_rows, "provenance": provenance()}
     out = os.path.join(REPO, "bench", "results", "tensor_parallel_model")
     with open(out + ".json", "w") as f:
         json.dump(doc, f, indent=1)
@@ -91,6 +141,24 @@ def main():
         f.write("\nNot yet beside vLLM's published TP figures: the public numbers found for these shapes were "
                 "serving-benchmark throughputs (ShareGPT mixes, other batch sizes), not comparable step times. "
                 "kvflow's own multi-GPU path (NCCL) is not built yet; these rows are what it should reach.\n")
+        f.write("\n## Pipeline parallelism on the same GPUs\n\n")
+        f.write("P stages of layers / P (the last also runs the LM head), each step's batch in M = min(P, B) "
+                "micro-batches, one hop of the residual stream per stage boundary; bubble = the share of the step "
+                "the last stage waits (while the pipeline fills). The last column is what P batches in flight "
+                "across steps would reach (vLLM V1's batch queue, not built in kvflow).\n\n")
+        f.write("| model | batch | PP | micro-batches | weights / GPU (GB) | KV / GPU (GB) | step (ms) | bubble | tok/s "
+                "| TP on as many GPUs, tok/s | P batches in flight, tok/s |\n")
+        f.write("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+        for r in pp_rows:
+            tok = f"{r['tok_s']:.0f}" if r["fits"] else "does not fit"
+            tp = f"{r['tp_tok_s_same_gpus']:.0f}" if r["tp_tok_s_same_gpus"] else "does not fit"
+            fl = f"{r['in_flight_tok_s']:.0f}" if r["in_flight_tok_s"] and r["fits"] else "does not fit"
+            f.write(f"| {r['model']} | {r['batch']} | {r['pp']} | {r['microbatches']} | {r['weight_gb_per_gpu']:.1f} | "
+                    f"{r['kv_gb_per_gpu']:.1f} | {r['step_ms']:.2f} | {100 * r['bubble_share']:.0f}% | {tok} | {tp} | {fl} |\n")
+        f.write("\nWithin one step, pipeline parallelism never beats tensor parallelism on decode: every stage "
+                "waits for the one before, and each micro-batch reads the stage's weights again. Its use is "
+                "capacity (a stage needs no all-reduce, so it spans slow links between machines) and, with "
+                "batches in flight across steps, throughput.\n")
     print(open(out + ".md").read())
 
 

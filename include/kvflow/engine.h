@@ -34,6 +34,19 @@ struct SystemMetric {
   std::string labels;  // Prometheus labels without braces, e.g. position="0"; empty: none
 };
 
+// One rank's own time in the steps run across the ranks (ModelParallelStats::per_rank).
+struct RankStepStats {
+  int rank = 0;
+  int stage = 0;        // its pipeline stage
+  int tensor_rank = 0;  // its place in the stage's tensor-parallel group
+  int64_t microbatches = 0;      // batches it ran its layers on
+  double forward_seconds = 0;    // in its layers, the waits below included
+  double all_reduce_seconds = 0;  // of that, in the layers' all-reduces (waiting for the slowest rank)
+  int64_t all_reduce_bytes = 0;
+  double residual_wait_seconds = 0;  // of that, waiting for the stage before's residual stream
+  double residual_send_seconds = 0;  // handing the residual stream to the next stage
+};
+
 // Tensor and pipeline parallelism's communication, seen from the driver rank
 // (EngineConfig::tensor_parallel_size or pipeline_parallel_size > 1).
 struct ModelParallelStats {
@@ -53,6 +66,13 @@ struct ModelParallelStats {
   double logits_wait_seconds = 0;
   // Seconds the driver spent in steps run across the ranks, all of it (its own layers included).
   double step_seconds = 0;
+  // Of those, in its own layers (RankStepStats::forward_seconds of rank 0).
+  double forward_seconds = 0;
+  // A rank's waits for the stage before (always 0 on rank 0, the first stage; per_rank has the others').
+  double residual_wait_seconds = 0;
+  // Every rank's own time, in rank order (rank 0's as of now; the workers' as of their last report,
+  // which rank 0 asks for after its first step and then at most once a second).
+  std::vector<RankStepStats> per_rank;
 };
 
 struct EngineStats {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kvflow/host_prefix_cache.h"
 #include "kvflow/kv_offload.h"
@@ -62,6 +63,9 @@ struct EngineConfig {
   // Micro-batches each step's batch is cut into (by sequence), so that stage k runs one while stage
   // k+1 runs the one before; 0: pipeline_parallel_size (never more than the batch's sequences).
   int pipeline_microbatches = 0;
+  // Layers of each pipeline stage, in order (vLLM's VLLM_PP_LAYER_PARTITION); empty: by cost, the
+  // last stage fewer for its LM head (model/pipeline_stage_split.h).
+  std::vector<int> pipeline_layer_split;
   // The ranks a split model needs (1: the model is whole on this process).
   int model_parallel_ranks() const { return tensor_parallel_size * pipeline_parallel_size; }
 

@@ -165,6 +165,10 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
                   "work at once; 0 = the number of stages")
       ->default_val(0)
       ->check(CLI::Range(0, 4096));
+  app->add_option("--pipeline-layer-split", c.pipeline_layer_split,
+                  "Pipeline parallelism: layers of each stage, e.g. 19,11 (default: shared by cost, the last stage "
+                  "fewer for the LM head)")
+      ->delimiter(',');
   app->add_option("--ngram-max,--prompt-lookup-max", c.speculative.ngram.max, "ngram: longest suffix looked up")->default_val(4);
   app->add_option("--ngram-min,--prompt-lookup-min", c.speculative.ngram.min, "ngram: shortest suffix looked up")->default_val(1);
   app->add_option("--threads", c.num_threads, "CPU threads (0 = all cores)")->default_val(0);

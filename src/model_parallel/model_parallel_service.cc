@@ -35,11 +35,14 @@ constexpr int kHeaderTag = 7102;
 constexpr int kWordsTag = 7103;
 constexpr int kResidualTag = 7104;
 constexpr int kLogitsTag = 7105;
+constexpr int kReportTag = 7106;
 // A stage's tensor-parallel group shifts its tags past the world's.
 constexpr int kGroupTagOffset = 20000;
 constexpr int kDriver = 0;
 // Sends a rank leaves in flight while it goes on (each holds its buffer).
 constexpr size_t kMaxPendingSends = 8;
+// The driver asks its workers for their own counters after its first step, then at most this often.
+constexpr double kReportIntervalSeconds = 1.0;
 
 double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
@@ -58,6 +61,21 @@ struct GridPosition {
            std::to_string(tp_rank()) + " of " + std::to_string(tp);
   }
 };
+
+// A rank's own counters, from the stats its reducer and stage add to.
+RankStepStats OwnStats(const ModelParallelStats& s, const GridPosition& at) {
+  RankStepStats r;
+  r.rank = at.rank;
+  r.stage = at.stage();
+  r.tensor_rank = at.tp_rank();
+  r.microbatches = s.microbatches;
+  r.forward_seconds = s.forward_seconds;
+  r.all_reduce_seconds = s.all_reduce_seconds;
+  r.all_reduce_bytes = s.all_reduce_bytes;
+  r.residual_wait_seconds = s.residual_wait_seconds;
+  r.residual_send_seconds = s.residual_send_seconds;
+  return r;
+}
 
 std::string DescribeSplit(int tp, int pp) {
   if (pp == 1) return "tensor parallel " + std::to_string(tp);
@@ -96,16 +114,16 @@ std::string DescribeHello(const Hello& h) {
   return out;
 }
 
-Status CheckGrid(const ModelConfig& config, int tp, int pp) {
+Status CheckGrid(const ModelConfig& config, int tp, int pp, const std::vector<int>& layer_split) {
   KVFLOW_RETURN_IF_ERROR(CheckTensorParallelSplit(config, tp));
-  return CheckPipelineSplit(config, pp);
+  return CheckPipelineSplit(config, pp, layer_split);
 }
 
 // The rank's backend for its share of the model: its stage's layers, split tp ways.
 Result<std::unique_ptr<Backend>> CreateRankBackend(EngineConfig& config, bool max_model_len_requested,
                                                    const ModelFiles& files, const GridPosition& at) {
-  KVFLOW_RETURN_IF_ERROR(CheckGrid(files.config, at.tp, at.pp));
-  const PipelineStageRange range = StageOf(files.config, at.stage(), at.pp);
+  KVFLOW_RETURN_IF_ERROR(CheckGrid(files.config, at.tp, at.pp, config.pipeline_layer_split));
+  const PipelineStageRange range = StageOf(files.config, at.stage(), at.pp, config.pipeline_layer_split);
   const ModelConfig stage_config = StageConfig(files.config, range);
   const TensorShard shard = ShardOf(stage_config, at.tp_rank(), at.tp);
   // Only the rank's share is read: its stage's layers, each cut to its shard as soon as it is read,
@@ -222,8 +240,10 @@ class GridStage final : public PipelineStage {
 
   Status ReceiveResidual(Backend& backend) override {
     KVFLOW_ASSIGN_OR_RETURN(std::span<float> residual, backend.HostResidual());
+    const auto start = Clock::now();
     Status st = world_.Recv(at_.RankOf(at_.stage() - 1, at_.tp_rank()), kResidualTag, std::as_writable_bytes(residual),
                             timeout_s_);
+    stats_->residual_wait_seconds += SecondsSince(start);
     return Broken(st, "receiving the residual stream from the stage before");
   }
 
@@ -281,14 +301,22 @@ class WorkerMirror final : public StepMirror {
 
   ~WorkerMirror() override {
     if (!broken_.ok()) return;
-    // The workers leave their loops; one that is gone already is no reason to wait long.
+    // The workers' last counters for the log, then they leave their loops; one that is gone
+    // already is no reason to wait long.
+    if (stats_->steps > 0 && !GatherReports(10.0).ok()) return;
     Status st = Broadcast(StepMessageKind::kStop, {}, 10.0);
     if (!st.ok()) spdlog::warn("model parallel: telling the workers to stop: {}", st.ToString());
-    const ModelParallelStats& s = *stats_;
+    const ModelParallelStats s = stats();
     spdlog::info("model parallel ({}): {} steps ({} micro-batches) in {:.3f} s; all-reduces {:.1f} MiB in {:.3f} s, "
                  "sending steps {:.3f} s, residual {:.1f} MiB, waiting for logits {:.3f} s",
                  DescribeSplit(at_.tp, at_.pp), s.steps, s.microbatches, s.step_seconds, s.all_reduce_bytes / 1048576.0,
                  s.all_reduce_seconds, s.send_seconds, s.residual_bytes / 1048576.0, s.logits_wait_seconds);
+    for (const RankStepStats& r : s.per_rank) {
+      spdlog::info("model parallel rank {} (stage {}, tensor rank {}): {} micro-batches, {:.3f} s in its layers, of "
+                   "which all-reduces {:.3f} s and waiting for the stage before {:.3f} s; residual sends {:.3f} s",
+                   r.rank, r.stage, r.tensor_rank, r.microbatches, r.forward_seconds, r.all_reduce_seconds,
+                   r.residual_wait_seconds, r.residual_send_seconds);
+    }
   }
 
   Status MirrorMoves(const SchedulerOutput& sched) override {
@@ -306,10 +334,19 @@ class WorkerMirror final : public StepMirror {
     model.set_pipeline_stage(nullptr);
     ++stats_->steps;
     stats_->step_seconds += SecondsSince(start);
+    if (st.ok() && (stats_->steps == 1 || SecondsSince(last_report_) >= kReportIntervalSeconds)) {
+      st = GatherReports(timeout_s_);
+    }
     return st;
   }
 
-  ModelParallelStats stats() const override { return *stats_; }
+  ModelParallelStats stats() const override {
+    ModelParallelStats s = *stats_;
+    s.per_rank = reports_;
+    if (s.per_rank.empty()) s.per_rank.resize(1);
+    s.per_rank[0] = OwnStats(*stats_, at_);
+    return s;
+  }
 
   std::string Describe() const override {
     return DescribeSplit(at_.tp, at_.pp) + " over " + std::to_string(world_.size()) + " ranks (" + world_.Describe() + ")";
@@ -320,7 +357,25 @@ class WorkerMirror final : public StepMirror {
   Status RunWhole(LlamaModel& model, const ForwardBatch& batch, std::vector<float>& logits) {
     ++stats_->microbatches;
     KVFLOW_RETURN_IF_ERROR(Broadcast(StepMessageKind::kForward, EncodeBatch(batch), timeout_s_));
-    return model.Forward(batch, logits);
+    const auto start = Clock::now();
+    Status st = model.Forward(batch, logits);
+    stats_->forward_seconds += SecondsSince(start);
+    return st;
+  }
+
+  // Every worker's own counters (kReport), into reports_ by rank.
+  Status GatherReports(double timeout_s) {
+    last_report_ = Clock::now();
+    KVFLOW_RETURN_IF_ERROR(Broadcast(StepMessageKind::kReport, {}, timeout_s));
+    reports_.resize(static_cast<size_t>(world_.size()));
+    std::vector<double> words(kRankStatsWords);
+    for (int r = 1; r < world_.size(); ++r) {
+      Status st = world_.Recv(r, kReportTag, std::as_writable_bytes(std::span<double>(words)), timeout_s);
+      if (!st.ok()) return MarkBroken(st, "waiting for rank " + std::to_string(r) + "'s report");
+      const GridPosition them{at_.tp, at_.pp, r};
+      KVFLOW_ASSIGN_OR_RETURN(reports_[static_cast<size_t>(r)], DecodeRankStats(words, r, them.stage(), them.tp_rank()));
+    }
+    return Status::Ok();
   }
 
   // The batch in micro-batches through the stages: this rank runs each through the first stage and
@@ -336,7 +391,10 @@ class WorkerMirror final : public StepMirror {
       for (SequenceSlice& s : mb.seqs) s.logits = LogitsMode::kNone;  // the last stage makes them
       // The later stages have this micro-batch and wait for its residual stream: without it they
       // cannot go on, so a failure here ends the job.
-      if (Status st = model.Forward(mb, no_logits_); !st.ok()) return MarkBroken(st, "running the first stage");
+      const auto start = Clock::now();
+      Status forward = model.Forward(mb, no_logits_);
+      stats_->forward_seconds += SecondsSince(start);
+      if (!forward.ok()) return MarkBroken(forward, "running the first stage");
     }
     const int64_t vocab = model.backend().model_config().vocab_size;
     const int64_t rows = batch.num_logit_rows();
@@ -433,6 +491,8 @@ class WorkerMirror final : public StepMirror {
   std::unique_ptr<GridStage> stage_;
   std::vector<float> no_logits_;
   std::deque<Outgoing> outgoing_;  // a deque: the sends read buffers that must not move
+  std::vector<RankStepStats> reports_;  // by rank; [0] unused (stats() fills in this rank's own)
+  Clock::time_point last_report_ = Clock::now();
   Status broken_ = Status::Ok();
 };
 
@@ -488,7 +548,7 @@ Result<ModelParallelParts> CreateModelParallelDriver(const ModelParallelContext&
     // What rank r should have built: the driver's shapes, its own stage's layers.
     Hello expected = mine;
     const GridPosition them{at.tp, at.pp, r};
-    const PipelineStageRange range = StageOf(ctx.files.config, them.stage(), at.pp);
+    const PipelineStageRange range = StageOf(ctx.files.config, them.stage(), at.pp, config.pipeline_layer_split);
     expected.words[kHelloFirstLayer] = range.first_layer;
     expected.words[kHelloNumLayers] = range.num_layers;
     if (!std::equal(std::begin(expected.words), std::end(expected.words), std::begin(theirs.words))) {
@@ -502,6 +562,15 @@ Result<ModelParallelParts> CreateModelParallelDriver(const ModelParallelContext&
   parts.backend = std::move(backend);
   parts.mirror = std::make_unique<WorkerMirror>(*comm, std::move(group), at, config.pipeline_microbatches, timeout_s);
   spdlog::info("model parallel: {} ranks ready ({}, {})", comm->size(), DescribeSplit(at.tp, at.pp), comm->Describe());
+  if (at.pp > 1) {
+    std::string counts;
+    for (int n : PipelineLayerCounts(ctx.files.config, at.pp, config.pipeline_layer_split)) {
+      counts += (counts.empty() ? "" : " + ") + std::to_string(n);
+    }
+    spdlog::info("pipeline stages: {} layers ({}; the last stage also runs the LM head, {:.1f} layers' worth of work)",
+                 counts, config.pipeline_layer_split.empty() ? "by cost" : "--pipeline-layer-split",
+                 PipelineHeadCost(ctx.files.config) / PipelineLayerCost(ctx.files.config));
+  }
   return parts;
 }
 
@@ -567,6 +636,13 @@ Status RunModelParallelWorker(const EngineConfig& input, Communicator& comm, dou
                    stats->microbatches, stats->all_reduces, stats->all_reduce_seconds);
       return Status::Ok();
     }
+    if (kind == StepMessageKind::kReport) {
+      // Once its sends are done, so the residual send time counted is all of it.
+      if (stage) KVFLOW_RETURN_IF_ERROR(stage->FinishSends());
+      const std::vector<double> report = EncodeRankStats(OwnStats(*stats, at));
+      KVFLOW_RETURN_IF_ERROR(comm.Send(kDriver, kReportTag, std::as_bytes(std::span<const double>(report)), timeout_s));
+      continue;
+    }
     if ((kind != StepMessageKind::kMoves && kind != StepMessageKind::kForward) || header[1] < 0 ||
         header[1] > (int64_t{1} << 31)) {
       return Status::Internal("model parallel worker: an unknown message from rank 0");
@@ -589,13 +665,16 @@ Status RunModelParallelWorker(const EngineConfig& input, Communicator& comm, dou
     }
     // The driver's step fails too (its all-reduce, send or wait times out); this rank cannot go on
     // without it.
+    const auto forward_start = Clock::now();
     if (at.makes_logits() && at.pp > 1) {
       std::vector<float> logits = stage->TakeBuffer();
       KVFLOW_RETURN_IF_ERROR(model.Forward(batch, logits));
+      stats->forward_seconds += SecondsSince(forward_start);
       if (!logits.empty()) KVFLOW_RETURN_IF_ERROR(stage->SendLogits(std::move(logits)));
       continue;
     }
     KVFLOW_RETURN_IF_ERROR(model.Forward(batch, no_logits));
+    stats->forward_seconds += SecondsSince(forward_start);
   }
 }
 

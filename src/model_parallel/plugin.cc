@@ -44,6 +44,37 @@ Status RegisterModelParallel(SystemRegistry& registry) {
                "Bytes of residual stream rank 0 sent the second stage", static_cast<double>(m.residual_bytes));
     AddCounter(out, "kvflow:pipeline_parallel_logits_wait_seconds_total",
                "Rank 0's seconds waiting for the last stage's logits after its own layers", m.logits_wait_seconds);
+    // Each rank's own time (the workers' as of their last report, at most a second old), labelled
+    // by rank, stage and tensor rank; a whole model shows rank 0's zeros.
+    std::vector<RankStepStats> ranks = m.per_rank;
+    if (ranks.empty()) ranks.resize(1);
+    struct PerRank {
+      const char* name;
+      const char* help;
+      double (*value)(const RankStepStats&);
+    };
+    const PerRank per_rank[] = {
+        {"kvflow:model_parallel_rank_microbatches_total", "Batches each rank ran its layers on",
+         [](const RankStepStats& r) { return static_cast<double>(r.microbatches); }},
+        {"kvflow:model_parallel_rank_forward_seconds_total", "Each rank's seconds in its layers, its waits included",
+         [](const RankStepStats& r) { return r.forward_seconds; }},
+        {"kvflow:model_parallel_rank_all_reduce_seconds_total",
+         "Each rank's seconds in its layers' all-reduces (waiting for the slowest rank included)",
+         [](const RankStepStats& r) { return r.all_reduce_seconds; }},
+        {"kvflow:model_parallel_rank_residual_wait_seconds_total",
+         "Each rank's seconds waiting for the residual stream of the stage before (pipeline bubbles)",
+         [](const RankStepStats& r) { return r.residual_wait_seconds; }},
+        {"kvflow:model_parallel_rank_residual_send_seconds_total",
+         "Each rank's seconds handing the residual stream to the next stage",
+         [](const RankStepStats& r) { return r.residual_send_seconds; }},
+    };
+    for (const PerRank& metric : per_rank) {
+      for (const RankStepStats& r : ranks) {
+        AddCounter(out, metric.name, metric.help, metric.value(r));
+        out.back().labels = "rank=\"" + std::to_string(r.rank) + "\",stage=\"" + std::to_string(r.stage) +
+                            "\",tensor_rank=\"" + std::to_string(r.tensor_rank) + "\"";
+      }
+    }
   };
   p.create = [](const ModelParallelContext& ctx) { return mp::CreateModelParallelDriver(ctx); };
   return registry.Register(std::move(p));

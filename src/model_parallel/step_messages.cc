@@ -177,4 +177,27 @@ std::vector<ForwardBatch> SplitIntoMicrobatches(const ForwardBatch& batch, int p
   return out;
 }
 
+std::vector<double> EncodeRankStats(const RankStepStats& s) {
+  return {static_cast<double>(s.microbatches), s.forward_seconds,       s.all_reduce_seconds,
+          static_cast<double>(s.all_reduce_bytes), s.residual_wait_seconds, s.residual_send_seconds};
+}
+
+Result<RankStepStats> DecodeRankStats(std::span<const double> words, int rank, int stage, int tensor_rank) {
+  if (words.size() != kRankStatsWords) {
+    return Status::Internal("model parallel: a rank's report has " + std::to_string(words.size()) + " words, not " +
+                            std::to_string(kRankStatsWords));
+  }
+  RankStepStats s;
+  s.rank = rank;
+  s.stage = stage;
+  s.tensor_rank = tensor_rank;
+  s.microbatches = static_cast<int64_t>(words[0]);
+  s.forward_seconds = words[1];
+  s.all_reduce_seconds = words[2];
+  s.all_reduce_bytes = static_cast<int64_t>(words[3]);
+  s.residual_wait_seconds = words[4];
+  s.residual_send_seconds = words[5];
+  return s;
+}
+
 }  // namespace kvflow::mp

@@ -8,12 +8,14 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "kvflow/engine.h"
 #include "kvflow/status.h"
 #include "sched/scheduler.h"
 
 namespace kvflow::mp {
 
-enum class StepMessageKind : int64_t { kMoves = 1, kForward = 2, kStop = 3 };
+// kReport: the worker answers with its RankStepStats (EncodeRankStats).
+enum class StepMessageKind : int64_t { kMoves = 1, kForward = 2, kStop = 3, kReport = 4 };
 
 struct StepMoves {
   std::vector<BlockMove> swap_out, swap_in, copies;
@@ -25,6 +27,11 @@ Result<StepMoves> DecodeMoves(std::span<const int64_t> words);
 // With each slice's logits mode: the last pipeline stage makes the logits the driver samples.
 std::vector<int64_t> EncodeBatch(const ForwardBatch& batch);
 Result<ForwardBatch> DecodeBatch(std::span<const int64_t> words);
+
+// A rank's own counters as doubles (kReport's answer), and back; the decoder checks the length.
+constexpr size_t kRankStatsWords = 6;
+std::vector<double> EncodeRankStats(const RankStepStats& stats);
+Result<RankStepStats> DecodeRankStats(std::span<const double> words, int rank, int stage, int tensor_rank);
 
 // `batch` cut into at most `parts` micro-batches of whole sequences, in order, with about as many
 // tokens each (each a batch of its own: token offsets from 0, its part of the slot mapping). Their

@@ -82,6 +82,12 @@ void ExpectEqualsOneProcess(const std::string& model, int tp, int pp, int greedy
   const EngineStats stats = engine.value()->stats();
   EXPECT_GT(stats.num_preemptions, 0) << "the small pool preempts";
   if (pp > 1) EXPECT_GT(stats.model_parallel.microbatches, stats.model_parallel.steps) << "steps ran in micro-batches";
+  // Every process reported its own time in its layers.
+  EXPECT_EQ(stats.model_parallel.per_rank.size(), static_cast<size_t>(tp * pp));
+  for (const RankStepStats& r : stats.model_parallel.per_rank) {
+    EXPECT_GT(r.microbatches, 0) << "rank " << r.rank;
+    EXPECT_GT(r.forward_seconds, 0.0) << "rank " << r.rank;
+  }
   engine.value().reset();  // the workers stop
   EXPECT_EQ(got_greedy.tokens, expected_greedy.tokens);
   EXPECT_EQ(got_sampled.tokens, expected_sampled.tokens);

@@ -1,7 +1,7 @@
 """kvflow-server under mpirun with --tensor-parallel-size 2 and with --pipeline-parallel-size 2:
 rank 0 serves HTTP, schedules and samples; rank 1 runs its share of every step (its heads, or the
 second half of the layers). Completions (greedy, seeded sampling, n=2) equal a single-process
-server's, /metrics shows the ranks' communication, and SIGTERM to mpirun stops the job with the
+server's, /metrics shows the ranks' communication and each rank's own time, and SIGTERM to mpirun stops the job with the
 worker told to stop."""
 
 import signal
@@ -47,6 +47,15 @@ def test_split_server_equals_one_process(server_bin, make_server, split):
             assert m.get("kvflow:pipeline_parallel_residual_bytes_total") > 0
             # n=2 decodes two sequences a step: those steps ran as two micro-batches
             assert m.get("kvflow:pipeline_parallel_microbatches_total") > m.get("kvflow:model_parallel_steps_total")
+        # Each rank's own time, labelled by its place in the grid (rank 1: tensor rank 1 of stage 0, or stage 1).
+        where = {"tensor": dict(stage="0", tensor_rank="1"), "pipeline": dict(stage="1", tensor_rank="0")}[split]
+        for rank, labels in (("0", dict(stage="0", tensor_rank="0")), ("1", where)):
+            assert m.get("kvflow:model_parallel_rank_microbatches_total", rank=rank, **labels) > 0, m
+            assert m.get("kvflow:model_parallel_rank_forward_seconds_total", rank=rank, **labels) > 0
+        if split == "tensor":
+            assert m.get("kvflow:model_parallel_rank_all_reduce_seconds_total", rank="1", **where) > 0
+        else:
+            assert m.get("kvflow:model_parallel_rank_residual_wait_seconds_total", rank="1", **where) > 0
         srv.stop(signal.SIGTERM, timeout=40)
         log = srv.log(400)
         assert "model parallel worker" in log and "stopped after" in log, log  # rank 1 was told to stop

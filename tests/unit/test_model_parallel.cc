@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <functional>
 #include <random>
 #include <thread>
 
@@ -431,6 +432,23 @@ void ExpectSplitEngineEqualsOneProcess(const test::EngineSetup& setup, int tp, i
     EXPECT_GT(stats.model_parallel.microbatches, stats.model_parallel.steps) << "batches of several sequences split";
     EXPECT_GT(stats.model_parallel.residual_bytes, 0);
   }
+  // Every rank's own time, from its reports: each ran batches in its layers; under tensor
+  // parallelism each summed; every later stage waited for the one before at least once.
+  const std::vector<RankStepStats>& ranks = stats.model_parallel.per_rank;
+  ASSERT_EQ(ranks.size(), static_cast<size_t>(tp * pp));
+  for (int r = 0; r < tp * pp; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const RankStepStats& own = ranks[static_cast<size_t>(r)];
+    EXPECT_EQ(own.rank, r);
+    EXPECT_EQ(own.stage, r / tp);
+    EXPECT_EQ(own.tensor_rank, r % tp);
+    EXPECT_GT(own.microbatches, 0);
+    EXPECT_GT(own.forward_seconds, 0.0);
+    EXPECT_GE(own.forward_seconds, own.all_reduce_seconds + own.residual_wait_seconds);
+    EXPECT_EQ(own.all_reduce_bytes > 0, tp > 1);
+    EXPECT_EQ(own.residual_wait_seconds > 0, own.stage > 0);
+  }
+  EXPECT_EQ(ranks[0].forward_seconds, stats.model_parallel.forward_seconds);
   engine.value().reset();  // tells the workers to stop
   world.Join();
   for (int r = 1; r < tp * pp; ++r) EXPECT_TRUE(world.result(r).ok()) << r << ": " << world.result(r).ToString();
@@ -561,6 +579,95 @@ TEST(PipelineSplit, StagesCoverTheLayersInOrder) {
   EXPECT_EQ(StageOf(c, 3, 4).first_layer, 23);
 }
 
+ModelConfig SmolLM2Shape() {
+  ModelConfig c;
+  c.num_layers = 30;
+  c.hidden_size = 576;
+  c.num_heads = 9;
+  c.num_kv_heads = 3;
+  c.head_dim = 64;
+  c.intermediate_size = 1536;
+  c.vocab_size = 49152;
+  return c;
+}
+
+// The LM head costs SmolLM2's last stage 8 layers' worth (49152 x 576 against 3.5M multiply-adds a
+// layer): two stages of 15 layers would leave the last one 23 layers' worth of work and the first
+// 15; 19 and 11 make both 19.
+TEST(PipelineSplit, TheLastStageGetsFewerLayersForTheLmHead) {
+  const ModelConfig c = SmolLM2Shape();
+  EXPECT_DOUBLE_EQ(PipelineHeadCost(c) / PipelineLayerCost(c), 8.0);
+  EXPECT_EQ(PipelineLayerCounts(c, 2), (std::vector<int>{19, 11}));
+  EXPECT_EQ(StageOf(c, 1, 2).first_layer, 19);
+  // Llama-3.1-8B's head is 2.4 layers' worth: 17 + 15 over two stages, 9, 9, 8, 6 over four.
+  ModelConfig llama;
+  llama.num_layers = 32;
+  llama.hidden_size = 4096;
+  llama.num_heads = 32;
+  llama.num_kv_heads = 8;
+  llama.head_dim = 128;
+  llama.intermediate_size = 14336;
+  llama.vocab_size = 128256;
+  EXPECT_EQ(PipelineLayerCounts(llama, 2), (std::vector<int>{17, 15}));
+  // The user's split (--pipeline-layer-split) as given, and refused where it does not fit.
+  EXPECT_TRUE(CheckPipelineSplit(llama, 2, {16, 16}).ok());
+  EXPECT_EQ(StageOf(llama, 1, 2, {20, 12}).first_layer, 20);
+  for (const std::vector<int>& bad : std::vector<std::vector<int>>{{16, 15}, {32, 0}, {10, 10, 12}, {33, -1}}) {
+    const Status st = CheckPipelineSplit(llama, 2, bad);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("adding up to the model's 32 layers"), std::string::npos) << st.ToString();
+  }
+  EXPECT_EQ(PipelineLayerCounts(llama, 4), (std::vector<int>{9, 9, 8, 6}));
+  // A mixture of experts costs a token the experts it goes to, not all of them.
+  ModelConfig moe = llama;
+  moe.num_experts = 8;
+  moe.experts_per_token = 2;
+  moe.expert_intermediate_size = 14336;
+  EXPECT_NEAR(PipelineLayerCost(moe), PipelineLayerCost(llama) + 3.0 * 4096 * 14336 + 4096 * 8, 1.0);
+}
+
+// Against every split into consecutive runs: none has a less busy busiest stage.
+TEST(PipelineSplit, NoSplitHasALighterBusiestStage) {
+  ModelConfig c = SmolLM2Shape();
+  for (int layers : {2, 5, 9, 12}) {
+    for (int vocab : {0, 1000, 49152, 400000}) {
+      c.num_layers = layers;
+      c.vocab_size = vocab;
+      const double layer = PipelineLayerCost(c), head = PipelineHeadCost(c);
+      auto busiest = [&](const std::vector<int>& counts) {
+        double worst = 0;
+        for (size_t s = 0; s < counts.size(); ++s) worst = std::max(worst, counts[s] * layer + (s + 1 == counts.size() ? head : 0));
+        return worst;
+      };
+      for (int stages = 2; stages <= std::min(layers, 4); ++stages) {
+        SCOPED_TRACE(std::to_string(layers) + " layers, vocab " + std::to_string(vocab) + ", " + std::to_string(stages) + " stages");
+        const std::vector<int> chosen = PipelineLayerCounts(c, stages);
+        ASSERT_EQ(chosen.size(), static_cast<size_t>(stages));
+        int total = 0;
+        for (int n : chosen) {
+          EXPECT_GE(n, 1);
+          total += n;
+        }
+        EXPECT_EQ(total, layers);
+        // Every composition of `layers` into `stages` positive parts.
+        std::vector<int> counts(static_cast<size_t>(stages), 1);
+        std::function<void(int, int)> each = [&](int stage, int left) {
+          if (stage == stages - 1) {
+            counts[static_cast<size_t>(stage)] = left;
+            EXPECT_LE(busiest(chosen), busiest(counts) * (1 + 1e-12));
+            return;
+          }
+          for (int n = 1; n <= left - (stages - 1 - stage); ++n) {
+            counts[static_cast<size_t>(stage)] = n;
+            each(stage + 1, left - n);
+          }
+        };
+        each(0, layers);
+      }
+    }
+  }
+}
+
 // Passes the residual stream from one stage to the next through memory, stage after stage.
 class LocalStage final : public PipelineStage {
  public:
@@ -673,6 +780,30 @@ TEST(PipelineParallel, AStageBeforeTheLastMakesNoLogits) {
   const Status st = model.Forward(batch, logits);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("no LM head"), std::string::npos) << st.ToString();
+}
+
+TEST(StepMessages, RankReportsRoundTripAndAWrongLengthIsRefused) {
+  RankStepStats sent;
+  sent.microbatches = 123456789;
+  sent.forward_seconds = 12.5;
+  sent.all_reduce_seconds = 3.25;
+  sent.all_reduce_bytes = int64_t{1} << 40;
+  sent.residual_wait_seconds = 1.125;
+  sent.residual_send_seconds = 0.0625;
+  const std::vector<double> words = mp::EncodeRankStats(sent);
+  ASSERT_EQ(words.size(), mp::kRankStatsWords);
+  auto got = mp::DecodeRankStats(words, 5, 2, 1);
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->rank, 5);
+  EXPECT_EQ(got->stage, 2);
+  EXPECT_EQ(got->tensor_rank, 1);
+  EXPECT_EQ(got->microbatches, sent.microbatches);
+  EXPECT_EQ(got->forward_seconds, sent.forward_seconds);
+  EXPECT_EQ(got->all_reduce_seconds, sent.all_reduce_seconds);
+  EXPECT_EQ(got->all_reduce_bytes, sent.all_reduce_bytes);
+  EXPECT_EQ(got->residual_wait_seconds, sent.residual_wait_seconds);
+  EXPECT_EQ(got->residual_send_seconds, sent.residual_send_seconds);
+  EXPECT_FALSE(mp::DecodeRankStats(std::span<const double>(words).first(3), 1, 0, 1).ok());
 }
 
 TEST(StepMessages, MicrobatchesKeepTheBatch) {
