@@ -39,7 +39,7 @@ MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "OMPI_MCA_btl": "self,vader", "OMPI_MCA_btl_vader_single_copy_mechanism": "none"}
 
 
-def bench(cli, model, tp, pp, microbatches, threads, batch, depth, n, repeats):
+def bench(cli, model, tp, pp, microbatches, threads, batch, depth, n, repeats, extra=()):
     ranks = tp * pp
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
@@ -48,7 +48,8 @@ def bench(cli, model, tp, pp, microbatches, threads, batch, depth, n, repeats):
     if ranks > 1:
         cmd = ["mpirun", "-np", str(ranks), "--oversubscribe"] + cmd + ["--tensor-parallel-size", str(tp),
                                                                          "--pipeline-parallel-size", str(pp),
-                                                                         "--pipeline-microbatches", str(microbatches)]
+                                                                         "--pipeline-microbatches", str(microbatches),
+                                                                         *extra]
     try:
         run(cmd, what=f"kvflow bench ({ranks} rank(s), batch {batch})", env={**os.environ, **MPI_ENV}, timeout=1800)
         row = json.load(open(path))["results"][0]

@@ -85,6 +85,11 @@ Result<const ModelParallelPlugin*> SystemRegistry::ActiveModelParallel(const Eng
     return Status::InvalidArgument("pipeline_microbatches must be 0 (auto) or more, got " +
                                    std::to_string(c.pipeline_microbatches));
   }
+  if (!c.pipeline_layer_split.empty() && static_cast<int>(c.pipeline_layer_split.size()) != c.pipeline_parallel_size) {
+    return Status::InvalidArgument("pipeline_layer_split gives " + std::to_string(c.pipeline_layer_split.size()) +
+                                   " stages' layer counts for a pipeline parallel size of " +
+                                   std::to_string(c.pipeline_parallel_size) + " (one count a stage)");
+  }
   if (c.model_parallel_ranks() == 1) return static_cast<const ModelParallelPlugin*>(nullptr);
   for (const ModelParallelPlugin& p : model_parallel_) {
     if (p.info.name == kModelParallel) return &p;

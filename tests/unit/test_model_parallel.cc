@@ -19,6 +19,7 @@
 #include "in_process_job.h"
 #include "kv_selection_test_util.h"
 #include "distributed/subgroup_communicator.h"
+#include "model/model_shapes.h"
 #include "model/pipeline_stage_split.h"
 #include "model/tensor_parallel_shard.h"
 #include "model/tiny_random.h"
@@ -482,6 +483,9 @@ TEST(TensorParallel, RefusesWhatItCannotSplitOrRun) {
   c = TpConfig();
   c.tensor_parallel_size = 0;
   refused(c, "at least 1");
+  c = TpConfig();
+  c.pipeline_layer_split = {2, 2};  // two stages' counts without pipeline parallelism
+  refused(c, "for a pipeline parallel size of 1");
   // A job of another size than the split.
   {
     auto comms = InProcessWorld::Create(3);
@@ -579,35 +583,22 @@ TEST(PipelineSplit, StagesCoverTheLayersInOrder) {
   EXPECT_EQ(StageOf(c, 3, 4).first_layer, 23);
 }
 
-ModelConfig SmolLM2Shape() {
-  ModelConfig c;
-  c.num_layers = 30;
-  c.hidden_size = 576;
-  c.num_heads = 9;
-  c.num_kv_heads = 3;
-  c.head_dim = 64;
-  c.intermediate_size = 1536;
-  c.vocab_size = 49152;
-  return c;
+ModelConfig Shape(const std::string& name) {
+  auto shape = ModelShape(name);
+  EXPECT_TRUE(shape.ok()) << shape.status().ToString();
+  return shape.ok() ? shape.value() : ModelConfig{};
 }
 
 // The LM head costs SmolLM2's last stage 8 layers' worth (49152 x 576 against 3.5M multiply-adds a
 // layer): two stages of 15 layers would leave the last one 23 layers' worth of work and the first
 // 15; 19 and 11 make both 19.
 TEST(PipelineSplit, TheLastStageGetsFewerLayersForTheLmHead) {
-  const ModelConfig c = SmolLM2Shape();
+  const ModelConfig c = Shape("smollm2-135m");
   EXPECT_DOUBLE_EQ(PipelineHeadCost(c) / PipelineLayerCost(c), 8.0);
   EXPECT_EQ(PipelineLayerCounts(c, 2), (std::vector<int>{19, 11}));
   EXPECT_EQ(StageOf(c, 1, 2).first_layer, 19);
   // Llama-3.1-8B's head is 2.4 layers' worth: 17 + 15 over two stages, 9, 9, 8, 6 over four.
-  ModelConfig llama;
-  llama.num_layers = 32;
-  llama.hidden_size = 4096;
-  llama.num_heads = 32;
-  llama.num_kv_heads = 8;
-  llama.head_dim = 128;
-  llama.intermediate_size = 14336;
-  llama.vocab_size = 128256;
+  const ModelConfig llama = Shape("llama-3.1-8b");
   EXPECT_EQ(PipelineLayerCounts(llama, 2), (std::vector<int>{17, 15}));
   // The user's split (--pipeline-layer-split) as given, and refused where it does not fit.
   EXPECT_TRUE(CheckPipelineSplit(llama, 2, {16, 16}).ok());
@@ -628,7 +619,7 @@ TEST(PipelineSplit, TheLastStageGetsFewerLayersForTheLmHead) {
 
 // Against every split into consecutive runs: none has a less busy busiest stage.
 TEST(PipelineSplit, NoSplitHasALighterBusiestStage) {
-  ModelConfig c = SmolLM2Shape();
+  ModelConfig c = Shape("smollm2-135m");
   for (int layers : {2, 5, 9, 12}) {
     for (int vocab : {0, 1000, 49152, 400000}) {
       c.num_layers = layers;
