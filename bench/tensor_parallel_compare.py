@@ -12,7 +12,8 @@ configuration runs `kvflow bench` (medians of --repeats timed runs) at batch 1 a
   comm share     rank 0's seconds in all-reduces, in sending steps and (PP) in sending the residual
                  stream on, over the bench's wall time
   logits wait    PP: rank 0's seconds waiting for the last stage's logits after its own layers
-                 (the second stage's time it did not overlap), over the bench's wall time
+                 (the second stage's time it did not overlap); TP: for the other rank's columns of
+                 the logits (the LM head is vocab-parallel); over the bench's wall time
 The configurations alternate (single, tp, pp, single, tp, pp ...) for --rounds rounds; the table quotes the
 median round. On two cores two ranks cannot beat one rank of two threads (the same cores do the
 same arithmetic, plus the sums): what this measures is the overhead, and where it comes from.
@@ -144,7 +145,8 @@ def write_markdown(doc, path):
         f.write("\nTTFT is batch 1's prefill; at batch 32 it is the whole batch's prefill time. Communication is rank 0's "
                 "time in the layers' all-reduces (which includes waiting for the slower rank) and in sending each "
                 "step's batch (and, under PP, the residual stream to the second stage). Under PP rank 0 also waits for "
-                "the last stage's logits: the second stage's time its own layers did not overlap. With M "
+                "the last stage's logits: the second stage's time its own layers did not overlap; under TP, for the other "
+                "rank's columns of the logits (each rank computes half of the LM head's vocabulary rows). With M "
                 "micro-batches a step over 2 stages each stage is busy M of the M + 1 slots of a step (GPipe's bubble: "
                 "at best 0.67x of one rank at M = 2, 0.8x at M = 4, less the LM head that only the last stage runs); a "
                 "batch of 1 cannot be cut, so nothing overlaps (0.5x at best). Two ranks on two cores do the same "

@@ -24,11 +24,14 @@ constexpr int kChunk = kThreads * kPerThread;
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     GatherRowsKernel(const T* __restrict__ src, int64_t src_row_stride, int64_t num_src_rows,
-                     const int32_t* __restrict__ indices, int n, float scale, float* __restrict__ dst) {
+                     const int32_t* __restrict__ indices, int n, float scale, float* __restrict__ dst,
+                     int64_t shard_first) {
   const int64_t row = blockIdx.x;
-  const int32_t index = indices[row];
-  const bool valid = index >= 0 && static_cast<int64_t>(index) < num_src_rows;
-  const T* in = src + (valid ? static_cast<int64_t>(index) * src_row_stride : 0);
+  const int64_t index = static_cast<int64_t>(indices[row]) - (shard_first >= 0 ? shard_first : 0);
+  const bool valid = index >= 0 && index < num_src_rows;
+  // Outside a shard: another rank's row, zeros here; outside a whole table: NaN.
+  const float invalid = shard_first >= 0 ? 0.0f : NAN;
+  const T* in = src + (valid ? index * src_row_stride : 0);
   float* out = dst + row * n;
   const int begin = static_cast<int>(blockIdx.y) * kChunk;
   if constexpr (kVec) {
@@ -44,7 +47,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int k = 0; k < V; ++k) f.v[k] = dev::ToFloat(x.v[k]) * scale;
       } else {
 #pragma unroll
-        for (int k = 0; k < V; ++k) f.v[k] = NAN;  // bad token id: make it loud downstream
+        for (int k = 0; k < V; ++k) f.v[k] = invalid;  // a bad token id is made loud downstream
       }
 #pragma unroll
       for (int k = 0; k < V; k += 4) {
@@ -55,7 +58,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int i = begin + j * kThreads + static_cast<int>(threadIdx.x);
-      if (i < n) out[i] = valid ? dev::ToFloat(in[i]) * scale : NAN;
+      if (i < n) out[i] = valid ? dev::ToFloat(in[i]) * scale : invalid;
     }
   }
 }
@@ -63,7 +66,8 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 int GatherRowsToF32(DType src_dtype, const void* src, int64_t src_row_stride, int64_t num_src_rows,
-                    const int32_t* indices, int num_rows, int n, float* dst, void* stream, float scale) {
+                    const int32_t* indices, int num_rows, int n, float* dst, void* stream, float scale,
+                    int64_t shard_first) {
   if (num_rows < 0 || n < 0 || num_src_rows < 0 || src_row_stride < 0) return kInvalidValue;
   if (num_rows == 0 || n == 0) return 0;
   if (!src || !indices || !dst || (num_src_rows > 1 && src_row_stride < n)) return kInvalidValue;
@@ -77,10 +81,10 @@ int GatherRowsToF32(DType src_dtype, const void* src, int64_t src_row_stride, in
                      reinterpret_cast<uintptr_t>(dst) % 16 == 0;
     if (vec) {
       return LaunchKernel(GatherRowsKernel<T, true>, grid, dim3(kThreads), 0, stream, static_cast<const T*>(src),
-                          src_row_stride, num_src_rows, indices, n, scale, dst);
+                          src_row_stride, num_src_rows, indices, n, scale, dst, shard_first);
     }
     return LaunchKernel(GatherRowsKernel<T, false>, grid, dim3(kThreads), 0, stream, static_cast<const T*>(src),
-                        src_row_stride, num_src_rows, indices, n, scale, dst);
+                        src_row_stride, num_src_rows, indices, n, scale, dst, shard_first);
   });
   return kInvalidValue;
 }

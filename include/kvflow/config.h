@@ -63,6 +63,12 @@ struct ModelConfig {
   // run of the layers (num_layers of them), so per-layer patterns (global_layer_interval) stay the
   // whole model's.
   int first_layer = 0;
+  // Tensor parallelism's vocabulary shard (Megatron's vocab-parallel embedding and LM head): this
+  // config's embedding and head hold rows [vocab_shard_first, vocab_shard_first +
+  // vocab_shard_rows) of the vocab_size. A token outside them embeds as zeros (the ranks' sum is its
+  // embedding) and the logits have vocab_shard_rows columns. 0 rows: the whole vocabulary.
+  int vocab_shard_first = 0;
+  int vocab_shard_rows = 0;
   // > 0: the sliding-window layers' RoPE base, without rope_scaling, while the global layers keep
   // rope_theta and rope_scaling (Gemma-3's rope_local_base_freq).
   float local_rope_theta = 0.0f;
@@ -116,6 +122,8 @@ struct ModelConfig {
   int ReleasableWindow() const { return global_layer_interval > 0 ? 0 : sliding_window; }
   // The softmax scale of q.k.
   float AttentionScale() const;
+  // Rows of the embedding and columns of the logits this config holds.
+  int logit_columns() const { return vocab_shard_rows > 0 ? vocab_shard_rows : vocab_size; }
 
   // Checks internal consistency (positive sizes, heads divide, GQA groups).
   Status Validate() const;

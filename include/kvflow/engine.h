@@ -55,12 +55,13 @@ struct ModelParallelStats {
   int pipeline_parallel_size = 1;
   int64_t steps = 0;              // steps run across the ranks
   int64_t microbatches = 0;       // batches sent to the workers (a step's micro-batches each)
-  int64_t all_reduces = 0;        // two a layer a step (tensor parallelism)
+  int64_t all_reduces = 0;        // two a layer a step, and the embedding's (tensor parallelism)
   int64_t all_reduce_bytes = 0;   // this rank's part of each sum
   double all_reduce_seconds = 0;  // in the sums, waiting for the slowest rank included
   double send_seconds = 0;        // sending the steps' block moves and batches
   // Pipeline parallelism: the driver's residual sends to the second stage, and its wait for the
-  // last stage's logits once its own layers have run (the later stages' time it does not overlap).
+  // last stage's logits once its own layers have run (the later stages' time it does not overlap);
+  // under tensor parallelism alone, its wait for the other ranks' columns of the logits.
   int64_t residual_bytes = 0;
   double residual_send_seconds = 0;
   double logits_wait_seconds = 0;

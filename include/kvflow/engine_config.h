@@ -52,9 +52,10 @@ struct EngineConfig {
   std::string kv_cache_dtype = "auto";
   bool enforce_eager = false;  // CUDA: no CUDA graphs for decode steps
 
-  // Tensor parallelism (Megatron-style) under `mpirun -np N`: the model's attention heads and MLP
-  // width split across tensor_parallel_size ranks (N of them; CPU backends over MPI for now). Rank 0
-  // runs the engine and samples; every other rank runs each step's share with it.
+  // Tensor parallelism (Megatron-style) under `mpirun -np N`: the model's attention heads, MLP
+  // width and vocabulary rows split across tensor_parallel_size ranks (N of them: CPU backends
+  // summing over MPI, CUDA backends over NCCL). Rank 0 runs the engine and samples; every other rank
+  // runs each step's share with it.
   int tensor_parallel_size = 1;
   // Pipeline parallelism under `mpirun -np tensor_parallel_size * pipeline_parallel_size`: the
   // layers split into pipeline_parallel_size stages (runs of consecutive layers), each on its own

@@ -178,6 +178,14 @@ struct KvBlockSelectJob {
 // Where a batch of block moves (planned by the block manager) copies from and to.
 enum class BlockCopyKind { kDeviceToHost, kHostToDevice, kDeviceToDevice };
 
+// A run of floats in a backend's device memory (Backend::DeviceActivation).
+struct DeviceRows {
+  enum class Type { kF32, kF16, kBF16 };
+  void* data = nullptr;
+  int64_t count = 0;
+  Type type = Type::kF32;
+};
+
 // Where KV lives: the device pool, or the host pool (the swap space; an offload tier).
 enum class KvTier { kDevice, kHost };
 
@@ -286,7 +294,8 @@ class OffloadedKvPool {
 Result<bool> CheckOffloadedStep(const ForwardBatch& batch, std::span<const int64_t> slots, BlockId resident_begin,
                                 int block_size);
 
-// KV exchanged with a peer (KV-Runahead's chain, TSP's all-gather).
+// KV exchanged with a peer (KV-Runahead's chain, TSP's all-gather), and the device buffers a transport
+// reads and writes (tensor parallelism's sums on GPU ranks).
 class KvPacking {
  public:
   static constexpr BackendCapability kId = BackendCapability::kKvPacking;
@@ -321,6 +330,17 @@ class KvPacking {
   // far, for Communicator::OrderAfter: the transport then sends a buffer only once it is packed and
   // overwrites one only once it is unpacked, and the host never waits. Re-recorded by the next call.
   virtual Result<void*> RecordComputeEvent() { return Status::Unsupported("device events"); }
+  // The step's rows of an activation (tensor parallelism's partial kDelta) or of the residual
+  // stream (a vocabulary shard's embedding) in this backend's device memory, for a device
+  // transport to sum across the ranks in place (after RecordComputeEvent). Valid inside `layers`.
+  // (This capability is the backend's device buffers for a transport: KV-Runahead's packed KV and
+  // tensor parallelism's sums.)
+  virtual Result<DeviceRows> DeviceActivation(Activation which) {
+    return Status::Unsupported("device activations (tensor parallelism on GPU ranks)");
+  }
+  virtual Result<DeviceRows> DeviceResidual() {
+    return Status::Unsupported("device residual stream (tensor parallelism on GPU ranks)");
+  }
 };
 
 // InfiniGen's speculation on the device (kernels/infinigen_score.h), so that a decode step's token

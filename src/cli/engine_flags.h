@@ -150,14 +150,16 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
                   "KV-Runahead's partition lookup table (kvflow prefill-bench --search); none: even split");
   app->add_option("--tensor-parallel-size,--tp", c.tensor_parallel_size,
                   "Tensor parallelism: under mpirun -np N (N*P with --pipeline-parallel-size P), split the model's attention heads and MLP across N "
-                  "ranks (N must divide the heads, the KV heads or be a multiple of them, and the MLP width). Rank 0 "
-                  "serves and samples; the others run each step's share. CPU ranks over MPI")
+                  "ranks (N must divide the heads, the KV heads or be a multiple of them, and the MLP width), and the "
+                  "vocabulary's embedding and LM head rows. Rank 0 serves and samples; the others run each step's "
+                  "share. CPU ranks sum over MPI; with --device cuda each rank takes its local rank's GPU and "
+                  "sums over NCCL")
       ->default_val(1)
       ->check(CLI::Range(1, 4096));
   app->add_option("--pipeline-parallel-size,--pp", c.pipeline_parallel_size,
                   "Pipeline parallelism: split the model's layers into P stages of consecutive layers, one per "
                   "rank (or per tensor-parallel group: mpirun -np TP*PP); the residual stream passes from stage to "
-                  "stage. Rank 0 (the first stage) serves and samples. CPU ranks over MPI")
+                  "stage. Rank 0 (the first stage) serves and samples. CPU ranks over MPI (not yet on CUDA)")
       ->default_val(1)
       ->check(CLI::Range(1, 4096));
   app->add_option("--pipeline-microbatches", c.pipeline_microbatches,

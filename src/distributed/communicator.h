@@ -40,6 +40,9 @@ constexpr double kDefaultCommTimeoutSeconds = 120.0;
 // CUDA peer world, the rank's CUDA device's memory.
 enum class BufferSpace { kHost, kDevice };
 
+// The element type of a device buffer summed across the ranks (AllReduceSumOnDevice).
+enum class DeviceElement { kF32, kF16, kBF16 };
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -80,6 +83,14 @@ class Communicator {
   // over the ranks, with the same bits on every rank: the parts are all-gathered and summed in rank
   // order, so every rank's residual stream stays identical under tensor parallelism.
   Status AllReduceSum(std::span<float> data, double timeout_s = kDefaultCommTimeoutSeconds);
+  // Device-buffer transports (buffer_space() == kDevice): `count` elements at `data`, in this
+  // rank's device memory, become their elementwise sum over the ranks (tensor parallelism on GPU
+  // ranks). Starts after OrderAfter's event and returns once the sum is in place, so work the
+  // caller issues afterwards reads it; kUnavailable after `timeout_s` (the transport then fails).
+  virtual Status AllReduceSumOnDevice(void* data, int64_t count, DeviceElement element,
+                                      double timeout_s = kDefaultCommTimeoutSeconds) {
+    return Status::Unsupported(Describe() + ": sums of device buffers");
+  }
   // Returns once every rank has called it.
   virtual Status Barrier(double timeout_s = kDefaultCommTimeoutSeconds) = 0;
 

@@ -338,7 +338,8 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
   if (split != nullptr) {
     KVFLOW_ASSIGN_OR_RETURN(ModelParallelParts parts,
                             split->create(ModelParallelContext{config, input.max_model_len > 0, files,
-                                                               evaluation.model_parallel_communicator}));
+                                                               evaluation.model_parallel_communicator,
+                                                               evaluation.model_parallel_device_communicator}));
     backend = std::move(parts.backend);
     systems.mirror = std::move(parts.mirror);
   } else {

@@ -36,6 +36,8 @@ struct EvaluationOptions {
   // model_parallel_ranks() ranks (tests: an in-process world whose other ranks run
   // RunModelParallelWorker); null: the process's MPI world. Not owned.
   dist::Communicator* model_parallel_communicator = nullptr;
+  // The same ranks' device transport for CUDA ranks (a CUDA peer world); null: NCCL. Not owned.
+  dist::Communicator* model_parallel_device_communicator = nullptr;
   // KV selection tests: told what every layer's attention reads under the engine's KV selector
   // (engine/observed_kv_selector.h); unset: nothing is observed.
   KvReadObserver kv_read_observer;

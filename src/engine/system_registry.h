@@ -194,6 +194,8 @@ struct ModelParallelContext {
   bool max_model_len_requested;  // whether the user set it (then it is refused instead)
   ModelFiles& files;
   dist::Communicator* communicator;  // null: the process's MPI world
+  // GPU ranks' sums over device buffers; null: NCCL over `communicator` (tests: a CUDA peer world).
+  dist::Communicator* device_communicator = nullptr;
 };
 
 // Splits the model across the job's ranks: builds this (driver) rank's backend for its share, and

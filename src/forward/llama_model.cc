@@ -30,6 +30,10 @@ Status LlamaModel::Layers(const ForwardBatch& batch) {
     KVFLOW_RETURN_IF_ERROR(stage_->ReceiveResidual(b));
   } else {
     KVFLOW_RETURN_IF_ERROR(b.Embed());
+    if (b.model_config().vocab_shard_rows > 0) {
+      if (reducer_ == nullptr) return Status::InvalidArgument("a vocabulary shard's embedding without the other ranks");
+      KVFLOW_RETURN_IF_ERROR(reducer_->ReduceEmbedding(b));
+    }
   }
   const int num_layers = b.model_config().num_layers;
   const ModelConfig& config = b.model_config();
@@ -57,6 +61,7 @@ Status LlamaModel::Layers(const ForwardBatch& batch) {
     KVFLOW_RETURN_IF_ERROR(b.RmsNorm(layer, LayerWeight::kFfnNorm, /*add_delta=*/true));
     if (moe) {
       KVFLOW_RETURN_IF_ERROR(b.MoeMlp(layer));
+      if (reducer_) KVFLOW_RETURN_IF_ERROR(reducer_->ReduceDelta(b));
       if (hooks_) KVFLOW_RETURN_IF_ERROR(hooks_->AfterMlpInput(ctx));
     } else {
       KVFLOW_RETURN_IF_ERROR(b.Linear(layer, LayerWeight::kGateUp, Activation::kHidden, Activation::kGateUp));

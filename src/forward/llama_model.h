@@ -107,13 +107,16 @@ class HookChain final : public LayerHooks {
   std::vector<LayerHooks*> hooks_;
 };
 
-// Tensor parallelism's seam (tensor_parallel/): after each row-parallel projection (the attention's
+// Tensor parallelism's seam (model_parallel/): after each row-parallel projection (the attention's
 // output and the MLP's down projection) every rank holds a partial sum of kDelta; the reducer makes
-// it the whole sum on every rank, before the sandwich norms and the hooks see it.
+// it the whole sum on every rank, before the sandwich norms and the hooks see it. Likewise the
+// residual stream after a vocabulary shard's embedding (ModelConfig::vocab_shard_rows: each token's
+// row on one rank, zeros on the others).
 class DeltaReducer {
  public:
   virtual ~DeltaReducer() = default;
   virtual Status ReduceDelta(Backend& backend) = 0;
+  virtual Status ReduceEmbedding(Backend& backend) = 0;
 };
 
 // Pipeline parallelism's seam (model_parallel/): the model on this rank is one stage, a run of

@@ -317,6 +317,14 @@ bool LlamaWeights::all_f32() const {
 
 Status CheckFamilyWeights(const ModelConfig& c, const LlamaWeights& w) {
   const int64_t D = c.head_dim;
+  // A rank of a vocabulary split holds its rows of the embedding and head only.
+  for (const WeightMatrix* m : {&w.embed, &w.lm_head}) {
+    if (!m->empty() && m->rows != c.logit_columns()) {
+      return Status::InvalidArgument("the embedding or LM head has " + std::to_string(m->rows) +
+                                     " rows; the config implies " + std::to_string(c.logit_columns()) +
+                                     (c.vocab_shard_rows > 0 ? " (its vocabulary shard)" : ""));
+    }
+  }
   const int64_t qkv = (static_cast<int64_t>(c.num_heads) + 2 * c.num_kv_heads) * D;
   for (size_t i = 0; i < w.layers.size(); ++i) {
     const LlamaLayerWeights& l = w.layers[i];

@@ -649,6 +649,11 @@ Status ModelConfig::Validate() const {
       return invalid("eos_token_id " + std::to_string(eos) + " is outside the vocabulary");
     }
   }
+  if (vocab_shard_rows < 0 || vocab_shard_first < 0 ||
+      (vocab_shard_rows > 0 && int64_t{vocab_shard_first} + vocab_shard_rows > vocab_size)) {
+    return invalid("vocabulary shard [" + std::to_string(vocab_shard_first) + ", +" + std::to_string(vocab_shard_rows) +
+                   ") is not within the vocabulary of " + std::to_string(vocab_size));
+  }
   const RopeScaling& rope = rope_scaling;
   if (rope.type != RopeScaling::Type::kNone && !(rope.factor > 0.0f)) {
     return invalid("rope_scaling factor must be positive");

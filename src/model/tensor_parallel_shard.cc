@@ -1,6 +1,7 @@
 #include "model/tensor_parallel_shard.h"
 
 #include <algorithm>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -10,9 +11,13 @@ Status CheckTensorParallelSplit(const ModelConfig& config, int size) {
   const std::string n = std::to_string(size);
   if (size < 1) return Status::InvalidArgument("tensor parallel size must be at least 1, got " + n);
   if (size == 1) return Status::Ok();
-  if (config.num_experts > 0) {
-    return Status::Unsupported("tensor parallelism over a mixture of experts (" + config.architecture +
-                               ") is not implemented yet");
+  if (config.num_experts > 0 && config.expert_intermediate_size % size != 0) {
+    return Status::InvalidArgument("tensor parallel size " + n + " does not divide the experts' width " +
+                                   std::to_string(config.expert_intermediate_size));
+  }
+  if (config.shared_expert_intermediate_size % size != 0) {
+    return Status::InvalidArgument("tensor parallel size " + n + " does not divide the shared expert's width " +
+                                   std::to_string(config.shared_expert_intermediate_size));
   }
   if (config.qk_norm && !config.qk_norm_per_head) {
     return Status::Unsupported("tensor parallelism with one norm over all of q and k (" + config.architecture +
@@ -27,7 +32,11 @@ Status CheckTensorParallelSplit(const ModelConfig& config, int size) {
                                    std::to_string(config.num_kv_heads) +
                                    " KV heads nor is a multiple of them (to replicate each)");
   }
-  if (config.intermediate_size % size != 0) {
+  if (config.vocab_size < size) {
+    return Status::InvalidArgument("tensor parallel size " + n + " exceeds the vocabulary of " +
+                                   std::to_string(config.vocab_size) + " tokens (each rank holds some of its rows)");
+  }
+  if (config.num_experts == 0 && config.intermediate_size % size != 0) {
     return Status::InvalidArgument("tensor parallel size " + n + " does not divide the MLP's width " +
                                    std::to_string(config.intermediate_size));
   }
@@ -50,7 +59,17 @@ TensorShard ShardOf(const ModelConfig& config, int rank, int size) {
   }
   s.ffn_width = config.intermediate_size / size;
   s.first_ffn = rank * s.ffn_width;
+  s.expert_ffn_width = config.expert_intermediate_size / size;
+  s.first_expert_ffn = rank * s.expert_ffn_width;
+  s.shared_ffn_width = config.shared_expert_intermediate_size / size;
+  s.first_shared_ffn = rank * s.shared_ffn_width;
+  std::tie(s.first_vocab, s.vocab_rows) = VocabShardRows(config.vocab_size, rank, size);
   return s;
+}
+
+std::pair<int, int> VocabShardRows(int vocab_size, int rank, int size) {
+  auto start = [&](int r) { return static_cast<int>(int64_t{r} * vocab_size / size); };
+  return {start(rank), start(rank + 1) - start(rank)};
 }
 
 ModelConfig ShardConfig(const ModelConfig& config, const TensorShard& shard) {
@@ -58,7 +77,35 @@ ModelConfig ShardConfig(const ModelConfig& config, const TensorShard& shard) {
   c.num_heads = shard.num_heads;
   c.num_kv_heads = shard.num_kv_heads;
   c.intermediate_size = shard.ffn_width;
+  c.expert_intermediate_size = shard.expert_ffn_width;
+  c.shared_expert_intermediate_size = shard.shared_ffn_width;
+  if (shard.size > 1) {
+    c.vocab_shard_first = shard.first_vocab;
+    c.vocab_shard_rows = shard.vocab_rows;
+  }
   return c;
+}
+
+Status ShardVocabulary(LlamaWeights& weights, const ModelConfig& config, const TensorShard& shard) {
+  if (shard.size == 1) return Status::Ok();
+  const std::pair<int64_t, int64_t> rows[] = {{shard.first_vocab, shard.vocab_rows}};
+  for (WeightMatrix* m : {&weights.embed, &weights.lm_head}) {
+    if (m->empty()) continue;  // a stage that needs neither, or a head tied to the embedding
+    if (m->rows != config.vocab_size) {
+      return Status::InvalidArgument("the vocabulary split needs " + std::to_string(config.vocab_size) +
+                                     " rows of embedding and head, the weights have " + std::to_string(m->rows));
+    }
+    *m = SliceRows(*m, rows);
+  }
+  return Status::Ok();
+}
+
+void PlaceVocabSlice(std::span<const float> slice, int64_t rows, std::pair<int, int> vocab_rows, int64_t vocab,
+                     std::span<float> whole) {
+  const auto [first, width] = vocab_rows;
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy_n(slice.data() + r * width, width, whole.data() + r * vocab + first);
+  }
 }
 
 namespace {
@@ -95,15 +142,42 @@ Result<LlamaLayerWeights> ShardLayer(const LlamaLayerWeights& in, const ModelCon
   l.k_norm = in.k_norm;
   l.wqkv = SliceRows(in.wqkv, qkv);
   l.bqkv = Gather(in.bqkv, qkv);
-  l.w_gate_up = SliceRows(in.w_gate_up, gate_up);
-  l.b_gate_up = Gather(in.b_gate_up, gate_up);
   const std::string where = "layer " + std::to_string(layer) + ": ";
   auto wo = SliceColumns(in.wo, shard.first_head * d, shard.num_heads * d);
   if (!wo.ok()) return Status::InvalidArgument(where + "o_proj: " + wo.status().message());
   l.wo = std::move(wo).value();
-  auto down = SliceColumns(in.w_down, shard.first_ffn, shard.ffn_width);
-  if (!down.ok()) return Status::InvalidArgument(where + "down_proj: " + down.status().message());
-  l.w_down = std::move(down).value();
+  // A SwiGLU MLP of width `width` ([gate; up] rows, down columns) cut to [first, first + count).
+  auto split_mlp = [&](const WeightMatrix& gate_up_in, const WeightMatrix& down_in, int64_t width, int64_t first,
+                       int64_t count, const std::string& what, WeightMatrix& gate_up_out,
+                       WeightMatrix& down_out) -> Status {
+    const std::pair<int64_t, int64_t> rows[] = {{first, count}, {width + first, count}};
+    gate_up_out = SliceRows(gate_up_in, rows);
+    auto down = SliceColumns(down_in, first, count);
+    if (!down.ok()) return Status::InvalidArgument(where + what + ": " + down.status().message());
+    down_out = std::move(down).value();
+    return Status::Ok();
+  };
+  if (config.num_experts == 0) {
+    l.b_gate_up = Gather(in.b_gate_up, gate_up);
+    KVFLOW_RETURN_IF_ERROR(
+        split_mlp(in.w_gate_up, in.w_down, F, shard.first_ffn, shard.ffn_width, "down_proj", l.w_gate_up, l.w_down));
+  } else {
+    l.router = in.router;
+    l.expert_gate_up.resize(in.expert_gate_up.size());
+    l.expert_down.resize(in.expert_down.size());
+    for (size_t e = 0; e < in.expert_gate_up.size() && e < in.expert_down.size(); ++e) {
+      KVFLOW_RETURN_IF_ERROR(split_mlp(in.expert_gate_up[e], in.expert_down[e], config.expert_intermediate_size,
+                                       shard.first_expert_ffn, shard.expert_ffn_width,
+                                       "expert " + std::to_string(e) + " down_proj", l.expert_gate_up[e],
+                                       l.expert_down[e]));
+    }
+    if (!in.shared_gate_up.empty()) {
+      KVFLOW_RETURN_IF_ERROR(split_mlp(in.shared_gate_up, in.shared_down, config.shared_expert_intermediate_size,
+                                       shard.first_shared_ffn, shard.shared_ffn_width, "shared expert down_proj",
+                                       l.shared_gate_up, l.shared_down));
+      l.shared_gate = in.shared_gate;
+    }
+  }
   // The row-parallel biases join the sum once.
   l.bo = in.bo;
   l.b_down = in.b_down;

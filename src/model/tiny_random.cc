@@ -71,11 +71,12 @@ Result<ModelFiles> MakeBuiltInModel(const std::string& name) {
     files.config.sliding_window = kTinyRandomSlidingWindow;
     return files;
   }
+  if (name == kTinyRandomMoeName) return MakeTinyRandomModel(0x6b76666c6f77, 4, false, false, true);
   if (IsRandomShapeModel(name)) return MakeRandomShapeModel(name);
   return Status::NotFound("no built-in model named " + name);
 }
 
-Result<ModelFiles> MakeTinyRandomModel(uint64_t seed, int num_layers, bool biases, bool qk_norm) {
+Result<ModelFiles> MakeTinyRandomModel(uint64_t seed, int num_layers, bool biases, bool qk_norm, bool moe) {
   if (num_layers < 1 || num_layers > 4) return Status::InvalidArgument("tiny-random has 1 to 4 layers");
   ModelConfig c;
   c.name = num_layers == 4 ? kTinyRandomName : kTinyRandomDraftName;
@@ -121,9 +122,42 @@ Result<ModelFiles> MakeTinyRandomModel(uint64_t seed, int num_layers, bool biase
     source->Add(p + "self_attn.k_proj.weight", {c.num_kv_heads * D, H}, random({c.num_kv_heads * D, H}, 2.0f * s));
     source->Add(p + "self_attn.v_proj.weight", {c.num_kv_heads * D, H}, random({c.num_kv_heads * D, H}, s));
     source->Add(p + "self_attn.o_proj.weight", {H, c.num_heads * D}, random({H, c.num_heads * D}, s));
+    if (moe) continue;  // below, from a stream of its own
     source->Add(p + "mlp.gate_proj.weight", {F, H}, random({F, H}, s));
     source->Add(p + "mlp.up_proj.weight", {F, H}, random({F, H}, s));
     source->Add(p + "mlp.down_proj.weight", {H, F}, random({H, F}, 1.0f / std::sqrt(static_cast<float>(F))));
+  }
+  if (moe) {
+    if (biases) return Status::InvalidArgument("tiny-random-moe has no biases");
+    c.name = kTinyRandomMoeName;
+    c.architecture = "qwen2moe";
+    c.num_experts = 4;
+    c.experts_per_token = 2;
+    c.expert_intermediate_size = 128;
+    c.shared_expert_intermediate_size = 256;
+    c.norm_topk_prob = false;
+    PortableNormal moe_normal(seed ^ 0x6d6f65);  // "moe"
+    auto moe_random = [&](int64_t rows, int64_t cols, float stddev) {
+      std::vector<float> v(static_cast<size_t>(rows * cols));
+      for (float& x : v) x = moe_normal(stddev);
+      return v;
+    };
+    const int64_t FE = c.expert_intermediate_size, FS = c.shared_expert_intermediate_size;
+    const float s = 1.0f / std::sqrt(static_cast<float>(H));
+    for (int i = 0; i < c.num_layers; ++i) {
+      const std::string p = "model.layers." + std::to_string(i) + ".mlp.";
+      source->Add(p + "gate.weight", {c.num_experts, H}, moe_random(c.num_experts, H, 4.0f * s));
+      for (int e = 0; e < c.num_experts; ++e) {
+        const std::string x = p + "experts." + std::to_string(e) + ".";
+        source->Add(x + "gate_proj.weight", {FE, H}, moe_random(FE, H, s));
+        source->Add(x + "up_proj.weight", {FE, H}, moe_random(FE, H, s));
+        source->Add(x + "down_proj.weight", {H, FE}, moe_random(H, FE, 1.0f / std::sqrt(static_cast<float>(FE))));
+      }
+      source->Add(p + "shared_expert.gate_proj.weight", {FS, H}, moe_random(FS, H, s));
+      source->Add(p + "shared_expert.up_proj.weight", {FS, H}, moe_random(FS, H, s));
+      source->Add(p + "shared_expert.down_proj.weight", {H, FS}, moe_random(H, FS, 1.0f / std::sqrt(static_cast<float>(FS))));
+      source->Add(p + "shared_expert_gate.weight", {1, H}, moe_random(1, H, s));
+    }
   }
   if (biases) {
     c.qkv_bias = c.o_bias = c.mlp_bias = true;

@@ -36,6 +36,7 @@ constexpr int kWordsTag = 7103;
 constexpr int kResidualTag = 7104;
 constexpr int kLogitsTag = 7105;
 constexpr int kReportTag = 7106;
+constexpr int kVocabTag = 7107;
 // A stage's tensor-parallel group shifts its tags past the world's.
 constexpr int kGroupTagOffset = 20000;
 constexpr int kDriver = 0;
@@ -53,9 +54,9 @@ struct GridPosition {
   int tp_rank() const { return rank % tp; }
   int RankOf(int stage, int tp_rank) const { return stage * tp + tp_rank; }
   bool last_stage() const { return stage() == pp - 1; }
-  // Whether this rank's batches ask for logits: the last stage's tp rank 0, which sends them to the
-  // driver (the LM head is whole on every rank of the last stage: one computes it).
-  bool makes_logits() const { return last_stage() && tp_rank() == 0; }
+  // The last stage's ranks compute the logits, each its vocabulary rows' columns; its tp rank 0
+  // assembles them (and sends them to the driver, unless it is the driver).
+  bool assembles_logits() const { return last_stage() && tp_rank() == 0; }
   std::string Describe() const {
     return "stage " + std::to_string(stage()) + " of " + std::to_string(pp) + ", tensor rank " +
            std::to_string(tp_rank()) + " of " + std::to_string(tp);
@@ -126,6 +127,10 @@ Result<std::unique_ptr<Backend>> CreateRankBackend(EngineConfig& config, bool ma
   const PipelineStageRange range = StageOf(files.config, at.stage(), at.pp, config.pipeline_layer_split);
   const ModelConfig stage_config = StageConfig(files.config, range);
   const TensorShard shard = ShardOf(stage_config, at.tp_rank(), at.tp);
+  if (at.tp > 1 && stage_config.num_experts > 0 && config.device != "cpu") {
+    return Status::Unsupported("tensor parallelism over a mixture of experts on CUDA ranks is not tested yet (the "
+                               "CPU splits the experts)");
+  }
   // Only the rank's share is read: its stage's layers, each cut to its shard as soon as it is read,
   // the embedding on the first stage and the head on the last.
   WeightSelection selection;
@@ -140,10 +145,14 @@ Result<std::unique_ptr<Backend>> CreateRankBackend(EngineConfig& config, bool ma
     };
   }
   KVFLOW_ASSIGN_OR_RETURN(LlamaWeights mine, LoadWeightsFor(files, config, selection));
-  spdlog::info("model parallel rank {} ({}): layers [{}, {}), query heads [{}, {}), KV heads [{}, {}), MLP columns [{}, {})",
+  // The embedding and head are read whole (one matrix at a time), then cut to the rank's rows.
+  KVFLOW_RETURN_IF_ERROR(ShardVocabulary(mine, stage_config, shard));
+  spdlog::info("model parallel rank {} ({}): layers [{}, {}), query heads [{}, {}), KV heads [{}, {}), MLP columns [{}, {}), "
+               "vocabulary rows [{}, {}): {:.1f} MiB of weights",
                at.rank, at.Describe(), range.first_layer, range.first_layer + range.num_layers, shard.first_head,
                shard.first_head + shard.num_heads, shard.first_kv_head, shard.first_kv_head + shard.num_kv_heads,
-               shard.first_ffn, shard.first_ffn + shard.ffn_width);
+               shard.first_ffn, shard.first_ffn + shard.ffn_width, shard.first_vocab, shard.first_vocab + shard.vocab_rows,
+               mine.bytes() / 1048576.0);
   return CreateBackend(config, max_model_len_requested, ShardConfig(stage_config, shard), std::move(mine));
 }
 
@@ -157,19 +166,61 @@ Result<std::unique_ptr<Communicator>> StageGroup(Communicator& world, const Grid
   return std::unique_ptr<Communicator>(std::move(group));
 }
 
-// Sums each layer's partial kDelta across the stage's tensor-parallel group.
+// Sums each layer's partial kDelta across the stage's tensor-parallel group: in host memory over
+// the group's communicator, or, for CUDA ranks (`device_group` set), in device memory over the
+// device transport (NCCL), after the compute stream's work so far.
 class AllReduceDeltaReducer final : public DeltaReducer {
  public:
-  AllReduceDeltaReducer(Communicator& group, double timeout_s, std::shared_ptr<ModelParallelStats> stats)
-      : group_(group), timeout_s_(timeout_s), stats_(std::move(stats)) {}
+  AllReduceDeltaReducer(Communicator& group, Communicator* device_group, double timeout_s,
+                        std::shared_ptr<ModelParallelStats> stats)
+      : group_(group), device_group_(device_group), timeout_s_(timeout_s), stats_(std::move(stats)) {}
 
   Status ReduceDelta(Backend& backend) override {
+    if (device_group_) {
+      KVFLOW_ASSIGN_OR_RETURN(KvPacking * device, DeviceBuffers(backend));
+      KVFLOW_ASSIGN_OR_RETURN(DeviceRows rows, device->DeviceActivation(Activation::kDelta));
+      return SumOnDevice(*device, rows);
+    }
     KVFLOW_ASSIGN_OR_RETURN(std::span<float> delta, backend.HostActivation(Activation::kDelta));
+    return Sum(delta);
+  }
+  Status ReduceEmbedding(Backend& backend) override {
+    if (device_group_) {
+      KVFLOW_ASSIGN_OR_RETURN(KvPacking * device, DeviceBuffers(backend));
+      KVFLOW_ASSIGN_OR_RETURN(DeviceRows rows, device->DeviceResidual());
+      return SumOnDevice(*device, rows);
+    }
+    KVFLOW_ASSIGN_OR_RETURN(std::span<float> residual, backend.HostResidual());
+    return Sum(residual);
+  }
+
+ private:
+  static Result<KvPacking*> DeviceBuffers(Backend& backend) {
+    KvPacking* device = backend.As<KvPacking>();
+    if (device == nullptr) return Status::Unsupported("tensor parallelism's device sums on " + backend.Describe());
+    return device;
+  }
+
+  Status SumOnDevice(KvPacking& backend, const DeviceRows& rows) {
     const auto start = Clock::now();
-    Status st = group_.AllReduceSum(delta, timeout_s_);
+    const dist::DeviceElement element = rows.type == DeviceRows::Type::kF32   ? dist::DeviceElement::kF32
+                                        : rows.type == DeviceRows::Type::kF16 ? dist::DeviceElement::kF16
+                                                                              : dist::DeviceElement::kBF16;
+    Result<void*> event = backend.RecordComputeEvent();
+    Status st = event.ok() ? device_group_->OrderAfter(event.value()) : event.status();
+    if (st.ok()) st = device_group_->AllReduceSumOnDevice(rows.data, rows.count, element, timeout_s_);
+    return Counted(st, start, rows.count * (rows.type == DeviceRows::Type::kF32 ? 4 : 2));
+  }
+
+  Status Sum(std::span<float> data) {
+    const auto start = Clock::now();
+    return Counted(group_.AllReduceSum(data, timeout_s_), start, static_cast<int64_t>(data.size_bytes()));
+  }
+
+  Status Counted(Status st, Clock::time_point start, int64_t bytes) {
     stats_->all_reduce_seconds += SecondsSince(start);
     ++stats_->all_reduces;
-    stats_->all_reduce_bytes += static_cast<int64_t>(delta.size_bytes());
+    stats_->all_reduce_bytes += bytes;
     if (!st.ok()) {
       st = Status::Unavailable("tensor parallel all-reduce: " + st.ToString() +
                                " (a rank died or hangs: the model's other shares are gone)");
@@ -179,11 +230,40 @@ class AllReduceDeltaReducer final : public DeltaReducer {
     return Status::Ok();
   }
 
- private:
   Communicator& group_;
+  Communicator* device_group_;
   double timeout_s_;
   std::shared_ptr<ModelParallelStats> stats_;
 };
+
+// With device "cuda" every rank takes its own GPU: the one of its local rank on its machine under
+// mpirun (OMPI_COMM_WORLD_LOCAL_RANK), else of its rank (threads of one process). cuda:N puts every
+// rank on device N (a one-GPU test).
+void PickRankDevice(EngineConfig& config, const Communicator& world) {
+  if (config.device != "cuda") return;
+  const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  config.device = "cuda:" + std::to_string(local ? std::max(0, std::atoi(local)) : world.rank());
+}
+
+// The device transport CUDA ranks sum over: `given` (tests), else NCCL over the world, opened by
+// every rank at the same point of the start-up (a collective). Null for host-computing backends
+// and without tensor parallelism.
+Status OpenDeviceGroup(Communicator& world, const Backend& backend, const GridPosition& at, Communicator* given,
+                       double timeout_s, std::unique_ptr<Communicator>& owned, Communicator*& device_group) {
+  device_group = nullptr;
+  if (backend.ComputesOnHost() || at.tp == 1) return Status::Ok();
+  const KvPacking* device = backend.As<KvPacking>();
+  if (device == nullptr || device->pack_device() < 0) {
+    return Status::Unsupported("tensor parallelism on " + backend.Describe() + ": it hands no device buffers to a transport");
+  }
+  if (given != nullptr) {
+    device_group = given;
+    return Status::Ok();
+  }
+  KVFLOW_ASSIGN_OR_RETURN(owned, dist::OpenNcclCommunicator(world, device->pack_device(), timeout_s));
+  device_group = owned.get();
+  return Status::Ok();
+}
 
 // Sends a rank has in flight, each with the buffer it reads.
 class PendingSends {
@@ -226,6 +306,51 @@ class PendingSends {
   }
   std::deque<Send> sends_;
   std::vector<std::vector<float>> spare_;
+};
+
+// The last stage's logits under tensor parallelism: each rank of the stage's group computes its
+// vocabulary rows' columns; the group's rank 0 (tensor rank 0) receives the others' and places
+// every slice in the whole rows.
+class VocabGather {
+ public:
+  VocabGather(Communicator& group, const GridPosition& at, int vocab_size, double timeout_s)
+      : group_(group), at_(at), vocab_size_(vocab_size), timeout_s_(timeout_s) {}
+
+  // Tensor rank 0: `mine` (rows x its columns) and the other ranks' slices into `whole`.
+  Status Assemble(std::span<const float> mine, int64_t rows, std::vector<float>& whole) {
+    whole.resize(static_cast<size_t>(rows * vocab_size_));
+    PlaceVocabSlice(mine, rows, VocabShardRows(vocab_size_, 0, at_.tp), vocab_size_, whole);
+    for (int r = 1; r < at_.tp; ++r) {
+      const std::pair<int, int> theirs = VocabShardRows(vocab_size_, r, at_.tp);
+      slice_.resize(static_cast<size_t>(rows * theirs.second));
+      Status st = group_.Recv(r, kVocabTag, std::as_writable_bytes(std::span<float>(slice_)), timeout_s_);
+      if (!st.ok()) return Broken(st, "receiving tensor rank " + std::to_string(r) + "'s logits");
+      PlaceVocabSlice(slice_, rows, theirs, vocab_size_, whole);
+    }
+    return Status::Ok();
+  }
+  // Another tensor rank: its slice to tensor rank 0 (returns before it has it).
+  Status Send(std::vector<float> slice) {
+    return Broken(sends_.Add(group_, 0, kVocabTag, std::move(slice), timeout_s_), "sending its logits");
+  }
+  std::vector<float> TakeBuffer() { return sends_.TakeBuffer(); }
+  Status FinishSends() { return Broken(sends_.WaitAll(group_, timeout_s_), "finishing its logits sends"); }
+
+ private:
+  Status Broken(Status st, const std::string& doing) {
+    if (st.ok()) return st;
+    st = Status::Unavailable("tensor parallel rank " + std::to_string(at_.rank) + " (" + at_.Describe() + "), " + doing +
+                             ": " + st.ToString() + " (a rank died or hangs: the model's other shares are gone)");
+    dist::ReportJobBroken(st);
+    return st;
+  }
+
+  Communicator& group_;
+  GridPosition at_;
+  int64_t vocab_size_;
+  double timeout_s_;
+  PendingSends sends_;
+  std::vector<float> slice_;
 };
 
 // One rank's place in the pipeline: takes the residual stream from the previous stage's rank of
@@ -288,15 +413,19 @@ class GridStage final : public PipelineStage {
 // The driver's view of its workers.
 class WorkerMirror final : public StepMirror {
  public:
-  WorkerMirror(Communicator& world, std::unique_ptr<Communicator> group, const GridPosition& at, int microbatches,
-               double timeout_s)
-      : world_(world), group_(std::move(group)), at_(at), microbatches_(microbatches), timeout_s_(timeout_s),
-        stats_(std::make_shared<ModelParallelStats>()) {
+  WorkerMirror(Communicator& world, std::unique_ptr<Communicator> group, std::unique_ptr<Communicator> device_owned,
+               Communicator* device_group, const GridPosition& at, int vocab_size, int microbatches, double timeout_s)
+      : world_(world), group_(std::move(group)), device_owned_(std::move(device_owned)), at_(at),
+        microbatches_(microbatches), timeout_s_(timeout_s), stats_(std::make_shared<ModelParallelStats>()) {
     stats_->ranks = at.tp * at.pp;
     stats_->tensor_parallel_size = at.tp;
     stats_->pipeline_parallel_size = at.pp;
-    if (at.tp > 1) reducer_ = std::make_unique<AllReduceDeltaReducer>(group_ ? *group_ : world, timeout_s, stats_);
+    if (at.tp > 1) {
+      reducer_ = std::make_unique<AllReduceDeltaReducer>(group_ ? *group_ : world, device_group, timeout_s, stats_);
+    }
     if (at.pp > 1) stage_ = std::make_unique<GridStage>(world, at, timeout_s, stats_);
+    // Tensor parallelism alone: this rank is the last stage's tensor rank 0.
+    if (at.tp > 1 && at.pp == 1) gather_ = std::make_unique<VocabGather>(world, at, vocab_size, timeout_s);
   }
 
   ~WorkerMirror() override {
@@ -353,14 +482,20 @@ class WorkerMirror final : public StepMirror {
   }
 
  private:
-  // Tensor parallelism alone: every rank runs the whole batch; this one makes the logits.
+  // Tensor parallelism alone: every rank runs the whole batch and computes its columns of the
+  // logits; this one gathers them.
   Status RunWhole(LlamaModel& model, const ForwardBatch& batch, std::vector<float>& logits) {
     ++stats_->microbatches;
     KVFLOW_RETURN_IF_ERROR(Broadcast(StepMessageKind::kForward, EncodeBatch(batch), timeout_s_));
     const auto start = Clock::now();
-    Status st = model.Forward(batch, logits);
+    Status st = model.Forward(batch, my_columns_);
     stats_->forward_seconds += SecondsSince(start);
-    return st;
+    if (!st.ok()) return st;
+    const auto wait_start = Clock::now();
+    st = gather_->Assemble(my_columns_, batch.num_logit_rows(), logits);
+    stats_->logits_wait_seconds += SecondsSince(wait_start);
+    if (!st.ok()) return MarkBroken(st, "gathering the logits");
+    return Status::Ok();
   }
 
   // Every worker's own counters (kReport), into reports_ by rank.
@@ -483,13 +618,16 @@ class WorkerMirror final : public StepMirror {
 
   Communicator& world_;
   std::unique_ptr<Communicator> group_;
+  std::unique_ptr<Communicator> device_owned_;  // NCCL, when this rank opened it
   GridPosition at_;
   int microbatches_;
   double timeout_s_;
   std::shared_ptr<ModelParallelStats> stats_;
   std::unique_ptr<AllReduceDeltaReducer> reducer_;
   std::unique_ptr<GridStage> stage_;
+  std::unique_ptr<VocabGather> gather_;
   std::vector<float> no_logits_;
+  std::vector<float> my_columns_;  // this rank's columns of the logits (tensor parallelism alone)
   std::deque<Outgoing> outgoing_;  // a deque: the sends read buffers that must not move
   std::vector<RankStepStats> reports_;  // by rank; [0] unused (stats() fills in this rank's own)
   Clock::time_point last_report_ = Clock::now();
@@ -526,6 +664,7 @@ Result<ModelParallelParts> CreateModelParallelDriver(const ModelParallelContext&
     return Status::Internal("the model-parallel engine runs on rank 0; this is " + comm->Describe());
   }
   DefaultThreadsPerRank(config);
+  PickRankDevice(config, *comm);
   const double timeout_s = dist::kDefaultCommTimeoutSeconds;
   const GridPosition at{config.tensor_parallel_size, config.pipeline_parallel_size, kDriver};
   KVFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend,
@@ -558,9 +697,14 @@ Result<ModelParallelParts> CreateModelParallelDriver(const ModelParallelContext&
     }
   }
   KVFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> group, StageGroup(*comm, at));
+  std::unique_ptr<Communicator> device_owned;
+  Communicator* device_group = nullptr;
+  KVFLOW_RETURN_IF_ERROR(
+      OpenDeviceGroup(*comm, *backend, at, ctx.device_communicator, timeout_s, device_owned, device_group));
   ModelParallelParts parts;
   parts.backend = std::move(backend);
-  parts.mirror = std::make_unique<WorkerMirror>(*comm, std::move(group), at, config.pipeline_microbatches, timeout_s);
+  parts.mirror = std::make_unique<WorkerMirror>(*comm, std::move(group), std::move(device_owned), device_group, at,
+                                                ctx.files.config.vocab_size, config.pipeline_microbatches, timeout_s);
   spdlog::info("model parallel: {} ranks ready ({}, {})", comm->size(), DescribeSplit(at.tp, at.pp), comm->Describe());
   if (at.pp > 1) {
     std::string counts;
@@ -574,12 +718,14 @@ Result<ModelParallelParts> CreateModelParallelDriver(const ModelParallelContext&
   return parts;
 }
 
-Status RunModelParallelWorker(const EngineConfig& input, Communicator& comm, double timeout_s, bool* ready) {
+Status RunModelParallelWorker(const EngineConfig& input, Communicator& comm, double timeout_s, bool* ready,
+                              Communicator* device_comm) {
   if (ready) *ready = false;
   if (comm.rank() == kDriver) return Status::Internal("rank 0 drives the model-parallel job; it runs no worker");
   KVFLOW_RETURN_IF_ERROR(CheckJobSize(input, comm));
   EngineConfig config = input;
   DefaultThreadsPerRank(config);
+  PickRankDevice(config, comm);
   const GridPosition at{config.tensor_parallel_size, config.pipeline_parallel_size, comm.rank()};
   // The driver loads its share first: wait in slices until it says how to build ours.
   int64_t setup[Setup::kWords] = {};
@@ -609,10 +755,25 @@ Status RunModelParallelWorker(const EngineConfig& input, Communicator& comm, dou
   if (ready) *ready = true;
   auto stats = std::make_shared<ModelParallelStats>();
   KVFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> group, StageGroup(comm, at));
+  std::unique_ptr<Communicator> device_owned;
+  Communicator* device_group = nullptr;
+  KVFLOW_RETURN_IF_ERROR(OpenDeviceGroup(comm, *backend, at, device_comm, timeout_s, device_owned, device_group));
   std::unique_ptr<AllReduceDeltaReducer> reducer;
-  if (at.tp > 1) reducer = std::make_unique<AllReduceDeltaReducer>(group ? *group : comm, timeout_s, stats);
+  if (at.tp > 1) {
+    reducer = std::make_unique<AllReduceDeltaReducer>(group ? *group : comm, device_group, timeout_s, stats);
+  }
   std::unique_ptr<GridStage> stage;
   if (at.pp > 1) stage = std::make_unique<GridStage>(comm, at, timeout_s, stats);
+  std::unique_ptr<VocabGather> gather;
+  if (at.tp > 1 && at.last_stage()) {
+    gather = std::make_unique<VocabGather>(group ? *group : comm, at, backend->model_config().vocab_size, timeout_s);
+  }
+  // Every send finished (before a report, so the time counted is all of it, and before stopping).
+  auto finish_sends = [&]() -> Status {
+    if (stage) KVFLOW_RETURN_IF_ERROR(stage->FinishSends());
+    if (gather) KVFLOW_RETURN_IF_ERROR(gather->FinishSends());
+    return Status::Ok();
+  };
   LlamaModel model(*backend);
   model.set_delta_reducer(reducer.get());
   model.set_pipeline_stage(stage.get());
@@ -631,14 +792,13 @@ Status RunModelParallelWorker(const EngineConfig& input, Communicator& comm, dou
     }
     const auto kind = static_cast<StepMessageKind>(header[0]);
     if (kind == StepMessageKind::kStop) {
-      if (stage) KVFLOW_RETURN_IF_ERROR(stage->FinishSends());
+      KVFLOW_RETURN_IF_ERROR(finish_sends());
       spdlog::info("model parallel worker {}: stopped after {} micro-batches ({} all-reduces, {:.3f} s)", comm.Describe(),
                    stats->microbatches, stats->all_reduces, stats->all_reduce_seconds);
       return Status::Ok();
     }
     if (kind == StepMessageKind::kReport) {
-      // Once its sends are done, so the residual send time counted is all of it.
-      if (stage) KVFLOW_RETURN_IF_ERROR(stage->FinishSends());
+      KVFLOW_RETURN_IF_ERROR(finish_sends());
       const std::vector<double> report = EncodeRankStats(OwnStats(*stats, at));
       KVFLOW_RETURN_IF_ERROR(comm.Send(kDriver, kReportTag, std::as_bytes(std::span<const double>(report)), timeout_s));
       continue;
@@ -660,20 +820,30 @@ Status RunModelParallelWorker(const EngineConfig& input, Communicator& comm, dou
     }
     KVFLOW_ASSIGN_OR_RETURN(ForwardBatch batch, DecodeBatch(words));
     ++stats->microbatches;
-    if (!at.makes_logits()) {
-      for (SequenceSlice& s : batch.seqs) s.logits = LogitsMode::kNone;
-    }
     // The driver's step fails too (its all-reduce, send or wait times out); this rank cannot go on
     // without it.
     const auto forward_start = Clock::now();
-    if (at.makes_logits() && at.pp > 1) {
-      std::vector<float> logits = stage->TakeBuffer();
-      KVFLOW_RETURN_IF_ERROR(model.Forward(batch, logits));
+    if (!at.last_stage()) {
+      for (SequenceSlice& s : batch.seqs) s.logits = LogitsMode::kNone;
+      KVFLOW_RETURN_IF_ERROR(model.Forward(batch, no_logits));
       stats->forward_seconds += SecondsSince(forward_start);
-      if (!logits.empty()) KVFLOW_RETURN_IF_ERROR(stage->SendLogits(std::move(logits)));
       continue;
     }
-    KVFLOW_RETURN_IF_ERROR(model.Forward(batch, no_logits));
+    // The last stage: this rank's columns of the logits (all of them without tensor parallelism).
+    std::vector<float> logits = gather ? gather->TakeBuffer() : stage->TakeBuffer();
+    KVFLOW_RETURN_IF_ERROR(model.Forward(batch, logits));
+    const int64_t rows = batch.num_logit_rows();
+    if (rows > 0 && gather && !at.assembles_logits()) {
+      KVFLOW_RETURN_IF_ERROR(gather->Send(std::move(logits)));
+    } else if (rows > 0) {
+      // The last stage's tensor rank 0, the driver being on the first stage.
+      if (gather) {
+        std::vector<float> whole = stage->TakeBuffer();
+        KVFLOW_RETURN_IF_ERROR(gather->Assemble(logits, rows, whole));
+        logits.swap(whole);
+      }
+      KVFLOW_RETURN_IF_ERROR(stage->SendLogits(std::move(logits)));
+    }
     stats->forward_seconds += SecondsSince(forward_start);
   }
 }

@@ -2,7 +2,8 @@
 // pipeline_parallel_size ranks form a grid, rank r = stage * tp + tp_rank. Stage s holds a run of
 // the layers (model/pipeline_stage_split.h); inside a stage the tp ranks split each layer's heads
 // and MLP width (model/tensor_parallel_shard.h) and sum the row-parallel projections' partial
-// outputs (AllReduceSum over the stage's group). Rank 0 (the driver: stage 0, tp rank 0) runs the
+// outputs (AllReduceSum over the stage's group; CUDA ranks sum their device buffers over NCCL).
+// Rank 0 (the driver: stage 0, tp rank 0) runs the
 // engine on its share; the other ranks (the workers) run every step's share with it.
 //
 // Start-up: the driver builds its backend, sends each worker the settings that fix the shapes of
@@ -35,8 +36,10 @@ Result<ModelParallelParts> CreateModelParallelDriver(const ModelParallelContext&
 // A worker rank: builds its share of `config`'s model once the driver says how, then runs the
 // driver's steps until it says stop or goes away. Returns the error that ended it, Ok after a stop;
 // `ready` (optional) tells whether it got as far as answering the driver.
+// CUDA ranks sum over `device_comm` (the same ranks' device transport; null: NCCL over `comm`).
 Status RunModelParallelWorker(const EngineConfig& config, dist::Communicator& comm,
-                              double timeout_s = dist::kDefaultCommTimeoutSeconds, bool* ready = nullptr);
+                              double timeout_s = dist::kDefaultCommTimeoutSeconds, bool* ready = nullptr,
+                              dist::Communicator* device_comm = nullptr);
 
 // For the server's and the CLI's main: with model_parallel_ranks() > 1, a process that is not rank
 // 0 of the MPI job runs the worker and returns true when it ends (the caller exits; a worker that

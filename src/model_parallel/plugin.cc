@@ -18,9 +18,10 @@ Status RegisterModelParallel(SystemRegistry& registry) {
       {"draft model", "a draft model would run on the driver alone"},
   };
   p.info.validate = [](const EngineConfig& c) -> Status {
-    if (c.device != "cpu") {
-      return Status::Unsupported("tensor and pipeline parallelism run CPU ranks over MPI; CUDA ranks over NCCL (device " +
-                                 c.device + ") are not implemented yet");
+    if (c.device != "cpu" && c.pipeline_parallel_size > 1) {
+      return Status::Unsupported("pipeline parallelism on CUDA ranks (device " + c.device +
+                                 ") is not implemented yet: the residual stream would cross the host; tensor "
+                                 "parallelism over NCCL is");
     }
     return Status::Ok();
   };
@@ -43,7 +44,9 @@ Status RegisterModelParallel(SystemRegistry& registry) {
     AddCounter(out, "kvflow:pipeline_parallel_residual_bytes_total",
                "Bytes of residual stream rank 0 sent the second stage", static_cast<double>(m.residual_bytes));
     AddCounter(out, "kvflow:pipeline_parallel_logits_wait_seconds_total",
-               "Rank 0's seconds waiting for the last stage's logits after its own layers", m.logits_wait_seconds);
+               "Rank 0's seconds waiting for logits after its own layers: the last stage's under pipeline parallelism, "
+               "the other tensor ranks' vocabulary columns under tensor parallelism alone",
+               m.logits_wait_seconds);
     // Each rank's own time (the workers' as of their last report, at most a second old), labelled
     // by rank, stage and tensor rank; a whole model shows rank 0's zeros.
     std::vector<RankStepStats> ranks = m.per_rank;

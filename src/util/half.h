@@ -52,4 +52,20 @@ inline uint16_t FloatToHalfBits(float f) {
   return static_cast<uint16_t>(sign | half);
 }
 
+// bfloat16: the top half of a float's bits; rounding to nearest even, NaN kept a (quiet) NaN.
+inline float Bf16BitsToFloat(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline uint16_t FloatToBf16Bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if ((bits & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
 }  // namespace kvflow

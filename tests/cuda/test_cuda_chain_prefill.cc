@@ -337,5 +337,48 @@ TEST(CudaPeerCommunicator, MovesDeviceBuffersBetweenRanks) {
   EXPECT_FALSE(CudaPeerWorld::Create({0, 99}).ok()) << "a device that does not exist is refused";
 }
 
+// The device all-reduce (tensor parallelism's sums on CUDA ranks): three ranks' buffers in fp32,
+// fp16 and bf16 become, on every rank, the sum in rank order in fp32 rounded once to the type.
+TEST(CudaPeerCommunicator, AllReduceOnDeviceSumsInRankOrderOnEveryRank) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  constexpr int kRanks = 3;
+  constexpr int64_t kCount = 1000;
+  auto world = CudaPeerWorld::Create(RankDevices(kRanks));
+  ASSERT_TRUE(world.ok()) << world.status().ToString();
+  for (const DeviceElement element : {DeviceElement::kF32, DeviceElement::kF16, DeviceElement::kBF16}) {
+    const cuda::DType dtype = element == DeviceElement::kF32   ? cuda::DType::kF32
+                              : element == DeviceElement::kF16 ? cuda::DType::kF16
+                                                               : cuda::DType::kBF16;
+    std::mt19937 rng(17);
+    std::vector<std::vector<float>> parts(kRanks, std::vector<float>(kCount));
+    std::vector<std::vector<uint8_t>> bytes(kRanks);
+    for (int r = 0; r < kRanks; ++r) {
+      test::FillNormal(parts[r], rng);
+      bytes[r] = test::ToDeviceBytes(parts[r], dtype);  // parts[r] now holds what the device holds
+    }
+    std::vector<float> sum(kCount);
+    for (int64_t i = 0; i < kCount; ++i) sum[i] = parts[0][i] + parts[1][i] + parts[2][i];
+    const std::vector<uint8_t> expected = test::ToDeviceBytes(sum, dtype);
+    std::vector<std::vector<uint8_t>> got(kRanks);
+    std::vector<Status> results(kRanks);
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < kRanks; ++r) {
+      ranks.emplace_back([&, r] {
+        cudaSetDevice(RankDevices(kRanks)[r]);
+        test::DeviceBuffer buffer = test::DeviceBuffer::From(bytes[r]);
+        results[r] = world.value()[r]->AllReduceSumOnDevice(buffer.get(), kCount, element, 30.0);
+        got[r] = buffer.Download<uint8_t>();
+      });
+    }
+    for (std::thread& t : ranks) t.join();
+    for (int r = 0; r < kRanks; ++r) {
+      ASSERT_TRUE(results[r].ok()) << results[r].ToString();
+      EXPECT_EQ(got[r], expected) << "rank " << r << ", " << cuda::DTypeName(dtype);
+    }
+  }
+  EXPECT_EQ(world.value()[0]->AllReduceSumOnDevice(nullptr, 3, DeviceElement::kF32, 1.0).code(),
+            StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace kvflow::dist

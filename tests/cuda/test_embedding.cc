@@ -90,6 +90,57 @@ TEST(Embedding, GatherRowsToF32AllDTypes) {
 }
 
 // Gemma's scaled embeddings: sqrt(2304) = 48 and sqrt(3584), each element one fp32 product.
+// A vocabulary shard (tensor parallelism): rows [first, first + rows) of a larger table; ids of the
+// other ranks' rows give zero rows, and the shards' outputs summed are the whole table's gather.
+TEST(Embedding, GatherRowsToF32OverShardsSumsToTheWholeTable) {
+  KVFLOW_SKIP_WITHOUT_GPU();
+  std::mt19937 rng(0x73686172);
+  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+    for (const int n : {64, 72}) {  // vectorized and scalar paths
+      const int64_t vocab = 259;
+      std::vector<float> table(static_cast<size_t>(vocab * n));
+      test::FillNormal(table, rng);
+      const std::vector<uint8_t> bytes = test::ToDeviceBytes(table, dtype);
+      const size_t elem = bytes.size() / table.size();
+      std::vector<int32_t> indices;
+      std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(vocab - 1));
+      for (int i = 0; i < 40; ++i) indices.push_back(pick(rng));
+      indices[0] = 0;
+      indices[1] = static_cast<int32_t>(vocab - 1);
+      test::DeviceBuffer d_idx = test::DeviceBuffer::From(indices);
+      std::vector<float> sum(indices.size() * n, 0.0f);
+      const int64_t firsts[] = {0, 86, 173, vocab};  // three shards of 86, 87, 86 rows
+      for (int s = 0; s < 3; ++s) {
+        const int64_t first = firsts[s], rows = firsts[s + 1] - first;
+        const std::vector<uint8_t> shard(bytes.begin() + first * n * elem, bytes.begin() + (first + rows) * n * elem);
+        test::DeviceBuffer d_table = test::DeviceBuffer::From(shard);
+        test::DeviceBuffer d_out(indices.size() * n * sizeof(float));
+        d_out.Poison();
+        KVFLOW_CUDA_OK(cuda::GatherRowsToF32(dtype, d_table.get(), n, rows, d_idx.get<int32_t>(),
+                                             static_cast<int>(indices.size()), n, d_out.get<float>(), nullptr, 0.5f,
+                                             first));
+        KVFLOW_CUDA_OK(cudaDeviceSynchronize());
+        const std::vector<float> out = d_out.Download<float>();
+        for (size_t r = 0; r < indices.size(); ++r) {
+          const bool mine = indices[r] >= first && indices[r] < first + rows;
+          for (int i = 0; i < n; ++i) {
+            const float v = out[r * n + static_cast<size_t>(i)];
+            if (!mine) ASSERT_EQ(v, 0.0f) << "another shard's token, row " << r;
+            sum[r * n + static_cast<size_t>(i)] += v;
+          }
+        }
+      }
+      std::vector<float> whole_table = test::FromDeviceBytes(bytes, dtype);
+      std::vector<float> ref;
+      for (int32_t index : indices) {
+        for (int i = 0; i < n; ++i) ref.push_back(whole_table[static_cast<size_t>(index) * n + i] * 0.5f);
+      }
+      test::ExpectClose(std::string("sharded gather ") + cuda::DTypeName(dtype) + " n" + std::to_string(n), sum, ref,
+                        0.0, 0.0);
+    }
+  }
+}
+
 TEST(Embedding, GatherRowsToF32Scaled) {
   KVFLOW_SKIP_WITHOUT_GPU();
   std::mt19937 rng(6);

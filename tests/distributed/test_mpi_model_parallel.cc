@@ -14,7 +14,9 @@
 
 #include "../unit/engine_test_util.h"
 #include "../unit/kv_selection_test_util.h"
+#include "backend/cuda/cuda_device.h"
 #include "distributed/mpi/mpi_communicator.h"
+#include "distributed/world.h"
 #include "engine/evaluation.h"
 #include "model_parallel/model_parallel_service.h"
 #include "systems/builtin_systems.h"
@@ -126,6 +128,52 @@ TEST(MpiModelParallel, PipelineParallelEqualsOneProcess) {
 TEST(MpiModelParallel, TensorTimesPipelineEqualsOneProcess) {
   if (World().size() != 4) GTEST_SKIP() << "TP x PP runs at np 4";
   ExpectEqualsOneProcess("tiny-random", 2, 2, 48);
+}
+
+// CUDA ranks over NCCL, one GPU per rank (mpirun -np 2 on a machine with two GPUs; the job the
+// server runs as `mpirun -np 2 kvflow-server --device cuda --tensor-parallel-size 2`): greedy tokens
+// equal one GPU's. Skips on every rank alike without NCCL or with fewer GPUs than ranks; the
+// one-process form (the CUDA peer transport) runs on the emulator in CI
+// (tests/cuda/test_cuda_tensor_parallel.cc).
+TEST(MpiModelParallel, TensorParallelOnGpusOverNcclEqualsOneGpu) {
+  dist::Communicator& comm = World();
+  if (comm.size() != 2) GTEST_SKIP() << "TP over NCCL runs at np 2";
+  if (!dist::HaveNccl() || cuda::DeviceCount() < comm.size()) {
+    GTEST_SKIP() << "needs NCCL and one GPU per rank (" << cuda::DeviceCount() << " GPUs; NCCL "
+                 << (dist::HaveNccl() ? "built" : "not built") << ")";
+  }
+  EngineConfig config;
+  config.model = "tiny-random";
+  config.device = "cuda";  // rank r on its local rank's GPU
+  config.dtype = "fp16";
+  config.num_kv_blocks = 64;
+  config.max_model_len = 256;
+  config.tensor_parallel_size = 2;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < 4; ++i) prompts.push_back(test::RandomTokens(20 + 7 * i, 90 + i, 256));
+  if (comm.rank() != 0) {
+    Status st = RunModelParallelWorker(config, comm, 60.0);
+    EXPECT_TRUE(st.ok()) << "rank " << comm.rank() << ": " << st.ToString();
+    return;
+  }
+  EngineConfig single = config;
+  single.tensor_parallel_size = 1;
+  single.device = "cuda:0";
+  std::vector<std::vector<int32_t>> expected;
+  {
+    auto reference = CreateEvaluationEngine(single, {});
+    ASSERT_TRUE(reference.ok()) << reference.status().ToString();
+    expected = test::GenerateAll(*reference.value(), prompts, test::Greedy(32), false);
+  }
+  EvaluationOptions options;
+  options.model_parallel_communicator = &comm;
+  auto engine = CreateEvaluationEngine(config, options);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  EXPECT_EQ(test::GenerateAll(*engine.value(), prompts, test::Greedy(32), false), expected);
+  const EngineStats stats = engine.value()->stats();
+  ASSERT_EQ(stats.model_parallel.per_rank.size(), 2u);
+  for (const RankStepStats& r : stats.model_parallel.per_rank) EXPECT_GT(r.all_reduce_bytes, 0) << "rank " << r.rank;
+  engine.value().reset();  // the worker stops
 }
 
 }  // namespace

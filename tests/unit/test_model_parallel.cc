@@ -160,6 +160,10 @@ class TestReducer final : public DeltaReducer {
     KVFLOW_ASSIGN_OR_RETURN(std::span<float> delta, backend.HostActivation(Activation::kDelta));
     return comm_.AllReduceSum(delta);
   }
+  Status ReduceEmbedding(Backend& backend) override {
+    KVFLOW_ASSIGN_OR_RETURN(std::span<float> residual, backend.HostResidual());
+    return comm_.AllReduceSum(residual);
+  }
 
  private:
   Communicator& comm_;
@@ -226,8 +230,22 @@ std::vector<float> TwoStepsThrough(std::vector<std::unique_ptr<LlamaModel>>& sta
   return out;
 }
 
+// The ranks' columns of the same logit rows (each rows x its vocabulary rows) as whole rows.
+std::vector<float> WholeLogits(const std::vector<std::vector<float>>& columns, int vocab) {
+  const int size = static_cast<int>(columns.size());
+  const auto [first, count] = VocabShardRows(vocab, 0, size);
+  const int64_t rows = count > 0 ? static_cast<int64_t>(columns[0].size()) / count : 0;
+  std::vector<float> whole(static_cast<size_t>(rows * vocab), std::nanf(""));
+  for (int r = 0; r < size; ++r) {
+    const std::pair<int, int> mine = VocabShardRows(vocab, r, size);
+    EXPECT_EQ(columns[r].size(), static_cast<size_t>(rows * mine.second)) << "rank " << r;
+    if (columns[r].size() == static_cast<size_t>(rows * mine.second)) PlaceVocabSlice(columns[r], rows, mine, vocab, whole);
+  }
+  return whole;
+}
+
 // Rank `rank` of `size`'s backend, its weights loaded as a rank loads them: each layer cut to its
-// shard as it is read (WeightSelection::per_layer).
+// shard as it is read (WeightSelection::per_layer), the embedding and head to its vocabulary rows.
 std::unique_ptr<Backend> ShardBackend(const ModelFiles& files, int rank, int size,
                                       WeightFormat format = WeightFormat::kF32) {
   const ModelConfig& config = files.config;
@@ -239,6 +257,8 @@ std::unique_ptr<Backend> ShardBackend(const ModelFiles& files, int rank, int siz
   };
   auto mine = LoadLlamaWeights(*files.tensors, config, files.gguf_rope_permuted, format, selection);
   EXPECT_TRUE(mine.ok()) << mine.status().ToString();
+  EXPECT_TRUE(ShardVocabulary(*mine, config, shard).ok());
+  EXPECT_EQ(mine->embed.rows, shard.vocab_rows);
   const ModelConfig sc = ShardConfig(config, shard);
   KvCacheLayout layout{sc.num_layers, 8, sc.num_kv_heads, 16, sc.head_dim};
   return CpuBackend::Create(sc, std::move(mine).value(), layout, 0, 1, cpu::KvElement::kF32).value();
@@ -258,23 +278,26 @@ TEST(TensorParallel, ShardedForwardEqualsOneProcess) {
     LlamaModel one_model(*one);
     const std::vector<float> expected = TwoSteps(one_model, true);
 
+    // The tiny model's 259 tokens split 129 + 130: each rank embeds its rows' tokens and computes
+    // its columns of the logits.
     auto comms = InProcessWorld::Create(2);
-    std::vector<float> got, worker_rows;
+    std::vector<std::vector<float>> columns(2);
     auto worker_backend = ShardBackend(*files, 1, 2);
     std::thread worker([&] {
       auto& backend = worker_backend;
       TestReducer reducer(*comms[1]);
       LlamaModel model(*backend);
       model.set_delta_reducer(&reducer);
-      worker_rows = TwoSteps(model, false);
+      columns[1] = TwoSteps(model, true);
     });
     auto backend = ShardBackend(*files, 0, 2);
     TestReducer reducer(*comms[0]);
     LlamaModel model(*backend);
     model.set_delta_reducer(&reducer);
-    got = TwoSteps(model, true);
+    columns[0] = TwoSteps(model, true);
     worker.join();
-    EXPECT_TRUE(worker_rows.empty());
+    EXPECT_EQ(VocabShardRows(config.vocab_size, 1, 2), std::make_pair(129, 130));
+    const std::vector<float> got = WholeLogits(columns, config.vocab_size);
     ASSERT_EQ(got.size(), expected.size());
     float worst = 0, largest = 0;
     for (size_t i = 0; i < got.size(); ++i) {
@@ -324,10 +347,11 @@ TEST(TensorParallel, QuantizedShardsStayWithinTheActivationQuantizationsNoise) {
       TestReducer reducer(*comms[r]);
       LlamaModel model(*backend);
       model.set_delta_reducer(&reducer);
-      got[r] = TwoSteps(model, r == 0);
+      got[r] = TwoSteps(model, true);
     });
   }
   for (std::thread& t : ranks) t.join();
+  got[0] = WholeLogits(got, config.vocab_size);
   ASSERT_EQ(got[0].size(), expected.size());
   ASSERT_EQ(f32.size(), expected.size());
   double split_mean = 0, quant_mean = 0;
@@ -353,6 +377,7 @@ TEST(TensorParallel, QuantizedShardsStayWithinTheActivationQuantizationsNoise) {
 
 TEST(TensorParallel, SplitsAndReplicatesKvHeadsAsVllmDoes) {
   ModelConfig c;
+  c.vocab_size = 1000;
   c.num_heads = 8;
   c.num_kv_heads = 2;
   c.intermediate_size = 64;
@@ -374,7 +399,62 @@ TEST(TensorParallel, SplitsAndReplicatesKvHeadsAsVllmDoes) {
   c.num_heads = 8;
   c.num_experts = 4;
   c.experts_per_token = 2;
-  EXPECT_EQ(CheckTensorParallelSplit(c, 2).code(), StatusCode::kUnsupported);
+  c.expert_intermediate_size = 96;
+  c.intermediate_size = 7;  // a mixture of experts has no dense MLP to split
+  EXPECT_TRUE(CheckTensorParallelSplit(c, 4).ok());
+  EXPECT_EQ(ShardOf(c, 3, 4).first_expert_ffn, 72);
+  c.shared_expert_intermediate_size = 10;
+  EXPECT_NE(CheckTensorParallelSplit(c, 4).message().find("shared expert's width"), std::string::npos);
+  c.shared_expert_intermediate_size = 0;
+  c.expert_intermediate_size = 30;
+  EXPECT_NE(CheckTensorParallelSplit(c, 4).message().find("experts' width"), std::string::npos);
+}
+
+TEST(TensorParallel, VocabularySplitCoversEveryTokenOnceAndRefusesWholeWeights) {
+  for (const int vocab : {259, 49152, 128256, 7}) {
+    for (int size = 1; size <= 7; ++size) {
+      int next = 0;
+      for (int r = 0; r < size; ++r) {
+        const auto [first, count] = VocabShardRows(vocab, r, size);
+        EXPECT_EQ(first, next) << vocab << " / " << size;
+        EXPECT_GT(count, 0) << vocab << " / " << size << " rank " << r;
+        EXPECT_LE(count, (vocab + size - 1) / size);
+        EXPECT_GE(count, vocab / size);
+        next = first + count;
+      }
+      EXPECT_EQ(next, vocab) << vocab << " / " << size;
+    }
+  }
+  // Tied and untied heads both cut to the rank's rows; a shard's config with whole weights is refused.
+  auto files = MakeTinyRandomModel(0x766f6361, 2);
+  ASSERT_TRUE(files.ok());
+  for (const bool tied : {true, false}) {
+    const ModelConfig& config = files->config;
+    auto whole = LoadLlamaWeights(*files->tensors, config, false);
+    ASSERT_TRUE(whole.ok());
+    if (tied) whole->lm_head = WeightMatrix();  // the head is the embedding
+    const TensorShard shard = ShardOf(config, 1, 2);
+    const ModelConfig shard_config = ShardConfig(config, shard);
+    EXPECT_EQ(shard_config.vocab_shard_first, 129);
+    EXPECT_EQ(shard_config.logit_columns(), 130);
+    EXPECT_EQ(CheckFamilyWeights(ShardConfig(config, ShardOf(config, 0, 1)), *whole).code(), StatusCode::kOk);
+    LlamaWeights cut = *whole;
+    ASSERT_TRUE(ShardVocabulary(cut, config, shard).ok());
+    EXPECT_EQ(cut.embed.rows, 130);
+    EXPECT_EQ(cut.lm_head.rows, tied ? 0 : 130);
+    std::vector<float> row(static_cast<size_t>(config.hidden_size)), expected(row.size());
+    cut.embed.DequantizeRow(5, row.data());
+    whole->embed.DequantizeRow(134, expected.data());
+    EXPECT_EQ(row, expected);
+    EXPECT_EQ(CheckFamilyWeights(shard_config, *whole).code(), StatusCode::kInvalidArgument);
+    EXPECT_TRUE(CheckFamilyWeights(shard_config, cut).ok());
+  }
+  ModelConfig tiny;
+  tiny.num_heads = 4;
+  tiny.num_kv_heads = 4;
+  tiny.intermediate_size = 8;
+  tiny.vocab_size = 3;
+  EXPECT_NE(CheckTensorParallelSplit(tiny, 4).message().find("exceeds the vocabulary"), std::string::npos);
 }
 
 EngineConfig TpConfig() {
@@ -400,12 +480,13 @@ Result<std::unique_ptr<EvaluationEngine>> DriverEngine(const EngineConfig& c, Co
 
 // An engine whose model is split tp x pp over in-process ranks against one process: greedy, then
 // seeded sampling with two samples a request (parallel sampling forks blocks).
-void ExpectSplitEngineEqualsOneProcess(const test::EngineSetup& setup, int tp, int pp) {
+void ExpectSplitEngineEqualsOneProcess(const test::EngineSetup& setup, int tp, int pp,
+                                       const std::string& model = "tiny-random") {
   std::vector<std::vector<int32_t>> prompts;
   for (int i = 0; i < 6; ++i) prompts.push_back(test::RandomTokens(20 + 7 * i, 50 + i, 256));
   prompts.push_back(prompts[0]);  // a shared prefix for the prefix cache
   EngineConfig single = setup.config;
-  single.model = "tiny-random";
+  single.model = model;
   single.num_threads = 1;
   EngineConfig split = single;
   split.tensor_parallel_size = tp;
@@ -462,6 +543,13 @@ TEST(TensorParallel, EngineOutputsEqualOneProcessUnderEveryMemorySetup) {
   }
 }
 
+// tiny-random-moe (4 experts, top 2, a shared expert) split two ways: every expert's and the shared
+// expert's width halved on each rank, the router whole; alone and beside pipeline parallelism.
+TEST(TensorParallel, MixtureOfExpertsEngineEqualsOneProcess) {
+  ExpectSplitEngineEqualsOneProcess(test::EngineSetups().front(), 2, 1, "tiny-random-moe");
+  ExpectSplitEngineEqualsOneProcess(test::EngineSetups().front(), 2, 2, "tiny-random-moe");
+}
+
 TEST(TensorParallel, RefusesWhatItCannotSplitOrRun) {
   auto refused = [](EngineConfig c, const std::string& expected) {
     auto comms = InProcessWorld::Create(std::max(1, c.tensor_parallel_size));
@@ -479,7 +567,8 @@ TEST(TensorParallel, RefusesWhatItCannotSplitOrRun) {
   refused(c, "tensor and pipeline parallelism cannot run with");
   c = TpConfig();
   c.device = "cuda";
-  refused(c, "CUDA ranks over NCCL");
+  c.pipeline_parallel_size = 2;
+  refused(c, "pipeline parallelism on CUDA ranks");
   c = TpConfig();
   c.tensor_parallel_size = 0;
   refused(c, "at least 1");

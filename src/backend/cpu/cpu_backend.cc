@@ -154,7 +154,7 @@ Status CpuBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink,
       Storage(a).resize(static_cast<size_t>(T * Width(a)));
     }
     residual_.resize(static_cast<size_t>(T * config_.hidden_size));
-    sink.host->resize(static_cast<size_t>(batch.num_logit_rows() * config_.vocab_size));
+    sink.host->resize(static_cast<size_t>(batch.num_logit_rows() * config_.logit_columns()));
     slots_ = ResolveSlotMapping(batch, layout_.block_size);
     view_slots_.resize(batch.seqs.size());
     for (size_t s = 0; s < batch.seqs.size(); ++s) ViewSlots(batch.seqs[s], layout_.block_size, view_slots_[s]);
@@ -257,8 +257,15 @@ void CpuBackend::Matmul(const WeightMatrix& matrix, const float* x, int64_t M, f
 
 Status CpuBackend::Embed() {
   const int64_t H = config_.hidden_size;
+  // A vocabulary shard holds rows [first, first + count): the other tokens are the other ranks'.
+  const int64_t first = config_.vocab_shard_first, count = config_.logit_columns();
   for (int64_t t = 0; t < num_tokens_; ++t) {
-    weights_.embed.DequantizeRow(batch_->tokens[static_cast<size_t>(t)], &residual_[t * H]);
+    const int64_t row = batch_->tokens[static_cast<size_t>(t)] - first;
+    if (row >= 0 && row < count) {
+      weights_.embed.DequantizeRow(row, &residual_[t * H]);
+    } else {
+      std::fill_n(&residual_[t * H], H, 0.0f);
+    }
   }
   if (config_.embedding_scale != 1.0f) {
     for (float& x : residual_) x *= config_.embedding_scale;
@@ -699,7 +706,7 @@ Status CpuBackend::Head(const LogitsSink& sink) {
   Matmul(weights_.output_matrix(), final_rows_.data(), rows, sink.host->data());
   if (const float cap = config_.final_logit_softcap; cap > 0.0f) {
     float* logits = sink.host->data();
-    for (int64_t i = 0; i < rows * config_.vocab_size; ++i) logits[i] = cap * std::tanh(logits[i] / cap);
+    for (int64_t i = 0; i < rows * config_.logit_columns(); ++i) logits[i] = cap * std::tanh(logits[i] / cap);
   }
   return Status::Ok();
 }

@@ -169,7 +169,7 @@ Status CudaBackend::Init(const LlamaWeights* weights, uint64_t random_seed) {
 
 Status CudaBackend::AllocateWeights() {
   const size_t H = config_.hidden_size, D = config_.head_dim, F = config_.intermediate_size;
-  const size_t NH = config_.num_heads, KV = config_.num_kv_heads, V = config_.vocab_size;
+  const size_t NH = config_.num_heads, KV = config_.num_kv_heads, V = config_.logit_columns();
   const size_t E = config_.num_experts, FE = config_.expert_intermediate_size;
   const size_t FS = config_.shared_expert_intermediate_size;
   const size_t es = cuda::DTypeSize(dtype_);
@@ -257,11 +257,12 @@ Status CudaBackend::UploadWeights(const LlamaWeights& w) {
     }
     return upload(m.f32(), dst);
   };
+  // Before any copy: the buffers were carved to the config's shapes (a vocabulary shard's rows).
+  if (w.layers.size() != layers_.size()) return Status::InvalidArgument("weights have the wrong number of layers");
+  KVFLOW_RETURN_IF_ERROR(CheckFamilyWeights(config_, w));
   KVFLOW_RETURN_IF_ERROR(upload_matrix(w.embed, embed_));
   KVFLOW_RETURN_IF_ERROR(upload(w.final_norm, final_norm_));
   if (!w.lm_head.empty()) KVFLOW_RETURN_IF_ERROR(upload_matrix(w.lm_head, lm_head_));
-  if (w.layers.size() != layers_.size()) return Status::InvalidArgument("weights have the wrong number of layers");
-  KVFLOW_RETURN_IF_ERROR(CheckFamilyWeights(config_, w));
   auto upload_bias = [&](const std::vector<float>& src, float* dst) -> Status {
     if (dst == nullptr) return Status::Ok();  // CheckFamilyWeights: src is empty too
     KVFLOW_CUDA_RETURN(cudaMemcpy(dst, src.data(), src.size() * sizeof(float), cudaMemcpyHostToDevice));
@@ -317,7 +318,7 @@ Status CudaBackend::UploadWeights(const LlamaWeights& w) {
 
 Status CudaBackend::FillRandomWeights(uint64_t seed) {
   const int64_t H = config_.hidden_size, D = config_.head_dim, F = config_.intermediate_size;
-  const int64_t NH = config_.num_heads, KV = config_.num_kv_heads, V = config_.vocab_size;
+  const int64_t NH = config_.num_heads, KV = config_.num_kv_heads, V = config_.logit_columns();
   uint64_t tensor = 0;
   // Uniform in [-s, s) has standard deviation s / sqrt(3): s = sqrt(3 / fan_in) keeps activations O(1).
   auto fill = [&](void* p, int64_t count, float scale, float offset) -> Status {
@@ -372,7 +373,7 @@ Status CudaBackend::FillRandomWeights(uint64_t seed) {
 
 Status CudaBackend::AllocatePools() {
   const size_t H = config_.hidden_size, D = config_.head_dim, F = config_.intermediate_size;
-  const size_t NH = config_.num_heads, KV = config_.num_kv_heads, V = config_.vocab_size;
+  const size_t NH = config_.num_heads, KV = config_.num_kv_heads, V = config_.logit_columns();
   const size_t es = cuda::DTypeSize(dtype_);
   max_seqs_ = options_.max_num_seqs;
   max_tokens_ = std::max(options_.max_num_batched_tokens, max_seqs_);

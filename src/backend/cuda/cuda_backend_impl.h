@@ -224,7 +224,9 @@ class CudaBackend final : public Backend,
   Status PackKvOnDevice(int layer, std::span<const int64_t> slots, std::span<std::byte> out) override;
   Status UnpackKvOnDevice(int layer, std::span<const int64_t> slots, std::span<const std::byte> in) override;
   Result<void*> RecordComputeEvent() override;
-  bool SupportsDeviceSampling() const override { return true; }
+  Result<DeviceRows> DeviceActivation(Activation which) override;
+  Result<DeviceRows> DeviceResidual() override;
+  bool SupportsDeviceSampling() const override { return config_.vocab_shard_rows == 0; }
   bool ComputesOnHost() const override { return false; }
   bool SupportsDeviceTokenMask() const override { return true; }
   Status CopyBlocks(std::span<const BlockMove> moves, BlockCopyKind kind) override;

@@ -204,9 +204,28 @@ const float* CudaBackend::LayerBiasPtr(int layer, LayerWeight which) const {
 
 Status CudaBackend::Embed() {
   const int H = config_.hidden_size;
-  KVFLOW_KERNEL_RETURN(cuda::GatherRowsToF32(dtype_, embed_, H, config_.vocab_size, device_meta_.tokens,
-                                             step_.num_tokens, H, residual_, stream_, config_.embedding_scale));
+  // A vocabulary shard (tensor parallelism) embeds its own tokens, zeros for the other ranks'.
+  const bool shard = config_.vocab_shard_rows > 0;
+  KVFLOW_KERNEL_RETURN(cuda::GatherRowsToF32(dtype_, embed_, H, config_.logit_columns(), device_meta_.tokens,
+                                             step_.num_tokens, H, residual_, stream_, config_.embedding_scale,
+                                             shard ? config_.vocab_shard_first : -1));
   return Status::Ok();
+}
+
+Result<DeviceRows> CudaBackend::DeviceActivation(Activation which) {
+  if (!in_step_) return Status::Internal("DeviceActivation outside a step");
+  DeviceRows rows;
+  rows.data = ActivationBuffer(which);
+  rows.count = static_cast<int64_t>(step_.num_tokens) * ActivationWidth(which);
+  rows.type = dtype_ == DType::kF32 ? DeviceRows::Type::kF32
+              : dtype_ == DType::kF16 ? DeviceRows::Type::kF16
+                                      : DeviceRows::Type::kBF16;
+  return rows;
+}
+
+Result<DeviceRows> CudaBackend::DeviceResidual() {
+  if (!in_step_) return Status::Internal("DeviceResidual outside a step");
+  return DeviceRows{residual_, static_cast<int64_t>(step_.num_tokens) * config_.hidden_size, DeviceRows::Type::kF32};
 }
 
 Status CudaBackend::RmsNorm(int layer, LayerWeight norm, bool add_delta) {
@@ -283,7 +302,7 @@ Status CudaBackend::AddDelta() {
 }
 
 Status CudaBackend::RunLogits(int first_row, int rows) {
-  const int H = config_.hidden_size, V = config_.vocab_size;
+  const int H = config_.hidden_size, V = config_.logit_columns();
   KVFLOW_KERNEL_RETURN(cuda::GatherRowsToF32(DType::kF32, residual_, H, max_tokens_, device_meta_.logit_rows + first_row,
                                              rows, H, final_rows_, stream_));
   KVFLOW_KERNEL_RETURN(cuda::RmsNorm(dtype_, final_rows_, final_norm_, final_hidden_, rows, H, config_.rms_norm_eps, stream_));
@@ -295,7 +314,7 @@ Status CudaBackend::RunLogits(int first_row, int rows) {
 }
 
 Status CudaBackend::CopyLogitsToHost(int rows, float* dst) {
-  const size_t bytes = static_cast<size_t>(rows) * config_.vocab_size * sizeof(float);
+  const size_t bytes = static_cast<size_t>(rows) * config_.logit_columns() * sizeof(float);
   KVFLOW_CUDA_RETURN(cudaMemcpyAsync(host_logits_, logits_, bytes, cudaMemcpyDeviceToHost, stream_));
   // Also where an asynchronous fault of any kernel of the step surfaces.
   KVFLOW_CUDA_RETURN(cudaStreamSynchronize(stream_));
@@ -307,11 +326,14 @@ Status CudaBackend::CheckSink(const ForwardBatch& batch, const LogitsSink& sink,
   if (!sink.sampled) {
     if (!sink.host) return Status::InvalidArgument("a step needs a logits sink");
     try {
-      sink.host->resize(static_cast<size_t>(rows) * config_.vocab_size);
+      sink.host->resize(static_cast<size_t>(rows) * config_.logit_columns());
     } catch (const std::bad_alloc&) {
       return Status::OutOfMemory("cannot allocate host memory for the logits");
     }
     return Status::Ok();
+  }
+  if (config_.vocab_shard_rows > 0) {
+    return Status::Unsupported("device sampling over a vocabulary shard: the driver samples the gathered logits");
   }
   if (static_cast<int64_t>(sink.sample_rows.size()) != rows || static_cast<int>(rows) > max_seqs_) {
     return Status::InvalidArgument(fmt::format("device sampling needs one row per logit row, at most {} ({} given for {})",
@@ -409,7 +431,9 @@ Status CudaBackend::RunStep(const ForwardBatch& batch, const LogitsSink& sink, c
 
 // Hands logits rows [first_row, first_row + rows) of the step (now in logits_) to the sink.
 Status CudaBackend::Drain(int first_row, int rows, const LogitsSink& sink) {
-  if (!sink.sampled) return CopyLogitsToHost(rows, sink.host->data() + static_cast<size_t>(first_row) * config_.vocab_size);
+  if (!sink.sampled) {
+    return CopyLogitsToHost(rows, sink.host->data() + static_cast<size_t>(first_row) * config_.logit_columns());
+  }
   // The forward pass (and this chunk's logits) are queued: the host may now wait for the
   // constraints the engine computed meanwhile.
   if (first_row == 0 && sink.await_constraints != nullptr) (*sink.await_constraints)();

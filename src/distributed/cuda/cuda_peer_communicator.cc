@@ -1,6 +1,7 @@
 #include "distributed/cuda/cuda_peer_communicator.h"
 
 #include "distributed/deadline.h"
+#include "util/half.h"
 
 #ifdef KVFLOW_CUDA_EMU
 #include "cuda_emu.h"
@@ -195,6 +196,7 @@ CudaPeerCommunicator::~CudaPeerCommunicator() {
   // Copies this rank issued may still be writing a peer's buffer.
   cudaStreamSynchronize(static_cast<cudaStream_t>(stream_));
   cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+  if (reduce_parts_ != nullptr) cudaFree(reduce_parts_);
 }
 
 int CudaPeerCommunicator::size() const { return static_cast<int>(world_->gone.size()); }
@@ -331,6 +333,57 @@ Status CudaPeerCommunicator::AllGather(std::span<const std::byte> mine, std::spa
   }
   for (MessageHandle& h : pending) KVFLOW_RETURN_IF_ERROR(Wait(std::move(h), SecondsLeft(deadline)));
   return Status::Ok();
+}
+
+Status CudaPeerCommunicator::AllReduceSumOnDevice(void* data, int64_t count, DeviceElement element,
+                                                  double timeout_s) {
+  if (count < 0 || (count > 0 && data == nullptr)) {
+    return Status::InvalidArgument(fmt::format("{}: all-reduce of {} elements at {}", Describe(), count, data));
+  }
+  if (count == 0) return Status::Ok();
+  const size_t width = element == DeviceElement::kF32 ? 4 : 2;
+  const size_t part = static_cast<size_t>(count) * width, parts = part * static_cast<size_t>(size());
+  {
+    DeviceGuard guard(device_);
+    if (reduce_parts_bytes_ < parts) {
+      if (reduce_parts_ != nullptr) cudaFree(reduce_parts_);
+      reduce_parts_ = nullptr;
+      reduce_parts_bytes_ = 0;
+      KVFLOW_RETURN_IF_ERROR(CudaError(cudaMalloc(&reduce_parts_, parts), Describe() + ": all-reduce parts"));
+      reduce_parts_bytes_ = parts;
+    }
+  }
+  const auto deadline = DeadlineAfter(timeout_s);
+  KVFLOW_RETURN_IF_ERROR(AllGather(std::span(static_cast<const std::byte*>(data), part),
+                                   std::span(static_cast<std::byte*>(reduce_parts_), parts), SecondsLeft(deadline)));
+  std::vector<std::byte> host(parts);
+  DeviceGuard guard(device_);
+  KVFLOW_RETURN_IF_ERROR(
+      CudaError(cudaMemcpy(host.data(), reduce_parts_, parts, cudaMemcpyDeviceToHost), Describe() + ": all-reduce"));
+  auto load = [&](size_t rank, size_t i) -> float {
+    const std::byte* at = host.data() + rank * part + i * width;
+    if (element == DeviceElement::kF32) {
+      float f;
+      std::memcpy(&f, at, 4);
+      return f;
+    }
+    uint16_t bits;
+    std::memcpy(&bits, at, 2);
+    return element == DeviceElement::kF16 ? HalfBitsToFloat(bits) : Bf16BitsToFloat(bits);
+  };
+  std::vector<std::byte> sum(part);
+  for (size_t i = 0; i < static_cast<size_t>(count); ++i) {
+    float total = load(0, i);
+    for (size_t r = 1; r < static_cast<size_t>(size()); ++r) total += load(r, i);
+    std::byte* at = sum.data() + i * width;
+    if (element == DeviceElement::kF32) {
+      std::memcpy(at, &total, 4);
+    } else {
+      const uint16_t bits = element == DeviceElement::kF16 ? FloatToHalfBits(total) : FloatToBf16Bits(total);
+      std::memcpy(at, &bits, 2);
+    }
+  }
+  return CudaError(cudaMemcpy(data, sum.data(), part, cudaMemcpyHostToDevice), Describe() + ": all-reduce");
 }
 
 Status CudaPeerCommunicator::Barrier(double timeout_s) {

@@ -11,6 +11,7 @@
 // communicator is gone fails the waits on messages it never posted (kUnavailable naming it).
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -43,6 +44,11 @@ class CudaPeerCommunicator final : public Communicator {
   Status Wait(MessageHandle handle, double timeout_s = kDefaultCommTimeoutSeconds) override;
   Status AllGather(std::span<const std::byte> mine, std::span<std::byte> all,
                    double timeout_s = kDefaultCommTimeoutSeconds) override;
+  // The parts all-gathered on the device, then added on the host in rank order (in fp32, rounded
+  // once to the element type) and written back: every rank gets the same bits. The tests' and a
+  // one-process job's transport, not a fast path (NCCL's ring is).
+  Status AllReduceSumOnDevice(void* data, int64_t count, DeviceElement element,
+                              double timeout_s = kDefaultCommTimeoutSeconds) override;
   Status Barrier(double timeout_s = kDefaultCommTimeoutSeconds) override;
 
   // This rank leaves the world (as if its thread died). Idempotent.
@@ -55,6 +61,8 @@ class CudaPeerCommunicator final : public Communicator {
   int rank_;
   int device_;
   void* stream_;  // cudaStream_t on device_, owned
+  void* reduce_parts_ = nullptr;  // AllReduceSumOnDevice's gathered parts, on device_, owned
+  size_t reduce_parts_bytes_ = 0;
 };
 
 }  // namespace kvflow::dist

@@ -274,6 +274,28 @@ Status NcclCommunicator::AllGather(std::span<const std::byte> mine, std::span<st
                                 timeout_s));
 }
 
+Status NcclCommunicator::AllReduceSumOnDevice(void* data, int64_t count, DeviceElement element, double timeout_s) {
+  if (!impl_->failed.ok()) return Status::Unavailable(fmt::format("{}: unusable: {}", Describe(), impl_->failed.message()));
+  if (count < 0 || (count > 0 && data == nullptr)) {
+    return Status::InvalidArgument(fmt::format("{}: all-reduce of {} elements at {}", Describe(), count, data));
+  }
+  if (count == 0) return Status::Ok();
+  const ncclDataType_t type = element == DeviceElement::kF32   ? ncclFloat32
+                              : element == DeviceElement::kF16 ? ncclFloat16
+                                                               : ncclBfloat16;
+  const auto deadline = DeadlineAfter(timeout_s);
+  KVFLOW_RETURN_IF_ERROR(impl_->LaunchOpenBatch(deadline, Describe()));  // what was posted goes first
+  KVFLOW_RETURN_IF_ERROR(impl_->Call(
+      ncclAllReduce(data, data, static_cast<size_t>(count), type, ncclSum, impl_->comm, impl_->stream), deadline,
+      fmt::format("{}: ncclAllReduce", Describe())));
+  Batch finished;
+  KVFLOW_RETURN_IF_ERROR(CudaError(cudaEventCreateWithFlags(&finished.done, cudaEventDisableTiming), Describe()));
+  KVFLOW_RETURN_IF_ERROR(CudaError(cudaEventRecord(finished.done, impl_->stream), Describe()));
+  return impl_->AwaitEvent(finished.done, deadline,
+                           fmt::format("{}: rank {} waited {:.1f} s for the other ranks in an all-reduce", Describe(),
+                                       rank_, timeout_s));
+}
+
 Status NcclCommunicator::Barrier(double timeout_s) {
   if (!impl_->failed.ok()) return Status::Unavailable(fmt::format("{}: unusable: {}", Describe(), impl_->failed.message()));
   const auto deadline = DeadlineAfter(timeout_s);

@@ -46,6 +46,10 @@ class NcclCommunicator final : public Communicator {
   Status Wait(MessageHandle handle, double timeout_s = kDefaultCommTimeoutSeconds) override;
   Status AllGather(std::span<const std::byte> mine, std::span<std::byte> all,
                    double timeout_s = kDefaultCommTimeoutSeconds) override;
+  // ncclAllReduce in place on the communicator's stream (ring or tree: every rank receives the
+  // same bits), after what was posted before it.
+  Status AllReduceSumOnDevice(void* data, int64_t count, DeviceElement element,
+                              double timeout_s = kDefaultCommTimeoutSeconds) override;
   // A one-element all-reduce.
   Status Barrier(double timeout_s = kDefaultCommTimeoutSeconds) override;
 

@@ -107,5 +107,37 @@ TEST(NcclCommunicator, AllGatherAndBarrierOnOneRank) {
   EXPECT_EQ((*comm)->ISend(1, 0, mine.span()).status().code(), StatusCode::kInvalidArgument);
 }
 
+// A world of one sums to itself: the values come back unchanged in every element type, after the
+// event the caller's stream recorded (tensor parallelism's path on one GPU; two GPUs:
+// tests/distributed/test_mpi_model_parallel.cc under mpirun -np 2).
+TEST(NcclCommunicator, AllReduceOnDeviceOnOneRankKeepsTheValues) {
+  SKIP_WITHOUT_GPU();
+  auto comm = NcclCommunicator::CreateSingleDevice(0);
+  ASSERT_TRUE(comm.ok()) << comm.status().ToString();
+  for (const DeviceElement element : {DeviceElement::kF32, DeviceElement::kF16, DeviceElement::kBF16}) {
+    const size_t width = element == DeviceElement::kF32 ? 4 : 2, count = 3000;
+    auto payload = RandomBytes(count * width, 11);
+    for (size_t i = 0; i < count; ++i) {  // finite values: clear each element's top exponent bit
+      payload[i * width + width - 1] &= std::byte{0x3f};
+    }
+    DeviceBytes data(count * width);
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+    cudaEvent_t written;
+    ASSERT_EQ(cudaEventCreateWithFlags(&written, cudaEventDisableTiming), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(data.data, payload.data(), payload.size(), cudaMemcpyHostToDevice, stream), cudaSuccess);
+    ASSERT_EQ(cudaEventRecord(written, stream), cudaSuccess);
+    ASSERT_TRUE((*comm)->OrderAfter(written).ok());
+    Status st = (*comm)->AllReduceSumOnDevice(data.data, static_cast<int64_t>(count), element, 30.0);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    std::vector<std::byte> got(payload.size());
+    ASSERT_EQ(cudaMemcpy(got.data(), data.data, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(got, payload) << "element type " << static_cast<int>(element);
+    cudaEventDestroy(written);
+    cudaStreamDestroy(stream);
+  }
+  EXPECT_EQ((*comm)->AllReduceSumOnDevice(nullptr, 4, DeviceElement::kF32, 1.0).code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace kvflow::dist
