@@ -326,8 +326,27 @@ Status CheckFamilyWeights(const ModelConfig& c, const LlamaWeights& w) {
     }
   }
   const int64_t qkv = (static_cast<int64_t>(c.num_heads) + 2 * c.num_kv_heads) * D;
+  const int64_t H = c.hidden_size, F = c.intermediate_size, q = static_cast<int64_t>(c.num_heads) * D;
   for (size_t i = 0; i < w.layers.size(); ++i) {
     const LlamaLayerWeights& l = w.layers[i];
+    // The projections' shapes: a backend sizes its buffers from the config and copies these in.
+    const struct {
+      const char* name;
+      const WeightMatrix& m;
+      int64_t rows, cols;
+    } matrices[] = {{"q/k/v projection", l.wqkv, qkv, H},
+                    {"o projection", l.wo, H, q},
+                    {"gate/up projection", l.w_gate_up, c.num_experts > 0 ? 0 : 2 * F, H},
+                    {"down projection", l.w_down, c.num_experts > 0 ? 0 : H, F}};
+    for (const auto& m : matrices) {
+      if (m.rows == 0 && m.m.empty()) continue;  // a mixture of experts has no dense MLP
+      if (m.m.rows != m.rows || m.m.cols != m.cols) {
+        return Status::InvalidArgument("layer " + std::to_string(i) + "'s " + m.name + " is [" +
+                                       std::to_string(m.m.rows) + ", " + std::to_string(m.m.cols) +
+                                       "], the config implies [" + std::to_string(m.rows) + ", " +
+                                       std::to_string(m.cols) + "]");
+      }
+    }
     const struct {
       const char* name;
       const std::vector<float>& bias;

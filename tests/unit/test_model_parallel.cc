@@ -446,8 +446,20 @@ TEST(TensorParallel, VocabularySplitCoversEveryTokenOnceAndRefusesWholeWeights) 
     cut.embed.DequantizeRow(5, row.data());
     whole->embed.DequantizeRow(134, expected.data());
     EXPECT_EQ(row, expected);
-    EXPECT_EQ(CheckFamilyWeights(shard_config, *whole).code(), StatusCode::kInvalidArgument);
-    EXPECT_TRUE(CheckFamilyWeights(shard_config, cut).ok());
+    // The vocabulary alone split (the layers whole): the cut weights fit, the whole ones do not.
+    ModelConfig vocab_only = config;
+    vocab_only.vocab_shard_first = shard_config.vocab_shard_first;
+    vocab_only.vocab_shard_rows = shard_config.vocab_shard_rows;
+    EXPECT_EQ(CheckFamilyWeights(vocab_only, *whole).code(), StatusCode::kInvalidArgument);
+    EXPECT_TRUE(CheckFamilyWeights(vocab_only, cut).ok());
+    EXPECT_EQ(CheckFamilyWeights(shard_config, cut).code(), StatusCode::kInvalidArgument) << "layers not split";
+    // A layer of another split (its heads' share of o) is refused before a backend copies it.
+    LlamaWeights other = *whole;
+    auto wo = SliceColumns(other.layers[1].wo, 0, config.head_dim);
+    ASSERT_TRUE(wo.ok());
+    other.layers[1].wo = std::move(wo).value();
+    const Status refused = CheckFamilyWeights(config, other);
+    EXPECT_NE(refused.message().find("layer 1's o projection"), std::string::npos) << refused.ToString();
   }
   ModelConfig tiny;
   tiny.num_heads = 4;
