@@ -245,24 +245,30 @@ void PickRankDevice(EngineConfig& config, const Communicator& world) {
   config.device = "cuda:" + std::to_string(local ? std::max(0, std::atoi(local)) : world.rank());
 }
 
-// The device transport CUDA ranks sum over: `given` (tests), else NCCL over the world, opened by
-// every rank at the same point of the start-up (a collective). Null for host-computing backends
-// and without tensor parallelism.
-Status OpenDeviceGroup(Communicator& world, const Backend& backend, const GridPosition& at, Communicator* given,
-                       double timeout_s, std::unique_ptr<Communicator>& owned, Communicator*& device_group) {
-  device_group = nullptr;
-  if (backend.ComputesOnHost() || at.tp == 1) return Status::Ok();
+// The device transport CUDA ranks sum over (null `comm` for host-computing backends and without
+// tensor parallelism), and the NCCL communicator when this rank opened it.
+struct DeviceGroup {
+  std::unique_ptr<Communicator> owned;
+  Communicator* comm = nullptr;
+};
+
+// `given` (tests), else NCCL over the world, opened by every rank at the same point of the start-up
+// (a collective).
+Result<DeviceGroup> OpenDeviceGroup(Communicator& world, const Backend& backend, const GridPosition& at,
+                                    Communicator* given, double timeout_s) {
+  DeviceGroup group;
+  if (backend.ComputesOnHost() || at.tp == 1) return group;
   const KvPacking* device = backend.As<KvPacking>();
   if (device == nullptr || device->pack_device() < 0) {
     return Status::Unsupported("tensor parallelism on " + backend.Describe() + ": it hands no device buffers to a transport");
   }
   if (given != nullptr) {
-    device_group = given;
-    return Status::Ok();
+    group.comm = given;
+    return group;
   }
-  KVFLOW_ASSIGN_OR_RETURN(owned, dist::OpenNcclCommunicator(world, device->pack_device(), timeout_s));
-  device_group = owned.get();
-  return Status::Ok();
+  KVFLOW_ASSIGN_OR_RETURN(group.owned, dist::OpenNcclCommunicator(world, device->pack_device(), timeout_s));
+  group.comm = group.owned.get();
+  return group;
 }
 
 // Sends a rank has in flight, each with the buffer it reads.
@@ -413,15 +419,15 @@ class GridStage final : public PipelineStage {
 // The driver's view of its workers.
 class WorkerMirror final : public StepMirror {
  public:
-  WorkerMirror(Communicator& world, std::unique_ptr<Communicator> group, std::unique_ptr<Communicator> device_owned,
-               Communicator* device_group, const GridPosition& at, int vocab_size, int microbatches, double timeout_s)
-      : world_(world), group_(std::move(group)), device_owned_(std::move(device_owned)), at_(at),
-        microbatches_(microbatches), timeout_s_(timeout_s), stats_(std::make_shared<ModelParallelStats>()) {
+  WorkerMirror(Communicator& world, std::unique_ptr<Communicator> group, DeviceGroup device, const GridPosition& at,
+               int vocab_size, int microbatches, double timeout_s)
+      : world_(world), group_(std::move(group)), device_(std::move(device)), at_(at), microbatches_(microbatches),
+        timeout_s_(timeout_s), stats_(std::make_shared<ModelParallelStats>()) {
     stats_->ranks = at.tp * at.pp;
     stats_->tensor_parallel_size = at.tp;
     stats_->pipeline_parallel_size = at.pp;
     if (at.tp > 1) {
-      reducer_ = std::make_unique<AllReduceDeltaReducer>(group_ ? *group_ : world, device_group, timeout_s, stats_);
+      reducer_ = std::make_unique<AllReduceDeltaReducer>(group_ ? *group_ : world, device_.comm, timeout_s, stats_);
     }
     if (at.pp > 1) stage_ = std::make_unique<GridStage>(world, at, timeout_s, stats_);
     // Tensor parallelism alone: this rank is the last stage's tensor rank 0.
@@ -618,7 +624,7 @@ class WorkerMirror final : public StepMirror {
 
   Communicator& world_;
   std::unique_ptr<Communicator> group_;
-  std::unique_ptr<Communicator> device_owned_;  // NCCL, when this rank opened it
+  DeviceGroup device_;
   GridPosition at_;
   int microbatches_;
   double timeout_s_;
@@ -697,13 +703,10 @@ Result<ModelParallelParts> CreateModelParallelDriver(const ModelParallelContext&
     }
   }
   KVFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> group, StageGroup(*comm, at));
-  std::unique_ptr<Communicator> device_owned;
-  Communicator* device_group = nullptr;
-  KVFLOW_RETURN_IF_ERROR(
-      OpenDeviceGroup(*comm, *backend, at, ctx.device_communicator, timeout_s, device_owned, device_group));
+  KVFLOW_ASSIGN_OR_RETURN(DeviceGroup device, OpenDeviceGroup(*comm, *backend, at, ctx.device_communicator, timeout_s));
   ModelParallelParts parts;
   parts.backend = std::move(backend);
-  parts.mirror = std::make_unique<WorkerMirror>(*comm, std::move(group), std::move(device_owned), device_group, at,
+  parts.mirror = std::make_unique<WorkerMirror>(*comm, std::move(group), std::move(device), at,
                                                 ctx.files.config.vocab_size, config.pipeline_microbatches, timeout_s);
   spdlog::info("model parallel: {} ranks ready ({}, {})", comm->size(), DescribeSplit(at.tp, at.pp), comm->Describe());
   if (at.pp > 1) {
@@ -755,13 +758,9 @@ Status RunModelParallelWorker(const EngineConfig& input, Communicator& comm, dou
   if (ready) *ready = true;
   auto stats = std::make_shared<ModelParallelStats>();
   KVFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> group, StageGroup(comm, at));
-  std::unique_ptr<Communicator> device_owned;
-  Communicator* device_group = nullptr;
-  KVFLOW_RETURN_IF_ERROR(OpenDeviceGroup(comm, *backend, at, device_comm, timeout_s, device_owned, device_group));
+  KVFLOW_ASSIGN_OR_RETURN(DeviceGroup device, OpenDeviceGroup(comm, *backend, at, device_comm, timeout_s));
   std::unique_ptr<AllReduceDeltaReducer> reducer;
-  if (at.tp > 1) {
-    reducer = std::make_unique<AllReduceDeltaReducer>(group ? *group : comm, device_group, timeout_s, stats);
-  }
+  if (at.tp > 1) reducer = std::make_unique<AllReduceDeltaReducer>(group ? *group : comm, device.comm, timeout_s, stats);
   std::unique_ptr<GridStage> stage;
   if (at.pp > 1) stage = std::make_unique<GridStage>(comm, at, timeout_s, stats);
   std::unique_ptr<VocabGather> gather;
@@ -830,7 +829,7 @@ Status RunModelParallelWorker(const EngineConfig& input, Communicator& comm, dou
       continue;
     }
     // The last stage: this rank's columns of the logits (all of them without tensor parallelism).
-    std::vector<float> logits = gather ? gather->TakeBuffer() : stage->TakeBuffer();
+    std::vector<float> logits = at.assembles_logits() ? stage->TakeBuffer() : gather->TakeBuffer();
     KVFLOW_RETURN_IF_ERROR(model.Forward(batch, logits));
     const int64_t rows = batch.num_logit_rows();
     if (rows > 0 && gather && !at.assembles_logits()) {
