@@ -199,7 +199,7 @@ inline TimedRun RunTimedBatch(kvflow::Engine& engine, const std::vector<std::vec
       r.error = step.status().ToString();
       break;
     }
-    if (step->num_seqs == 0) {
+    if (step->num_seqs == 0 && step->num_steps_completed == 0) {
       r.error = "the engine made no progress (KV cache too small?)";
       break;
     }

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """MODELED, not measured: tensor- and pipeline-parallel decode of Llama-3.1-8B and -70B shapes on 1-8 H100 SXM GPUs
 over NVLink, from counted bytes and FLOPs, as kvflow splits them (Megatron-style: heads and MLP width
-across the ranks, KV heads replicated when fewer than ranks; vocab-parallel embedding and LM head
-assumed, which kvflow's CPU path does not do yet) with two all-reduces of the hidden state per layer.
+across the ranks, KV heads replicated when fewer than ranks; vocab-parallel embedding and LM head)
+with two all-reduces of the hidden state per layer.
 
 Per decode step of batch B at context C, on each of T ranks:
   weights  = 2 bytes x (layer matrices + LM head) / T read (bf16; the embedding: rows only)
@@ -18,8 +18,11 @@ follow each other through the stages, so
              stage's weights again: decode is bound by weight reads, so micro-batches cost)
   step     = (P - 1) x stage(B / M) + M x last(B / M) + (P - 1) x (latency + B / M x hidden x 2 bytes / NVLink)
              (last: the last stage's time, the LM head's included; it sets the pace)
-and, beside it, what P batches in flight across steps would give (vLLM V1's batch queue; kvflow
-does not do that yet): B / (stage(B) + one hop) tokens a second per batch, P batches at once.
+and, beside it, P batches in flight across steps (vLLM V1's batch queue, kvflow's default under
+pipeline parallelism): every stage works on one batch while the next stage works on the one before,
+so the last stage finishes a batch every last(b) + one hop:
+  B split into P batches of B / P (what kvflow does with B sequences running): B / P / (last(B / P) + hop)
+  P batches of B each (P x B sequences running, P times the KV):              B / (last(B) + hop)
 Constants (stated, not fitted): HBM 3.35 TB/s at 75% (kvflow's measured decode on an H200 reaches
 73-74% of its roofline), 989 TFLOP/s bf16 dense at 60%, NVLink 4 at 450 GB/s per direction with
 NCCL's ring reaching ~80% of it on large messages, 8 us per all-reduce on small ones (NCCL's latency
@@ -92,12 +95,18 @@ def step_pp(shape, P, B, C):
     weights = 2 * (s["layers"] / P * layer_params(s) + s["vocab"] * s["hidden"])
     kv = B * C * s["layers"] / P * 2 * s["kv_heads"] * s["head_dim"] * 2
     in_flight_tok_s = B / (stage_time(shape, P, B, C, True) + hop)  # P batches of B at once
+    # The same B sequences split into P batches in flight (one when B < P: nothing to overlap).
+    share = max(1.0, B / P)
+    split_hop = GPU["allreduce_latency_s"] + share * s["hidden"] * 2 / (GPU["nvlink_bytes_s"] * GPU["ring_eff"])
+    split_tok_s = (share / (stage_time(shape, P, share, C, True) + split_hop) if B >= P
+                   else B / step)  # a batch smaller than P cannot be split: one step at a time
     # P batches of B in flight hold P times the KV of one on every stage.
     fits_in_flight = weights + P * kv < 0.9 * GPU["memory_bytes"]
     return {"pp": P, "microbatches": M, "batch": B, "context": C, "weight_gb_per_gpu": weights / 1e9,
             "kv_gb_per_gpu": kv / 1e9, "stage_ms": last * 1e3, "step_ms": step * 1e3, "tok_s": B / step,
             "bubble_share": 1 - M * last / step, "fits": weights + kv < 0.9 * GPU["memory_bytes"],
-            "in_flight_tok_s": in_flight_tok_s if fits_in_flight else None}
+            "in_flight_tok_s": in_flight_tok_s if fits_in_flight else None,
+            "split_in_flight_tok_s": split_tok_s}
 
 
 def main():
@@ -144,21 +153,29 @@ def main():
         f.write("\n## Pipeline parallelism on the same GPUs\n\n")
         f.write("P stages of layers / P (the last also runs the LM head), each step's batch in M = min(P, B) "
                 "micro-batches, one hop of the residual stream per stage boundary; bubble = the share of the step "
-                "the last stage waits (while the pipeline fills). The last column is what P batches in flight "
-                "across steps would reach (vLLM V1's batch queue, not built in kvflow).\n\n")
+                "the last stage waits (while the pipeline fills): kvflow with --pipeline-batches-in-flight 1. "
+                "The last two columns keep P batches in flight across steps (vLLM V1's batch queue, kvflow's "
+                "default): the batch's B sequences split into P batches of B / P (what kvflow does with B "
+                "sequences running; B < P cannot be split), and P batches of B each (P x B sequences running, P "
+                "times the KV).\n\n")
         f.write("| model | batch | PP | micro-batches | weights / GPU (GB) | KV / GPU (GB) | step (ms) | bubble | tok/s "
-                "| TP on as many GPUs, tok/s | P batches in flight, tok/s |\n")
-        f.write("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+                "| TP on as many GPUs, tok/s | B split into P batches in flight, tok/s | P batches of B in flight, tok/s |\n")
+        f.write("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
         for r in pp_rows:
             tok = f"{r['tok_s']:.0f}" if r["fits"] else "does not fit"
             tp = f"{r['tp_tok_s_same_gpus']:.0f}" if r["tp_tok_s_same_gpus"] else "does not fit"
             fl = f"{r['in_flight_tok_s']:.0f}" if r["in_flight_tok_s"] and r["fits"] else "does not fit"
+            split = f"{r['split_in_flight_tok_s']:.0f}"
             f.write(f"| {r['model']} | {r['batch']} | {r['pp']} | {r['microbatches']} | {r['weight_gb_per_gpu']:.1f} | "
-                    f"{r['kv_gb_per_gpu']:.1f} | {r['step_ms']:.2f} | {100 * r['bubble_share']:.0f}% | {tok} | {tp} | {fl} |\n")
+                    f"{r['kv_gb_per_gpu']:.1f} | {r['step_ms']:.2f} | {100 * r['bubble_share']:.0f}% | {tok} | {tp} | "
+                    f"{split if r['fits'] else 'does not fit'} | {fl} |\n")
         f.write("\nWithin one step, pipeline parallelism never beats tensor parallelism on decode: every stage "
-                "waits for the one before, and each micro-batch reads the stage's weights again. Its use is "
-                "capacity (a stage needs no all-reduce, so it spans slow links between machines) and, with "
-                "batches in flight across steps, throughput.\n")
+                "waits for the one before, and each micro-batch reads the stage's weights again. Batches in flight "
+                "keep every stage busy, but at a fixed number of running sequences each batch is 1/P of them and "
+                "still reads its stage's weights, so decode (bound by weight reads) gains 1.5-1.6x over "
+                "micro-batches here (at most (2P - 1) / P), not P; P batches of B reach TP's figures only with P times the sequences and their "
+                "KV. Pipeline parallelism's use is capacity (a stage needs no all-reduce, so it spans slow links "
+                "between machines) and throughput at high concurrency.\n")
     print(open(out + ".md").read())
 
 

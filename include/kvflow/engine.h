@@ -54,6 +54,9 @@ struct ModelParallelStats {
   int tensor_parallel_size = 1;
   int pipeline_parallel_size = 1;
   int64_t steps = 0;              // steps run across the ranks
+  int batches_in_flight = 1;      // steps the driver keeps in the pipeline at once
+  // Steps the driver started while an earlier one was still in the later stages.
+  int64_t overlapped_steps = 0;
   int64_t microbatches = 0;       // batches sent to the workers (a step's micro-batches each)
   int64_t all_reduces = 0;        // two a layer a step, and the embedding's (tensor parallelism)
   int64_t all_reduce_bytes = 0;   // this rank's part of each sum
@@ -109,10 +112,15 @@ struct EngineStats {
 };
 
 // What one Step() did.
+// What one Step() did: the sequences and tokens of the step it started, and how many steps ended.
+// One step at a time, a step starts and ends in the same call; with batches in flight (pipeline
+// parallelism) a call may only start a step (num_steps_completed 0), or only end the oldest one
+// (num_seqs 0).
 struct StepResult {
   int num_seqs = 0;
   int num_prefill_tokens = 0;
   int num_decode_tokens = 0;
+  int num_steps_completed = 0;
 };
 
 class Engine {

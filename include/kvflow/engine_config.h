@@ -61,8 +61,14 @@ struct EngineConfig {
   // layers split into pipeline_parallel_size stages (runs of consecutive layers), each on its own
   // rank or tensor-parallel group; the residual stream passes from stage to stage point to point.
   int pipeline_parallel_size = 1;
+  // Steps rank 0 keeps in the pipeline at once (vLLM V1's batch queue): it schedules and starts the
+  // next step, on the sequences not in flight, while the later stages run the ones before, so that
+  // every stage works. 0: pipeline_parallel_size; 1: one step at a time (then micro-batches keep
+  // the stages busy within it).
+  int pipeline_batches_in_flight = 0;
   // Micro-batches each step's batch is cut into (by sequence), so that stage k runs one while stage
-  // k+1 runs the one before; 0: pipeline_parallel_size (never more than the batch's sequences).
+  // k+1 runs the one before; 0: 1 with batches in flight, else pipeline_parallel_size (never more
+  // than the batch's sequences).
   int pipeline_microbatches = 0;
   // Layers of each pipeline stage, in order (vLLM's VLLM_PP_LAYER_PARTITION); empty: by cost, the
   // last stage fewer for its LM head (model/pipeline_stage_split.h).

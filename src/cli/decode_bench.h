@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <random>
 #include <string>
 #include <vector>
@@ -59,8 +60,8 @@ inline std::vector<int32_t> SyntheticPrompt(int n, int vocab_size, uint32_t seed
 }
 
 // Requests (one per prompt, added together) through an otherwise idle engine, every Step() timed
-// and attributed to prefill (steps that carry prompt tokens: with one request its time to first
-// token) or decode (steps of one token per sequence after the prompts).
+// and attributed to prefill (until every step that carried prompt tokens has ended: with one
+// request its time to first token) or decode (the steps of one token per sequence after them).
 inline Result<DecodeBenchRun> TimeDecodeRun(Engine& engine, std::vector<std::vector<int32_t>> prompts, int decode_tokens) {
   using Clock = std::chrono::steady_clock;
   if (engine.HasUnfinishedRequests()) return Status::InvalidArgument("bench: the engine must be idle");
@@ -77,19 +78,26 @@ inline Result<DecodeBenchRun> TimeDecodeRun(Engine& engine, std::vector<std::vec
   }
   const int expected_decode = decode_tokens * static_cast<int>(prompts.size());
   int prefilled = 0;
+  // The steps started and not yet ended, oldest first: whether each carried prompt tokens. One step
+  // at a time a step ends in the call that started it; with batches in flight (pipeline
+  // parallelism) it ends in a later call, and that call's time still belongs to the prefill.
+  std::deque<bool> in_flight;
+  auto prefill_done = [&] {
+    return prefilled == run.prompt_tokens && std::find(in_flight.begin(), in_flight.end(), true) == in_flight.end();
+  };
   while (engine.HasUnfinishedRequests()) {
+    const bool prefilling = !prefill_done();
     const auto start = Clock::now();
     KVFLOW_ASSIGN_OR_RETURN(StepResult step, engine.Step());
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    if (step.num_prefill_tokens > 0) {
-      prefilled += step.num_prefill_tokens;
-      run.prefill_s += seconds;
-    } else if (step.num_decode_tokens > 0) {
-      run.decode_steps += step.num_decode_tokens;
-      run.decode_s += seconds;
-    } else if (step.num_seqs == 0) {
+    if (step.num_seqs == 0 && step.num_steps_completed == 0) {
       return Status::Internal("bench: the engine made no progress (KV cache too small for the prompt?)");
     }
+    if (step.num_seqs > 0) in_flight.push_back(step.num_prefill_tokens > 0);
+    for (int i = 0; i < step.num_steps_completed && !in_flight.empty(); ++i) in_flight.pop_front();
+    prefilled += step.num_prefill_tokens;
+    if (step.num_prefill_tokens == 0) run.decode_steps += step.num_decode_tokens;
+    (prefilling ? run.prefill_s : run.decode_s) += seconds;
   }
   if (prefilled != run.prompt_tokens || run.decode_steps != expected_decode) {
     return Status::Internal("bench: expected " + std::to_string(run.prompt_tokens) + " prefill and " +

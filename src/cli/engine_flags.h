@@ -162,9 +162,15 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
                   "stage. Rank 0 (the first stage) serves and samples. CPU ranks over MPI (not yet on CUDA)")
       ->default_val(1)
       ->check(CLI::Range(1, 4096));
+  app->add_option("--pipeline-batches-in-flight", c.pipeline_batches_in_flight,
+                  "Pipeline parallelism: steps rank 0 keeps in the pipeline at once (vLLM V1's batch queue): it "
+                  "schedules the next step on the other sequences while the later stages run the ones before; "
+                  "0 = the number of stages, 1 = one step at a time")
+      ->default_val(0)
+      ->check(CLI::Range(0, 4096));
   app->add_option("--pipeline-microbatches", c.pipeline_microbatches,
                   "Pipeline parallelism: micro-batches each step's batch is cut into (by sequence), so the stages "
-                  "work at once; 0 = the number of stages")
+                  "work at once within a step; 0 = 1 with batches in flight, else the number of stages")
       ->default_val(0)
       ->check(CLI::Range(0, 4096));
   app->add_option("--pipeline-layer-split", c.pipeline_layer_split,

@@ -430,6 +430,8 @@ int RunBench(BenchCliOptions& opt) {
                       {"pipeline_parallel_size", after.pipeline_parallel_size},
                       {"steps", after.steps - before.steps},
                       {"microbatches", after.microbatches - before.microbatches},
+                      {"batches_in_flight", after.batches_in_flight},
+                      {"overlapped_steps", after.overlapped_steps - before.overlapped_steps},
                       {"all_reduce_seconds", delta(&ModelParallelStats::all_reduce_seconds)},
                       {"send_seconds", delta(&ModelParallelStats::send_seconds)},
                       {"residual_send_seconds", delta(&ModelParallelStats::residual_send_seconds)},

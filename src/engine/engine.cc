@@ -47,9 +47,11 @@ std::vector<int32_t> EosTokenIds(const ModelConfig& model, const Tokenizer& toke
 // What the core needs to know of the engine's configuration and model.
 EngineCoreConfig CoreConfig(const EngineConfig& c, const ModelConfig& model, const Tokenizer& tokenizer,
                             int num_device_blocks, int num_host_blocks, PreemptionMode preemption, Drafter* drafter,
-                            KvSelector* kv_selector, std::vector<const LogitsProcessor*> logits_processors) {
+                            KvSelector* kv_selector, std::vector<const LogitsProcessor*> logits_processors,
+                            int batches_in_flight) {
   EngineCoreConfig core;
   core.scheduler = SchedulerConfig{c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, preemption};
+  core.scheduler.batches_in_flight = batches_in_flight;
   core.blocks = BlockManagerConfig{c.block_size, num_device_blocks, num_host_blocks, c.enable_prefix_caching};
   core.blocks.sliding_window = model.ReleasableWindow();
   core.vocab_size = model.vocab_size;
@@ -104,7 +106,7 @@ class EngineImpl final : public EvaluationEngine {
         core_(CoreConfig(config_, model_config_, *tokenizer_,
                          backend_->kv_layout().num_blocks - systems.drafter_scratch_blocks,
                          backend_->num_host_blocks() - systems.connector_host_blocks, preemption, drafter_.get(),
-                         kv_selector_.get(), Pointers(logits_processors_)),
+                         kv_selector_.get(), Pointers(logits_processors_), mirror_ ? mirror_->StepsInFlight() : 1),
               std::move(policy), std::move(supervisor), tokenizer_.get()),
         executor_(*backend_, core_.block_manager()) {
     if (mirror_) executor_.SetModelParallel(mirror_.get());

@@ -126,10 +126,13 @@ Result<StepResult> EngineCore::Step(Executor& executor) {
   return result;
 }
 
-Result<StepResult> EngineCore::StepInner(Executor& executor) {
+SchedulerOutput EngineCore::PlanStep() {
   ReapCancelled();
-  // Drafts first: the scheduler runs them with their sequence's next token.
-  for (auto& [id, req] : requests_) req->strategy->BeforeStep(*this, *req);
+  // Drafts first: the scheduler runs them with their sequence's next token (not known yet for a
+  // request whose step is in flight).
+  for (auto& [id, req] : requests_) {
+    if (!req->group->in_flight) req->strategy->BeforeStep(*this, *req);
+  }
   if (!draft_jobs_.empty()) {
     for (DraftJob* job : draft_jobs_) job->block_table = blocks_.BlockTable(job->seq->id);
     config_.drafter->Propose(draft_jobs_);
@@ -145,24 +148,22 @@ Result<StepResult> EngineCore::StepInner(Executor& executor) {
     }
   }
   if (config_.warn_on_preemption) WarnAboutPreemptions(sched);
-  // Block moves first: swap-out frees device blocks this step may reuse.
-  if (Status moved = executor.MoveBlocks(sched); !moved.ok()) {
-    // The KV the step's requests need is unknown now: they fail (and the step, as before), so a
-    // caller stepping until every request is done never spins on a failure.
-    spdlog::error("block moves failed: {}", moved.ToString());
-    FailScheduled(sched, moved);
-    return moved;
-  }
+  return sched;
+}
 
+StepResult EngineCore::CountStep(const SchedulerOutput& sched) {
   StepResult result;
   for (const ScheduledSeq& s : sched.scheduled) {
     const bool is_prefill = s.seq->num_computed < s.seq->prompt_len || s.num_tokens > 1;
     (is_prefill ? result.num_prefill_tokens : result.num_decode_tokens) += static_cast<int>(s.num_tokens);
   }
   result.num_seqs = static_cast<int>(sched.scheduled.size());
+  return result;
+}
 
-  // The rows each sequence needs, and what the update needs of the step once CompleteStep has
-  // moved the sequences on: where each slice started, and the drafts that ran.
+// The rows each sequence needs, and what the update needs of the step once CompleteStep has moved
+// the sequences on: where each slice started, and the drafts that ran.
+EngineCore::StepRecord EngineCore::RecordStep(const SchedulerOutput& sched) const {
   StepRecord record;
   for (const ScheduledSeq& s : sched.scheduled) {
     record.logits.push_back(LogitsFor(s));
@@ -170,6 +171,88 @@ Result<StepResult> EngineCore::StepInner(Executor& executor) {
     record.drafts.emplace_back();
     for (int64_t i = s.num_real_tokens(); i < s.num_tokens; ++i) record.drafts.back().push_back(s.token(i));
   }
+  return record;
+}
+
+void EngineCore::FinishStep(const SchedulerOutput& sched, ExecutorOutput& out, bool sampled, bool prepared,
+                            const StepRecord& record) {
+  stats_.prompt_tokens_processed += CountStep(sched).num_prefill_tokens;  // before the sequences move on
+  scheduler_.CompleteStep(sched);
+  ++stats_.num_steps;
+  if (observer_) observer_->OnStepComputed(sched);
+  UpdateFromOutput(sched, out, sampled, prepared, record);
+}
+
+Status EngineCore::MoveStepBlocks(Executor& executor, const SchedulerOutput& sched) {
+  Status moved = executor.MoveBlocks(sched);
+  if (!moved.ok()) {
+    // The KV the step's requests need is unknown now: they fail (and the step, as before), so a
+    // caller stepping until every request is done never spins on a failure.
+    spdlog::error("block moves failed: {}", moved.ToString());
+    FailScheduled(sched, moved);
+  }
+  return moved;
+}
+
+void EngineCore::CollectOldest(Executor& executor, StepResult& result) {
+  InFlightStep step = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  ExecutorOutput out;
+  Status st = executor.CollectStep(out);
+  if (st.ok()) st = CheckOutput(step.sched, out, /*sampled=*/false, step.record);
+  result.num_steps_completed = 1;
+  if (!st.ok()) {
+    spdlog::error("forward pass failed: {}", st.ToString());
+    FailScheduled(step.sched, st);
+    return;
+  }
+  FinishStep(step.sched, out, /*sampled=*/false, /*prepared=*/false, step.record);
+}
+
+Result<StepResult> EngineCore::PipelinedStep(Executor& executor) {
+  const size_t depth = static_cast<size_t>(config_.scheduler.batches_in_flight);
+  StepResult result;
+  // A full queue ends its oldest step first: its sequences may go into the step planned next, and
+  // the last stage hands over its logits while this rank waits for them (were this rank running
+  // its own stage instead, the transfer would wait for it).
+  if (in_flight_.size() >= depth) CollectOldest(executor, result);
+  SchedulerOutput sched = PlanStep();
+  // Block moves first; every rank takes them in order, after the steps in flight.
+  KVFLOW_RETURN_IF_ERROR(MoveStepBlocks(executor, sched));
+  if (!sched.empty()) {
+    const StepResult started = CountStep(sched);
+    result.num_seqs = started.num_seqs;
+    result.num_prefill_tokens = started.num_prefill_tokens;
+    result.num_decode_tokens = started.num_decode_tokens;
+    StepRecord record = RecordStep(sched);
+    if (Status st = executor.SubmitStep(sched, record.logits); !st.ok()) {
+      spdlog::error("forward pass failed: {}", st.ToString());
+      FailScheduled(sched, st);
+      ++result.num_steps_completed;
+      return result;
+    }
+    in_flight_.push_back({std::move(sched), std::move(record)});
+    return result;
+  }
+  // Nothing to start (every running group is in flight, or waits for blocks): end the oldest step.
+  if (result.num_steps_completed == 0 && !in_flight_.empty()) CollectOldest(executor, result);
+  return result;
+}
+
+Result<StepResult> EngineCore::StepInner(Executor& executor) {
+  if (config_.scheduler.batches_in_flight > 1) {
+    if (executor.MaxStepsInFlight() < config_.scheduler.batches_in_flight) {
+      return Status::Internal("the scheduler keeps " + std::to_string(config_.scheduler.batches_in_flight) +
+                              " batches in flight; the executor runs " + std::to_string(executor.MaxStepsInFlight()));
+    }
+    return PipelinedStep(executor);
+  }
+  SchedulerOutput sched = PlanStep();
+  // Block moves first: swap-out frees device blocks this step may reuse.
+  KVFLOW_RETURN_IF_ERROR(MoveStepBlocks(executor, sched));
+
+  StepResult result = CountStep(sched);
+  const StepRecord record = RecordStep(sched);
   // The executor samples when it can and every row is a plain one (no forks, no beams): then only
   // tokens and logprobs come back. A costly constraint (a grammar's mask) is computed on a helper
   // thread while the forward pass runs on a device: the device sampler awaits the step's
@@ -220,6 +303,7 @@ Result<StepResult> EngineCore::StepInner(Executor& executor) {
   if (constraints.valid()) constraints_ok = constraints.get();
   if (!constraints_ok && st.ok()) st = Status::Internal("a logits processor failed (see the log)");
   if (sched.empty()) return result;
+  result.num_steps_completed = 1;
   if (st.ok()) st = CheckOutput(sched, out, sampling.has_value(), record);
   if (!st.ok()) {
     // A failed step fails the requests in it, not the engine.
@@ -227,11 +311,7 @@ Result<StepResult> EngineCore::StepInner(Executor& executor) {
     FailScheduled(sched, st);
     return result;
   }
-  scheduler_.CompleteStep(sched);
-  ++stats_.num_steps;
-  stats_.prompt_tokens_processed += result.num_prefill_tokens;
-  if (observer_) observer_->OnStepComputed(sched);
-  UpdateFromOutput(sched, out, sampling.has_value(), host_constraints_prepared, record);
+  FinishStep(sched, out, sampling.has_value(), host_constraints_prepared, record);
   return result;
 }
 
@@ -566,7 +646,15 @@ void EngineCore::Forget(RequestId id) {
 void EngineCore::ReapCancelled() {
   std::vector<RequestId> cancelled;
   cancelled.swap(cancelled_);
-  for (RequestId id : cancelled) FailRequest(id, Status::Cancelled("request cancelled"), true);
+  for (RequestId id : cancelled) {
+    // A request in a step still in flight ends when that step does: its rows are on their way.
+    auto it = requests_.find(id);
+    if (it != requests_.end() && it->second->group->in_flight) {
+      cancelled_.push_back(id);
+      continue;
+    }
+    FailRequest(id, Status::Cancelled("request cancelled"), true);
+  }
 }
 
 // ---- stats ----------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -82,8 +83,12 @@ class EngineCore {
   // ---- steps -----------------------------------------------------------------------------------
   // Schedules one step, has `executor` move blocks and run it, and updates every request from what
   // it produced. An error means the executor could not move blocks; a failed run fails only the
-  // requests in the batch.
+  // requests in the batch. With scheduler.batches_in_flight > 1 (an executor whose
+  // MaxStepsInFlight allows it) a call first ends the oldest step in flight when that many are,
+  // then starts the next step and returns; when nothing can start, it ends the oldest.
   Result<StepResult> Step(Executor& executor);
+  // Steps started and not yet ended.
+  int steps_in_flight() const { return static_cast<int>(in_flight_.size()); }
 
   // A KV connector's scheduler side (kv/kv_connector_scheduler.h) for the block manager to consult; must
   // outlive the core. Before any request.
@@ -140,7 +145,26 @@ class EngineCore {
     std::vector<int64_t> first_position;
     std::vector<std::vector<int32_t>> drafts;
   };
+  // A step started and not yet ended (batches in flight).
+  struct InFlightStep {
+    SchedulerOutput sched;
+    StepRecord record;
+  };
   Result<StepResult> StepInner(Executor& executor);
+  // Batches in flight: ends the oldest step when the queue is full, then starts the next; ends the
+  // oldest when nothing can start.
+  Result<StepResult> PipelinedStep(Executor& executor);
+  // Ends the oldest step in flight: its logits, then every request's update (or its failure).
+  void CollectOldest(Executor& executor, StepResult& result);
+  // The step's block moves; a failure fails the step's requests.
+  Status MoveStepBlocks(Executor& executor, const SchedulerOutput& sched);
+  // Drafts, then the scheduler's plan; fails what it rejected.
+  SchedulerOutput PlanStep();
+  static StepResult CountStep(const SchedulerOutput& sched);
+  StepRecord RecordStep(const SchedulerOutput& sched) const;
+  // After a step ran: its sequences move on, then every request takes its share of `out`.
+  void FinishStep(const SchedulerOutput& sched, ExecutorOutput& out, bool sampled, bool prepared,
+                  const StepRecord& record);
   void WarnAboutPreemptions(const SchedulerOutput& sched) const;
   LogitsMode LogitsFor(const ScheduledSeq& s) const;
   static int64_t RowsOf(const ScheduledSeq& s, LogitsMode mode);
@@ -192,6 +216,7 @@ class EngineCore {
   std::vector<TokenConstraint> step_constraints_;  // the device-sampled rows' constraints of a step
   std::vector<LogitsContext> prepare_rows_;        // PrepareConstraints' rows (reused)
   std::vector<DeviceSampleRow> device_rows_;       // the rows a step samples on the device (reused)
+  std::deque<InFlightStep> in_flight_;           // oldest first
   RequestId next_id_ = 1;
   bool in_step_ = false;
 };

@@ -45,6 +45,16 @@ class Executor {
   // the batch, not the engine.
   virtual Status Run(const SchedulerOutput& sched, std::span<const LogitsMode> logits, const DeviceSampling* sampling,
                      ExecutorOutput& out) = 0;
+
+  // Steps it can keep running at once (a pipeline of stages: vLLM V1's batch queue). With more
+  // than one, the core may use SubmitStep and CollectStep instead of Run: SubmitStep starts a step
+  // (after its MoveBlocks) and returns once it no longer needs this thread; CollectStep waits for
+  // the oldest step submitted and fills `out` with its logit rows (host sampling only).
+  virtual int MaxStepsInFlight() const { return 1; }
+  virtual Status SubmitStep(const SchedulerOutput& sched, std::span<const LogitsMode> logits) {
+    return Status::Unsupported("this executor runs one step at a time");
+  }
+  virtual Status CollectStep(ExecutorOutput& out) { return Status::Unsupported("this executor runs one step at a time"); }
 };
 
 }  // namespace kvflow

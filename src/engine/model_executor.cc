@@ -59,10 +59,7 @@ void ModelExecutor::RunFollowers(const ForwardBatch& target_batch) {
   }
 }
 
-Status ModelExecutor::Run(const SchedulerOutput& sched, std::span<const LogitsMode> logits,
-                          const DeviceSampling* sampling, ExecutorOutput& out) {
-  if (sched.empty()) return Status::Ok();
-  const ForwardBatch batch = BuildForwardBatch(sched, blocks_, logits);
+void ModelExecutor::SetStepHooks(const SchedulerOutput& sched, const ForwardBatch& batch) {
   chain_.Clear();
   if (!step_hooks_.empty()) {
     seq_ids_.clear();
@@ -78,9 +75,33 @@ Status ModelExecutor::Run(const SchedulerOutput& sched, std::span<const LogitsMo
     if (WrappingHooks* around = c->layer_hooks()) hooks = around->Wrap(hooks, backend_.model_config().num_layers);
   }
   model_.set_hooks(hooks);
+}
+
+Status ModelExecutor::Run(const SchedulerOutput& sched, std::span<const LogitsMode> logits,
+                          const DeviceSampling* sampling, ExecutorOutput& out) {
+  if (sched.empty()) return Status::Ok();
+  const ForwardBatch batch = BuildForwardBatch(sched, blocks_, logits);
+  SetStepHooks(sched, batch);
   const Status st = mirror_ ? RunAcrossRanks(batch, sampling, out) : RunTarget(batch, sampling, out);
   model_.set_hooks(nullptr);
   return st;
+}
+
+Status ModelExecutor::SubmitStep(const SchedulerOutput& sched, std::span<const LogitsMode> logits) {
+  if (MaxStepsInFlight() < 2) return Executor::SubmitStep(sched, logits);
+  const ForwardBatch batch = BuildForwardBatch(sched, blocks_, logits);
+  SetStepHooks(sched, batch);  // this rank's stage runs now
+  const Status st = mirror_->SubmitStep(model_, batch);
+  model_.set_hooks(nullptr);
+  return st;
+}
+
+Status ModelExecutor::CollectStep(ExecutorOutput& out) {
+  if (MaxStepsInFlight() < 2) return Executor::CollectStep(out);
+  KVFLOW_RETURN_IF_ERROR(mirror_->CollectStep(logits_));
+  out.vocab_size = backend_.model_config().vocab_size;
+  out.logits = std::span<float>(logits_);
+  return Status::Ok();
 }
 
 Status ModelExecutor::RunAcrossRanks(const ForwardBatch& batch, const DeviceSampling* sampling, ExecutorOutput& out) {

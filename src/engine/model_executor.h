@@ -56,6 +56,10 @@ class ModelExecutor final : public Executor {
   Status MoveBlocks(const SchedulerOutput& sched) override;
   Status Run(const SchedulerOutput& sched, std::span<const LogitsMode> logits,
              const DeviceSampling* sampling, ExecutorOutput& out) override;
+  // Batches in flight: the mirror's pipeline (a model split into stages), else one step at a time.
+  int MaxStepsInFlight() const override { return mirror_ ? mirror_->StepsInFlight() : 1; }
+  Status SubmitStep(const SchedulerOutput& sched, std::span<const LogitsMode> logits) override;
+  Status CollectStep(ExecutorOutput& out) override;
 
  private:
   Backend& backend_;
@@ -69,6 +73,8 @@ class ModelExecutor final : public Executor {
   std::vector<uint8_t> selecting_;
   const BlockManager& blocks_;
   StepMirror* mirror_ = nullptr;
+  // Sets the step's hooks (its features' and connectors') on model_; the caller clears them after the pass.
+  void SetStepHooks(const SchedulerOutput& sched, const ForwardBatch& batch);
   Status RunTarget(const ForwardBatch& batch, const DeviceSampling* sampling,
                    ExecutorOutput& out);
   // The step through the mirror (a model split across ranks).

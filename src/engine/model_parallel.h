@@ -28,6 +28,14 @@ class StepMirror {
   // the backend of ModelParallelParts), and fills `logits` with batch.num_logit_rows() x vocab
   // floats, wherever the last layers ran.
   virtual Status RunStep(LlamaModel& model, const ForwardBatch& batch, std::vector<float>& logits) = 0;
+  // Steps it keeps in flight at once (pipeline parallelism's batch queue; 1: RunStep only).
+  virtual int StepsInFlight() const { return 1; }
+  // Starts a step: sends it on and runs this rank's stage, then returns while the later stages
+  // run it. CollectStep waits for the oldest step started and fills `logits` as RunStep does.
+  virtual Status SubmitStep(LlamaModel& model, const ForwardBatch& batch) {
+    return Status::Unsupported("this split runs one step at a time");
+  }
+  virtual Status CollectStep(std::vector<float>& logits) { return Status::Unsupported("this split runs one step at a time"); }
   // For the engine's log: "tensor parallel 2 x pipeline parallel 2 over 4 ranks (mpi rank 0 of 4)".
   virtual std::string Describe() const = 0;
   // The communication so far.

@@ -81,6 +81,10 @@ Result<const ModelParallelPlugin*> SystemRegistry::ActiveModelParallel(const Eng
                                    std::to_string(c.tensor_parallel_size) + " and " +
                                    std::to_string(c.pipeline_parallel_size));
   }
+  if (c.pipeline_batches_in_flight < 0) {
+    return Status::InvalidArgument("pipeline_batches_in_flight must be 0 (auto) or more, got " +
+                                   std::to_string(c.pipeline_batches_in_flight));
+  }
   if (c.pipeline_microbatches < 0) {
     return Status::InvalidArgument("pipeline_microbatches must be 0 (auto) or more, got " +
                                    std::to_string(c.pipeline_microbatches));

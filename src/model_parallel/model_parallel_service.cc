@@ -78,6 +78,13 @@ RankStepStats OwnStats(const ModelParallelStats& s, const GridPosition& at) {
   return r;
 }
 
+// Steps the driver keeps in flight (EngineConfig::pipeline_batches_in_flight, 0: one per stage);
+// tensor parallelism alone has no later stage to overlap with.
+int BatchesInFlight(const EngineConfig& config) {
+  if (config.pipeline_parallel_size == 1) return 1;
+  return config.pipeline_batches_in_flight > 0 ? config.pipeline_batches_in_flight : config.pipeline_parallel_size;
+}
+
 std::string DescribeSplit(int tp, int pp) {
   if (pp == 1) return "tensor parallel " + std::to_string(tp);
   if (tp == 1) return "pipeline parallel " + std::to_string(pp);
@@ -419,11 +426,16 @@ class GridStage final : public PipelineStage {
 // The driver's view of its workers.
 class WorkerMirror final : public StepMirror {
  public:
+  // `batches_in_flight`: BatchesInFlight(config); `microbatches` 0: one a step with batches in
+  // flight, else one per stage.
   WorkerMirror(Communicator& world, std::unique_ptr<Communicator> group, DeviceGroup device, const GridPosition& at,
-               int vocab_size, int microbatches, double timeout_s)
-      : world_(world), group_(std::move(group)), device_(std::move(device)), at_(at), microbatches_(microbatches),
+               int vocab_size, int microbatches, int batches_in_flight, double timeout_s)
+      : world_(world), group_(std::move(group)), device_(std::move(device)), at_(at),
+        steps_in_flight_(batches_in_flight),
+        microbatches_(microbatches > 0 ? microbatches : steps_in_flight_ > 1 ? 1 : at.pp), vocab_size_(vocab_size),
         timeout_s_(timeout_s), stats_(std::make_shared<ModelParallelStats>()) {
     stats_->ranks = at.tp * at.pp;
+    stats_->batches_in_flight = steps_in_flight_;
     stats_->tensor_parallel_size = at.tp;
     stats_->pipeline_parallel_size = at.pp;
     if (at.tp > 1) {
@@ -435,6 +447,9 @@ class WorkerMirror final : public StepMirror {
   }
 
   ~WorkerMirror() override {
+    // Steps still in flight (an engine destroyed mid-run) end first: their logits are on their way.
+    std::vector<float> discarded;
+    while (broken_.ok() && !pending_.empty()) (void)FinishPipelined(discarded);
     if (!broken_.ok()) return;
     // The workers' last counters for the log, then they leave their loops; one that is gone
     // already is no reason to wait long.
@@ -442,10 +457,12 @@ class WorkerMirror final : public StepMirror {
     Status st = Broadcast(StepMessageKind::kStop, {}, 10.0);
     if (!st.ok()) spdlog::warn("model parallel: telling the workers to stop: {}", st.ToString());
     const ModelParallelStats s = stats();
-    spdlog::info("model parallel ({}): {} steps ({} micro-batches) in {:.3f} s; all-reduces {:.1f} MiB in {:.3f} s, "
-                 "sending steps {:.3f} s, residual {:.1f} MiB, waiting for logits {:.3f} s",
-                 DescribeSplit(at_.tp, at_.pp), s.steps, s.microbatches, s.step_seconds, s.all_reduce_bytes / 1048576.0,
-                 s.all_reduce_seconds, s.send_seconds, s.residual_bytes / 1048576.0, s.logits_wait_seconds);
+    spdlog::info("model parallel ({}): {} steps ({} micro-batches, {} started behind another in flight) in {:.3f} s; "
+                 "all-reduces {:.1f} MiB in {:.3f} s, sending steps {:.3f} s, residual {:.1f} MiB, waiting for logits "
+                 "{:.3f} s",
+                 DescribeSplit(at_.tp, at_.pp), s.steps, s.microbatches, s.overlapped_steps, s.step_seconds,
+                 s.all_reduce_bytes / 1048576.0, s.all_reduce_seconds, s.send_seconds, s.residual_bytes / 1048576.0,
+                 s.logits_wait_seconds);
     for (const RankStepStats& r : s.per_rank) {
       spdlog::info("model parallel rank {} (stage {}, tensor rank {}): {} micro-batches, {:.3f} s in its layers, of "
                    "which all-reduces {:.3f} s and waiting for the stage before {:.3f} s; residual sends {:.3f} s",
@@ -472,6 +489,41 @@ class WorkerMirror final : public StepMirror {
     if (st.ok() && (stats_->steps == 1 || SecondsSince(last_report_) >= kReportIntervalSeconds)) {
       st = GatherReports(timeout_s_);
     }
+    return st;
+  }
+
+  int StepsInFlight() const override { return steps_in_flight_; }
+
+  Status SubmitStep(LlamaModel& model, const ForwardBatch& batch) override {
+    KVFLOW_RETURN_IF_ERROR(broken_);
+    if (steps_in_flight_ < 2) return Status::Internal("model parallel: SubmitStep without batches in flight");
+    if (static_cast<int>(pending_.size()) >= steps_in_flight_) {
+      return Status::Internal("model parallel: " + std::to_string(pending_.size()) + " steps already in flight");
+    }
+    const auto start = Clock::now();
+    if (!pending_.empty()) ++stats_->overlapped_steps;
+    model.set_delta_reducer(reducer_.get());
+    model.set_pipeline_stage(stage_.get());
+    Status st = StartPipelined(model, batch);
+    model.set_delta_reducer(nullptr);
+    model.set_pipeline_stage(nullptr);
+    ++stats_->steps;
+    // The workers' counters come back behind this step (they answer once they have run it).
+    if (st.ok() && (stats_->steps == 1 || SecondsSince(last_report_) >= kReportIntervalSeconds)) {
+      last_report_ = Clock::now();
+      st = PostBroadcast(StepMessageKind::kReport, {});
+      if (st.ok()) pending_.back().report = true;
+    }
+    stats_->step_seconds += SecondsSince(start);
+    return st;
+  }
+
+  Status CollectStep(std::vector<float>& logits) override {
+    KVFLOW_RETURN_IF_ERROR(broken_);
+    if (pending_.empty()) return Status::Internal("model parallel: no step in flight to collect");
+    const auto start = Clock::now();
+    Status st = FinishPipelined(logits);
+    stats_->step_seconds += SecondsSince(start);
     return st;
   }
 
@@ -508,6 +560,11 @@ class WorkerMirror final : public StepMirror {
   Status GatherReports(double timeout_s) {
     last_report_ = Clock::now();
     KVFLOW_RETURN_IF_ERROR(Broadcast(StepMessageKind::kReport, {}, timeout_s));
+    return ReceiveReports(timeout_s);
+  }
+
+  // The answers to a kReport sent before.
+  Status ReceiveReports(double timeout_s) {
     reports_.resize(static_cast<size_t>(world_.size()));
     std::vector<double> words(kRankStatsWords);
     for (int r = 1; r < world_.size(); ++r) {
@@ -522,12 +579,18 @@ class WorkerMirror final : public StepMirror {
   // The batch in micro-batches through the stages: this rank runs each through the first stage and
   // sends it on, then takes the last stage's logits of each, in order.
   Status RunPipelined(LlamaModel& model, const ForwardBatch& batch, std::vector<float>& logits) {
-    const int parts = microbatches_ > 0 ? microbatches_ : at_.pp;
-    std::vector<ForwardBatch> mbs = SplitIntoMicrobatches(batch, parts);
-    std::vector<int64_t> mb_rows;
+    KVFLOW_RETURN_IF_ERROR(StartPipelined(model, batch));
+    return FinishPipelined(logits);
+  }
+
+  // Sends each micro-batch to the workers and runs it through this rank's (the first) stage.
+  Status StartPipelined(LlamaModel& model, const ForwardBatch& batch) {
+    std::vector<ForwardBatch> mbs = SplitIntoMicrobatches(batch, microbatches_);
+    PendingStep& step = pending_.emplace_back();
+    step.rows = batch.num_logit_rows();
     for (ForwardBatch& mb : mbs) {
       ++stats_->microbatches;
-      mb_rows.push_back(mb.num_logit_rows());
+      step.mb_rows.push_back(mb.num_logit_rows());
       KVFLOW_RETURN_IF_ERROR(PostBroadcast(StepMessageKind::kForward, EncodeBatch(mb)));
       for (SequenceSlice& s : mb.seqs) s.logits = LogitsMode::kNone;  // the last stage makes them
       // The later stages have this micro-batch and wait for its residual stream: without it they
@@ -537,24 +600,33 @@ class WorkerMirror final : public StepMirror {
       stats_->forward_seconds += SecondsSince(start);
       if (!forward.ok()) return MarkBroken(forward, "running the first stage");
     }
-    const int64_t vocab = model.backend().model_config().vocab_size;
-    const int64_t rows = batch.num_logit_rows();
-    logits.resize(static_cast<size_t>(rows * vocab));
+    return Status::Ok();
+  }
+
+  // Takes the oldest started step's logits from the last stage (and the reports behind it).
+  Status FinishPipelined(std::vector<float>& logits) {
+    const PendingStep step = std::move(pending_.front());
+    pending_.pop_front();
+    logits.resize(static_cast<size_t>(step.rows * vocab_size_));
     const auto wait_start = Clock::now();
     const int last = at_.RankOf(at_.pp - 1, 0);
     int64_t row = 0;
     Status st = Status::Ok();
     // The last stage sends a micro-batch's logits only where it has rows.
-    for (size_t k = 0; k < mbs.size() && st.ok(); ++k) {
-      if (mb_rows[k] == 0) continue;
-      const std::span<float> rows_k(logits.data() + row * vocab, static_cast<size_t>(mb_rows[k] * vocab));
+    for (size_t k = 0; k < step.mb_rows.size() && st.ok(); ++k) {
+      if (step.mb_rows[k] == 0) continue;
+      const std::span<float> rows_k(logits.data() + row * vocab_size_, static_cast<size_t>(step.mb_rows[k] * vocab_size_));
       st = world_.Recv(last, kLogitsTag, std::as_writable_bytes(rows_k), timeout_s_);
-      row += mb_rows[k];
+      row += step.mb_rows[k];
     }
     stats_->logits_wait_seconds += SecondsSince(wait_start);
+    // Every send so far (the next step's batch and residual stream among them) is finished before
+    // this rank goes back to its own work: the second stage, which just sent these logits, takes
+    // them now, and a large message moves only while both sides are in the transport.
     if (st.ok()) st = FinishBroadcasts(timeout_s_);
     if (st.ok()) st = stage_->FinishSends();
     if (!st.ok()) return MarkBroken(st, "waiting for the last stage's logits");
+    if (step.report) return ReceiveReports(timeout_s_);
     return Status::Ok();
   }
 
@@ -625,10 +697,21 @@ class WorkerMirror final : public StepMirror {
   Communicator& world_;
   std::unique_ptr<Communicator> group_;
   DeviceGroup device_;
+  // A step started and not yet collected: its micro-batches' logit rows, and whether the workers'
+  // reports come behind it.
+  struct PendingStep {
+    int64_t rows = 0;
+    std::vector<int64_t> mb_rows;
+    bool report = false;
+  };
+
   GridPosition at_;
+  int steps_in_flight_;
   int microbatches_;
+  int64_t vocab_size_;
   double timeout_s_;
   std::shared_ptr<ModelParallelStats> stats_;
+  std::deque<PendingStep> pending_;  // oldest first
   std::unique_ptr<AllReduceDeltaReducer> reducer_;
   std::unique_ptr<GridStage> stage_;
   std::unique_ptr<VocabGather> gather_;
@@ -707,7 +790,8 @@ Result<ModelParallelParts> CreateModelParallelDriver(const ModelParallelContext&
   ModelParallelParts parts;
   parts.backend = std::move(backend);
   parts.mirror = std::make_unique<WorkerMirror>(*comm, std::move(group), std::move(device), at,
-                                                ctx.files.config.vocab_size, config.pipeline_microbatches, timeout_s);
+                                                ctx.files.config.vocab_size, config.pipeline_microbatches,
+                                                BatchesInFlight(config), timeout_s);
   spdlog::info("model parallel: {} ranks ready ({}, {})", comm->size(), DescribeSplit(at.tp, at.pp), comm->Describe());
   if (at.pp > 1) {
     std::string counts;
@@ -773,6 +857,7 @@ Status RunModelParallelWorker(const EngineConfig& input, Communicator& comm, dou
     if (gather) KVFLOW_RETURN_IF_ERROR(gather->FinishSends());
     return Status::Ok();
   };
+  const bool logits_before_next = BatchesInFlight(config) > 1;
   LlamaModel model(*backend);
   model.set_delta_reducer(reducer.get());
   model.set_pipeline_stage(stage.get());
@@ -842,6 +927,11 @@ Status RunModelParallelWorker(const EngineConfig& input, Communicator& comm, dou
         logits.swap(whole);
       }
       KVFLOW_RETURN_IF_ERROR(stage->SendLogits(std::move(logits)));
+      // With batches in flight the driver waits for these logits before it starts the next step:
+      // finish handing them over now, while it waits, not at this rank's next layer's poll (a large
+      // message moves only as both sides make progress), which would hold the driver up for a
+      // whole step of this stage.
+      if (logits_before_next) KVFLOW_RETURN_IF_ERROR(stage->FinishSends());
     }
     stats->forward_seconds += SecondsSince(forward_start);
   }

@@ -13,6 +13,9 @@
 // pipeline parallelism: each goes to every worker, and stage s's tp rank i runs it once the residual
 // stream comes from stage s-1's tp rank i, then sends it on to stage s+1's; the last stage's tp rank
 // 0 sends the logits back to the driver. Stage s works on micro-batch k while stage s+1 works on k-1.
+// With batches in flight (the default under pipeline parallelism) a step is one micro-batch and the
+// driver does not wait for its logits: it starts the next steps (SubmitStep) and takes the oldest
+// step's logits (CollectStep) once P are in flight; every rank runs the messages in order.
 //
 // Faults: every wait has the communicator's timeout, so a rank that dies or hangs fails the step in
 // flight (its requests get the error) and every later one, and the server and CLI end the job;

@@ -34,6 +34,11 @@ Status RegisterModelParallel(SystemRegistry& registry) {
                "Rank 0's seconds in steps run across the ranks (its own layers and its waits)", m.step_seconds);
     AddCounter(out, "kvflow:pipeline_parallel_microbatches_total", "Batches rank 0 sent its workers (micro-batches)",
                static_cast<double>(m.microbatches));
+    AddGauge(out, "kvflow:pipeline_parallel_batches_in_flight", "Steps rank 0 keeps in the pipeline at once",
+             m.batches_in_flight);
+    AddCounter(out, "kvflow:pipeline_parallel_overlapped_steps_total",
+               "Steps rank 0 started while an earlier one was still in the later stages",
+               static_cast<double>(m.overlapped_steps));
     AddCounter(out, "kvflow:tensor_parallel_all_reduce_seconds_total",
                "Rank 0's seconds in the layers' all-reduces (waiting for the slowest rank included)",
                m.all_reduce_seconds);

@@ -1,6 +1,7 @@
 #include "sched/scheduler.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 
 #include <spdlog/spdlog.h>
@@ -51,6 +52,27 @@ int Scheduler::RunningSeqs() const {
   int n = 0;
   for (const SequenceGroup* g : running_) n += g->max_running_seqs();
   return n;
+}
+
+int Scheduler::BatchSeqCap() const {
+  const int depth = config_.batches_in_flight;
+  if (depth <= 1) return std::numeric_limits<int>::max();
+  int seqs = RunningSeqs();
+  for (const SequenceGroup* g : swapped_) seqs += g->max_running_seqs();
+  for (const SequenceGroup* g : waiting_) seqs += g->max_running_seqs();
+  seqs = std::min(seqs, config_.max_num_seqs);
+  return std::max(1, (seqs + depth - 1) / depth);
+}
+
+SequenceGroup* Scheduler::LastPreemptible() const {
+  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+    if (!(*it)->in_flight) return *it;
+  }
+  return nullptr;
+}
+
+bool Scheduler::AnyInFlight() const {
+  return std::any_of(running_.begin(), running_.end(), [](const SequenceGroup* g) { return g->in_flight; });
 }
 
 bool Scheduler::PlanTokens(const SequenceGroup& g, int64_t budget, std::vector<int64_t>& tokens) const {
@@ -166,6 +188,7 @@ void Scheduler::Emit(SequenceGroup* g, const std::vector<int64_t>& tokens, Sched
     out.scheduled.push_back({g, s, tokens[i], /*num_draft_tokens=*/0, last_token_runs});
     out.num_batched_tokens += tokens[i];
   }
+  if (config_.batches_in_flight > 1) g->in_flight = true;
 }
 
 void Scheduler::Reject(SequenceGroup* g, Status why, SchedulerOutput& out) {
@@ -213,6 +236,10 @@ SchedulerOutput Scheduler::Schedule() {
   SchedulerOutput out;
   int64_t budget = config_.max_num_batched_tokens;
   std::vector<int64_t> tokens, targets;
+  // With batches in flight: this step's share of the sequences.
+  const int seq_cap = BatchSeqCap();
+  int batch_seqs = 0;
+  auto batch_full = [&] { return batch_seqs >= seq_cap; };
 
   // Groups that can be scheduled now: give them their blocks and put them in the batch. The
   // block counts were checked; a failure here is a bookkeeping bug, and costs only this group.
@@ -228,6 +255,7 @@ SchedulerOutput Scheduler::Schedule() {
     }
     Emit(g, tokens, out);
     for (int64_t n : tokens) budget -= n;
+    batch_seqs += g->max_running_seqs();
     return true;
   };
 
@@ -235,7 +263,8 @@ SchedulerOutput Scheduler::Schedule() {
   SortByPolicy(running_);
   for (size_t i = 0; i < running_.size();) {
     SequenceGroup* g = running_[i];
-    if (budget <= 0 || !PlanTokens(*g, budget, tokens)) {
+    // A group in a step still in flight waits for that step's tokens.
+    if (g->in_flight || budget <= 0 || batch_full() || !PlanTokens(*g, budget, tokens)) {
       ++i;
       continue;
     }
@@ -254,7 +283,13 @@ SchedulerOutput Scheduler::Schedule() {
       if (apply(g)) ++i;
       continue;
     }
-    SequenceGroup* victim = running_.back();
+    // Groups in flight keep their blocks: the last of the others gives way. When that is this group
+    // while steps are in flight, it waits for them (they may finish and free blocks).
+    SequenceGroup* victim = LastPreemptible();
+    if (victim == g && AnyInFlight()) {
+      ++i;
+      continue;
+    }
     if (victim == g && i == 0) {
       Reject(g, Status::OutOfMemory("the KV cache cannot hold request " + std::to_string(g->request_id) +
                                     " even alone (" + std::to_string(blocks_.device().num_blocks()) + " blocks)"),
@@ -267,7 +302,7 @@ SchedulerOutput Scheduler::Schedule() {
 
   // 2. Swapped groups come back first, and only in a step that preempted nothing.
   SortByPolicy(swapped_);
-  while (!preempted && !swapped_.empty() && budget > 0) {
+  while (!preempted && !swapped_.empty() && budget > 0 && !batch_full()) {
     SequenceGroup* g = swapped_.front();
     const std::vector<SeqId> ids = g->unfinished_ids();
     if (RunningSeqs() + g->max_running_seqs() > config_.max_num_seqs) break;
@@ -290,7 +325,7 @@ SchedulerOutput Scheduler::Schedule() {
 
   // 3. New (or recompute-preempted) groups, only while nothing is swapped out.
   SortByPolicy(waiting_);
-  for (size_t k = 0; swapped_.empty() && k < waiting_.size() && budget > 0;) {
+  for (size_t k = 0; swapped_.empty() && k < waiting_.size() && budget > 0 && !batch_full();) {
     SequenceGroup* g = waiting_[k];
     const std::vector<SchedSequence*> seqs = g->unfinished();
     if (g->max_running_seqs() > config_.max_num_seqs) {
@@ -354,6 +389,7 @@ SchedulerOutput Scheduler::Schedule() {
 
 void Scheduler::CompleteStep(const SchedulerOutput& out) {
   for (const ScheduledSeq& s : out.scheduled) {
+    s.group->in_flight = false;
     s.seq->num_computed += s.num_real_tokens();
     blocks_.MarkComputed(s.seq->id, s.seq->tokens, s.seq->num_computed);
     // The drafts were proposed to follow the token sampled next; they are stale once it exists.

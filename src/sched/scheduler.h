@@ -34,6 +34,11 @@ struct SchedulerConfig {
   int64_t max_num_batched_tokens = 2048;
   int64_t max_model_len = 2048;
   PreemptionMode preemption_mode = PreemptionMode::kAuto;
+  // Steps the engine keeps in flight at once (vLLM V1's batch queue, for pipeline parallelism):
+  // with more than one, a scheduled group is in flight until CompleteStep, the next steps leave it
+  // alone (its next token is not known yet), and each step takes about 1/batches_in_flight of the
+  // sequences, so that the steps in flight share the work.
+  int batches_in_flight = 1;
 };
 
 // One sequence's part of a step: num_tokens new positions from seq->num_computed on, first its
@@ -170,6 +175,11 @@ class Scheduler {
   void ScheduleDrafts(SchedulerOutput& out, int64_t budget);
   void Reject(SequenceGroup* g, Status why, SchedulerOutput& out);
   int RunningSeqs() const;
+  // Sequences one step may take with batches in flight (no limit with one).
+  int BatchSeqCap() const;
+  // The last running group in policy order that is not in flight (null: none).
+  SequenceGroup* LastPreemptible() const;
+  bool AnyInFlight() const;
 
   SchedulerConfig config_;
   BlockManager& blocks_;

@@ -53,6 +53,9 @@ struct SequenceGroup {
   bool compute_whole_prompt = false;
   // Attention may read a selection of the cache (an engine KV selector: InfiniGen, H2O).
   bool kv_selection = false;
+  // In a step that is still running (batches in flight): not scheduled, preempted or freed until
+  // the step completes.
+  bool in_flight = false;
 
   std::vector<SchedSequence*> unfinished() const {
     std::vector<SchedSequence*> out;

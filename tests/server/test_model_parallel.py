@@ -1,10 +1,12 @@
 """kvflow-server under mpirun with --tensor-parallel-size 2 and with --pipeline-parallel-size 2:
 rank 0 serves HTTP, schedules and samples; rank 1 runs its share of every step (its heads, or the
-second half of the layers). Completions (greedy, seeded sampling, n=2) equal a single-process
+second half of the layers). Completions (greedy, seeded sampling, n=2, and under pipeline
+parallelism concurrent requests, whose steps overlap as batches in flight) equal a single-process
 server's, /metrics shows the ranks' communication and each rank's own time, and SIGTERM to mpirun stops the job with the
 worker told to stop."""
 
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -36,6 +38,12 @@ def test_split_server_equals_one_process(server_bin, make_server, split):
         sampled = dict(temperature=0.8, top_p=0.95, seed=7, n=2)
         ours = [c["text"] for c in completion(srv, PROMPT, **sampled)["choices"]]
         assert ours == [c["text"] for c in completion(ref, PROMPT, **sampled)["choices"]]
+        if split == "pipeline":
+            # Concurrent requests: rank 0 starts the next step on the others while one is in flight.
+            prompts = [PROMPT * (1 + i % 3) + str(i) for i in range(6)]
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                texts = list(pool.map(lambda p: completion(srv, p)["choices"][0]["text"], prompts))
+            assert texts == [completion(ref, p)["choices"][0]["text"] for p in prompts]
         m = srv.wait_idle()
         assert m.get("kvflow:model_parallel_steps_total") > 0
         assert m.get("kvflow:model_parallel_step_seconds_total") > 0
@@ -45,8 +53,10 @@ def test_split_server_equals_one_process(server_bin, make_server, split):
         else:
             assert m.get("kvflow:pipeline_parallel_stages") == 2 and m.get("kvflow:tensor_parallel_ranks") == 1
             assert m.get("kvflow:pipeline_parallel_residual_bytes_total") > 0
-            # n=2 decodes two sequences a step: those steps ran as two micro-batches
-            assert m.get("kvflow:pipeline_parallel_microbatches_total") > m.get("kvflow:model_parallel_steps_total")
+            # Two batches in flight (one a stage), a micro-batch a step; the concurrent requests' steps overlapped.
+            assert m.get("kvflow:pipeline_parallel_batches_in_flight") == 2
+            assert m.get("kvflow:pipeline_parallel_microbatches_total") == m.get("kvflow:model_parallel_steps_total")
+            assert m.get("kvflow:pipeline_parallel_overlapped_steps_total") > 0
         # Each rank's own time, labelled by its place in the grid (rank 1: tensor rank 1 of stage 0, or stage 1).
         where = {"tensor": dict(stage="0", tensor_rank="1"), "pipeline": dict(stage="1", tensor_rank="0")}[split]
         for rank, labels in (("0", dict(stage="0", tensor_rank="0")), ("1", where)):

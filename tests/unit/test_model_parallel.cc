@@ -4,11 +4,13 @@
 // process (logits within float rounding: the ranks sum partial products in another order), the
 // stage groups' communicator, and whole engines whose worker ranks run on threads, token for token
 // against one process, under prefix caching, swap and recompute preemption and parallel sampling
-// (TP=2, PP=2, TP=2 x PP=2); and what they refuse.
+// (TP=2, PP=2 with batches in flight and one step at a time, TP=2 x PP=2), a cancel while its step
+// is in flight; and what they refuse.
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <random>
 #include <thread>
 
@@ -491,9 +493,10 @@ Result<std::unique_ptr<EvaluationEngine>> DriverEngine(const EngineConfig& c, Co
 }
 
 // An engine whose model is split tp x pp over in-process ranks against one process: greedy, then
-// seeded sampling with two samples a request (parallel sampling forks blocks).
+// seeded sampling with two samples a request (parallel sampling forks blocks). `batches_in_flight`:
+// EngineConfig::pipeline_batches_in_flight (0: one per stage).
 void ExpectSplitEngineEqualsOneProcess(const test::EngineSetup& setup, int tp, int pp,
-                                       const std::string& model = "tiny-random") {
+                                       const std::string& model = "tiny-random", int batches_in_flight = 0) {
   std::vector<std::vector<int32_t>> prompts;
   for (int i = 0; i < 6; ++i) prompts.push_back(test::RandomTokens(20 + 7 * i, 50 + i, 256));
   prompts.push_back(prompts[0]);  // a shared prefix for the prefix cache
@@ -503,6 +506,8 @@ void ExpectSplitEngineEqualsOneProcess(const test::EngineSetup& setup, int tp, i
   EngineConfig split = single;
   split.tensor_parallel_size = tp;
   split.pipeline_parallel_size = pp;
+  split.pipeline_batches_in_flight = batches_in_flight;
+  const int depth = pp == 1 ? 1 : batches_in_flight > 0 ? batches_in_flight : pp;
   auto reference = CreateEvaluationEngine(single, {});
   ASSERT_TRUE(reference.ok()) << reference.status().ToString();
   TpWorld world(tp * pp, split);
@@ -522,10 +527,23 @@ void ExpectSplitEngineEqualsOneProcess(const test::EngineSetup& setup, int tp, i
   if (std::string(setup.name) == "recompute") EXPECT_GT(stats.num_preemptions - stats.num_preemptions_swap, 0);
   EXPECT_EQ(stats.model_parallel.tensor_parallel_size, tp);
   EXPECT_EQ(stats.model_parallel.pipeline_parallel_size, pp);
+  EXPECT_EQ(stats.model_parallel.batches_in_flight, depth);
   if (pp > 1) {
-    EXPECT_GT(stats.model_parallel.microbatches, stats.model_parallel.steps) << "batches of several sequences split";
     EXPECT_GT(stats.model_parallel.residual_bytes, 0);
+    if (depth == 1) {
+      EXPECT_GT(stats.model_parallel.microbatches, stats.model_parallel.steps) << "batches of several sequences split";
+      EXPECT_EQ(stats.model_parallel.overlapped_steps, 0);
+    } else {
+      // One micro-batch a step; the steps themselves overlap: most start behind another.
+      EXPECT_EQ(stats.model_parallel.microbatches, stats.model_parallel.steps);
+      EXPECT_GT(stats.model_parallel.overlapped_steps, stats.model_parallel.steps / 3)
+          << stats.model_parallel.overlapped_steps << " of " << stats.model_parallel.steps << " steps overlapped";
+    }
+  } else {
+    EXPECT_EQ(stats.model_parallel.overlapped_steps, 0);
   }
+  // Every block is back in the pool (none left to a step in flight).
+  EXPECT_EQ(stats.kv_blocks_free, stats.kv_blocks_total);  // cached blocks count as free
   // Every rank's own time, from its reports: each ran batches in its layers; under tensor
   // parallelism each summed; every later stage waited for the one before at least once.
   const std::vector<RankStepStats>& ranks = stats.model_parallel.per_rank;
@@ -1007,6 +1025,54 @@ TEST(PipelineParallel, EngineOutputsEqualOneProcessUnderEveryMemorySetup) {
 
 TEST(PipelineParallel, TensorTimesPipelineEngineEqualsOneProcess) {
   ExpectSplitEngineEqualsOneProcess(test::EngineSetups().front(), 2, 2);
+}
+
+// One step at a time (micro-batches within it), and more batches in flight than stages.
+TEST(PipelineParallel, OneStepAtATimeAndThreeBatchesInFlightEqualOneProcess) {
+  for (const int depth : {1, 3}) {
+    SCOPED_TRACE("batches in flight " + std::to_string(depth));
+    ExpectSplitEngineEqualsOneProcess(test::EngineSetups().front(), 1, 2, "tiny-random", depth);
+  }
+}
+
+// A request cancelled while its step is in the later stages ends once that step is back, with the
+// other requests unharmed, and leaves no block behind.
+TEST(PipelineParallel, ACancelWhileTheStepIsInFlightEndsTheRequestAfterIt) {
+  EngineConfig c = TpConfig();
+  std::swap(c.tensor_parallel_size, c.pipeline_parallel_size);
+  TpWorld world(2, c);
+  auto engine = DriverEngine(c, world.driver());
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  Engine& e = *engine.value();
+  std::map<RequestId, FinishReason> reasons;
+  std::map<RequestId, int> tokens;
+  std::vector<RequestId> ids;
+  for (int i = 0; i < 4; ++i) {
+    auto id = e.AddRequest(test::RandomTokens(10 + i, 70 + i, 256), test::Greedy(12), [&](const StreamEvent& ev) {
+      tokens[ev.id] += static_cast<int>(ev.tokens.size());
+      if (ev.request_finished) reasons[ev.id] = ev.finish_reason;
+    });
+    ASSERT_TRUE(id.ok());
+    ids.push_back(id.value());
+  }
+  // The first call starts a step with half the requests and returns with it in flight.
+  auto first = e.Step();
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(first->num_steps_completed, 0);
+  EXPECT_EQ(first->num_seqs, 2);
+  ASSERT_TRUE(e.Cancel(ids[0]).ok());
+  EXPECT_EQ(reasons.count(ids[0]), 0u) << "its step is still in flight";
+  while (e.HasUnfinishedRequests()) ASSERT_TRUE(e.Step().ok());
+  EXPECT_EQ(reasons[ids[0]], FinishReason::kCancelled);
+  for (size_t i = 1; i < ids.size(); ++i) {
+    EXPECT_EQ(reasons[ids[i]], FinishReason::kLength) << i;
+    EXPECT_EQ(tokens[ids[i]], 12) << i;
+  }
+  const EngineStats stats = e.stats();
+  EXPECT_EQ(stats.kv_blocks_free, stats.kv_blocks_total);  // cached blocks count as free
+  engine.value().reset();
+  world.Join();
+  EXPECT_TRUE(world.result(1).ok()) << world.result(1).ToString();
 }
 
 TEST(PipelineParallel, RefusesWhatItCannotSplit) {

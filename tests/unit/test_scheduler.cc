@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <deque>
 #include <map>
 #include <numeric>
 #include <optional>
@@ -64,7 +65,40 @@ struct FakeRun {
   // One engine step without a model: sample a token for every sequence whose last token ran.
   // With max_drafts > 0 the verifier accepts a random leading run of the drafts that ran (none,
   // all, or between) through AcceptDrafts, and a drafter proposes up to max_drafts new ones.
+  // With scheduler.config().batches_in_flight > 1 it is the engine's pipelined step: it completes
+  // the oldest step when that many are in flight, then schedules and starts a step; when nothing
+  // could be scheduled, it completes the oldest. Returns the step it scheduled (empty when none).
   SchedulerOutput Step() {
+    const size_t depth = static_cast<size_t>(std::max(1, scheduler.config().batches_in_flight));
+    auto complete_oldest = [this] {
+      InFlight oldest = std::move(in_flight.front());
+      in_flight.pop_front();
+      Complete(oldest);
+    };
+    bool completed = false;
+    if (in_flight.size() >= depth) {
+      complete_oldest();
+      completed = true;
+    }
+    InFlight step = Submit();
+    SchedulerOutput submitted = step.out;
+    if (!step.out.empty()) {
+      in_flight.push_back(std::move(step));
+      if (depth == 1) complete_oldest();  // one step at a time: it ends in the call that started it
+      return submitted;
+    }
+    if (!completed && !in_flight.empty()) complete_oldest();
+    return submitted;
+  }
+
+  // A scheduled step not yet completed: what ran, and the tables its sequences wrote through.
+  struct InFlight {
+    SchedulerOutput out;
+    std::vector<std::vector<int32_t>> ran;  // each sequence's drafts that ran
+    std::map<SeqId, std::vector<BlockId>> tables;
+  };
+
+  InFlight Submit() {
     std::set<SeqId> had_drafts;
     for (RequestId id = 1; id < next_request; ++id) {
       if (const SequenceGroup* g = scheduler.Find(id)) {
@@ -73,28 +107,58 @@ struct FakeRun {
         }
       }
     }
-    SchedulerOutput out = scheduler.Schedule();
+    InFlight step;
+    step.out = scheduler.Schedule();
+    const SchedulerOutput& out = step.out;
     for (auto& [id, why] : out.rejected) rejected.insert(id);
     CheckDrafts(out, had_drafts);
-    RunForward(out);
+    CheckInFlight(out);
+    // Every rank makes the step's block moves in order, after the steps before; the KV writes of a
+    // step in flight land later (here: when it completes), so a move that touched a block of a
+    // step in flight would show in CheckMemory.
+    RunMoves(out);
     // CompleteStep clears the drafts; the verifier compares against the ones that ran.
-    std::vector<std::vector<int32_t>> ran(out.scheduled.size());
+    step.ran.resize(out.scheduled.size());
     for (size_t i = 0; i < out.scheduled.size(); ++i) {
       const ScheduledSeq& s = out.scheduled[i];
-      ran[i].assign(s.seq->draft_tokens.begin(), s.seq->draft_tokens.begin() + s.num_draft_tokens);
+      step.ran[i].assign(s.seq->draft_tokens.begin(), s.seq->draft_tokens.begin() + s.num_draft_tokens);
+      step.tables[s.seq->id] = blocks.BlockTable(s.seq->id);
     }
-    scheduler.CompleteStep(out);
     batch_ids.clear();
     for (const ScheduledSeq& s : out.scheduled) batch_ids.push_back(s.group->request_id);
+    if (!out.empty() && !in_flight.empty()) ++overlapped_steps;
+    return step;
+  }
+
+  // A new step never takes a group of a step in flight, and those keep their blocks and status.
+  void CheckInFlight(const SchedulerOutput& out) {
+    std::set<const SequenceGroup*> flying;
+    for (const InFlight& f : in_flight) {
+      for (const ScheduledSeq& s : f.out.scheduled) {
+        flying.insert(s.group);
+        EXPECT_TRUE(s.group->in_flight);
+        EXPECT_EQ(s.seq->status, SeqStatus::kRunning) << "a sequence in flight was preempted";
+        EXPECT_EQ(blocks.BlockTable(s.seq->id), f.tables.at(s.seq->id)) << "a table in flight changed";
+      }
+    }
+    for (const ScheduledSeq& s : out.scheduled) {
+      EXPECT_FALSE(flying.contains(s.group)) << "request " << s.group->request_id << " scheduled twice in flight";
+    }
+  }
+
+  void Complete(InFlight& step) {
+    const SchedulerOutput& out = step.out;
+    WriteTokens(out);
+    scheduler.CompleteStep(out);
     std::set<RequestId> touched;
     std::vector<size_t> sampled;
     for (size_t i = 0; i < out.scheduled.size(); ++i) {
       if (out.scheduled[i].needs_logits) sampled.push_back(i);
     }
     for (size_t k : sampled) {
-      const ScheduledSeq& step = out.scheduled[k];
-      SequenceGroup* g = step.group;
-      SchedSequence* seq = step.seq;
+      const ScheduledSeq& step_seq = out.scheduled[k];
+      SequenceGroup* g = step_seq.group;
+      SchedSequence* seq = step_seq.seq;
       auto& [output_len, n] = targets[g->request_id];
       if (g->seqs.size() == 1 && n > 1 && seq->output_len() == 0) {
         for (int i = 1; i < n; ++i) {
@@ -106,7 +170,7 @@ struct FakeRun {
       if (max_drafts == 0) {
         seq->tokens.push_back(7);
       } else {
-        Verify(step, ran[k], output_len);
+        Verify(step_seq, step.ran[k], output_len);
       }
       if (seq->output_len() >= output_len) {
         scheduler.FinishSequence(*seq);
@@ -126,7 +190,6 @@ struct FakeRun {
       }
     }
     CheckMemory();
-    return out;
   }
 
   // Accepts a random leading run of the drafts that ran, never past the request's length.
@@ -177,9 +240,8 @@ struct FakeRun {
     }
   }
 
-  // Executes the step's block moves and writes every scheduled position (drafts included), as a
-  // backend's forward pass would.
-  void RunForward(const SchedulerOutput& out) {
+  // Executes the step's block moves, as a backend does before the forward pass.
+  void RunMoves(const SchedulerOutput& out) {
     auto execute = [](const std::vector<BlockMove>& moves, std::vector<std::vector<int32_t>>& from,
                       std::vector<std::vector<int32_t>>& to) {
       for (const BlockMove& m : moves) to[static_cast<size_t>(m.dst)] = from[static_cast<size_t>(m.src)];
@@ -187,6 +249,10 @@ struct FakeRun {
     execute(out.swap_out, device_mem, host_mem);
     execute(out.swap_in, host_mem, device_mem);
     execute(out.copies, device_mem, device_mem);
+  }
+
+  // Writes every scheduled position (drafts included), as the forward pass does.
+  void WriteTokens(const SchedulerOutput& out) {
     for (const ScheduledSeq& s : out.scheduled) {
       const auto& table = blocks.BlockTable(s.seq->id);
       for (int64_t i = 0; i < s.num_tokens; ++i) {
@@ -242,6 +308,8 @@ struct FakeRun {
   std::mt19937_64 rng{1};
   int64_t drafts_scheduled = 0, drafts_accepted = 0, drafts_rejected = 0, drafts_dropped = 0;
   int64_t all_accepted = 0, none_accepted = 0;  // verifications with drafts that kept all / none
+  std::deque<InFlight> in_flight;  // batches in flight, oldest first
+  int64_t overlapped_steps = 0;    // steps scheduled while another was in flight
 };
 
 SchedulerConfig Config(int max_seqs = 64, int64_t max_tokens = 2048, PreemptionMode mode = PreemptionMode::kAuto) {
@@ -286,7 +354,9 @@ TEST(Scheduler, PreemptsTheLatestArrivalByRecomputeAndServesItAgainFirst) {
     auto out = run.Step();
     preempted += out.num_preempted_recompute;
     for (RequestId id : run.batch_ids) {
-      if (out.num_preempted_recompute > 0) EXPECT_EQ(id, 1u) << "the earlier request keeps running";
+      if (out.num_preempted_recompute > 0) {
+        EXPECT_EQ(id, 1u) << "the earlier request keeps running";
+      }
     }
   }
   EXPECT_GT(preempted, 0);
@@ -571,7 +641,8 @@ TEST(Scheduler, DraftsAreDroppedWhenTheirSequenceIsPreempted) {
     ASSERT_EQ(out.scheduled.size(), 1u);
     EXPECT_EQ(out.scheduled[0].seq, &a);
     EXPECT_EQ(out.scheduled[0].num_draft_tokens, 4) << "b's block is free now";
-    run.RunForward(out);
+    run.RunMoves(out);
+    run.WriteTokens(out);
     run.scheduler.CompleteStep(out);
     ASSERT_TRUE(run.scheduler.AcceptDrafts(out.scheduled[0], {}, 9).ok());
     while (run.scheduler.HasWork()) run.Step();
@@ -665,13 +736,76 @@ TEST(Scheduler, S3DraftsStayInsideTheReservationSoTheSupervisorSeesRealGrowth) {
   EXPECT_EQ(next.reservation_exhausted, (std::vector<RequestId>{1}));
 }
 
+std::vector<RequestId> BatchOf(const SchedulerOutput& out) {
+  std::vector<RequestId> ids;
+  for (const ScheduledSeq& s : out.scheduled) ids.push_back(s.group->request_id);
+  return ids;
+}
+
+// vLLM V1's batch queue: with two batches in flight each step takes half the sequences, and a
+// group in a step that has not completed is not scheduled again until it has.
+TEST(Scheduler, BatchesInFlightTakeTheirShareAndNeverTheSameGroup) {
+  SchedulerConfig c = Config();
+  c.batches_in_flight = 2;
+  FakeRun run(100, 0, c);
+  for (int i = 0; i < 4; ++i) run.Add(8, 4, i);
+  const SchedulerOutput first = run.scheduler.Schedule();
+  EXPECT_EQ(BatchOf(first), (std::vector<RequestId>{1, 2}));
+  const SchedulerOutput second = run.scheduler.Schedule();
+  EXPECT_EQ(BatchOf(second), (std::vector<RequestId>{3, 4}));
+  EXPECT_TRUE(run.scheduler.Schedule().empty()) << "every group is in flight";
+  run.scheduler.CompleteStep(first);
+  for (const ScheduledSeq& s : first.scheduled) {
+    EXPECT_FALSE(s.group->in_flight);
+    s.seq->tokens.push_back(7);
+  }
+  for (const ScheduledSeq& s : second.scheduled) EXPECT_TRUE(s.group->in_flight);
+  const SchedulerOutput third = run.scheduler.Schedule();
+  EXPECT_EQ(BatchOf(third), (std::vector<RequestId>{1, 2}));
+  EXPECT_EQ(third.num_batched_tokens, 2);  // one decode token each
+  // One batch at a time, the same requests all go in one step.
+  FakeRun whole(100, 0, Config());
+  for (int i = 0; i < 4; ++i) whole.Add(8, 4, i);
+  EXPECT_EQ(BatchOf(whole.scheduler.Schedule()), (std::vector<RequestId>{1, 2, 3, 4}));
+}
+
+// A group in flight keeps its blocks: a group that needs one when none is free preempts the last
+// group not in flight, and when that is itself, waits for the steps in flight instead.
+TEST(Scheduler, AGroupThatNeedsBlocksWaitsForTheBatchesInFlight) {
+  SchedulerConfig c = Config();
+  c.batches_in_flight = 2;
+  FakeRun run(4, 0, c);  // 4 blocks of 4 tokens
+  run.Add(8, 4, 0);
+  run.Add(8, 4, 1);
+  const SchedulerOutput first = run.scheduler.Schedule();
+  ASSERT_EQ(BatchOf(first), (std::vector<RequestId>{1}));
+  const SchedulerOutput second = run.scheduler.Schedule();
+  ASSERT_EQ(BatchOf(second), (std::vector<RequestId>{2}));
+  ASSERT_EQ(run.blocks.device().num_free(), 0);
+  run.scheduler.CompleteStep(first);
+  First(run, 1).tokens.push_back(7);  // its 9th token needs a third block
+  const SchedulerOutput waits = run.scheduler.Schedule();
+  EXPECT_TRUE(waits.empty());
+  EXPECT_EQ(waits.num_preempted_recompute + waits.num_preempted_swap, 0) << "request 2 is in flight";
+  EXPECT_TRUE(waits.rejected.empty());
+  EXPECT_EQ(First(run, 2).status, SeqStatus::kRunning);
+  run.scheduler.CompleteStep(second);
+  First(run, 2).tokens.push_back(7);
+  const SchedulerOutput after = run.scheduler.Schedule();
+  EXPECT_EQ(after.num_preempted_recompute, 1);  // request 2 gives way now that it is not in flight
+  EXPECT_EQ(BatchOf(after), (std::vector<RequestId>{1}));
+  EXPECT_EQ(First(run, 2).status, SeqStatus::kWaiting);
+}
+
 // Random arrivals, lengths, n, budgets, pools, policies and preemption modes, and with `drafts`
 // random drafts (up to 1-6 per step) with random acceptance. After every step: budgets hold,
 // every scheduled sequence has blocks for its context, device refcounts equal the references in
 // the tables, nothing new is admitted while something is swapped, no request overtakes an earlier
-// waiting one (FCFS), and FakeRun's own checks (KV memory, draft rules) pass. At the end
+// waiting one (FCFS), and FakeRun's own checks (KV memory, draft rules, and with `in_flight` 2 or
+// 3 random batches in flight: no group in two of them, none preempted or moved) pass. At the end
 // everything finished and every block is free.
-void RunRandomWorkloads(bool drafts) {
+void RunRandomWorkloads(bool drafts, bool in_flight = false) {
+  int64_t overlapped = 0, steps_total = 0;
   int64_t preempt_recompute = 0, preempt_swap = 0;
   int64_t drafts_scheduled = 0, drafts_accepted = 0, drafts_rejected = 0, drafts_dropped = 0;
   int64_t all_accepted = 0, none_accepted = 0;
@@ -682,6 +816,7 @@ void RunRandomWorkloads(bool drafts) {
                                            PreemptionMode::kRecompute}[static_cast<size_t>(rand(3))];
     SchedulerConfig c = Config(2 + rand(8), 8 + rand(40), mode);
     c.max_model_len = 96;
+    if (in_flight) c.batches_in_flight = 2 + rand(2);
     const std::string policy = SchedulingPolicyNames()[static_cast<size_t>(rand(6))];
     const bool fcfs = !MakeSchedulingPolicy(policy).value()->AdmitOutOfOrder();
     const int device_blocks = 30 + rand(40);
@@ -734,6 +869,9 @@ void RunRandomWorkloads(bool drafts) {
       for (BlockId b = 0; b < device_blocks; ++b) ASSERT_EQ(run.blocks.device().refcount(b), refs[b]);
       ASSERT_LE(run.blocks.host().num_used(), device_blocks);
     }
+    ASSERT_TRUE(run.in_flight.empty()) << "seed " << seed;
+    overlapped += run.overlapped_steps;
+    steps_total += steps;
     ASSERT_EQ(run.finished.size() + run.rejected.size(), static_cast<size_t>(num_requests)) << "seed " << seed;
     ASSERT_EQ(run.blocks.device().num_free(), device_blocks);
     ASSERT_EQ(run.blocks.host().num_free(), run.blocks.host().num_blocks());
@@ -750,6 +888,13 @@ void RunRandomWorkloads(bool drafts) {
               static_cast<long long>(preempt_swap));
   EXPECT_GT(preempt_recompute, 100);
   EXPECT_GT(preempt_swap, 100);
+  if (in_flight) {
+    std::printf("batches in flight: %lld of %lld calls scheduled a step while another was in flight\n",
+                static_cast<long long>(overlapped), static_cast<long long>(steps_total));
+    EXPECT_GT(overlapped, steps_total / 4);
+  } else {
+    EXPECT_EQ(overlapped, 0);
+  }
   if (!drafts) return;
   std::printf("drafts: %lld scheduled, %lld accepted, %lld rejected; %lld verifications kept all, %lld none; "
               "%lld sequences lost drafts to preemption\n",
@@ -766,6 +911,10 @@ void RunRandomWorkloads(bool drafts) {
 TEST(SchedulerProperty, RandomWorkloadsKeepInvariantsAndFinishEveryRequest) { RunRandomWorkloads(false); }
 
 TEST(SchedulerProperty, RandomWorkloadsWithDraftsKeepInvariantsAndFinishEveryRequest) { RunRandomWorkloads(true); }
+
+TEST(SchedulerProperty, RandomWorkloadsWithBatchesInFlightKeepInvariantsAndFinishEveryRequest) {
+  RunRandomWorkloads(false, /*in_flight=*/true);
+}
 
 }  // namespace
 }  // namespace kvflow
