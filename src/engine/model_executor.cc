@@ -88,7 +88,7 @@ Status ModelExecutor::Run(const SchedulerOutput& sched, std::span<const LogitsMo
 }
 
 Status ModelExecutor::SubmitStep(const SchedulerOutput& sched, std::span<const LogitsMode> logits) {
-  if (MaxStepsInFlight() < 2) return Executor::SubmitStep(sched, logits);
+  if (!mirror_) return Executor::SubmitStep(sched, logits);  // the mirror checks its own depth
   const ForwardBatch batch = BuildForwardBatch(sched, blocks_, logits);
   SetStepHooks(sched, batch);  // this rank's stage runs now
   const Status st = mirror_->SubmitStep(model_, batch);
@@ -97,7 +97,7 @@ Status ModelExecutor::SubmitStep(const SchedulerOutput& sched, std::span<const L
 }
 
 Status ModelExecutor::CollectStep(ExecutorOutput& out) {
-  if (MaxStepsInFlight() < 2) return Executor::CollectStep(out);
+  if (!mirror_) return Executor::CollectStep(out);
   KVFLOW_RETURN_IF_ERROR(mirror_->CollectStep(logits_));
   out.vocab_size = backend_.model_config().vocab_size;
   out.logits = std::span<float>(logits_);

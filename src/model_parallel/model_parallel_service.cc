@@ -479,16 +479,11 @@ class WorkerMirror final : public StepMirror {
   Status RunStep(LlamaModel& model, const ForwardBatch& batch, std::vector<float>& logits) override {
     KVFLOW_RETURN_IF_ERROR(broken_);
     const auto start = Clock::now();
-    model.set_delta_reducer(reducer_.get());
-    model.set_pipeline_stage(stage_.get());
-    Status st = at_.pp == 1 ? RunWhole(model, batch, logits) : RunPipelined(model, batch, logits);
-    model.set_delta_reducer(nullptr);
-    model.set_pipeline_stage(nullptr);
-    ++stats_->steps;
+    Status st = OnModel(model, [&] {
+      return at_.pp == 1 ? RunWhole(model, batch, logits) : RunPipelined(model, batch, logits);
+    });
     stats_->step_seconds += SecondsSince(start);
-    if (st.ok() && (stats_->steps == 1 || SecondsSince(last_report_) >= kReportIntervalSeconds)) {
-      st = GatherReports(timeout_s_);
-    }
+    if (st.ok() && ReportDue()) st = GatherReports(timeout_s_);
     return st;
   }
 
@@ -502,14 +497,9 @@ class WorkerMirror final : public StepMirror {
     }
     const auto start = Clock::now();
     if (!pending_.empty()) ++stats_->overlapped_steps;
-    model.set_delta_reducer(reducer_.get());
-    model.set_pipeline_stage(stage_.get());
-    Status st = StartPipelined(model, batch);
-    model.set_delta_reducer(nullptr);
-    model.set_pipeline_stage(nullptr);
-    ++stats_->steps;
+    Status st = OnModel(model, [&] { return StartPipelined(model, batch); });
     // The workers' counters come back behind this step (they answer once they have run it).
-    if (st.ok() && (stats_->steps == 1 || SecondsSince(last_report_) >= kReportIntervalSeconds)) {
+    if (st.ok() && ReportDue()) {
       last_report_ = Clock::now();
       st = PostBroadcast(StepMessageKind::kReport, {});
       if (st.ok()) pending_.back().report = true;
@@ -555,6 +545,21 @@ class WorkerMirror final : public StepMirror {
     if (!st.ok()) return MarkBroken(st, "gathering the logits");
     return Status::Ok();
   }
+
+  // Runs `work` on `model` with this rank's all-reduce and stage seams set, as one step.
+  template <typename Work>
+  Status OnModel(LlamaModel& model, Work&& work) {
+    model.set_delta_reducer(reducer_.get());
+    model.set_pipeline_stage(stage_.get());
+    Status st = work();
+    model.set_delta_reducer(nullptr);
+    model.set_pipeline_stage(nullptr);
+    ++stats_->steps;
+    return st;
+  }
+
+  // The workers' counters are asked for after the first step, then at most once a second.
+  bool ReportDue() const { return stats_->steps == 1 || SecondsSince(last_report_) >= kReportIntervalSeconds; }
 
   // Every worker's own counters (kReport), into reports_ by rank.
   Status GatherReports(double timeout_s) {
