@@ -15,10 +15,23 @@ struct InfiniGenOptions {
   std::string skew_file;  // empty: <model path>.infinigen
   // Where layer i is speculated at layer i-1: "after-attention" (once its attention output joined
   // the residual; the prefetch overlaps its MLP) or "layer-input" (the paper: from its input; the
-  // prefetch overlaps the whole layer).
+  // prefetch overlaps the whole layer). "oracle": no speculation, layer i chooses from its own query
+  // against its whole keys as it runs (the ceiling of any speculation at the same budget; nothing
+  // is known ahead, so an offloaded pool cannot prefetch it).
   std::string speculate_from = "after-attention";
   double alpha = 5.0;         // logit margin below each head's max (the paper: 4 OPT, 5 Llama-2)
   double max_fraction = 0.2;  // cap on the tokens a layer reads (the paper: 20%)
+  // A cap in tokens instead (0: max_fraction of the context): the published accuracy code caps at
+  // 20% of its 2048-token window, 409 tokens, whatever the context so far.
+  int max_tokens = 0;
+  // How many tokens a speculated layer reads and which: "query-heads" (each query head counts the
+  // tokens within alpha of its own max; the count is averaged over the query heads; a KV head reads
+  // the union of its query heads' top tokens, taken in turn) or "kv-head-max" (a KV head scores a
+  // token by its query heads' maximum, counts and picks on that). The same under multi-head attention.
+  std::string count_rule = "kv-head-max";
+  int dense_layers = 1;   // the first layers read everything (at least 1: layer 0 has nothing to speculate from)
+  int sink_tokens = 0;    // the first tokens of the context every speculated read takes (attention sinks)
+  int recent_tokens = 0;  // the latest cached tokens every speculated read takes
   // The host KV pool manager (the paper's §4.4): the most cached tokens kept per sequence and layer
   // (0: no cap). Past it, each new token evicts a victim chosen by `eviction`: "counter" (the
   // fewest fetches, every count halved when one saturates), "lru" or "fifo"; an evicted token is

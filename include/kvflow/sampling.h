@@ -67,6 +67,11 @@ struct SamplingParams {
   // tokens before it) with this many top alternatives. Scoring needs every prompt token computed,
   // so such a request does not take prefix-cache hits. With max_tokens 0 nothing is generated.
   std::optional<int> prompt_logprobs;
+  // Prompt tokens from this position on run one per step, as decode steps (0: the whole prompt is
+  // prefilled in chunks). With prompt_logprobs this is teacher-forced decoding: a decode-time
+  // feature (a KV selection) acts on each of those tokens as while generating, and their logprobs
+  // say what it costs (kvflow perplexity --decode-from). Slow: one step per token.
+  int prompt_decode_from = 0;
   // With an engine that decodes speculatively (EngineConfig::speculative_method), whether this
   // request does; false: plain decoding.
   bool speculative = true;

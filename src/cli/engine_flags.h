@@ -106,9 +106,11 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
                   "infinigen: the skewing file (default: <model path>.infinigen, written by `kvflow skew`)");
   app->add_option("--infinigen-speculate-from", c.kv_selection.infinigen.speculate_from,
                   "infinigen: speculate layer i at layer i-1's after-attention residual (default; the prefetch "
-                  "overlaps layer i-1's MLP) or at its layer-input (the paper; overlaps all of layer i-1)")
+                  "overlaps layer i-1's MLP) or at its layer-input (the paper; overlaps all of layer i-1); oracle: "
+                  "no speculation, each layer picks with its own query against its whole keys (an accuracy ceiling "
+                  "for evaluation: nothing is known ahead to prefetch)")
       ->default_val("after-attention")
-      ->check(CLI::IsMember({"after-attention", "layer-input"}));
+      ->check(CLI::IsMember({"after-attention", "layer-input", "oracle"}));
   app->add_option("--infinigen-speculate-on", c.kv_selection.infinigen.speculate_on,
                   "infinigen: where the partial key cache, scoring and selection run: auto (the GPU where the "
                   "backend is CUDA and no host pool cap is set, else the host), device (refuse otherwise) or host")
@@ -120,6 +122,25 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
   app->add_option("--infinigen-max-fraction", c.kv_selection.infinigen.max_fraction,
                   "infinigen: at most this fraction of the cache per layer")
       ->default_val(0.2);
+  app->add_option("--infinigen-max-tokens", c.kv_selection.infinigen.max_tokens,
+                  "infinigen: cap in tokens instead of --infinigen-max-fraction (0 = the fraction; the paper's "
+                  "accuracy code: 409, 20% of its 2048-token window)")
+      ->default_val(c.kv_selection.infinigen.max_tokens);
+  app->add_option("--infinigen-count-rule", c.kv_selection.infinigen.count_rule,
+                  "infinigen: query-heads (each query head counts the tokens within alpha of its own max; a KV head "
+                  "reads the union of its query heads' top tokens) or kv-head-max (a KV head scores a token by its "
+                  "query heads' max and counts on that); the same without grouped-query attention")
+      ->default_val(c.kv_selection.infinigen.count_rule)
+      ->check(CLI::IsMember({"query-heads", "kv-head-max"}));
+  app->add_option("--infinigen-dense-layers", c.kv_selection.infinigen.dense_layers,
+                  "infinigen: the first N layers read the whole cache (at least 1; the paper's code keeps 2)")
+      ->default_val(c.kv_selection.infinigen.dense_layers);
+  app->add_option("--infinigen-sink-tokens", c.kv_selection.infinigen.sink_tokens,
+                  "infinigen: every speculated read also takes the context's first N tokens (attention sinks)")
+      ->default_val(c.kv_selection.infinigen.sink_tokens);
+  app->add_option("--infinigen-recent-tokens", c.kv_selection.infinigen.recent_tokens,
+                  "infinigen: every speculated read also takes the latest N cached tokens (within the cap)")
+      ->default_val(c.kv_selection.infinigen.recent_tokens);
   app->add_option("--infinigen-host-kv-tokens", c.kv_selection.infinigen.host_kv_tokens,
                   "infinigen: cap the host KV pool at this many tokens per sequence and layer (the paper's KV pool "
                   "manager); past it each new token evicts one, chosen by --infinigen-eviction, that the layer never "

@@ -164,6 +164,7 @@ struct PerplexityCliOptions {
   std::string json_out;
   bool dump_tokens = false;
   bool token_by_token = false;
+  int decode_from = 0;
 };
 
 // A progress bar on stderr, redrawn in place; on a pipe only every tenth.
@@ -195,6 +196,10 @@ int RunPerplexity(PerplexityCliOptions& opt) {
   // Windows of ctx tokens need a context that long (the flag's default prefills in chunks of 512,
   // since every prompt token's logits are held per chunk).
   if (opt.engine.max_model_len == 0) opt.engine.max_model_len = opt.ctx;
+  if (opt.decode_from > 0 && opt.token_by_token) {
+    spdlog::error("--decode-from runs its tokens one per step already (and prefills the rest): drop --token-by-token");
+    return 1;
+  }
   if (opt.token_by_token) {
     // One token per step and window: every position is scored by a decode step, so a KV selection
     // acts at every position as it would while decoding.
@@ -221,6 +226,7 @@ int RunPerplexity(PerplexityCliOptions& opt) {
   p.stride = opt.stride;
   p.method = method.value();
   p.max_windows = opt.max_windows;
+  p.decode_from = opt.decode_from;
   p.windows_in_flight = opt.windows_in_flight;
   const auto start = Clock::now();
   p.progress = [&](int64_t done, int64_t total) {
@@ -272,12 +278,20 @@ int RunPerplexity(PerplexityCliOptions& opt) {
                         {"window_nll", r->window_nll}};
     if (r->first_token_bos >= 0) j["first_token_bos"] = r->first_token_bos;
     j["token_by_token"] = opt.token_by_token;
+    j["decode_from"] = opt.decode_from;
     const kvflow::EngineConfig& ec = engine.config();
     if (!ec.kv_selection.method.empty()) {
       const kvflow::KvSelectionStats k = engine.stats().kv_selection;
       j["kv_selection"] = {{"method", ec.kv_selection.method},
                            {"infinigen_alpha", ec.kv_selection.infinigen.alpha},
                            {"infinigen_max_fraction", ec.kv_selection.infinigen.max_fraction},
+                           {"infinigen_max_tokens", ec.kv_selection.infinigen.max_tokens},
+                           {"infinigen_speculate_from", ec.kv_selection.infinigen.speculate_from},
+                           {"infinigen_count_rule", ec.kv_selection.infinigen.count_rule},
+                           {"infinigen_dense_layers", ec.kv_selection.infinigen.dense_layers},
+                           {"infinigen_sink_tokens", ec.kv_selection.infinigen.sink_tokens},
+                           {"infinigen_recent_tokens", ec.kv_selection.infinigen.recent_tokens},
+                           {"min_context", ec.kv_selection.min_context},
                            {"infinigen_host_kv_tokens", ec.kv_selection.infinigen.host_kv_tokens},
                            {"infinigen_eviction", ec.kv_selection.infinigen.eviction},
                            {"h2o_budget", ec.kv_selection.h2o.budget},
@@ -308,6 +322,7 @@ struct SkewCliOptions {
   std::string file;
   int tokens = 2048;
   double partial_ratio = 0.3;
+  std::string partial_rule = "abs-sum";
   std::string out;
 };
 
@@ -342,6 +357,9 @@ int RunSkew(SkewCliOptions& opt) {
                files->config.head_dim, tokens.size(), opt.file);
   kvflow::SkewCalibrationOptions o;
   o.partial_ratio = opt.partial_ratio;
+  auto rule = kvflow::ParsePartialColumnRule(opt.partial_rule);
+  if (!rule.ok()) return fail(rule.status());
+  o.rule = rule.value();
   o.chunk_tokens = std::max(1, std::min(c.max_num_batched_tokens, 512));
   const auto start = Clock::now();
   o.on_layers = [&](int done, int total) {
@@ -551,6 +569,12 @@ int main(int argc, char** argv) {
   perplexity->add_flag("--token-by-token", ppl.token_by_token,
                        "Score one token per step (decode mode: a --kv-selection acts at every position as in "
                        "decoding; slow, pair with --max-windows)");
+  perplexity->add_option("--decode-from", ppl.decode_from,
+                         "Prefill each window's first N tokens as a prompt, then run the rest one per step as decode "
+                         "steps and score only those: what a --kv-selection costs while serving after a dense prompt "
+                         "(InfiniGen's protocol: --ctx 2048 --decode-from 1920; 0 = off)")
+      ->default_val(0)
+      ->check(CLI::NonNegativeNumber);
   double ppl_swap_gib = 0.0;
   kvflow::AddEngineFlags(perplexity, &ppl.engine, &ppl_swap_gib);
   perplexity->get_option("--max-num-batched-tokens")->default_val(512);
@@ -585,6 +609,11 @@ int main(int argc, char** argv) {
   skew->add_option("--partial-ratio", skew_opt.partial_ratio, "Partial columns kept, a fraction of head_dim (the paper: 0.3)")
       ->default_val(0.3)
       ->check(CLI::Range(0.01, 1.0));
+  skew->add_option("--partial-rule", skew_opt.partial_rule,
+                   "How the partial columns are ranked after skewing: abs-sum (column sums of |Q| + |K|, the paper's "
+                   "text) or product (mean |Q| x mean |K|: what a column adds to q.k)")
+      ->default_val("abs-sum")
+      ->check(CLI::IsMember({"abs-sum", "product"}));
   skew->add_option("-o,--out", skew_opt.out, "Output file (default: <model path>.infinigen, where the engine looks)");
   double skew_swap_gib = 0.0;
   kvflow::AddEngineFlags(skew, &skew_opt.engine, &skew_swap_gib);

@@ -90,6 +90,7 @@ Result<RequestId> EngineCore::AddRequest(std::vector<int32_t> prompt, const Samp
                                  : params.max_tokens;
   group->num_candidates = params.num_candidates();
   group->compute_whole_prompt = params.prompt_logprobs.has_value();
+  group->prompt_decode_from = params.prompt_decode_from;
   group->kv_selection = config_.kv_selector != nullptr && params.kv_selection.value_or(config_.kv_selection_default);
   group->true_output_len = hints.true_output_len;
   group->predicted_output_len = hints.predicted_output_len;

@@ -55,6 +55,19 @@ Result<PerplexityResult> ComputePerplexity(Engine& engine, std::span<const int32
   const int stride = options.stride > 0 ? options.stride : options.ctx;
   KVFLOW_ASSIGN_OR_RETURN(std::vector<PerplexityWindow> windows,
                           PlanPerplexityWindows(static_cast<int64_t>(tokens.size()), options.ctx, stride, options.method));
+  if (options.decode_from < 0 || options.decode_from >= options.ctx) {
+    return Status::InvalidArgument("decode_from must be in [0, ctx = " + std::to_string(options.ctx) + "), not " +
+                                   std::to_string(options.decode_from));
+  }
+  if (options.decode_from > 0) {
+    std::vector<PerplexityWindow> kept;
+    for (PerplexityWindow w : windows) {
+      w.score_from = std::max(w.score_from, w.begin + options.decode_from);
+      if (w.score_from < w.end) kept.push_back(w);
+    }
+    if (kept.empty()) return Status::InvalidArgument("no window is longer than decode_from: nothing to score");
+    windows = std::move(kept);
+  }
   if (options.max_windows > 0 && static_cast<int64_t>(windows.size()) > options.max_windows) {
     windows.resize(static_cast<size_t>(options.max_windows));
   }
@@ -69,6 +82,7 @@ Result<PerplexityResult> ComputePerplexity(Engine& engine, std::span<const int32
   params.max_tokens = 0;  // the prompt's logprobs only
   params.prompt_logprobs = 0;
   params.temperature = 0.0f;
+  params.prompt_decode_from = options.decode_from;
 
   PerplexityResult result;
   result.window_nll.assign(windows.size(), 0.0);
@@ -76,7 +90,9 @@ Result<PerplexityResult> ComputePerplexity(Engine& engine, std::span<const int32
   std::vector<std::vector<SampledToken>> logprobs(windows.size());
   std::vector<Status> errors(windows.size());
   size_t submitted = 0, finished = 0;
-  const size_t limit = static_cast<size_t>(std::max(1, options.windows_in_flight));
+  // With decode_from, one window at a time: beside another window's steps a prompt chunk could be cut
+  // to a single token before decode_from, which a KV selection would take for a decode step.
+  const size_t limit = options.decode_from > 0 ? 1 : static_cast<size_t>(std::max(1, options.windows_in_flight));
   while (finished < windows.size()) {
     for (; submitted < windows.size() && submitted - finished < limit; ++submitted) {
       const PerplexityWindow& win = windows[submitted];

@@ -40,6 +40,11 @@ struct PerplexityOptions {
   int ctx = 2048;
   int stride = 0;  // sliding window only; 0: ctx (non-overlapping)
   PerplexityMethod method = PerplexityMethod::kSlidingWindow;
+  // > 0: each window's first decode_from tokens go in as a prompt (prefilled in chunks), the rest
+  // run one per step as decode steps (SamplingParams::prompt_decode_from) and only they are scored:
+  // what a decode-time feature costs after a dense prompt (InfiniGen's serving protocol: ctx 2048,
+  // decode_from 1920). Windows with nothing past it are left out; windows run one at a time.
+  int decode_from = 0;
   int max_windows = 0;         // 0: all
   int windows_in_flight = 2;   // requests batched together
   // Called after each finished window with (windows done, windows total).

@@ -58,6 +58,12 @@ std::vector<float> AbsColumnSums(const std::vector<float>& rows, int dim) {
 
 }  // namespace
 
+Result<PartialColumnRule> ParsePartialColumnRule(const std::string& name) {
+  if (name == "abs-sum") return PartialColumnRule::kAbsSum;
+  if (name == "product") return PartialColumnRule::kProduct;
+  return Status::InvalidArgument("the partial column rule must be abs-sum or product, not '" + name + "'");
+}
+
 Result<SkewTable> CalibrateSkew(Backend& backend, std::span<const int32_t> tokens, const SkewCalibrationOptions& o) {
   const ModelConfig& c = backend.model_config();
   const KvCacheLayout& layout = backend.kv_layout();
@@ -106,7 +112,15 @@ Result<SkewTable> CalibrateSkew(Backend& backend, std::span<const int32_t> token
       head.matrix = SkewingMatrix(q, n * group, D);
       ApplySkew(q, n * group, D, head.matrix);
       ApplySkew(k, n, D, head.matrix);
-      head.columns = PartialColumns(AbsColumnSums(q, D), AbsColumnSums(k, D), o.partial_ratio);
+      std::vector<float> q_sums = AbsColumnSums(q, D);
+      const std::vector<float> k_sums = AbsColumnSums(k, D);
+      if (o.rule == PartialColumnRule::kProduct) {
+        // PartialColumns ranks q_sums + k_sums: give it the product (per token sample counts cancel).
+        for (int d = 0; d < D; ++d) q_sums[static_cast<size_t>(d)] *= k_sums[static_cast<size_t>(d)];
+        head.columns = PartialColumns(q_sums, std::vector<float>(static_cast<size_t>(D), 0.0f), o.partial_ratio);
+      } else {
+        head.columns = PartialColumns(q_sums, k_sums, o.partial_ratio);
+      }
       t.heads.push_back(std::move(head));
       std::vector<float>().swap(q);  // the samples are done with: give the memory back
       std::vector<float>().swap(k);

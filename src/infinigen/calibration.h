@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <string>
 
 #include "backend/backend.h"
 #include "infinigen/skew_file.h"
@@ -12,8 +13,16 @@
 
 namespace kvflow {
 
+// How a head's partial columns are ranked after skewing, from the sample's column sums of |Q~| and |K~|.
+enum class PartialColumnRule {
+  kAbsSum,   // sum |Q~| + sum |K~| (the paper's text)
+  kProduct,  // mean |Q~| x mean |K~|: what a column adds to q.k, whatever the scales of Q and K
+};
+Result<PartialColumnRule> ParsePartialColumnRule(const std::string& name);  // "abs-sum", "product"
+
 struct SkewCalibrationOptions {
   double partial_ratio = 0.3;  // of head_dim (the paper keeps 30%)
+  PartialColumnRule rule = PartialColumnRule::kAbsSum;
   int chunk_tokens = 512;      // tokens per forward pass
   // Called after each forward pass (tokens done, total) and each layer's SVD (layers done, total).
   std::function<void(int64_t, int64_t)> on_tokens;

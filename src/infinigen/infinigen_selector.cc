@@ -16,7 +16,15 @@ namespace kvflow {
 Result<SpeculationPoint> ParseSpeculationPoint(const std::string& name) {
   if (name == "layer-input") return SpeculationPoint::kLayerInput;
   if (name == "after-attention") return SpeculationPoint::kAfterAttention;
-  return Status::InvalidArgument("infinigen_speculate_from must be layer-input or after-attention, not '" + name + "'");
+  if (name == "oracle") return SpeculationPoint::kOracle;
+  return Status::InvalidArgument("infinigen_speculate_from must be layer-input, after-attention or oracle, not '" + name +
+                                 "'");
+}
+
+Result<CountRule> ParseCountRule(const std::string& name) {
+  if (name == "kv-head-max") return CountRule::kKvHeadMax;
+  if (name == "query-heads") return CountRule::kQueryHeads;
+  return Status::InvalidArgument("infinigen_count_rule must be query-heads or kv-head-max, not '" + name + "'");
 }
 
 Result<SpeculationDevice> ParseSpeculationDevice(const std::string& name) {
@@ -27,7 +35,12 @@ Result<SpeculationDevice> ParseSpeculationDevice(const std::string& name) {
 }
 
 const char* SpeculationPointName(SpeculationPoint p) {
-  return p == SpeculationPoint::kLayerInput ? "layer-input" : "after-attention";
+  switch (p) {
+    case SpeculationPoint::kLayerInput: return "layer-input";
+    case SpeculationPoint::kAfterAttention: return "after-attention";
+    case SpeculationPoint::kOracle: return "oracle";
+  }
+  return "?";
 }
 
 InfiniGenConfig InfiniGenConfig::FromOptions(const KvSelectionConfig& c) {
@@ -37,6 +50,12 @@ InfiniGenConfig InfiniGenConfig::FromOptions(const KvSelectionConfig& c) {
   g.alpha = c.infinigen.alpha;
   g.max_fraction = c.infinigen.max_fraction;
   g.min_context = c.min_context;
+  g.max_tokens = c.infinigen.max_tokens;
+  const auto rule = ParseCountRule(c.infinigen.count_rule);
+  if (rule.ok()) g.count_rule = rule.value();  // the engine's checks refuse a bad name
+  g.dense_layers = c.infinigen.dense_layers;
+  g.sink_tokens = c.infinigen.sink_tokens;
+  g.recent_tokens = c.infinigen.recent_tokens;
   g.host_kv_tokens = c.infinigen.host_kv_tokens;
   const auto eviction = ParseHostEvictionPolicy(c.infinigen.eviction);
   if (eviction.ok()) g.eviction = eviction.value();  // the engine's checks refuse a bad name
@@ -47,10 +66,28 @@ Status InfiniGenConfig::Validate() const {
   if (!(alpha > 0.0) || !std::isfinite(alpha)) return Status::InvalidArgument("infinigen_alpha must be > 0");
   if (!(max_fraction > 0.0 && max_fraction <= 1.0)) return Status::InvalidArgument("infinigen_max_fraction must be in (0, 1]");
   if (min_context < 0) return Status::InvalidArgument("kv_selection_min_context must be >= 0");
+  if (max_tokens < 0) return Status::InvalidArgument("infinigen_max_tokens must be >= 0 (0: infinigen_max_fraction)");
+  if (dense_layers < 1) {
+    return Status::InvalidArgument("infinigen_dense_layers must be >= 1 (layer 0 has no earlier layer to speculate from)");
+  }
+  if (sink_tokens < 0 || recent_tokens < 0) {
+    return Status::InvalidArgument("infinigen_sink_tokens and infinigen_recent_tokens must be >= 0");
+  }
+  if (point == SpeculationPoint::kOracle && host_kv_tokens > 0) {
+    return Status::InvalidArgument("the InfiniGen oracle (infinigen_speculate_from oracle) reads the whole cache to "
+                                   "choose: it takes no host KV pool cap (infinigen_host_kv_tokens)");
+  }
   if (host_kv_tokens < 0) {
     return Status::InvalidArgument("infinigen_host_kv_tokens must be >= 0 (tokens per sequence and layer; 0: no cap)");
   }
   return Status::Ok();
+}
+
+std::string HostOnlySettings(const InfiniGenConfig& c) {
+  if (c.point == SpeculationPoint::kOracle) return "the oracle (infinigen_speculate_from oracle) runs on the host";
+  if (c.count_rule != CountRule::kKvHeadMax) return "infinigen_count_rule query-heads runs on the host";
+  if (c.sink_tokens > 0 || c.recent_tokens > 0) return "infinigen_sink_tokens and infinigen_recent_tokens run on the host";
+  return {};
 }
 
 InfiniGenSelector::InfiniGenSelector(const InfiniGenConfig& config, SkewTable skew, Backend& backend)
@@ -66,6 +103,7 @@ Status InfiniGenSelector::SpeculateOnDevice(int num_chunks) {
   if (config_.host_kv_tokens > 0) {
     return Status::Unsupported("a host KV pool cap (infinigen_host_kv_tokens) keeps its eviction state on the host");
   }
+  if (const std::string why = HostOnlySettings(config_); !why.empty()) return Status::Unsupported(why);
   if (!seqs_.empty()) return Status::Internal("SpeculateOnDevice after the first step");
   DeviceKvSpeculation::Setup setup;
   setup.num_partial_columns = skew_.num_partial_columns;
@@ -182,7 +220,9 @@ LayerHooks* InfiniGenSelector::ForStep(const ForwardBatch& batch, std::span<cons
 Status InfiniGenSelector::BeforeAttention(const LayerContext& ctx) {
   const ForwardBatch& batch = ctx.batch;
   // The speculation at the previous layer chose this layer's reads.
-  if (ctx.layer > 0 && !active_.empty()) std::swap(selection_, next_selection_);
+  if (Selects(ctx.layer) && !active_.empty() && config_.point != SpeculationPoint::kOracle) {
+    std::swap(selection_, next_selection_);
+  }
   selection_layer_ = ctx.layer;
   if (device_ != nullptr && !prefilling_.empty()) {
     KVFLOW_RETURN_IF_ERROR(ExtendOnDevice(ctx.layer, batch, prefilling_, prefilling_states_,
@@ -197,16 +237,22 @@ Status InfiniGenSelector::BeforeAttention(const LayerContext& ctx) {
     KVFLOW_RETURN_IF_ERROR(ReadWholePool(ctx.layer, slice, *prefilling_states_[p], selection_[s]));
   }
   if (active_.empty()) return Status::Ok();
-  // This layer's reads: the selection made at the previous layer, or everything live (layer 0).
+  if (config_.point == SpeculationPoint::kOracle && Selects(ctx.layer)) {
+    const auto start = std::chrono::steady_clock::now();
+    KVFLOW_RETURN_IF_ERROR(OracleSelect(ctx.layer, batch));
+    stats_.select_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  // This layer's reads: the selection made at the previous layer (or the oracle's), or everything
+  // live (the dense layers).
   for (size_t a = 0; a < active_.size(); ++a) {
     const size_t s = static_cast<size_t>(active_[a]);
     const SequenceSlice& slice = batch.seqs[s];
     SequenceState& state = *active_states_[a];
-    if (ctx.layer == 0) KVFLOW_RETURN_IF_ERROR(ReadWholePool(0, slice, state, selection_[s]));
+    if (!Selects(ctx.layer)) KVFLOW_RETURN_IF_ERROR(ReadWholePool(ctx.layer, slice, state, selection_[s]));
     const int32_t evicted = state.pools.empty() ? 0 : state.pools[static_cast<size_t>(ctx.layer)].num_evicted;
     stats_.bytes_full += static_cast<int64_t>(slice.context_len) * token_bytes_;
     const int32_t read = selection_[s].per_head > 0 ? selection_[s].per_head : slice.context_len;
-    if (ctx.layer > 0 && selection_[s].per_head > 0) {
+    if (Selects(ctx.layer) && selection_[s].per_head > 0) {
       stats_.layer_reads_selected += 1;
       stats_.tokens_available += slice.context_len - evicted;
       if (selection_[s].speculated) continue;  // its count is on the device (TakeDeviceCounts)
@@ -216,12 +262,12 @@ Status InfiniGenSelector::BeforeAttention(const LayerContext& ctx) {
     }
     stats_.bytes_read += static_cast<int64_t>(read) * token_bytes_;
   }
-  if (config_.point != SpeculationPoint::kLayerInput || ctx.layer + 1 >= skew_.num_layers) return Status::Ok();
+  if (config_.point != SpeculationPoint::kLayerInput || !Selects(ctx.layer + 1)) return Status::Ok();
   return TimedSpeculate(ctx.layer + 1, batch);
 }
 
 Status InfiniGenSelector::AfterMlpInput(const LayerContext& ctx) {
-  if (config_.point != SpeculationPoint::kAfterAttention || ctx.layer + 1 >= skew_.num_layers || active_.empty()) {
+  if (config_.point != SpeculationPoint::kAfterAttention || !Selects(ctx.layer + 1) || active_.empty()) {
     return Status::Ok();
   }
   return TimedSpeculate(ctx.layer + 1, ctx.batch);
@@ -373,7 +419,7 @@ Status InfiniGenSelector::SpeculateWithDevice(int layer, const ForwardBatch& bat
     job.rows.slice = s;
     job.rows.chunks = active_states_[a]->chunks;
     job.candidates = slice.context_len - 1;
-    job.cap = SpeculatedTokenCap(job.candidates, config_.max_fraction);
+    job.cap = SpeculatedTokenCap(job.candidates, config_.max_fraction, config_.max_tokens);
     speculate_jobs_.push_back(job);
     KvHeadSelection& sel = next_selection_[static_cast<size_t>(s)];
     sel.per_head = job.cap + 1;
@@ -388,7 +434,6 @@ Status InfiniGenSelector::Speculate(int layer, const ForwardBatch& batch) {
   const ModelConfig& mc = backend_.model_config();
   const int NH = mc.num_heads, KV = skew_.num_kv_heads, D = skew_.head_dim, P = skew_.num_partial_columns;
   const int group = NH / KV;
-  const int bs = backend_.kv_layout().block_size;
   const int64_t width = ActivationWidth(mc, Activation::kQkv);
   const float scale = mc.AttentionScale();
   // Layer `layer`'s input as far as it is known here: its own RMSNorm of the residual stream (kHidden
@@ -418,46 +463,116 @@ Status InfiniGenSelector::Speculate(int layer, const ForwardBatch& batch) {
       for (int d = 0; d < D; ++d) q[d] *= scale;
       SkewPartialColumns(q, 1, D, skew_.at(layer, h / group), D, query_.data() + static_cast<size_t>(h) * P);
     }
-    // Each KV head's score of each candidate: the best of its query heads.
-    scores_.resize(static_cast<size_t>(KV) * candidates);
+    // Each KV head's score of each candidate, the best of its query heads (kv-head-max), or every
+    // query head's own (query-heads).
+    const bool per_query_head = config_.count_rule == CountRule::kQueryHeads && group > 1;
+    const int rows = per_query_head ? NH : KV;
+    scores_.resize(static_cast<size_t>(rows) * candidates);
     ParallelFor(candidates, [&](int64_t first, int64_t last) {
-      for (int g = 0; g < KV; ++g) {
-        const float* queries = query_.data() + static_cast<size_t>(g) * group * P;
+      for (int r = 0; r < rows; ++r) {
+        const int g = per_query_head ? r / group : r;
+        const int heads = per_query_head ? 1 : group;
+        const float* queries = query_.data() + static_cast<size_t>(per_query_head ? r : g * group) * P;
         const float* partial = state.partial_keys[static_cast<size_t>(layer) * KV + g].data();
-        float* scores = scores_.data() + static_cast<size_t>(g) * candidates;
+        float* scores = scores_.data() + static_cast<size_t>(r) * candidates;
         if (!sparse) {
-          ScorePartialKeys(queries, group, partial + static_cast<size_t>(first) * P, last - first, P, scores + first);
+          ScorePartialKeys(queries, heads, partial + static_cast<size_t>(first) * P, last - first, P, scores + first);
           continue;
         }
         for (int64_t i = first; i < last; ++i) {
-          ScorePartialKeys(queries, group, partial + static_cast<size_t>(live_[static_cast<size_t>(i)]) * P, 1, P,
+          ScorePartialKeys(queries, heads, partial + static_cast<size_t>(live_[static_cast<size_t>(i)]) * P, 1, P,
                            scores + i);
         }
       }
     }, 0, 256);
-    const SpeculatedTokens picked =
-        SelectSpeculatedTokens(scores_, KV, candidates, static_cast<float>(config_.alpha), config_.max_fraction);
+    const SpeculatedTokens picked = SelectTokensByRows(scores_, rows, candidates, SelectionRule(per_query_head ? group : 1));
     auto position_of = [&](int32_t i) { return sparse ? live_[static_cast<size_t>(i)] : i; };
     KvHeadSelection& sel = next_selection_[static_cast<size_t>(s)];
-    sel.per_head = picked.count + 1;
-    sel.slots.resize(static_cast<size_t>(KV) * sel.per_head);
-    auto slot = [&](int32_t pos) { return SlotOf(slice.block_table, pos, bs); };
-    fetched_.clear();
-    for (int g = 0; g < KV; ++g) {
-      int64_t* out = sel.slots.data() + static_cast<size_t>(g) * sel.per_head;
-      for (int32_t i = 0; i < picked.count; ++i) {
-        const int32_t pos = position_of(picked.per_head[static_cast<size_t>(g)][static_cast<size_t>(i)]);
-        out[i] = slot(pos);
-        if (pool != nullptr) fetched_.push_back(pos);
-      }
-      out[picked.count] = slot(cached);  // the step's own token, last
-    }
+    FillSelection(picked, slice, cached, position_of, sel);
     if (pool != nullptr) {
+      fetched_.clear();
+      for (int g = 0; g < KV; ++g) {
+        for (int32_t i : picked.per_head[static_cast<size_t>(g)]) fetched_.push_back(position_of(i));
+      }
       // One prefetch per token, however many KV heads take it.
       std::sort(fetched_.begin(), fetched_.end());
       fetched_.erase(std::unique(fetched_.begin(), fetched_.end()), fetched_.end());
       for (int32_t pos : fetched_) KVFLOW_RETURN_IF_ERROR(pool->entries.OnFetch(pos));
     }
+  }
+  return Status::Ok();
+}
+
+TokenSelectionRule InfiniGenSelector::SelectionRule(int group) const {
+  TokenSelectionRule rule;
+  rule.group = group;
+  rule.alpha = static_cast<float>(config_.alpha);
+  rule.max_fraction = config_.max_fraction;
+  rule.max_tokens = config_.max_tokens;
+  rule.sink_tokens = config_.sink_tokens;
+  rule.recent_tokens = config_.recent_tokens;
+  return rule;
+}
+
+template <typename PositionOf>
+void InfiniGenSelector::FillSelection(const SpeculatedTokens& picked, const SequenceSlice& slice, int32_t cached,
+                                      PositionOf position_of, KvHeadSelection& sel) {
+  const int KV = skew_.num_kv_heads, bs = backend_.kv_layout().block_size;
+  sel.per_head = picked.count + 1;
+  sel.slots.resize(static_cast<size_t>(KV) * sel.per_head);
+  for (int g = 0; g < KV; ++g) {
+    int64_t* out = sel.slots.data() + static_cast<size_t>(g) * sel.per_head;
+    const std::vector<int32_t>& tokens = picked.per_head[static_cast<size_t>(g)];
+    for (int32_t i = 0; i < picked.count; ++i) out[i] = SlotOf(slice.block_table, position_of(tokens[static_cast<size_t>(i)]), bs);
+    out[picked.count] = SlotOf(slice.block_table, cached, bs);  // the step's own token, last
+  }
+}
+
+Status InfiniGenSelector::OracleSelect(int layer, const ForwardBatch& batch) {
+  const ModelConfig& mc = backend_.model_config();
+  const int NH = mc.num_heads, KV = skew_.num_kv_heads, D = skew_.head_dim;
+  const int group = NH / KV;
+  const int bs = backend_.kv_layout().block_size;
+  const float scale = mc.AttentionScale();
+  const bool per_query_head = config_.count_rule == CountRule::kQueryHeads && group > 1;
+  const int rows = per_query_head ? NH : KV;
+  qkv_rows_.resize(static_cast<size_t>(ActivationWidth(mc, Activation::kQkv)));
+  for (size_t a = 0; a < active_.size(); ++a) {
+    const int32_t s = active_[a];
+    const SequenceSlice& slice = batch.seqs[static_cast<size_t>(s)];
+    const int32_t cached = slice.context_len - 1;
+    // The layer's rotated queries (the step's own row of kQkv) and every cached key.
+    KVFLOW_RETURN_IF_ERROR(backend_.ReadActivationRows(Activation::kQkv, slice.token_offset, 1, qkv_rows_));
+    std::vector<int64_t> slots(static_cast<size_t>(cached));
+    for (int32_t pos = 0; pos < cached; ++pos) slots[static_cast<size_t>(pos)] = SlotOf(slice.block_table, pos, bs);
+    keys_.resize(static_cast<size_t>(cached) * KV * D);
+    KVFLOW_RETURN_IF_ERROR(backend_.ReadKv(layer, 0, slots, keys_));
+    head_scores_.resize(static_cast<size_t>(NH) * cached);
+    ParallelFor(cached, [&](int64_t first, int64_t last) {
+      for (int h = 0; h < NH; ++h) {
+        const float* q = qkv_rows_.data() + static_cast<size_t>(h) * D;
+        float* out = head_scores_.data() + static_cast<size_t>(h) * cached;
+        for (int64_t t = first; t < last; ++t) {
+          const float* k = keys_.data() + (static_cast<size_t>(t) * KV + h / group) * D;
+          double dot = 0.0;  // an evaluation path: exact enough that ties are the model's, not rounding's
+          for (int d = 0; d < D; ++d) dot += static_cast<double>(q[d]) * k[d];
+          out[t] = static_cast<float>(dot * scale);
+        }
+      }
+    }, 0, 256);
+    const float* scores = head_scores_.data();
+    if (!per_query_head && group > 1) {
+      scores_.assign(static_cast<size_t>(KV) * cached, -INFINITY);
+      for (int h = 0; h < NH; ++h) {
+        float* out = scores_.data() + static_cast<size_t>(h / group) * cached;
+        const float* in = head_scores_.data() + static_cast<size_t>(h) * cached;
+        for (int32_t t = 0; t < cached; ++t) out[t] = std::max(out[t], in[t]);
+      }
+      scores = scores_.data();
+    }
+    const SpeculatedTokens picked = SelectTokensByRows(std::span<const float>(scores, static_cast<size_t>(rows) * cached),
+                                                       rows, cached, SelectionRule(per_query_head ? group : 1));
+    FillSelection(picked, slice, cached, [](int32_t i) { return i; }, selection_[static_cast<size_t>(s)]);
   }
   return Status::Ok();
 }

@@ -51,6 +51,7 @@
 #include "engine/kv_selector.h"
 #include "infinigen/host_kv_eviction.h"
 #include "infinigen/skew_file.h"
+#include "infinigen/speculation.h"
 #include "kvflow/kv_selection.h"
 #include "model/rope.h"
 
@@ -60,21 +61,34 @@ namespace kvflow {
 enum class SpeculationPoint {
   kLayerInput,      // before layer i-1's attention, from its input (the paper: the prefetch overlaps all of layer i-1)
   kAfterAttention,  // once layer i-1's attention output joined the residual (the prefetch overlaps its MLP)
+  kOracle,          // none: layer i's own query against its whole keys, as it runs (the ceiling; nothing to prefetch)
 };
-Result<SpeculationPoint> ParseSpeculationPoint(const std::string& name);  // "layer-input", "after-attention"
+Result<SpeculationPoint> ParseSpeculationPoint(const std::string& name);  // "layer-input", "after-attention", "oracle"
+// How a speculated layer's count and tokens are chosen (InfiniGenOptions::count_rule).
+enum class CountRule { kKvHeadMax, kQueryHeads };
+Result<CountRule> ParseCountRule(const std::string& name);  // "kv-head-max", "query-heads"
 const char* SpeculationPointName(SpeculationPoint p);
 
 struct InfiniGenConfig {
   SpeculationPoint point = SpeculationPoint::kAfterAttention;
   double alpha = 5.0;
   double max_fraction = 0.2;
+  int max_tokens = 0;   // > 0: the cap in tokens instead of max_fraction
   int min_context = 0;  // shorter contexts read the whole cache
+  CountRule count_rule = CountRule::kKvHeadMax;
+  int dense_layers = 1;    // layers [0, dense_layers) read everything
+  int sink_tokens = 0;     // forced into every speculated read: the first tokens
+  int recent_tokens = 0;   // and the latest cached ones
   int host_kv_tokens = 0;  // per sequence and layer; 0: no cap
   HostEvictionPolicy eviction = HostEvictionPolicy::kCounter;
 
   static InfiniGenConfig FromOptions(const KvSelectionConfig& c);
   Status Validate() const;
 };
+
+// Why these settings keep the speculation on the host (empty: the device's kernels run them): the
+// device scores and counts per KV head on its query heads' maximum, with nothing forced.
+std::string HostOnlySettings(const InfiniGenConfig& c);
 
 // Where InfiniGen speculates (InfiniGenOptions::speculate_on).
 enum class SpeculationDevice { kAuto, kDevice, kHost };
@@ -127,6 +141,18 @@ class InfiniGenSelector final : public KvSelector, private LayerHooks {
   std::optional<std::span<const KvHeadSelection>> UpcomingSelection(int layer) override;
   Status AfterMlpInput(const LayerContext& ctx) override;
   Status TimedSpeculate(int layer, const ForwardBatch& batch);
+  // Whether layer `layer` reads a selection (speculated at layer - 1, or the oracle's).
+  bool Selects(int layer) const { return layer >= config_.dense_layers && layer < skew_.num_layers; }
+  // The selection rule for the step's rows (query heads, or KV heads under kv-head-max).
+  TokenSelectionRule SelectionRule(int group) const;
+  // Turns `picked` (indices into the candidates, per KV head) into the slice's read of `cached`
+  // tokens and the step's own; `position_of` maps a candidate to its position.
+  template <typename PositionOf>
+  void FillSelection(const SpeculatedTokens& picked, const SequenceSlice& slice, int32_t cached,
+                     PositionOf position_of, KvHeadSelection& sel);
+  // The oracle: layer `layer` chooses its reads from its own rotated queries (kQkv) and its whole
+  // keys, into selection_.
+  Status OracleSelect(int layer, const ForwardBatch& batch);
 
   // Extends the layer's partial keys of `state` to the first `positions` positions of the slice.
   Status ExtendPartialKeys(int layer, const SequenceSlice& slice, int32_t positions, SequenceState& state);
@@ -182,7 +208,7 @@ class InfiniGenSelector final : public KvSelector, private LayerHooks {
   std::vector<DeviceKvSpeculation::SpeculateJob> speculate_jobs_;
   std::vector<int32_t> counts_;
   // Scratch.
-  std::vector<float> qkv_rows_, keys_, scores_, query_;
+  std::vector<float> qkv_rows_, keys_, scores_, query_, head_scores_;
   std::vector<int32_t> live_, fetched_;
   KvSelectionStats stats_;
 };

@@ -27,6 +27,8 @@ Status PlaceSpeculation(const KvSelectorContext& ctx, InfiniGenSelector& selecto
     why = ctx.backend.Describe() + " has no device speculation";
   } else if (o.host_kv_tokens > 0) {
     why = "the host KV pool cap (infinigen_host_kv_tokens) keeps its eviction state on the host";
+  } else {
+    why = HostOnlySettings(InfiniGenConfig::FromOptions(ctx.config.kv_selection));
   }
   if (!why.empty()) {
     if (where == SpeculationDevice::kDevice) return Status::Unsupported("infinigen_speculate_on device: " + why);
@@ -67,6 +69,7 @@ Status RegisterInfiniGen(SystemRegistry& registry) {
   p.info.validate = [](const EngineConfig& c) -> Status {
     KVFLOW_RETURN_IF_ERROR(ParseSpeculationPoint(c.kv_selection.infinigen.speculate_from).status());
     KVFLOW_RETURN_IF_ERROR(ParseHostEvictionPolicy(c.kv_selection.infinigen.eviction).status());
+    KVFLOW_RETURN_IF_ERROR(ParseCountRule(c.kv_selection.infinigen.count_rule).status());
     KVFLOW_ASSIGN_OR_RETURN(const SpeculationDevice where, ParseSpeculationDevice(c.kv_selection.infinigen.speculate_on));
     if (where == SpeculationDevice::kDevice && c.kv_selection.infinigen.host_kv_tokens > 0) {
       return Status::InvalidArgument("infinigen_speculate_on device cannot keep a host KV pool cap "
@@ -98,10 +101,14 @@ Status RegisterInfiniGen(SystemRegistry& registry) {
         o.host_kv_tokens > 0 ? fmt::format(", host KV pool capped at {} tokens per sequence and layer ({} eviction)",
                                            o.host_kv_tokens, o.eviction)
                              : std::string();
-    spdlog::info("KV selection: InfiniGen, skewing file {} ({} of {} columns per head from {} tokens), alpha {}, cap "
-                 "{:.0f}%{}",
-                 skew_path, skew.num_partial_columns, skew.head_dim, skew.calibration_tokens, o.alpha,
-                 100 * o.max_fraction, host_pool);
+    const std::string forced =
+        o.sink_tokens > 0 || o.recent_tokens > 0
+            ? fmt::format(", {} sink and {} recent tokens always read", o.sink_tokens, o.recent_tokens)
+            : std::string();
+    spdlog::info("KV selection: InfiniGen, skewing file {} ({} of {} columns per head from {} tokens), speculated "
+                 "{}, count {}, alpha {}, cap {:.0f}%, layers 0-{} dense{}{}",
+                 skew_path, skew.num_partial_columns, skew.head_dim, skew.calibration_tokens, o.speculate_from,
+                 o.count_rule, o.alpha, 100 * o.max_fraction, o.dense_layers - 1, forced, host_pool);
     auto selector = std::make_unique<InfiniGenSelector>(InfiniGenConfig::FromOptions(ctx.config.kv_selection),
                                                         std::move(skew), ctx.backend);
     KVFLOW_RETURN_IF_ERROR(PlaceSpeculation(ctx, *selector));

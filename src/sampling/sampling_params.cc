@@ -52,6 +52,7 @@ Status SamplingParams::Validate() const {
   if (prompt_logprobs && (*prompt_logprobs < 0 || *prompt_logprobs > 20)) {
     return OutOfRange("prompt_logprobs", "in [0, 20]", *prompt_logprobs);
   }
+  if (prompt_decode_from < 0) return OutOfRange("prompt_decode_from", ">= 0", prompt_decode_from);
   if (max_tokens < (prompt_logprobs ? 0 : 1)) {
     return OutOfRange("max_tokens", prompt_logprobs ? ">= 0" : ">= 1 (0 only to score the prompt, with prompt_logprobs)",
                       max_tokens);

@@ -79,7 +79,11 @@ bool Scheduler::PlanTokens(const SequenceGroup& g, int64_t budget, std::vector<i
   tokens.clear();
   int64_t total = 0;
   for (const auto& s : g.seqs) {
-    const int64_t n = s->finished() ? 0 : std::min(s->num_uncomputed(), budget - total);
+    int64_t n = s->finished() ? 0 : std::min(s->num_uncomputed(), budget - total);
+    // Teacher-forced decoding: the prompt's chunks stop at prompt_decode_from, then one token a step.
+    if (const int64_t from = g.prompt_decode_from; from > 0 && n > 0 && s->num_computed < s->prompt_len) {
+      n = std::min(n, s->num_computed >= from ? int64_t{1} : from - s->num_computed);
+    }
     tokens.push_back(n);
     total += n;
   }

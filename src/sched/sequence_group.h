@@ -51,6 +51,8 @@ struct SequenceGroup {
   int num_candidates = 1;
   // Every prompt token must run, even with its KV in the prefix cache (prompt logprobs).
   bool compute_whole_prompt = false;
+  // Prompt tokens from this position on run one per step (SamplingParams::prompt_decode_from; 0: off).
+  int64_t prompt_decode_from = 0;
   // Attention may read a selection of the cache (an engine KV selector: InfiniGen, H2O).
   bool kv_selection = false;
   // In a step that is still running (batches in flight): not scheduled, preempted or freed until

@@ -68,9 +68,42 @@ class SelectionReplay final : public LayerHooks {
     return selection_;
   }
 
+  // The oracle (SpeculationPoint::kOracle): layer L picks with its own rotated queries (kQkv) against
+  // its whole keys, here with the test's own dot products.
+  Status BeforeAttention(const LayerContext& ctx) override {
+    const int L = ctx.layer;
+    if (config_.point != SpeculationPoint::kOracle || skew_ == nullptr || full_ || position < 0 ||
+        L < config_.dense_layers) {
+      return Status::Ok();
+    }
+    const ModelConfig& mc = backend_.model_config();
+    const int NH = mc.num_heads, KV = mc.num_kv_heads, D = mc.head_dim;
+    std::vector<float> qkv(static_cast<size_t>(ActivationWidth(mc, Activation::kQkv)));
+    KVFLOW_RETURN_IF_ERROR(backend_.ReadActivationRows(Activation::kQkv, 0, 1, qkv));
+    const int32_t cached = position;
+    std::vector<int64_t> slots(static_cast<size_t>(cached));
+    std::iota(slots.begin(), slots.end(), 0);
+    std::vector<float> keys(static_cast<size_t>(cached) * KV * D), scores(static_cast<size_t>(NH) * cached);
+    KVFLOW_RETURN_IF_ERROR(backend_.ReadKv(L, 0, slots, keys));
+    for (int h = 0; h < NH; ++h) {
+      for (int32_t t = 0; t < cached; ++t) {
+        double dot = 0.0;
+        for (int d = 0; d < D; ++d) {
+          dot += double(qkv[size_t(h) * D + d]) * keys[(size_t(t) * KV + size_t(h / (NH / KV))) * D + d];
+        }
+        scores[size_t(h) * cached + t] = float(dot / std::sqrt(double(D)));
+      }
+    }
+    Choose(L, scores, NH / KV);
+    return Status::Ok();
+  }
+
   Status AfterMlpInput(const LayerContext& ctx) override {
     const int L = ctx.layer + 1;
-    if (skew_ == nullptr || full_ || position < 0 || L >= backend_.model_config().num_layers) return Status::Ok();
+    if (skew_ == nullptr || full_ || position < 0 || L >= backend_.model_config().num_layers ||
+        L < config_.dense_layers || config_.point == SpeculationPoint::kOracle) {
+      return Status::Ok();
+    }
     const ModelConfig& mc = backend_.model_config();
     const int NH = mc.num_heads, KV = mc.num_kv_heads, D = mc.head_dim, P = skew_->num_partial_columns;
     const int group = NH / KV;
@@ -88,18 +121,47 @@ class SelectionReplay final : public LayerHooks {
     const int32_t cached = position;  // the tokens before the step's own
     std::vector<int64_t> slots(static_cast<size_t>(cached));
     std::iota(slots.begin(), slots.end(), 0);
+    // Every query head's scores: a KV head's rows are its group's query heads.
     std::vector<float> keys(static_cast<size_t>(cached) * KV * D), head_keys(static_cast<size_t>(cached) * D),
-        partial(static_cast<size_t>(cached) * P), scores(static_cast<size_t>(KV) * cached);
+        partial(static_cast<size_t>(cached) * P), scores(static_cast<size_t>(NH) * cached);
     KVFLOW_RETURN_IF_ERROR(backend_.ReadKv(L, 0, slots, keys));
     for (int g = 0; g < KV; ++g) {
       for (int32_t t = 0; t < cached; ++t)
         std::copy_n(keys.data() + (static_cast<size_t>(t) * KV + g) * D, D, head_keys.data() + static_cast<size_t>(t) * D);
       SkewPartialColumns(head_keys.data(), cached, D, skew_->at(L, g), D, partial.data());
-      ScorePartialKeys(queries.data() + static_cast<size_t>(g) * group * P, group, partial.data(), cached, P,
-                       scores.data() + static_cast<size_t>(g) * cached);
+      for (int j = 0; j < group; ++j) {
+        ScorePartialKeys(queries.data() + static_cast<size_t>(g * group + j) * P, 1, partial.data(), cached, P,
+                         scores.data() + static_cast<size_t>(g * group + j) * cached);
+      }
     }
-    const SpeculatedTokens picked = SelectSpeculatedTokens(scores, KV, cached, static_cast<float>(config_.alpha),
-                                                           config_.max_fraction);
+    Choose(L, scores, group);
+    return Status::Ok();
+  }
+
+ private:
+  // The rule's choice for layer L from every query head's scores ([NH][position]): under
+  // kv-head-max a KV head's score is its group's max.
+  void Choose(int L, const std::vector<float>& head_scores, int group) {
+    const int32_t cached = position;
+    const int NH = static_cast<int>(head_scores.size() / std::max<int32_t>(1, cached)), KV = NH / group;
+    std::vector<float> scores = head_scores;
+    int rows = NH, rule_group = group;
+    if (config_.count_rule == CountRule::kKvHeadMax) {
+      scores.assign(static_cast<size_t>(KV) * cached, -INFINITY);
+      for (int h = 0; h < NH; ++h)
+        for (int32_t t = 0; t < cached; ++t)
+          scores[size_t(h / group) * cached + t] = std::max(scores[size_t(h / group) * cached + t], head_scores[size_t(h) * cached + t]);
+      rows = KV;
+      rule_group = 1;
+    }
+    TokenSelectionRule rule;
+    rule.group = rule_group;
+    rule.alpha = static_cast<float>(config_.alpha);
+    rule.max_fraction = config_.max_fraction;
+    rule.max_tokens = config_.max_tokens;
+    rule.sink_tokens = config_.sink_tokens;
+    rule.recent_tokens = config_.recent_tokens;
+    const SpeculatedTokens picked = SelectTokensByRows(scores, rows, cached, rule);
     HeadPositions want(static_cast<size_t>(KV));
     for (int g = 0; g < KV; ++g) {
       want[g].assign(picked.per_head[static_cast<size_t>(g)].begin(), picked.per_head[static_cast<size_t>(g)].end());
@@ -107,13 +169,11 @@ class SelectionReplay final : public LayerHooks {
     }
     choices.expected[{position, L}] = std::move(want);
     auto& kept = choices.scores_of[{position, L}];
-    kept.resize(static_cast<size_t>(KV));
-    for (int g = 0; g < KV; ++g)
-      kept[size_t(g)].assign(scores.begin() + static_cast<long>(g) * cached, scores.begin() + static_cast<long>(g + 1) * cached);
-    return Status::Ok();
+    kept.resize(static_cast<size_t>(rows));
+    for (int r = 0; r < rows; ++r)
+      kept[size_t(r)].assign(scores.begin() + static_cast<long>(r) * cached, scores.begin() + static_cast<long>(r + 1) * cached);
   }
 
- private:
   Backend& backend_;
   const SkewTable* skew_;
   InfiniGenConfig config_;
@@ -372,15 +432,16 @@ inline void ExpectInfiniGenReadsFollowTheRule(const EngineConfig& c, const Infin
     }
   }
   const auto [wrong_seq_differs, wrong_seq_compared] = ReadsOfOtherSequencesDiffer(run);
-  std::printf("  %lld decode reads at layers 1..%d checked against the rule's recomputation on the CPU: %lld differ, "
+  std::printf("  %lld decode reads at layers %d..%d checked against the rule's recomputation on the CPU: %lld differ, "
               "%lld by near-ties (within %.2g of the cutoff); replayed logprobs within %.2g of the engine's, %lld "
               "argmax differ (full attention moves them by up to %.2g); against the next layer's reads %lld of %lld "
               "differ, against another sequence's %lld of %lld\n",
-              (long long)reads_checked, layers - 1, (long long)reads_differing, (long long)near_ties, options.score_margin,
+              (long long)reads_checked, config.dense_layers, layers - 1, (long long)reads_differing, (long long)near_ties, options.score_margin,
               fit.max_logprob_error, (long long)fit.argmax_differs, full.max_logprob_error,
               (long long)wrong_layer_differs, (long long)wrong_layer_compared, (long long)wrong_seq_differs,
               (long long)wrong_seq_compared);
-  EXPECT_EQ(reads_checked, int64_t(run.prompts.size()) * 23 * (layers - 1)) << "every decode step, every selected layer";
+  EXPECT_EQ(reads_checked, int64_t(run.prompts.size()) * 23 * (layers - config.dense_layers))
+      << "every decode step, every selected layer";
   EXPECT_EQ(reads_differing, 0);
   EXPECT_LE(near_ties, reads_checked * options.max_near_tie_share);
   EXPECT_LT(fit.max_logprob_error, options.logprob_tolerance);

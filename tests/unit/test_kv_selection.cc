@@ -342,7 +342,7 @@ TEST_F(KvSelectionEngine, InfiniGenSelectingEverythingIsExactlyFullAttention) {
   auto full = test::MakeEngine(Config(""));
   ASSERT_TRUE(full);
   const auto expected = Run(*full);
-  for (const char* point : {"after-attention", "layer-input"}) {
+  for (const char* point : {"after-attention", "layer-input", "oracle"}) {
     EngineConfig c = Config("infinigen");
     c.kv_selection.infinigen.alpha = 1e6;
     c.kv_selection.infinigen.max_fraction = 1.0;
@@ -462,6 +462,15 @@ TEST_F(KvSelectionEngine, RefusesMissingSkewFileAndBadSettings) {
              e.kv_selection.infinigen.host_kv_tokens = 100;
            },
            [](EngineConfig& e) { e.kv_selection.h2o.budget = 0; },
+           [](EngineConfig& e) { e.kv_selection.infinigen.count_rule = "per-head"; },
+           [](EngineConfig& e) { e.kv_selection.infinigen.dense_layers = 0; },
+           [](EngineConfig& e) { e.kv_selection.infinigen.sink_tokens = -1; },
+           [](EngineConfig& e) { e.kv_selection.infinigen.recent_tokens = -2; },
+           [](EngineConfig& e) { e.kv_selection.infinigen.max_tokens = -1; },
+           [](EngineConfig& e) {  // the oracle reads the whole cache to choose: no host pool cap
+             e.kv_selection.infinigen.speculate_from = "oracle";
+             e.kv_selection.infinigen.host_kv_tokens = 100;
+           },
            [](EngineConfig& e) { e.speculative.method = "ngram"; },
        }) {
     EngineConfig e = Config("infinigen");
@@ -858,6 +867,33 @@ TEST_F(KvSelectionEngine, InfiniGenReadsAreTheRulesChoiceAndReproduceTheLogits) 
   EngineConfig c = OracleConfig("infinigen");
   c.kv_selection.infinigen.alpha = 2.0;
   c.kv_selection.infinigen.max_fraction = 0.3;
+  test::ExpectInfiniGenReadsFollowTheRule(c, {});
+}
+
+// The same for the other rules: each query head counted against its own max and a KV head reading
+// the union of its query heads' tokens (tiny-random: 2 query heads per KV head), sinks and a recent
+// window forced in, a cap in tokens, and the first two layers dense.
+TEST_F(KvSelectionEngine, InfiniGenQueryHeadRuleReadsTheUnionWithSinksAndRecentTokens) {
+  EngineConfig c = OracleConfig("infinigen");
+  c.kv_selection.infinigen.alpha = 2.0;
+  c.kv_selection.infinigen.count_rule = "query-heads";
+  c.kv_selection.infinigen.dense_layers = 2;
+  c.kv_selection.infinigen.sink_tokens = 2;
+  c.kv_selection.infinigen.recent_tokens = 3;
+  c.kv_selection.infinigen.max_tokens = 12;
+  test::ExpectInfiniGenReadsFollowTheRule(c, {});
+}
+
+// The oracle: every layer past the dense ones reads the tokens its own query scores best against
+// its whole keys (the test's own dot products, in double as the selector's).
+TEST_F(KvSelectionEngine, InfiniGenOracleReadsTheTrueTopTokens) {
+  EngineConfig c = OracleConfig("infinigen");
+  c.kv_selection.infinigen.alpha = 2.0;
+  c.kv_selection.infinigen.max_fraction = 0.3;
+  c.kv_selection.infinigen.speculate_from = "oracle";
+  test::ExpectInfiniGenReadsFollowTheRule(c, {});
+  c.kv_selection.infinigen.count_rule = "query-heads";
+  c.kv_selection.infinigen.dense_layers = 2;
   test::ExpectInfiniGenReadsFollowTheRule(c, {});
 }
 

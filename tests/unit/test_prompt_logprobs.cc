@@ -208,5 +208,58 @@ TEST(Perplexity, OverTheEngineEqualsTheReferenceLogprobs) {
   EXPECT_NEAR(r->perplexity, std::exp(nll / double(n)), 1e-4 * r->perplexity);
 }
 
+// prompt_decode_from (teacher-forced decoding): the prompt prefills in chunks up to it, then one token
+// per step, and the logprobs are still a full forward's; kvflow perplexity --decode-from scores only
+// the decoded part of each window.
+TEST(PromptLogprobs, DecodeFromRunsOneTokenPerStepPastItAndScoresTheSame) {
+  EngineConfig c;
+  c.dtype = "f32";
+  c.max_num_batched_tokens = 16;
+  c.kv_selection.method = "h2o";  // counts its decode-mode steps: exactly the tokens past decode_from
+  c.kv_selection.h2o.budget = 1.0;
+  auto engine = test::MakeEngine(c);
+  const std::vector<int32_t> prompt = RandomPrompt(45, 4);
+  SamplingParams score = test::Greedy(0);
+  score.prompt_logprobs = 0;
+  score.prompt_decode_from = 37;
+  std::vector<SampledToken> got;
+  ASSERT_TRUE(engine->AddRequest(prompt, score, [&](const StreamEvent& e) {
+                      if (!e.prompt_logprobs.empty()) got = e.prompt_logprobs;
+                    }).ok());
+  int steps = 0;
+  while (engine->HasUnfinishedRequests()) {
+    ASSERT_TRUE(engine->Step().ok());
+    ++steps;
+  }
+  // 37 tokens in chunks of 16 (16, 16, 5), then 8 one-token steps.
+  EXPECT_EQ(steps, 3 + 8);
+  EXPECT_EQ(engine->stats().kv_selection.decode_tokens, 8);
+  EXPECT_LT(MaxError(got, ReferenceLogprobs(prompt)), 1e-4);
+  score.prompt_decode_from = -1;
+  EXPECT_FALSE(engine->AddRequest(prompt, score, nullptr).ok());
+
+  // The perplexity windows: [0, 32) and [32, 64) of 70 tokens, each scoring positions 24.. only.
+  c.max_model_len = 32;
+  auto fresh = test::MakeEngine(c);
+  const std::vector<int32_t> text = RandomPrompt(70, 9);
+  PerplexityOptions o;
+  o.ctx = 32;
+  o.decode_from = 24;
+  auto r = ComputePerplexity(*fresh, text, o);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  double nll = 0.0;
+  for (int64_t begin : {0, 32}) {
+    const std::vector<int32_t> window(text.begin() + begin, text.begin() + begin + 32);
+    const std::vector<double> lp = ReferenceLogprobs(window);
+    for (int64_t pos = 24; pos < 32; ++pos) nll -= lp[size_t(pos - 1)];
+  }
+  EXPECT_EQ(r->windows, 2);  // the last 6 tokens make no window past decode_from
+  EXPECT_EQ(r->scored_tokens, 16);
+  EXPECT_NEAR(r->perplexity, std::exp(nll / 16.0), 1e-4 * r->perplexity);
+  EXPECT_EQ(fresh->stats().kv_selection.decode_tokens, 2 * 8);
+  o.decode_from = 32;
+  EXPECT_FALSE(ComputePerplexity(*fresh, text, o).ok());
+}
+
 }  // namespace
 }  // namespace kvflow
