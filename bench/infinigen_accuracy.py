@@ -48,7 +48,12 @@ def parse_args():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--alpha", type=float, default=5.0)
     p.add_argument("--cap", type=float, default=0.2)
-    p.add_argument("--runs", default="", help="only these run names (comma-separated; default: all)")
+    p.add_argument("--matched", default="chosen",
+                   help="the InfiniGen run H2O's matched budget copies (its bytes over all layers)")
+    p.add_argument("--runs", default="", help="only these run names (comma-separated; default: all under serving, "
+                                              "--token-runs under paper and strict)")
+    p.add_argument("--token-runs", default="oracle_qheads,before,chosen,h2o,int4",
+                   help="the runs of the token-by-token protocols (each costs 4-10x a serving run)")
     p.add_argument("--out-prefix", default=os.path.join(ROOT, "bench", "results", "infinigen_accuracy"))
     p.add_argument("--cache", default=os.path.join(ROOT, ".cache", "infinigen_accuracy"))
     p.add_argument("--fresh", action="store_true", help="ignore cached runs")
@@ -74,7 +79,7 @@ def skew_file(args, ratio, rule):
 # The InfiniGen settings each run changes from the paper's rule as kvflow first built it ("before":
 # KV-head max counting, layer 0 dense, partial columns by |Q|+|K| sums at ratio 0.3).
 BEFORE = {"count": "kv-head-max", "dense": 1, "ratio": 0.3, "rule": "abs-sum", "sinks": 0, "recent": 0,
-          "point": "after-attention"}
+          "point": "after-attention", "alpha": None}  # alpha None: --alpha
 
 
 def infinigen_runs():
@@ -94,6 +99,12 @@ def infinigen_runs():
          {"count": "query-heads", "dense": 2, "rule": "product", "ratio": 0.5, "sinks": 4, "recent": 16}),
         ("combined_r03", "all, 30% of the columns", "infinigen",
          {"count": "query-heads", "dense": 2, "rule": "product", "sinks": 4, "recent": 16}),
+        # What helped alone, together, then reading more of the budget.
+        ("qheads_r05", "per query head, 50% of the columns", "infinigen", {"count": "query-heads", "ratio": 0.5}),
+        ("chosen", "the new defaults: per query head, 50% of the columns, 4 sinks + 16 recent", "infinigen",
+         {"count": "query-heads", "ratio": 0.5, "sinks": 4, "recent": 16}),
+        ("chosen_cap", "the new defaults, every layer at its cap", "infinigen",
+         {"count": "query-heads", "ratio": 0.5, "sinks": 4, "recent": 16, "alpha": 1e9}),
     ]
 
 
@@ -139,7 +150,8 @@ def infinigen_flags(args, protocol, settings):
     _, imposed = protocol_flags(args, protocol)
     dense = max(s["dense"], 2) if protocol == "paper" else s["dense"]
     return ["--kv-selection", "infinigen", "--infinigen-skew-file", skew_file(args, s["ratio"], s["rule"]),
-            "--infinigen-alpha", f"{args.alpha:g}", "--infinigen-max-fraction", f"{args.cap:g}",
+            "--infinigen-alpha", f"{s['alpha'] if s['alpha'] is not None else args.alpha:g}",
+            "--infinigen-max-fraction", f"{args.cap:g}",
             "--infinigen-speculate-from", s["point"], "--infinigen-count-rule", s["count"],
             "--infinigen-dense-layers", str(dense), "--infinigen-sink-tokens", str(s["sinks"]),
             "--infinigen-recent-tokens", str(s["recent"])] + imposed
@@ -171,13 +183,14 @@ def evaluate(args, protocol, wanted):
         r = run(args, protocol, name, infinigen_flags(args, protocol, settings))
         by_name[name] = r
         rows.append(row(r, full, label, group, {"settings": dict(BEFORE, **settings)}))
-    # H2O at the budget the best InfiniGen run read (matched), and at the cap. Its budget is a share
+    # H2O at the budget an InfiniGen run read (--matched), and at the cap. Its budget is a share
     # of the context at every layer; matched on bytes over all layers.
-    best = by_name.get("combined") or by_name.get("before")
+    best = by_name.get(args.matched)
     budgets = [(args.cap, f"{100 * args.cap:g}%")]
     if best:
         matched = round(best["kv_selection"]["bytes_read"] / best["kv_selection"]["bytes_full"], 4)
-        budgets.insert(0, (matched, "matched to InfiniGen, all of the above"))
+        label = next(label for name, label, _, _ in infinigen_runs() if name == args.matched)
+        budgets.insert(0, (matched, f"matched to InfiniGen {label}"))
     if not wanted or "h2o" in wanted:
         for budget, tag in budgets:
             extra = ["--kv-selection", "h2o", "--h2o-budget", f"{budget:g}"]
@@ -185,7 +198,8 @@ def evaluate(args, protocol, wanted):
                 extra += ["--kv-selection-min-context", str(math.floor(args.cap * args.ctx) + 1)]
             r = run(args, protocol, f"h2o_b{budget:g}", extra)
             rows.append(row(r, full, f"H2O, budget {100 * budget:.1f}% ({tag})", "h2o", {"h2o_budget": budget}))
-    if not wanted or "int4" in wanted:
+    # INT4 selects nothing: the paper's dense prefix and cap change nothing of it (see strict).
+    if (not wanted or "int4" in wanted) and protocol != "paper":
         r = run(args, protocol, "int4", ["--kv-cache-dtype", "q4"])
         rows.append(row(r, full, "INT4 KV (group 32)", "baseline",
                         {"bytes_read_fraction": 20 / 64,
@@ -275,7 +289,8 @@ def main():
         fail(f"--prompt must be in (0, --ctx), not {args.prompt}")
     wanted = {n for n in args.runs.split(",") if n}
     os.makedirs(args.cache, exist_ok=True)
-    results = [evaluate(args, p, wanted) for p in protocols]
+    token_runs = {n for n in args.token_runs.split(",") if n}
+    results = [evaluate(args, p, wanted or (token_runs if p != "serving" else set())) for p in protocols]
     doc = {"benchmark": "infinigen_accuracy", "measured": True, "model": args.model, "ctx": args.ctx,
            "alpha": args.alpha, "cap": args.cap, "prompt": args.prompt, "results": results,
            "provenance": provenance(per_run_figures="results[].rows[] (one kvflow perplexity run each, command "

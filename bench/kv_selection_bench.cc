@@ -87,6 +87,7 @@ int main(int argc, char** argv) {
   std::string wikitext = std::string(KVFLOW_SOURCE_DIR) + "/../shared/datasets/wikitext-2/test.txt";
   std::string contexts_arg = "2048,4096,8192", modes_arg = "full,infinigen,h2o,int4", json_path, md_path;
   std::string skew_file, speculate_from = "after-attention", speculate_on = "auto", batches_arg = "1", passkey = "on";
+  kvflow::InfiniGenOptions rule;  // the count rule, sinks and recent window (defaults: the engine's)
   int new_tokens = 64, threads = 2, repeats = 3, passkey_tokens = 16, max_model_len = 8192;
   double alpha = 5.0, max_fraction = 0.2, h2o_budget = 0.2, passkey_depth = 0.5;
   app.add_option("--model", model, "Model path or short name")->capture_default_str();
@@ -103,6 +104,12 @@ int main(int argc, char** argv) {
   app.add_option("--infinigen-speculate-from", speculate_from, "after-attention or layer-input")->capture_default_str();
   app.add_option("--infinigen-skew-file", skew_file, "Skewing file (default: <model>.infinigen)");
   app.add_option("--infinigen-speculate-on", speculate_on, "auto, device or host")->capture_default_str();
+  app.add_option("--infinigen-count-rule", rule.count_rule,
+                 "query-heads or kv-head-max (the device's kernels run kv-head-max without sinks or recent tokens)")
+      ->capture_default_str();
+  app.add_option("--infinigen-sink-tokens", rule.sink_tokens, "InfiniGen: first tokens every read takes")->capture_default_str();
+  app.add_option("--infinigen-recent-tokens", rule.recent_tokens, "InfiniGen: latest tokens every read takes")
+      ->capture_default_str();
   app.add_option("--batches", batches_arg,
                  "Comma-separated batch sizes: that many WikiText-2 prompts of the context decode together")
       ->capture_default_str();
@@ -162,6 +169,9 @@ int main(int argc, char** argv) {
           c.kv_selection.infinigen.speculate_from = speculate_from;
           c.kv_selection.infinigen.speculate_on = speculate_on;
           c.kv_selection.infinigen.skew_file = skew_file;
+          c.kv_selection.infinigen.count_rule = rule.count_rule;
+          c.kv_selection.infinigen.sink_tokens = rule.sink_tokens;
+          c.kv_selection.infinigen.recent_tokens = rule.recent_tokens;
         } else if (method == "h2o") {
           c.kv_selection.method = "h2o";
           c.kv_selection.h2o.budget = h2o_budget;
@@ -180,6 +190,9 @@ int main(int argc, char** argv) {
                     {"infinigen_max_fraction", c.kv_selection.infinigen.max_fraction},
                     {"infinigen_speculate_from", c.kv_selection.infinigen.speculate_from},
                     {"infinigen_speculate_on", c.kv_selection.infinigen.speculate_on},
+                    {"infinigen_count_rule", c.kv_selection.infinigen.count_rule},
+                    {"infinigen_sink_tokens", c.kv_selection.infinigen.sink_tokens},
+                    {"infinigen_recent_tokens", c.kv_selection.infinigen.recent_tokens},
                     {"h2o_budget", c.kv_selection.h2o.budget}};
       },
       engines, engine_json);

@@ -17,9 +17,13 @@
 // (Layer i's own norm weight rather than layer i-1's, which the published OPT code reuses, also
 // helped: 19.15 instead of 19.86 over a 512-token window at alpha 5.)
 //
-// Grouped-query attention: a KV head's score for a token is the maximum over the query heads of
-// its group (one fetch of a KV head's K/V serves every query head of the group, so a token any of
-// them needs is kept).
+// Grouped-query attention (CountRule): by default every query head counts the tokens within alpha of
+// its own maximum and a KV head reads the union of its query heads' top tokens (one fetch of a KV
+// head's K/V serves every query head of the group); kv-head-max, kvflow's first rule and the one the
+// device runs, scores a token per KV head by its query heads' maximum, so one sharp head shrinks
+// the group's count. Sinks and a recent window may be forced into every read, the first layers
+// kept dense, and SpeculationPoint::kOracle replaces the speculation by each layer's own query
+// against its whole keys (the ceiling, for evaluation).
 //
 // The partial key cache lives here, per sequence and layer; prefill chunks extend it as their keys
 // are written, and a decode step extends it from the KV pool to its context (so prefix-cache hits,
@@ -75,10 +79,10 @@ struct InfiniGenConfig {
   double max_fraction = 0.2;
   int max_tokens = 0;   // > 0: the cap in tokens instead of max_fraction
   int min_context = 0;  // shorter contexts read the whole cache
-  CountRule count_rule = CountRule::kKvHeadMax;
+  CountRule count_rule = CountRule::kQueryHeads;
   int dense_layers = 1;    // layers [0, dense_layers) read everything
-  int sink_tokens = 0;     // forced into every speculated read: the first tokens
-  int recent_tokens = 0;   // and the latest cached ones
+  int sink_tokens = 4;     // forced into every speculated read: the first tokens
+  int recent_tokens = 16;  // and the latest cached ones
   int host_kv_tokens = 0;  // per sequence and layer; 0: no cap
   HostEvictionPolicy eviction = HostEvictionPolicy::kCounter;
 

@@ -57,10 +57,13 @@ inline std::unique_ptr<Backend> TinyCpuBackend(int tokens, bool offload = false,
   return std::move(backend).value();
 }
 
-// Calibrates tiny-random's skewing on 256 random tokens and writes it to `path`.
+// Calibrates tiny-random's skewing on 256 random tokens and writes it to `path`. 30% of the columns
+// (19 of 64; the default is 50%): the tests' margins for 16-bit arithmetic were set on these scores.
 inline void WriteTinySkewFile(const std::string& path) {
   auto backend = TinyCpuBackend(256);
-  auto t = CalibrateSkew(*backend, RandomTokens(256, 9, backend->model_config().vocab_size), SkewCalibrationOptions{});
+  SkewCalibrationOptions options;
+  options.partial_ratio = 0.3;
+  auto t = CalibrateSkew(*backend, RandomTokens(256, 9, backend->model_config().vocab_size), options);
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   ASSERT_TRUE(WriteSkewTable(t.value(), path).ok());
 }
