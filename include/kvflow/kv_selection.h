@@ -29,11 +29,14 @@ struct InfiniGenOptions {
   // the union of its query heads' top tokens, taken in turn) or "kv-head-max" (a KV head scores a
   // token by its query heads' maximum, counts and picks on that). The same under multi-head attention.
   // The defaults are the measured best on SmolLM2 (bench/results/infinigen_accuracy.md); the device's
-  // kernels run kv-head-max without sinks or recent tokens only (elsewhere speculation stays on the host).
+  // kernels run kv-head-max only (for query-heads speculation stays on the host).
   std::string count_rule = "query-heads";
   int dense_layers = 1;   // the first layers read everything (at least 1: layer 0 has nothing to speculate from)
-  int sink_tokens = 4;    // the first tokens of the context every speculated read takes (attention sinks)
-  int recent_tokens = 16; // the latest cached tokens every speculated read takes
+  // Forced into every speculated read, within the cap: the context's first tokens (attention sinks)
+  // and its latest. Off by default: after a prompt they are worth no more than noise once counting
+  // is per query head, and at short contexts they crowd out the speculated tokens.
+  int sink_tokens = 0;
+  int recent_tokens = 0;
   // The host KV pool manager (the paper's §4.4): the most cached tokens kept per sequence and layer
   // (0: no cap). Past it, each new token evicts a victim chosen by `eviction`: "counter" (the
   // fewest fetches, every count halved when one saturates), "lru" or "fifo"; an evicted token is

@@ -81,8 +81,8 @@ struct InfiniGenConfig {
   int min_context = 0;  // shorter contexts read the whole cache
   CountRule count_rule = CountRule::kQueryHeads;
   int dense_layers = 1;    // layers [0, dense_layers) read everything
-  int sink_tokens = 4;     // forced into every speculated read: the first tokens
-  int recent_tokens = 16;  // and the latest cached ones
+  int sink_tokens = 0;     // forced into every speculated read: the first tokens
+  int recent_tokens = 0;   // and the latest cached ones
   int host_kv_tokens = 0;  // per sequence and layer; 0: no cap
   HostEvictionPolicy eviction = HostEvictionPolicy::kCounter;
 

@@ -1694,7 +1694,7 @@ Outputs RunSelectionEngine(EngineConfig c, KvSelectionStats* stats = nullptr, Kv
 }
 
 // The rule the device's kernels run: KV-head max counting, nothing forced (the engine's default
-// counts per query head with sinks and a recent window, which speculate on the host).
+// counts per query head, which speculates on the host).
 void UseDeviceRule(EngineConfig& c) {
   c.kv_selection.infinigen.count_rule = "kv-head-max";
   c.kv_selection.infinigen.sink_tokens = 0;

@@ -331,10 +331,6 @@ class KvSelectionEngine : public ::testing::Test {
     c.model = "tiny-random";
     c.num_threads = 2;
     c.kv_cache_dtype = "f32";
-    // The prompts are short (a cap of 6-12 tokens): the default 4 sinks and 16 recent tokens would
-    // fill every read alike, and the check that layers read differently would see nothing.
-    c.kv_selection.infinigen.sink_tokens = 0;
-    c.kv_selection.infinigen.recent_tokens = 0;
     return c;
   }
 
