@@ -543,10 +543,10 @@ Status InfiniGenSelector::OracleSelect(int layer, const ForwardBatch& batch) {
     const int32_t cached = slice.context_len - 1;
     // The layer's rotated queries (the step's own row of kQkv) and every cached key.
     KVFLOW_RETURN_IF_ERROR(backend_.ReadActivationRows(Activation::kQkv, slice.token_offset, 1, qkv_rows_));
-    std::vector<int64_t> slots(static_cast<size_t>(cached));
-    for (int32_t pos = 0; pos < cached; ++pos) slots[static_cast<size_t>(pos)] = SlotOf(slice.block_table, pos, bs);
+    oracle_slots_.resize(static_cast<size_t>(cached));
+    for (int32_t pos = 0; pos < cached; ++pos) oracle_slots_[static_cast<size_t>(pos)] = SlotOf(slice.block_table, pos, bs);
     keys_.resize(static_cast<size_t>(cached) * KV * D);
-    KVFLOW_RETURN_IF_ERROR(backend_.ReadKv(layer, 0, slots, keys_));
+    KVFLOW_RETURN_IF_ERROR(backend_.ReadKv(layer, 0, oracle_slots_, keys_));
     head_scores_.resize(static_cast<size_t>(NH) * cached);
     ParallelFor(cached, [&](int64_t first, int64_t last) {
       for (int h = 0; h < NH; ++h) {

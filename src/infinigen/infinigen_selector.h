@@ -214,6 +214,7 @@ class InfiniGenSelector final : public KvSelector, private LayerHooks {
   // Scratch.
   std::vector<float> qkv_rows_, keys_, scores_, query_, head_scores_;
   std::vector<int32_t> live_, fetched_;
+  std::vector<int64_t> oracle_slots_;
   KvSelectionStats stats_;
 };
 
