@@ -45,7 +45,10 @@ struct Setup {
     layout = {1, (context + kBlock - 1) / kBlock, kKvHeads, kBlock, kHeadDim};
     std::mt19937 rng(7);
     std::normal_distribution<float> normal(0.0f, 1.0f);
-    copies = static_cast<int>(std::max<size_t>(1, kRotateBytes / (4 * layout.layer_stride())));
+    // KVFLOW_BENCH_ROTATE_MIB=0: one copy (cache-resident at small contexts: the kernels' own speed).
+    const char* rotate = std::getenv("KVFLOW_BENCH_ROTATE_MIB");
+    const size_t rotate_bytes = rotate ? static_cast<size_t>(std::atoll(rotate)) << 20 : kRotateBytes;
+    copies = static_cast<int>(std::max<size_t>(1, rotate_bytes / (4 * layout.layer_stride())));
     keys.resize(layout.layer_stride() * copies);
     values.resize(layout.layer_stride() * copies);
     for (auto* pool : {&keys, &values}) {

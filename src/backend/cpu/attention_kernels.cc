@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "backend/cpu/cpu_features.h"
 #include "util/half.h"
@@ -38,13 +39,32 @@ constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.33345190
 
 // ---- portable ----
 
-void ScoresPortable(const float* q, int rows, const float* k, int n, int D, float scale, float* s, int ld) {
+constexpr int kChunk = kAttentionChunkKeys;
+
+template <typename T>
+float Widen(T x) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    return HalfBitsToFloat(x);
+  } else {
+    return x;
+  }
+}
+
+template <typename T>
+void PackKeysPortable(const T* const* rows, int D, float* kt) {
+  for (int j = 0; j < kChunk; ++j) {
+    for (int d = 0; d < D; ++d) kt[d * kChunk + j] = Widen(rows[j][d]);
+  }
+}
+
+void ScoresPortable(const float* q, int rows, const float* kt, int D, float scale, float* s, int ld) {
   for (int r = 0; r < rows; ++r) {
-    for (int j = 0; j < n; ++j) {
-      float dot = 0.0f;
-      for (int d = 0; d < D; ++d) dot += q[r * D + d] * k[j * D + d];
-      s[r * ld + j] = dot * scale;
+    float acc[kChunk] = {};
+    for (int d = 0; d < D; ++d) {
+      const float x = q[r * D + d];
+      for (int j = 0; j < kChunk; ++j) acc[j] = std::fma(x, kt[d * kChunk + j], acc[j]);
     }
+    for (int j = 0; j < kChunk; ++j) s[r * ld + j] = acc[j] * scale;
   }
 }
 
@@ -64,11 +84,12 @@ float ExpAndSumPortable(float* s, int n, float max) {
   return sum;
 }
 
-void AccumulatePortable(const float* p, int rows, int ld, const float* v, int n, int D, float* o) {
+template <typename T>
+void AccumulatePortable(const float* p, int rows, int ld, const T* const* v, int n, int D, float* o) {
   for (int r = 0; r < rows; ++r) {
     for (int j = 0; j < n; ++j) {
       const float w = p[r * ld + j];
-      for (int d = 0; d < D; ++d) o[r * D + d] += w * v[j * D + d];
+      for (int d = 0; d < D; ++d) o[r * D + d] = std::fma(w, Widen(v[j][d]), o[r * D + d]);
     }
   }
 }
@@ -79,13 +100,6 @@ void HalfToFloatPortable(const uint16_t* src, float* dst, int64_t n) {
 
 // ---- AVX2 (8 lanes) ----
 
-// Sums of four vectors, lane i of the result = sum of vector i: the same operations for each
-// vector, so a key's score does not depend on the keys beside it.
-KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE __m128 Sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
-}
-
 KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE float HorizontalSum(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -93,60 +107,78 @@ KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE float HorizontalSum(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 
-KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE void StoreScores(__m128 sums, float scale, float* s, int count) {
-  sums = _mm_mul_ps(sums, _mm_set1_ps(scale));
-  if (count >= 4) {
-    _mm_storeu_ps(s, sums);
-  } else {
-    float tmp[4];
-    _mm_storeu_ps(tmp, sums);
-    for (int i = 0; i < count; ++i) s[i] = tmp[i];
+// Eight elements of a K or V row as fp32.
+KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE __m256 Load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+
+// r[i] (row i of an 8 x 8 block) becomes column i.
+KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE void Transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  // u[4 * half + k]: element 4 * lane + k of rows 4 * half .. 4 * half + 3, in each 128-bit lane.
+  for (int half = 0; half < 2; ++half) {
+    const __m256d a = _mm256_castps_pd(t[4 * half]), b = _mm256_castps_pd(t[4 * half + 1]);
+    const __m256d c = _mm256_castps_pd(t[4 * half + 2]), d = _mm256_castps_pd(t[4 * half + 3]);
+    u[4 * half + 0] = _mm256_castpd_ps(_mm256_unpacklo_pd(a, c));
+    u[4 * half + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a, c));
+    u[4 * half + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(b, d));
+    u[4 * half + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(b, d));
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+    r[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
   }
 }
 
-// Two query rows against four keys per step (8 accumulators): each key row loaded once for both.
-KVFLOW_TARGET_AVX2 void ScoresAvx2(const float* q, int rows, const float* k, int n, int D, float scale, float* s,
-                                   int ld) {
+template <typename T>
+KVFLOW_TARGET_AVX2 void PackKeysAvx2(const T* const* rows, int D, float* kt) {
+  for (int j = 0; j < kChunk; j += 8) {
+    for (int d = 0; d < D; d += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = Load8(rows[j + i] + d);
+      Transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d + i) * kChunk + j, r[i]);
+    }
+  }
+}
+
+// RB query rows x 32 keys per pass (RB * 4 accumulators, each one key group's FMA chain over d).
+template <int RB>
+KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE void ScoreRowsAvx2(const float* q, const float* kt, int D, float scale,
+                                                           float* s, int ld) {
+  for (int half = 0; half < kChunk; half += 32) {
+    __m256 a[RB][4];
+    for (int i = 0; i < RB; ++i) {
+      for (int t = 0; t < 4; ++t) a[i][t] = _mm256_setzero_ps();
+    }
+    for (int d = 0; d < D; ++d) {
+      const float* k = kt + d * kChunk + half;
+      const __m256 k0 = _mm256_loadu_ps(k), k1 = _mm256_loadu_ps(k + 8);
+      const __m256 k2 = _mm256_loadu_ps(k + 16), k3 = _mm256_loadu_ps(k + 24);
+      for (int i = 0; i < RB; ++i) {
+        const __m256 x = _mm256_broadcast_ss(q + i * D + d);
+        a[i][0] = _mm256_fmadd_ps(x, k0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(x, k1, a[i][1]);
+        a[i][2] = _mm256_fmadd_ps(x, k2, a[i][2]);
+        a[i][3] = _mm256_fmadd_ps(x, k3, a[i][3]);
+      }
+    }
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int i = 0; i < RB; ++i) {
+      for (int t = 0; t < 4; ++t) _mm256_storeu_ps(s + i * ld + half + 8 * t, _mm256_mul_ps(a[i][t], sc));
+    }
+  }
+}
+
+KVFLOW_TARGET_AVX2 void ScoresAvx2(const float* q, int rows, const float* kt, int D, float scale, float* s, int ld) {
   int r = 0;
-  for (; r + 2 <= rows; r += 2) {
-    const float* q0 = q + r * D;
-    const float* q1 = q0 + D;
-    for (int j = 0; j < n; j += 4) {
-      const float* k0 = k + j * D;
-      __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-      __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-      for (int d = 0; d < D; d += 8) {
-        const __m256 x0 = _mm256_loadu_ps(q0 + d), x1 = _mm256_loadu_ps(q1 + d);
-        const __m256 y0 = _mm256_loadu_ps(k0 + d), y1 = _mm256_loadu_ps(k0 + D + d);
-        const __m256 y2 = _mm256_loadu_ps(k0 + 2 * D + d), y3 = _mm256_loadu_ps(k0 + 3 * D + d);
-        a00 = _mm256_fmadd_ps(x0, y0, a00);
-        a01 = _mm256_fmadd_ps(x0, y1, a01);
-        a02 = _mm256_fmadd_ps(x0, y2, a02);
-        a03 = _mm256_fmadd_ps(x0, y3, a03);
-        a10 = _mm256_fmadd_ps(x1, y0, a10);
-        a11 = _mm256_fmadd_ps(x1, y1, a11);
-        a12 = _mm256_fmadd_ps(x1, y2, a12);
-        a13 = _mm256_fmadd_ps(x1, y3, a13);
-      }
-      StoreScores(Sum4(a00, a01, a02, a03), scale, s + r * ld + j, n - j);
-      StoreScores(Sum4(a10, a11, a12, a13), scale, s + (r + 1) * ld + j, n - j);
-    }
-  }
-  for (; r < rows; ++r) {
-    const float* q0 = q + r * D;
-    for (int j = 0; j < n; j += 4) {
-      const float* k0 = k + j * D;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int d = 0; d < D; d += 8) {
-        const __m256 x0 = _mm256_loadu_ps(q0 + d);
-        a0 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k0 + d), a0);
-        a1 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k0 + D + d), a1);
-        a2 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k0 + 2 * D + d), a2);
-        a3 = _mm256_fmadd_ps(x0, _mm256_loadu_ps(k0 + 3 * D + d), a3);
-      }
-      StoreScores(Sum4(a0, a1, a2, a3), scale, s + r * ld + j, n - j);
-    }
-  }
+  for (; r + 2 <= rows; r += 2) ScoreRowsAvx2<2>(q + r * D, kt, D, scale, s + r * ld, ld);
+  if (r < rows) ScoreRowsAvx2<1>(q + r * D, kt, D, scale, s + r * ld, ld);
 }
 
 KVFLOW_TARGET_AVX2 float RowMaxAvx2(const float* s, int n) {
@@ -189,10 +221,11 @@ KVFLOW_TARGET_AVX2 float ExpAndSumAvx2(float* s, int n, float max) {
 }
 
 // RB rows x 16 columns of the output in registers per pass over the keys: RB * 2 independent FMA
-// chains, so a decode tile (one token's group of query heads) is not bound by FMA latency.
-template <int RB>
-KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE void AccumulateRowsAvx2(const float* p, int ld, const float* v, int n, int D,
-                                                                float* o) {
+// chains, so a decode tile (one token's group of query heads) is not bound by FMA latency. Value
+// rows are widened as they are loaded.
+template <int RB, typename T>
+KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE void AccumulateRowsAvx2(const float* p, int ld, const T* const* v, int n,
+                                                                int D, float* o) {
   for (int d = 0; d < D; d += 16) {
     const bool two = d + 16 <= D;
     __m256 c[RB][2];
@@ -201,8 +234,8 @@ KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE void AccumulateRowsAvx2(const float* p, 
       c[i][1] = two ? _mm256_loadu_ps(o + i * D + d + 8) : _mm256_setzero_ps();
     }
     for (int j = 0; j < n; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(v + j * D + d);
-      const __m256 v1 = two ? _mm256_loadu_ps(v + j * D + d + 8) : _mm256_setzero_ps();
+      const __m256 v0 = Load8(v[j] + d);
+      const __m256 v1 = two ? Load8(v[j] + d + 8) : _mm256_setzero_ps();
       for (int i = 0; i < RB; ++i) {
         const __m256 w = _mm256_broadcast_ss(p + i * ld + j);
         c[i][0] = _mm256_fmadd_ps(w, v0, c[i][0]);
@@ -216,7 +249,8 @@ KVFLOW_TARGET_AVX2 KVFLOW_ALWAYS_INLINE void AccumulateRowsAvx2(const float* p, 
   }
 }
 
-KVFLOW_TARGET_AVX2 void AccumulateAvx2(const float* p, int rows, int ld, const float* v, int n, int D, float* o) {
+template <typename T>
+KVFLOW_TARGET_AVX2 void AccumulateAvx2(const float* p, int rows, int ld, const T* const* v, int n, int D, float* o) {
   for (int r = 0; r < rows; r += 4) {
     const float* pr = p + r * ld;
     float* orow = o + r * D;
@@ -239,57 +273,93 @@ KVFLOW_TARGET_AVX2 void HalfToFloatAvx2(const uint16_t* src, float* dst, int64_t
 
 // ---- AVX-512 (16 lanes) ----
 
-KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE __m256 Fold256(__m512 a) {
-  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+// Sixteen elements of a K or V row as fp32.
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE __m512 Load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
 
-KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE __m128 Sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  const __m256 b0 = Fold256(a0), b1 = Fold256(a1), b2 = Fold256(a2), b3 = Fold256(a3);
-  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
-  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
-}
-
-KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void StoreScores512(__m128 sums, float scale, float* s, int count) {
-  sums = _mm_mul_ps(sums, _mm_set1_ps(scale));
-  _mm_mask_storeu_ps(s, static_cast<__mmask8>((1u << std::min(count, 4)) - 1), sums);
-}
-
-// RB query rows against four keys per step (RB * 4 accumulators): each key vector loaded once for
-// all RB rows. Every score is the same chain of FMAs and the same Sum4 whatever RB is.
-template <int RB>
-KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void ScoreRowsAvx512(const float* q, const float* k, int n, int D,
-                                                               float scale, float* s, int ld) {
-  for (int j = 0; j < n; j += 4) {
-    const float* k0 = k + j * D;
-    __m512 a[RB][4];
-    for (int i = 0; i < RB; ++i) {
-      for (int t = 0; t < 4; ++t) a[i][t] = _mm512_setzero_ps();
-    }
-    for (int d = 0; d < D; d += 16) {
-      const __m512 y0 = _mm512_loadu_ps(k0 + d), y1 = _mm512_loadu_ps(k0 + D + d);
-      const __m512 y2 = _mm512_loadu_ps(k0 + 2 * D + d), y3 = _mm512_loadu_ps(k0 + 3 * D + d);
-      for (int i = 0; i < RB; ++i) {
-        const __m512 x = _mm512_loadu_ps(q + i * D + d);
-        a[i][0] = _mm512_fmadd_ps(x, y0, a[i][0]);
-        a[i][1] = _mm512_fmadd_ps(x, y1, a[i][1]);
-        a[i][2] = _mm512_fmadd_ps(x, y2, a[i][2]);
-        a[i][3] = _mm512_fmadd_ps(x, y3, a[i][3]);
-      }
-    }
-    for (int i = 0; i < RB; ++i) StoreScores512(Sum4(a[i][0], a[i][1], a[i][2], a[i][3]), scale, s + i * ld + j, n - j);
+// r[i] (row i of a 16 x 16 block) becomes column i.
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void Transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  // u[4 * quad + k]: element 4 * lane + k of rows 4 * quad .. 4 * quad + 3, in each 128-bit lane.
+  for (int quad = 0; quad < 4; ++quad) {
+    const __m512d a = _mm512_castps_pd(t[4 * quad]), b = _mm512_castps_pd(t[4 * quad + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * quad + 2]), d = _mm512_castps_pd(t[4 * quad + 3]);
+    u[4 * quad + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[4 * quad + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[4 * quad + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[4 * quad + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int k = 0; k < 4; ++k) {
+    // Lanes 0 and 2 (0x88) or 1 and 3 (0xdd) of rows 0-7, then of rows 8-15.
+    const __m512 even_lo = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);
+    const __m512 odd_lo = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xdd);
+    const __m512 even_hi = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+    const __m512 odd_hi = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xdd);
+    r[k] = _mm512_shuffle_f32x4(even_lo, even_hi, 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(even_lo, even_hi, 0xdd);
+    r[4 + k] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0x88);
+    r[12 + k] = _mm512_shuffle_f32x4(odd_lo, odd_hi, 0xdd);
   }
 }
 
-KVFLOW_TARGET_AVX512 void ScoresAvx512(const float* q, int rows, const float* k, int n, int D, float scale, float* s,
+template <typename T>
+KVFLOW_TARGET_AVX512 void PackKeysAvx512(const T* const* rows, int D, float* kt) {
+  for (int j = 0; j < kChunk; j += 16) {
+    for (int d = 0; d < D; d += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = Load16(rows[j + i] + d);
+      Transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (d + i) * kChunk + j, r[i]);
+    }
+  }
+}
+
+// RB query rows x the chunk's 64 keys (RB * 4 accumulators, each a key group's FMA chain over d):
+// each packed key vector is loaded once for all RB rows.
+template <int RB>
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void ScoreRowsAvx512(const float* q, const float* kt, int D, float scale,
+                                                               float* s, int ld) {
+  static_assert(kChunk == 64);
+  __m512 a[RB][4];
+  for (int i = 0; i < RB; ++i) {
+    for (int t = 0; t < 4; ++t) a[i][t] = _mm512_setzero_ps();
+  }
+  for (int d = 0; d < D; ++d) {
+    const float* k = kt + d * kChunk;
+    const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16);
+    const __m512 k2 = _mm512_loadu_ps(k + 32), k3 = _mm512_loadu_ps(k + 48);
+    for (int i = 0; i < RB; ++i) {
+      const __m512 x = _mm512_set1_ps(q[i * D + d]);
+      a[i][0] = _mm512_fmadd_ps(x, k0, a[i][0]);
+      a[i][1] = _mm512_fmadd_ps(x, k1, a[i][1]);
+      a[i][2] = _mm512_fmadd_ps(x, k2, a[i][2]);
+      a[i][3] = _mm512_fmadd_ps(x, k3, a[i][3]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int i = 0; i < RB; ++i) {
+    for (int t = 0; t < 4; ++t) _mm512_storeu_ps(s + i * ld + 16 * t, _mm512_mul_ps(a[i][t], sc));
+  }
+}
+
+KVFLOW_TARGET_AVX512 void ScoresAvx512(const float* q, int rows, const float* kt, int D, float scale, float* s,
                                        int ld) {
-  for (int r = 0; r < rows; r += 4) {
+  for (int r = 0; r < rows; r += 6) {
     const float* qr = q + r * D;
     float* sr = s + r * ld;
-    switch (std::min(4, rows - r)) {
-      case 4: ScoreRowsAvx512<4>(qr, k, n, D, scale, sr, ld); break;
-      case 3: ScoreRowsAvx512<3>(qr, k, n, D, scale, sr, ld); break;
-      case 2: ScoreRowsAvx512<2>(qr, k, n, D, scale, sr, ld); break;
-      default: ScoreRowsAvx512<1>(qr, k, n, D, scale, sr, ld); break;
+    switch (std::min(6, rows - r)) {
+      case 6: ScoreRowsAvx512<6>(qr, kt, D, scale, sr, ld); break;
+      case 5: ScoreRowsAvx512<5>(qr, kt, D, scale, sr, ld); break;
+      case 4: ScoreRowsAvx512<4>(qr, kt, D, scale, sr, ld); break;
+      case 3: ScoreRowsAvx512<3>(qr, kt, D, scale, sr, ld); break;
+      case 2: ScoreRowsAvx512<2>(qr, kt, D, scale, sr, ld); break;
+      default: ScoreRowsAvx512<1>(qr, kt, D, scale, sr, ld); break;
     }
   }
 }
@@ -331,9 +401,9 @@ KVFLOW_TARGET_AVX512 float ExpAndSumAvx512(float* s, int n, float max) {
 }
 
 // RB rows x 64 columns of the output in registers (RB * 4 accumulators, independent FMA chains)
-// per pass over the keys.
-template <int RB>
-KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void AccumulateRowsAvx512(const float* p, int ld, const float* v, int n,
+// per pass over the keys; value rows widened as they are loaded.
+template <int RB, typename T>
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void AccumulateRowsAvx512(const float* p, int ld, const T* const* v, int n,
                                                                     int D, float* o) {
   for (int d = 0; d < D; d += 64) {
     const int width = std::min(4, (D - d) / 16);
@@ -343,9 +413,8 @@ KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void AccumulateRowsAvx512(const float*
     }
     if (width == 4) {
       for (int j = 0; j < n; ++j) {
-        const float* vj = v + j * D + d;
-        const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
-        const __m512 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
+        const T* vj = v[j] + d;
+        const __m512 v0 = Load16(vj), v1 = Load16(vj + 16), v2 = Load16(vj + 32), v3 = Load16(vj + 48);
         for (int i = 0; i < RB; ++i) {
           const __m512 w = _mm512_set1_ps(p[i * ld + j]);
           c[i][0] = _mm512_fmadd_ps(w, v0, c[i][0]);
@@ -357,7 +426,7 @@ KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void AccumulateRowsAvx512(const float*
     } else {
       for (int j = 0; j < n; ++j) {
         for (int w = 0; w < width; ++w) {
-          const __m512 vw = _mm512_loadu_ps(v + j * D + d + 16 * w);
+          const __m512 vw = Load16(v[j] + d + 16 * w);
           for (int i = 0; i < RB; ++i) c[i][w] = _mm512_fmadd_ps(_mm512_set1_ps(p[i * ld + j]), vw, c[i][w]);
         }
       }
@@ -368,11 +437,15 @@ KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void AccumulateRowsAvx512(const float*
   }
 }
 
-KVFLOW_TARGET_AVX512 void AccumulateAvx512(const float* p, int rows, int ld, const float* v, int n, int D, float* o) {
-  for (int r = 0; r < rows; r += 4) {
+template <typename T>
+KVFLOW_TARGET_AVX512 void AccumulateAvx512(const float* p, int rows, int ld, const T* const* v, int n, int D,
+                                           float* o) {
+  for (int r = 0; r < rows; r += 6) {
     const float* pr = p + r * ld;
     float* orow = o + r * D;
-    switch (std::min(4, rows - r)) {
+    switch (std::min(6, rows - r)) {
+      case 6: AccumulateRowsAvx512<6>(pr, ld, v, n, D, orow); break;
+      case 5: AccumulateRowsAvx512<5>(pr, ld, v, n, D, orow); break;
       case 4: AccumulateRowsAvx512<4>(pr, ld, v, n, D, orow); break;
       case 3: AccumulateRowsAvx512<3>(pr, ld, v, n, D, orow); break;
       case 2: AccumulateRowsAvx512<2>(pr, ld, v, n, D, orow); break;
@@ -389,11 +462,21 @@ KVFLOW_TARGET_AVX512 void HalfToFloatAvx512(const uint16_t* src, float* dst, int
   for (; i < n; ++i) dst[i] = HalfBitsToFloat(src[i]);
 }
 
-constexpr AttentionKernels kPortable{"portable", ScoresPortable, RowMaxPortable, ExpAndSumPortable,
-                                     AccumulatePortable, HalfToFloatPortable};
-constexpr AttentionKernels kAvx2{"avx2", ScoresAvx2, RowMaxAvx2, ExpAndSumAvx2, AccumulateAvx2, HalfToFloatAvx2};
-constexpr AttentionKernels kAvx512{"avx512", ScoresAvx512, RowMaxAvx512, ExpAndSumAvx512, AccumulateAvx512,
-                                   HalfToFloatAvx512};
+constexpr AttentionKernels kPortable{"portable",
+                                     PackKeysPortable<uint16_t>,
+                                     PackKeysPortable<float>,
+                                     ScoresPortable,
+                                     RowMaxPortable,
+                                     ExpAndSumPortable,
+                                     AccumulatePortable<uint16_t>,
+                                     AccumulatePortable<float>,
+                                     HalfToFloatPortable};
+constexpr AttentionKernels kAvx2{"avx2",          PackKeysAvx2<uint16_t>,   PackKeysAvx2<float>,
+                                 ScoresAvx2,      RowMaxAvx2,               ExpAndSumAvx2,
+                                 AccumulateAvx2<uint16_t>, AccumulateAvx2<float>, HalfToFloatAvx2};
+constexpr AttentionKernels kAvx512{"avx512",          PackKeysAvx512<uint16_t>,   PackKeysAvx512<float>,
+                                   ScoresAvx512,      RowMaxAvx512,               ExpAndSumAvx512,
+                                   AccumulateAvx512<uint16_t>, AccumulateAvx512<float>, HalfToFloatAvx512};
 
 enum class Level { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 
