@@ -238,27 +238,42 @@ const E* ZeroRow() {
   return zeros;
 }
 
-// Row pointers of a chunk's K or V (view entries first .. first + n of one KV head), padded to
-// kChunk with the zero row; q4 rows are dequantized into `dequantized` (n x head_dim).
+// Row pointers of a chunk's K and V (view entries first .. first + n of one KV head), padded to
+// kChunk with the zero row; q4 rows are dequantized into key_buffer / value_buffer (n x head_dim).
+// Slots are resolved to blocks once per run of consecutive slots in a block (a division per run,
+// not per key).
 template <typename T>
-void ChunkRows(const AttentionContext<T>& c, const T* cache, int kv_head, const int64_t* slots, int n,
-               float* dequantized, const RowElement<T>** rows) {
+void ChunkRows(const AttentionContext<T>& c, int kv_head, const int64_t* slots, int n, float* key_buffer,
+               float* value_buffer, const RowElement<T>** key_rows, const RowElement<T>** value_rows) {
   const int D = c.layout.head_dim;
   const int bs = c.layout.block_size;
   const RowElement<T>* zero = ZeroRow<RowElement<T>>();
-  for (int j = 0; j < kChunk; ++j) {
-    if (j >= n || slots[j] < 0) {
-      rows[j] = zero;
+  int j = 0;
+  while (j < n) {
+    const int64_t slot = slots[j];
+    if (slot < 0) {
+      key_rows[j] = value_rows[j] = zero;
+      ++j;
       continue;
     }
-    const size_t element = c.layout.offset(static_cast<int>(slots[j] / bs), kv_head, static_cast<int>(slots[j] % bs));
-    if constexpr (std::is_same_v<T, Q4Group>) {
-      DequantizeQ4(cache + element / kQ4GroupSize, D, dequantized + static_cast<size_t>(j) * D);
-      rows[j] = dequantized + static_cast<size_t>(j) * D;
-    } else {
-      rows[j] = cache + element;
+    const int offset = static_cast<int>(slot % bs);
+    int run = 1;
+    while (j + run < n && offset + run < bs && slots[j + run] == slot + run) ++run;
+    const size_t element = c.layout.offset(static_cast<int>(slot / bs), kv_head, offset);
+    for (int i = 0; i < run; ++i, ++j) {
+      const size_t at = element + static_cast<size_t>(i) * D;
+      if constexpr (std::is_same_v<T, Q4Group>) {
+        DequantizeQ4(c.key_cache + at / kQ4GroupSize, D, key_buffer + static_cast<size_t>(j) * D);
+        DequantizeQ4(c.value_cache + at / kQ4GroupSize, D, value_buffer + static_cast<size_t>(j) * D);
+        key_rows[j] = key_buffer + static_cast<size_t>(j) * D;
+        value_rows[j] = value_buffer + static_cast<size_t>(j) * D;
+      } else {
+        key_rows[j] = c.key_cache + at;
+        value_rows[j] = c.value_cache + at;
+      }
     }
   }
+  for (; j < kChunk; ++j) key_rows[j] = value_rows[j] = zero;
 }
 
 // Bytes of `elements` consecutive elements of a pool of T.
@@ -328,8 +343,7 @@ void AttendPartition(const AttentionContext<T>& c, const Tile& tile, int kv_head
     const int n = std::min(kChunk, end - start);
     prefetch(start + kPrefetchChunks * kChunk);
     if (start + n <= tile.first_key) continue;  // before every row's window
-    ChunkRows(c, c.key_cache, kv_head, slots + start, n, scratch.keys.data(), key_rows);
-    ChunkRows(c, c.value_cache, kv_head, slots + start, n, scratch.values.data(), value_rows);
+    ChunkRows(c, kv_head, slots + start, n, scratch.keys.data(), scratch.values.data(), key_rows, value_rows);
     if constexpr (std::is_same_v<RowElement<T>, uint16_t>) {
       c.kernels.pack_keys_f16(key_rows, D, scratch.packed_keys.data());
     } else {
