@@ -3,6 +3,7 @@
 //   BM_Decode/CONTEXT/THREADS        one sequence decoding one token over CONTEXT cached tokens
 //   BM_Prefill/PAST/THREADS          a 512-token prefill chunk after PAST cached tokens
 //   BM_Verify/CONTEXT/THREADS/N      N tokens (a token and its drafts) verified at the end of CONTEXT
+//   BM_ReadBandwidth/THREADS         the machine's read bandwidth (the decode rows' roofline)
 // The KV pools rotate through copies larger than the last-level cache, as a model's layers do, so
 // decode reads them from memory. Reported: KV bytes read per second (decode reads every cached K and V row once per step, so this
 // is its roofline measure) and GFLOP/s (4 * query heads * head_dim per query-key pair: the two
@@ -18,6 +19,7 @@
 #include <random>
 #include <vector>
 
+#include "bench_timing.h"
 #include "backend/cpu/attention_kernels.h"
 #include "backend/cpu/paged_attention.h"
 #include "util/half.h"
@@ -116,6 +118,15 @@ void BM_Verify(benchmark::State& state) {
   Measure(state, context - fresh, fresh, int64_t{2} * context * kKvHeads * kHeadDim * 2);
 }
 
+// The machine's read bandwidth on THREADS threads (bench_timing.h: every thread sums its share of a
+// buffer far larger than the caches): decode's KV_GB/s over this is its share of the roofline.
+void BM_ReadBandwidth(benchmark::State& state) {
+  double gbps = 0.0;
+  for (auto _ : state) gbps = bench::MeasureReadBandwidth(static_cast<int>(state.range(0)));
+  state.counters["read_GB/s"] = gbps;
+}
+
+BENCHMARK(BM_ReadBandwidth)->Arg(1)->Arg(2)->Iterations(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Decode)->ArgsProduct({{1024, 4096, 8192}, {1, 2}})->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_Prefill)->ArgsProduct({{0, 3584}, {1, 2}})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Verify)->ArgsProduct({{8192}, {2}, {1, 5, 9}})->Unit(benchmark::kMicrosecond)->UseRealTime();

@@ -320,12 +320,11 @@ KVFLOW_TARGET_AVX512 void PackKeysAvx512(const T* const* rows, int D, float* kt)
   }
 }
 
-// RB query rows x the chunk's 64 keys (RB * 4 accumulators, each a key group's FMA chain over d):
-// each packed key vector is loaded once for all RB rows.
+// RB query rows x 64 keys of the packed chunk (RB * 4 accumulators, each a key group's FMA chain
+// over d): each packed key vector is loaded once for all RB rows.
 template <int RB>
-KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void ScoreRowsAvx512(const float* q, const float* kt, int D, float scale,
-                                                               float* s, int ld) {
-  static_assert(kChunk == 64);
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void ScoreRows64Avx512(const float* q, const float* kt, int D, float scale,
+                                                                 float* s, int ld) {
   __m512 a[RB][4];
   for (int i = 0; i < RB; ++i) {
     for (int t = 0; t < 4; ++t) a[i][t] = _mm512_setzero_ps();
@@ -346,6 +345,13 @@ KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void ScoreRowsAvx512(const float* q, c
   for (int i = 0; i < RB; ++i) {
     for (int t = 0; t < 4; ++t) _mm512_storeu_ps(s + i * ld + 16 * t, _mm512_mul_ps(a[i][t], sc));
   }
+}
+
+template <int RB>
+KVFLOW_TARGET_AVX512 KVFLOW_ALWAYS_INLINE void ScoreRowsAvx512(const float* q, const float* kt, int D, float scale,
+                                                               float* s, int ld) {
+  static_assert(kChunk % 64 == 0);
+  for (int first = 0; first < kChunk; first += 64) ScoreRows64Avx512<RB>(q, kt + first, D, scale, s + first, ld);
 }
 
 KVFLOW_TARGET_AVX512 void ScoresAvx512(const float* q, int rows, const float* kt, int D, float scale, float* s,

@@ -15,7 +15,7 @@ namespace kvflow::cpu {
 
 // Keys per chunk: a chunk's keys are packed for the score kernel and its scores rows are this long.
 // A multiple of 16 (one AVX-512 vector of scores).
-constexpr int kAttentionChunkKeys = 64;
+constexpr int kAttentionChunkKeys = 128;
 
 // How every path computes a score, so that all of them (and every tiling) give the same bits:
 // score(r, j) = scale * fma(q[D-1], k[D-1], ... fma(q[1], k[1], fma(q[0], k[0], 0))), one fused
