@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
+#include <iterator>
 #include <fstream>
 #include <map>
 #include <numeric>
@@ -26,7 +28,12 @@
 #include "kvflow/engine.h"
 #include "model/tensor_source.h"
 #include "model/tiny_random.h"
+#include "backend/backend_factory.h"
+#include "forward/llama_model.h"
+#include "kvflow/models.h"
+#include "s3/plugin.h"
 #include "sched/length_predictor.h"
+#include "sched/length_probe.h"
 #include "util/alpaca.h"
 
 namespace {
@@ -785,6 +792,512 @@ int RunEval(const EvalOptions& opt, const std::string& command) {
   return 0;
 }
 
+// ---- hidden states and the probe --------------------------------------------------------------
+
+// Last-token hidden states of labelled prompts, as `hidden` writes them: "KVFLOWHS", u64 header
+// length, a JSON header (model, fingerprint, hidden size, and per prompt its index, output length
+// and prompt tokens, in the label file's index order), then float32 [prompts][hidden].
+constexpr char kHiddenMagic[8] = {'K', 'V', 'F', 'L', 'O', 'W', 'H', 'S'};
+
+struct HiddenDump {
+  Json header;
+  int64_t hidden_size = 0;
+  std::vector<int64_t> indices;
+  std::vector<int64_t> output_lens;
+  std::vector<float> rows;  // [indices.size()][hidden_size]
+  std::span<const float> Row(size_t i) const {
+    return {rows.data() + i * static_cast<size_t>(hidden_size), static_cast<size_t>(hidden_size)};
+  }
+};
+
+Status WriteHiddenDump(const std::string& path, const Json& header, const std::vector<float>& rows) {
+  const std::string text = header.dump();
+  std::string bytes(kHiddenMagic, sizeof(kHiddenMagic));
+  const uint64_t len = text.size();
+  bytes.append(reinterpret_cast<const char*>(&len), sizeof(len));
+  bytes += text;
+  bytes.append(reinterpret_cast<const char*>(rows.data()), rows.size() * sizeof(float));
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) return Status::IoError("cannot write " + path);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  out.close();
+  return out ? Status::Ok() : Status::IoError("error writing " + path);
+}
+
+Result<HiddenDump> ReadHiddenDump(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::NotFound("cannot open " + path);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto corrupt = [&](const std::string& why) { return Status::CorruptFile(path + ": " + why); };
+  if (bytes.size() < sizeof(kHiddenMagic) + 8 || std::memcmp(bytes.data(), kHiddenMagic, sizeof(kHiddenMagic)) != 0) {
+    return corrupt("not a hidden-state dump");
+  }
+  uint64_t len = 0;
+  std::memcpy(&len, bytes.data() + sizeof(kHiddenMagic), sizeof(len));
+  const size_t begin = sizeof(kHiddenMagic) + sizeof(len);
+  if (len > bytes.size() - begin) return corrupt("header runs past the end");
+  HiddenDump d;
+  try {
+    d.header = Json::parse(bytes.begin() + static_cast<std::ptrdiff_t>(begin),
+                           bytes.begin() + static_cast<std::ptrdiff_t>(begin + len));
+    d.hidden_size = d.header.at("hidden_size").get<int64_t>();
+    d.indices = d.header.at("indices").get<std::vector<int64_t>>();
+    d.output_lens = d.header.at("output_len").get<std::vector<int64_t>>();
+  } catch (const Json::exception& e) {
+    return corrupt(e.what());
+  }
+  const size_t n = d.indices.size();
+  if (d.hidden_size <= 0 || d.output_lens.size() != n ||
+      bytes.size() - begin - len != n * static_cast<size_t>(d.hidden_size) * sizeof(float)) {
+    return corrupt("sizes do not match the header");
+  }
+  d.rows.resize(n * static_cast<size_t>(d.hidden_size));
+  std::memcpy(d.rows.data(), bytes.data() + begin + len, d.rows.size() * sizeof(float));
+  return d;
+}
+
+struct HiddenOptions {
+  std::string dataset;
+  std::string model = "smollm2-135m";
+  bool chat = false;
+  std::string out;
+  int threads = 2;
+  int batch_tokens = 2048;
+};
+
+// Runs the prefill of every labelled prompt (several per pass, each with its own blocks) and keeps
+// the final-norm hidden state of its last token, the row the LM head reads for the first output.
+int RunHidden(const HiddenOptions& opt, const std::string& command) {
+  auto fail = [](const Status& st) {
+    spdlog::error("{}", st.ToString());
+    return 1;
+  };
+  auto ds = LoadLabels(opt.dataset);
+  if (!ds.ok()) return fail(ds.status());
+  auto path = kvflow::ResolveModel(opt.model);
+  if (!path.ok()) return fail(path.status());
+  auto files = kvflow::OpenModelFiles(path.value());
+  if (!files.ok()) return fail(files.status());
+  if (!files->tokenizer) return fail(Status::NotFound("no tokenizer in " + path.value()));
+  const kvflow::ModelConfig model_config = files->config;
+  const std::string fingerprint = kvflow::LengthProbeModelFingerprint(model_config, *files->tokenizer);
+  auto renderer = PromptRenderer::Create(*files->tokenizer, opt.chat);
+  if (!renderer.ok()) return fail(renderer.status());
+  std::vector<std::vector<int32_t>> prompts;
+  int64_t longest = 0;
+  for (const Record& r : ds->records) {
+    prompts.push_back(renderer->Tokens(*files->tokenizer, r.prompt));
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(prompts.back().size()));
+  }
+  const int64_t batch_tokens = std::max<int64_t>(opt.batch_tokens, longest);
+
+  kvflow::EngineConfig c;
+  c.model = path.value();
+  c.num_threads = opt.threads;
+  c.max_model_len = static_cast<int>(std::min<int64_t>(longest, model_config.max_position_embeddings));
+  // Every prompt of a pass in its own blocks: at most one partial block per prompt beyond the tokens.
+  c.num_kv_blocks = static_cast<int>(batch_tokens / c.block_size + 256);
+  c.num_host_kv_blocks = 0;
+  auto backend = kvflow::CreateBackendForModel(c, true, files.value());
+  if (!backend.ok()) return fail(backend.status());
+  kvflow::LlamaModel model(*backend.value());
+  const int block_size = backend.value()->kv_layout().block_size;
+  const int num_blocks = backend.value()->kv_layout().num_blocks;
+  const int64_t H = model_config.hidden_size;
+
+  std::vector<float> rows(prompts.size() * static_cast<size_t>(H));
+  std::vector<float> logits;
+  double forward_s = 0, read_s = 0;
+  int64_t prompt_tokens = 0;
+  const auto start = Clock::now();
+  auto last_report = Clock::now();
+  for (size_t first = 0; first < prompts.size();) {
+    kvflow::ForwardBatch batch;
+    int next_block = 0;
+    size_t last = first;
+    while (last < prompts.size()) {
+      const auto& p = prompts[last];
+      const int blocks = static_cast<int>((p.size() + block_size - 1) / block_size);
+      if (last > first && (static_cast<int64_t>(batch.tokens.size() + p.size()) > batch_tokens ||
+                           next_block + blocks > num_blocks)) {
+        break;
+      }
+      kvflow::SequenceSlice s;
+      s.token_offset = static_cast<int32_t>(batch.tokens.size());
+      s.num_tokens = static_cast<int32_t>(p.size());
+      s.context_len = s.num_tokens;
+      s.logits = kvflow::LogitsMode::kLast;
+      for (int b = 0; b < blocks; ++b) s.block_table.push_back(next_block++);
+      for (size_t i = 0; i < p.size(); ++i) {
+        batch.tokens.push_back(p[i]);
+        batch.positions.push_back(static_cast<int32_t>(i));
+      }
+      batch.seqs.push_back(std::move(s));
+      ++last;
+    }
+    auto t0 = Clock::now();
+    if (Status st = model.Forward(batch, logits); !st.ok()) return fail(st);
+    auto t1 = Clock::now();
+    const int64_t n = static_cast<int64_t>(last - first);
+    if (Status st = backend.value()->ReadFinalHidden(
+            0, n, std::span<float>(rows.data() + first * static_cast<size_t>(H), static_cast<size_t>(n * H)));
+        !st.ok()) {
+      return fail(st);
+    }
+    forward_s += std::chrono::duration<double>(t1 - t0).count();
+    read_s += SecondsSince(t1);
+    prompt_tokens += static_cast<int64_t>(batch.tokens.size());
+    first = last;
+    if (SecondsSince(last_report) >= 10) {
+      last_report = Clock::now();
+      spdlog::info("{}/{} prompts, {:.0f} s", first, prompts.size(), SecondsSince(start));
+    }
+  }
+  Json header{{"tool", "kvflow-length-predictor hidden"},
+              {"command", command},
+              {"dataset", opt.dataset},
+              {"chat", opt.chat},
+              {"model", opt.model},
+              {"model_path", path.value()},
+              {"model_fingerprint", fingerprint},
+              {"hidden_size", H},
+              {"vector", "final-norm output of the last prompt token (the LM head's input)"},
+              {"prompts", prompts.size()},
+              {"prompt_tokens", prompt_tokens},
+              {"threads", opt.threads},
+              {"forward_s", forward_s},
+              {"read_hidden_s", read_s},
+              {"read_hidden_us_per_prompt", read_s * 1e6 / static_cast<double>(prompts.size())},
+              {"prefill_ms_per_prompt", forward_s * 1e3 / static_cast<double>(prompts.size())}};
+  std::vector<int64_t> indices, lens, ntok;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    indices.push_back(ds->records[i].index);
+    lens.push_back(*ds->records[i].output_len);
+    ntok.push_back(static_cast<int64_t>(prompts[i].size()));
+  }
+  header["indices"] = indices;
+  header["output_len"] = lens;
+  header["prompt_len"] = ntok;
+  if (Status st = WriteHiddenDump(opt.out, header, rows); !st.ok()) return fail(st);
+  spdlog::info("wrote {}: {} prompts ({} tokens) x {} floats; prefill {:.1f} s ({:.1f} ms per prompt), hidden reads "
+               "{:.2f} us per prompt",
+               opt.out, prompts.size(), prompt_tokens, H, forward_s, forward_s * 1e3 / prompts.size(),
+               read_s * 1e6 / prompts.size());
+  return 0;
+}
+
+struct ProbeOptions {
+  std::string dataset;
+  std::string hidden;
+  std::string model = "smollm2-135m";
+  bool chat = false;
+  int64_t max_output_len = 512;
+  int num_buckets = 10;
+  double test_fraction = 0.2;
+  uint64_t split_seed = 0;
+  double validation_fraction = 0.2;
+  uint64_t seed = 0;
+  std::vector<int> units = {0, 32, 128};
+  std::vector<float> l2s = {1e-3f, 1e-2f, 1e-1f};
+  std::vector<int> epochs = {20, 60};
+  float lr = 1e-3f;
+  int batch_size = 32;
+  // The n-gram predictor's settings, as in length_predictor_alpaca_smollm2_512.
+  int ngram_epochs = 10;
+  float ngram_lr = 1.0f;
+  float ngram_l2 = 0.0f;
+  std::string out;
+  std::string report;
+  std::string tag = "smollm2";
+};
+
+// Mean |predicted - true| bucket over every example (a hit counts 0).
+double MeanBucketDistance(const kvflow::LengthEvaluation& ev) {
+  double sum = 0;
+  for (size_t t = 0; t < ev.confusion.size(); ++t) {
+    for (size_t p = 0; p < ev.confusion[t].size(); ++p) {
+      sum += static_cast<double>(ev.confusion[t][p]) * std::abs(static_cast<double>(t) - static_cast<double>(p));
+    }
+  }
+  return ev.examples > 0 ? sum / static_cast<double>(ev.examples) : 0.0;
+}
+
+Json ProbeEvaluationJson(const kvflow::LengthEvaluation& ev, const kvflow::LengthBuckets& buckets) {
+  Json j = EvaluationJson(ev, buckets);
+  j["mean_bucket_distance"] = MeanBucketDistance(ev);
+  return j;
+}
+
+// The same held-out split as `train`: positions of the label file's records (sorted by index),
+// shuffled by the split seed, the first test_fraction tested; the validation part is carved from
+// the rest as `train` does.
+struct Split {
+  std::vector<size_t> train, valid, test;
+};
+Split MakeSplit(size_t n, double test_fraction, uint64_t split_seed, double validation_fraction) {
+  std::vector<size_t> shuffled = Iota(n);
+  FisherYates(shuffled, split_seed);
+  const size_t num_test = static_cast<size_t>(std::llround(test_fraction * static_cast<double>(n)));
+  Split s;
+  s.test.assign(shuffled.begin(), shuffled.begin() + static_cast<std::ptrdiff_t>(num_test));
+  s.train.assign(shuffled.begin() + static_cast<std::ptrdiff_t>(num_test), shuffled.end());
+  if (validation_fraction > 0) {
+    std::vector<size_t> rest = s.train;
+    std::sort(rest.begin(), rest.end());
+    FisherYates(rest, split_seed + 1);
+    const size_t num_valid = static_cast<size_t>(std::llround(validation_fraction * static_cast<double>(rest.size())));
+    s.valid.assign(rest.begin(), rest.begin() + static_cast<std::ptrdiff_t>(num_valid));
+  }
+  for (auto* v : {&s.test, &s.train, &s.valid}) std::sort(v->begin(), v->end());
+  return s;
+}
+
+std::vector<size_t> Without(const std::vector<size_t>& all, const std::vector<size_t>& remove) {
+  std::vector<size_t> out;
+  std::set_difference(all.begin(), all.end(), remove.begin(), remove.end(), std::back_inserter(out));
+  return out;
+}
+
+int RunTrainProbe(const ProbeOptions& opt, const std::string& command) {
+  auto fail = [](const Status& st) {
+    spdlog::error("{}", st.ToString());
+    return 1;
+  };
+  auto dump = ReadHiddenDump(opt.hidden);
+  if (!dump.ok()) return fail(dump.status());
+  auto ds = LoadLabels(opt.dataset);
+  if (!ds.ok()) return fail(ds.status());
+  auto tok = OpenTokenizer(opt.model);
+  if (!tok.ok()) return fail(tok.status());
+  auto renderer = PromptRenderer::Create(tok->tok(), opt.chat);
+  if (!renderer.ok()) return fail(renderer.status());
+  const Labelled data = Tokenize(ds.value(), tok->tok(), renderer.value());
+  const size_t n = data.examples.size();
+  if (dump->indices != data.indices) {
+    return fail(Status::InvalidArgument(opt.hidden + " holds other prompts than " + opt.dataset +
+                                        " (run `hidden` on this label file)"));
+  }
+  std::vector<kvflow::ProbeExample> probe_examples(n);
+  for (size_t i = 0; i < n; ++i) {
+    const auto row = dump->Row(i);
+    probe_examples[i].hidden.assign(row.begin(), row.end());
+    probe_examples[i].output_len = data.examples[i].output_len;
+  }
+  const kvflow::LengthBuckets buckets{opt.max_output_len, opt.num_buckets};
+  const Split split = MakeSplit(n, opt.test_fraction, opt.split_seed, opt.validation_fraction);
+  const std::vector<size_t> fit_pos = Without(split.train, split.valid);
+
+  kvflow::LengthProbeConfig base;
+  base.buckets = buckets;
+  base.hidden_size = dump->hidden_size;
+  base.seed = opt.seed;
+  base.learning_rate = opt.lr;
+  base.batch_size = opt.batch_size;
+  if (Status st = base.Validate(); !st.ok()) return fail(st);
+
+  // Model selection on the validation part of the training split only.
+  Json tuning = Json::array();
+  kvflow::LengthProbeConfig best = base;
+  double best_acc = -1, best_dist = 0;
+  const auto fit_set = Pick(probe_examples, fit_pos);
+  const auto valid_set = Pick(probe_examples, split.valid);
+  if (!valid_set.empty()) {
+    std::printf("%-7s %-8s %-7s %9s %10s %8s\n", "units", "l2", "epochs", "val_acc", "val_dist", "train_s");
+    for (int units : opt.units) {
+      for (float l2 : opt.l2s) {
+        for (int epochs : opt.epochs) {
+          kvflow::LengthProbeConfig c = base;
+          c.hidden_units = units;
+          c.l2 = l2;
+          c.epochs = epochs;
+          if (Status st = c.Validate(); !st.ok()) return fail(st);
+          kvflow::LengthProbe probe(c);
+          const kvflow::TrainReport tr = probe.Train(fit_set);
+          const kvflow::LengthEvaluation ev = kvflow::EvaluateProbe(probe, valid_set);
+          const double dist = MeanBucketDistance(ev);
+          std::printf("%-7d %-8g %-7d %8.2f%% %10.3f %8.2f\n", units, static_cast<double>(l2), epochs,
+                      100 * ev.accuracy, dist, tr.seconds);
+          tuning.push_back(Json{{"hidden_units", units}, {"l2", Decimal(l2)}, {"epochs", epochs},
+                                {"validation_accuracy", ev.accuracy}, {"validation_mean_bucket_distance", dist},
+                                {"train_s", tr.seconds}});
+          if (ev.accuracy > best_acc + 1e-12 || (std::abs(ev.accuracy - best_acc) <= 1e-12 && dist < best_dist)) {
+            best_acc = ev.accuracy;
+            best_dist = dist;
+            best = c;
+          }
+        }
+      }
+    }
+  }
+  spdlog::info("chosen on validation: {} hidden units, l2 {}, {} epochs", best.hidden_units, best.l2, best.epochs);
+
+  // The chosen probe and the n-gram predictor, both trained on the whole training split, tested on
+  // the held-out prompts.
+  const auto train_probe = Pick(probe_examples, split.train);
+  const auto test_probe = Pick(probe_examples, split.test);
+  kvflow::LengthProbe probe(best);
+  probe.set_model_fingerprint(dump->header.value("model_fingerprint", ""));
+  const kvflow::TrainReport probe_tr = probe.Train(train_probe);
+  // Timed on repeated passes so the per-request figure is not one pass's noise.
+  kvflow::LengthEvaluation probe_ev = kvflow::EvaluateProbe(probe, test_probe);
+  double probe_us = probe_ev.mean_predict_us;
+  for (int r = 0; r < 4; ++r) probe_us = std::min(probe_us, kvflow::EvaluateProbe(probe, test_probe).mean_predict_us);
+  probe_ev.mean_predict_us = probe_us;
+
+  kvflow::LengthPredictorConfig ngram_config;
+  ngram_config.buckets = buckets;
+  ngram_config.seed = opt.seed;
+  ngram_config.epochs = opt.ngram_epochs;
+  ngram_config.learning_rate = opt.ngram_lr;
+  ngram_config.l2 = opt.ngram_l2;
+  kvflow::LengthPredictor ngram(ngram_config);
+  const kvflow::TrainReport ngram_tr = ngram.Train(Pick(data.examples, split.train));
+  const auto test_ngram = Pick(data.examples, split.test);
+  kvflow::LengthEvaluation ngram_ev = kvflow::Evaluate(ngram, test_ngram);
+  double ngram_us = ngram_ev.mean_predict_us;
+  for (int r = 0; r < 4; ++r) ngram_us = std::min(ngram_us, kvflow::Evaluate(ngram, test_ngram).mean_predict_us);
+  ngram_ev.mean_predict_us = ngram_us;
+
+  // The majority baseline: the training split's most common bucket, predicted for every test prompt.
+  std::vector<int64_t> train_counts(buckets.num_buckets, 0);
+  for (size_t p : split.train) ++train_counts[buckets.BucketOf(data.examples[p].output_len)];
+  const int majority = static_cast<int>(std::max_element(train_counts.begin(), train_counts.end()) - train_counts.begin());
+  kvflow::LengthEvaluation majority_ev;
+  majority_ev.examples = static_cast<int64_t>(split.test.size());
+  majority_ev.confusion.assign(buckets.num_buckets, std::vector<int64_t>(buckets.num_buckets, 0));
+  int64_t majority_hits = 0, majority_miss_dist = 0;
+  for (size_t p : split.test) {
+    const int t = buckets.BucketOf(data.examples[p].output_len);
+    ++majority_ev.confusion[t][majority];
+    if (t == majority) {
+      ++majority_hits;
+    } else {
+      majority_miss_dist += std::abs(t - majority);
+      (majority < t ? majority_ev.under_predictions : majority_ev.over_predictions)++;
+    }
+  }
+  majority_ev.accuracy = static_cast<double>(majority_hits) / std::max<double>(1.0, majority_ev.examples);
+  majority_ev.majority_accuracy = probe_ev.majority_accuracy;
+  majority_ev.mean_miss_distance =
+      majority_ev.examples > majority_hits
+          ? static_cast<double>(majority_miss_dist) / static_cast<double>(majority_ev.examples - majority_hits)
+          : 0.0;
+
+  std::vector<std::pair<std::string, Json>> rows = {{"probe", ProbeEvaluationJson(probe_ev, buckets)},
+                                                    {"ngram", ProbeEvaluationJson(ngram_ev, buckets)},
+                                                    {"majority", ProbeEvaluationJson(majority_ev, buckets)}};
+  PrintEvaluationTable(rows);
+  for (const auto& [name, j] : rows) {
+    std::printf("%-10s mean |predicted - true| bucket over all prompts: %.3f\n", name.c_str(),
+                j["mean_bucket_distance"].get<double>());
+  }
+
+  Json report;
+  report["tool"] = "kvflow-length-predictor train-probe";
+  report["tag"] = opt.tag;
+  report["command"] = command;
+  report["dataset"] = DatasetJson(ds.value(), tok.value(), opt.chat, kvflow::TokenizerFingerprint(tok->tok()));
+  report["dataset"]["output_len"] = LengthStats(data.examples);
+  report["hidden"] = dump->header;
+  report["hidden"].erase("indices");
+  report["hidden"].erase("output_len");
+  report["hidden"].erase("prompt_len");
+  report["hidden"]["path"] = opt.hidden;
+  report["buckets"] = {{"max_output_len", buckets.max_output_len}, {"num_buckets", buckets.num_buckets},
+                       {"bucket_width", buckets.width()}};
+  report["split"] = {{"split_seed", opt.split_seed},
+                     {"test_fraction", opt.test_fraction},
+                     {"validation_fraction", opt.validation_fraction},
+                     {"validation_seed", opt.split_seed + 1},
+                     {"train_size", split.train.size()},
+                     {"validation_size", split.valid.size()},
+                     {"test_size", split.test.size()},
+                     {"same_split_as", "kvflow-length-predictor train --split-seed/--test-fraction"}};
+  auto indices_of = [&](const std::vector<size_t>& pos) {
+    std::vector<int64_t> idx;
+    for (size_t p : pos) idx.push_back(data.indices[p]);
+    return idx;
+  };
+  report["split"]["test_indices"] = indices_of(split.test);
+  report["tuning"] = tuning;
+  report["probe"] = {{"kind", best.hidden_units == 0 ? "multinomial logistic regression"
+                                                     : "one ReLU hidden layer + softmax"},
+                     {"hidden_units", best.hidden_units},
+                     {"l2", Decimal(best.l2)},
+                     {"epochs", best.epochs},
+                     {"learning_rate", Decimal(best.learning_rate)},
+                     {"batch_size", best.batch_size},
+                     {"seed", best.seed},
+                     {"parameters", probe.num_parameters()},
+                     {"train_s", probe_tr.seconds},
+                     {"final_loss", probe_tr.epoch_loss.empty() ? 0.0 : probe_tr.epoch_loss.back()}};
+  report["ngram"] = {{"config", ConfigJson(ngram.config())}, {"train_s", ngram_tr.seconds}};
+  report["majority_bucket"] = majority;
+  for (const auto& [name, j] : rows) report["test"][name] = j;
+  const double read_us = dump->header.value("read_hidden_us_per_prompt", 0.0);
+  report["cost_per_request_us"] = {{"probe_predict", probe_us},
+                                   {"hidden_read", read_us},
+                                   {"probe_total", probe_us + read_us},
+                                   {"ngram_predict", ngram_us},
+                                   {"prefill_ms_for_context", dump->header.value("prefill_ms_per_prompt", 0.0)}};
+  if (!opt.out.empty()) {
+    std::ostringstream desc;
+    desc << "trained on " << split.train.size() << " prompts of " << opt.dataset << " (split seed " << opt.split_seed
+         << ", test fraction " << opt.test_fraction << "); held-out accuracy " << probe_ev.accuracy;
+    probe.set_description(desc.str());
+    if (Status st = probe.Save(opt.out); !st.ok()) return fail(st);
+    report["probe_path"] = opt.out;
+    report["probe_bytes"] = fs::file_size(opt.out);
+    spdlog::info("wrote {}", opt.out);
+  }
+  if (!opt.report.empty()) {
+    if (Status st = WriteText(opt.report, report.dump(2) + "\n"); !st.ok()) return fail(st);
+    spdlog::info("wrote {}", opt.report);
+  }
+  return 0;
+}
+
+struct EvalProbeOptions {
+  std::string probe;
+  std::string hidden;
+  std::string indices_from;
+};
+
+int RunEvalProbe(const EvalProbeOptions& opt) {
+  auto fail = [](const Status& st) {
+    spdlog::error("{}", st.ToString());
+    return 1;
+  };
+  auto probe = kvflow::LengthProbe::Load(opt.probe);
+  if (!probe.ok()) return fail(probe.status());
+  auto dump = ReadHiddenDump(opt.hidden);
+  if (!dump.ok()) return fail(dump.status());
+  if (Status st = probe->CheckModel(dump->header.value("model_fingerprint", ""), dump->hidden_size); !st.ok()) {
+    return fail(st);
+  }
+  std::set<int64_t> wanted;
+  if (!opt.indices_from.empty()) {
+    auto from = ReadJsonFile(opt.indices_from);
+    if (!from.ok()) return fail(from.status());
+    try {
+      for (const Json& i : from->at("split").at("test_indices")) wanted.insert(i.get<int64_t>());
+    } catch (const Json::exception& e) {
+      return fail(Status::CorruptFile(opt.indices_from + ": no split.test_indices"));
+    }
+  }
+  std::vector<kvflow::ProbeExample> examples;
+  for (size_t i = 0; i < dump->indices.size(); ++i) {
+    if (!wanted.empty() && !wanted.count(dump->indices[i])) continue;
+    const auto row = dump->Row(i);
+    examples.push_back({std::vector<float>(row.begin(), row.end()), dump->output_lens[i], 1.0f});
+  }
+  if (examples.empty()) return fail(Status::InvalidArgument("nothing to evaluate"));
+  const kvflow::LengthEvaluation ev = kvflow::EvaluateProbe(probe.value(), examples);
+  PrintEvaluationTable({{"eval", ProbeEvaluationJson(ev, probe->config().buckets)}});
+  std::printf("mean |predicted - true| bucket over all prompts: %.3f\n", MeanBucketDistance(ev));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -859,6 +1372,50 @@ int main(int argc, char** argv) {
   eval_cmd->add_option("--indices-from", eval.indices_from, "Only the split.test_indices of this train report");
   eval_cmd->add_option("--report", eval.report, "JSON report to write");
 
+  HiddenOptions hidden;
+  CLI::App* hidden_cmd = app.add_subcommand(
+      "hidden", "Prefill every prompt of a label JSONL and dump its last token's final-norm hidden state");
+  hidden_cmd->add_option("--dataset", hidden.dataset, "Label JSONL (from `label`)")->required();
+  hidden_cmd->add_option("-m,--model", hidden.model, "Model (the one that generated the labels)")
+      ->default_val("smollm2-135m");
+  hidden_cmd->add_flag("--chat", hidden.chat, "Prompts inside the chat template (as labelled)");
+  hidden_cmd->add_option("-o,--out", hidden.out, "Dump to write")->required();
+  hidden_cmd->add_option("-t,--threads", hidden.threads, "CPU threads")->default_val(2);
+  hidden_cmd->add_option("--batch-tokens", hidden.batch_tokens, "Prompt tokens per forward pass")->default_val(2048);
+
+  ProbeOptions probe;
+  CLI::App* probe_cmd = app.add_subcommand(
+      "train-probe", "Train the hidden-state probe (model chosen on a validation part), compare it with the n-gram "
+                     "predictor and the majority bucket on the held-out split");
+  probe_cmd->add_option("--dataset", probe.dataset, "Label JSONL")->required();
+  probe_cmd->add_option("--hidden", probe.hidden, "Dump written by `hidden` for the same label JSONL")->required();
+  probe_cmd->add_option("-m,--model", probe.model, "Model whose tokenizer the n-gram predictor uses")
+      ->default_val("smollm2-135m");
+  probe_cmd->add_flag("--chat", probe.chat, "Prompts inside the chat template (for the n-gram predictor)");
+  probe_cmd->add_option("--max-output-len", probe.max_output_len, "Output length the buckets span")->default_val(512);
+  probe_cmd->add_option("--num-buckets", probe.num_buckets, "Buckets")->default_val(10);
+  probe_cmd->add_option("--test-fraction", probe.test_fraction, "Held-out share")->default_val(0.2);
+  probe_cmd->add_option("--split-seed", probe.split_seed, "Seed of the held-out split")->default_val(0);
+  probe_cmd->add_option("--validation-fraction", probe.validation_fraction,
+                        "Share of the training split used to choose the probe (0: take the first candidate)")
+      ->default_val(0.2);
+  probe_cmd->add_option("--seed", probe.seed, "Training seed (shuffles, initial weights)")->default_val(0);
+  probe_cmd->add_option("--units", probe.units, "Candidate hidden-layer widths (0: linear)");
+  probe_cmd->add_option("--l2", probe.l2s, "Candidate L2 strengths");
+  probe_cmd->add_option("--epochs", probe.epochs, "Candidate epoch counts");
+  probe_cmd->add_option("--lr", probe.lr, "Adam learning rate")->default_val(1e-3);
+  probe_cmd->add_option("--batch-size", probe.batch_size, "Minibatch")->default_val(32);
+  probe_cmd->add_option("-o,--out", probe.out, "Probe file to write");
+  probe_cmd->add_option("--report", probe.report, "JSON report to write");
+  probe_cmd->add_option("--tag", probe.tag, "Name of the run in the report");
+
+  EvalProbeOptions eval_probe;
+  CLI::App* eval_probe_cmd = app.add_subcommand("eval-probe", "Evaluate a probe on a hidden-state dump");
+  eval_probe_cmd->add_option("--probe", eval_probe.probe, "Probe file")->required();
+  eval_probe_cmd->add_option("--hidden", eval_probe.hidden, "Dump written by `hidden`")->required();
+  eval_probe_cmd->add_option("--indices-from", eval_probe.indices_from,
+                             "Only the split.test_indices of this train-probe report");
+
   CLI11_PARSE(app, argc, argv);
   spdlog::set_default_logger(spdlog::stderr_color_mt("kvflow-lp"));
   spdlog::set_level(verbose ? spdlog::level::debug : spdlog::level::info);
@@ -869,5 +1426,8 @@ int main(int argc, char** argv) {
     return RunLabel(label, command);
   }
   if (*train_cmd) return RunTrain(train, command);
+  if (*hidden_cmd) return RunHidden(hidden, command);
+  if (*probe_cmd) return RunTrainProbe(probe, command);
+  if (*eval_probe_cmd) return RunEvalProbe(eval_probe);
   return RunEval(eval, command);
 }

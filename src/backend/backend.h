@@ -473,6 +473,12 @@ class Backend {
   virtual Result<std::span<float>> HostResidual() {
     return NotSupported("host residual stream (pipeline parallelism on this backend)");
   }
+  // The final-norm output (what the LM head reads) of the last step's logit rows, `rows` rows from
+  // `first_row` (hidden floats each) into `out`; valid after RunStep until the next one. A length
+  // probe reads a prompt's last hidden state here, at the cost of a copy.
+  virtual Status ReadFinalHidden(int64_t first_row, int64_t rows, std::span<float> out) {
+    return NotSupported("final hidden state reads");
+  }
   // The cached K (kv 0) or V (kv 1) of `layer` at device `slots` as fp32, [slots][kv_heads][head_dim]
   // into `out` (post-RoPE keys, as attention reads them); valid inside `layers`.
   virtual Status ReadKv(int layer, int kv, std::span<const int64_t> slots, std::span<float> out) {

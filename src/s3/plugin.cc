@@ -59,6 +59,12 @@ void AddS3Metrics(const EngineStats& s, std::vector<SystemMetric>& out) {
 
 }  // namespace
 
+std::string LengthProbeModelFingerprint(const ModelConfig& config, const Tokenizer& tokenizer) {
+  return config.architecture + "-L" + std::to_string(config.num_layers) + "-H" + std::to_string(config.hidden_size) +
+         "-I" + std::to_string(config.intermediate_size) + "-A" + std::to_string(config.num_heads) + "/" +
+         std::to_string(config.num_kv_heads) + "-" + TokenizerFingerprint(tokenizer);
+}
+
 Status RegisterS3(SystemRegistry& registry) {
   SchedulingPolicyPlugin s3;
   s3.info.name = "s3";

@@ -685,9 +685,20 @@ Status CpuBackend::AddDelta() {
   return Status::Ok();
 }
 
+Status CpuBackend::ReadFinalHidden(int64_t first_row, int64_t rows, std::span<float> out) {
+  const int64_t H = config_.hidden_size;
+  if (first_row < 0 || rows < 0 || (first_row + rows) * H > static_cast<int64_t>(final_rows_.size()) ||
+      static_cast<int64_t>(out.size()) < rows * H) {
+    return Status::InvalidArgument("final hidden rows outside the last step's logit rows");
+  }
+  std::copy_n(final_rows_.begin() + first_row * H, rows * H, out.begin());
+  return Status::Ok();
+}
+
 // Only the rows that need logits go through the final norm and the (large) output matrix.
 Status CpuBackend::Head(const LogitsSink& sink) {
   const int64_t rows = batch_->num_logit_rows();
+  final_rows_.clear();  // ReadFinalHidden never sees an earlier step's rows
   if (rows == 0) return Status::Ok();
   const int64_t H = config_.hidden_size;
   if (weights_.final_norm.size() != static_cast<size_t>(H) || weights_.output_matrix().empty()) {

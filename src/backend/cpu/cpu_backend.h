@@ -51,6 +51,7 @@ class CpuBackend final : public Backend, public KvBlockScoring, public Offloaded
 
   Status ReadActivationRows(Activation which, int64_t first_row, int64_t rows, std::span<float> out) override;
   Status ReadKv(int layer, int kv, std::span<const int64_t> slots, std::span<float> out) override;
+  Status ReadFinalHidden(int64_t first_row, int64_t rows, std::span<float> out) override;
   Status PackKv(int layer, std::span<const int64_t> slots, std::span<std::byte> out) override;
   Status UnpackKv(int layer, std::span<const int64_t> slots, std::span<const std::byte> in) override;
 
