@@ -400,9 +400,11 @@ def measure_bandwidth_compiled(build_dir, threads):
     exe = os.path.join(build_dir, "bench", "kvflow_bench_attention")
     if not os.path.exists(exe):
         return None
-    out = subprocess.run([exe, f"--benchmark_filter=BM_ReadBandwidth/{threads}$", "--benchmark_format=json"],
+    # The benchmark's full name is BM_ReadBandwidth/<threads>/iterations:1/real_time.
+    out = subprocess.run([exe, f"--benchmark_filter=^BM_ReadBandwidth/{threads}/", "--benchmark_format=json"],
                          capture_output=True, text=True, timeout=300)
-    if out.returncode != 0:
+    if out.returncode != 0 or not out.stdout.strip():
+        log(f"warning: {exe} measured no read bandwidth ({out.stderr.strip()[:200]}); using numpy's")
         return None
     for b in json.loads(out.stdout).get("benchmarks", []):
         if "read_GB/s" in b:
