@@ -497,10 +497,12 @@ void AddSweepOptions(CLI::App* cmd, SweepOptions& opt) {
       ->delimiter(',')
       ->check(Positive())
       ->capture_default_str();
-  cmd->add_option("--policies", opt.policies, "Comma-separated scheduling policies: " +
-                                                   Join(kvflow::SchedulingPolicyNames(), ", "))
+  std::vector<std::string> policy_names = kvflow::SchedulingPolicyNames();
+  policy_names.push_back("s3+probe");
+  cmd->add_option("--policies", opt.policies, "Comma-separated scheduling policies: " + Join(policy_names, ", ") +
+                                                   " (s3+probe: s3 with --length-probe, real executor only)")
       ->delimiter(',')
-      ->check(CLI::IsMember(kvflow::SchedulingPolicyNames()))
+      ->check(CLI::IsMember(policy_names))
       ->capture_default_str();
   cmd->add_flag("--require-complete", opt.require_complete, "Exit with code 3 when any request failed");
   cmd->add_option("--held-out-from", opt.held_out_from,
@@ -508,6 +510,8 @@ void AddSweepOptions(CLI::App* cmd, SweepOptions& opt) {
                   "(repeated as needed)");
   cmd->add_option("--length-predictor", opt.serving.length_predictor,
                   "s3: predictor file (kvflow-length-predictor train); none: untrained, learning online");
+  cmd->add_option("--length-probe", opt.serving.length_probe,
+                  "s3+probe: hidden-state probe file (kvflow-length-predictor train-probe) for the served model");
   cmd->add_option("--prediction-override", opt.serving.prediction_override,
                   "s3, robustness: distort every prediction: scale:F or bucket:B");
   cmd->add_flag("!--no-online-updates", opt.serving.online_updates, "s3: do not retrain the predictor online");

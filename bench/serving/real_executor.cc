@@ -88,13 +88,15 @@ kvflow::EngineConfig MakeEngineConfig(const ServingConfig& cfg, const ModelChoic
   ec.max_num_batched_tokens = cfg.max_num_batched_tokens;
   ec.max_model_len = cfg.max_model_len;
   ec.preemption_mode = cfg.preemption_mode;
-  ec.scheduling_policy = policy;
+  const bool probe = policy == "s3+probe";
+  ec.scheduling_policy = probe ? "s3" : policy;
   ec.num_threads = num_threads;
-  if (policy == "s3") {
+  if (ec.scheduling_policy == "s3") {
     ec.s3.length_predictor = cfg.length_predictor;
     ec.s3.online_updates = cfg.online_updates;
     ec.s3.reservation_point = cfg.reservation_point;
   }
+  if (probe) ec.s3.length_probe = cfg.length_probe;
   return ec;
 }
 }  // namespace
@@ -102,7 +104,9 @@ kvflow::EngineConfig MakeEngineConfig(const ServingConfig& cfg, const ModelChoic
 Result<RunRecord> RunEngine(const Trace& trace, double rate, const std::string& policy, const ServingConfig& cfg,
                             const ModelChoice& model, int num_threads) {
   kvflow::EvaluationOptions evaluation;
-  if (policy == "s3") evaluation.length_prediction_override = cfg.prediction_override;
+  const bool s3 = policy == "s3" || policy == "s3+probe";
+  if (policy == "s3+probe" && cfg.length_probe.empty()) return Status::InvalidArgument("s3+probe needs --length-probe");
+  if (s3) evaluation.length_prediction_override = cfg.prediction_override;
   KVFLOW_ASSIGN_OR_RETURN(auto engine, kvflow::CreateEvaluationEngine(MakeEngineConfig(cfg, model, policy, num_threads),
                                                                       evaluation));
   if (engine->config().max_model_len != cfg.max_model_len) {
@@ -182,7 +186,7 @@ Result<RunRecord> RunEngine(const Trace& trace, double rate, const std::string& 
   run.preemptions_swap = after.num_preemptions_swap - before.num_preemptions_swap;
   run.preemptions_recompute = after.num_preemptions - before.num_preemptions - run.preemptions_swap;
   run.extra["preemption_penalty"] = Json{{"reservation_preemptions", after.s3.reservation_preemptions - before.s3.reservation_preemptions}};
-  if (policy == "s3") {
+  if (s3) {
     kvflow::LengthSupervisorStats l;
     l.predictions = after.s3.predictions - before.s3.predictions;
     l.correct = after.s3.correct - before.s3.correct;
@@ -194,6 +198,9 @@ Result<RunRecord> RunEngine(const Trace& trace, double rate, const std::string& 
     l.predict_seconds = after.s3.predict_seconds - before.s3.predict_seconds;
     l.update_seconds = after.s3.update_seconds - before.s3.update_seconds;
     run.extra["s3"] = SupervisorJson(l);
+    run.extra["s3"]["probe_predictions"] = after.s3.probe_predictions - before.s3.probe_predictions;
+    run.extra["s3"]["probe_resized"] = after.s3.probe_resized - before.s3.probe_resized;
+    run.extra["s3"]["probe_seconds"] = after.s3.probe_seconds - before.s3.probe_seconds;
   }
   return run;
 }

@@ -27,6 +27,9 @@ struct ServingConfig {
   std::string reservation_point;  // "upper" or "middle"; empty: the predictor's
   bool online_updates = true;
   std::string prediction_override;
+  // The real executor's policy "s3+probe": s3 with this hidden-state length probe re-sizing each
+  // reservation after the prefill.
+  std::string length_probe;
 
   Json ToJson() const {
     return Json{{"block_size", block_size},         {"num_device_blocks", num_device_blocks},
@@ -36,6 +39,7 @@ struct ServingConfig {
                 {"length_predictor", length_predictor.empty() ? Json("untrained") : Json(length_predictor)},
                 {"length_reservation_point", reservation_point.empty() ? Json("predictor's") : Json(reservation_point)},
                 {"length_online_updates", online_updates},
+                {"length_probe", length_probe.empty() ? Json(nullptr) : Json(length_probe)},
                 {"prediction_override", prediction_override.empty() ? Json(nullptr) : Json(prediction_override)}};
   }
 };

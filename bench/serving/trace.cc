@@ -40,6 +40,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 #include "bench_files.h"
+#include "chat_template/chat_template.h"
 #include "engine/engine_core.h"
 #include "engine/evaluation.h"
 #include "systems/builtin_systems.h"
@@ -177,8 +178,85 @@ Result<std::vector<size_t>> LoadHeldOutIndices(const std::string& report_path) {
 }
 }  // namespace
 
+namespace {
+
+// A label JSONL of kvflow-length-predictor label --chat: each prompt as one user message in the
+// model's chat template, its output length the one the model generated greedily.
+Result<Trace> LoadLabelsTrace(const std::string& path, size_t num_requests, uint64_t seed, int64_t max_model_len,
+                              const ModelChoice& tokenizer_model, const std::string& held_out_from) {
+  std::ifstream in(path);
+  if (!in) return Status::NotFound("cannot open the label file " + path);
+  std::map<int64_t, std::pair<std::string, int64_t>> labels;  // Alpaca index -> prompt, output length
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    try {
+      const Json j = Json::parse(line);
+      labels[j.at("index").get<int64_t>()] = {j.at("prompt").get<std::string>(), j.at("output_len").get<int64_t>()};
+    } catch (const Json::exception& e) {
+      return Status::CorruptFile(path + ": " + e.what());
+    }
+  }
+  if (labels.empty()) return Status::CorruptFile(path + ": no labelled prompts");
+  std::vector<int64_t> pool;
+  if (held_out_from.empty()) {
+    for (const auto& [index, _] : labels) pool.push_back(index);
+  } else {
+    KVFLOW_ASSIGN_OR_RETURN(std::vector<size_t> held_out, LoadHeldOutIndices(held_out_from));
+    for (size_t i : held_out) {
+      if (!labels.count(static_cast<int64_t>(i))) {
+        return Status::CorruptFile(held_out_from + ": index " + std::to_string(i) + " is not labelled in " + path);
+      }
+      pool.push_back(static_cast<int64_t>(i));
+    }
+  }
+  KVFLOW_ASSIGN_OR_RETURN(kvflow::ModelFiles files, OpenModel(tokenizer_model));
+  if (!files.tokenizer) return Status::NotFound("no tokenizer in " + tokenizer_model.path);
+  const kvflow::Tokenizer& tok = *files.tokenizer;
+  KVFLOW_ASSIGN_OR_RETURN(kvflow::ChatTemplate chat, kvflow::ChatTemplate::Create(tok.chat_template(), "", ""));
+
+  std::mt19937_64 rng(seed);
+  std::vector<int64_t> order;
+  while (order.size() < num_requests) {
+    std::vector<int64_t> pass = pool;
+    std::shuffle(pass.begin(), pass.end(), rng);
+    order.insert(order.end(), pass.begin(), pass.end());
+  }
+  Trace trace;
+  trace.name = "alpaca";
+  int64_t truncated = 0;
+  for (size_t i = 0; i < num_requests; ++i) {
+    const auto& [prompt, output_len] = labels.at(order[i]);
+    KVFLOW_ASSIGN_OR_RETURN(std::string rendered, chat.Render(kvflow::ChatTemplateInput::User(prompt)));
+    TraceRequest r;
+    r.prompt = tok.Encode(rendered, tok.add_bos());
+    r.output_len = std::max<int64_t>(1, output_len);
+    truncated += FitToModelLen(r.prompt, r.output_len, max_model_len);
+    trace.requests.push_back(std::move(r));
+  }
+  trace.info = Json{{"name", "alpaca"},
+                    {"source", path},
+                    {"labels", "the model's own greedy output lengths (kvflow-length-predictor label --chat)"},
+                    {"dataset_entries", labels.size()},
+                    {"sampling", held_out_from.empty() ? "seeded shuffles of every labelled prompt"
+                                                        : "the held-out prompts of " + held_out_from + " (" +
+                                                              std::to_string(pool.size()) +
+                                                              "), seeded shuffles, repeated as needed"},
+                    {"seed", seed},
+                    {"prompt", "instruction + (\"\\n\" + input if non-empty), one user message in the chat template"},
+                    {"tokenizer", tokenizer_model.name},
+                    {"tokenizer_path", tokenizer_model.path}};
+  AddRealizedStats(trace, truncated);
+  return trace;
+}
+
+}  // namespace
+
 Result<Trace> LoadAlpacaTrace(const std::string& path, size_t num_requests, uint64_t seed, int64_t max_model_len,
                               const ModelChoice& tokenizer_model, const std::string& held_out_from) {
+  if (path.size() > 6 && path.compare(path.size() - 6, 6, ".jsonl") == 0) {
+    return LoadLabelsTrace(path, num_requests, seed, max_model_len, tokenizer_model, held_out_from);
+  }
   std::ifstream in(path);
   if (!in) return Status::NotFound("cannot open the Alpaca dataset " + path);
   Json data;

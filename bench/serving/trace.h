@@ -32,6 +32,8 @@ std::vector<double> UnitPoissonArrivals(size_t n, uint64_t seed);
 // lengths matter to the scheduler, and these ids are valid in every model's vocabulary).
 Trace MakeShareGptTrace(size_t num_requests, uint64_t seed, int64_t max_model_len);
 
+// `path`: the Alpaca JSON list (output lengths: the reference outputs'), or a label JSONL of
+// kvflow-length-predictor label --chat (chat-template prompts, the model's own output lengths).
 Result<Trace> LoadAlpacaTrace(const std::string& path, size_t num_requests, uint64_t seed, int64_t max_model_len,
                               const ModelChoice& tokenizer_model, const std::string& held_out_from = "");
 

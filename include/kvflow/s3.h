@@ -14,6 +14,10 @@ struct S3Config {
   std::string length_predictor;
   bool online_updates = true;     // retrain on completed requests
   std::string reservation_point;  // "upper" or "middle" of the bucket; empty: the predictor file's
+  // The hidden-state length probe (written by kvflow-length-predictor train-probe) for the served
+  // model. Empty: none. With one, the predictor reserves at admission and the probe re-sizes each
+  // request's reservation once its prefill has run (CPU backend).
+  std::string length_probe;
 };
 
 // Zero under other policies.
@@ -27,6 +31,9 @@ struct S3Stats {
   int64_t online_updates = 0;
   double predict_seconds = 0;
   double update_seconds = 0;
+  int64_t probe_predictions = 0;  // reservations the length probe set after a prefill
+  int64_t probe_resized = 0;      // of those, reservations it changed
+  double probe_seconds = 0;
 };
 
 }  // namespace kvflow

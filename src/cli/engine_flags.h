@@ -53,6 +53,9 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
                   "s3: output-length predictor file (kvflow-length-predictor train); none: learn online from scratch");
   app->add_option("--length-reservation", c.s3.reservation_point,
                   "s3: reserve the upper or middle edge of the predicted bucket (default: the file's, upper)");
+  app->add_option("--length-probe", c.s3.length_probe,
+                  "s3: hidden-state length probe for this model (kvflow-length-predictor train-probe): re-sizes each "
+                  "request's reservation after its prefill (CPU backend)");
   app->add_flag("!--no-length-online-updates", c.s3.online_updates,
                 "s3: do not retrain the predictor on completed requests");
   app->add_option("--speculative-method", c.speculative.method,

@@ -369,7 +369,7 @@ Result<std::unique_ptr<EvaluationEngine>> CreateEngineWithSystems(const EngineCo
                                                            systems.drafter_scratch_blocks}));
   }
   KVFLOW_ASSIGN_OR_RETURN(const SchedulingPolicyPlugin* scheduling, registry.Policy(config.scheduling_policy));
-  KVFLOW_ASSIGN_OR_RETURN(SchedulingParts policy, scheduling->create(SchedulingContext{config, evaluation, *files.tokenizer}));
+  KVFLOW_ASSIGN_OR_RETURN(SchedulingParts policy, scheduling->create(SchedulingContext{config, evaluation, *files.tokenizer, files.config}));
   if (!config.kv_selection.method.empty()) {
     KVFLOW_ASSIGN_OR_RETURN(const KvSelectorPlugin* selector, registry.KvSelector(config.kv_selection.method));
     KVFLOW_ASSIGN_OR_RETURN(systems.kv_selector, selector->create(KvSelectorContext{config, path, mc, *backend}));

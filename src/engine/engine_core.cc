@@ -299,6 +299,7 @@ Result<StepResult> EngineCore::StepInner(Executor& executor) {
     host_constraints_prepared = true;
   }
   ExecutorOutput out;
+  out.want_final_hidden = supervisor_ && supervisor_->has_probe();
   Status st = executor.Run(sched, record.logits, sampling ? &*sampling : nullptr, out);
   // Awaited here too: the forward pass may have failed before the sampler asked.
   if (constraints.valid()) constraints_ok = constraints.get();
@@ -404,6 +405,11 @@ void EngineCore::UpdateFromOutput(const SchedulerOutput& sched, ExecutorOutput& 
       RecordPromptLogprobs(*req, *s.seq, record.first_position[k], first_row, s.num_tokens, V);
     }
     if (!s.needs_logits) continue;
+    // The prompt's last row, before its first output: S3's probe re-sizes the reservation.
+    if (!out.final_hidden.empty() && s.seq->num_tokens() == s.seq->prompt_len && record.drafts[k].empty()) {
+      const size_t H = static_cast<size_t>(out.hidden_size);
+      supervisor_->OnPrefillHidden(*s.group, out.final_hidden.subspan(static_cast<size_t>(row - 1) * H, H));
+    }
     if (req->params.max_tokens == 0) {
       FinishPromptOnly(*req);
       continue;
@@ -692,6 +698,9 @@ EngineStats EngineCore::stats() const {
     s.s3.online_updates = l.online_updates;
     s.s3.predict_seconds = l.predict_seconds;
     s.s3.update_seconds = l.update_seconds;
+    s.s3.probe_predictions = l.probe_predictions;
+    s.s3.probe_resized = l.probe_resized;
+    s.s3.probe_seconds = l.probe_seconds;
   }
   if (config_.drafter) config_.drafter->AddStats(s.spec);
   if (config_.kv_selector) config_.kv_selector->AddStats(s.kv_selection);

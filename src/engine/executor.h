@@ -21,6 +21,11 @@ struct ExecutorOutput {
   std::vector<std::vector<SampledToken>> sampled;
   std::span<float> logits;  // rows of vocab_size floats
   int64_t vocab_size = 0;
+  // Set by the caller: also return the logit rows' final-norm hidden states (S3's length probe).
+  // An executor that cannot leaves final_hidden empty.
+  bool want_final_hidden = false;
+  std::span<const float> final_hidden;  // rows of hidden_size floats, as the logit rows
+  int64_t hidden_size = 0;
 };
 
 class Executor {

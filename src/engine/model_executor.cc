@@ -123,6 +123,18 @@ Status ModelExecutor::RunTarget(const ForwardBatch& batch, const DeviceSampling*
     return Status::Ok();
   }
   KVFLOW_RETURN_IF_ERROR(model_.Forward(batch, logits_));
+  if (out.want_final_hidden && !final_hidden_unsupported_) {
+    // Read before the followers run: they are other backends, but the read belongs to this pass.
+    const int64_t H = backend_.model_config().hidden_size, rows = batch.num_logit_rows();
+    final_hidden_.resize(static_cast<size_t>(rows * H));
+    if (Status st = backend_.ReadFinalHidden(0, rows, final_hidden_); st.ok()) {
+      out.final_hidden = final_hidden_;
+      out.hidden_size = H;
+    } else {
+      final_hidden_unsupported_ = true;
+      spdlog::warn("the length probe gets no hidden states on this backend: {}", st.ToString());
+    }
+  }
   RunFollowers(batch);
   out.vocab_size = backend_.model_config().vocab_size;
   out.logits = std::span<float>(logits_.data(), static_cast<size_t>(batch.num_logit_rows() * out.vocab_size));

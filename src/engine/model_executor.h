@@ -83,6 +83,8 @@ class ModelExecutor final : public Executor {
   void RunFollowers(const ForwardBatch& target_batch);
 
   std::vector<float> logits_;
+  std::vector<float> final_hidden_;
+  bool final_hidden_unsupported_ = false;  // logged once
   std::vector<SampledToken> sampled_;
   std::vector<float> follower_logits_;
   int64_t follower_failures_ = 0;

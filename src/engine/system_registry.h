@@ -135,6 +135,7 @@ struct SchedulingContext {
   const EngineConfig& config;
   const EvaluationOptions& evaluation;
   const Tokenizer& tokenizer;
+  const ModelConfig& model;  // the served model's (S3's length probe reads its hidden states)
 };
 
 // What a scheduling policy brings: the policy the scheduler consults, and (S3) the supervisor that

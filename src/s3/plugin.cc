@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 
 #include "sched/length_predictor.h"
+#include "sched/length_probe.h"
 
 namespace kvflow {
 namespace {
@@ -12,7 +13,7 @@ namespace {
 // The length predictor (loaded, or untrained with buckets over max_model_len) and its supervisor.
 Result<std::unique_ptr<LengthSupervisor>> CreateLengthSupervisor(const EngineConfig& config,
                                                                  const EvaluationOptions& evaluation,
-                                                                 const Tokenizer& tokenizer) {
+                                                                 const Tokenizer& tokenizer, const ModelConfig& model) {
   std::optional<LengthPredictor> trained;
   if (config.s3.length_predictor.empty()) {
     spdlog::warn("s3 without a length predictor: every request starts in the shortest bucket and the predictor "
@@ -31,6 +32,17 @@ Result<std::unique_ptr<LengthSupervisor>> CreateLengthSupervisor(const EngineCon
                                                {config.max_model_len, config.s3.reservation_point,
                                                 config.s3.online_updates,
                                                 evaluation.length_prediction_override}));
+  if (!config.s3.length_probe.empty()) {
+    KVFLOW_ASSIGN_OR_RETURN(LengthProbe probe, LengthProbe::Load(config.s3.length_probe));
+    if (Status st = probe.CheckModel(LengthProbeModelFingerprint(model, tokenizer), model.hidden_size); !st.ok()) {
+      return Status::InvalidArgument(config.s3.length_probe + ": " + st.message());
+    }
+    spdlog::info("s3: length probe {} ({} hidden units, {} buckets of {} tokens) re-sizes reservations after the "
+                 "prefill",
+                 config.s3.length_probe, probe.config().hidden_units, probe.config().buckets.num_buckets,
+                 probe.config().buckets.width());
+    supervisor->set_probe(std::move(probe));
+  }
   const LengthPredictorConfig& pc = supervisor->predictor().config();
   spdlog::info("s3: length predictor {}: {} buckets of {} tokens, reserving the {} edge; online updates {}",
                config.s3.length_predictor.empty() ? "untrained" : config.s3.length_predictor, pc.buckets.num_buckets,
@@ -55,6 +67,9 @@ void AddS3Metrics(const EngineStats& s, std::vector<SystemMetric>& out) {
   const std::string seconds = "Engine-thread time in the length predictor.";
   out.push_back({"kvflow:s3_predictor_seconds_total", seconds, true, s.s3.predict_seconds, "phase=\"predict\""});
   out.push_back({"kvflow:s3_predictor_seconds_total", seconds, true, s.s3.update_seconds, "phase=\"update\""});
+  out.push_back({"kvflow:s3_predictor_seconds_total", seconds, true, s.s3.probe_seconds, "phase=\"probe\""});
+  AddCounter(out, "kvflow:s3_probe_resizes_total", "Reservations the hidden-state probe changed after a prefill.",
+             static_cast<double>(s.s3.probe_resized));
 }
 
 }  // namespace
@@ -73,13 +88,16 @@ Status RegisterS3(SystemRegistry& registry) {
     if (!c.s3.length_predictor.empty()) {
       spdlog::warn("length predictor {} ignored: only the s3 scheduling policy uses one", c.s3.length_predictor);
     }
+    if (!c.s3.length_probe.empty()) {
+      spdlog::warn("length probe {} ignored: only the s3 scheduling policy uses one", c.s3.length_probe);
+    }
     return Status::Ok();
   };
   s3.info.metrics = AddS3Metrics;
   s3.create = [](const SchedulingContext& ctx) -> Result<SchedulingParts> {
     SchedulingParts parts;
     KVFLOW_ASSIGN_OR_RETURN(parts.policy, MakeSchedulingPolicy("s3"));
-    KVFLOW_ASSIGN_OR_RETURN(parts.supervisor, CreateLengthSupervisor(ctx.config, ctx.evaluation, ctx.tokenizer));
+    KVFLOW_ASSIGN_OR_RETURN(parts.supervisor, CreateLengthSupervisor(ctx.config, ctx.evaluation, ctx.tokenizer, ctx.model));
     return parts;
   };
   KVFLOW_RETURN_IF_ERROR(registry.Register(std::move(s3)));

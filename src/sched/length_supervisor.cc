@@ -89,6 +89,18 @@ void LengthSupervisor::Predict(SequenceGroup& group) {
   stats_.predict_seconds += SecondsSince(start);
 }
 
+void LengthSupervisor::OnPrefillHidden(SequenceGroup& group, std::span<const float> hidden) {
+  if (!probe_ || static_cast<int64_t>(hidden.size()) != probe_->config().hidden_size) return;
+  const auto start = Clock::now();
+  const LengthPrediction p = probe_->Predict(hidden);
+  const LengthBuckets& buckets = predictor_.config().buckets;
+  if (group.predicted_output_len != p.reserve_len) ++stats_.probe_resized;
+  group.predicted_output_len = p.reserve_len;
+  group.predicted_bucket = buckets.BucketOf(std::max<int64_t>(0, p.reserve_len - 1));
+  ++stats_.probe_predictions;
+  stats_.probe_seconds += SecondsSince(start);
+}
+
 void LengthSupervisor::OnReservationExhausted(const SequenceGroup&) { ++stats_.reservation_misses; }
 
 void LengthSupervisor::OnFinished(const SequenceGroup& group, int64_t output_len, bool natural_end) {

@@ -12,6 +12,7 @@
 
 #include "kvflow/status.h"
 #include "sched/length_predictor.h"
+#include "sched/length_probe.h"
 #include "sched/sequence_group.h"
 
 namespace kvflow {
@@ -40,6 +41,9 @@ struct LengthSupervisorStats {
   int64_t online_updates = 0;
   double predict_seconds = 0;  // in Predict, on the engine thread
   double update_seconds = 0;   // in the online updates
+  int64_t probe_predictions = 0;  // reservations the probe set after a prefill
+  int64_t probe_resized = 0;      // of those, the ones that differ from the predictor's
+  double probe_seconds = 0;
 };
 
 // What a supervisor is made from: a trained predictor, or none (an untrained one whose buckets span
@@ -61,6 +65,14 @@ class LengthSupervisor {
 
   // Sets group.predicted_output_len and predicted_bucket from its prompt.
   void Predict(SequenceGroup& group);
+  // The hidden-state probe: the predictor still reserves at arrival (the probe needs the prefill),
+  // and OnPrefillHidden re-sizes the reservation once the prompt has run.
+  void set_probe(LengthProbe probe) { probe_.emplace(std::move(probe)); }
+  bool has_probe() const { return probe_.has_value(); }
+  // `hidden`: the final-norm hidden state of the prompt's last token (its first output's logit
+  // row). Replaces group.predicted_output_len with the probe's, and predicted_bucket with the
+  // predictor's bucket of it (so OnFinished judges the reservation actually held).
+  void OnPrefillHidden(SequenceGroup& group, std::span<const float> hidden);
   // The scheduler preempted `group` because a sequence outgrew its reservation.
   void OnReservationExhausted(const SequenceGroup& group);
   // A request that completed: `output_len` is its longest sequence's output; `natural_end` says it
@@ -73,6 +85,7 @@ class LengthSupervisor {
 
  private:
   LengthPredictor predictor_;
+  std::optional<LengthProbe> probe_;
   LengthSupervisorConfig config_;
   LengthSupervisorStats stats_;
 };

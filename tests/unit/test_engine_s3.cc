@@ -5,11 +5,15 @@
 
 #include <filesystem>
 #include <fstream>
+#include <random>
 
 #include "engine_test_util.h"
 #include "kvflow/engine.h"
 #include "kvflow/tokenizer.h"
+#include "model/tiny_random.h"
+#include "s3/plugin.h"
 #include "sched/length_predictor.h"
+#include "sched/length_probe.h"
 
 namespace kvflow {
 namespace {
@@ -133,6 +137,61 @@ TEST(EngineS3, PredictorFilesAreCheckedAtStartup) {
   EXPECT_EQ(test::CreateTinyEngine(c, evaluation).status().code(), StatusCode::kInvalidArgument);
   evaluation.length_prediction_override = "bucket:10";
   EXPECT_EQ(test::CreateTinyEngine(c, evaluation).status().code(), StatusCode::kInvalidArgument);
+  std::filesystem::remove_all(dir);
+}
+
+// The hidden-state probe re-sizes each reservation after the prefill: with the predictor forced to
+// the shortest bucket (every request runs out of it) and a probe that says "long", no reservation is
+// exhausted, and the outputs stay the paged engine's. A probe for another model is refused.
+TEST(EngineS3, LengthProbeResizesReservationsAfterThePrefill) {
+  auto files = MakeTinyRandomModel();
+  ASSERT_TRUE(files.ok()) << files.status().ToString();
+  const std::string fingerprint = LengthProbeModelFingerprint(files->config, *files->tokenizer);
+  LengthProbeConfig pc;
+  pc.buckets = {256, 10};
+  pc.hidden_size = files->config.hidden_size;
+  pc.epochs = 20;
+  pc.learning_rate = 0.05f;
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<ProbeExample> examples(64);
+  for (ProbeExample& e : examples) {
+    for (int64_t i = 0; i < pc.hidden_size; ++i) e.hidden.push_back(normal(rng));
+    e.output_len = 255;
+  }
+  LengthProbe long_probe(pc);
+  long_probe.Train(examples);
+  long_probe.set_model_fingerprint(fingerprint);
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "kvflow_engine_s3_probe_test";
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "long.lh").string();
+  ASSERT_TRUE(long_probe.Save(path).ok());
+
+  const auto p = Greedy(60);
+  const RunResult reference = GenerateAll(SmallPool("paged", "auto"), p);
+  EvaluationOptions short_predictions;
+  short_predictions.length_prediction_override = "bucket:0";
+  const RunResult without = GenerateAll(SmallPool("s3", "recompute"), p, short_predictions);
+  EXPECT_GE(without.stats.s3.reservation_preemptions, static_cast<int64_t>(kPrompts.size()));
+  EXPECT_EQ(without.stats.s3.probe_predictions, 0);
+
+  EngineConfig c = SmallPool("s3", "recompute");
+  c.s3.length_probe = path;
+  const RunResult with = GenerateAll(c, p, short_predictions);
+  EXPECT_EQ(with.tokens, reference.tokens);
+  EXPECT_EQ(with.stats.s3.probe_predictions, static_cast<int64_t>(kPrompts.size()));
+  EXPECT_EQ(with.stats.s3.probe_resized, static_cast<int64_t>(kPrompts.size()));
+  EXPECT_EQ(with.stats.s3.reservation_preemptions, 0);
+
+  LengthProbe foreign(pc);
+  foreign.set_model_fingerprint("llama-L30-H576-other");
+  ASSERT_TRUE(foreign.Save(path).ok());
+  EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
+  pc.hidden_size += 1;
+  LengthProbe wrong_width(pc);
+  wrong_width.set_model_fingerprint(fingerprint);
+  ASSERT_TRUE(wrong_width.Save(path).ok());
+  EXPECT_EQ(test::CreateTinyEngine(c).status().code(), StatusCode::kInvalidArgument);
   std::filesystem::remove_all(dir);
 }
 

@@ -9,10 +9,14 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "backend/cpu/cpu_backend.h"
+#include "forward/llama_model.h"
+#include "model/tiny_random.h"
 #include "sched/length_probe.h"
 
 namespace kvflow {
@@ -246,6 +250,58 @@ TEST_P(LengthProbeFile, RefusesEveryFlippedByteAndEveryTruncation) {
 }
 
 INSTANTIATE_TEST_SUITE_P(LengthProbe, LengthProbeFile, ::testing::Values(0, 8));
+
+// The probe's input: Backend::ReadFinalHidden returns, per logit row, the vector the LM head
+// multiplies (logits = output matrix x hidden), and nothing of an earlier step.
+TEST(LengthProbe, FinalHiddenIsWhatTheLmHeadReads) {
+  auto files = MakeTinyRandomModel().value();
+  const ModelConfig config = files.config;
+  LlamaWeights w = LoadLlamaWeights(*files.tensors, files.config, files.gguf_rope_permuted).value();
+  ASSERT_TRUE(w.output_matrix().is_f32());
+  const std::vector<float> head = w.output_matrix().f32();  // [vocab][hidden]
+  const int64_t H = config.hidden_size, V = config.vocab_size;
+  KvCacheLayout layout{config.num_layers, 16, config.num_kv_heads, 8, config.head_dim};
+  auto backend = CpuBackend::Create(config, std::move(w), layout, 0, 2).value();
+
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> token(0, static_cast<int>(V) - 1);
+  ForwardBatch b;
+  for (int seq = 0; seq < 2; ++seq) {
+    SequenceSlice s;
+    s.token_offset = static_cast<int32_t>(b.tokens.size());
+    s.num_tokens = seq == 0 ? 11 : 5;
+    s.context_len = s.num_tokens;
+    s.block_table = seq == 0 ? std::vector<BlockId>{0, 1} : std::vector<BlockId>{2};
+    s.logits = LogitsMode::kLast;
+    for (int i = 0; i < s.num_tokens; ++i) {
+      b.tokens.push_back(token(rng));
+      b.positions.push_back(i);
+    }
+    b.seqs.push_back(s);
+  }
+  std::vector<float> logits;
+  ASSERT_TRUE(LlamaModel(*backend).Forward(b, logits).ok());
+  std::vector<float> hidden(static_cast<size_t>(2 * H));
+  ASSERT_TRUE(backend->ReadFinalHidden(0, 2, hidden).ok());
+  double max_logit = 0, max_err = 0;
+  for (int64_t r = 0; r < 2; ++r) {
+    for (int64_t v = 0; v < V; ++v) {
+      double dot = 0;
+      for (int64_t i = 0; i < H; ++i) dot += static_cast<double>(head[v * H + i]) * hidden[r * H + i];
+      max_logit = std::max(max_logit, std::fabs(dot));
+      max_err = std::max(max_err, std::fabs(dot - logits[r * V + v]));
+    }
+  }
+  ASSERT_GT(max_logit, 0.0);
+  EXPECT_LT(max_err, 1e-4 * max_logit) << "max |logit| " << max_logit;
+  EXPECT_EQ(backend->ReadFinalHidden(1, 2, hidden).code(), StatusCode::kInvalidArgument);
+
+  // A step without logit rows leaves nothing to read.
+  b.seqs[0].logits = LogitsMode::kNone;
+  b.seqs[1].logits = LogitsMode::kNone;
+  ASSERT_TRUE(LlamaModel(*backend).Forward(b, logits).ok());
+  EXPECT_EQ(backend->ReadFinalHidden(0, 1, hidden).code(), StatusCode::kInvalidArgument);
+}
 
 }  // namespace
 }  // namespace kvflow
