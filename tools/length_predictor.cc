@@ -1409,7 +1409,7 @@ int main(int argc, char** argv) {
       ->default_val("smollm2-135m");
   hidden_cmd->add_flag("--chat", hidden.chat, "Prompts inside the chat template (as labelled)");
   hidden_cmd->add_option("-o,--out", hidden.out, "Dump to write")->required();
-  hidden_cmd->add_option("-t,--threads", hidden.threads, "CPU threads")->default_val(2);
+  hidden_cmd->add_option("--num-threads", hidden.threads, "CPU threads")->default_val(2);
   hidden_cmd->add_option("--batch-tokens", hidden.batch_tokens, "Prompt tokens per forward pass")->default_val(2048);
 
   ProbeOptions probe;
