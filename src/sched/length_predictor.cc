@@ -420,23 +420,28 @@ Result<LengthPredictor> LengthPredictor::Load(const std::string& path) {
 // ---- evaluation -------------------------------------------------------------------------------
 
 LengthEvaluation Evaluate(const LengthPredictor& predictor, const std::vector<LengthExample>& examples) {
-  const LengthBuckets& buckets = predictor.config().buckets;
-  const int k = buckets.num_buckets;
-  LengthEvaluation ev;
-  ev.examples = static_cast<int64_t>(examples.size());
-  ev.confusion.assign(k, std::vector<int64_t>(k, 0));
-  if (examples.empty()) return ev;
-
   std::vector<int> predicted(examples.size());
+  std::vector<int64_t> lens(examples.size());
   const auto start = std::chrono::steady_clock::now();
   for (size_t i = 0; i < examples.size(); ++i) predicted[i] = predictor.Predict(examples[i].prompt).bucket;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  ev.mean_predict_us = seconds * 1e6 / static_cast<double>(examples.size());
+  for (size_t i = 0; i < examples.size(); ++i) lens[i] = examples[i].output_len;
+  LengthEvaluation ev = ScoreBucketPredictions(predictor.config().buckets, predicted, lens);
+  if (!examples.empty()) ev.mean_predict_us = seconds * 1e6 / static_cast<double>(examples.size());
+  return ev;
+}
 
+LengthEvaluation ScoreBucketPredictions(const LengthBuckets& buckets, std::span<const int> predicted,
+                                        std::span<const int64_t> output_lens) {
+  const int k = buckets.num_buckets;
+  LengthEvaluation ev;
+  ev.examples = static_cast<int64_t>(predicted.size());
+  ev.confusion.assign(k, std::vector<int64_t>(k, 0));
+  if (predicted.empty()) return ev;
   int64_t correct = 0, miss_distance = 0;
   std::vector<int64_t> true_counts(k, 0);
-  for (size_t i = 0; i < examples.size(); ++i) {
-    const int truth = buckets.BucketOf(examples[i].output_len);
+  for (size_t i = 0; i < predicted.size(); ++i) {
+    const int truth = buckets.BucketOf(output_lens[i]);
     ++ev.confusion[truth][predicted[i]];
     ++true_counts[truth];
     if (predicted[i] == truth) {
@@ -446,7 +451,7 @@ LengthEvaluation Evaluate(const LengthPredictor& predictor, const std::vector<Le
       (predicted[i] < truth ? ev.under_predictions : ev.over_predictions)++;
     }
   }
-  const double n = static_cast<double>(examples.size());
+  const double n = static_cast<double>(predicted.size());
   ev.accuracy = static_cast<double>(correct) / n;
   const int64_t misses = ev.examples - correct;
   ev.mean_miss_distance = misses > 0 ? static_cast<double>(miss_distance) / static_cast<double>(misses) : 0.0;

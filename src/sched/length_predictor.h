@@ -166,6 +166,10 @@ struct LengthEvaluation {
   double mean_predict_us = 0;          // per prompt, on this CPU
 };
 LengthEvaluation Evaluate(const LengthPredictor& predictor, const std::vector<LengthExample>& examples);
+// The scores of predicted against true output lengths (same order); mean_predict_us is left to the
+// caller. Shared by the n-gram predictor's and the hidden-state probe's evaluations.
+LengthEvaluation ScoreBucketPredictions(const LengthBuckets& buckets, std::span<const int> predicted,
+                                        std::span<const int64_t> output_lens);
 
 // Fisher-Yates with `rng`: the same order on every standard library (std::shuffle's is
 // unspecified), so training and the tool's splits are reproducible anywhere.

@@ -507,37 +507,14 @@ Result<LengthProbe> LengthProbe::Load(const std::string& path) {
 // ---- evaluation -------------------------------------------------------------------------------
 
 LengthEvaluation EvaluateProbe(const LengthProbe& probe, const std::vector<ProbeExample>& examples) {
-  const LengthBuckets& buckets = probe.config().buckets;
-  const int k = buckets.num_buckets;
-  LengthEvaluation ev;
-  ev.examples = static_cast<int64_t>(examples.size());
-  ev.confusion.assign(k, std::vector<int64_t>(k, 0));
-  if (examples.empty()) return ev;
-
   std::vector<int> predicted(examples.size());
+  std::vector<int64_t> lens(examples.size());
   const auto start = std::chrono::steady_clock::now();
   for (size_t i = 0; i < examples.size(); ++i) predicted[i] = probe.Predict(examples[i].hidden).bucket;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  ev.mean_predict_us = seconds * 1e6 / static_cast<double>(examples.size());
-
-  int64_t correct = 0, miss_distance = 0;
-  std::vector<int64_t> true_counts(k, 0);
-  for (size_t i = 0; i < examples.size(); ++i) {
-    const int truth = buckets.BucketOf(examples[i].output_len);
-    ++ev.confusion[truth][predicted[i]];
-    ++true_counts[truth];
-    if (predicted[i] == truth) {
-      ++correct;
-    } else {
-      miss_distance += std::abs(predicted[i] - truth);
-      (predicted[i] < truth ? ev.under_predictions : ev.over_predictions)++;
-    }
-  }
-  const double n = static_cast<double>(examples.size());
-  ev.accuracy = static_cast<double>(correct) / n;
-  const int64_t misses = ev.examples - correct;
-  ev.mean_miss_distance = misses > 0 ? static_cast<double>(miss_distance) / static_cast<double>(misses) : 0.0;
-  ev.majority_accuracy = static_cast<double>(*std::max_element(true_counts.begin(), true_counts.end())) / n;
+  for (size_t i = 0; i < examples.size(); ++i) lens[i] = examples[i].output_len;
+  LengthEvaluation ev = ScoreBucketPredictions(probe.config().buckets, predicted, lens);
+  if (!examples.empty()) ev.mean_predict_us = seconds * 1e6 / static_cast<double>(examples.size());
   return ev;
 }
 
