@@ -24,8 +24,11 @@ import provenance  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-NAMES = [("probe", "hidden-state probe"), ("probe_median", "probe, median bucket"), ("ngram", "n-gram predictor"),
-         ("majority", "majority bucket")]
+NAMES = [("probe", "hidden-state probe"), ("probe_median", "probe, median bucket"),
+         ("probe_online", "probe, learning online"), ("ngram", "n-gram predictor"),
+         ("ngram_online", "n-gram, learning online"), ("majority", "majority bucket")]
+# Rows whose predict-time column means something else (or nothing).
+COST_NOTE = {"probe_median": "as the probe", "ngram_online": "-", "majority": "-"}
 
 
 def markdown(r):
@@ -55,7 +58,7 @@ def markdown(r):
         lines.append(
             f"| {name} | {100 * e['accuracy']:.2f}% | {100 * e['within_one_bucket']:.2f}% | "
             f"{e['mean_bucket_distance']:.3f} | {e['mean_miss_distance']:.3f} | {e['under_predictions']} | "
-            f"{e['over_predictions']} | {'as the probe' if key == 'probe_median' else format(e['mean_predict_us'], '.2f')} |")
+            f"{e['over_predictions']} | {COST_NOTE.get(key, format(e['mean_predict_us'], '.2f'))} |")
     margin = 100 * (t["probe"]["accuracy"] - t["majority"]["accuracy"])
     lines += [
         "",
@@ -64,6 +67,20 @@ def markdown(r):
         "distribution (what the engine reserves); \"median bucket\" is the same probe deciding by the median, which "
         "minimizes the expected bucket distance.",
         "",
+    ]
+    if "probe_online" in t:
+        tuning, ng = r.get("online_tuning", []), r["ngram"]["config"]
+        grid = ", ".join(f"{o['online_learning_rate']}: {100 * o['validation_accuracy']:.2f}%" for o in tuning)
+        lines += [
+            "\"Learning online\" rows: the held-out prompts in order, each predicted and then learnt from in one "
+            f"SGD step, a misprediction weighing {ng['online_weight_mispredicted']} and a hit "
+            f"{ng['online_weight_correct']}, as S3's supervisor does in the engine (the probe's cost column there "
+            f"is the prediction plus the update). The probe's step size ({p['online_learning_rate']}) was chosen "
+            f"the same way on the validation part (step: accuracy; {grid}); the n-gram predictor learns at its "
+            f"default step ({ng['online_learning_rate']}).",
+            "",
+        ]
+    lines += [
         f"Cost per request: probe {cost['probe_predict']:.2f} us + reading the hidden row {cost['hidden_read']:.2f} us "
         f"= {cost['probe_total']:.2f} us (n-gram {cost['ngram_predict']:.2f} us), against a prefill of "
         f"{cost['prefill_ms_for_context']:.1f} ms per prompt on this CPU ({r['hidden']['threads']} threads).",

@@ -302,7 +302,9 @@ Json ConfigJson(const kvflow::LengthPredictorConfig& c) {
               {"epochs", c.epochs},
               {"learning_rate", Decimal(c.learning_rate)},
               {"l2", Decimal(c.l2)},
-              {"online_learning_rate", Decimal(c.online_learning_rate)}};
+              {"online_learning_rate", Decimal(c.online_learning_rate)},
+              {"online_weight_correct", Decimal(c.online_weight_correct)},
+              {"online_weight_mispredicted", Decimal(c.online_weight_mispredicted)}};
 }
 
 std::string JoinArgs(int argc, char** argv) {
@@ -1002,6 +1004,8 @@ struct ProbeOptions {
   std::vector<int> epochs = {20, 60};
   float lr = 1e-3f;
   int batch_size = 32;
+  // Candidate online step sizes (0: never learns), chosen prequentially on the validation part.
+  std::vector<float> online_lrs = {0.0f, 1e-4f, 3e-4f, 1e-3f, 3e-3f, 1e-2f};
   // The n-gram predictor's settings, as in length_predictor_alpaca_smollm2_512.
   int ngram_epochs = 10;
   float ngram_lr = 1.0f;
@@ -1131,6 +1135,33 @@ int RunTrainProbe(const ProbeOptions& opt, const std::string& command) {
   }
   spdlog::info("chosen on validation: {} hidden units, l2 {}, {} epochs", best.hidden_units, best.l2, best.epochs);
 
+  // The online step size, chosen the way the supervisor learns: the chosen probe fitted without the
+  // validation part, then each validation prompt predicted and learnt from in turn.
+  const kvflow::LengthPredictorConfig supervisor_weights;  // the supervisor's default weights
+  Json online_tuning = Json::array();
+  if (!valid_set.empty() && !opt.online_lrs.empty()) {
+    kvflow::LengthProbe fitted(best);
+    fitted.Train(fit_set);
+    double best_online = -1;
+    std::printf("%-10s %9s %10s\n", "online_lr", "val_acc", "val_dist");
+    for (float lr : opt.online_lrs) {
+      kvflow::LengthProbe learner = fitted;
+      learner.mutable_config().online_learning_rate = lr;
+      if (Status st = learner.config().Validate(); !st.ok()) return fail(st);
+      const kvflow::LengthEvaluation ev = kvflow::EvaluateProbeOnline(
+          learner, valid_set, supervisor_weights.online_weight_correct, supervisor_weights.online_weight_mispredicted);
+      std::printf("%-10g %8.2f%% %10.3f\n", static_cast<double>(lr), 100 * ev.accuracy, MeanBucketDistance(ev));
+      online_tuning.push_back(Json{{"online_learning_rate", Decimal(lr)},
+                                   {"validation_accuracy", ev.accuracy},
+                                   {"validation_mean_bucket_distance", MeanBucketDistance(ev)}});
+      if (ev.accuracy > best_online + 1e-12) {
+        best_online = ev.accuracy;
+        best.online_learning_rate = lr;
+      }
+    }
+    spdlog::info("online step size chosen on validation: {}", best.online_learning_rate);
+  }
+
   // The chosen probe and the n-gram predictor, both trained on the whole training split, tested on
   // the held-out prompts.
   const auto train_probe = Pick(probe_examples, split.train);
@@ -1162,58 +1193,46 @@ int RunTrainProbe(const ProbeOptions& opt, const std::string& command) {
   std::vector<int64_t> train_counts(buckets.num_buckets, 0);
   for (size_t p : split.train) ++train_counts[buckets.BucketOf(data.examples[p].output_len)];
   const int majority = static_cast<int>(std::max_element(train_counts.begin(), train_counts.end()) - train_counts.begin());
-  kvflow::LengthEvaluation majority_ev;
-  majority_ev.examples = static_cast<int64_t>(split.test.size());
-  majority_ev.confusion.assign(buckets.num_buckets, std::vector<int64_t>(buckets.num_buckets, 0));
-  int64_t majority_hits = 0, majority_miss_dist = 0;
-  for (size_t p : split.test) {
-    const int t = buckets.BucketOf(data.examples[p].output_len);
-    ++majority_ev.confusion[t][majority];
-    if (t == majority) {
-      ++majority_hits;
-    } else {
-      majority_miss_dist += std::abs(t - majority);
-      (majority < t ? majority_ev.under_predictions : majority_ev.over_predictions)++;
-    }
-  }
-  majority_ev.accuracy = static_cast<double>(majority_hits) / std::max<double>(1.0, majority_ev.examples);
-  majority_ev.majority_accuracy = probe_ev.majority_accuracy;
-  majority_ev.mean_miss_distance =
-      majority_ev.examples > majority_hits
-          ? static_cast<double>(majority_miss_dist) / static_cast<double>(majority_ev.examples - majority_hits)
-          : 0.0;
+  std::vector<int64_t> test_lens;
+  for (size_t p : split.test) test_lens.push_back(data.examples[p].output_len);
+  const kvflow::LengthEvaluation majority_ev =
+      kvflow::ScoreBucketPredictions(buckets, std::vector<int>(split.test.size(), majority), test_lens);
 
   // The same probe deciding by the median of its distribution instead of the mode: the choice that
   // minimizes the expected bucket distance (accuracy is the mode's to win).
-  kvflow::LengthEvaluation median_ev;
-  median_ev.examples = static_cast<int64_t>(test_probe.size());
-  median_ev.confusion.assign(buckets.num_buckets, std::vector<int64_t>(buckets.num_buckets, 0));
-  int64_t median_hits = 0, median_miss_dist = 0;
+  std::vector<int> medians;
   for (const kvflow::ProbeExample& e : test_probe) {
     const std::vector<float> probs = probe.Probabilities(e.hidden);
     int median = 0;
     for (float cum = 0; median < buckets.num_buckets - 1; ++median) {
       if ((cum += probs[median]) >= 0.5f) break;
     }
-    const int t = buckets.BucketOf(e.output_len);
-    ++median_ev.confusion[t][median];
-    if (t == median) {
-      ++median_hits;
-    } else {
-      median_miss_dist += std::abs(t - median);
-      (median < t ? median_ev.under_predictions : median_ev.over_predictions)++;
-    }
+    medians.push_back(median);
   }
-  median_ev.accuracy = static_cast<double>(median_hits) / std::max<double>(1.0, median_ev.examples);
-  median_ev.majority_accuracy = probe_ev.majority_accuracy;
-  median_ev.mean_miss_distance =
-      median_ev.examples > median_hits
-          ? static_cast<double>(median_miss_dist) / static_cast<double>(median_ev.examples - median_hits)
-          : 0.0;
+  const kvflow::LengthEvaluation median_ev = kvflow::ScoreBucketPredictions(buckets, medians, test_lens);
+
+  // Both predictors learning online from the held-out prompts as they complete, in order (the
+  // supervisor's rule; the n-gram predictor at its own online step size).
+  kvflow::LengthProbe probe_learner = probe;
+  const kvflow::LengthEvaluation probe_online_ev =
+      kvflow::EvaluateProbeOnline(probe_learner, test_probe, supervisor_weights.online_weight_correct,
+                                  supervisor_weights.online_weight_mispredicted);
+  kvflow::LengthPredictor ngram_learner = ngram;
+  std::vector<int> ngram_online;
+  for (const kvflow::LengthExample& e : test_ngram) {
+    const int predicted = ngram_learner.Predict(e.prompt).bucket;
+    ngram_online.push_back(predicted);
+    const bool missed = predicted != buckets.BucketOf(e.output_len);
+    ngram_learner.Update(e.prompt, e.output_len,
+                         missed ? ngram.config().online_weight_mispredicted : ngram.config().online_weight_correct);
+  }
+  const kvflow::LengthEvaluation ngram_online_ev = kvflow::ScoreBucketPredictions(buckets, ngram_online, test_lens);
 
   std::vector<std::pair<std::string, Json>> rows = {{"probe", ProbeEvaluationJson(probe_ev, buckets)},
                                                     {"probe_median", ProbeEvaluationJson(median_ev, buckets)},
+                                                    {"probe_online", ProbeEvaluationJson(probe_online_ev, buckets)},
                                                     {"ngram", ProbeEvaluationJson(ngram_ev, buckets)},
+                                                    {"ngram_online", ProbeEvaluationJson(ngram_online_ev, buckets)},
                                                     {"majority", ProbeEvaluationJson(majority_ev, buckets)}};
   PrintEvaluationTable(rows);
   for (const auto& [name, j] : rows) {
@@ -1249,6 +1268,7 @@ int RunTrainProbe(const ProbeOptions& opt, const std::string& command) {
   };
   report["split"]["test_indices"] = indices_of(split.test);
   report["tuning"] = tuning;
+  report["online_tuning"] = online_tuning;
   report["probe"] = {{"kind", best.hidden_units == 0 ? "multinomial logistic regression"
                                                      : "one ReLU hidden layer + softmax"},
                      {"hidden_units", best.hidden_units},
@@ -1257,6 +1277,7 @@ int RunTrainProbe(const ProbeOptions& opt, const std::string& command) {
                      {"learning_rate", Decimal(best.learning_rate)},
                      {"batch_size", best.batch_size},
                      {"seed", best.seed},
+                     {"online_learning_rate", Decimal(best.online_learning_rate)},
                      {"parameters", probe.num_parameters()},
                      {"train_s", probe_tr.seconds},
                      {"final_loss", probe_tr.epoch_loss.empty() ? 0.0 : probe_tr.epoch_loss.back()}};
@@ -1434,6 +1455,9 @@ int main(int argc, char** argv) {
   probe_cmd->add_option("--epochs", probe.epochs, "Candidate epoch counts");
   probe_cmd->add_option("--lr", probe.lr, "Adam learning rate")->default_val(1e-3);
   probe_cmd->add_option("--batch-size", probe.batch_size, "Minibatch")->default_val(32);
+  probe_cmd->add_option("--online-lr", probe.online_lrs,
+                        "Candidate online SGD step sizes (0: no online learning), chosen on the validation part "
+                        "by predicting then learning from each prompt in turn, as the supervisor does");
   probe_cmd->add_option("-o,--out", probe.out, "Probe file to write");
   probe_cmd->add_option("--report", probe.report, "JSON report to write");
   probe_cmd->add_option("--tag", probe.tag, "Name of the run in the report");

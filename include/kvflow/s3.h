@@ -34,6 +34,7 @@ struct S3Stats {
   int64_t probe_predictions = 0;  // reservations the length probe set after a prefill
   int64_t probe_resized = 0;      // of those, reservations it changed
   double probe_seconds = 0;
+  int64_t probe_online_updates = 0;  // online training steps of the length probe
 };
 
 }  // namespace kvflow

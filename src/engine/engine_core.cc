@@ -701,6 +701,7 @@ EngineStats EngineCore::stats() const {
     s.s3.probe_predictions = l.probe_predictions;
     s.s3.probe_resized = l.probe_resized;
     s.s3.probe_seconds = l.probe_seconds;
+    s.s3.probe_online_updates = l.probe_online_updates;
   }
   if (config_.drafter) config_.drafter->AddStats(s.spec);
   if (config_.kv_selector) config_.kv_selector->AddStats(s.kv_selection);

@@ -38,9 +38,10 @@ Result<std::unique_ptr<LengthSupervisor>> CreateLengthSupervisor(const EngineCon
       return Status::InvalidArgument(config.s3.length_probe + ": " + st.message());
     }
     spdlog::info("s3: length probe {} ({} hidden units, {} buckets of {} tokens) re-sizes reservations after the "
-                 "prefill",
+                 "prefill; online step {}",
                  config.s3.length_probe, probe.config().hidden_units, probe.config().buckets.num_buckets,
-                 probe.config().buckets.width());
+                 probe.config().buckets.width(),
+                 config.s3.online_updates ? std::to_string(probe.config().online_learning_rate) : "off");
     supervisor->set_probe(std::move(probe));
   }
   const LengthPredictorConfig& pc = supervisor->predictor().config();
@@ -68,6 +69,8 @@ void AddS3Metrics(const EngineStats& s, std::vector<SystemMetric>& out) {
   out.push_back({"kvflow:s3_predictor_seconds_total", seconds, true, s.s3.predict_seconds, "phase=\"predict\""});
   out.push_back({"kvflow:s3_predictor_seconds_total", seconds, true, s.s3.update_seconds, "phase=\"update\""});
   out.push_back({"kvflow:s3_predictor_seconds_total", seconds, true, s.s3.probe_seconds, "phase=\"probe\""});
+  AddCounter(out, "kvflow:s3_probe_updates_total", "Online training steps of the hidden-state length probe.",
+             static_cast<double>(s.s3.probe_online_updates));
   AddCounter(out, "kvflow:s3_probe_resizes_total", "Reservations the hidden-state probe changed after a prefill.",
              static_cast<double>(s.s3.probe_resized));
 }

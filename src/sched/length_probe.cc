@@ -518,4 +518,22 @@ LengthEvaluation EvaluateProbe(const LengthProbe& probe, const std::vector<Probe
   return ev;
 }
 
+LengthEvaluation EvaluateProbeOnline(LengthProbe& probe, const std::vector<ProbeExample>& examples,
+                                     float weight_correct, float weight_mispredicted) {
+  const LengthBuckets& buckets = probe.config().buckets;
+  std::vector<int> predicted(examples.size());
+  std::vector<int64_t> lens(examples.size());
+  const auto start = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < examples.size(); ++i) {
+    predicted[i] = probe.Predict(examples[i].hidden).bucket;
+    lens[i] = examples[i].output_len;
+    const bool missed = predicted[i] != buckets.BucketOf(lens[i]);
+    probe.Update(examples[i].hidden, lens[i], missed ? weight_mispredicted : weight_correct);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  LengthEvaluation ev = ScoreBucketPredictions(buckets, predicted, lens);
+  if (!examples.empty()) ev.mean_predict_us = seconds * 1e6 / static_cast<double>(examples.size());
+  return ev;
+}
+
 }  // namespace kvflow

@@ -124,5 +124,11 @@ class LengthProbe {
 
 // Accuracy figures of a probe on a labelled set (the predictor's LengthEvaluation).
 LengthEvaluation EvaluateProbe(const LengthProbe& probe, const std::vector<ProbeExample>& examples);
+// Prequential ("test, then train") figures, as the supervisor learns online: each example, in order,
+// is predicted and then learnt from in one Update, weighted as the supervisor weighs a completed
+// request (`weight_mispredicted` when the predicted bucket was wrong). Leaves `probe` updated;
+// mean_predict_us counts the prediction and the update.
+LengthEvaluation EvaluateProbeOnline(LengthProbe& probe, const std::vector<ProbeExample>& examples,
+                                     float weight_correct, float weight_mispredicted);
 
 }  // namespace kvflow

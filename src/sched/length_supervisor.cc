@@ -97,6 +97,7 @@ void LengthSupervisor::OnPrefillHidden(SequenceGroup& group, std::span<const flo
   if (group.predicted_output_len != p.reserve_len) ++stats_.probe_resized;
   group.predicted_output_len = p.reserve_len;
   group.predicted_bucket = buckets.BucketOf(std::max<int64_t>(0, p.reserve_len - 1));
+  if (config_.online_updates) group.prompt_hidden.assign(hidden.begin(), hidden.end());
   ++stats_.probe_predictions;
   stats_.probe_seconds += SecondsSince(start);
 }
@@ -126,6 +127,12 @@ void LengthSupervisor::OnFinished(const SequenceGroup& group, int64_t output_len
   predictor_.Update(std::span<const int32_t>(seq.tokens.data(), static_cast<size_t>(seq.prompt_len)), output_len,
                     weight);
   ++stats_.online_updates;
+  // The probe learns from the same request with the same weight: the reservation it set is the one
+  // judged above.
+  if (probe_ && !group.prompt_hidden.empty()) {
+    probe_->Update(group.prompt_hidden, output_len, weight);
+    ++stats_.probe_online_updates;
+  }
   stats_.update_seconds += SecondsSince(start);
 }
 

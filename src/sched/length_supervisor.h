@@ -44,6 +44,7 @@ struct LengthSupervisorStats {
   int64_t probe_predictions = 0;  // reservations the probe set after a prefill
   int64_t probe_resized = 0;      // of those, the ones that differ from the predictor's
   double probe_seconds = 0;
+  int64_t probe_online_updates = 0;  // the probe's online steps (their time is in update_seconds)
 };
 
 // What a supervisor is made from: a trained predictor, or none (an untrained one whose buckets span
@@ -71,17 +72,21 @@ class LengthSupervisor {
   bool has_probe() const { return probe_.has_value(); }
   // `hidden`: the final-norm hidden state of the prompt's last token (its first output's logit
   // row). Replaces group.predicted_output_len with the probe's, and predicted_bucket with the
-  // predictor's bucket of it (so OnFinished judges the reservation actually held).
+  // predictor's bucket of it (so OnFinished judges the reservation actually held). With online
+  // updates, keeps `hidden` in the group: OnFinished trains the probe on it too.
   void OnPrefillHidden(SequenceGroup& group, std::span<const float> hidden);
   // The scheduler preempted `group` because a sequence outgrew its reservation.
   void OnReservationExhausted(const SequenceGroup& group);
   // A request that completed: `output_len` is its longest sequence's output; `natural_end` says it
   // stopped by itself (EOS or a stop), so output_len is its true length rather than a cut at
-  // max_tokens or the context. Cancelled and failed requests are not reported.
+  // max_tokens or the context. Cancelled and failed requests are not reported. With online updates
+  // the predictor, and the probe where it predicted, each take one step on a request whose true
+  // bucket is known.
   void OnFinished(const SequenceGroup& group, int64_t output_len, bool natural_end);
 
   const LengthSupervisorStats& stats() const { return stats_; }
   const LengthPredictor& predictor() const { return predictor_; }
+  const LengthProbe* probe() const { return probe_ ? &*probe_ : nullptr; }
 
  private:
   LengthPredictor predictor_;

@@ -42,6 +42,9 @@ struct SequenceGroup {
   // Filled by a length predictor (S3); policies may reserve by it.
   std::optional<int64_t> predicted_output_len;
   int predicted_bucket = -1;  // the predictor's length bucket, -1: no prediction
+  // The prompt's last final-norm hidden row, kept until the request ends for the length probe's
+  // online update (S3 with a probe and online updates; empty otherwise).
+  std::vector<float> prompt_hidden;
   // Times a sequence of the group outgrew its reservation under a hard-reservation policy (S3);
   // each one doubles the reservation.
   int reservation_misses = 0;

@@ -182,6 +182,8 @@ TEST(EngineS3, LengthProbeResizesReservationsAfterThePrefill) {
   EXPECT_EQ(with.stats.s3.probe_predictions, static_cast<int64_t>(kPrompts.size()));
   EXPECT_EQ(with.stats.s3.probe_resized, static_cast<int64_t>(kPrompts.size()));
   EXPECT_EQ(with.stats.s3.reservation_preemptions, 0);
+  // Online, the probe learns from every request the predictor learns from.
+  EXPECT_EQ(with.stats.s3.probe_online_updates, with.stats.s3.online_updates);
 
   LengthProbe foreign(pc);
   foreign.set_model_fingerprint("llama-L30-H576-other");

@@ -171,6 +171,37 @@ TEST(LengthProbe, OnlineUpdateMovesTowardTheLabel) {
   EXPECT_EQ(probe.num_online_updates(), 5);
 }
 
+// The prequential evaluation is "predict, then learn" in order, weighting misses as asked: a probe
+// whose workload moved (every bucket's prompts now run one bucket longer) scores near zero held
+// still and recovers when it learns as it goes; the figures equal a hand-written loop's.
+TEST(LengthProbe, OnlineEvaluationPredictsThenLearnsInOrder) {
+  const Synthetic problem = MakeProblem(41);
+  LengthProbe trained(Config(0));
+  trained.Train(Sample(problem, 300, 42));
+  std::vector<ProbeExample> moved = Sample(problem, 600, 43);
+  for (ProbeExample& e : moved) e.output_len = (e.output_len + 100) % 500;
+  trained.mutable_config().online_learning_rate = 0.02f;
+
+  const LengthEvaluation still = EvaluateProbe(trained, moved);
+  LengthProbe online = trained;
+  const LengthEvaluation learnt = EvaluateProbeOnline(online, moved, 1.0f, 4.0f);
+  std::printf("moved workload: held still %.3f, learning online %.3f\n", still.accuracy, learnt.accuracy);
+  EXPECT_LT(still.accuracy, 0.3);
+  EXPECT_GT(learnt.accuracy, 0.6);
+  EXPECT_EQ(online.num_online_updates(), trained.num_online_updates() + 600);
+
+  LengthProbe by_hand = trained;
+  std::vector<std::vector<int64_t>> confusion(kBuckets, std::vector<int64_t>(kBuckets, 0));
+  for (const ProbeExample& e : moved) {
+    const int predicted = by_hand.Predict(e.hidden).bucket;
+    const int truth = kBucketSpec.BucketOf(e.output_len);
+    ++confusion[truth][predicted];
+    by_hand.Update(e.hidden, e.output_len, predicted == truth ? 1.0f : 4.0f);
+  }
+  EXPECT_EQ(learnt.confusion, confusion);
+  EXPECT_EQ(by_hand.Probabilities(moved.front().hidden), online.Probabilities(moved.front().hidden));
+}
+
 class LengthProbeFile : public ::testing::TestWithParam<int> {
  protected:
   void SetUp() override {
