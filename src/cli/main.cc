@@ -165,6 +165,7 @@ struct PerplexityCliOptions {
   bool dump_tokens = false;
   bool token_by_token = false;
   int decode_from = 0;
+  int position_chunk = 0;
 };
 
 // A progress bar on stderr, redrawn in place; on a pipe only every tenth.
@@ -227,6 +228,7 @@ int RunPerplexity(PerplexityCliOptions& opt) {
   p.method = method.value();
   p.max_windows = opt.max_windows;
   p.decode_from = opt.decode_from;
+  p.position_chunk = opt.position_chunk;
   p.windows_in_flight = opt.windows_in_flight;
   const auto start = Clock::now();
   p.progress = [&](int64_t done, int64_t total) {
@@ -279,6 +281,20 @@ int RunPerplexity(PerplexityCliOptions& opt) {
     if (r->first_token_bos >= 0) j["first_token_bos"] = r->first_token_bos;
     j["token_by_token"] = opt.token_by_token;
     j["decode_from"] = opt.decode_from;
+    if (p.position_chunk > 0) {
+      nlohmann::json chunks = nlohmann::json::array();
+      for (size_t k = 0; k < r->chunk_nll.size(); ++k) {
+        if (r->chunk_tokens[k] == 0) continue;
+        const double mean = r->chunk_nll[k] / static_cast<double>(r->chunk_tokens[k]);
+        chunks.push_back({{"from", static_cast<int64_t>(k) * p.position_chunk},
+                          {"to", static_cast<int64_t>(k + 1) * p.position_chunk},
+                          {"scored_tokens", r->chunk_tokens[k]},
+                          {"mean_nll", mean},
+                          {"perplexity", std::exp(mean)}});
+      }
+      j["position_chunk"] = p.position_chunk;
+      j["position_chunks"] = chunks;
+    }
     const kvflow::EngineConfig& ec = engine.config();
     if (!ec.kv_selection.method.empty()) {
       const kvflow::KvSelectionStats k = engine.stats().kv_selection;
@@ -565,6 +581,11 @@ int main(int argc, char** argv) {
   perplexity->add_option("--max-windows", ppl.max_windows, "Score only the first N windows (0 = all)")->default_val(0);
   perplexity->add_option("--windows-in-flight", ppl.windows_in_flight, "Windows batched together")->default_val(2);
   perplexity->add_option("--json", ppl.json_out, "Write the result (and per-window NLL) as JSON here");
+  perplexity->add_option("--position-chunk", ppl.position_chunk,
+                         "Also report the perplexity of each N-token span of window positions over all windows "
+                         "(in --json: position_chunks): how the loss moves along a sequence (0 = off)")
+      ->default_val(0)
+      ->check(CLI::NonNegativeNumber);
   perplexity->add_flag("--dump-tokens", ppl.dump_tokens, "Include the token ids in the JSON (reference checks)");
   perplexity->add_flag("--token-by-token", ppl.token_by_token,
                        "Score one token per step (decode mode: a --kv-selection acts at every position as in "

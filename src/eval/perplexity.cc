@@ -59,6 +59,9 @@ Result<PerplexityResult> ComputePerplexity(Engine& engine, std::span<const int32
     return Status::InvalidArgument("decode_from must be in [0, ctx = " + std::to_string(options.ctx) + "), not " +
                                    std::to_string(options.decode_from));
   }
+  if (options.position_chunk < 0) {
+    return Status::InvalidArgument("the position chunk must be >= 0, not " + std::to_string(options.position_chunk));
+  }
   if (options.decode_from > 0) {
     std::vector<PerplexityWindow> kept;
     for (PerplexityWindow w : windows) {
@@ -127,7 +130,17 @@ Result<PerplexityResult> ComputePerplexity(Engine& engine, std::span<const int32
     }
     // lp[i] is the logprob of window token i + 1.
     for (int64_t pos = win.score_from; pos < win.end; ++pos) {
-      result.window_nll[w] -= lp[static_cast<size_t>(pos - win.begin - 1)].logprob;
+      const double token_nll = -lp[static_cast<size_t>(pos - win.begin - 1)].logprob;
+      result.window_nll[w] += token_nll;
+      if (options.position_chunk > 0) {
+        const size_t k = static_cast<size_t>((pos - win.begin) / options.position_chunk);
+        if (result.chunk_nll.size() <= k) {
+          result.chunk_nll.resize(k + 1, 0.0);
+          result.chunk_tokens.resize(k + 1, 0);
+        }
+        result.chunk_nll[k] += token_nll;
+        ++result.chunk_tokens[k];
+      }
     }
     nll += result.window_nll[w];
     result.scored_tokens += win.end - win.score_from;

@@ -47,6 +47,9 @@ struct PerplexityOptions {
   int decode_from = 0;
   int max_windows = 0;         // 0: all
   int windows_in_flight = 2;   // requests batched together
+  // > 0: also sum the NLL by window position in spans of this many tokens (positions [0, n), [n,
+  // 2n), ... of every window): how the loss moves along a sequence (InfiniGen's Fig. 12: 256).
+  int position_chunk = 0;
   // Called after each finished window with (windows done, windows total).
   std::function<void(int64_t, int64_t)> progress;
 };
@@ -60,6 +63,9 @@ struct PerplexityResult {
   double seconds = 0.0;
   std::vector<double> window_nll;  // summed NLL of each window's scored tokens
   int32_t first_token_bos = -1;    // second-half: the BOS id each chunk starts with, -1: none
+  // With PerplexityOptions::position_chunk: span k's summed NLL and scored tokens over all windows.
+  std::vector<double> chunk_nll;
+  std::vector<int64_t> chunk_tokens;
 };
 
 Result<PerplexityResult> ComputePerplexity(Engine& engine, std::span<const int32_t> tokens,

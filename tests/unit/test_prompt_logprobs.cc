@@ -206,6 +206,26 @@ TEST(Perplexity, OverTheEngineEqualsTheReferenceLogprobs) {
   EXPECT_EQ(r->scored_tokens, 69);
   EXPECT_EQ(n, 69);
   EXPECT_NEAR(r->perplexity, std::exp(nll / double(n)), 1e-4 * r->perplexity);
+
+  // By window position in spans of 8: the same logprobs summed by (pos - begin) / 8.
+  o.position_chunk = 8;
+  auto by_position = ComputePerplexity(*engine, text, o);
+  ASSERT_TRUE(by_position.ok()) << by_position.status().ToString();
+  std::vector<double> chunk_nll(4, 0.0);
+  std::vector<int64_t> chunk_tokens(4, 0);
+  for (const auto& w : windows) {
+    const std::vector<int32_t> window(text.begin() + w.begin, text.begin() + w.end);
+    const std::vector<double> lp = ReferenceLogprobs(window);
+    for (int64_t pos = w.score_from; pos < w.end; ++pos) {
+      chunk_nll[size_t((pos - w.begin) / 8)] -= lp[size_t(pos - w.begin - 1)];
+      ++chunk_tokens[size_t((pos - w.begin) / 8)];
+    }
+  }
+  ASSERT_EQ(by_position->chunk_nll.size(), 4u);
+  EXPECT_EQ(by_position->chunk_tokens, chunk_tokens);
+  for (size_t k = 0; k < 4; ++k) EXPECT_NEAR(by_position->chunk_nll[k], chunk_nll[k], 1e-3) << "span " << k;
+  o.position_chunk = -1;
+  EXPECT_FALSE(ComputePerplexity(*engine, text, o).ok());
 }
 
 // prompt_decode_from (teacher-forced decoding): the prompt prefills in chunks up to it, then one token
