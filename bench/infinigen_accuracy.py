@@ -33,13 +33,35 @@ from provenance import provenance
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(p):
+    """The binary, model and texts every InfiniGen accuracy script runs (checked by check_inputs)."""
     p.add_argument("--kvflow", default=os.path.join(ROOT, "build", "kvflow"), help="the kvflow CLI")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--test", default=os.path.join(ROOT, "..", "shared", "datasets", "wikitext-2", "test.txt"))
     p.add_argument("--valid", default=os.path.join(ROOT, "..", "shared", "datasets", "wikitext-2", "valid.txt"),
                    help="sample text for the skewing files (kept apart from the scored text)")
+
+
+def check_inputs(args):
+    for f in (args.kvflow, args.test, args.valid):
+        if not os.path.exists(f):
+            fail(f"{f} not found")
+
+
+def write_report(args, doc, text, plot):
+    """The JSON, the markdown (also printed) and, unless --no-plot, the plot under --out-prefix."""
+    with open(args.out_prefix + ".json", "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(args.out_prefix + ".md", "w") as f:
+        f.write(text + "\n")
+    print(text)
+    if not args.no_plot:
+        plot(args, doc)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
     p.add_argument("--protocols", default="serving,paper,strict")
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--prompt", type=int, default=1920, help="serving: prompt tokens per window (the rest decoded)")
@@ -244,7 +266,8 @@ def markdown(args, results):
     return "\n".join(lines)
 
 
-def plot(args, results):
+def plot(args, doc):
+    results = doc["results"]
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -277,9 +300,7 @@ def plot(args, results):
 
 def main():
     args = parse_args()
-    for f in (args.kvflow, args.test, args.valid):
-        if not os.path.exists(f):
-            fail(f"{f} not found")
+    check_inputs(args)
     protocols = [p for p in args.protocols.split(",") if p]
     for p in protocols:
         if p not in PROTOCOL_TEXT:
@@ -294,14 +315,7 @@ def main():
            "alpha": args.alpha, "cap": args.cap, "prompt": args.prompt, "results": results,
            "provenance": provenance(per_run_figures="results[].rows[] (one kvflow perplexity run each, command "
                                                     "in rows[].command)")}
-    with open(args.out_prefix + ".json", "w") as f:
-        json.dump(doc, f, indent=1)
-    text = markdown(args, results)
-    with open(args.out_prefix + ".md", "w") as f:
-        f.write(text + "\n")
-    print(text)
-    if not args.no_plot:
-        plot(args, results)
+    write_report(args, doc, markdown(args, results), plot)
 
 
 if __name__ == "__main__":

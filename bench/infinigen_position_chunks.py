@@ -16,8 +16,6 @@ Writes bench/results/infinigen_position_chunks.{json,md,png}; runs are cached un
 and H2O flags are bench/infinigen_accuracy.py's.
 """
 import argparse
-import json
-import math
 import os
 import sys
 
@@ -30,11 +28,7 @@ ROOT = accuracy.ROOT
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kvflow", default=os.path.join(ROOT, "build", "kvflow"), help="the kvflow CLI")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--test", default=os.path.join(ROOT, "..", "shared", "datasets", "wikitext-2", "test.txt"))
-    p.add_argument("--valid", default=os.path.join(ROOT, "..", "shared", "datasets", "wikitext-2", "valid.txt"),
-                   help="sample text for the skewing file (kept apart from the scored text)")
+    accuracy.add_model_args(p)
     p.add_argument("--ctx", type=int, default=4096, help="tokens per window")
     p.add_argument("--prompt", type=int, default=1024, help="dense prompt tokens per window (the rest decoded)")
     p.add_argument("--chunk", type=int, default=256, help="positions per reported span")
@@ -139,9 +133,7 @@ def plot(args, doc):
 
 def main():
     args = parse_args()
-    for f in (args.kvflow, args.test, args.valid):
-        if not os.path.exists(f):
-            accuracy.fail(f"{f} not found")
+    accuracy.check_inputs(args)
     if not 0 < args.prompt < args.ctx:
         accuracy.fail(f"--prompt must be in (0, --ctx), not {args.prompt}")
     if args.chunk < 1:
@@ -164,14 +156,7 @@ def main():
            "windows": full["windows"], "scored_tokens": full["scored_tokens"], "rows": rows,
            "provenance": provenance(per_run_figures="rows[] (one kvflow perplexity run each, command in "
                                                     "rows[].command)")}
-    with open(args.out_prefix + ".json", "w") as f:
-        json.dump(doc, f, indent=1)
-    text = markdown(args, doc)
-    with open(args.out_prefix + ".md", "w") as f:
-        f.write(text + "\n")
-    print(text)
-    if not args.no_plot:
-        plot(args, doc)
+    accuracy.write_report(args, doc, markdown(args, doc), plot)
 
 
 if __name__ == "__main__":
