@@ -41,7 +41,9 @@ Result<std::unique_ptr<LengthSupervisor>> CreateLengthSupervisor(const EngineCon
                  "prefill; online step {}",
                  config.s3.length_probe, probe.config().hidden_units, probe.config().buckets.num_buckets,
                  probe.config().buckets.width(),
-                 config.s3.online_updates ? std::to_string(probe.config().online_learning_rate) : "off");
+                 !config.s3.online_updates                    ? std::string("off")
+                 : probe.config().online_learning_rate > 0 ? std::to_string(probe.config().online_learning_rate)
+                                                            : std::string("0 (the probe file's: no online updates)"));
     supervisor->set_probe(std::move(probe));
   }
   const LengthPredictorConfig& pc = supervisor->predictor().config();

@@ -97,7 +97,10 @@ void LengthSupervisor::OnPrefillHidden(SequenceGroup& group, std::span<const flo
   if (group.predicted_output_len != p.reserve_len) ++stats_.probe_resized;
   group.predicted_output_len = p.reserve_len;
   group.predicted_bucket = buckets.BucketOf(std::max<int64_t>(0, p.reserve_len - 1));
-  if (config_.online_updates) group.prompt_hidden.assign(hidden.begin(), hidden.end());
+  // A probe whose online step is 0 (train-probe found learning online did not pay) keeps nothing.
+  if (config_.online_updates && probe_->config().online_learning_rate > 0) {
+    group.prompt_hidden.assign(hidden.begin(), hidden.end());
+  }
   ++stats_.probe_predictions;
   stats_.probe_seconds += SecondsSince(start);
 }

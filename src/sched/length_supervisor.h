@@ -73,7 +73,8 @@ class LengthSupervisor {
   // `hidden`: the final-norm hidden state of the prompt's last token (its first output's logit
   // row). Replaces group.predicted_output_len with the probe's, and predicted_bucket with the
   // predictor's bucket of it (so OnFinished judges the reservation actually held). With online
-  // updates, keeps `hidden` in the group: OnFinished trains the probe on it too.
+  // updates and a probe whose online step is not 0, keeps `hidden` in the group: OnFinished trains
+  // the probe on it too.
   void OnPrefillHidden(SequenceGroup& group, std::span<const float> hidden);
   // The scheduler preempted `group` because a sequence outgrew its reservation.
   void OnReservationExhausted(const SequenceGroup& group);

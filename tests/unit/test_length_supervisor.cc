@@ -197,6 +197,18 @@ TEST(LengthSupervisor, TheProbeLearnsOnlineFromCompletedRequests) {
   EXPECT_EQ(sup.probe()->num_online_updates(), 0);
   sup.OnFinished(*g, 95, /*natural_end=*/true);
   EXPECT_EQ(sup.probe()->num_online_updates(), 1);
+
+  // A probe trained to take no online step keeps no row and counts no update.
+  pc.online_learning_rate = 0.0f;
+  LengthSupervisor still(LengthPredictor(SmallConfig()), {});
+  still.set_probe(LengthProbe(pc));
+  auto h = Group({1, 2, 3});
+  still.Predict(*h);
+  still.OnPrefillHidden(*h, centres[4]);
+  EXPECT_TRUE(h->prompt_hidden.empty());
+  still.OnFinished(*h, 45, /*natural_end=*/true);
+  EXPECT_EQ(still.stats().probe_online_updates, 0);
+  EXPECT_EQ(still.stats().online_updates, 1);  // the n-gram predictor still learns
 }
 
 }  // namespace
