@@ -1218,15 +1218,7 @@ int RunTrainProbe(const ProbeOptions& opt, const std::string& command) {
       kvflow::EvaluateProbeOnline(probe_learner, test_probe, supervisor_weights.online_weight_correct,
                                   supervisor_weights.online_weight_mispredicted);
   kvflow::LengthPredictor ngram_learner = ngram;
-  std::vector<int> ngram_online;
-  for (const kvflow::LengthExample& e : test_ngram) {
-    const int predicted = ngram_learner.Predict(e.prompt).bucket;
-    ngram_online.push_back(predicted);
-    const bool missed = predicted != buckets.BucketOf(e.output_len);
-    ngram_learner.Update(e.prompt, e.output_len,
-                         missed ? ngram.config().online_weight_mispredicted : ngram.config().online_weight_correct);
-  }
-  const kvflow::LengthEvaluation ngram_online_ev = kvflow::ScoreBucketPredictions(buckets, ngram_online, test_lens);
+  const kvflow::LengthEvaluation ngram_online_ev = kvflow::EvaluateOnline(ngram_learner, test_ngram);
 
   std::vector<std::pair<std::string, Json>> rows = {{"probe", ProbeEvaluationJson(probe_ev, buckets)},
                                                     {"probe_median", ProbeEvaluationJson(median_ev, buckets)},

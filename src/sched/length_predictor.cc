@@ -431,6 +431,23 @@ LengthEvaluation Evaluate(const LengthPredictor& predictor, const std::vector<Le
   return ev;
 }
 
+LengthEvaluation EvaluateOnline(LengthPredictor& predictor, const std::vector<LengthExample>& examples) {
+  const LengthPredictorConfig& c = predictor.config();
+  std::vector<int> predicted(examples.size());
+  std::vector<int64_t> lens(examples.size());
+  const auto start = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < examples.size(); ++i) {
+    predicted[i] = predictor.Predict(examples[i].prompt).bucket;
+    lens[i] = examples[i].output_len;
+    const bool missed = predicted[i] != c.buckets.BucketOf(lens[i]);
+    predictor.Update(examples[i].prompt, lens[i], missed ? c.online_weight_mispredicted : c.online_weight_correct);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  LengthEvaluation ev = ScoreBucketPredictions(c.buckets, predicted, lens);
+  if (!examples.empty()) ev.mean_predict_us = seconds * 1e6 / static_cast<double>(examples.size());
+  return ev;
+}
+
 LengthEvaluation ScoreBucketPredictions(const LengthBuckets& buckets, std::span<const int> predicted,
                                         std::span<const int64_t> output_lens) {
   const int k = buckets.num_buckets;

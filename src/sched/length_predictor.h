@@ -166,6 +166,10 @@ struct LengthEvaluation {
   double mean_predict_us = 0;          // per prompt, on this CPU
 };
 LengthEvaluation Evaluate(const LengthPredictor& predictor, const std::vector<LengthExample>& examples);
+// Prequential ("test, then train") figures, as S3's supervisor learns online: each example, in order,
+// is predicted and then learnt from in one Update weighted by the predictor's online weights (a
+// mispredicted one more). Leaves `predictor` updated; mean_predict_us counts prediction and update.
+LengthEvaluation EvaluateOnline(LengthPredictor& predictor, const std::vector<LengthExample>& examples);
 // The scores of predicted against true output lengths (same order); mean_predict_us is left to the
 // caller. Shared by the n-gram predictor's and the hidden-state probe's evaluations.
 LengthEvaluation ScoreBucketPredictions(const LengthBuckets& buckets, std::span<const int> predicted,

@@ -208,6 +208,30 @@ TEST(LengthPredictor, OnlineUpdateMovesTowardTheLabel) {
   EXPECT_EQ(p.num_online_updates(), updates);
 }
 
+// The prequential evaluation predicts, then learns, in order, with the predictor's online weights:
+// its confusion and the predictor it leaves equal a hand-written loop's.
+TEST(LengthPredictor, OnlineEvaluationPredictsThenLearnsInOrder) {
+  LengthPredictorConfig c = SmallConfig();
+  LengthPredictor trained(c);
+  trained.Train(SyntheticExamples(300, c.buckets, 6));
+  std::vector<LengthExample> stream = SyntheticExamples(200, c.buckets, 7);
+  for (LengthExample& e : stream) e.output_len = std::min<int64_t>(c.buckets.max_output_len - 1, e.output_len * 2);
+  LengthPredictor online = trained;
+  const LengthEvaluation ev = EvaluateOnline(online, stream);
+  LengthPredictor by_hand = trained;
+  std::vector<std::vector<int64_t>> confusion(c.buckets.num_buckets, std::vector<int64_t>(c.buckets.num_buckets, 0));
+  for (const LengthExample& e : stream) {
+    const int predicted = by_hand.Predict(e.prompt).bucket;
+    const int truth = c.buckets.BucketOf(e.output_len);
+    ++confusion[truth][predicted];
+    by_hand.Update(e.prompt, e.output_len, predicted == truth ? c.online_weight_correct : c.online_weight_mispredicted);
+  }
+  EXPECT_EQ(ev.confusion, confusion);
+  EXPECT_EQ(online.num_online_updates(), 200);
+  EXPECT_EQ(online.Probabilities(stream.front().prompt), by_hand.Probabilities(stream.front().prompt));
+  EXPECT_GT(ev.accuracy, Evaluate(trained, stream).accuracy);  // the lengths moved: learning pays
+}
+
 // ---- file format ------------------------------------------------------------------------------
 
 class LengthPredictorFile : public ::testing::Test {
