@@ -155,10 +155,9 @@ Trace MakeShareGptTrace(size_t num_requests, uint64_t seed, int64_t max_model_le
   AddRealizedStats(trace, truncated);
   return trace;
 }
+
 namespace {
 
-// Alpaca: prompt = instruction (+ "\n" + input), output = the reference output, both tokenized;
-// a seeded random sample of the dataset.
 // The dataset indices a length predictor's training report held out (its "test_indices").
 Result<std::vector<size_t>> LoadHeldOutIndices(const std::string& report_path) {
   std::ifstream in(report_path);
@@ -176,9 +175,20 @@ Result<std::vector<size_t>> LoadHeldOutIndices(const std::string& report_path) {
     return Status::CorruptFile(report_path + ": " + e.what());
   }
 }
-}  // namespace
 
-namespace {
+// `n` entries of seeded shuffles of `pool`, one whole shuffle after another (a pool smaller than
+// the trace is replayed).
+template <typename T>
+std::vector<T> RepeatedShuffles(const std::vector<T>& pool, size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<T> order;
+  while (order.size() < n) {
+    std::vector<T> pass = pool;
+    std::shuffle(pass.begin(), pass.end(), rng);
+    order.insert(order.end(), pass.begin(), pass.end());
+  }
+  return order;
+}
 
 // A label JSONL of kvflow-length-predictor label --chat: each prompt as one user message in the
 // model's chat template, its output length the one the model generated greedily.
@@ -215,13 +225,7 @@ Result<Trace> LoadLabelsTrace(const std::string& path, size_t num_requests, uint
   const kvflow::Tokenizer& tok = *files.tokenizer;
   KVFLOW_ASSIGN_OR_RETURN(kvflow::ChatTemplate chat, kvflow::ChatTemplate::Create(tok.chat_template(), "", ""));
 
-  std::mt19937_64 rng(seed);
-  std::vector<int64_t> order;
-  while (order.size() < num_requests) {
-    std::vector<int64_t> pass = pool;
-    std::shuffle(pass.begin(), pass.end(), rng);
-    order.insert(order.end(), pass.begin(), pass.end());
-  }
+  const std::vector<int64_t> order = RepeatedShuffles(pool, num_requests, seed);
   Trace trace;
   trace.name = "alpaca";
   int64_t truncated = 0;
@@ -252,6 +256,8 @@ Result<Trace> LoadLabelsTrace(const std::string& path, size_t num_requests, uint
 
 }  // namespace
 
+// Alpaca: prompt = instruction (+ "\n" + input), output = the reference output, both tokenized;
+// a seeded random sample of the dataset (a label JSONL: the model's own output lengths).
 Result<Trace> LoadAlpacaTrace(const std::string& path, size_t num_requests, uint64_t seed, int64_t max_model_len,
                               const ModelChoice& tokenizer_model, const std::string& held_out_from) {
   if (path.size() > 6 && path.compare(path.size() - 6, 6, ".jsonl") == 0) {
@@ -283,13 +289,7 @@ Result<Trace> LoadAlpacaTrace(const std::string& path, size_t num_requests, uint
   if (!files.tokenizer) return Status::NotFound("no tokenizer in " + tokenizer_model.path);
   const kvflow::Tokenizer& tok = *files.tokenizer;
 
-  std::mt19937_64 rng(seed);
-  std::vector<size_t> order;
-  while (order.size() < num_requests) {
-    std::vector<size_t> pass = pool;
-    std::shuffle(pass.begin(), pass.end(), rng);
-    order.insert(order.end(), pass.begin(), pass.end());
-  }
+  const std::vector<size_t> order = RepeatedShuffles(pool, num_requests, seed);
   Trace trace;
   trace.name = "alpaca";
   int64_t truncated = 0;

@@ -12,6 +12,8 @@
 #include <set>
 #include <sstream>
 
+#include "util/checksummed_file.h"
+
 namespace kvflow::dist {
 
 namespace {
@@ -238,20 +240,8 @@ Status PartitionTable::Save(const std::filesystem::path& path) const {
   }
   const json root = {{"format", kFormatName}, {"version", kFormatVersion}, {"model", model_},
                      {"description", description_}, {"hardware", hardware_}, {"entries", std::move(entries)}};
-  // Written beside the target and renamed over it, so a server never reads half a table.
-  const std::string target = path.string();
-  const std::string tmp = target + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return Status::IoError("cannot write " + tmp);
-    out << root.dump(2) << "\n";
-    out.close();
-    if (!out) return Status::IoError("error writing " + tmp);
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) return Status::IoError("cannot rename " + tmp + " to " + target + ": " + ec.message());
-  return Status::Ok();
+  // Renamed over the target, so a server never reads half a table.
+  return WriteFileAtomically(path.string(), root.dump(2) + "\n");
 }
 
 const char* PartitionSourceName(PartitionSource source) {

@@ -6,25 +6,20 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <random>
 
 #include <nlohmann/json.hpp>
 
 #include "kvflow/tokenizer.h"
+#include "util/checksummed_file.h"
 #include "util/hash.h"
 
 namespace kvflow {
 namespace {
 
-static_assert(std::endian::native == std::endian::little, "the predictor file is written as little-endian");
-
 using Json = nlohmann::ordered_json;
 
-constexpr char kMagic[8] = {'K', 'V', 'F', 'L', 'O', 'W', 'L', 'P'};
-constexpr size_t kPreambleBytes = sizeof(kMagic) + sizeof(uint32_t) + sizeof(uint64_t);
-constexpr uint64_t kMaxHeaderBytes = 1 << 20;
+constexpr std::string_view kMagic = "KVFLOWLP";
 // Names the feature map; a file whose features were hashed differently must not load.
 constexpr const char* kFeatureScheme = "token-1gram+2gram/splitmix64/l2+log2-prompt-len/v1";
 // Distinct salts keep a unigram and a bigram from sharing a slot systematically.
@@ -33,7 +28,7 @@ constexpr uint64_t kBigramSalt = 0x6c70626967726d73ULL;   // "lpbigrms"
 // AdaGrad: a start value for the squared-gradient sums keeps the first steps from being lr * sign(g).
 constexpr float kAdaGradInitialAccumulator = 0.1f;
 
-// FNV-1a: the file checksum and the tokenizer fingerprint; fixed so files stay comparable.
+// FNV-1a: the tokenizer fingerprint; fixed so files stay comparable.
 struct Fnv1a64 {
   uint64_t h = 0xcbf29ce484222325ULL;
   void Add(const void* data, size_t n) {
@@ -54,10 +49,6 @@ int LengthBin(size_t prompt_len) {
   return std::min(bin, LengthPredictor::kNumLengthBins - 1);
 }
 
-template <typename T>
-void AppendPod(std::string& out, const T& v) {
-  out.append(reinterpret_cast<const char*>(&v), sizeof(T));
-}
 
 LengthPredictorConfig Clamped(LengthPredictorConfig c) {
   using C = LengthPredictorConfig;
@@ -287,77 +278,25 @@ Status LengthPredictor::Save(const std::string& path) const {
       {"num_weights", weights_.size()},
       {"num_bias", bias_.size()},
   };
-  const std::string header_text = header.dump();
-  std::string bytes(kMagic, sizeof(kMagic));
-  AppendPod(bytes, kFormatVersion);
-  AppendPod(bytes, static_cast<uint64_t>(header_text.size()));
-  bytes += header_text;
-  bytes.append(reinterpret_cast<const char*>(weights_.data()), weights_.size() * sizeof(float));
-  bytes.append(reinterpret_cast<const char*>(bias_.data()), bias_.size() * sizeof(float));
-  Fnv1a64 checksum;
-  checksum.Add(bytes.data(), bytes.size());
-  AppendPod(bytes, checksum.Final());
-
-  // Written beside the target and renamed over it, so a reader never sees half a file.
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return Status::IoError("cannot write " + tmp);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    out.close();
-    if (!out) return Status::IoError("error writing " + tmp);
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) return Status::IoError("cannot rename " + tmp + " to " + path + ": " + ec.message());
-  return Status::Ok();
+  std::string payload(reinterpret_cast<const char*>(weights_.data()), weights_.size() * sizeof(float));
+  payload.append(reinterpret_cast<const char*>(bias_.data()), bias_.size() * sizeof(float));
+  return WriteFileAtomically(path, PackChecksummedFile(kMagic, kFormatVersion, header.dump(), payload));
 }
 
 Result<LengthPredictor> LengthPredictor::Load(const std::string& path) {
   auto corrupt = [&](const std::string& why) { return Status::CorruptFile(path + ": " + why); };
-  std::error_code ec;
-  const uintmax_t file_size = std::filesystem::file_size(path, ec);
-  if (ec) {
-    return std::filesystem::exists(path) ? Status::IoError("cannot stat " + path + ": " + ec.message())
-                                         : Status::NotFound("no length predictor file " + path);
-  }
   using C = LengthPredictorConfig;
-  const uint64_t max_file_bytes = kPreambleBytes + kMaxHeaderBytes + sizeof(uint64_t) +
-                                  sizeof(float) * ((uint64_t{1} << C::kMaxHashBits) + kNumLengthBins + 1) *
-                                      static_cast<uint64_t>(C::kMaxBuckets);
-  if (file_size < kPreambleBytes) return corrupt("too short to be a length predictor");
-  if (file_size > max_file_bytes) return corrupt("larger than any length predictor can be");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::IoError("cannot open " + path);
-  std::string bytes(static_cast<size_t>(file_size), '\0');
-  if (!in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()))) return Status::IoError("cannot read " + path);
-
-  if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) return corrupt("not a length predictor (bad magic)");
-  uint32_t version = 0;
-  uint64_t header_len = 0;
-  std::memcpy(&version, bytes.data() + sizeof(kMagic), sizeof(version));
-  std::memcpy(&header_len, bytes.data() + sizeof(kMagic) + sizeof(version), sizeof(header_len));
-  if (version != kFormatVersion) {
-    return corrupt("format version " + std::to_string(version) + ", this build reads " +
-                   std::to_string(kFormatVersion));
-  }
-  if (header_len > kMaxHeaderBytes || header_len > file_size - kPreambleBytes) {
-    return corrupt("header length " + std::to_string(header_len) + " runs past the end of the file");
-  }
-  if (file_size < kPreambleBytes + header_len + sizeof(uint64_t)) return corrupt("truncated (no checksum)");
-  const size_t checked_len = static_cast<size_t>(file_size) - sizeof(uint64_t);
-  uint64_t stored_checksum = 0;
-  std::memcpy(&stored_checksum, bytes.data() + checked_len, sizeof(stored_checksum));
-  Fnv1a64 checksum;
-  checksum.Add(bytes.data(), checked_len);
-  if (checksum.Final() != stored_checksum) return corrupt("checksum mismatch (truncated or damaged file)");
+  const uint64_t max_payload = sizeof(float) * ((uint64_t{1} << C::kMaxHashBits) + kNumLengthBins + 1) *
+                               static_cast<uint64_t>(C::kMaxBuckets);
+  KVFLOW_ASSIGN_OR_RETURN(const ChecksummedFile file,
+                          ReadChecksummedFile(path, kMagic, kFormatVersion, max_payload, "length predictor"));
 
   LengthPredictorConfig config;
   std::string fingerprint, description;
   int64_t num_updates = 0;
   uint64_t num_weights = 0, num_bias = 0;
   try {
-    const Json h = Json::parse(bytes.begin() + kPreambleBytes, bytes.begin() + kPreambleBytes + header_len);
+    const Json h = Json::parse(file.header());
     if (!h.is_object()) return corrupt("header is not a JSON object");
     if (h.value("features", "") != kFeatureScheme) {
       return corrupt("feature scheme '" + h.value("features", "") + "', this build computes '" + kFeatureScheme + "'");
@@ -398,12 +337,12 @@ Result<LengthPredictor> LengthPredictor::Load(const std::string& path) {
                    " buckets");
   }
   const uint64_t payload = (num_weights + num_bias) * sizeof(float);
-  if (kPreambleBytes + header_len + payload + sizeof(uint64_t) != file_size) {
-    return corrupt("file size " + std::to_string(file_size) + " does not match the header's weight counts");
+  if (payload != file.payload_len) {
+    return corrupt("file size " + std::to_string(file.bytes.size()) + " does not match the header's weight counts");
   }
 
   LengthPredictor predictor(config);
-  const char* p = bytes.data() + kPreambleBytes + header_len;
+  const char* p = file.payload();
   std::memcpy(predictor.weights_.data(), p, num_weights * sizeof(float));
   std::memcpy(predictor.bias_.data(), p + num_weights * sizeof(float), num_bias * sizeof(float));
   for (const auto* v : {&predictor.weights_, &predictor.bias_}) {

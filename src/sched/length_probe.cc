@@ -5,42 +5,25 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <numeric>
 #include <random>
 
 #include <nlohmann/json.hpp>
 
+#include "util/checksummed_file.h"
 #include "util/hash.h"
 
 namespace kvflow {
 namespace {
 
-static_assert(std::endian::native == std::endian::little, "the probe file is written as little-endian");
-
 using Json = nlohmann::ordered_json;
 
-constexpr char kMagic[8] = {'K', 'V', 'F', 'L', 'O', 'W', 'L', 'H'};
-constexpr size_t kPreambleBytes = sizeof(kMagic) + sizeof(uint32_t) + sizeof(uint64_t);
-constexpr uint64_t kMaxHeaderBytes = 1 << 20;
+constexpr std::string_view kMagic = "KVFLOWLH";
 // Names the input: a file made for another input must not load.
 constexpr const char* kInputScheme = "final-norm hidden state of the last prompt token, standardized/v1";
 // A dimension that never varies in training is centred, not scaled up.
 constexpr float kMinStd = 1e-6f;
 constexpr double kAdamBeta1 = 0.9, kAdamBeta2 = 0.999, kAdamEps = 1e-8;
-
-// FNV-1a over the bytes, finished by SplitMix64 (the predictor file's checksum).
-uint64_t Checksum(const char* data, size_t n) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(data[i])) * 0x100000001b3ULL;
-  return SplitMix64(h);
-}
-
-template <typename T>
-void AppendPod(std::string& out, const T& v) {
-  out.append(reinterpret_cast<const char*>(&v), sizeof(T));
-}
 
 void AppendFloats(std::string& out, const std::vector<float>& v) {
   out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
@@ -356,79 +339,30 @@ Status LengthProbe::Save(const std::string& path) const {
       {"description", description_},
       {"num_parameters", num_parameters()},
   };
-  const std::string header_text = header.dump();
-  std::string bytes(kMagic, sizeof(kMagic));
-  AppendPod(bytes, kFormatVersion);
-  AppendPod(bytes, static_cast<uint64_t>(header_text.size()));
-  bytes += header_text;
-  AppendFloats(bytes, mean_);
-  AppendFloats(bytes, stddev);
+  std::string payload;
+  AppendFloats(payload, mean_);
+  AppendFloats(payload, stddev);
   for (const Dense& d : layers_) {
-    AppendFloats(bytes, d.w);
-    AppendFloats(bytes, d.b);
+    AppendFloats(payload, d.w);
+    AppendFloats(payload, d.b);
   }
-  AppendPod(bytes, Checksum(bytes.data(), bytes.size()));
-
-  // Written beside the target and renamed over it, so a reader never sees half a file.
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return Status::IoError("cannot write " + tmp);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    out.close();
-    if (!out) return Status::IoError("error writing " + tmp);
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) return Status::IoError("cannot rename " + tmp + " to " + path + ": " + ec.message());
-  return Status::Ok();
+  return WriteFileAtomically(path, PackChecksummedFile(kMagic, kFormatVersion, header.dump(), payload));
 }
 
 Result<LengthProbe> LengthProbe::Load(const std::string& path) {
   auto corrupt = [&](const std::string& why) { return Status::CorruptFile(path + ": " + why); };
-  std::error_code ec;
-  const uintmax_t file_size = std::filesystem::file_size(path, ec);
-  if (ec) {
-    return std::filesystem::exists(path) ? Status::IoError("cannot stat " + path + ": " + ec.message())
-                                         : Status::NotFound("no length probe file " + path);
-  }
   using C = LengthProbeConfig;
   const uint64_t max_params = 2 * C::kMaxHiddenSize + (C::kMaxHiddenSize + 1) * C::kMaxHiddenUnits +
                               (C::kMaxHiddenUnits + 1) * static_cast<uint64_t>(LengthPredictorConfig::kMaxBuckets);
-  const uint64_t max_file_bytes = kPreambleBytes + kMaxHeaderBytes + sizeof(uint64_t) + sizeof(float) * max_params;
-  if (file_size < kPreambleBytes) return corrupt("too short to be a length probe");
-  if (file_size > max_file_bytes) return corrupt("larger than any length probe can be");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return Status::IoError("cannot open " + path);
-  std::string bytes(static_cast<size_t>(file_size), '\0');
-  if (!in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()))) return Status::IoError("cannot read " + path);
-
-  if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) return corrupt("not a length probe (bad magic)");
-  uint32_t version = 0;
-  uint64_t header_len = 0;
-  std::memcpy(&version, bytes.data() + sizeof(kMagic), sizeof(version));
-  std::memcpy(&header_len, bytes.data() + sizeof(kMagic) + sizeof(version), sizeof(header_len));
-  if (version != kFormatVersion) {
-    return corrupt("format version " + std::to_string(version) + ", this build reads " +
-                   std::to_string(kFormatVersion));
-  }
-  if (header_len > kMaxHeaderBytes || header_len > file_size - kPreambleBytes) {
-    return corrupt("header length " + std::to_string(header_len) + " runs past the end of the file");
-  }
-  if (file_size < kPreambleBytes + header_len + sizeof(uint64_t)) return corrupt("truncated (no checksum)");
-  const size_t checked_len = static_cast<size_t>(file_size) - sizeof(uint64_t);
-  uint64_t stored_checksum = 0;
-  std::memcpy(&stored_checksum, bytes.data() + checked_len, sizeof(stored_checksum));
-  if (Checksum(bytes.data(), checked_len) != stored_checksum) {
-    return corrupt("checksum mismatch (truncated or damaged file)");
-  }
+  KVFLOW_ASSIGN_OR_RETURN(const ChecksummedFile file,
+                          ReadChecksummedFile(path, kMagic, kFormatVersion, sizeof(float) * max_params, "length probe"));
 
   LengthProbeConfig config;
   std::string fingerprint, description;
   int64_t num_updates = 0;
   uint64_t num_params = 0;
   try {
-    const Json h = Json::parse(bytes.begin() + kPreambleBytes, bytes.begin() + kPreambleBytes + header_len);
+    const Json h = Json::parse(file.header());
     if (!h.is_object()) return corrupt("header is not a JSON object");
     if (h.value("input", "") != kInputScheme) {
       return corrupt("input '" + h.value("input", "") + "', this build reads '" + kInputScheme + "'");
@@ -468,12 +402,12 @@ Result<LengthProbe> LengthProbe::Load(const std::string& path) {
                    std::to_string(H) + ", " + std::to_string(U) + " hidden units and " + std::to_string(K) +
                    " buckets");
   }
-  if (kPreambleBytes + header_len + (2 * H + num_params) * sizeof(float) + sizeof(uint64_t) != file_size) {
-    return corrupt("file size " + std::to_string(file_size) + " does not match the header's parameter count");
+  if ((2 * H + num_params) * sizeof(float) != file.payload_len) {
+    return corrupt("file size " + std::to_string(file.bytes.size()) + " does not match the header's parameter count");
   }
 
   LengthProbe probe(config);
-  const char* p = bytes.data() + kPreambleBytes + header_len;
+  const char* p = file.payload();
   auto read = [&p](std::vector<float>& v) {
     std::memcpy(v.data(), p, v.size() * sizeof(float));
     p += v.size() * sizeof(float);
