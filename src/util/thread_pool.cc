@@ -23,14 +23,13 @@ thread_local ThreadPool* current_pool = nullptr;
 }  // namespace
 
 ThreadPool::ThreadPool(int num_threads) {
-  for (int i = 1; i < std::max(1, num_threads); ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
+  for (int i = 1; i < std::max(1, num_threads); ++i) workers_.emplace_back([this] { WorkerLoop(); });
 }
 
 ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
-    generation_.fetch_add(1, std::memory_order_release);
+    stop_.store(true);
   }
   wake_.notify_all();
   for (std::thread& t : workers_) t.join();
@@ -44,26 +43,34 @@ void ThreadPool::RunChunks() {
   }
 }
 
-void ThreadPool::WorkerLoop(int index) {
-  uint64_t seen = 0;
+void ThreadPool::WorkerLoop() {
+  uint64_t seen = 0;  // the last job this worker looked at
+  auto new_job = [&] {
+    const uint64_t j = job_.load(std::memory_order_acquire);
+    return (j & 1) != 0 && j != seen;
+  };
   for (;;) {
-    // Poll, then sleep until the generation moves.
+    // Poll, then sleep until a new job opens.
     const auto spin_until = std::chrono::steady_clock::now() + kSpinFor;
     int polls = 0;
-    while (generation_.load(std::memory_order_acquire) == seen) {
+    while (!new_job() && !stop_.load(std::memory_order_acquire)) {
       KVFLOW_CPU_RELAX();
       if (++polls % 64 == 0 && std::chrono::steady_clock::now() > spin_until) {
         std::unique_lock<std::mutex> lock(mutex_);
         sleeping_.fetch_add(1, std::memory_order_relaxed);
-        wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+        wake_.wait(lock, [&] { return new_job() || stop_.load(std::memory_order_acquire); });
         sleeping_.fetch_sub(1, std::memory_order_relaxed);
         break;
       }
     }
-    seen = generation_.load(std::memory_order_acquire);
-    if (stop_) return;
-    RunChunks();
-    if (busy_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    if (stop_.load(std::memory_order_acquire)) return;
+    seen = job_.load(std::memory_order_acquire);
+    // Enter, then check the job is still open (both sequentially consistent, against the caller's
+    // close then check of active_): either the caller sees this worker inside and waits for it, or
+    // the worker sees the job closed and touches nothing of it.
+    active_.fetch_add(1);
+    if (job_.load() == seen && (seen & 1) != 0) RunChunks();
+    if (active_.fetch_sub(1) == 1) {
       std::lock_guard<std::mutex> lock(mutex_);
       done_.notify_one();
     }
@@ -80,22 +87,23 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t, int64_
   n_ = n;
   chunk_ = chunk > 0 ? chunk : (n + size() - 1) / size();
   next_.store(0, std::memory_order_relaxed);
-  busy_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
   {
-    // Under the lock, so that a worker going to sleep cannot miss the new generation.
+    // Open the job under the lock, so that a worker going to sleep cannot miss it.
     std::lock_guard<std::mutex> lock(mutex_);
-    generation_.fetch_add(1, std::memory_order_release);
+    job_.fetch_add(1);
   }
   if (sleeping_.load(std::memory_order_relaxed) > 0) wake_.notify_all();
   RunChunks();
-  // Wait for the workers: poll briefly (they finish within microseconds of us), then sleep.
+  // Every chunk is claimed: close the job, then wait for the workers still inside it (polling
+  // briefly, as they finish within microseconds of us, then sleeping).
+  job_.fetch_add(1);
   const auto spin_until = std::chrono::steady_clock::now() + kSpinFor;
   int polls = 0;
-  while (busy_.load(std::memory_order_acquire) > 0) {
+  while (active_.load() > 0) {
     KVFLOW_CPU_RELAX();
     if (++polls % 64 == 0 && std::chrono::steady_clock::now() > spin_until) {
       std::unique_lock<std::mutex> lock(mutex_);
-      done_.wait(lock, [&] { return busy_.load(std::memory_order_acquire) == 0; });
+      done_.wait(lock, [&] { return active_.load() == 0; });
       break;
     }
   }

@@ -32,18 +32,23 @@ class ThreadPool {
   void ParallelFor(int64_t n, const std::function<void(int64_t begin, int64_t end)>& fn, int64_t chunk = 0);
 
  private:
-  void WorkerLoop(int index);
+  void WorkerLoop();
   void RunChunks();
 
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable wake_;   // workers wait here for a new job
-  std::condition_variable done_;   // the caller waits here for the last worker
-  std::atomic<uint64_t> generation_{0};
+  std::condition_variable done_;   // the caller waits here for the workers inside a job to leave
+  // Odd while a job is open to workers, even once the caller has closed it (every item claimed).
+  // A worker enters a job by counting itself in active_ and then seeing it still open; the caller
+  // waits only for the workers that entered. One that wakes too late (descheduled: more threads
+  // than cores, as when tests run side by side) finds the job closed and leaves it alone, so the
+  // caller, which runs every chunk nobody claimed, never waits for a thread that is not running.
+  std::atomic<uint64_t> job_{0};
+  std::atomic<int> active_{0};
   std::atomic<int> sleeping_{0};
-  std::atomic<int> busy_{0};  // workers still in the current job
-  bool stop_ = false;
-  // The current job.
+  std::atomic<bool> stop_{false};
+  // The current job; written only while no worker is inside one.
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
   int64_t n_ = 0;
   int64_t chunk_ = 1;
