@@ -200,6 +200,7 @@ Result<RunRecord> RunEngine(const Trace& trace, double rate, const std::string& 
     run.extra["s3"] = SupervisorJson(l);
     run.extra["s3"]["probe_predictions"] = after.s3.probe_predictions - before.s3.probe_predictions;
     run.extra["s3"]["probe_resized"] = after.s3.probe_resized - before.s3.probe_resized;
+    run.extra["s3"]["probe_released_blocks"] = after.s3.probe_released_blocks - before.s3.probe_released_blocks;
     run.extra["s3"]["probe_online_updates"] = after.s3.probe_online_updates - before.s3.probe_online_updates;
     run.extra["s3"]["probe_seconds"] = after.s3.probe_seconds - before.s3.probe_seconds;
   }

@@ -33,6 +33,7 @@ struct S3Stats {
   double update_seconds = 0;
   int64_t probe_predictions = 0;  // reservations the length probe set after a prefill
   int64_t probe_resized = 0;      // of those, reservations it changed
+  int64_t probe_released_blocks = 0;  // KV blocks given back to the pool when it shrank one
   double probe_seconds = 0;
   int64_t probe_online_updates = 0;  // online training steps of the length probe
 };

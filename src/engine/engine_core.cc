@@ -409,6 +409,8 @@ void EngineCore::UpdateFromOutput(const SchedulerOutput& sched, ExecutorOutput& 
     if (!out.final_hidden.empty() && s.seq->num_tokens() == s.seq->prompt_len && record.drafts[k].empty()) {
       const size_t H = static_cast<size_t>(out.hidden_size);
       supervisor_->OnPrefillHidden(*s.group, out.final_hidden.subspan(static_cast<size_t>(row - 1) * H, H));
+      // A shorter reservation than the one admitted gives its unwritten blocks back at once.
+      probe_released_blocks_ += scheduler_.ReleaseBeyondReservation(*s.group);
     }
     if (req->params.max_tokens == 0) {
       FinishPromptOnly(*req);
@@ -700,6 +702,7 @@ EngineStats EngineCore::stats() const {
     s.s3.update_seconds = l.update_seconds;
     s.s3.probe_predictions = l.probe_predictions;
     s.s3.probe_resized = l.probe_resized;
+    s.s3.probe_released_blocks = probe_released_blocks_;
     s.s3.probe_seconds = l.probe_seconds;
     s.s3.probe_online_updates = l.probe_online_updates;
   }

@@ -205,6 +205,7 @@ class EngineCore {
   BlockManager blocks_;
   Scheduler scheduler_;
   std::unique_ptr<LengthSupervisor> supervisor_;  // s3 only
+  int64_t probe_released_blocks_ = 0;  // EngineStats::s3.probe_released_blocks
   EngineCoreObserver* observer_ = nullptr;
   std::mt19937_64 seed_rng_;
   std::unordered_map<RequestId, std::unique_ptr<RequestState>> requests_;

@@ -75,6 +75,9 @@ void AddS3Metrics(const EngineStats& s, std::vector<SystemMetric>& out) {
              static_cast<double>(s.s3.probe_online_updates));
   AddCounter(out, "kvflow:s3_probe_resizes_total", "Reservations the hidden-state probe changed after a prefill.",
              static_cast<double>(s.s3.probe_resized));
+  AddCounter(out, "kvflow:s3_probe_released_blocks_total",
+             "KV blocks given back to the pool when the hidden-state probe shrank a reservation.",
+             static_cast<double>(s.s3.probe_released_blocks));
 }
 
 }  // namespace

@@ -433,6 +433,23 @@ Status Scheduler::CommitDrafts(const ScheduledSeq& step, int64_t accepted) {
   return blocks_.Truncate(s.id, std::max(s.num_tokens(), ReservationFor(*step.group, s)));
 }
 
+int Scheduler::ReleaseBeyondReservation(SequenceGroup& group) {
+  int released = 0;
+  for (const auto& seq : group.seqs) {
+    const SchedSequence& s = *seq;
+    if (s.status != SeqStatus::kRunning || !blocks_.Has(s.id) || blocks_.IsSwapped(s.id)) continue;
+    const int before = static_cast<int>(blocks_.BlockTable(s.id).size());
+    // Never below the tokens it holds (the next one included), so no KV and no slot of the next
+    // step is lost; Truncate refuses only cases excluded above.
+    if (!blocks_.Truncate(s.id, std::max(s.num_tokens(), ReservationFor(group, s))).ok()) continue;
+    released += before - static_cast<int>(blocks_.BlockTable(s.id).size());
+  }
+  if (released > 0) {
+    group.reserved_tokens = std::min(group.reserved_tokens, ReservationFor(group, *group.seqs.front()));
+  }
+  return released;
+}
+
 SchedSequence* Scheduler::Fork(SequenceGroup& group, const SchedSequence& parent) {
   auto child = std::make_unique<SchedSequence>(parent);
   child->id = NewSeqId();

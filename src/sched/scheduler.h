@@ -130,6 +130,12 @@ class Scheduler {
   // itself (the engine core, which checks stops token by token as it appends).
   Status CommitDrafts(const ScheduledSeq& step, int64_t accepted);
 
+  // After a policy's reservation for `group` shrank (S3's probe re-sizing it after the prefill):
+  // each running, device-resident sequence gives back the blocks past what it holds and what it
+  // now reserves. Returns the blocks freed (a block shared with a fork or the prefix cache counts,
+  // though the pool gains it only when the last holder lets go).
+  int ReleaseBeyondReservation(SequenceGroup& group);
+
   // A new sequence in `group` sharing all of `parent`'s tokens and blocks.
   SchedSequence* Fork(SequenceGroup& group, const SchedSequence& parent);
   // Marks a sequence finished and frees its blocks (the group stays until RemoveGroup).

@@ -184,6 +184,26 @@ TEST(EngineS3, LengthProbeResizesReservationsAfterThePrefill) {
   EXPECT_EQ(with.stats.s3.reservation_preemptions, 0);
   // Online, the probe learns from every request the predictor learns from.
   EXPECT_EQ(with.stats.s3.probe_online_updates, with.stats.s3.online_updates);
+  EXPECT_EQ(with.stats.s3.probe_released_blocks, 0);  // it only grew reservations
+
+  // The other way round: the predictor reserves whole outputs at admission and a probe that says
+  // "short" shrinks every reservation after the prefill. The blocks reserved past it go back to
+  // the pool at once; sequences that then outgrow the short reservation are preempted and come
+  // back with it doubled, and the outputs are still the paged engine's.
+  for (ProbeExample& e : examples) e.output_len = 1;
+  LengthProbe short_probe(pc);
+  short_probe.Train(examples);
+  short_probe.set_model_fingerprint(fingerprint);
+  ASSERT_TRUE(short_probe.Save(path).ok());
+  EvaluationOptions long_predictions;
+  long_predictions.length_prediction_override = "bucket:9";
+  const RunResult shrunk = GenerateAll(c, p, long_predictions);
+  EXPECT_EQ(shrunk.tokens, reference.tokens);
+  EXPECT_EQ(shrunk.stats.s3.probe_resized, static_cast<int64_t>(kPrompts.size()));
+  // Each request reserved prompt + 60 tokens at admission and keeps prompt + 26 (the first
+  // bucket's upper end) in blocks of 8: at least 4 blocks back from each.
+  EXPECT_GE(shrunk.stats.s3.probe_released_blocks, 4 * static_cast<int64_t>(kPrompts.size()));
+  EXPECT_GE(shrunk.stats.s3.reservation_preemptions, static_cast<int64_t>(kPrompts.size()));
 
   LengthProbe foreign(pc);
   foreign.set_model_fingerprint("llama-L30-H576-other");
