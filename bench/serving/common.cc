@@ -53,6 +53,7 @@
 #include "sched/scheduler.h"
 #include "sched/sequence_group.h"
 #include "util/alpaca.h"
+#include "util/thread_pool.h"
 
 namespace kvflow::bench::serving {
 
@@ -88,7 +89,7 @@ Json MachineJson(int num_threads) {
   const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
   return Json{{"cpu", CpuName()},
               {"hardware_threads", std::thread::hardware_concurrency()},
-              {"engine_threads", num_threads > 0 ? num_threads : static_cast<int>(std::thread::hardware_concurrency())},
+              {"engine_threads", num_threads > 0 ? num_threads : UsableCores()},
               {"omp_wait_policy", wait_policy ? wait_policy : "(unset)"}};
 }
 void WarnIfOmpSpins() {

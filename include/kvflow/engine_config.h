@@ -26,7 +26,7 @@ struct EngineConfig {
   int max_num_seqs = 64;              // sequences in one batch
   int max_num_batched_tokens = 2048;  // tokens in one batch (longer prompts are prefilled in chunks)
   int max_model_len = 0;              // prompt + output limit; 0: the model's context length
-  int num_threads = 0;                // CPU threads; 0: all cores
+  int num_threads = 0;                // CPU threads; 0: the cores this process may use
   uint64_t seed = 0;                  // seeds requests that bring no seed of their own
   // Host memory for swapped-out KV (vLLM's --swap-space), capped at the size of the device pool.
   int64_t swap_space_bytes = int64_t{4} << 30;

@@ -87,8 +87,7 @@ Result<std::unique_ptr<Backend>> MakeCpuBackend(EngineConfig& config, bool reque
           ? 0
           : static_cast<int>(std::min<int64_t>(host_blocks, layout.num_blocks)) + ResolveHostPrefixCache(config, block_bytes);
 
-  const int threads = config.num_threads > 0 ? config.num_threads
-                                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = config.num_threads > 0 ? config.num_threads : UsableCores();
   KVFLOW_ASSIGN_OR_RETURN(auto backend,
                           CpuBackend::Create(mc, std::move(weights), layout, num_host_blocks, threads, element,
                                              config.kv_offload.enabled));
@@ -159,8 +158,7 @@ Result<LlamaWeights> LoadWeightsFor(const ModelFiles& files, const EngineConfig&
   const Result<int> device = ParseDevice(config.device);
   const bool cpu = !device.ok() || device.value() < 0;
   const WeightFormat format = cpu && config.dtype == "auto" ? WeightFormat::kKeepQuantized : WeightFormat::kF32;
-  const int threads = config.num_threads > 0 ? config.num_threads
-                                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = config.num_threads > 0 ? config.num_threads : UsableCores();
   ThreadPool pool(threads);
   ScopedThreadPool use_pool(&pool);
   return LoadLlamaWeights(*files.tensors, files.config, files.gguf_rope_permuted, format, selection);

@@ -203,7 +203,7 @@ inline void AddEngineFlags(CLI::App* app, EngineConfig* config, double* swap_spa
       ->delimiter(',');
   app->add_option("--ngram-max,--prompt-lookup-max", c.speculative.ngram.max, "ngram: longest suffix looked up")->default_val(4);
   app->add_option("--ngram-min,--prompt-lookup-min", c.speculative.ngram.min, "ngram: shortest suffix looked up")->default_val(1);
-  app->add_option("--threads", c.num_threads, "CPU threads (0 = all cores)")->default_val(0);
+  app->add_option("--threads", c.num_threads, "CPU threads (0 = every core this process may use: its CPU affinity)")->default_val(0);
 }
 
 inline void ApplySwapSpace(EngineConfig* config, double swap_space_gib) {

@@ -20,6 +20,7 @@
 #include "model/rope.h"
 #include "model/tensor_parallel_shard.h"
 #include "model_parallel/step_messages.h"
+#include "util/thread_pool.h"
 
 namespace kvflow::mp {
 namespace {
@@ -733,7 +734,7 @@ void DefaultThreadsPerRank(EngineConfig& config) {
   if (config.num_threads != 0) return;
   const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
   const int ranks_here = local ? std::max(1, std::atoi(local)) : 1;
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int cores = UsableCores();
   config.num_threads = std::max(1, cores / ranks_here);
 }
 

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "util/thread_pool.h"
+
 #if defined(KVFLOW_WITH_XGRAMMAR)
 #include <dlpack/dlpack.h>
 #include <xgrammar/xgrammar.h>
@@ -218,7 +220,7 @@ Result<std::unique_ptr<GrammarCompiler>> GrammarCompiler::Create(const Tokenizer
   try {
     xgrammar::TokenizerInfo info(vocab, xgrammar::VocabType::RAW, static_cast<int>(vocab_size), stop_token_ids,
                                  /*add_prefix_space=*/false);
-    const int threads = std::max(1, std::min<int>(options.max_threads, static_cast<int>(std::thread::hardware_concurrency())));
+    const int threads = std::max(1, std::min<int>(options.max_threads, UsableCores()));
     xgrammar::GrammarCompiler compiler(info, threads, /*cache_enabled=*/true, options.cache_bytes);
     auto never = std::make_shared<std::vector<bool>>(static_cast<size_t>(vocab_size), false);
     for (int32_t t : info.GetSpecialTokenIds()) {

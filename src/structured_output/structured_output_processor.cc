@@ -6,6 +6,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "util/thread_pool.h"
+
 namespace kvflow {
 
 StructuredOutputProcessor::StructuredOutputProcessor(const Tokenizer& tokenizer, int64_t vocab_size,
@@ -127,7 +129,7 @@ void StructuredOutputProcessor::Prepare(std::span<const LogitsContext> rows) con
   // Each row has a sequence (and a matcher) of its own, and nothing is inserted meanwhile, so the
   // rows run in parallel without the lock.
   std::call_once(pool_once_, [this] {
-    pool_ = std::make_unique<ThreadPool>(static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 8u)));
+    pool_ = std::make_unique<ThreadPool>(std::clamp(UsableCores(), 1, 8));
   });
   pool_->ParallelFor(static_cast<int64_t>(work.size()), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) (void)Update(*work[i].first, *work[i].second);

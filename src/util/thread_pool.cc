@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <chrono>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define KVFLOW_CPU_RELAX() _mm_pause()
@@ -126,5 +130,17 @@ void ParallelFor(int64_t n, const std::function<void(int64_t, int64_t)>& fn, int
 }
 
 int CurrentThreads() { return current_pool ? current_pool->size() : 1; }
+
+int UsableCores() {
+#if defined(__linux__)
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  if (sched_getaffinity(0, sizeof(mask), &mask) == 0) {
+    const int cores = CPU_COUNT(&mask);
+    if (cores > 0) return cores;
+  }
+#endif
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
 
 }  // namespace kvflow

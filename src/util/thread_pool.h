@@ -76,4 +76,8 @@ void ParallelFor(int64_t n, const std::function<void(int64_t begin, int64_t end)
 // Threads of the current pool (1 without one).
 int CurrentThreads();
 
+// The cores this process may run on: its CPU affinity mask (taskset, a container's cpuset), else
+// every online core; at least 1. The default thread count everywhere.
+int UsableCores();
+
 }  // namespace kvflow

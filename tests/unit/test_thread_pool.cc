@@ -4,6 +4,7 @@
 // (tests side by side, engines in one process) still finish every loop with the right result.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <numeric>
@@ -11,6 +12,10 @@
 #include <vector>
 
 #include "util/thread_pool.h"
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 namespace kvflow {
 namespace {
@@ -89,6 +94,28 @@ TEST(ThreadPool, LoopsRunInlineWithoutAPoolOrBelowTheirMinimum) {
     EXPECT_EQ(CurrentThreads(), 1);
   }
   EXPECT_EQ(CurrentThreads(), 2);
+}
+
+TEST(ThreadPool, DefaultThreadCountFollowsTheCpuAffinity) {
+  const int cores = UsableCores();
+  EXPECT_GE(cores, 1);
+  EXPECT_LE(cores, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+#if defined(__linux__)
+  // A thread pinned to one core (as taskset or a container's cpuset would) counts one.
+  int pinned = 0;
+  std::thread([&] {
+    cpu_set_t mask;
+    ASSERT_EQ(sched_getaffinity(0, sizeof(mask), &mask), 0);
+    int first = 0;
+    while (first < CPU_SETSIZE && !CPU_ISSET(first, &mask)) ++first;
+    ASSERT_LT(first, CPU_SETSIZE);
+    CPU_ZERO(&mask);
+    CPU_SET(first, &mask);
+    ASSERT_EQ(sched_setaffinity(0, sizeof(mask), &mask), 0);
+    pinned = UsableCores();
+  }).join();
+  EXPECT_EQ(pinned, 1);
+#endif
 }
 
 }  // namespace
