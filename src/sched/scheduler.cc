@@ -430,22 +430,23 @@ Status Scheduler::CommitDrafts(const ScheduledSeq& step, int64_t accepted) {
   // the real tokens' KV. Only now may their full blocks be published.
   s.num_computed += accepted;
   blocks_.MarkComputed(s.id, s.tokens, s.num_computed);
-  return blocks_.Truncate(s.id, std::max(s.num_tokens(), ReservationFor(*step.group, s)));
+  return TrimToReservation(*step.group, s);
 }
 
-int Scheduler::ReleaseBeyondReservation(SequenceGroup& group) {
+Status Scheduler::TrimToReservation(const SequenceGroup& g, const SchedSequence& s) {
+  // Never below the tokens it holds (the next one included), so no KV and no slot of the next
+  // step is lost.
+  return blocks_.Truncate(s.id, std::max(s.num_tokens(), ReservationFor(g, s)));
+}
+
+int Scheduler::ReleaseBeyondReservation(const SequenceGroup& group) {
   int released = 0;
   for (const auto& seq : group.seqs) {
     const SchedSequence& s = *seq;
     if (s.status != SeqStatus::kRunning || !blocks_.Has(s.id) || blocks_.IsSwapped(s.id)) continue;
     const int before = static_cast<int>(blocks_.BlockTable(s.id).size());
-    // Never below the tokens it holds (the next one included), so no KV and no slot of the next
-    // step is lost; Truncate refuses only cases excluded above.
-    if (!blocks_.Truncate(s.id, std::max(s.num_tokens(), ReservationFor(group, s))).ok()) continue;
+    if (!TrimToReservation(group, s).ok()) continue;  // refused only in cases excluded above
     released += before - static_cast<int>(blocks_.BlockTable(s.id).size());
-  }
-  if (released > 0) {
-    group.reserved_tokens = std::min(group.reserved_tokens, ReservationFor(group, *group.seqs.front()));
   }
   return released;
 }

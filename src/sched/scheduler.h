@@ -134,7 +134,7 @@ class Scheduler {
   // each running, device-resident sequence gives back the blocks past what it holds and what it
   // now reserves. Returns the blocks freed (a block shared with a fork or the prefix cache counts,
   // though the pool gains it only when the last holder lets go).
-  int ReleaseBeyondReservation(SequenceGroup& group);
+  int ReleaseBeyondReservation(const SequenceGroup& group);
 
   // A new sequence in `group` sharing all of `parent`'s tokens and blocks.
   SchedSequence* Fork(SequenceGroup& group, const SchedSequence& parent);
@@ -169,6 +169,8 @@ class Scheduler {
   // Under a hard-reservation policy: whether `tokens` would take a sequence of `g` past a
   // reservation that a doubling could still enlarge.
   bool ExhaustsReservation(const SequenceGroup& g, const std::vector<int64_t>& tokens) const;
+  // Drops the blocks of `s` past both its tokens and its policy reservation.
+  Status TrimToReservation(const SequenceGroup& g, const SchedSequence& s);
   // Device blocks the group needs beyond its own to keep running after a swap-in.
   int GrowthAfterSwapIn(const SequenceGroup& g) const;
   // Splits the token budget over the group's sequences; false when not even one token fits.
